@@ -1,0 +1,163 @@
+//! Completion queues and the per-list completion hand-off.
+//!
+//! A [`CompletionQueue`] counts every completion its queue pairs generate. Completions are
+//! handed to the future that posted their list ([`PostedList`]); when that future was dropped,
+//! they land in the queue's bounded backlog, where [`CompletionQueue::poll`] finds them, as a
+//! verbs CQ would hold them.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::sync::oneshot;
+
+use crate::fabric::device::DeviceInner;
+use crate::fabric::types::WorkCompletion;
+
+/// The shared part of a completion queue.
+#[derive(Debug)]
+pub(crate) struct CompletionQueueInner {
+    /// The device, kept alive by the queue.
+    _device: Arc<DeviceInner>,
+    /// Completions generated so far.
+    generated: AtomicU64,
+    /// Completions whose posting future was dropped, oldest first.
+    backlog: Mutex<VecDeque<WorkCompletion>>,
+    /// The backlog's bound.
+    capacity: usize,
+    /// Completions dropped because the backlog was full (a verbs CQ overrun).
+    overruns: AtomicU64,
+}
+
+impl CompletionQueueInner {
+    /// Records completions that nobody awaits any more.
+    pub(crate) fn push_unclaimed(&self, completions: Vec<WorkCompletion>) {
+        let mut backlog = match self.backlog.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        for completion in completions {
+            if backlog.len() >= self.capacity {
+                backlog.pop_front();
+                self.overruns.fetch_add(1, Ordering::Relaxed);
+            }
+            backlog.push_back(completion);
+        }
+    }
+
+    /// Counts one generated completion.
+    pub(crate) fn count(&self) {
+        self.generated.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A completion queue.
+#[derive(Debug, Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CompletionQueueInner>,
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(device: Arc<DeviceInner>, capacity: usize) -> Self {
+        Self {
+            inner: Arc::new(CompletionQueueInner {
+                _device: device,
+                generated: AtomicU64::new(0),
+                backlog: Mutex::new(VecDeque::new()),
+                capacity: capacity.max(1),
+                overruns: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Completions generated so far by the queue pairs on this queue.
+    pub fn completions_generated(&self) -> u64 {
+        self.inner.generated.load(Ordering::Relaxed)
+    }
+
+    /// Takes up to `max` completions whose posting future was dropped.
+    pub fn poll(&self, max: usize) -> Vec<WorkCompletion> {
+        let mut backlog = match self.inner.backlog.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let take = max.min(backlog.len());
+        backlog.drain(..take).collect()
+    }
+
+    /// Completions lost because the backlog was full.
+    pub fn overruns(&self) -> u64 {
+        self.inner.overruns.load(Ordering::Relaxed)
+    }
+}
+
+/// The completions of one posted list, gathered until its last request completes.
+#[derive(Debug)]
+pub(crate) struct ListCompletion {
+    /// Completions so far.
+    completions: Mutex<Vec<WorkCompletion>>,
+    /// Where the list's completions go once the tail completes.
+    sender: Mutex<Option<oneshot::Sender<Vec<WorkCompletion>>>>,
+}
+
+impl ListCompletion {
+    pub(crate) fn new() -> (Arc<Self>, PostedList) {
+        let (sender, receiver) = oneshot::channel();
+        (
+            Arc::new(Self {
+                completions: Mutex::new(Vec::new()),
+                sender: Mutex::new(Some(sender)),
+            }),
+            PostedList { receiver },
+        )
+    }
+
+    /// Adds one completion; when it is the list's tail, hands the list to its future, or to the
+    /// queue's backlog when the future is gone.
+    pub(crate) fn add(&self, completion: WorkCompletion, is_tail: bool, queue: &CompletionQueueInner) {
+        let mut completions = match self.completions.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        completions.push(completion);
+        if !is_tail {
+            return;
+        }
+        let gathered = std::mem::take(&mut *completions);
+        drop(completions);
+        let sender = match self.sender.lock() {
+            Ok(mut guard) => guard.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(sender) = sender {
+            if let Err(unclaimed) = sender.send(gathered) {
+                queue.push_unclaimed(unclaimed);
+            }
+        }
+    }
+}
+
+/// The future of a posted list: resolves, with the list's completions, when its last request
+/// completes. Only signaled requests and failed or flushed ones produce completions.
+///
+/// Dropping it is safe at any time: the buffers its requests use stay referenced until their
+/// completions are polled by the NIC side, and the completions go to the completion queue.
+#[derive(Debug)]
+pub struct PostedList {
+    receiver: oneshot::Receiver<Vec<WorkCompletion>>,
+}
+
+impl Future for PostedList {
+    type Output = Vec<WorkCompletion>;
+
+    fn poll(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
+        // The sender is dropped without sending only if the queue pair vanished mid-flight,
+        // which teardown prevents (it flushes first); report no completions rather than panic.
+        Pin::new(&mut self.receiver)
+            .poll(context)
+            .map(|result| result.unwrap_or_default())
+    }
+}

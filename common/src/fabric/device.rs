@@ -1,0 +1,252 @@
+//! The NIC: [`Device`] owns the memory protection table, the queue pair table, the gauges and,
+//! for the soft backend, the listener whose engine threads serve remote requests.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use dashmap::DashMap;
+
+use crate::error::Result;
+use crate::fabric::completion::CompletionQueue;
+use crate::fabric::protection::{ProtectionDomain, ProtectionTable};
+use crate::fabric::queue_pair::QueuePairShared;
+use crate::fabric::soft::SoftListener;
+use crate::fabric::types::{Backend, QueuePairState};
+use crate::memory::pinned_bytes;
+
+/// Limits of one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// The largest READ or WRITE, in bytes. Longer requests complete IBV_WC_LOC_LEN_ERR.
+    pub max_message_size: u32,
+    /// How long the oldest outstanding request may wait for its response before it completes
+    /// IBV_WC_RETRY_EXC_ERR (the product of a real NIC's timeout and retry count).
+    pub retry_timeout: Duration,
+}
+
+/// The default maximum message size: 1 MiB.
+pub const DEFAULT_MAX_MESSAGE_SIZE: u32 = 1 << 20;
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self {
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            retry_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Live gauges of one device.
+#[derive(Debug, Default)]
+pub struct FabricGauges {
+    /// Registered memory regions alive now.
+    pub(crate) live_memory_regions: AtomicI64,
+    /// Allocated memory windows alive now.
+    pub(crate) live_memory_windows: AtomicI64,
+    /// Bytes covered by live memory regions.
+    pub(crate) registered_bytes: AtomicI64,
+    /// Queue pairs per state, indexed by [`QueuePairState::index`].
+    pub(crate) queue_pairs: [AtomicI64; 5],
+}
+
+/// A copy of a device's gauges at one instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GaugeSnapshot {
+    /// Registered memory regions alive now.
+    pub live_memory_regions: i64,
+    /// Allocated memory windows alive now.
+    pub live_memory_windows: i64,
+    /// Bytes covered by live memory regions.
+    pub registered_bytes: i64,
+    /// Bytes pinned by this process (all devices).
+    pub pinned_bytes: u64,
+    /// Queue pairs per state, indexed by [`QueuePairState::index`].
+    pub queue_pairs: [i64; 5],
+}
+
+impl GaugeSnapshot {
+    /// Queue pairs in `state`.
+    pub fn queue_pairs_in(&self, state: QueuePairState) -> i64 {
+        self.queue_pairs[state.index()]
+    }
+}
+
+impl FabricGauges {
+    /// Moves one queue pair from `from` (if any) to `to` (if any).
+    pub(crate) fn move_queue_pair(&self, from: Option<QueuePairState>, to: Option<QueuePairState>) {
+        if let Some(from) = from {
+            self.queue_pairs[from.index()].fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(to) = to {
+            self.queue_pairs[to.index()].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The shared state of a device; every fabric object holds an `Arc` of it, directly or through
+/// its parent.
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    /// Random per instance: tells endpoints of different devices apart.
+    pub(crate) id: u64,
+    /// Which backend this device is.
+    pub(crate) backend: Backend,
+    /// Limits.
+    pub(crate) config: DeviceConfig,
+    /// Memory protection table: key → region or window.
+    pub(crate) table: ProtectionTable,
+    /// Queue pairs by number, so an incoming soft connection or loopback peer can find its QP.
+    pub(crate) queue_pairs: DashMap<u32, Weak<QueuePairShared>>,
+    /// Gauges.
+    pub(crate) gauges: FabricGauges,
+    /// The next protection domain id.
+    next_protection_domain: AtomicU32,
+    /// The next queue pair number.
+    next_qp_number: AtomicU32,
+    /// The soft backend's listener (absent for loopback and for a soft device that only dials).
+    pub(crate) soft_listener: OnceLock<SoftListener>,
+}
+
+impl DeviceInner {
+    pub(crate) fn allocate_protection_domain_id(&self) -> u32 {
+        self.next_protection_domain.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn allocate_qp_number(&self) -> u32 {
+        self.next_qp_number.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The queue pair with this number, if it is alive.
+    pub(crate) fn queue_pair(&self, qp_number: u32) -> Option<Arc<QueuePairShared>> {
+        self.queue_pairs.get(&qp_number)?.upgrade()
+    }
+}
+
+/// Process-wide registry of loopback devices, so a loopback endpoint can name its device.
+fn loopback_devices() -> &'static DashMap<u64, Weak<DeviceInner>> {
+    static DEVICES: OnceLock<DashMap<u64, Weak<DeviceInner>>> = OnceLock::new();
+    DEVICES.get_or_init(DashMap::new)
+}
+
+/// Finds a live loopback device by id.
+pub(crate) fn find_loopback_device(id: u64) -> Option<Arc<DeviceInner>> {
+    loopback_devices().get(&id)?.upgrade()
+}
+
+/// A random-enough 64-bit id from the clock, the process id and a counter.
+fn random_id() -> u64 {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut mixed = nanos ^ (u64::from(std::process::id()) << 32)
+        ^ u64::from(COUNTER.fetch_add(1, Ordering::Relaxed)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // splitmix64 finaliser
+    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    mixed ^ (mixed >> 31)
+}
+
+/// A NIC of one backend. Cheap to clone; every child object keeps it alive.
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl Device {
+    fn new(backend: Backend, config: DeviceConfig) -> Self {
+        let id = random_id();
+        let inner = Arc::new(DeviceInner {
+            id,
+            backend,
+            config,
+            table: ProtectionTable::new((id as u32) | 1),
+            queue_pairs: DashMap::new(),
+            gauges: FabricGauges::default(),
+            next_protection_domain: AtomicU32::new(1),
+            next_qp_number: AtomicU32::new(((id >> 40) as u32 & 0xFFFF) | 0x10),
+            soft_listener: OnceLock::new(),
+        });
+        Self { inner }
+    }
+
+    /// An in-process device: queue pairs connect only to loopback queue pairs of this process.
+    pub fn loopback(config: DeviceConfig) -> Self {
+        let device = Self::new(Backend::Loopback, config);
+        loopback_devices().insert(device.inner.id, Arc::downgrade(&device.inner));
+        device
+    }
+
+    /// A software RNIC. With `listen`, it accepts queue pair connections on that TCP address
+    /// (port 0 picks one) and its engine threads serve remote requests against its memory;
+    /// without it, its queue pairs can only dial peers that listen.
+    ///
+    /// # Errors
+    /// [`crate::Error::BindListener`] when the address cannot be bound.
+    pub fn soft(listen: Option<SocketAddr>, config: DeviceConfig) -> Result<Self> {
+        let device = Self::new(Backend::Soft, config);
+        if let Some(address) = listen {
+            let listener = SoftListener::start(address, Arc::downgrade(&device.inner))?;
+            // Freshly created: the cell is empty.
+            let _ = device.inner.soft_listener.set(listener);
+        }
+        Ok(device)
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> Backend {
+        self.inner.backend
+    }
+
+    /// The device's random id.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The limits.
+    pub fn config(&self) -> DeviceConfig {
+        self.inner.config
+    }
+
+    /// The soft NIC's listening address, if it listens.
+    pub fn listen_address(&self) -> Option<SocketAddr> {
+        self.inner.soft_listener.get().map(SoftListener::address)
+    }
+
+    /// Allocates a protection domain.
+    pub fn allocate_protection_domain(&self) -> ProtectionDomain {
+        ProtectionDomain::new(self.inner.clone())
+    }
+
+    /// Creates a completion queue that keeps at most `capacity` unclaimed completions.
+    pub fn create_completion_queue(&self, capacity: usize) -> CompletionQueue {
+        CompletionQueue::new(self.inner.clone(), capacity)
+    }
+
+    /// The gauges now.
+    pub fn gauges(&self) -> GaugeSnapshot {
+        let gauges = &self.inner.gauges;
+        let mut queue_pairs = [0i64; 5];
+        for (slot, gauge) in queue_pairs.iter_mut().zip(&gauges.queue_pairs) {
+            *slot = gauge.load(Ordering::Relaxed);
+        }
+        GaugeSnapshot {
+            live_memory_regions: gauges.live_memory_regions.load(Ordering::Relaxed),
+            live_memory_windows: gauges.live_memory_windows.load(Ordering::Relaxed),
+            registered_bytes: gauges.registered_bytes.load(Ordering::Relaxed),
+            pinned_bytes: pinned_bytes(),
+            queue_pairs,
+        }
+    }
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        if self.backend == Backend::Loopback {
+            loopback_devices().remove(&self.id);
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! The fabric: one verbs model, several backends.
+//!
+//! Objects and their parents (each child holds an `Arc` of its parent, so teardown order is
+//! structural): [`Device`] ← [`ProtectionDomain`] ← [`MemoryRegion`], [`MemoryWindow`],
+//! [`QueuePair`] (which also holds its [`CompletionQueue`]).
+//!
+//! Operations are one-sided READ, WRITE, CAS and FETCH_ADD, posted as lists
+//! ([`QueuePair::post`]) whose future resolves when the list's last (signaled) request
+//! completes. Completions carry ibverbs statuses ([`WorkCompletionStatus`]).
+//!
+//! Backends: `soft` ([`Device::soft`], a user-space RNIC over TCP) and `loopback`
+//! ([`Device::loopback`], the same model in one process). Both run the same responder engine
+//! and the same requester bookkeeping; only the transport differs. `docs/fabric.md` describes
+//! the model, the wire format and when each status arises.
+//!
+//! # Thread safety
+//! Every object is `Send + Sync`. Shared mutable state sits behind `Mutex`, `RwLock`, atomics
+//! or `DashMap`; registered memory is only touched through atomics (see [`crate::memory`]). No
+//! lock is held across an `.await`.
+
+mod completion;
+mod device;
+mod engine;
+mod protection;
+mod queue_pair;
+mod soft;
+mod types;
+mod wire;
+
+pub use completion::{CompletionQueue, PostedList};
+pub use device::{Device, DeviceConfig, GaugeSnapshot, DEFAULT_MAX_MESSAGE_SIZE};
+pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
+pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
+pub use types::{
+    AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,
+    RemoteSegment, WorkCompletion, WorkCompletionStatus, WorkRequest,
+};
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it (the state it guards is
+/// kept consistent at every unlock point).
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

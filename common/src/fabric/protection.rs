@@ -1,0 +1,512 @@
+//! Protection: the memory protection table keyed by lkey/rkey, protection domains, memory
+//! regions and type-2 memory windows, and the key checks a NIC makes.
+//!
+//! A memory region's key serves as both its lkey and its rkey (as on rxe). A memory window's key
+//! is an rkey only, valid on the one queue pair it is bound to. Every entry holds an `Arc` of
+//! the pinned memory it covers, so memory named by a live key is never unmapped.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use dashmap::DashMap;
+
+use crate::error::{Error, Result};
+use crate::fabric::device::DeviceInner;
+use crate::fabric::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
+use crate::memory::PinnedMemory;
+
+/// One key's entry: the memory it covers and the rights it grants.
+#[derive(Debug)]
+pub(crate) struct ProtectionEntry {
+    /// The protection domain the key belongs to.
+    pub(crate) protection_domain: u32,
+    /// The pinned block under the range; kept alive by the entry.
+    pub(crate) memory: Arc<PinnedMemory>,
+    /// Virtual address of the first covered byte.
+    pub(crate) address: u64,
+    /// Covered length.
+    pub(crate) length: u64,
+    /// Rights granted.
+    pub(crate) access: AccessFlags,
+    /// For a memory window: the queue pair it is bound to.
+    pub(crate) bound_qp: Option<u32>,
+}
+
+impl ProtectionEntry {
+    /// The offset into `memory` of `address`, if [address, address+length) is covered.
+    pub(crate) fn memory_offset(&self, address: u64, length: u64) -> Option<u64> {
+        let end = address.checked_add(length)?;
+        if address < self.address || end > self.address + self.length {
+            return None;
+        }
+        Some(address - self.memory.base_address())
+    }
+}
+
+/// A resolved local buffer: the entry (which keeps the memory alive) and the offset into it.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalTarget {
+    /// The region's entry.
+    pub(crate) entry: Arc<ProtectionEntry>,
+    /// Offset of the buffer inside `entry.memory`.
+    pub(crate) memory_offset: u64,
+    /// Buffer length.
+    pub(crate) length: u32,
+}
+
+/// The memory protection table of one device.
+#[derive(Debug)]
+pub(crate) struct ProtectionTable {
+    /// Live keys.
+    entries: DashMap<u32, Arc<ProtectionEntry>>,
+    /// The next key; keys are never reused while the counter does not wrap.
+    next_key: AtomicU32,
+}
+
+impl ProtectionTable {
+    pub(crate) fn new(first_key: u32) -> Self {
+        Self {
+            entries: DashMap::new(),
+            next_key: AtomicU32::new(first_key.max(1)),
+        }
+    }
+
+    fn insert(&self, entry: ProtectionEntry) -> u32 {
+        loop {
+            let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+            if key == 0 || self.entries.contains_key(&key) {
+                continue;
+            }
+            self.entries.insert(key, Arc::new(entry));
+            return key;
+        }
+    }
+
+    fn remove(&self, key: u32) {
+        self.entries.remove(&key);
+    }
+
+    pub(crate) fn lookup(&self, key: u32) -> Option<Arc<ProtectionEntry>> {
+        self.entries.get(&key).map(|entry| entry.clone())
+    }
+
+    /// The requester's check of a local buffer: lkey valid, same PD, a region (not a window),
+    /// in range, and LOCAL_WRITE when the NIC writes into it.
+    pub(crate) fn check_local(
+        &self,
+        protection_domain: u32,
+        segment: &LocalSegment,
+        opcode: Opcode,
+        max_message_size: u32,
+    ) -> std::result::Result<Option<LocalTarget>, WorkCompletionStatus> {
+        if opcode.is_atomic() && segment.length != 8 {
+            return Err(WorkCompletionStatus::LocalLengthError);
+        }
+        if segment.length > max_message_size {
+            return Err(WorkCompletionStatus::LocalLengthError);
+        }
+        if segment.length == 0 {
+            return Ok(None);
+        }
+        let entry = self
+            .lookup(segment.local_key)
+            .ok_or(WorkCompletionStatus::LocalProtectionError)?;
+        if entry.protection_domain != protection_domain || entry.bound_qp.is_some() {
+            return Err(WorkCompletionStatus::LocalProtectionError);
+        }
+        if opcode.writes_local_buffer() && !entry.access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(WorkCompletionStatus::LocalProtectionError);
+        }
+        let memory_offset = entry
+            .memory_offset(segment.address, u64::from(segment.length))
+            .ok_or(WorkCompletionStatus::LocalProtectionError)?;
+        Ok(Some(LocalTarget {
+            entry,
+            memory_offset,
+            length: segment.length,
+        }))
+    }
+
+    /// The responder's check of a remote access: rkey valid, same PD, bound to this QP when it
+    /// is a window, the right for the opcode, in range, and 8-byte alignment for atomics.
+    /// Returns the entry and the offset into its memory.
+    pub(crate) fn check_remote(
+        &self,
+        protection_domain: u32,
+        qp_number: u32,
+        remote_key: u32,
+        address: u64,
+        length: u64,
+        opcode: Opcode,
+    ) -> std::result::Result<(Arc<ProtectionEntry>, u64), WorkCompletionStatus> {
+        let entry = self
+            .lookup(remote_key)
+            .ok_or(WorkCompletionStatus::RemoteAccessError)?;
+        if entry.protection_domain != protection_domain {
+            return Err(WorkCompletionStatus::RemoteAccessError);
+        }
+        if entry.bound_qp.is_some_and(|bound| bound != qp_number) {
+            return Err(WorkCompletionStatus::RemoteAccessError);
+        }
+        if !entry.access.contains(opcode.required_remote_access()) {
+            return Err(WorkCompletionStatus::RemoteAccessError);
+        }
+        let offset = entry
+            .memory_offset(address, length)
+            .ok_or(WorkCompletionStatus::RemoteAccessError)?;
+        if opcode.is_atomic() && address % 8 != 0 {
+            return Err(WorkCompletionStatus::RemoteInvalidRequestError);
+        }
+        Ok((entry, offset))
+    }
+}
+
+/// The shared part of a protection domain.
+#[derive(Debug)]
+pub(crate) struct ProtectionDomainInner {
+    /// The device; kept alive by the domain.
+    pub(crate) device: Arc<DeviceInner>,
+    /// The domain's id within the device.
+    pub(crate) id: u32,
+}
+
+/// A protection domain: regions, windows and queue pairs of one domain may be used together.
+#[derive(Debug, Clone)]
+pub struct ProtectionDomain {
+    pub(crate) inner: Arc<ProtectionDomainInner>,
+}
+
+impl ProtectionDomain {
+    pub(crate) fn new(device: Arc<DeviceInner>) -> Self {
+        let id = device.allocate_protection_domain_id();
+        Self {
+            inner: Arc::new(ProtectionDomainInner { device, id }),
+        }
+    }
+
+    /// Registers `length` bytes of `memory` from `offset` with `access`. Registering the same
+    /// memory twice gives two independent keys.
+    ///
+    /// # Errors
+    /// [`Error::RangeOutsideParent`] when the range leaves the block.
+    pub fn register(
+        &self,
+        memory: &Arc<PinnedMemory>,
+        offset: u64,
+        length: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        let address = memory.base_address() + offset;
+        if offset.checked_add(length).is_none_or(|end| end > memory.len()) || length == 0 {
+            return Err(Error::RangeOutsideParent {
+                address,
+                length,
+                parent_address: memory.base_address(),
+                parent_length: memory.len(),
+            });
+        }
+        let device = &self.inner.device;
+        let key = device.table.insert(ProtectionEntry {
+            protection_domain: self.inner.id,
+            memory: memory.clone(),
+            address,
+            length,
+            access,
+            bound_qp: None,
+        });
+        device
+            .gauges
+            .live_memory_regions
+            .fetch_add(1, Ordering::Relaxed);
+        device
+            .gauges
+            .registered_bytes
+            .fetch_add(length as i64, Ordering::Relaxed);
+        tracing::debug!(
+            local_key = key,
+            remote_key = key,
+            address,
+            length,
+            ?access,
+            "registered memory region"
+        );
+        Ok(MemoryRegion {
+            inner: Arc::new(MemoryRegionInner {
+                protection_domain: self.clone(),
+                key,
+                memory: memory.clone(),
+                offset,
+                address,
+                length,
+                access,
+            }),
+        })
+    }
+
+    /// Registers the whole block.
+    ///
+    /// # Errors
+    /// As [`ProtectionDomain::register`].
+    pub fn register_all(&self, memory: &Arc<PinnedMemory>, access: AccessFlags) -> Result<MemoryRegion> {
+        self.register(memory, 0, memory.len(), access)
+    }
+
+    /// Allocates an unbound type-2 memory window; bind it with
+    /// [`crate::fabric::QueuePair::bind_memory_window`].
+    pub fn allocate_memory_window(&self) -> MemoryWindow {
+        self.inner
+            .device
+            .gauges
+            .live_memory_windows
+            .fetch_add(1, Ordering::Relaxed);
+        MemoryWindow {
+            protection_domain: self.clone(),
+            key: Mutex::new(None),
+        }
+    }
+
+    /// The domain's id within its device.
+    pub fn id(&self) -> u32 {
+        self.inner.id
+    }
+
+    pub(crate) fn same_as(&self, other: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// The shared part of a memory region; dropping the last handle deregisters it.
+#[derive(Debug)]
+struct MemoryRegionInner {
+    /// The parent domain, kept alive by the region.
+    protection_domain: ProtectionDomain,
+    /// lkey and rkey.
+    key: u32,
+    /// The pinned block.
+    memory: Arc<PinnedMemory>,
+    /// Offset of the region inside the block.
+    offset: u64,
+    /// Virtual address of the first byte.
+    address: u64,
+    /// Length.
+    length: u64,
+    /// Rights.
+    access: AccessFlags,
+}
+
+impl Drop for MemoryRegionInner {
+    fn drop(&mut self) {
+        let device = &self.protection_domain.inner.device;
+        device.table.remove(self.key);
+        device
+            .gauges
+            .live_memory_regions
+            .fetch_sub(1, Ordering::Relaxed);
+        device
+            .gauges
+            .registered_bytes
+            .fetch_sub(self.length as i64, Ordering::Relaxed);
+        tracing::debug!(key = self.key, "deregistered memory region");
+    }
+}
+
+/// A registered memory region. Clones share one registration; the last drop deregisters it,
+/// after which its key fails with REM_ACCESS_ERR (remote) or LOC_PROT_ERR (local).
+#[derive(Debug, Clone)]
+pub struct MemoryRegion {
+    inner: Arc<MemoryRegionInner>,
+}
+
+impl MemoryRegion {
+    /// The local key.
+    pub fn local_key(&self) -> u32 {
+        self.inner.key
+    }
+
+    /// The remote key with the range it covers.
+    pub fn remote_key(&self) -> RemoteKey {
+        RemoteKey {
+            key: self.inner.key,
+            address: self.inner.address,
+            length: self.inner.length,
+        }
+    }
+
+    /// Virtual address of the first byte.
+    pub fn address(&self) -> u64 {
+        self.inner.address
+    }
+
+    /// Length in bytes.
+    pub fn length(&self) -> u64 {
+        self.inner.length
+    }
+
+    /// Access rights.
+    pub fn access(&self) -> AccessFlags {
+        self.inner.access
+    }
+
+    /// The domain.
+    pub fn protection_domain(&self) -> &ProtectionDomain {
+        &self.inner.protection_domain
+    }
+
+    /// The pinned block under the region.
+    pub fn memory(&self) -> &Arc<PinnedMemory> {
+        &self.inner.memory
+    }
+
+    /// A local segment of `length` bytes at `offset` into the region (not range-checked here:
+    /// the NIC checks it and fails the request with LOC_PROT_ERR).
+    pub fn segment(&self, offset: u64, length: u32) -> LocalSegment {
+        LocalSegment {
+            address: self.inner.address + offset,
+            length,
+            local_key: self.inner.key,
+        }
+    }
+
+    /// Copies bytes out of the region, starting `offset` bytes in.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the region.
+    pub fn read(&self, offset: u64, destination: &mut [u8]) -> Result<()> {
+        self.check(offset, destination.len() as u64)?;
+        self.inner.memory.read_into(self.inner.offset + offset, destination)
+    }
+
+    /// Copies bytes into the region, starting `offset` bytes in.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the region.
+    pub fn write(&self, offset: u64, source: &[u8]) -> Result<()> {
+        self.check(offset, source.len() as u64)?;
+        self.inner.memory.write_from(self.inner.offset + offset, source)
+    }
+
+    /// Loads the aligned word `offset` bytes in.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn load_u64(&self, offset: u64) -> Result<u64> {
+        self.check(offset, 8)?;
+        self.inner.memory.load_u64(self.inner.offset + offset)
+    }
+
+    fn check(&self, offset: u64, length: u64) -> Result<()> {
+        match offset.checked_add(length) {
+            Some(end) if end <= self.inner.length => Ok(()),
+            _ => Err(Error::MemoryOutOfBounds {
+                offset,
+                length,
+                size: self.inner.length,
+            }),
+        }
+    }
+}
+
+/// A type-2 memory window. Bound to one queue pair, its rkey is valid only on that queue pair;
+/// invalidating or dropping it revokes the rkey at once.
+#[derive(Debug)]
+pub struct MemoryWindow {
+    /// The parent domain.
+    protection_domain: ProtectionDomain,
+    /// The rkey of the current binding, if bound.
+    key: Mutex<Option<u32>>,
+}
+
+impl MemoryWindow {
+    /// The domain.
+    pub fn protection_domain(&self) -> &ProtectionDomain {
+        &self.protection_domain
+    }
+
+    /// Binds the window (replacing any earlier binding, whose key dies) and returns the new key.
+    pub(crate) fn bind(
+        &self,
+        region: &MemoryRegion,
+        address: u64,
+        length: u64,
+        access: AccessFlags,
+        qp_number: u32,
+    ) -> Result<RemoteKey> {
+        let parent = region.remote_key();
+        if address < parent.address
+            || address
+                .checked_add(length)
+                .is_none_or(|end| end > parent.address + parent.length)
+        {
+            return Err(Error::RangeOutsideParent {
+                address,
+                length,
+                parent_address: parent.address,
+                parent_length: parent.length,
+            });
+        }
+        if !region.access().contains(AccessFlags::MW_BIND) {
+            return Err(Error::ObjectMismatch {
+                reason: format!(
+                    "memory region {} was not registered with MW_BIND",
+                    region.local_key()
+                ),
+            });
+        }
+        let granted = access & (AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC);
+        let device = &self.protection_domain.inner.device;
+        let key = device.table.insert(ProtectionEntry {
+            protection_domain: self.protection_domain.inner.id,
+            memory: region.memory().clone(),
+            address,
+            length,
+            access: granted,
+            bound_qp: Some(qp_number),
+        });
+        let previous = self
+            .key
+            .lock()
+            .map(|mut slot| slot.replace(key))
+            .unwrap_or_else(|poisoned| poisoned.into_inner().replace(key));
+        if let Some(previous) = previous {
+            device.table.remove(previous);
+        }
+        tracing::debug!(remote_key = key, address, length, qp_number, "bound memory window");
+        Ok(RemoteKey {
+            key,
+            address,
+            length,
+        })
+    }
+
+    /// Revokes the current binding, if any: its rkey fails from now on.
+    pub fn invalidate(&self) {
+        let previous = match self.key.lock() {
+            Ok(mut slot) => slot.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(key) = previous {
+            self.protection_domain.inner.device.table.remove(key);
+            tracing::debug!(remote_key = key, "invalidated memory window");
+        }
+    }
+
+    /// The current rkey, if bound.
+    pub fn remote_key(&self) -> Option<u32> {
+        match self.key.lock() {
+            Ok(slot) => *slot,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+}
+
+impl Drop for MemoryWindow {
+    fn drop(&mut self) {
+        self.invalidate();
+        self.protection_domain
+            .inner
+            .device
+            .gauges
+            .live_memory_windows
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}

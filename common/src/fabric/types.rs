@@ -1,0 +1,329 @@
+//! The plain data of the verbs model: access flags, opcodes, work requests, work completions,
+//! statuses, queue pair states and endpoints.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+bitflags::bitflags! {
+    /// Access rights of a memory region or window, as `ibv_access_flags`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+    pub struct AccessFlags: u32 {
+        /// The local NIC may write into the memory (READ destinations, atomic results).
+        const LOCAL_WRITE = 1;
+        /// Remote peers may WRITE.
+        const REMOTE_WRITE = 1 << 1;
+        /// Remote peers may READ.
+        const REMOTE_READ = 1 << 2;
+        /// Remote peers may CAS and FETCH_ADD.
+        const REMOTE_ATOMIC = 1 << 3;
+        /// Memory windows may be bound over this region.
+        const MW_BIND = 1 << 4;
+    }
+}
+
+/// Which implementation of the verbs model an object belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The software RNIC over TCP.
+    Soft,
+    /// The in-process model with no network.
+    Loopback,
+}
+
+/// A one-sided operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// RDMA READ: remote bytes into the local buffer.
+    Read = 0,
+    /// RDMA WRITE: local bytes into remote memory.
+    Write = 1,
+    /// 8-byte compare-and-swap; the original value lands in the local buffer.
+    CompareAndSwap = 2,
+    /// 8-byte fetch-and-add; the original value lands in the local buffer.
+    FetchAndAdd = 3,
+}
+
+impl Opcode {
+    /// Decodes a wire opcode.
+    pub fn from_wire(byte: u8) -> Option<Self> {
+        match byte {
+            0 => Some(Self::Read),
+            1 => Some(Self::Write),
+            2 => Some(Self::CompareAndSwap),
+            3 => Some(Self::FetchAndAdd),
+            _ => None,
+        }
+    }
+
+    /// Whether the opcode is an 8-byte atomic.
+    pub fn is_atomic(self) -> bool {
+        matches!(self, Self::CompareAndSwap | Self::FetchAndAdd)
+    }
+
+    /// The remote access right the responder requires.
+    pub fn required_remote_access(self) -> AccessFlags {
+        match self {
+            Self::Read => AccessFlags::REMOTE_READ,
+            Self::Write => AccessFlags::REMOTE_WRITE,
+            Self::CompareAndSwap | Self::FetchAndAdd => AccessFlags::REMOTE_ATOMIC,
+        }
+    }
+
+    /// Whether the local buffer is written by the local NIC (and so needs LOCAL_WRITE).
+    pub fn writes_local_buffer(self) -> bool {
+        !matches!(self, Self::Write)
+    }
+}
+
+/// A scatter/gather element: a local buffer inside a registered memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalSegment {
+    /// Virtual address of the first byte.
+    pub address: u64,
+    /// Length in bytes.
+    pub length: u32,
+    /// The local key of the memory region holding the buffer.
+    pub local_key: u32,
+}
+
+/// The remote side of a one-sided operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteSegment {
+    /// Remote virtual address.
+    pub address: u64,
+    /// The remote key of the region or window.
+    pub remote_key: u32,
+}
+
+/// One work request of a posted list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkRequest {
+    /// The caller's id, echoed in the completion.
+    pub id: u64,
+    /// What to do.
+    pub opcode: Opcode,
+    /// The local buffer (data source for WRITE, destination otherwise; 8 bytes for atomics).
+    pub local: LocalSegment,
+    /// The remote memory.
+    pub remote: RemoteSegment,
+    /// CAS: the expected value.
+    pub compare: u64,
+    /// CAS: the new value; FETCH_ADD: the addend.
+    pub swap_or_add: u64,
+    /// Whether a successful completion is reported.
+    pub signaled: bool,
+}
+
+impl WorkRequest {
+    /// An RDMA READ of `local.length` bytes.
+    pub fn read(id: u64, local: LocalSegment, remote: RemoteSegment) -> Self {
+        Self::new(id, Opcode::Read, local, remote, 0, 0)
+    }
+
+    /// An RDMA WRITE of `local.length` bytes.
+    pub fn write(id: u64, local: LocalSegment, remote: RemoteSegment) -> Self {
+        Self::new(id, Opcode::Write, local, remote, 0, 0)
+    }
+
+    /// A compare-and-swap; `local` must be 8 bytes.
+    pub fn compare_and_swap(
+        id: u64,
+        local: LocalSegment,
+        remote: RemoteSegment,
+        compare: u64,
+        swap: u64,
+    ) -> Self {
+        Self::new(id, Opcode::CompareAndSwap, local, remote, compare, swap)
+    }
+
+    /// A fetch-and-add; `local` must be 8 bytes.
+    pub fn fetch_and_add(id: u64, local: LocalSegment, remote: RemoteSegment, add: u64) -> Self {
+        Self::new(id, Opcode::FetchAndAdd, local, remote, 0, add)
+    }
+
+    fn new(
+        id: u64,
+        opcode: Opcode,
+        local: LocalSegment,
+        remote: RemoteSegment,
+        compare: u64,
+        swap_or_add: u64,
+    ) -> Self {
+        Self {
+            id,
+            opcode,
+            local,
+            remote,
+            compare,
+            swap_or_add,
+            signaled: true,
+        }
+    }
+
+    /// The same request, signaled or not.
+    pub fn with_signaled(mut self, signaled: bool) -> Self {
+        self.signaled = signaled;
+        self
+    }
+}
+
+/// The ibverbs work-completion statuses rdkv distinguishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum WorkCompletionStatus {
+    /// IBV_WC_SUCCESS.
+    Success = 0,
+    /// IBV_WC_LOC_LEN_ERR: a local length is over the maximum message size or wrong for an
+    /// atomic.
+    LocalLengthError = 1,
+    /// IBV_WC_LOC_PROT_ERR: the local buffer is not inside a valid local memory region with the
+    /// needed rights.
+    LocalProtectionError = 2,
+    /// IBV_WC_WR_FLUSH_ERR: the queue pair was in ERROR when the request would have run.
+    WorkRequestFlushError = 3,
+    /// IBV_WC_REM_INV_REQ_ERR: the responder found the request invalid (a misaligned atomic).
+    RemoteInvalidRequestError = 4,
+    /// IBV_WC_REM_ACCESS_ERR: bad rkey, wrong PD or QP, out of range, or a missing access right.
+    RemoteAccessError = 5,
+    /// IBV_WC_REM_OP_ERR: the responder could not carry out a valid request.
+    RemoteOperationError = 6,
+    /// IBV_WC_RETRY_EXC_ERR: the responder did not answer (lost connection or timeout).
+    RetryExceededError = 7,
+}
+
+impl WorkCompletionStatus {
+    /// Decodes a wire status byte; unknown values become `RemoteOperationError`, never a panic.
+    pub fn from_wire(byte: u8) -> Self {
+        match byte {
+            0 => Self::Success,
+            1 => Self::LocalLengthError,
+            2 => Self::LocalProtectionError,
+            3 => Self::WorkRequestFlushError,
+            4 => Self::RemoteInvalidRequestError,
+            5 => Self::RemoteAccessError,
+            7 => Self::RetryExceededError,
+            _ => Self::RemoteOperationError,
+        }
+    }
+
+    /// The ibverbs name.
+    pub fn verbs_name(self) -> &'static str {
+        match self {
+            Self::Success => "IBV_WC_SUCCESS",
+            Self::LocalLengthError => "IBV_WC_LOC_LEN_ERR",
+            Self::LocalProtectionError => "IBV_WC_LOC_PROT_ERR",
+            Self::WorkRequestFlushError => "IBV_WC_WR_FLUSH_ERR",
+            Self::RemoteInvalidRequestError => "IBV_WC_REM_INV_REQ_ERR",
+            Self::RemoteAccessError => "IBV_WC_REM_ACCESS_ERR",
+            Self::RemoteOperationError => "IBV_WC_REM_OP_ERR",
+            Self::RetryExceededError => "IBV_WC_RETRY_EXC_ERR",
+        }
+    }
+
+    /// Whether a new queue pair may succeed where this one failed.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            Self::WorkRequestFlushError | Self::RetryExceededError
+        )
+    }
+}
+
+impl fmt::Display for WorkCompletionStatus {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(self.verbs_name())
+    }
+}
+
+/// One work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's id.
+    pub work_request_id: u64,
+    /// The queue pair it ran on.
+    pub qp_number: u32,
+    /// The operation.
+    pub opcode: Opcode,
+    /// How it ended.
+    pub status: WorkCompletionStatus,
+}
+
+/// The RC queue pair state machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum QueuePairState {
+    /// Just created; nothing can be posted.
+    Reset,
+    /// Initialised with a PD and access rights; not connected.
+    Init,
+    /// Ready to receive: the remote endpoint is known; the responder side serves requests.
+    ReadyToReceive,
+    /// Ready to send: requests may be posted.
+    ReadyToSend,
+    /// Failed or torn down: every outstanding and later request completes WR_FLUSH_ERR.
+    Error,
+}
+
+impl QueuePairState {
+    /// All states, in gauge order.
+    pub const ALL: [QueuePairState; 5] = [
+        Self::Reset,
+        Self::Init,
+        Self::ReadyToReceive,
+        Self::ReadyToSend,
+        Self::Error,
+    ];
+
+    /// Index into gauge arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The short verbs name (RESET, INIT, RTR, RTS, ERR).
+    pub fn verbs_name(self) -> &'static str {
+        match self {
+            Self::Reset => "RESET",
+            Self::Init => "INIT",
+            Self::ReadyToReceive => "RTR",
+            Self::ReadyToSend => "RTS",
+            Self::Error => "ERR",
+        }
+    }
+}
+
+/// What a peer needs to connect its queue pair to ours: sent over the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuePairEndpoint {
+    /// The backend of the queue pair.
+    pub backend: Backend,
+    /// The NIC's id (random per device instance).
+    pub device_id: u64,
+    /// The soft NIC's listening address, if it listens.
+    pub address: Option<SocketAddr>,
+    /// The queue pair number.
+    pub qp_number: u32,
+}
+
+/// A remote key and the range it covers: what a server hands a client for one region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteKey {
+    /// The rkey.
+    pub key: u32,
+    /// Remote virtual address of the first byte.
+    pub address: u64,
+    /// Length in bytes.
+    pub length: u64,
+}
+
+impl RemoteKey {
+    /// A remote segment at `offset` bytes into the range.
+    pub fn at(&self, offset: u64) -> RemoteSegment {
+        RemoteSegment {
+            address: self.address + offset,
+            remote_key: self.key,
+        }
+    }
+}

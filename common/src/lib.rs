@@ -1,0 +1,16 @@
+//! rdkv-common: everything the server and the client share.
+//!
+//! - [`fabric`]: the verbs model (protection domains, memory regions and windows, RC queue pairs,
+//!   completion queues) with its backends: `soft`, a user-space RNIC over TCP, and `loopback`,
+//!   the same model in one process.
+//! - [`memory`]: page-aligned, pinned memory that the fabric registers, with the memlock, RAM
+//!   and hugepage checks done before anything is pinned.
+//! - [`error`]: the crate's one error enum.
+//!
+//! `unsafe` code lives only in `fabric` and `memory`; each block carries a `// SAFETY:` argument.
+
+pub mod error;
+pub mod fabric;
+pub mod memory;
+
+pub use error::{Error, Result};

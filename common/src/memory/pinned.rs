@@ -1,0 +1,460 @@
+//! [`PinnedMemory`]: one page-aligned mapping, advised `MADV_DONTFORK`, locked with `mlock`,
+//! and accessed only through aligned 8-byte atomics.
+//!
+//! Every access, bulk copies included, is a load, store, compare-exchange or fetch-add on an
+//! aligned `AtomicU64`. Copies that start or end inside a word merge their bytes into that word
+//! with a compare-exchange loop, so no two accesses of different sizes ever overlap and a reader
+//! can never observe half of an 8-byte word that a CAS wrote.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+use crate::memory::limits::{
+    decide_available_memory, decide_hugepages, decide_memlock, raise_memlock_soft_limit,
+    read_meminfo, read_memlock_figures, HugepagePolicy, MemlockDecision, PinLimits, HUGEPAGE_SIZE,
+};
+
+/// The size of a standard page.
+const PAGE_SIZE: u64 = 4096;
+
+/// Bytes pinned by every live [`PinnedMemory`] in this process.
+static PINNED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes currently pinned by this process through [`PinnedMemory`].
+pub fn pinned_bytes() -> u64 {
+    PINNED_BYTES.load(Ordering::Relaxed)
+}
+
+/// Which pages back a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageBacking {
+    /// 2 MiB hugetlb pages (MAP_HUGETLB).
+    Hugetlb,
+    /// 4 KiB pages advised MADV_HUGEPAGE, which the kernel may back with transparent hugepages.
+    TransparentHugepages,
+    /// Plain 4 KiB pages.
+    StandardPages,
+}
+
+impl PageBacking {
+    /// A short name for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageBacking::Hugetlb => "2 MiB hugetlb pages",
+            PageBacking::TransparentHugepages => "transparent hugepages (madvise)",
+            PageBacking::StandardPages => "4 KiB pages",
+        }
+    }
+}
+
+/// A pinned, page-aligned block of memory that the fabric can register.
+#[derive(Debug)]
+pub struct PinnedMemory {
+    /// Start of the mapping; page-aligned, so every multiple of 8 from here is 8-byte aligned.
+    base: NonNull<u8>,
+    /// Length of the mapping in bytes; a multiple of the page size.
+    length: u64,
+    /// How the mapping is backed, for logs and tests.
+    backing: PageBacking,
+}
+
+// SAFETY: the mapping is owned exclusively by this value (only `Drop` unmaps it) and every
+// access goes through atomic views, so moving it to or sharing it with other threads cannot
+// create a data race; see the module docs of `memory`.
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as for `Send`: all shared access is atomic.
+unsafe impl Sync for PinnedMemory {}
+
+impl PinnedMemory {
+    /// Maps, advises and pins at least `length` bytes, after checking memlock, RAM and hugepages.
+    ///
+    /// # Errors
+    /// [`Error::MemlockLimit`], [`Error::InsufficientMemory`] or [`Error::HugepagesUnavailable`]
+    /// when a check fails (each names the fix); [`Error::MapMemory`] or [`Error::PinMemory`]
+    /// when the kernel refuses. Nothing stays mapped or locked after an error.
+    pub fn allocate(length: u64, policy: HugepagePolicy, limits: PinLimits) -> Result<Self> {
+        if length == 0 {
+            return Err(Error::InvalidMemorySize {
+                length,
+                reason: "a pinned block must hold at least one byte",
+            });
+        }
+        if length > (1 << 46) {
+            return Err(Error::InvalidMemorySize {
+                length,
+                reason: "larger than the 64 TiB a 48-bit heap offset can address",
+            });
+        }
+        let (available, free_hugepages) = read_meminfo();
+        let use_hugetlb = match policy {
+            HugepagePolicy::Require => {
+                decide_hugepages(length, free_hugepages)?;
+                true
+            }
+            HugepagePolicy::Auto => decide_hugepages(length, free_hugepages).is_ok(),
+            HugepagePolicy::Off => false,
+        };
+        let rounded = if use_hugetlb {
+            length.div_ceil(HUGEPAGE_SIZE) * HUGEPAGE_SIZE
+        } else {
+            length.div_ceil(PAGE_SIZE) * PAGE_SIZE
+        };
+        decide_available_memory(rounded, available, limits)?;
+        if decide_memlock(rounded, read_memlock_figures())? == MemlockDecision::RaiseSoftToHard {
+            raise_memlock_soft_limit().map_err(|source| Error::PinMemory {
+                operation: "raise RLIMIT_MEMLOCK soft limit to the hard limit",
+                length: rounded,
+                source,
+            })?;
+            tracing::info!("raised RLIMIT_MEMLOCK soft limit to the hard limit");
+        }
+
+        let (base, length, backing) = match Self::map(rounded, use_hugetlb) {
+            Ok(mapped) => mapped,
+            Err(error) if use_hugetlb && policy == HugepagePolicy::Auto => {
+                tracing::info!(%error, "hugetlb mapping failed; falling back to 4 KiB pages");
+                let fallback = length.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+                Self::map(fallback, false)?
+            }
+            Err(error) => return Err(error),
+        };
+        let backing = if backing == PageBacking::StandardPages
+            && policy == HugepagePolicy::Auto
+            && length >= HUGEPAGE_SIZE
+            && Self::advise(base, length, libc::MADV_HUGEPAGE).is_ok()
+        {
+            PageBacking::TransparentHugepages
+        } else {
+            backing
+        };
+        // From here on the value owns the mapping, so an error below unmaps it in `Drop`.
+        let memory = PinnedMemory {
+            base,
+            length,
+            backing,
+        };
+        Self::advise(base, length, libc::MADV_DONTFORK).map_err(|source| Error::PinMemory {
+            operation: "madvise MADV_DONTFORK",
+            length,
+            source,
+        })?;
+        // SAFETY: [base, base+length) is a live mapping owned by `memory`.
+        if unsafe { libc::mlock(base.as_ptr().cast(), length as usize) } != 0 {
+            let source = io::Error::last_os_error();
+            // Not counted in PINNED_BYTES yet: forget the lock state before Drop runs.
+            let memory = std::mem::ManuallyDrop::new(memory);
+            // SAFETY: the mapping is ours and nothing references it; it is unmapped exactly once.
+            unsafe { libc::munmap(memory.base.as_ptr().cast(), memory.length as usize) };
+            if source.raw_os_error() == Some(libc::ENOMEM) || source.raw_os_error() == Some(libc::EPERM) {
+                let figures = read_memlock_figures();
+                return Err(Error::MemlockLimit {
+                    requested_bytes: length,
+                    limit_bytes: figures.soft_limit,
+                    locked_bytes: figures.locked_bytes,
+                });
+            }
+            return Err(Error::PinMemory {
+                operation: "mlock",
+                length,
+                source,
+            });
+        }
+        PINNED_BYTES.fetch_add(length, Ordering::Relaxed);
+        tracing::info!(
+            bytes = length,
+            backing = backing.name(),
+            "pinned memory block"
+        );
+        Ok(memory)
+    }
+
+    /// Maps `length` anonymous bytes, with MAP_HUGETLB when asked.
+    fn map(length: u64, hugetlb: bool) -> Result<(NonNull<u8>, u64, PageBacking)> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        if hugetlb {
+            flags |= libc::MAP_HUGETLB | libc::MAP_HUGE_2MB;
+        }
+        // SAFETY: an anonymous mapping with a null hint touches no existing memory.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                length as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        let backing = if hugetlb {
+            PageBacking::Hugetlb
+        } else {
+            PageBacking::StandardPages
+        };
+        if address == libc::MAP_FAILED {
+            return Err(Error::MapMemory {
+                length,
+                backing: backing.name(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        let base = NonNull::new(address.cast::<u8>()).ok_or_else(|| Error::MapMemory {
+            length,
+            backing: backing.name(),
+            source: io::Error::other("mmap returned null"),
+        })?;
+        Ok((base, length, backing))
+    }
+
+    /// Applies one madvise advice to the whole mapping.
+    fn advise(base: NonNull<u8>, length: u64, advice: libc::c_int) -> io::Result<()> {
+        // SAFETY: [base, base+length) is a live mapping of ours; madvise does not move it.
+        if unsafe { libc::madvise(base.as_ptr().cast(), length as usize, advice) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// The virtual address of the first byte (what verbs calls the region's address).
+    pub fn base_address(&self) -> u64 {
+        self.base.as_ptr() as u64
+    }
+
+    /// The mapping's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.length
+    }
+
+    /// Whether the block is empty (never true: allocation refuses zero).
+    pub fn is_empty(&self) -> bool {
+        self.length == 0
+    }
+
+    /// How the block is backed.
+    pub fn backing(&self) -> PageBacking {
+        self.backing
+    }
+
+    /// Checks that [offset, offset+length) lies inside the block.
+    fn check_range(&self, offset: u64, length: u64) -> Result<()> {
+        match offset.checked_add(length) {
+            Some(end) if end <= self.length => Ok(()),
+            _ => Err(Error::MemoryOutOfBounds {
+                offset,
+                length,
+                size: self.length,
+            }),
+        }
+    }
+
+    /// The atomic word at `offset`, which must be 8-byte aligned and in range.
+    fn word(&self, offset: u64) -> &AtomicU64 {
+        debug_assert!(offset % 8 == 0 && offset + 8 <= self.length);
+        // SAFETY: offset is 8-aligned and inside the mapping (checked by every caller), the base
+        // is page-aligned, so the pointer is aligned for AtomicU64 and valid for the lifetime of
+        // `&self`; all accesses to this memory are atomic, so sharing the reference is sound.
+        unsafe { &*(self.base.as_ptr().add(offset as usize).cast::<AtomicU64>()) }
+    }
+
+    /// Checks an 8-byte atomic target.
+    fn check_atomic(&self, offset: u64) -> Result<()> {
+        self.check_range(offset, 8)?;
+        if offset % 8 != 0 {
+            return Err(Error::MisalignedAtomic { offset });
+        }
+        Ok(())
+    }
+
+    /// Copies `destination.len()` bytes starting at `offset` out of the block.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
+    pub fn read_into(&self, offset: u64, destination: &mut [u8]) -> Result<()> {
+        self.check_range(offset, destination.len() as u64)?;
+        let mut position = offset;
+        let mut written = 0usize;
+        while written < destination.len() {
+            let word_start = position & !7;
+            let within = (position - word_start) as usize;
+            let take = (8 - within).min(destination.len() - written);
+            let bytes = self.word(word_start).load(Ordering::Acquire).to_le_bytes();
+            destination[written..written + take].copy_from_slice(&bytes[within..within + take]);
+            written += take;
+            position += take as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies `source` into the block starting at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
+    pub fn write_from(&self, offset: u64, source: &[u8]) -> Result<()> {
+        self.check_range(offset, source.len() as u64)?;
+        let mut position = offset;
+        let mut read = 0usize;
+        while read < source.len() {
+            let word_start = position & !7;
+            let within = (position - word_start) as usize;
+            let take = (8 - within).min(source.len() - read);
+            let word = self.word(word_start);
+            if take == 8 {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(&source[read..read + 8]);
+                word.store(u64::from_le_bytes(bytes), Ordering::Release);
+            } else {
+                let mut current = word.load(Ordering::Acquire);
+                loop {
+                    let mut bytes = current.to_le_bytes();
+                    bytes[within..within + take].copy_from_slice(&source[read..read + take]);
+                    match word.compare_exchange_weak(
+                        current,
+                        u64::from_le_bytes(bytes),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => break,
+                        Err(observed) => current = observed,
+                    }
+                }
+            }
+            read += take;
+            position += take as u64;
+        }
+        Ok(())
+    }
+
+    /// Loads the aligned 8-byte word at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn load_u64(&self, offset: u64) -> Result<u64> {
+        self.check_atomic(offset)?;
+        Ok(self.word(offset).load(Ordering::Acquire))
+    }
+
+    /// Stores the aligned 8-byte word at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn store_u64(&self, offset: u64, value: u64) -> Result<()> {
+        self.check_atomic(offset)?;
+        self.word(offset).store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// Compares the word at `offset` with `expected` and, if equal, replaces it with `new`.
+    /// Returns the original value either way, as an RDMA CAS does.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn compare_exchange_u64(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
+        self.check_atomic(offset)?;
+        Ok(
+            match self
+                .word(offset)
+                .compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(original) | Err(original) => original,
+            },
+        )
+    }
+
+    /// Adds `addend` (wrapping) to the word at `offset` and returns the original value.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn fetch_add_u64(&self, offset: u64, addend: u64) -> Result<u64> {
+        self.check_atomic(offset)?;
+        Ok(self.word(offset).fetch_add(addend, Ordering::SeqCst))
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours; munlock and munmap release it exactly once, and no
+        // reference into it outlives `self` (every view borrows `self`).
+        unsafe {
+            libc::munlock(self.base.as_ptr().cast(), self.length as usize);
+            libc::munmap(self.base.as_ptr().cast(), self.length as usize);
+        }
+        PINNED_BYTES.fetch_sub(self.length, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> PinnedMemory {
+        PinnedMemory::allocate(8192, HugepagePolicy::Off, PinLimits::default()).expect("allocate")
+    }
+
+    #[test]
+    fn allocation_is_page_aligned_rounded_and_counted() {
+        let before = pinned_bytes();
+        let memory = PinnedMemory::allocate(100, HugepagePolicy::Auto, PinLimits::default())
+            .expect("allocate");
+        assert_eq!(memory.base_address() % PAGE_SIZE, 0);
+        assert_eq!(memory.len(), PAGE_SIZE);
+        assert!(pinned_bytes() >= before + PAGE_SIZE);
+        drop(memory);
+    }
+
+    #[test]
+    fn zero_length_is_refused() {
+        let error = PinnedMemory::allocate(0, HugepagePolicy::Off, PinLimits::default()).unwrap_err();
+        assert!(matches!(error, Error::InvalidMemorySize { length: 0, .. }));
+    }
+
+    #[test]
+    fn pinning_more_than_the_ram_share_fails_before_mapping() {
+        let limits = PinLimits {
+            max_pinned_share: 0.000_001,
+        };
+        let error = PinnedMemory::allocate(1 << 30, HugepagePolicy::Off, limits).unwrap_err();
+        assert!(matches!(error, Error::InsufficientMemory { .. }), "{error}");
+    }
+
+    #[test]
+    fn unaligned_copies_round_trip() {
+        let memory = small();
+        let pattern: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        for offset in [0u64, 1, 3, 7, 8, 13] {
+            memory.write_from(offset, &pattern).expect("write");
+            let mut back = vec![0u8; pattern.len()];
+            memory.read_into(offset, &mut back).expect("read");
+            assert_eq!(back, pattern, "offset {offset}");
+        }
+    }
+
+    #[test]
+    fn unaligned_write_keeps_neighbouring_bytes() {
+        let memory = small();
+        memory.store_u64(0, u64::MAX).expect("store");
+        memory.write_from(3, &[0, 0]).expect("write");
+        assert_eq!(memory.load_u64(0).expect("load").to_le_bytes(), [255, 255, 255, 0, 0, 255, 255, 255]);
+    }
+
+    #[test]
+    fn atomics_return_the_original_value() {
+        let memory = small();
+        memory.store_u64(64, 5).expect("store");
+        assert_eq!(memory.compare_exchange_u64(64, 5, 9).expect("cas"), 5);
+        assert_eq!(memory.compare_exchange_u64(64, 5, 11).expect("cas"), 9);
+        assert_eq!(memory.fetch_add_u64(64, 3).expect("faa"), 9);
+        assert_eq!(memory.load_u64(64).expect("load"), 12);
+    }
+
+    #[test]
+    fn bounds_and_alignment_are_checked() {
+        let memory = small();
+        assert!(matches!(memory.load_u64(4), Err(Error::MisalignedAtomic { offset: 4 })));
+        assert!(matches!(
+            memory.read_into(8190, &mut [0u8; 4]),
+            Err(Error::MemoryOutOfBounds { .. })
+        ));
+        assert!(matches!(memory.write_from(u64::MAX, &[1]), Err(Error::MemoryOutOfBounds { .. })));
+    }
+}

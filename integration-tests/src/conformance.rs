@@ -1,0 +1,620 @@
+//! The fabric conformance suite: every backend must pass every check here with the same
+//! assertions.
+//!
+//! Each check takes a [`Fabric`] and builds what it needs: a "server" device that listens and
+//! owns the remote memory, a "client" device that posts, and connected queue pairs between
+//! them. `tests/conformance.rs` instantiates every check for every backend with one macro.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use rdkv_common::fabric::{
+    AccessFlags, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QueuePair,
+    QueuePairConfig, QueuePairState, RemoteSegment, WorkCompletion, WorkCompletionStatus,
+    WorkRequest,
+};
+use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+
+/// A backend under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    /// The software RNIC over loopback TCP.
+    Soft,
+    /// The in-process backend.
+    Loopback,
+}
+
+const MIB: u64 = 1024 * 1024;
+/// Size of the server's registered block: 1 MiB for the largest transfer plus room.
+const REMOTE_SIZE: u64 = MIB + 64 * 1024;
+/// Size of the client's local block.
+const LOCAL_SIZE: u64 = MIB + 64 * 1024;
+
+/// Creates the server and client devices of a backend.
+pub fn devices(fabric: Fabric) -> (Device, Device) {
+    devices_with(fabric, DeviceConfig::default())
+}
+
+/// Creates the server and client devices of a backend with a device configuration.
+pub fn devices_with(fabric: Fabric, config: DeviceConfig) -> (Device, Device) {
+    match fabric {
+        Fabric::Soft => {
+            let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+            (
+                Device::soft(Some(listen), config).expect("bind soft NIC on loopback"),
+                Device::soft(None, config).expect("create dialing soft NIC"),
+            )
+        }
+        Fabric::Loopback => (Device::loopback(config), Device::loopback(config)),
+    }
+}
+
+/// Allocates and pins a block.
+pub fn pinned(length: u64) -> Arc<PinnedMemory> {
+    Arc::new(PinnedMemory::allocate(length, HugepagePolicy::Off, PinLimits::default()).expect("pin test memory"))
+}
+
+/// One connected pair of queue pairs with registered memory on both sides.
+pub struct Connected {
+    /// The server device (listens, owns remote memory).
+    pub server_device: Device,
+    /// The client device (posts).
+    pub client_device: Device,
+    /// The server's domain.
+    pub server_domain: ProtectionDomain,
+    /// The client's domain.
+    pub client_domain: ProtectionDomain,
+    /// The server's queue pair.
+    pub server_queue_pair: QueuePair,
+    /// The client's queue pair.
+    pub client_queue_pair: QueuePair,
+    /// The client's completion queue.
+    pub client_completion_queue: CompletionQueue,
+    /// The server's completion queue.
+    pub server_completion_queue: CompletionQueue,
+    /// Server memory with every remote right.
+    pub remote: MemoryRegion,
+    /// Client memory with LOCAL_WRITE.
+    pub local: MemoryRegion,
+}
+
+impl Connected {
+    /// A local segment in the client region.
+    pub fn local_at(&self, offset: u64, length: u32) -> rdkv_common::fabric::LocalSegment {
+        self.local.segment(offset, length)
+    }
+
+    /// A remote segment in the server region.
+    pub fn remote_at(&self, offset: u64) -> RemoteSegment {
+        self.remote.remote_key().at(offset)
+    }
+
+    /// Another client queue pair connected to a new server queue pair, on the same devices.
+    pub async fn another_pair(&self) -> (QueuePair, QueuePair) {
+        connect_queue_pairs(
+            &self.server_domain,
+            &self.server_completion_queue,
+            &self.client_domain,
+            &self.client_completion_queue,
+            QueuePairConfig::default(),
+        )
+        .await
+    }
+}
+
+/// Creates and connects a server and a client queue pair.
+pub async fn connect_queue_pairs(
+    server_domain: &ProtectionDomain,
+    server_completion_queue: &CompletionQueue,
+    client_domain: &ProtectionDomain,
+    client_completion_queue: &CompletionQueue,
+    config: QueuePairConfig,
+) -> (QueuePair, QueuePair) {
+    let server = server_domain
+        .create_queue_pair(server_completion_queue, config)
+        .expect("create server queue pair");
+    let client = client_domain
+        .create_queue_pair(client_completion_queue, config)
+        .expect("create client queue pair");
+    let (server_endpoint, client_endpoint) = (server.endpoint(), client.endpoint());
+    let (server_result, client_result) =
+        tokio::join!(server.connect(&client_endpoint), client.connect(&server_endpoint));
+    server_result.expect("connect server queue pair");
+    client_result.expect("connect client queue pair");
+    (server, client)
+}
+
+/// Builds a connected pair on `fabric`.
+pub async fn connect(fabric: Fabric) -> Connected {
+    connect_with(fabric, DeviceConfig::default(), QueuePairConfig::default()).await
+}
+
+/// Builds a connected pair with explicit configurations.
+pub async fn connect_with(fabric: Fabric, device_config: DeviceConfig, config: QueuePairConfig) -> Connected {
+    let (server_device, client_device) = devices_with(fabric, device_config);
+    let server_domain = server_device.allocate_protection_domain();
+    let client_domain = client_device.allocate_protection_domain();
+    let server_completion_queue = server_device.create_completion_queue(1024);
+    let client_completion_queue = client_device.create_completion_queue(1024);
+    let remote = server_domain
+        .register_all(
+            &pinned(REMOTE_SIZE),
+            AccessFlags::LOCAL_WRITE
+                | AccessFlags::REMOTE_READ
+                | AccessFlags::REMOTE_WRITE
+                | AccessFlags::REMOTE_ATOMIC
+                | AccessFlags::MW_BIND,
+        )
+        .expect("register remote memory");
+    let local = client_domain
+        .register_all(&pinned(LOCAL_SIZE), AccessFlags::LOCAL_WRITE)
+        .expect("register local memory");
+    let (server_queue_pair, client_queue_pair) = connect_queue_pairs(
+        &server_domain,
+        &server_completion_queue,
+        &client_domain,
+        &client_completion_queue,
+        config,
+    )
+    .await;
+    Connected {
+        server_device,
+        client_device,
+        server_domain,
+        client_domain,
+        server_queue_pair,
+        client_queue_pair,
+        client_completion_queue,
+        server_completion_queue,
+        remote,
+        local,
+    }
+}
+
+fn statuses(completions: &[WorkCompletion]) -> Vec<WorkCompletionStatus> {
+    completions.iter().map(|completion| completion.status).collect()
+}
+
+fn pattern(length: usize, seed: u8) -> Vec<u8> {
+    (0..length).map(|index| (index as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Queue pairs walk RESET → INIT → RTR → RTS, and the gauges count them.
+pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
+    let (device, _) = devices(fabric);
+    let domain = device.allocate_protection_domain();
+    let queue = device.create_completion_queue(16);
+    let queue_pair = domain
+        .create_queue_pair(&queue, QueuePairConfig::default())
+        .expect("create");
+    assert_eq!(queue_pair.state(), QueuePairState::Reset);
+    assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Reset), 1);
+    queue_pair.modify_to_init().expect("init");
+    assert_eq!(queue_pair.state(), QueuePairState::Init);
+    assert!(queue_pair.modify_to_init().is_err(), "INIT → INIT is refused");
+    queue_pair.modify_to_error();
+    assert_eq!(queue_pair.state(), QueuePairState::Error);
+    assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Error), 1);
+    drop(queue_pair);
+    assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Error), 0);
+
+    let connected = connect(fabric).await;
+    assert_eq!(connected.client_queue_pair.state(), QueuePairState::ReadyToSend);
+    assert_eq!(connected.server_queue_pair.state(), QueuePairState::ReadyToSend);
+    let gauges = connected.server_device.gauges();
+    assert_eq!(gauges.live_memory_regions, 1);
+    assert_eq!(gauges.registered_bytes as u64, REMOTE_SIZE);
+    assert!(gauges.pinned_bytes >= REMOTE_SIZE);
+    let window = connected.server_domain.allocate_memory_window();
+    assert_eq!(connected.server_device.gauges().live_memory_windows, 1);
+    drop(window);
+    assert_eq!(connected.server_device.gauges().live_memory_windows, 0);
+}
+
+/// READ and WRITE round trips at 8 B, 64 B, 4 KiB and 1 MiB.
+pub async fn read_write_round_trips(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    for (index, length) in [8usize, 64, 4096, MIB as usize].into_iter().enumerate() {
+        let data = pattern(length, index as u8 + 1);
+        connected.local.write(0, &data).expect("fill local");
+        let completions = connected
+            .client_queue_pair
+            .execute(vec![WorkRequest::write(
+                1,
+                connected.local_at(0, length as u32),
+                connected.remote_at(8),
+            )])
+            .await
+            .expect("post write");
+        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "WRITE {length}");
+        let mut on_server = vec![0u8; length];
+        connected.remote.read(8, &mut on_server).expect("server view");
+        assert_eq!(on_server, data, "server memory after WRITE {length}");
+
+        let back_offset = 32 * 1024;
+        connected.local.write(back_offset, &vec![0u8; length.min(32 * 1024)]).expect("clear");
+        let completions = connected
+            .client_queue_pair
+            .execute(vec![WorkRequest::read(
+                2,
+                connected.local_at(back_offset, length as u32),
+                connected.remote_at(8),
+            )])
+            .await
+            .expect("post read");
+        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "READ {length}");
+        assert_eq!(completions[0].work_request_id, 2);
+        let mut read_back = vec![0u8; length];
+        connected.local.read(back_offset, &mut read_back).expect("local view");
+        assert_eq!(read_back, data, "READ {length} returns what WRITE stored");
+    }
+}
+
+/// CAS success and failure both return the original value.
+pub async fn compare_and_swap_returns_original(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    connected.local.write(0, &41u64.to_le_bytes()).expect("fill");
+    connected
+        .client_queue_pair
+        .execute(vec![WorkRequest::write(1, connected.local_at(0, 8), connected.remote_at(64))])
+        .await
+        .expect("seed");
+    let swap = |id, compare, swap| {
+        WorkRequest::compare_and_swap(id, connected.local_at(8, 8), connected.remote_at(64), compare, swap)
+    };
+    let completions = connected.client_queue_pair.execute(vec![swap(2, 41, 42)]).await.expect("cas");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+    assert_eq!(connected.local.load_u64(8).expect("original"), 41, "successful CAS returns the original");
+    assert_eq!(connected.remote.load_u64(64).expect("remote"), 42);
+
+    let completions = connected.client_queue_pair.execute(vec![swap(3, 41, 99)]).await.expect("cas");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+    assert_eq!(connected.local.load_u64(8).expect("original"), 42, "failed CAS returns the current value");
+    assert_eq!(connected.remote.load_u64(64).expect("remote"), 42, "failed CAS leaves memory alone");
+}
+
+/// FETCH_ADD returns the original and adds, wrapping.
+pub async fn fetch_and_add_returns_original(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let add = |id, addend| WorkRequest::fetch_and_add(id, connected.local_at(0, 8), connected.remote_at(128), addend);
+    for (id, expected_original) in [(1u64, 0u64), (2, 5), (3, 10)] {
+        let completions = connected.client_queue_pair.execute(vec![add(id, 5)]).await.expect("faa");
+        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+        assert_eq!(connected.local.load_u64(0).expect("original"), expected_original);
+    }
+    connected.client_queue_pair.execute(vec![add(4, u64::MAX)]).await.expect("faa");
+    assert_eq!(connected.remote.load_u64(128).expect("remote"), 14, "FETCH_ADD wraps");
+}
+
+/// 16 requests posted at once with only the last signaled give exactly one completion.
+pub async fn batch_with_only_last_signaled_gives_one_completion(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let before = connected.client_completion_queue.completions_generated();
+    let list: Vec<WorkRequest> = (0..16u64)
+        .map(|index| {
+            WorkRequest::fetch_and_add(index, connected.local_at(index * 8, 8), connected.remote_at(256), 1)
+                .with_signaled(index == 15)
+        })
+        .collect();
+    let completions = connected.client_queue_pair.execute(list).await.expect("post");
+    assert_eq!(completions.len(), 1);
+    assert_eq!(completions[0].work_request_id, 15);
+    assert_eq!(completions[0].status, WorkCompletionStatus::Success);
+    assert_eq!(connected.client_completion_queue.completions_generated() - before, 1);
+    assert_eq!(connected.remote.load_u64(256).expect("counter"), 16, "all 16 ran");
+    assert_eq!(connected.client_queue_pair.free_send_slots(), connected.client_queue_pair.max_send_wr() as usize);
+}
+
+/// Posts `bad` followed by two valid requests, and checks the error, the flushes, the ERROR
+/// state and that later posts flush too.
+async fn expect_error_then_flush(connected: &Connected, bad: WorkRequest, expected: WorkCompletionStatus) {
+    let good = |id| WorkRequest::read(id, connected.local_at(4096, 64), connected.remote_at(0));
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![bad, good(101).with_signaled(false), good(102)])
+        .await
+        .expect("post");
+    assert_eq!(
+        statuses(&completions),
+        [expected, WorkCompletionStatus::WorkRequestFlushError, WorkCompletionStatus::WorkRequestFlushError],
+        "the bad request fails with its status and the ones behind it flush"
+    );
+    assert_eq!(completions[0].work_request_id, bad.id);
+    assert_eq!(connected.client_queue_pair.state(), QueuePairState::Error);
+    let later = connected.client_queue_pair.execute(vec![good(103)]).await.expect("post in ERROR");
+    assert_eq!(statuses(&later), [WorkCompletionStatus::WorkRequestFlushError], "later requests flush");
+    assert_eq!(connected.client_queue_pair.outstanding(), 0);
+}
+
+/// A READ past the end of the region fails REM_ACCESS_ERR.
+pub async fn out_of_bounds_is_remote_access_error(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let bad = WorkRequest::read(7, connected.local_at(0, 64), connected.remote_at(REMOTE_SIZE - 32));
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
+}
+
+/// An rkey that was never issued fails REM_ACCESS_ERR.
+pub async fn unknown_rkey_is_remote_access_error(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let mut remote = connected.remote_at(0);
+    remote.remote_key ^= 0x00F0_0F00;
+    let bad = WorkRequest::read(7, connected.local_at(0, 64), remote);
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
+}
+
+/// A WRITE into a region registered REMOTE_READ only fails REM_ACCESS_ERR.
+pub async fn write_to_read_only_region_is_remote_access_error(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let read_only = connected
+        .server_domain
+        .register(connected.remote.memory(), 0, 4096, AccessFlags::REMOTE_READ)
+        .expect("register read-only");
+    let bad = WorkRequest::write(7, connected.local_at(0, 64), read_only.remote_key().at(0));
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
+    assert_eq!(connected.remote.load_u64(0).expect("untouched"), 0, "the refused WRITE changed nothing");
+}
+
+/// A CAS at an address that is not 8-byte aligned fails REM_INV_REQ_ERR.
+pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let bad = WorkRequest::compare_and_swap(7, connected.local_at(0, 8), connected.remote_at(4), 0, 1);
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteInvalidRequestError).await;
+}
+
+/// A local buffer outside any registered region fails LOC_PROT_ERR, and nothing is sent.
+pub async fn unregistered_local_buffer_is_local_protection_error(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let mut local = connected.local_at(0, 64);
+    local.address = connected.local.address() + LOCAL_SIZE + 4096;
+    let bad = WorkRequest::read(7, local, connected.remote_at(0));
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::LocalProtectionError).await;
+    let mut unknown_key = connected.local_at(0, 64);
+    unknown_key.local_key ^= 0x0F00_F000;
+    let second = connect(fabric).await;
+    let bad = WorkRequest::write(8, unknown_key, second.remote_at(0));
+    expect_error_then_flush(&second, bad, WorkCompletionStatus::LocalProtectionError).await;
+}
+
+/// A deregistered region's rkey is rejected.
+pub async fn deregistered_region_rkey_is_rejected(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let extra = connected
+        .server_domain
+        .register(connected.remote.memory(), 0, 4096, AccessFlags::REMOTE_READ)
+        .expect("register second key over the same memory");
+    let key = extra.remote_key();
+    assert_ne!(key.key, connected.remote.remote_key().key, "two registrations, two keys");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), key.at(0))])
+        .await
+        .expect("post");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "valid while registered");
+    drop(extra);
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![WorkRequest::read(2, connected.local_at(0, 64), connected.remote_at(0))])
+        .await
+        .expect("post");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "dropping one key leaves the other");
+    let bad = WorkRequest::read(3, connected.local_at(0, 64), key.at(0));
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
+}
+
+/// A memory window's rkey works on its queue pair, fails on another, and dies with the window.
+pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let window = connected.server_domain.allocate_memory_window();
+    let window_key = connected
+        .server_queue_pair
+        .bind_memory_window(
+            &window,
+            &connected.remote,
+            connected.remote.address() + 4096,
+            4096,
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
+        )
+        .expect("bind");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), window_key.at(0))])
+        .await
+        .expect("post");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "valid on its own queue pair");
+
+    let (_other_server, other_client) = connected.another_pair().await;
+    let completions = other_client
+        .execute(vec![WorkRequest::read(2, connected.local_at(0, 64), window_key.at(0))])
+        .await
+        .expect("post");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::RemoteAccessError],
+        "a window bound to queue pair 1 is refused on queue pair 2"
+    );
+
+    let no_write = WorkRequest::write(3, connected.local_at(0, 64), window_key.at(0));
+    let completions = connected.client_queue_pair.execute(vec![no_write]).await.expect("post");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::RemoteAccessError],
+        "the window grants only the rights it was bound with"
+    );
+}
+
+/// A deallocated memory window's rkey is rejected.
+pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let window = connected.server_domain.allocate_memory_window();
+    let window_key = connected
+        .server_queue_pair
+        .bind_memory_window(&window, &connected.remote, connected.remote.address(), 4096, AccessFlags::REMOTE_READ)
+        .expect("bind");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), window_key.at(0))])
+        .await
+        .expect("post");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+    drop(window);
+    let bad = WorkRequest::read(2, connected.local_at(0, 64), window_key.at(0));
+    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
+}
+
+/// Moving a queue pair to ERROR with requests in flight completes every one of them exactly
+/// once, as success (already answered) or WR_FLUSH_ERR, and nothing stays outstanding.
+pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let mut lists = Vec::new();
+    for list_index in 0..8u64 {
+        let list: Vec<WorkRequest> = (0..16u64)
+            .map(|index| {
+                let id = list_index * 16 + index;
+                WorkRequest::read(id, connected.local_at((index % 8) * 65536, 65536), connected.remote_at(0))
+            })
+            .collect();
+        lists.push(connected.client_queue_pair.post(list).await.expect("post"));
+    }
+    connected.client_queue_pair.modify_to_error();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut flushed = 0;
+    for list in lists {
+        for completion in list.await {
+            assert!(seen.insert(completion.work_request_id), "one completion per request");
+            match completion.status {
+                WorkCompletionStatus::Success => {}
+                WorkCompletionStatus::WorkRequestFlushError => flushed += 1,
+                other => panic!("unexpected status {other}"),
+            }
+        }
+    }
+    assert_eq!(seen.len(), 128, "every request completed");
+    assert_eq!(connected.client_queue_pair.outstanding(), 0);
+    connected.client_queue_pair.drain();
+    if fabric == Fabric::Soft {
+        assert!(flushed > 0, "8 MiB of READs cannot all be answered before the flush");
+    }
+}
+
+/// 8 requesters × 10,000 FETCH_ADDs on one counter end at exactly 80,000.
+pub async fn concurrent_fetch_add_is_exact(fabric: Fabric) {
+    let connected = Arc::new(connect(fabric).await);
+    let mut tasks = Vec::new();
+    for requester in 0..8u64 {
+        let connected = connected.clone();
+        tasks.push(tokio::spawn(async move {
+            let (_server, client) = connected.another_pair().await;
+            let base = requester * 4096;
+            for round in 0..(10_000 / 16) {
+                let list: Vec<WorkRequest> = (0..16u64)
+                    .map(|index| {
+                        WorkRequest::fetch_and_add(round * 16 + index, connected.local_at(base + index * 8, 8), connected.remote_at(512), 1)
+                            .with_signaled(index == 15)
+                    })
+                    .collect();
+                let completions = client.execute(list).await.expect("post");
+                assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("requester");
+    }
+    assert_eq!(connected.remote.load_u64(512).expect("counter"), 80_000);
+}
+
+/// Concurrent CAS increments (read, CAS, retry on a lost race) are exact.
+pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Fabric) {
+    let connected = Arc::new(connect(fabric).await);
+    let mut tasks = Vec::new();
+    for requester in 0..4u64 {
+        let connected = connected.clone();
+        tasks.push(tokio::spawn(async move {
+            let (_server, client) = connected.another_pair().await;
+            let slot = connected.local_at(requester * 4096, 8);
+            let mut guess = 0u64;
+            let mut done = 0;
+            let mut id = 0;
+            while done < 500 {
+                id += 1;
+                let completions = client
+                    .execute(vec![WorkRequest::compare_and_swap(id, slot, connected.remote_at(1024), guess, guess + 1)])
+                    .await
+                    .expect("post");
+                assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+                let original = connected.local.load_u64(requester * 4096).expect("original");
+                if original == guess {
+                    done += 1;
+                    guess += 1;
+                } else {
+                    guess = original;
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("requester");
+    }
+    assert_eq!(connected.remote.load_u64(1024).expect("counter"), 2_000);
+}
+
+/// READs racing CASes on one word never see a torn value.
+pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
+    let connected = Arc::new(connect(fabric).await);
+    let word_offset = 2048u64;
+    let writer = {
+        let connected = connected.clone();
+        tokio::spawn(async move {
+            let (_server, client) = connected.another_pair().await;
+            let mut current = 0u64;
+            for round in 1..=2_000u64 {
+                let next = u64::from_le_bytes([(round % 251) as u8 + 1; 8]);
+                let completions = client
+                    .execute(vec![WorkRequest::compare_and_swap(round, connected.local_at(8192, 8), connected.remote_at(word_offset), current, next)])
+                    .await
+                    .expect("post");
+                assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+                current = next;
+            }
+        })
+    };
+    let reader = {
+        let connected = connected.clone();
+        tokio::spawn(async move {
+            let (_server, client) = connected.another_pair().await;
+            for round in 0..2_000u64 {
+                let completions = client
+                    .execute(vec![WorkRequest::read(round, connected.local_at(16384, 64), connected.remote_at(word_offset - 24))])
+                    .await
+                    .expect("post");
+                assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+                let mut bytes = [0u8; 8];
+                connected.local.read(16384 + 24, &mut bytes).expect("local");
+                assert!(bytes.iter().all(|byte| *byte == bytes[0]), "torn word {bytes:?}");
+            }
+        })
+    };
+    writer.await.expect("writer");
+    reader.await.expect("reader");
+}
+
+/// A list longer than max_send_wr is refused, and outstanding requests never exceed it.
+pub async fn send_queue_depth_is_enforced(fabric: Fabric) {
+    let config = QueuePairConfig { max_send_wr: 4 };
+    let connected = connect_with(fabric, DeviceConfig::default(), config).await;
+    let read = |id| WorkRequest::read(id, connected.local_at(0, 64), connected.remote_at(0));
+    let error = connected
+        .client_queue_pair
+        .post((0..5).map(read).collect())
+        .await
+        .expect_err("5 > max_send_wr 4");
+    assert!(error.to_string().contains("max_send_wr = 4"), "{error}");
+    let mut lists = Vec::new();
+    for round in 0..50u64 {
+        lists.push(connected.client_queue_pair.post(vec![read(round * 2).with_signaled(false), read(round * 2 + 1)]).await.expect("post"));
+        assert!(connected.client_queue_pair.outstanding() <= 4);
+    }
+    for list in lists {
+        assert_eq!(statuses(&list.await), [WorkCompletionStatus::Success]);
+    }
+}

@@ -1,0 +1,46 @@
+//! The fabric conformance suite, instantiated for every backend built here.
+//!
+//! Each backend gets a module with one test per check in `rdkv_integration_tests::conformance`;
+//! the checks and their assertions are identical for every backend.
+
+macro_rules! conformance_suite {
+    ($module:ident, $fabric:expr) => {
+        mod $module {
+            use rdkv_integration_tests::conformance::{self, Fabric};
+
+            const FABRIC: Fabric = $fabric;
+
+            conformance_suite!(@checks
+                queue_pair_states_and_gauges,
+                read_write_round_trips,
+                compare_and_swap_returns_original,
+                fetch_and_add_returns_original,
+                batch_with_only_last_signaled_gives_one_completion,
+                out_of_bounds_is_remote_access_error,
+                unknown_rkey_is_remote_access_error,
+                write_to_read_only_region_is_remote_access_error,
+                misaligned_atomic_is_remote_invalid_request,
+                unregistered_local_buffer_is_local_protection_error,
+                deregistered_region_rkey_is_rejected,
+                memory_window_is_bound_to_one_queue_pair,
+                deallocated_window_rkey_is_rejected,
+                error_with_requests_in_flight_flushes_them,
+                concurrent_fetch_add_is_exact,
+                concurrent_compare_and_swap_increments_are_exact,
+                reads_racing_compare_and_swap_never_tear,
+                send_queue_depth_is_enforced,
+            );
+        }
+    };
+    (@checks $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                conformance::$check(FABRIC).await;
+            }
+        )*
+    };
+}
+
+conformance_suite!(soft, Fabric::Soft);
+conformance_suite!(loopback, Fabric::Loopback);
