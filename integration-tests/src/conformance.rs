@@ -51,7 +51,10 @@ pub fn devices_with(fabric: Fabric, config: DeviceConfig) -> (Device, Device) {
 
 /// Allocates and pins a block.
 pub fn pinned(length: u64) -> Arc<PinnedMemory> {
-    Arc::new(PinnedMemory::allocate(length, HugepagePolicy::Off, PinLimits::default()).expect("pin test memory"))
+    Arc::new(
+        PinnedMemory::allocate(length, HugepagePolicy::Off, PinLimits::default())
+            .expect("pin test memory"),
+    )
 }
 
 /// One connected pair of queue pairs with registered memory on both sides.
@@ -117,8 +120,10 @@ pub async fn connect_queue_pairs(
         .create_queue_pair(client_completion_queue, config)
         .expect("create client queue pair");
     let (server_endpoint, client_endpoint) = (server.endpoint(), client.endpoint());
-    let (server_result, client_result) =
-        tokio::join!(server.connect(&client_endpoint), client.connect(&server_endpoint));
+    let (server_result, client_result) = tokio::join!(
+        server.connect(&client_endpoint),
+        client.connect(&server_endpoint)
+    );
     server_result.expect("connect server queue pair");
     client_result.expect("connect client queue pair");
     (server, client)
@@ -130,7 +135,11 @@ pub async fn connect(fabric: Fabric) -> Connected {
 }
 
 /// Builds a connected pair with explicit configurations.
-pub async fn connect_with(fabric: Fabric, device_config: DeviceConfig, config: QueuePairConfig) -> Connected {
+pub async fn connect_with(
+    fabric: Fabric,
+    device_config: DeviceConfig,
+    config: QueuePairConfig,
+) -> Connected {
     let (server_device, client_device) = devices_with(fabric, device_config);
     let server_domain = server_device.allocate_protection_domain();
     let client_domain = client_device.allocate_protection_domain();
@@ -172,11 +181,16 @@ pub async fn connect_with(fabric: Fabric, device_config: DeviceConfig, config: Q
 }
 
 fn statuses(completions: &[WorkCompletion]) -> Vec<WorkCompletionStatus> {
-    completions.iter().map(|completion| completion.status).collect()
+    completions
+        .iter()
+        .map(|completion| completion.status)
+        .collect()
 }
 
 fn pattern(length: usize, seed: u8) -> Vec<u8> {
-    (0..length).map(|index| (index as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..length)
+        .map(|index| (index as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// Queue pairs walk RESET → INIT → RTR → RTS, and the gauges count them.
@@ -191,7 +205,10 @@ pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
     assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Reset), 1);
     queue_pair.modify_to_init().expect("init");
     assert_eq!(queue_pair.state(), QueuePairState::Init);
-    assert!(queue_pair.modify_to_init().is_err(), "INIT → INIT is refused");
+    assert!(
+        queue_pair.modify_to_init().is_err(),
+        "INIT → INIT is refused"
+    );
     queue_pair.modify_to_error();
     assert_eq!(queue_pair.state(), QueuePairState::Error);
     assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Error), 1);
@@ -199,8 +216,14 @@ pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
     assert_eq!(device.gauges().queue_pairs_in(QueuePairState::Error), 0);
 
     let connected = connect(fabric).await;
-    assert_eq!(connected.client_queue_pair.state(), QueuePairState::ReadyToSend);
-    assert_eq!(connected.server_queue_pair.state(), QueuePairState::ReadyToSend);
+    assert_eq!(
+        connected.client_queue_pair.state(),
+        QueuePairState::ReadyToSend
+    );
+    assert_eq!(
+        connected.server_queue_pair.state(),
+        QueuePairState::ReadyToSend
+    );
     let gauges = connected.server_device.gauges();
     assert_eq!(gauges.live_memory_regions, 1);
     assert_eq!(gauges.registered_bytes as u64, REMOTE_SIZE);
@@ -226,13 +249,23 @@ pub async fn read_write_round_trips(fabric: Fabric) {
             )])
             .await
             .expect("post write");
-        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "WRITE {length}");
+        assert_eq!(
+            statuses(&completions),
+            [WorkCompletionStatus::Success],
+            "WRITE {length}"
+        );
         let mut on_server = vec![0u8; length];
-        connected.remote.read(8, &mut on_server).expect("server view");
+        connected
+            .remote
+            .read(8, &mut on_server)
+            .expect("server view");
         assert_eq!(on_server, data, "server memory after WRITE {length}");
 
         let back_offset = 32 * 1024;
-        connected.local.write(back_offset, &vec![0u8; length.min(32 * 1024)]).expect("clear");
+        connected
+            .local
+            .write(back_offset, &vec![0u8; length.min(32 * 1024)])
+            .expect("clear");
         let completions = connected
             .client_queue_pair
             .execute(vec![WorkRequest::read(
@@ -242,10 +275,17 @@ pub async fn read_write_round_trips(fabric: Fabric) {
             )])
             .await
             .expect("post read");
-        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "READ {length}");
+        assert_eq!(
+            statuses(&completions),
+            [WorkCompletionStatus::Success],
+            "READ {length}"
+        );
         assert_eq!(completions[0].work_request_id, 2);
         let mut read_back = vec![0u8; length];
-        connected.local.read(back_offset, &mut read_back).expect("local view");
+        connected
+            .local
+            .read(back_offset, &mut read_back)
+            .expect("local view");
         assert_eq!(read_back, data, "READ {length} returns what WRITE stored");
     }
 }
@@ -253,37 +293,92 @@ pub async fn read_write_round_trips(fabric: Fabric) {
 /// CAS success and failure both return the original value.
 pub async fn compare_and_swap_returns_original(fabric: Fabric) {
     let connected = connect(fabric).await;
-    connected.local.write(0, &41u64.to_le_bytes()).expect("fill");
+    connected
+        .local
+        .write(0, &41u64.to_le_bytes())
+        .expect("fill");
     connected
         .client_queue_pair
-        .execute(vec![WorkRequest::write(1, connected.local_at(0, 8), connected.remote_at(64))])
+        .execute(vec![WorkRequest::write(
+            1,
+            connected.local_at(0, 8),
+            connected.remote_at(64),
+        )])
         .await
         .expect("seed");
     let swap = |id, compare, swap| {
-        WorkRequest::compare_and_swap(id, connected.local_at(8, 8), connected.remote_at(64), compare, swap)
+        WorkRequest::compare_and_swap(
+            id,
+            connected.local_at(8, 8),
+            connected.remote_at(64),
+            compare,
+            swap,
+        )
     };
-    let completions = connected.client_queue_pair.execute(vec![swap(2, 41, 42)]).await.expect("cas");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![swap(2, 41, 42)])
+        .await
+        .expect("cas");
     assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
-    assert_eq!(connected.local.load_u64(8).expect("original"), 41, "successful CAS returns the original");
+    assert_eq!(
+        connected.local.load_u64(8).expect("original"),
+        41,
+        "successful CAS returns the original"
+    );
     assert_eq!(connected.remote.load_u64(64).expect("remote"), 42);
 
-    let completions = connected.client_queue_pair.execute(vec![swap(3, 41, 99)]).await.expect("cas");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![swap(3, 41, 99)])
+        .await
+        .expect("cas");
     assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
-    assert_eq!(connected.local.load_u64(8).expect("original"), 42, "failed CAS returns the current value");
-    assert_eq!(connected.remote.load_u64(64).expect("remote"), 42, "failed CAS leaves memory alone");
+    assert_eq!(
+        connected.local.load_u64(8).expect("original"),
+        42,
+        "failed CAS returns the current value"
+    );
+    assert_eq!(
+        connected.remote.load_u64(64).expect("remote"),
+        42,
+        "failed CAS leaves memory alone"
+    );
 }
 
 /// FETCH_ADD returns the original and adds, wrapping.
 pub async fn fetch_and_add_returns_original(fabric: Fabric) {
     let connected = connect(fabric).await;
-    let add = |id, addend| WorkRequest::fetch_and_add(id, connected.local_at(0, 8), connected.remote_at(128), addend);
+    let add = |id, addend| {
+        WorkRequest::fetch_and_add(
+            id,
+            connected.local_at(0, 8),
+            connected.remote_at(128),
+            addend,
+        )
+    };
     for (id, expected_original) in [(1u64, 0u64), (2, 5), (3, 10)] {
-        let completions = connected.client_queue_pair.execute(vec![add(id, 5)]).await.expect("faa");
+        let completions = connected
+            .client_queue_pair
+            .execute(vec![add(id, 5)])
+            .await
+            .expect("faa");
         assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
-        assert_eq!(connected.local.load_u64(0).expect("original"), expected_original);
+        assert_eq!(
+            connected.local.load_u64(0).expect("original"),
+            expected_original
+        );
     }
-    connected.client_queue_pair.execute(vec![add(4, u64::MAX)]).await.expect("faa");
-    assert_eq!(connected.remote.load_u64(128).expect("remote"), 14, "FETCH_ADD wraps");
+    connected
+        .client_queue_pair
+        .execute(vec![add(4, u64::MAX)])
+        .await
+        .expect("faa");
+    assert_eq!(
+        connected.remote.load_u64(128).expect("remote"),
+        14,
+        "FETCH_ADD wraps"
+    );
 }
 
 /// 16 requests posted at once with only the last signaled give exactly one completion.
@@ -292,22 +387,45 @@ pub async fn batch_with_only_last_signaled_gives_one_completion(fabric: Fabric) 
     let before = connected.client_completion_queue.completions_generated();
     let list: Vec<WorkRequest> = (0..16u64)
         .map(|index| {
-            WorkRequest::fetch_and_add(index, connected.local_at(index * 8, 8), connected.remote_at(256), 1)
-                .with_signaled(index == 15)
+            WorkRequest::fetch_and_add(
+                index,
+                connected.local_at(index * 8, 8),
+                connected.remote_at(256),
+                1,
+            )
+            .with_signaled(index == 15)
         })
         .collect();
-    let completions = connected.client_queue_pair.execute(list).await.expect("post");
+    let completions = connected
+        .client_queue_pair
+        .execute(list)
+        .await
+        .expect("post");
     assert_eq!(completions.len(), 1);
     assert_eq!(completions[0].work_request_id, 15);
     assert_eq!(completions[0].status, WorkCompletionStatus::Success);
-    assert_eq!(connected.client_completion_queue.completions_generated() - before, 1);
-    assert_eq!(connected.remote.load_u64(256).expect("counter"), 16, "all 16 ran");
-    assert_eq!(connected.client_queue_pair.free_send_slots(), connected.client_queue_pair.max_send_wr() as usize);
+    assert_eq!(
+        connected.client_completion_queue.completions_generated() - before,
+        1
+    );
+    assert_eq!(
+        connected.remote.load_u64(256).expect("counter"),
+        16,
+        "all 16 ran"
+    );
+    assert_eq!(
+        connected.client_queue_pair.free_send_slots(),
+        connected.client_queue_pair.max_send_wr() as usize
+    );
 }
 
 /// Posts `bad` followed by two valid requests, and checks the error, the flushes, the ERROR
 /// state and that later posts flush too.
-async fn expect_error_then_flush(connected: &Connected, bad: WorkRequest, expected: WorkCompletionStatus) {
+async fn expect_error_then_flush(
+    connected: &Connected,
+    bad: WorkRequest,
+    expected: WorkCompletionStatus,
+) {
     let good = |id| WorkRequest::read(id, connected.local_at(4096, 64), connected.remote_at(0));
     let completions = connected
         .client_queue_pair
@@ -316,20 +434,36 @@ async fn expect_error_then_flush(connected: &Connected, bad: WorkRequest, expect
         .expect("post");
     assert_eq!(
         statuses(&completions),
-        [expected, WorkCompletionStatus::WorkRequestFlushError, WorkCompletionStatus::WorkRequestFlushError],
+        [
+            expected,
+            WorkCompletionStatus::WorkRequestFlushError,
+            WorkCompletionStatus::WorkRequestFlushError
+        ],
         "the bad request fails with its status and the ones behind it flush"
     );
     assert_eq!(completions[0].work_request_id, bad.id);
     assert_eq!(connected.client_queue_pair.state(), QueuePairState::Error);
-    let later = connected.client_queue_pair.execute(vec![good(103)]).await.expect("post in ERROR");
-    assert_eq!(statuses(&later), [WorkCompletionStatus::WorkRequestFlushError], "later requests flush");
+    let later = connected
+        .client_queue_pair
+        .execute(vec![good(103)])
+        .await
+        .expect("post in ERROR");
+    assert_eq!(
+        statuses(&later),
+        [WorkCompletionStatus::WorkRequestFlushError],
+        "later requests flush"
+    );
     assert_eq!(connected.client_queue_pair.outstanding(), 0);
 }
 
 /// A READ past the end of the region fails REM_ACCESS_ERR.
 pub async fn out_of_bounds_is_remote_access_error(fabric: Fabric) {
     let connected = connect(fabric).await;
-    let bad = WorkRequest::read(7, connected.local_at(0, 64), connected.remote_at(REMOTE_SIZE - 32));
+    let bad = WorkRequest::read(
+        7,
+        connected.local_at(0, 64),
+        connected.remote_at(REMOTE_SIZE - 32),
+    );
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
 }
 
@@ -351,14 +485,24 @@ pub async fn write_to_read_only_region_is_remote_access_error(fabric: Fabric) {
         .expect("register read-only");
     let bad = WorkRequest::write(7, connected.local_at(0, 64), read_only.remote_key().at(0));
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
-    assert_eq!(connected.remote.load_u64(0).expect("untouched"), 0, "the refused WRITE changed nothing");
+    assert_eq!(
+        connected.remote.load_u64(0).expect("untouched"),
+        0,
+        "the refused WRITE changed nothing"
+    );
 }
 
 /// A CAS at an address that is not 8-byte aligned fails REM_INV_REQ_ERR.
 pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Fabric) {
     let connected = connect(fabric).await;
-    let bad = WorkRequest::compare_and_swap(7, connected.local_at(0, 8), connected.remote_at(4), 0, 1);
-    expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteInvalidRequestError).await;
+    let bad =
+        WorkRequest::compare_and_swap(7, connected.local_at(0, 8), connected.remote_at(4), 0, 1);
+    expect_error_then_flush(
+        &connected,
+        bad,
+        WorkCompletionStatus::RemoteInvalidRequestError,
+    )
+    .await;
 }
 
 /// A local buffer outside any registered region fails LOC_PROT_ERR, and nothing is sent.
@@ -383,20 +527,40 @@ pub async fn deregistered_region_rkey_is_rejected(fabric: Fabric) {
         .register(connected.remote.memory(), 0, 4096, AccessFlags::REMOTE_READ)
         .expect("register second key over the same memory");
     let key = extra.remote_key();
-    assert_ne!(key.key, connected.remote.remote_key().key, "two registrations, two keys");
+    assert_ne!(
+        key.key,
+        connected.remote.remote_key().key,
+        "two registrations, two keys"
+    );
     let completions = connected
         .client_queue_pair
-        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), key.at(0))])
+        .execute(vec![WorkRequest::read(
+            1,
+            connected.local_at(0, 64),
+            key.at(0),
+        )])
         .await
         .expect("post");
-    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "valid while registered");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::Success],
+        "valid while registered"
+    );
     drop(extra);
     let completions = connected
         .client_queue_pair
-        .execute(vec![WorkRequest::read(2, connected.local_at(0, 64), connected.remote_at(0))])
+        .execute(vec![WorkRequest::read(
+            2,
+            connected.local_at(0, 64),
+            connected.remote_at(0),
+        )])
         .await
         .expect("post");
-    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "dropping one key leaves the other");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::Success],
+        "dropping one key leaves the other"
+    );
     let bad = WorkRequest::read(3, connected.local_at(0, 64), key.at(0));
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
 }
@@ -417,14 +581,26 @@ pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
         .expect("bind");
     let completions = connected
         .client_queue_pair
-        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), window_key.at(0))])
+        .execute(vec![WorkRequest::read(
+            1,
+            connected.local_at(0, 64),
+            window_key.at(0),
+        )])
         .await
         .expect("post");
-    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success], "valid on its own queue pair");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::Success],
+        "valid on its own queue pair"
+    );
 
     let (_other_server, other_client) = connected.another_pair().await;
     let completions = other_client
-        .execute(vec![WorkRequest::read(2, connected.local_at(0, 64), window_key.at(0))])
+        .execute(vec![WorkRequest::read(
+            2,
+            connected.local_at(0, 64),
+            window_key.at(0),
+        )])
         .await
         .expect("post");
     assert_eq!(
@@ -434,7 +610,11 @@ pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
     );
 
     let no_write = WorkRequest::write(3, connected.local_at(0, 64), window_key.at(0));
-    let completions = connected.client_queue_pair.execute(vec![no_write]).await.expect("post");
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![no_write])
+        .await
+        .expect("post");
     assert_eq!(
         statuses(&completions),
         [WorkCompletionStatus::RemoteAccessError],
@@ -448,11 +628,21 @@ pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
     let window = connected.server_domain.allocate_memory_window();
     let window_key = connected
         .server_queue_pair
-        .bind_memory_window(&window, &connected.remote, connected.remote.address(), 4096, AccessFlags::REMOTE_READ)
+        .bind_memory_window(
+            &window,
+            &connected.remote,
+            connected.remote.address(),
+            4096,
+            AccessFlags::REMOTE_READ,
+        )
         .expect("bind");
     let completions = connected
         .client_queue_pair
-        .execute(vec![WorkRequest::read(1, connected.local_at(0, 64), window_key.at(0))])
+        .execute(vec![WorkRequest::read(
+            1,
+            connected.local_at(0, 64),
+            window_key.at(0),
+        )])
         .await
         .expect("post");
     assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
@@ -470,7 +660,11 @@ pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
         let list: Vec<WorkRequest> = (0..16u64)
             .map(|index| {
                 let id = list_index * 16 + index;
-                WorkRequest::read(id, connected.local_at((index % 8) * 65536, 65536), connected.remote_at(0))
+                WorkRequest::read(
+                    id,
+                    connected.local_at((index % 8) * 65536, 65536),
+                    connected.remote_at(0),
+                )
             })
             .collect();
         lists.push(connected.client_queue_pair.post(list).await.expect("post"));
@@ -480,7 +674,10 @@ pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
     let mut flushed = 0;
     for list in lists {
         for completion in list.await {
-            assert!(seen.insert(completion.work_request_id), "one completion per request");
+            assert!(
+                seen.insert(completion.work_request_id),
+                "one completion per request"
+            );
             match completion.status {
                 WorkCompletionStatus::Success => {}
                 WorkCompletionStatus::WorkRequestFlushError => flushed += 1,
@@ -492,7 +689,10 @@ pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
     assert_eq!(connected.client_queue_pair.outstanding(), 0);
     connected.client_queue_pair.drain();
     if fabric == Fabric::Soft {
-        assert!(flushed > 0, "8 MiB of READs cannot all be answered before the flush");
+        assert!(
+            flushed > 0,
+            "8 MiB of READs cannot all be answered before the flush"
+        );
     }
 }
 
@@ -508,8 +708,13 @@ pub async fn concurrent_fetch_add_is_exact(fabric: Fabric) {
             for round in 0..(10_000 / 16) {
                 let list: Vec<WorkRequest> = (0..16u64)
                     .map(|index| {
-                        WorkRequest::fetch_and_add(round * 16 + index, connected.local_at(base + index * 8, 8), connected.remote_at(512), 1)
-                            .with_signaled(index == 15)
+                        WorkRequest::fetch_and_add(
+                            round * 16 + index,
+                            connected.local_at(base + index * 8, 8),
+                            connected.remote_at(512),
+                            1,
+                        )
+                        .with_signaled(index == 15)
                     })
                     .collect();
                 let completions = client.execute(list).await.expect("post");
@@ -538,11 +743,20 @@ pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Fabric) {
             while done < 500 {
                 id += 1;
                 let completions = client
-                    .execute(vec![WorkRequest::compare_and_swap(id, slot, connected.remote_at(1024), guess, guess + 1)])
+                    .execute(vec![WorkRequest::compare_and_swap(
+                        id,
+                        slot,
+                        connected.remote_at(1024),
+                        guess,
+                        guess + 1,
+                    )])
                     .await
                     .expect("post");
                 assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
-                let original = connected.local.load_u64(requester * 4096).expect("original");
+                let original = connected
+                    .local
+                    .load_u64(requester * 4096)
+                    .expect("original");
                 if original == guess {
                     done += 1;
                     guess += 1;
@@ -570,7 +784,13 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
             for round in 1..=2_000u64 {
                 let next = u64::from_le_bytes([(round % 251) as u8 + 1; 8]);
                 let completions = client
-                    .execute(vec![WorkRequest::compare_and_swap(round, connected.local_at(8192, 8), connected.remote_at(word_offset), current, next)])
+                    .execute(vec![WorkRequest::compare_and_swap(
+                        round,
+                        connected.local_at(8192, 8),
+                        connected.remote_at(word_offset),
+                        current,
+                        next,
+                    )])
                     .await
                     .expect("post");
                 assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
@@ -584,13 +804,20 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
             let (_server, client) = connected.another_pair().await;
             for round in 0..2_000u64 {
                 let completions = client
-                    .execute(vec![WorkRequest::read(round, connected.local_at(16384, 64), connected.remote_at(word_offset - 24))])
+                    .execute(vec![WorkRequest::read(
+                        round,
+                        connected.local_at(16384, 64),
+                        connected.remote_at(word_offset - 24),
+                    )])
                     .await
                     .expect("post");
                 assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
                 let mut bytes = [0u8; 8];
                 connected.local.read(16384 + 24, &mut bytes).expect("local");
-                assert!(bytes.iter().all(|byte| *byte == bytes[0]), "torn word {bytes:?}");
+                assert!(
+                    bytes.iter().all(|byte| *byte == bytes[0]),
+                    "torn word {bytes:?}"
+                );
             }
         })
     };
@@ -611,7 +838,16 @@ pub async fn send_queue_depth_is_enforced(fabric: Fabric) {
     assert!(error.to_string().contains("max_send_wr = 4"), "{error}");
     let mut lists = Vec::new();
     for round in 0..50u64 {
-        lists.push(connected.client_queue_pair.post(vec![read(round * 2).with_signaled(false), read(round * 2 + 1)]).await.expect("post"));
+        lists.push(
+            connected
+                .client_queue_pair
+                .post(vec![
+                    read(round * 2).with_signaled(false),
+                    read(round * 2 + 1),
+                ])
+                .await
+                .expect("post"),
+        );
         assert!(connected.client_queue_pair.outstanding() <= 4);
     }
     for list in lists {

@@ -117,7 +117,12 @@ impl ListCompletion {
 
     /// Adds one completion; when it is the list's tail, hands the list to its future, or to the
     /// queue's backlog when the future is gone.
-    pub(crate) fn add(&self, completion: WorkCompletion, is_tail: bool, queue: &CompletionQueueInner) {
+    pub(crate) fn add(
+        &self,
+        completion: WorkCompletion,
+        is_tail: bool,
+        queue: &CompletionQueueInner,
+    ) {
         let mut completions = match self.completions.lock() {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),

@@ -24,6 +24,10 @@ pub struct DeviceConfig {
     /// How long the oldest outstanding request may wait for its response before it completes
     /// IBV_WC_RETRY_EXC_ERR (the product of a real NIC's timeout and retry count).
     pub retry_timeout: Duration,
+    /// How long a soft engine thread busy-polls its socket after its last frame before it
+    /// blocks in the kernel. Zero never spins (lowest CPU use); a few tens of microseconds
+    /// cuts the latency of a lightly loaded queue pair by the cost of a thread wake-up.
+    pub poll_spin: Duration,
 }
 
 /// The default maximum message size: 1 MiB.
@@ -34,6 +38,7 @@ impl Default for DeviceConfig {
         Self {
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             retry_timeout: Duration::from_secs(2),
+            poll_spin: Duration::ZERO,
         }
     }
 }
@@ -49,6 +54,10 @@ pub struct FabricGauges {
     pub(crate) registered_bytes: AtomicI64,
     /// Queue pairs per state, indexed by [`QueuePairState::index`].
     pub(crate) queue_pairs: [AtomicI64; 5],
+    /// Frames (requests and responses) the soft NIC queued for sending.
+    pub(crate) frames_sent: AtomicI64,
+    /// `write` calls the soft NIC made; frames per write shows how well posts coalesce.
+    pub(crate) transport_writes: AtomicI64,
 }
 
 /// A copy of a device's gauges at one instant.
@@ -64,6 +73,10 @@ pub struct GaugeSnapshot {
     pub pinned_bytes: u64,
     /// Queue pairs per state, indexed by [`QueuePairState::index`].
     pub queue_pairs: [i64; 5],
+    /// Frames (requests and responses) the soft NIC queued for sending.
+    pub frames_sent: i64,
+    /// `write` calls the soft NIC made.
+    pub transport_writes: i64,
 }
 
 impl GaugeSnapshot {
@@ -142,7 +155,8 @@ fn random_id() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|elapsed| elapsed.as_nanos() as u64)
         .unwrap_or(0);
-    let mut mixed = nanos ^ (u64::from(std::process::id()) << 32)
+    let mut mixed = nanos
+        ^ (u64::from(std::process::id()) << 32)
         ^ u64::from(COUNTER.fetch_add(1, Ordering::Relaxed)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     // splitmix64 finaliser
     mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -239,6 +253,8 @@ impl Device {
             registered_bytes: gauges.registered_bytes.load(Ordering::Relaxed),
             pinned_bytes: pinned_bytes(),
             queue_pairs,
+            frames_sent: gauges.frames_sent.load(Ordering::Relaxed),
+            transport_writes: gauges.transport_writes.load(Ordering::Relaxed),
         }
     }
 }

@@ -39,5 +39,7 @@ pub use types::{
 /// Locks a mutex, recovering the data if a panicking thread poisoned it (the state it guards is
 /// kept consistent at every unlock point).
 pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

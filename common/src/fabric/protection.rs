@@ -197,7 +197,11 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<MemoryRegion> {
         let address = memory.base_address() + offset;
-        if offset.checked_add(length).is_none_or(|end| end > memory.len()) || length == 0 {
+        if offset
+            .checked_add(length)
+            .is_none_or(|end| end > memory.len())
+            || length == 0
+        {
             return Err(Error::RangeOutsideParent {
                 address,
                 length,
@@ -247,7 +251,11 @@ impl ProtectionDomain {
     ///
     /// # Errors
     /// As [`ProtectionDomain::register`].
-    pub fn register_all(&self, memory: &Arc<PinnedMemory>, access: AccessFlags) -> Result<MemoryRegion> {
+    pub fn register_all(
+        &self,
+        memory: &Arc<PinnedMemory>,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
         self.register(memory, 0, memory.len(), access)
     }
 
@@ -373,7 +381,9 @@ impl MemoryRegion {
     /// [`Error::MemoryOutOfBounds`] when the range leaves the region.
     pub fn read(&self, offset: u64, destination: &mut [u8]) -> Result<()> {
         self.check(offset, destination.len() as u64)?;
-        self.inner.memory.read_into(self.inner.offset + offset, destination)
+        self.inner
+            .memory
+            .read_into(self.inner.offset + offset, destination)
     }
 
     /// Copies bytes into the region, starting `offset` bytes in.
@@ -382,7 +392,9 @@ impl MemoryRegion {
     /// [`Error::MemoryOutOfBounds`] when the range leaves the region.
     pub fn write(&self, offset: u64, source: &[u8]) -> Result<()> {
         self.check(offset, source.len() as u64)?;
-        self.inner.memory.write_from(self.inner.offset + offset, source)
+        self.inner
+            .memory
+            .write_from(self.inner.offset + offset, source)
     }
 
     /// Loads the aligned word `offset` bytes in.
@@ -452,7 +464,8 @@ impl MemoryWindow {
                 ),
             });
         }
-        let granted = access & (AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC);
+        let granted = access
+            & (AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC);
         let device = &self.protection_domain.inner.device;
         let key = device.table.insert(ProtectionEntry {
             protection_domain: self.protection_domain.inner.id,
@@ -470,7 +483,13 @@ impl MemoryWindow {
         if let Some(previous) = previous {
             device.table.remove(previous);
         }
-        tracing::debug!(remote_key = key, address, length, qp_number, "bound memory window");
+        tracing::debug!(
+            remote_key = key,
+            address,
+            length,
+            qp_number,
+            "bound memory window"
+        );
         Ok(RemoteKey {
             key,
             address,

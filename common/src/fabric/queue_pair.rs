@@ -22,6 +22,7 @@ use tokio::sync::Semaphore;
 
 use crate::error::{Error, Result};
 use crate::fabric::completion::{CompletionQueue, ListCompletion, PostedList};
+use crate::fabric::device::find_loopback_device;
 use crate::fabric::engine::{self, RemoteRequest, ResponderContext};
 use crate::fabric::lock;
 use crate::fabric::protection::{LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain};
@@ -30,7 +31,6 @@ use crate::fabric::types::{
     AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
-use crate::fabric::device::find_loopback_device;
 
 /// Settings of one queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,6 +133,16 @@ impl QueuePairShared {
         self.device().config.retry_timeout
     }
 
+    /// Whether this queue pair's device listens (and so serves connections from threads).
+    pub(crate) fn listens(&self) -> bool {
+        self.device().soft_listener.get().is_some()
+    }
+
+    /// How long an engine thread busy-polls before it blocks.
+    pub(crate) fn poll_spin(&self) -> Duration {
+        self.device().config.poll_spin
+    }
+
     /// The device's maximum message size.
     pub(crate) fn max_message_size(&self) -> u32 {
         self.device().config.max_message_size
@@ -149,7 +159,12 @@ impl QueuePairShared {
         self.state_mirror.store(state as u8, Ordering::Release);
     }
 
-    fn transition(&self, from: &[QueuePairState], to: QueuePairState, operation: &'static str) -> Result<()> {
+    fn transition(
+        &self,
+        from: &[QueuePairState],
+        to: QueuePairState,
+        operation: &'static str,
+    ) -> Result<()> {
         let mut requester = lock(&self.requester);
         if !from.contains(&requester.state) {
             return Err(Error::InvalidQueuePairState {
@@ -170,7 +185,10 @@ impl QueuePairShared {
         write_payload: &[u8],
         response: &mut Vec<u8>,
     ) -> Option<WorkCompletionStatus> {
-        let _gate = self.responder_gate.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _gate = self
+            .responder_gate
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if !matches!(
             self.state(),
             QueuePairState::ReadyToReceive | QueuePairState::ReadyToSend
@@ -228,6 +246,8 @@ impl QueuePairShared {
 
     /// Reports one request's completion, if it produces one, and frees its send queue slot.
     fn finish(&self, entry: InFlight, status: WorkCompletionStatus) {
+        // Free the slot first: whoever the completion wakes may post again at once.
+        self.permits.add_permits(1);
         if entry.request.signaled || status != WorkCompletionStatus::Success {
             let queue = &self.completion_queue.inner;
             queue.count();
@@ -242,7 +262,6 @@ impl QueuePairShared {
                 queue,
             );
         }
-        self.permits.add_permits(1);
     }
 
     /// Completes queued local failures that reached the head of the queue.
@@ -343,19 +362,22 @@ impl QueuePairShared {
         let device = self.device();
         let domain = self.protection_domain.inner.id;
         let count = list.len();
-        let entries = list.into_iter().enumerate().map(|(index, request)| InFlight {
-            sequence: 0,
-            local: device.table.check_local(
-                domain,
-                &request.local,
-                request.opcode,
-                device.config.max_message_size,
-            ),
-            request,
-            list: list_completion.clone(),
-            is_tail: index + 1 == count,
-            posted_at: Instant::now(),
-        });
+        let entries = list
+            .into_iter()
+            .enumerate()
+            .map(|(index, request)| InFlight {
+                sequence: 0,
+                local: device.table.check_local(
+                    domain,
+                    &request.local,
+                    request.opcode,
+                    device.config.max_message_size,
+                ),
+                request,
+                list: list_completion.clone(),
+                is_tail: index + 1 == count,
+                posted_at: Instant::now(),
+            });
 
         match self.transport.get() {
             Some(Transport::Soft(connection)) => {
@@ -363,6 +385,7 @@ impl QueuePairShared {
                     let mut requester = lock(&self.requester);
                     let sendable = requester.state == QueuePairState::ReadyToSend;
                     connection.append(|buffer| {
+                        let mut frames = 0;
                         for mut entry in entries {
                             entry.sequence = requester.next_sequence;
                             requester.next_sequence += 1;
@@ -370,9 +393,11 @@ impl QueuePairShared {
                                 requester.poisoned = true;
                             } else if sendable && !requester.poisoned {
                                 soft::encode_request(buffer, &entry);
+                                frames += 1;
                             }
                             requester.in_flight.push_back(entry);
                         }
+                        frames
                     });
                     if !sendable {
                         drop(requester);
@@ -380,7 +405,12 @@ impl QueuePairShared {
                         return Ok(posted);
                     }
                 }
-                connection.flush();
+                // Ring the doorbell after letting the other ready tasks of this worker post
+                // too, so one write carries all of them. The guard rings it even if this
+                // future is dropped during the yield.
+                let doorbell = soft::Doorbell::new(connection.clone());
+                tokio::task::yield_now().await;
+                drop(doorbell);
                 self.settle_local_failures();
             }
             Some(Transport::Loopback(remote)) => {
@@ -395,7 +425,11 @@ impl QueuePairShared {
                         if entry.local.is_err() {
                             requester.poisoned = true;
                         } else if sendable && !requester.poisoned {
-                            to_execute.push((entry.sequence, remote_request(&entry.request), entry.local.clone()));
+                            to_execute.push((
+                                entry.sequence,
+                                remote_request(&entry.request),
+                                entry.local.clone(),
+                            ));
                         }
                         requester.in_flight.push_back(entry);
                     }
@@ -423,7 +457,11 @@ impl QueuePairShared {
     fn execute_loopback(
         &self,
         remote: &Weak<QueuePairShared>,
-        requests: Vec<(u64, RemoteRequest, std::result::Result<Option<LocalTarget>, WorkCompletionStatus>)>,
+        requests: Vec<(
+            u64,
+            RemoteRequest,
+            std::result::Result<Option<LocalTarget>, WorkCompletionStatus>,
+        )>,
     ) {
         let mut payload = Vec::new();
         let mut response = Vec::new();
@@ -436,7 +474,12 @@ impl QueuePairShared {
             if request.opcode == Opcode::Write {
                 if let Ok(Some(target)) = &local {
                     payload.resize(target.length as usize, 0);
-                    if target.entry.memory.read_into(target.memory_offset, &mut payload).is_err() {
+                    if target
+                        .entry
+                        .memory
+                        .read_into(target.memory_offset, &mut payload)
+                        .is_err()
+                    {
                         payload.clear();
                     }
                 }
@@ -472,7 +515,10 @@ pub(crate) fn remote_request(request: &WorkRequest) -> RemoteRequest {
 }
 
 /// Reads the WRITE payload of an in-flight entry into `buffer`.
-pub(crate) fn append_write_payload(buffer: &mut Vec<u8>, local: &std::result::Result<Option<LocalTarget>, WorkCompletionStatus>) {
+pub(crate) fn append_write_payload(
+    buffer: &mut Vec<u8>,
+    local: &std::result::Result<Option<LocalTarget>, WorkCompletionStatus>,
+) {
     if let Ok(Some(target)) = local {
         let start = buffer.len();
         buffer.resize(start + target.length as usize, 0);
@@ -528,8 +574,12 @@ impl ProtectionDomain {
             loopback_order: Mutex::new(()),
             pending_stream: Mutex::new(None),
         });
-        device.gauges.move_queue_pair(None, Some(QueuePairState::Reset));
-        device.queue_pairs.insert(qp_number, Arc::downgrade(&shared));
+        device
+            .gauges
+            .move_queue_pair(None, Some(QueuePairState::Reset));
+        device
+            .queue_pairs
+            .insert(qp_number, Arc::downgrade(&shared));
         Ok(QueuePair { shared })
     }
 }
@@ -571,8 +621,11 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidQueuePairState`] unless the queue pair is in RESET.
     pub fn modify_to_init(&self) -> Result<()> {
-        self.shared
-            .transition(&[QueuePairState::Reset], QueuePairState::Init, "move to INIT")
+        self.shared.transition(
+            &[QueuePairState::Reset],
+            QueuePairState::Init,
+            "move to INIT",
+        )
     }
 
     /// Connects to a remote queue pair and walks RESET/INIT → RTR → RTS. For the soft backend
@@ -609,7 +662,9 @@ impl QueuePair {
                             remote.qp_number, remote.device_id
                         ),
                     })?;
-                let _ = shared.transport.set(Transport::Loopback(Arc::downgrade(&peer)));
+                let _ = shared
+                    .transport
+                    .set(Transport::Loopback(Arc::downgrade(&peer)));
                 Ok(())
             }
             Backend::Soft => soft::connect(shared, &local, remote).await,
@@ -662,10 +717,13 @@ impl QueuePair {
         access: AccessFlags,
     ) -> Result<RemoteKey> {
         let domain = &self.shared.protection_domain;
-        if !domain.same_as(window.protection_domain()) || !domain.same_as(region.protection_domain()) {
+        if !domain.same_as(window.protection_domain())
+            || !domain.same_as(region.protection_domain())
+        {
             return Err(Error::ObjectMismatch {
-                reason: "the window, the region and the queue pair must share one protection domain"
-                    .into(),
+                reason:
+                    "the window, the region and the queue pair must share one protection domain"
+                        .into(),
             });
         }
         let state = self.state();

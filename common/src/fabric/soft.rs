@@ -24,7 +24,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::error::{Error, Result};
 use crate::fabric::device::DeviceInner;
 use crate::fabric::lock;
-use crate::fabric::queue_pair::{append_write_payload, remote_request, InFlight, QueuePairShared, Transport};
+use crate::fabric::queue_pair::{
+    append_write_payload, remote_request, InFlight, QueuePairShared, Transport,
+};
 use crate::fabric::types::{Opcode, QueuePairEndpoint, WorkCompletionStatus};
 use crate::fabric::wire::{self, Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
 
@@ -98,12 +100,17 @@ fn accept_loop(listener: TcpListener, device: Weak<DeviceInner>, stopping: Arc<A
 }
 
 /// Reads a dialer's hello, answers it, and attaches the stream to the queue pair it names.
-fn accept_hello(mut stream: TcpStream, device: &Weak<DeviceInner>) -> std::result::Result<(), String> {
+fn accept_hello(
+    mut stream: TcpStream,
+    device: &Weak<DeviceInner>,
+) -> std::result::Result<(), String> {
     stream
         .set_read_timeout(Some(HELLO_TIMEOUT))
         .map_err(|error| error.to_string())?;
     let mut bytes = [0u8; HELLO_LENGTH];
-    stream.read_exact(&mut bytes).map_err(|error| format!("read hello: {error}"))?;
+    stream
+        .read_exact(&mut bytes)
+        .map_err(|error| format!("read hello: {error}"))?;
     let answer = |stream: &mut TcpStream, status: HelloStatus| {
         stream
             .write_all(&status.encode())
@@ -122,10 +129,15 @@ fn accept_hello(mut stream: TcpStream, device: &Weak<DeviceInner>) -> std::resul
     }
     let Some(queue_pair) = device.queue_pair(hello.target_qp_number) else {
         answer(&mut stream, HelloStatus::UnknownQueuePair)?;
-        return Err(format!("hello for unknown queue pair {}", hello.target_qp_number));
+        return Err(format!(
+            "hello for unknown queue pair {}",
+            hello.target_qp_number
+        ));
     };
     answer(&mut stream, HelloStatus::Accepted)?;
-    stream.set_read_timeout(None).map_err(|error| error.to_string())?;
+    stream
+        .set_read_timeout(None)
+        .map_err(|error| error.to_string())?;
     let _ = stream.set_nodelay(true);
     let mut pending = lock(&queue_pair.pending_stream);
     match queue_pair.transport.get() {
@@ -145,7 +157,9 @@ fn local_dials(local: &QueuePairEndpoint, remote: &QueuePairEndpoint) -> bool {
     match (local.address, remote.address) {
         (None, _) => true,
         (Some(_), None) => false,
-        (Some(_), Some(_)) => (local.device_id, local.qp_number) < (remote.device_id, remote.qp_number),
+        (Some(_), Some(_)) => {
+            (local.device_id, local.qp_number) < (remote.device_id, remote.qp_number)
+        }
     }
 }
 
@@ -155,11 +169,15 @@ pub(crate) async fn connect(
     local: &QueuePairEndpoint,
     remote: &QueuePairEndpoint,
 ) -> Result<()> {
-    let connection = Arc::new(SoftConnection::new());
+    let connection = Arc::new(SoftConnection::new(
+        queue_pair.protection_domain.inner.device.clone(),
+    ));
     if !local_dials(local, remote) {
         let parked = {
             let mut pending = lock(&queue_pair.pending_stream);
-            let _ = queue_pair.transport.set(Transport::Soft(connection.clone()));
+            let _ = queue_pair
+                .transport
+                .set(Transport::Soft(connection.clone()));
             pending.take()
         };
         if let Some(stream) = parked {
@@ -191,7 +209,10 @@ pub(crate) async fn connect(
         source_device_id: local.device_id,
         target_device_id: remote.device_id,
     };
-    stream.write_all(&hello.encode()).await.map_err(connect_error)?;
+    stream
+        .write_all(&hello.encode())
+        .await
+        .map_err(connect_error)?;
     let mut ack = [0u8; HELLO_ACK_LENGTH];
     tokio::time::timeout(HELLO_TIMEOUT, stream.read_exact(&mut ack))
         .await
@@ -209,7 +230,9 @@ pub(crate) async fn connect(
     }
     let stream = stream.into_std().map_err(connect_error)?;
     stream.set_nonblocking(false).map_err(connect_error)?;
-    let _ = queue_pair.transport.set(Transport::Soft(connection.clone()));
+    let _ = queue_pair
+        .transport
+        .set(Transport::Soft(connection.clone()));
     connection.attach(stream, queue_pair.clone());
     Ok(())
 }
@@ -234,25 +257,35 @@ pub(crate) struct SoftConnection {
     outgoing: Mutex<Outgoing>,
     /// Set once the connection is closed.
     closed: AtomicBool,
+    /// The device, for its transport counters.
+    device: Arc<DeviceInner>,
 }
 
 impl SoftConnection {
-    fn new() -> Self {
+    fn new(device: Arc<DeviceInner>) -> Self {
         Self {
             stream: OnceLock::new(),
             outgoing: Mutex::new(Outgoing::default()),
             closed: AtomicBool::new(false),
+            device,
         }
     }
 
-    /// Appends frames to the outgoing buffer (call [`SoftConnection::flush`] after).
-    pub(crate) fn append(&self, encode: impl FnOnce(&mut Vec<u8>)) {
-        encode(&mut lock(&self.outgoing).bytes);
+    /// Appends frames to the outgoing buffer; `encode` returns how many it wrote. Call
+    /// [`SoftConnection::flush`] after.
+    pub(crate) fn append(&self, encode: impl FnOnce(&mut Vec<u8>) -> usize) {
+        let frames = encode(&mut lock(&self.outgoing).bytes);
+        self.device
+            .gauges
+            .frames_sent
+            .fetch_add(frames as i64, Ordering::Relaxed);
     }
 
     /// Writes queued frames unless another thread is already writing (it will take ours too).
     pub(crate) fn flush(&self) {
-        let Some(stream) = self.stream.get() else { return };
+        let Some(stream) = self.stream.get() else {
+            return;
+        };
         let mut outgoing = lock(&self.outgoing);
         if outgoing.flushing {
             return;
@@ -267,7 +300,11 @@ impl SoftConnection {
             let spare = std::mem::take(&mut outgoing.spare);
             let mut batch = std::mem::replace(&mut outgoing.bytes, spare);
             drop(outgoing);
-            let written = (&*stream).write_all(&batch);
+            let written = write_all_waiting(stream, &batch);
+            self.device
+                .gauges
+                .transport_writes
+                .fetch_add(1, Ordering::Relaxed);
             batch.clear();
             outgoing = lock(&self.outgoing);
             outgoing.spare = batch;
@@ -292,7 +329,15 @@ impl SoftConnection {
     }
 
     /// Attaches the TCP stream, starts the engine thread and sends anything queued.
+    ///
+    /// A listening NIC serves the connection from an engine thread; a dialing-only NIC from a
+    /// task on the current tokio runtime.
     fn attach(self: &Arc<Self>, stream: TcpStream, queue_pair: Arc<QueuePairShared>) {
+        let on_runtime = !queue_pair.listens();
+        if on_runtime && stream.set_nonblocking(true).is_err() {
+            queue_pair.fail_unanswered();
+            return;
+        }
         let reader = match stream.try_clone() {
             Ok(reader) => reader,
             Err(error) => {
@@ -307,16 +352,106 @@ impl SoftConnection {
         if self.closed.load(Ordering::Acquire) {
             let _ = reader.shutdown(Shutdown::Both);
         }
-        let connection = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("rdkv-soft-engine-qp{}", queue_pair.qp_number))
-            .spawn(move || run_engine(queue_pair, connection, reader));
+        let engine = Engine::new(queue_pair.clone(), self.clone());
+        let spawned = if on_runtime {
+            match (
+                tokio::runtime::Handle::try_current(),
+                tokio::net::TcpStream::from_std(reader),
+            ) {
+                (Ok(runtime), Ok(reader)) => {
+                    runtime.spawn(run_engine_task(engine, reader));
+                    Ok(())
+                }
+                _ => Err(std::io::Error::other(
+                    "no tokio runtime to run the engine task",
+                )),
+            }
+        } else {
+            std::thread::Builder::new()
+                .name(format!("rdkv-soft-engine-qp{}", queue_pair.qp_number))
+                .spawn(move || run_engine_thread(engine, reader))
+                .map(drop)
+        };
         if let Err(error) = spawned {
             tracing::warn!(%error, "soft NIC could not start an engine thread");
             self.close();
             return;
         }
         self.flush();
+    }
+}
+
+/// Writes all of `bytes`, waiting in poll(2) whenever a non-blocking socket is full.
+fn write_all_waiting(stream: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        match (&*stream).write(bytes) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(written) => bytes = &bytes[written..],
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {
+                let mut descriptor = libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(stream),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for a socket that `stream` keeps open; a timeout
+                // bounds the wait.
+                unsafe { libc::poll(&mut descriptor, 1, 1000) };
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}
+
+/// Busy-polls the socket for up to `budget` with non-blocking reads, as an RDMA application
+/// polls its completion queue. `Some(n)` is a read that returned `n` (0 at end of stream);
+/// `None` means nothing arrived in time (or an error to be seen by the blocking read).
+fn spin_read(stream: &TcpStream, buffer: &mut [u8], budget: Duration) -> Option<usize> {
+    if budget.is_zero() {
+        return None;
+    }
+    let started = std::time::Instant::now();
+    let descriptor = std::os::fd::AsRawFd::as_raw_fd(stream);
+    loop {
+        // SAFETY: `descriptor` is the open socket borrowed through `stream` for this call, and
+        // `buffer` is a valid, exclusively borrowed byte slice of the given length.
+        let received = unsafe {
+            libc::recv(
+                descriptor,
+                buffer.as_mut_ptr().cast(),
+                buffer.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if received >= 0 {
+            return Some(received as usize);
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != ErrorKind::WouldBlock && error.kind() != ErrorKind::Interrupted {
+            return None;
+        }
+        if started.elapsed() >= budget {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// Flushes its connection when dropped: a post rings the doorbell through it, so a post whose
+/// future is dropped after queuing its requests still sends them.
+#[derive(Debug)]
+pub(crate) struct Doorbell(Arc<SoftConnection>);
+
+impl Doorbell {
+    pub(crate) fn new(connection: Arc<SoftConnection>) -> Self {
+        Self(connection)
+    }
+}
+
+impl Drop for Doorbell {
+    fn drop(&mut self) {
+        self.0.flush();
     }
 }
 
@@ -338,87 +473,201 @@ pub(crate) fn encode_request(buffer: &mut Vec<u8>, entry: &InFlight) {
     }
 }
 
-/// The engine thread of one connection.
-fn run_engine(queue_pair: Arc<QueuePairShared>, connection: Arc<SoftConnection>, mut stream: TcpStream) {
-    let max_payload = queue_pair.max_message_size();
-    let retry_timeout = queue_pair.retry_timeout();
-    let _ = stream.set_read_timeout(Some(ENGINE_TICK));
-    let mut buffer = vec![0u8; max_payload as usize * 2 + 4096];
-    let (mut start, mut end) = (0usize, 0usize);
-    let mut responses: Vec<u8> = Vec::with_capacity(64 * 1024);
-    let mut responder_failed = false;
-    let reason = 'connection: loop {
+/// The frame processing of one connection, shared by the engine thread and the engine task.
+struct Engine {
+    /// The local queue pair.
+    queue_pair: Arc<QueuePairShared>,
+    /// The connection's outgoing side.
+    connection: Arc<SoftConnection>,
+    /// Received bytes; frames are parsed from `start..end`.
+    buffer: Vec<u8>,
+    /// First unparsed byte.
+    start: usize,
+    /// End of received bytes.
+    end: usize,
+    /// Encoded responses not yet queued for sending.
+    responses: Vec<u8>,
+    /// How many responses `responses` holds.
+    response_count: usize,
+    /// The responder refused a request: it serves nothing more on this connection.
+    responder_failed: bool,
+    /// The largest payload accepted.
+    max_payload: u32,
+}
+
+impl Engine {
+    fn new(queue_pair: Arc<QueuePairShared>, connection: Arc<SoftConnection>) -> Self {
+        let max_payload = queue_pair.max_message_size();
+        Self {
+            queue_pair,
+            connection,
+            buffer: vec![0u8; max_payload as usize * 2 + 4096],
+            start: 0,
+            end: 0,
+            responses: Vec::with_capacity(64 * 1024),
+            response_count: 0,
+            responder_failed: false,
+            max_payload,
+        }
+    }
+
+    /// Handles every complete frame received so far and sends the responses; `Err` ends the
+    /// connection with its reason.
+    fn process(&mut self) -> std::result::Result<(), String> {
         loop {
-            match wire::decode_frame(&buffer[start..end], max_payload) {
+            match wire::decode_frame(&self.buffer[self.start..self.end], self.max_payload) {
                 Ok(Some((frame, used))) => {
-                    start += used;
                     match frame {
                         Frame::Request {
                             sequence,
                             request,
                             payload,
                         } => {
-                            if responder_failed {
-                                continue;
-                            }
-                            let position = wire::reserve_response_header(&mut responses);
-                            match queue_pair.serve(&request, payload, &mut responses) {
-                                Some(status) => {
-                                    wire::finish_response_header(&mut responses, position, sequence, status);
-                                    responder_failed = status != WorkCompletionStatus::Success;
+                            if !self.responder_failed {
+                                let position = wire::reserve_response_header(&mut self.responses);
+                                match self
+                                    .queue_pair
+                                    .serve(&request, payload, &mut self.responses)
+                                {
+                                    Some(status) => {
+                                        wire::finish_response_header(
+                                            &mut self.responses,
+                                            position,
+                                            sequence,
+                                            status,
+                                        );
+                                        self.response_count += 1;
+                                        self.responder_failed =
+                                            status != WorkCompletionStatus::Success;
+                                    }
+                                    None => self.responses.truncate(position),
                                 }
-                                None => responses.truncate(position),
                             }
                         }
                         Frame::Response {
                             sequence,
                             status,
                             payload,
-                        } => queue_pair.on_response(sequence, status, payload),
+                        } => self.queue_pair.on_response(sequence, status, payload),
                     }
+                    self.start += used;
                 }
                 Ok(None) => break,
-                Err(error) => break 'connection format!("protocol violation: {error}"),
+                Err(error) => return Err(format!("protocol violation: {error}")),
             }
         }
-        if !responses.is_empty() {
-            connection.append(|outgoing| outgoing.extend_from_slice(&responses));
-            responses.clear();
-            connection.flush();
+        if !self.responses.is_empty() {
+            let count = self.response_count;
+            let responses = &self.responses;
+            self.connection.append(|outgoing| {
+                outgoing.extend_from_slice(responses);
+                count
+            });
+            self.responses.clear();
+            self.response_count = 0;
+            self.connection.flush();
         }
-        if responder_failed {
+        if self.responder_failed {
             // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
             // the error response is on its way.
-            queue_pair.enter_error();
-            break 'connection "responder error".to_string();
+            self.queue_pair.enter_error();
+            return Err("responder error".into());
         }
-        if start == end {
-            start = 0;
-            end = 0;
-        } else if end == buffer.len() {
-            buffer.copy_within(start..end, 0);
-            end -= start;
-            start = 0;
+        Ok(())
+    }
+
+    /// Free space to read into, after compacting parsed bytes away.
+    fn space(&mut self) -> &mut [u8] {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buffer.len() {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
         }
-        match stream.read(&mut buffer[end..]) {
-            Ok(0) => break 'connection "end of stream".to_string(),
-            Ok(read) => end += read,
+        &mut self.buffer[self.end..]
+    }
+
+    /// Whether to give up while idle: the connection was closed locally, or the oldest
+    /// outstanding request waited past the retry timeout.
+    fn idle_check(&self) -> std::result::Result<(), String> {
+        if self.connection.closed.load(Ordering::Acquire) {
+            return Err("closed locally".into());
+        }
+        let retry_timeout = self.queue_pair.retry_timeout();
+        if self
+            .queue_pair
+            .oldest_outstanding_age()
+            .is_some_and(|age| age > retry_timeout)
+        {
+            return Err(format!(
+                "no response within the retry timeout {retry_timeout:?}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Ends the connection: outstanding requests complete RETRY_EXC_ERR, then flush.
+    fn finish(self, reason: &str) {
+        tracing::debug!(qp_number = self.queue_pair.qp_number, %reason, "soft connection ended");
+        self.connection.close();
+        self.queue_pair.fail_unanswered();
+    }
+}
+
+/// The engine thread of one connection on a listening NIC.
+fn run_engine_thread(mut engine: Engine, mut stream: TcpStream) {
+    let spin = engine.queue_pair.poll_spin();
+    let _ = stream.set_read_timeout(Some(ENGINE_TICK));
+    let reason = loop {
+        if let Err(reason) = engine.process() {
+            break reason;
+        }
+        let space = engine.space();
+        let outcome = match spin_read(&stream, space, spin) {
+            Some(read) => Ok(read),
+            None => stream.read(space),
+        };
+        match outcome {
+            Ok(0) => break "end of stream".to_string(),
+            Ok(read) => engine.end += read,
             Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                if connection.closed.load(Ordering::Acquire) {
-                    break 'connection "closed locally".to_string();
-                }
-                if queue_pair
-                    .oldest_outstanding_age()
-                    .is_some_and(|age| age > retry_timeout)
-                {
-                    break 'connection format!("no response within the retry timeout {retry_timeout:?}");
+                if let Err(reason) = engine.idle_check() {
+                    break reason;
                 }
             }
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => break 'connection format!("read: {error}"),
+            Err(error) => break format!("read: {error}"),
         }
     };
-    tracing::debug!(qp_number = queue_pair.qp_number, %reason, "soft connection ended");
-    connection.close();
-    queue_pair.fail_unanswered();
+    engine.finish(&reason);
+}
+
+/// The engine task of one connection on a dialing-only NIC: it runs on the caller's tokio
+/// runtime, so a response wakes the awaiting task without a hop through another thread.
+async fn run_engine_task(mut engine: Engine, stream: tokio::net::TcpStream) {
+    let reason = loop {
+        if let Err(reason) = engine.process() {
+            break reason;
+        }
+        match stream.try_read(engine.space()) {
+            Ok(0) => break "end of stream".to_string(),
+            Ok(read) => engine.end += read,
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {
+                match tokio::time::timeout(ENGINE_TICK, stream.readable()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => break format!("wait for readability: {error}"),
+                    Err(_) => {
+                        if let Err(reason) = engine.idle_check() {
+                            break reason;
+                        }
+                    }
+                }
+            }
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) => break format!("read: {error}"),
+        }
+    };
+    engine.finish(&reason);
 }

@@ -226,10 +226,7 @@ impl WorkCompletionStatus {
 
     /// Whether a new queue pair may succeed where this one failed.
     pub fn is_retryable(self) -> bool {
-        matches!(
-            self,
-            Self::WorkRequestFlushError | Self::RetryExceededError
-        )
+        matches!(self, Self::WorkRequestFlushError | Self::RetryExceededError)
     }
 }
 

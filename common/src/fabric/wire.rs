@@ -223,7 +223,10 @@ pub(crate) enum WireError {
 }
 
 /// Decodes the first frame of `bytes`: `Ok(None)` when more bytes are needed.
-pub(crate) fn decode_frame(bytes: &[u8], max_payload: u32) -> Result<Option<(Frame<'_>, usize)>, WireError> {
+pub(crate) fn decode_frame(
+    bytes: &[u8],
+    max_payload: u32,
+) -> Result<Option<(Frame<'_>, usize)>, WireError> {
     let Some(&kind) = bytes.first() else {
         return Ok(None);
     };
@@ -328,10 +331,16 @@ mod tests {
         assert_eq!(buffer[0], 1);
         assert_eq!(buffer[1], 2);
         assert_eq!(&buffer[4..8], &0xABCDu32.to_le_bytes());
-        let (frame, used) = decode_frame(&buffer, 1024).expect("valid").expect("complete");
+        let (frame, used) = decode_frame(&buffer, 1024)
+            .expect("valid")
+            .expect("complete");
         assert_eq!(used, REQUEST_HEADER_LENGTH);
         match frame {
-            Frame::Request { sequence, request, payload } => {
+            Frame::Request {
+                sequence,
+                request,
+                payload,
+            } => {
                 assert_eq!(sequence, 42);
                 assert_eq!(request.remote_address, 0x7F00_0000_1000);
                 assert_eq!((request.compare, request.swap_or_add), (1, 2));
@@ -350,7 +359,9 @@ mod tests {
         encode_request_header(&mut buffer, 1, &write, 5);
         buffer.extend_from_slice(b"hello");
         for cut in 0..buffer.len() {
-            assert!(decode_frame(&buffer[..cut], 1024).expect("valid prefix").is_none());
+            assert!(decode_frame(&buffer[..cut], 1024)
+                .expect("valid prefix")
+                .is_none());
         }
         assert!(decode_frame(&buffer, 1024).expect("valid").is_some());
     }
@@ -360,8 +371,15 @@ mod tests {
         let mut buffer = Vec::new();
         let position = reserve_response_header(&mut buffer);
         buffer.extend_from_slice(&7u64.to_le_bytes());
-        finish_response_header(&mut buffer, position, 9, WorkCompletionStatus::RemoteAccessError);
-        let (frame, used) = decode_frame(&buffer, 1024).expect("valid").expect("complete");
+        finish_response_header(
+            &mut buffer,
+            position,
+            9,
+            WorkCompletionStatus::RemoteAccessError,
+        );
+        let (frame, used) = decode_frame(&buffer, 1024)
+            .expect("valid")
+            .expect("complete");
         assert_eq!(used, 24);
         assert!(matches!(
             frame,
@@ -371,12 +389,24 @@ mod tests {
 
     #[test]
     fn bad_frames_are_rejected() {
-        assert_eq!(decode_frame(&[9u8; 64], 1024).unwrap_err(), WireError::UnknownKind(9));
+        assert_eq!(
+            decode_frame(&[9u8; 64], 1024).unwrap_err(),
+            WireError::UnknownKind(9)
+        );
         let mut buffer = Vec::new();
         encode_request_header(&mut buffer, 1, &sample_request(), 4096);
-        assert!(matches!(decode_frame(&buffer, 1024), Err(WireError::Oversize { length: 4096, max: 1024 })));
+        assert!(matches!(
+            decode_frame(&buffer, 1024),
+            Err(WireError::Oversize {
+                length: 4096,
+                max: 1024
+            })
+        ));
         buffer[1] = 77;
-        assert_eq!(decode_frame(&buffer, 1 << 20).unwrap_err(), WireError::UnknownOpcode(77));
+        assert_eq!(
+            decode_frame(&buffer, 1 << 20).unwrap_err(),
+            WireError::UnknownOpcode(77)
+        );
     }
 
     #[test]
@@ -391,6 +421,9 @@ mod tests {
         assert_eq!(Hello::decode(&bytes), Some(hello));
         bytes[0] = b'X';
         assert_eq!(Hello::decode(&bytes), None);
-        assert_eq!(HelloStatus::decode(&HelloStatus::UnknownQueuePair.encode()), HelloStatus::UnknownQueuePair);
+        assert_eq!(
+            HelloStatus::decode(&HelloStatus::UnknownQueuePair.encode()),
+            HelloStatus::UnknownQueuePair
+        );
     }
 }

@@ -289,7 +289,8 @@ mod tests {
 
     #[test]
     fn meminfo_fields_parse_with_and_without_units() {
-        let text = "MemTotal:       24000000 kB\nMemAvailable:   1000 kB\nHugePages_Free:        7\n";
+        let text =
+            "MemTotal:       24000000 kB\nMemAvailable:   1000 kB\nHugePages_Free:        7\n";
         assert_eq!(meminfo_field(text, "MemAvailable"), Some(1000 * 1024));
         assert_eq!(meminfo_field(text, "HugePages_Free"), Some(7));
         assert_eq!(meminfo_field(text, "Missing"), None);
@@ -297,7 +298,13 @@ mod tests {
 
     #[test]
     fn hugepage_policy_parses_and_rejects_unknown_words() {
-        assert_eq!("require".parse::<HugepagePolicy>(), Ok(HugepagePolicy::Require));
-        assert!("sometimes".parse::<HugepagePolicy>().unwrap_err().contains("auto, require or off"));
+        assert_eq!(
+            "require".parse::<HugepagePolicy>(),
+            Ok(HugepagePolicy::Require)
+        );
+        assert!("sometimes"
+            .parse::<HugepagePolicy>()
+            .unwrap_err()
+            .contains("auto, require or off"));
     }
 }

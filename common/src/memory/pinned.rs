@@ -147,7 +147,9 @@ impl PinnedMemory {
             let memory = std::mem::ManuallyDrop::new(memory);
             // SAFETY: the mapping is ours and nothing references it; it is unmapped exactly once.
             unsafe { libc::munmap(memory.base.as_ptr().cast(), memory.length as usize) };
-            if source.raw_os_error() == Some(libc::ENOMEM) || source.raw_os_error() == Some(libc::EPERM) {
+            if source.raw_os_error() == Some(libc::ENOMEM)
+                || source.raw_os_error() == Some(libc::EPERM)
+            {
                 let figures = read_memlock_figures();
                 return Err(Error::MemlockLimit {
                     requested_bytes: length,
@@ -352,10 +354,12 @@ impl PinnedMemory {
     pub fn compare_exchange_u64(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
         self.check_atomic(offset)?;
         Ok(
-            match self
-                .word(offset)
-                .compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst)
-            {
+            match self.word(offset).compare_exchange(
+                expected,
+                new,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
                 Ok(original) | Err(original) => original,
             },
         )
@@ -404,7 +408,8 @@ mod tests {
 
     #[test]
     fn zero_length_is_refused() {
-        let error = PinnedMemory::allocate(0, HugepagePolicy::Off, PinLimits::default()).unwrap_err();
+        let error =
+            PinnedMemory::allocate(0, HugepagePolicy::Off, PinLimits::default()).unwrap_err();
         assert!(matches!(error, Error::InvalidMemorySize { length: 0, .. }));
     }
 
@@ -434,7 +439,10 @@ mod tests {
         let memory = small();
         memory.store_u64(0, u64::MAX).expect("store");
         memory.write_from(3, &[0, 0]).expect("write");
-        assert_eq!(memory.load_u64(0).expect("load").to_le_bytes(), [255, 255, 255, 0, 0, 255, 255, 255]);
+        assert_eq!(
+            memory.load_u64(0).expect("load").to_le_bytes(),
+            [255, 255, 255, 0, 0, 255, 255, 255]
+        );
     }
 
     #[test]
@@ -450,11 +458,17 @@ mod tests {
     #[test]
     fn bounds_and_alignment_are_checked() {
         let memory = small();
-        assert!(matches!(memory.load_u64(4), Err(Error::MisalignedAtomic { offset: 4 })));
+        assert!(matches!(
+            memory.load_u64(4),
+            Err(Error::MisalignedAtomic { offset: 4 })
+        ));
         assert!(matches!(
             memory.read_into(8190, &mut [0u8; 4]),
             Err(Error::MemoryOutOfBounds { .. })
         ));
-        assert!(matches!(memory.write_from(u64::MAX, &[1]), Err(Error::MemoryOutOfBounds { .. })));
+        assert!(matches!(
+            memory.write_from(u64::MAX, &[1]),
+            Err(Error::MemoryOutOfBounds { .. })
+        ));
     }
 }
