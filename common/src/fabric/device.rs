@@ -118,6 +118,8 @@ pub(crate) struct DeviceInner {
     next_protection_domain: AtomicU32,
     /// The next queue pair number.
     next_qp_number: AtomicU32,
+    /// Set while one of the device's engine threads busy-polls (see `DeviceConfig::poll_spin`).
+    pub(crate) spinning: std::sync::atomic::AtomicBool,
     /// The soft backend's listener (absent for loopback and for a soft device that only dials).
     pub(crate) soft_listener: OnceLock<SoftListener>,
 }
@@ -182,6 +184,7 @@ impl Device {
             gauges: FabricGauges::default(),
             next_protection_domain: AtomicU32::new(1),
             next_qp_number: AtomicU32::new(((id >> 40) as u32 & 0xFFFF) | 0x10),
+            spinning: std::sync::atomic::AtomicBool::new(false),
             soft_listener: OnceLock::new(),
         });
         Self { inner }

@@ -381,6 +381,28 @@ impl SoftConnection {
     }
 }
 
+/// At most this many frames per read count as light load, when spinning pays.
+const LIGHT_LOAD_FRAMES: usize = 4;
+
+/// The right to busy-poll: one engine thread per device holds it at a time.
+struct SpinToken<'a>(&'a DeviceInner);
+
+impl<'a> SpinToken<'a> {
+    fn try_acquire(device: &'a DeviceInner) -> Option<Self> {
+        device
+            .spinning
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| Self(device))
+    }
+}
+
+impl Drop for SpinToken<'_> {
+    fn drop(&mut self) {
+        self.0.spinning.store(false, Ordering::Release);
+    }
+}
+
 /// Writes all of `bytes`, waiting in poll(2) whenever a non-blocking socket is full.
 fn write_all_waiting(stream: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
     while !bytes.is_empty() {
@@ -493,6 +515,8 @@ struct Engine {
     responder_failed: bool,
     /// The largest payload accepted.
     max_payload: u32,
+    /// Frames handled by the last call of `process`: a measure of load for adaptive spinning.
+    last_batch_frames: usize,
 }
 
 impl Engine {
@@ -508,12 +532,14 @@ impl Engine {
             response_count: 0,
             responder_failed: false,
             max_payload,
+            last_batch_frames: 0,
         }
     }
 
     /// Handles every complete frame received so far and sends the responses; `Err` ends the
     /// connection with its reason.
     fn process(&mut self) -> std::result::Result<(), String> {
+        self.last_batch_frames = 0;
         loop {
             match wire::decode_frame(&self.buffer[self.start..self.end], self.max_payload) {
                 Ok(Some((frame, used))) => {
@@ -551,6 +577,7 @@ impl Engine {
                         } => self.queue_pair.on_response(sequence, status, payload),
                     }
                     self.start += used;
+                    self.last_batch_frames += 1;
                 }
                 Ok(None) => break,
                 Err(error) => return Err(format!("protocol violation: {error}")),
@@ -619,15 +646,30 @@ impl Engine {
 /// The engine thread of one connection on a listening NIC.
 fn run_engine_thread(mut engine: Engine, mut stream: TcpStream) {
     let spin = engine.queue_pair.poll_spin();
+    let connection = engine.connection.clone();
     let _ = stream.set_read_timeout(Some(ENGINE_TICK));
     let reason = loop {
         if let Err(reason) = engine.process() {
             break reason;
         }
+        // Spin only while lightly loaded (a busy connection never waits long for its next
+        // frames) and only one engine thread per device at a time, so spinning never takes
+        // the cores that the busy connections need.
+        let spin_token = (!spin.is_zero() && engine.last_batch_frames <= LIGHT_LOAD_FRAMES)
+            .then(|| SpinToken::try_acquire(&connection.device))
+            .flatten();
+        let budget = if spin_token.is_some() {
+            spin
+        } else {
+            Duration::ZERO
+        };
         let space = engine.space();
-        let outcome = match spin_read(&stream, space, spin) {
+        let outcome = match spin_read(&stream, space, budget) {
             Some(read) => Ok(read),
-            None => stream.read(space),
+            None => {
+                drop(spin_token);
+                stream.read(space)
+            }
         };
         match outcome {
             Ok(0) => break "end of stream".to_string(),
