@@ -14,3 +14,8 @@ pub mod fabric;
 pub mod memory;
 
 pub use error::{Error, Result};
+
+/// The README's code examples, compiled as doctests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
