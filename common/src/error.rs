@@ -180,6 +180,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// The control plane failed.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+
     /// The soft NIC could not bind its listener.
     #[error("bind soft NIC listener on {address}")]
     BindListener {
@@ -201,6 +205,42 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+}
+
+/// Control-plane failures (see [`crate::protocol`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// A frame announced more bytes than the limit.
+    #[error("control frame of {length} bytes exceeds the maximum of {max} bytes")]
+    FrameTooLarge {
+        /// The announced length.
+        length: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// A frame's bytes are not a valid message.
+    #[error("malformed control frame: {reason}")]
+    Malformed {
+        /// What the decoder said.
+        reason: String,
+    },
+    /// The peer speaks another protocol version.
+    #[error("protocol version mismatch: this side speaks {ours}, the peer {theirs}")]
+    VersionMismatch {
+        /// Our version.
+        ours: u32,
+        /// The peer's.
+        theirs: u32,
+    },
+    /// The peer closed the connection.
+    #[error("the control connection was closed by the peer")]
+    Closed,
+    /// Reading or writing the socket failed.
+    #[error("control connection I/O")]
+    Io(#[source] io::Error),
+    /// The peer sent a message that is not valid at this point of the conversation.
+    #[error("unexpected control message: {0}")]
+    Unexpected(String),
 }
 
 impl Error {

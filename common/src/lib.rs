@@ -5,15 +5,19 @@
 //!   the same model in one process.
 //! - [`memory`]: page-aligned, pinned memory that the fabric registers, with the memlock, RAM
 //!   and hugepage checks done before anything is pinned.
-//! - [`error`]: the crate's one error enum.
+//! - [`layout`]: the table layout (buckets, slots, blocks) shared by server and client.
+//! - [`protocol`]: the control-plane messages, their framing and the HMAC handshake.
+//! - [`error`]: the crate's error enum (and its control-plane part).
 //!
 //! `unsafe` code lives only in `fabric` and `memory`; each block carries a `// SAFETY:` argument.
 
 pub mod error;
 pub mod fabric;
+pub mod layout;
 pub mod memory;
+pub mod protocol;
 
-pub use error::{Error, Result};
+pub use error::{ControlError, Error, Result};
 
 /// The README's code examples, compiled as doctests so they stay true.
 #[cfg(doctest)]

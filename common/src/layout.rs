@@ -1,0 +1,391 @@
+//! The table layout shared by server and client: index buckets and slots, combined buckets with
+//! two hash choices, and KV blocks in the heap. `docs/layout.md` draws it with byte offsets.
+//!
+//! ```text
+//! region = [ index: bucket_count × 64 B | heap: heap_size B ]      (one mmap, registered once)
+//! bucket = 8 slots × 8 B
+//! combined bucket c = buckets 2c and 2c+1 (128 B, one READ)
+//! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (0..48)
+//! block  = key_length u16 | reserved u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
+//! ```
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Bytes per bucket.
+pub const BUCKET_SIZE: u64 = 64;
+/// Slots per bucket.
+pub const SLOTS_PER_BUCKET: usize = 8;
+/// Bytes per combined bucket (two buckets, fetched with one READ).
+pub const COMBINED_BUCKET_SIZE: u64 = 2 * BUCKET_SIZE;
+/// Slots per combined bucket.
+pub const SLOTS_PER_COMBINED_BUCKET: usize = 2 * SLOTS_PER_BUCKET;
+/// Hash choices per key.
+pub const HASH_CHOICES: usize = 2;
+/// Candidate slots per key.
+pub const CANDIDATE_SLOTS: usize = HASH_CHOICES * SLOTS_PER_COMBINED_BUCKET;
+/// Heap blocks are aligned to, and sized in, this many bytes.
+pub const BLOCK_UNIT: u64 = 64;
+/// The largest block: 255 units (the slot's length field is 8 bits).
+pub const MAX_BLOCK_SIZE: u64 = 255 * BLOCK_UNIT;
+/// Bytes of a block header.
+pub const BLOCK_HEADER_SIZE: usize = 16;
+/// The longest key, in bytes.
+pub const MAX_KEY_LENGTH: usize = 256;
+/// The longest value, in bytes, for any key length.
+pub const MAX_VALUE_LENGTH: usize = MAX_BLOCK_SIZE as usize - BLOCK_HEADER_SIZE - MAX_KEY_LENGTH;
+/// The largest heap a 48-bit slot offset can address.
+pub const MAX_HEAP_SIZE: u64 = 1 << 48;
+
+/// The table's shape, fixed at server start and sent to every client in the handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableGeometry {
+    /// Index buckets; a power of two, at least 2.
+    pub bucket_count: u64,
+    /// Heap bytes.
+    pub heap_size: u64,
+    /// Bytes per heap chunk handed to one client.
+    pub chunk_size: u64,
+    /// The seed of the key hash.
+    pub hash_seed: u64,
+}
+
+impl TableGeometry {
+    /// Index bytes.
+    pub fn index_size(&self) -> u64 {
+        self.bucket_count * BUCKET_SIZE
+    }
+
+    /// Combined buckets.
+    pub fn combined_bucket_count(&self) -> u64 {
+        self.bucket_count / 2
+    }
+
+    /// Offset of the heap inside the region (the index rounded up to a page).
+    pub fn heap_offset(&self) -> u64 {
+        self.index_size().div_ceil(4096) * 4096
+    }
+
+    /// Bytes of the whole region.
+    pub fn region_size(&self) -> u64 {
+        self.heap_offset() + self.heap_size
+    }
+
+    /// Heap chunks.
+    pub fn chunk_count(&self) -> u64 {
+        self.heap_size / self.chunk_size
+    }
+
+    /// Where a key may live.
+    pub fn locate(&self, key: &[u8]) -> KeyLocation {
+        let first = xxh3_64_with_seed(key, self.hash_seed);
+        let second = xxh3_64_with_seed(key, self.hash_seed.rotate_left(32) ^ 0x9E37_79B9_7F4A_7C15);
+        let count = self.combined_bucket_count().max(1);
+        KeyLocation {
+            fingerprint: (first >> 56) as u8,
+            combined_buckets: [first % count, second % count],
+        }
+    }
+
+    /// Offset in the index of a combined bucket.
+    pub fn combined_bucket_offset(&self, combined_bucket: u64) -> u64 {
+        combined_bucket * COMBINED_BUCKET_SIZE
+    }
+
+    /// Offset in the index of one slot.
+    pub fn slot_offset(&self, position: SlotPosition) -> u64 {
+        self.combined_bucket_offset(position.combined_bucket) + position.slot as u64 * 8
+    }
+}
+
+/// The two combined buckets and the fingerprint of one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyLocation {
+    /// The 8-bit fingerprint stored in the key's slot.
+    pub fingerprint: u8,
+    /// The combined buckets of the first and second hash choice (may be equal).
+    pub combined_buckets: [u64; HASH_CHOICES],
+}
+
+impl KeyLocation {
+    /// The distinct combined buckets, in choice order.
+    pub fn distinct_buckets(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.combined_buckets
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(choice, bucket)| *choice == 0 || *bucket != self.combined_buckets[0])
+    }
+}
+
+/// A slot's place: which combined bucket and which of its 16 slots. Positions order duplicate
+/// slots of one key deterministically: first choice before second, lower slot first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SlotPosition {
+    /// 0 for the first hash choice, 1 for the second.
+    pub choice: usize,
+    /// The combined bucket.
+    pub combined_bucket: u64,
+    /// The slot, 0..16.
+    pub slot: usize,
+}
+
+/// An index slot: fingerprint | length units | heap offset. Zero is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Slot(pub u64);
+
+impl Slot {
+    /// The empty slot.
+    pub const EMPTY: Slot = Slot(0);
+
+    /// A slot pointing at a block of `units` 64-byte units at heap offset `offset`.
+    pub fn new(fingerprint: u8, units: u8, offset: u64) -> Self {
+        debug_assert!(units > 0 && offset < MAX_HEAP_SIZE && offset % BLOCK_UNIT == 0);
+        Slot(
+            (u64::from(fingerprint) << 56)
+                | (u64::from(units) << 48)
+                | (offset & (MAX_HEAP_SIZE - 1)),
+        )
+    }
+
+    /// Whether the slot is empty.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The fingerprint.
+    pub fn fingerprint(self) -> u8 {
+        (self.0 >> 56) as u8
+    }
+
+    /// The block length in 64-byte units.
+    pub fn units(self) -> u8 {
+        (self.0 >> 48) as u8
+    }
+
+    /// The block length in bytes.
+    pub fn block_length(self) -> u64 {
+        u64::from(self.units()) * BLOCK_UNIT
+    }
+
+    /// The block's heap offset.
+    pub fn offset(self) -> u64 {
+        self.0 & (MAX_HEAP_SIZE - 1)
+    }
+
+    /// Decodes a slot from the 8 bytes a READ returned (little-endian, as the NIC stores it).
+    pub fn from_bytes(bytes: [u8; 8]) -> Self {
+        Slot(u64::from_le_bytes(bytes))
+    }
+}
+
+/// Reads the 16 slots of a combined bucket from the bytes a READ returned.
+pub fn parse_combined_bucket(bytes: &[u8]) -> [Slot; SLOTS_PER_COMBINED_BUCKET] {
+    let mut slots = [Slot::EMPTY; SLOTS_PER_COMBINED_BUCKET];
+    for (slot, chunk) in slots.iter_mut().zip(bytes.chunks_exact(8)) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        *slot = Slot::from_bytes(word);
+    }
+    slots
+}
+
+/// Why a key or value cannot be stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// The key is empty or longer than [`MAX_KEY_LENGTH`].
+    #[error("key of {length} bytes: keys must be 1 to {MAX_KEY_LENGTH} bytes")]
+    KeyLength {
+        /// The key's length.
+        length: usize,
+    },
+    /// The value is longer than [`MAX_VALUE_LENGTH`].
+    #[error("value of {length} bytes exceeds the limit of {MAX_VALUE_LENGTH} bytes")]
+    ValueTooLarge {
+        /// The value's length.
+        length: usize,
+    },
+}
+
+/// Checks a key and value against the limits.
+///
+/// # Errors
+/// [`LayoutError`] naming the limit.
+pub fn check_key_value(key: &[u8], value: &[u8]) -> Result<(), LayoutError> {
+    if key.is_empty() || key.len() > MAX_KEY_LENGTH {
+        return Err(LayoutError::KeyLength { length: key.len() });
+    }
+    if value.len() > MAX_VALUE_LENGTH {
+        return Err(LayoutError::ValueTooLarge {
+            length: value.len(),
+        });
+    }
+    Ok(())
+}
+
+/// The block size, in 64-byte units, for a key and value.
+pub fn block_units(key_length: usize, value_length: usize) -> u8 {
+    let bytes = (BLOCK_HEADER_SIZE + key_length + value_length) as u64;
+    bytes.div_ceil(BLOCK_UNIT).min(255) as u8
+}
+
+fn checksum(header: &[u8], key: &[u8], value: &[u8]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(0x5244_4B56);
+    hasher.update(header);
+    hasher.update(key);
+    hasher.update(value);
+    hasher.digest()
+}
+
+/// Encodes a block into `out` (cleared first); returns its length in units. The caller checked
+/// the limits with [`check_key_value`].
+pub fn encode_block(key: &[u8], value: &[u8], out: &mut Vec<u8>) -> u8 {
+    out.clear();
+    let mut header = [0u8; 8];
+    header[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
+    header[4..8].copy_from_slice(&(value.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&checksum(&header, key, value).to_le_bytes());
+    out.extend_from_slice(key);
+    out.extend_from_slice(value);
+    let units = block_units(key.len(), value.len());
+    out.resize(usize::from(units) * BLOCK_UNIT as usize, 0);
+    units
+}
+
+/// Why a block read from the heap is not a valid block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BlockError {
+    /// Lengths that do not fit the bytes read.
+    #[error("block lengths do not fit the {read} bytes read")]
+    Malformed {
+        /// Bytes read.
+        read: usize,
+    },
+    /// The checksum does not match: a torn or reused block.
+    #[error("block checksum mismatch")]
+    Checksum,
+}
+
+/// A decoded block, borrowing from the bytes read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Block<'a> {
+    /// The key.
+    pub key: &'a [u8],
+    /// The value.
+    pub value: &'a [u8],
+}
+
+/// Decodes and verifies a block.
+///
+/// # Errors
+/// [`BlockError`] when the bytes are not a whole, intact block.
+pub fn decode_block(bytes: &[u8]) -> Result<Block<'_>, BlockError> {
+    let malformed = BlockError::Malformed { read: bytes.len() };
+    if bytes.len() < BLOCK_HEADER_SIZE {
+        return Err(malformed);
+    }
+    let key_length = usize::from(u16::from_le_bytes([bytes[0], bytes[1]]));
+    let value_length = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize;
+    let end = BLOCK_HEADER_SIZE
+        .checked_add(key_length)
+        .and_then(|end| end.checked_add(value_length))
+        .ok_or(malformed)?;
+    if end > bytes.len() || key_length == 0 {
+        return Err(malformed);
+    }
+    let mut stored = [0u8; 8];
+    stored.copy_from_slice(&bytes[8..16]);
+    let key = &bytes[BLOCK_HEADER_SIZE..BLOCK_HEADER_SIZE + key_length];
+    let value = &bytes[BLOCK_HEADER_SIZE + key_length..end];
+    if checksum(&bytes[0..8], key, value) != u64::from_le_bytes(stored) {
+        return Err(BlockError::Checksum);
+    }
+    Ok(Block { key, value })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> TableGeometry {
+        TableGeometry {
+            bucket_count: 1024,
+            heap_size: 1 << 20,
+            chunk_size: 64 * 1024,
+            hash_seed: 7,
+        }
+    }
+
+    #[test]
+    fn slot_fields_round_trip() {
+        let slot = Slot::new(0xAB, 3, 0x1234_5678_9AC0);
+        assert_eq!(slot.fingerprint(), 0xAB);
+        assert_eq!(slot.units(), 3);
+        assert_eq!(slot.block_length(), 192);
+        assert_eq!(slot.offset(), 0x1234_5678_9AC0);
+        assert!(!slot.is_empty());
+        assert_eq!(Slot::from_bytes(slot.0.to_le_bytes()), slot);
+        assert!(Slot::EMPTY.is_empty());
+    }
+
+    #[test]
+    fn block_round_trips_and_detects_damage() {
+        let mut bytes = Vec::new();
+        let units = encode_block(b"user42", b"hello world", &mut bytes);
+        assert_eq!(units, 1);
+        assert_eq!(bytes.len(), 64);
+        let block = decode_block(&bytes).expect("valid");
+        assert_eq!(block.key, b"user42");
+        assert_eq!(block.value, b"hello world");
+        bytes[20] ^= 1;
+        assert_eq!(decode_block(&bytes), Err(BlockError::Checksum));
+        assert!(matches!(
+            decode_block(&bytes[..10]),
+            Err(BlockError::Malformed { .. })
+        ));
+        let zeros = [0u8; 64];
+        assert!(
+            decode_block(&zeros).is_err(),
+            "an all-zero (never written) block is refused"
+        );
+    }
+
+    #[test]
+    fn limits_are_exact() {
+        let key = vec![1u8; MAX_KEY_LENGTH];
+        let value = vec![2u8; MAX_VALUE_LENGTH];
+        check_key_value(&key, &value).expect("maximum fits");
+        assert_eq!(block_units(key.len(), value.len()), 255);
+        assert_eq!(
+            check_key_value(&key, &vec![0u8; MAX_VALUE_LENGTH + 1]),
+            Err(LayoutError::ValueTooLarge {
+                length: MAX_VALUE_LENGTH + 1
+            })
+        );
+        assert!(check_key_value(b"", b"").is_err());
+        assert!(check_key_value(&vec![0u8; MAX_KEY_LENGTH + 1], b"").is_err());
+        assert!(LayoutError::ValueTooLarge { length: 1 }
+            .to_string()
+            .contains("16048"));
+    }
+
+    #[test]
+    fn locations_are_deterministic_and_in_range() {
+        let geometry = geometry();
+        let first = geometry.locate(b"alpha");
+        assert_eq!(first, geometry.locate(b"alpha"));
+        assert!(first.combined_buckets.iter().all(|bucket| *bucket < 512));
+        let other_seed = TableGeometry {
+            hash_seed: 8,
+            ..geometry
+        };
+        assert_ne!(
+            other_seed.locate(b"alpha"),
+            first,
+            "the seed changes placement"
+        );
+        assert_eq!(geometry.heap_offset(), 64 * 1024);
+        assert_eq!(geometry.region_size(), 64 * 1024 + (1 << 20));
+    }
+}

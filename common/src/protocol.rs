@@ -1,0 +1,276 @@
+//! The control plane: messages between a client and a server, their framing, and the HMAC
+//! handshake. `docs/protocol.md` describes the conversation.
+//!
+//! Frames are a little-endian `u32` length followed by that many bytes of bincode. A frame over
+//! [`MAX_FRAME_SIZE`], or one that does not decode, is an error that closes only that connection.
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::ControlError;
+use crate::fabric::{QueuePairEndpoint, RemoteKey};
+use crate::layout::TableGeometry;
+
+/// The control protocol version.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest control frame, in bytes.
+pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
+/// Bytes of an authentication nonce and proof.
+pub const PROOF_LENGTH: usize = 32;
+
+/// What a client sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientMessage {
+    /// The answer to the server's challenge.
+    Authenticate {
+        /// The client's protocol version.
+        protocol_version: u32,
+        /// HMAC-SHA256 over the challenge with the cluster secret.
+        proof: [u8; PROOF_LENGTH],
+        /// A name for logs.
+        client_name: String,
+    },
+    /// The client's queue pair, to connect the server's to it.
+    ConnectQueuePair {
+        /// The client queue pair's endpoint.
+        endpoint: QueuePairEndpoint,
+    },
+    /// A fresh heap chunk for this client; seals the client's current chunk.
+    AllocateChunk,
+    /// Renews the lease.
+    Heartbeat,
+    /// The server's counters.
+    Stats,
+    /// A clean goodbye.
+    Goodbye,
+}
+
+/// What a server sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ServerMessage {
+    /// The first message: a nonce to prove the secret over.
+    Challenge {
+        /// The server's protocol version.
+        protocol_version: u32,
+        /// Random bytes.
+        nonce: [u8; PROOF_LENGTH],
+        /// The node's id.
+        node_id: u32,
+    },
+    /// Authentication passed: the table and this connection's keys.
+    Welcome(Box<Welcome>),
+    /// The server's queue pair is connected; one-sided requests may start.
+    QueuePairReady,
+    /// A heap chunk and the WRITE key only this connection holds.
+    Chunk {
+        /// The chunk's index.
+        chunk: u64,
+        /// Its heap offset.
+        heap_offset: u64,
+        /// The WRITE key, bound to this connection's queue pair.
+        key: RemoteKey,
+    },
+    /// The lease was renewed.
+    HeartbeatAck,
+    /// The server's counters.
+    Stats(ServerStats),
+    /// The request was refused; the reason names the fix where there is one.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What an authenticated client needs to run one-sided operations.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The server's id for this connection.
+    pub connection_id: u64,
+    /// The table's shape and hash seed.
+    pub geometry: TableGeometry,
+    /// The server queue pair to connect to.
+    pub server_endpoint: QueuePairEndpoint,
+    /// READ and ATOMIC over the index, bound to this connection's queue pair.
+    pub index_key: RemoteKey,
+    /// READ over the heap, bound to this connection's queue pair.
+    pub heap_key: RemoteKey,
+    /// Heartbeat at least this often, in milliseconds, or the lease expires.
+    pub lease_timeout_ms: u64,
+    /// The deadline of one operation, in milliseconds.
+    pub operation_deadline_ms: u64,
+}
+
+/// A server's counters, as `rdkv stats` and the metrics endpoint show them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerStats {
+    /// The node's id.
+    pub node_id: u32,
+    /// Seconds since start.
+    pub uptime_seconds: u64,
+    /// Control connections open now (authenticated or not).
+    pub connections: u64,
+    /// Queue pairs per state (RESET, INIT, RTR, RTS, ERR).
+    pub queue_pairs: [i64; 5],
+    /// Live memory regions.
+    pub live_memory_regions: i64,
+    /// Live memory windows.
+    pub live_memory_windows: i64,
+    /// Pinned bytes.
+    pub pinned_bytes: u64,
+    /// Heap bytes in chunks that are owned, sealed or quarantined.
+    pub heap_used_bytes: u64,
+    /// Heap bytes.
+    pub heap_size_bytes: u64,
+    /// Keys, estimated from the last index scan.
+    pub keys_estimate: u64,
+    /// Chunks handed out since start.
+    pub chunk_allocations: u64,
+    /// Chunks reclaimed since start.
+    pub chunks_reclaimed: u64,
+    /// Control messages handled since start.
+    pub control_messages: u64,
+    /// One-sided requests handled by server application code: always 0 by construction (the
+    /// NIC engine serves them), reported so that anyone can check.
+    pub data_path_requests: u64,
+    /// Soft NIC frames sent (responses), a measure of one-sided traffic.
+    pub fabric_frames_sent: i64,
+    /// Authentication failures since start.
+    pub authentication_failures: u64,
+}
+
+/// HMAC-SHA256 proof of the secret over a nonce.
+pub fn compute_proof(secret: &[u8], nonce: &[u8; PROOF_LENGTH]) -> [u8; PROOF_LENGTH] {
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"rdkv-auth-v1");
+    mac.update(nonce);
+    mac.finalize().into_bytes().into()
+}
+
+/// Checks a proof in constant time.
+pub fn verify_proof(secret: &[u8], nonce: &[u8; PROOF_LENGTH], proof: &[u8; PROOF_LENGTH]) -> bool {
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"rdkv-auth-v1");
+    mac.update(nonce);
+    mac.verify_slice(proof).is_ok()
+}
+
+/// Writes one frame.
+///
+/// # Errors
+/// [`ControlError::FrameTooLarge`] or [`ControlError::Io`].
+pub async fn write_frame<W, M>(writer: &mut W, message: &M) -> Result<(), ControlError>
+where
+    W: AsyncWrite + Unpin,
+    M: Serialize,
+{
+    let bytes = bincode::serialize(message).map_err(|error| ControlError::Malformed {
+        reason: error.to_string(),
+    })?;
+    let length = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+    if length > MAX_FRAME_SIZE {
+        return Err(ControlError::FrameTooLarge {
+            length,
+            max: MAX_FRAME_SIZE,
+        });
+    }
+    let mut frame = Vec::with_capacity(4 + bytes.len());
+    frame.extend_from_slice(&length.to_le_bytes());
+    frame.extend_from_slice(&bytes);
+    writer.write_all(&frame).await.map_err(ControlError::Io)?;
+    writer.flush().await.map_err(ControlError::Io)
+}
+
+/// Reads one frame.
+///
+/// # Errors
+/// [`ControlError::Closed`] at a clean end of stream, [`ControlError::FrameTooLarge`] before
+/// reading an oversize body, [`ControlError::Malformed`] when the body does not decode.
+pub async fn read_frame<R, M>(reader: &mut R) -> Result<M, ControlError>
+where
+    R: AsyncRead + Unpin,
+    M: for<'de> Deserialize<'de>,
+{
+    let mut length = [0u8; 4];
+    match reader.read_exact(&mut length).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(ControlError::Closed)
+        }
+        Err(error) => return Err(ControlError::Io(error)),
+    }
+    let length = u32::from_le_bytes(length);
+    if length > MAX_FRAME_SIZE {
+        return Err(ControlError::FrameTooLarge {
+            length,
+            max: MAX_FRAME_SIZE,
+        });
+    }
+    let mut body = vec![0u8; length as usize];
+    reader.read_exact(&mut body).await.map_err(|error| {
+        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+            ControlError::Closed
+        } else {
+            ControlError::Io(error)
+        }
+    })?;
+    bincode::deserialize(&body).map_err(|error| ControlError::Malformed {
+        reason: error.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip() {
+        let (mut left, mut right) = tokio::io::duplex(1 << 16);
+        write_frame(&mut left, &ClientMessage::Heartbeat)
+            .await
+            .expect("write");
+        let message: ClientMessage = read_frame(&mut right).await.expect("read");
+        assert_eq!(message, ClientMessage::Heartbeat);
+    }
+
+    #[tokio::test]
+    async fn oversize_and_malformed_frames_are_refused() {
+        let (mut left, mut right) = tokio::io::duplex(1 << 16);
+        left.write_all(&(MAX_FRAME_SIZE + 1).to_le_bytes())
+            .await
+            .expect("write");
+        let error = read_frame::<_, ClientMessage>(&mut right)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, ControlError::FrameTooLarge { length, .. } if length == MAX_FRAME_SIZE + 1)
+        );
+
+        let (mut left, mut right) = tokio::io::duplex(1 << 16);
+        left.write_all(&3u32.to_le_bytes()).await.expect("write");
+        left.write_all(&[0xFF, 0xFF, 0xFF]).await.expect("write");
+        let error = read_frame::<_, ClientMessage>(&mut right)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, ControlError::Malformed { .. }), "{error}");
+
+        let (left, mut right) = tokio::io::duplex(1 << 16);
+        drop(left);
+        assert!(matches!(
+            read_frame::<_, ClientMessage>(&mut right).await,
+            Err(ControlError::Closed)
+        ));
+    }
+
+    #[test]
+    fn proofs_verify_only_with_the_same_secret_and_nonce() {
+        let nonce = [7u8; PROOF_LENGTH];
+        let proof = compute_proof(b"secret", &nonce);
+        assert!(verify_proof(b"secret", &nonce, &proof));
+        assert!(!verify_proof(b"other", &nonce, &proof));
+        assert!(!verify_proof(b"secret", &[8u8; PROOF_LENGTH], &proof));
+    }
+}
