@@ -1,7 +1,33 @@
-//! rdkv-client: the async client library (skeleton).
+//! rdkv-client: the async client library.
 //!
-//! It will run GET, PUT, DELETE and compare-and-swap with one-sided READ, WRITE and CAS on the
-//! fabric (issue "The store"). No binary ships until the CLI exists.
+//! GET, PUT, INSERT, UPDATE, DELETE and compare-and-swap run as one-sided READ, WRITE and CAS
+//! against the server's registered table; the server's CPU handles none of them.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), rdkv_client::Error> {
+//! use rdkv_client::{Client, ClientConfig};
+//! use rdkv_common::fabric::Backend;
+//! let client = Client::connect(ClientConfig::new("127.0.0.1:7400".parse().unwrap(), Backend::Soft, b"secret")).await?;
+//! client.put(b"user:1", b"ada").await?;
+//! assert_eq!(client.get(b"user:1").await?.as_deref(), Some(&b"ada"[..]));
+//! # Ok(()) }
+//! ```
+//!
+//! - [`client`]: the handle, deadlines, reconnects and safe retries.
+//! - `connection`: the handshake, queue pair, scratch buffers, chunks and control task.
+//! - `operations`: the one-sided algorithms.
+//! - [`counters`]: per-client counters.
+//! - [`error`]: the one error enum.
 #![forbid(unsafe_code)]
 
-pub use rdkv_common::fabric;
+pub mod client;
+mod connection;
+pub mod counters;
+pub mod error;
+mod operations;
+
+pub use client::Client;
+pub use connection::{ClientConfig, NodeAddress};
+pub use counters::CounterSnapshot;
+pub use error::{Error, Result};
+pub use operations::CasOutcome;

@@ -1,8 +1,25 @@
-//! rdkv-server: the server library (skeleton).
+//! rdkv-server: allocates, pins and registers the table, runs the control plane, and manages
+//! each client connection's queue pair and keys.
 //!
-//! It will allocate, pin and register the table, run the control plane and manage each
-//! connection's memory-region lifecycle (issue "The store"). Until then it only re-exports the
-//! fabric it will be built on, and ships no binary, so no user can reach an unfinished path.
+//! - [`config`]: settings and their validation.
+//! - [`table`]: the registered region (index + heap).
+//! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
+//! - `connection`: one client's handshake, keys, chunks, lease and ordered teardown.
+//! - [`server`]: start, run, shutdown.
+//! - [`stats`](crate::stats): counters.
+//!
+//! The server never handles a GET, PUT, DELETE or CAS: the fabric's NIC engine serves clients'
+//! one-sided requests against the registered table, and gives server code no callback for them.
 #![forbid(unsafe_code)]
 
-pub use rdkv_common::fabric;
+pub mod config;
+mod connection;
+pub mod error;
+pub mod heap;
+pub mod server;
+pub mod stats;
+pub mod table;
+
+pub use config::ServerConfig;
+pub use error::{Error, Result};
+pub use server::{run, start, RunningServer};

@@ -1,0 +1,93 @@
+//! Per-client counters: operations, round trips and verbs per operation, CAS failures and
+//! checksum retries.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters, shared by every connection of one client.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Operations completed (any outcome but an error).
+    pub operations: AtomicU64,
+    /// GETs (each key of a batch counts one).
+    pub gets: AtomicU64,
+    /// Mutations (put, insert, update, delete, compare-and-swap).
+    pub mutations: AtomicU64,
+    /// Posted lists that waited for completions: network round trips.
+    pub round_trips: AtomicU64,
+    /// Round trips spent by GETs.
+    pub get_round_trips: AtomicU64,
+    /// Work requests posted.
+    pub verbs: AtomicU64,
+    /// Slot CASes that lost a race.
+    pub cas_failures: AtomicU64,
+    /// Block reads retried after a checksum mismatch.
+    pub checksum_retries: AtomicU64,
+    /// Connections re-established after a failure.
+    pub reconnects: AtomicU64,
+}
+
+/// A copy of the counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CounterSnapshot {
+    /// Operations completed.
+    pub operations: u64,
+    /// GETs.
+    pub gets: u64,
+    /// Mutations.
+    pub mutations: u64,
+    /// Round trips.
+    pub round_trips: u64,
+    /// Round trips of GETs.
+    pub get_round_trips: u64,
+    /// Work requests posted.
+    pub verbs: u64,
+    /// Lost slot CAS races.
+    pub cas_failures: u64,
+    /// Checksum retries.
+    pub checksum_retries: u64,
+    /// Reconnects.
+    pub reconnects: u64,
+}
+
+impl CounterSnapshot {
+    /// Round trips per operation.
+    pub fn round_trips_per_operation(&self) -> f64 {
+        ratio(self.round_trips, self.operations)
+    }
+
+    /// Round trips per GET.
+    pub fn round_trips_per_get(&self) -> f64 {
+        ratio(self.get_round_trips, self.gets)
+    }
+
+    /// Work requests per operation.
+    pub fn verbs_per_operation(&self) -> f64 {
+        ratio(self.verbs, self.operations)
+    }
+}
+
+fn ratio(numerator: u64, denominator: u64) -> f64 {
+    if denominator == 0 {
+        0.0
+    } else {
+        numerator as f64 / denominator as f64
+    }
+}
+
+impl Counters {
+    /// A snapshot.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        CounterSnapshot {
+            operations: load(&self.operations),
+            gets: load(&self.gets),
+            mutations: load(&self.mutations),
+            round_trips: load(&self.round_trips),
+            get_round_trips: load(&self.get_round_trips),
+            verbs: load(&self.verbs),
+            cas_failures: load(&self.cas_failures),
+            checksum_retries: load(&self.checksum_retries),
+            reconnects: load(&self.reconnects),
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Every client operation against an in-process server, on the `soft` and `loopback` fabrics.
+
+use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
+use rdkv_common::fabric::Backend;
+use rdkv_common::layout::{MAX_KEY_LENGTH, MAX_VALUE_LENGTH};
+use rdkv_server::{RunningServer, ServerConfig};
+
+const SECRET: &[u8] = b"operations-test-secret";
+
+async fn start(fabric: Backend) -> (RunningServer, Client) {
+    let mut config = ServerConfig::local(SECRET);
+    config.fabric = fabric;
+    let server = rdkv_server::start(config).await.expect("start server");
+    let client = Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
+        .await
+        .expect("connect");
+    (server, client)
+}
+
+async fn every_operation(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    assert_eq!(client.get(b"missing").await.expect("get"), None);
+    client.put(b"alpha", b"one").await.expect("put");
+    assert_eq!(
+        client.get(b"alpha").await.expect("get").as_deref(),
+        Some(&b"one"[..])
+    );
+    client.put(b"alpha", b"two").await.expect("put replaces");
+    assert_eq!(
+        client.get(b"alpha").await.expect("get").as_deref(),
+        Some(&b"two"[..])
+    );
+
+    assert!(
+        !client.insert(b"alpha", b"three").await.expect("insert"),
+        "insert refuses a present key"
+    );
+    assert!(
+        client.insert(b"beta", b"b").await.expect("insert"),
+        "insert adds an absent key"
+    );
+    assert!(client.update(b"beta", b"bb").await.expect("update"));
+    assert!(
+        !client.update(b"gamma", b"g").await.expect("update"),
+        "update refuses an absent key"
+    );
+    assert_eq!(client.get(b"gamma").await.expect("get"), None);
+
+    assert_eq!(
+        client
+            .compare_and_swap(b"beta", b"bb", b"bbb")
+            .await
+            .expect("cas"),
+        CasOutcome::Swapped
+    );
+    assert_eq!(
+        client
+            .compare_and_swap(b"beta", b"bb", b"x")
+            .await
+            .expect("cas"),
+        CasOutcome::Mismatch(Some(bytes::Bytes::from_static(b"bbb")))
+    );
+    assert_eq!(
+        client
+            .compare_and_swap(b"nobody", b"a", b"b")
+            .await
+            .expect("cas"),
+        CasOutcome::Mismatch(None)
+    );
+
+    let values = client
+        .batch_get(&[b"alpha", b"beta", b"nobody"])
+        .await
+        .expect("batch_get");
+    assert_eq!(values[0].as_deref(), Some(&b"two"[..]));
+    assert_eq!(values[1].as_deref(), Some(&b"bbb"[..]));
+    assert_eq!(values[2], None);
+
+    assert!(client.delete(b"alpha").await.expect("delete"));
+    assert!(
+        !client.delete(b"alpha").await.expect("delete again"),
+        "deleting an absent key says so"
+    );
+    assert_eq!(client.get(b"alpha").await.expect("get"), None);
+    client
+        .put(b"alpha", b"back")
+        .await
+        .expect("put after delete");
+    assert_eq!(
+        client.get(b"alpha").await.expect("get").as_deref(),
+        Some(&b"back"[..])
+    );
+}
+
+async fn values_from_empty_to_the_maximum(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    for length in [0usize, 1, 7, 47, 48, 1000, 4096, MAX_VALUE_LENGTH] {
+        let value: Vec<u8> = (0..length)
+            .map(|index| (index * 7 + length) as u8)
+            .collect();
+        let key = format!("value-{length}");
+        client.put(key.as_bytes(), &value).await.expect("put");
+        assert_eq!(
+            client.get(key.as_bytes()).await.expect("get").as_deref(),
+            Some(value.as_slice()),
+            "value of {length} bytes"
+        );
+    }
+    let error = client
+        .put(b"too-big", &vec![0u8; MAX_VALUE_LENGTH + 1])
+        .await
+        .expect_err("one byte over the maximum");
+    assert!(
+        matches!(error, Error::ValueTooLarge { length, limit } if length == MAX_VALUE_LENGTH + 1 && limit == MAX_VALUE_LENGTH),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains(&MAX_VALUE_LENGTH.to_string()),
+        "the message names the limit: {error}"
+    );
+}
+
+async fn keys_from_one_byte_to_the_maximum(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    for length in [1usize, 2, 16, 100, MAX_KEY_LENGTH] {
+        let key: Vec<u8> = (0..length).map(|index| (index * 13 + 1) as u8).collect();
+        client.put(&key, &length.to_le_bytes()).await.expect("put");
+        assert_eq!(
+            client.get(&key).await.expect("get").as_deref(),
+            Some(&length.to_le_bytes()[..]),
+            "key of {length} bytes"
+        );
+    }
+    assert!(matches!(
+        client.put(b"", b"v").await,
+        Err(Error::InvalidKey { length: 0, .. })
+    ));
+    assert!(matches!(
+        client.get(&vec![1u8; MAX_KEY_LENGTH + 1]).await,
+        Err(Error::InvalidKey {
+            limit: MAX_KEY_LENGTH,
+            ..
+        })
+    ));
+}
+
+async fn a_get_takes_two_round_trips(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    for index in 0..200 {
+        client
+            .put(format!("key-{index}").as_bytes(), b"value")
+            .await
+            .expect("put");
+    }
+    let before = client.counters();
+    for index in 0..200 {
+        assert!(client
+            .get(format!("key-{index}").as_bytes())
+            .await
+            .expect("get")
+            .is_some());
+    }
+    let after = client.counters();
+    let round_trips = after.get_round_trips - before.get_round_trips;
+    assert_eq!(
+        round_trips, 400,
+        "200 GETs of present keys take exactly 2 round trips each"
+    );
+}
+
+async fn wrong_secret_is_refused(fabric: Backend) {
+    let (server, _client) = start(fabric).await;
+    let queue_pairs_before = server.stats().queue_pairs.iter().sum::<i64>();
+    let error = Client::connect(ClientConfig::new(
+        server.control_address(),
+        fabric,
+        b"wrong",
+    ))
+    .await
+    .expect_err("a wrong secret");
+    assert!(
+        matches!(error, Error::AuthenticationFailed { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("secret"), "{error}");
+    let stats = server.stats();
+    assert_eq!(stats.authentication_failures, 1);
+    assert_eq!(
+        stats.queue_pairs.iter().sum::<i64>(),
+        queue_pairs_before,
+        "no queue pair was created for the refused client"
+    );
+}
+
+macro_rules! per_fabric {
+    ($module:ident, $fabric:expr) => {
+        mod $module {
+            use super::*;
+            per_fabric!(@tests $fabric;
+                every_operation,
+                values_from_empty_to_the_maximum,
+                keys_from_one_byte_to_the_maximum,
+                a_get_takes_two_round_trips,
+                wrong_secret_is_refused,
+            );
+        }
+    };
+    (@tests $fabric:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                super::$test($fabric).await;
+            }
+        )*
+    };
+}
+
+per_fabric!(soft, Backend::Soft);
+per_fabric!(loopback, Backend::Loopback);

@@ -1,0 +1,142 @@
+//! `rdkv-server`: runs one rdkv node until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use rdkv_common::fabric::Backend;
+use rdkv_common::memory::HugepagePolicy;
+use rdkv_server::ServerConfig;
+use tokio_util::sync::CancellationToken;
+
+/// Run one rdkv node: pin and register the table, then serve clients until SIGINT/SIGTERM.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Arguments {
+    /// The node's id.
+    #[arg(long, default_value_t = 1)]
+    node_id: u32,
+    /// Control-plane listen address.
+    #[arg(long, default_value = "127.0.0.1:7400")]
+    listen: SocketAddr,
+    /// Soft NIC listen address (one-sided requests arrive here).
+    #[arg(long, default_value = "127.0.0.1:7401")]
+    fabric_listen: SocketAddr,
+    /// Index size in bytes (K, M, G suffixes allowed).
+    #[arg(long, default_value = "4M", value_parser = parse_size)]
+    index_size: u64,
+    /// Heap size in bytes (K, M, G suffixes allowed).
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    heap_size: u64,
+    /// Heap chunk size in bytes (K, M suffixes allowed).
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    chunk_size: u64,
+    /// Hugepage policy: auto, require or off.
+    #[arg(long, default_value = "auto")]
+    hugepages: HugepagePolicy,
+    /// The largest share of MemAvailable the table may pin.
+    #[arg(long, default_value_t = 0.5)]
+    max_pinned_share: f64,
+    /// A file holding the cluster secret (else the RDKV_SECRET environment variable).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Lease timeout in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    lease_timeout_ms: u64,
+    /// Per-operation deadline in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    deadline_ms: u64,
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, multiplier) = match text.chars().last() {
+        Some('K' | 'k') => (&text[..text.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&text[..text.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|number| number.checked_mul(multiplier))
+        .ok_or_else(|| format!("`{text}` is not a size: use bytes or a number with K, M or G"))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let arguments = Arguments::parse();
+    let secret = match &arguments.secret_file {
+        Some(path) => std::fs::read(path)
+            .with_context(|| format!("read the secret file {}", path.display()))?
+            .trim_ascii()
+            .to_vec(),
+        None => std::env::var("RDKV_SECRET")
+            .context("no secret: pass --secret-file FILE or set RDKV_SECRET")?
+            .into_bytes(),
+    };
+    let config = ServerConfig {
+        node_id: arguments.node_id,
+        control_address: arguments.listen,
+        fabric: Backend::Soft,
+        fabric_address: arguments.fabric_listen,
+        index_size: arguments.index_size,
+        heap_size: arguments.heap_size,
+        chunk_size: arguments.chunk_size,
+        hugepages: arguments.hugepages,
+        max_pinned_share: arguments.max_pinned_share,
+        secret,
+        lease_timeout: Duration::from_millis(arguments.lease_timeout_ms),
+        operation_deadline: Duration::from_millis(arguments.deadline_ms),
+        max_connections: 1024,
+        hash_seed: None,
+        collector_interval: Duration::from_millis(100),
+    };
+    let shutdown = CancellationToken::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signals.cancel();
+    });
+    rdkv_server::run(config, shutdown, |server| {
+        // One machine-readable line on stdout: launchers and tests wait for it.
+        println!(
+            "rdkv-server ready node={} control={} fabric={}",
+            arguments.node_id,
+            server.control_address(),
+            server
+                .fabric_address()
+                .map_or_else(|| "-".to_string(), |address| address.to_string())
+        );
+    })
+    .await
+    .context("run rdkv-server")?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let terminate = signal(SignalKind::terminate());
+    let interrupt = signal(SignalKind::interrupt());
+    match (terminate, interrupt) {
+        (Ok(mut terminate), Ok(mut interrupt)) => {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = interrupt.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("signal received: shutting down");
+}

@@ -1,0 +1,175 @@
+//! The server's configuration and its validation.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use rdkv_common::fabric::Backend;
+use rdkv_common::layout::{TableGeometry, COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MAX_HEAP_SIZE};
+use rdkv_common::memory::HugepagePolicy;
+
+use crate::error::{Error, Result};
+
+/// Everything a server needs to start.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The node's id in its cluster.
+    pub node_id: u32,
+    /// Where the control plane listens (port 0 picks one).
+    pub control_address: SocketAddr,
+    /// The fabric backend.
+    pub fabric: Backend,
+    /// Where the soft NIC listens (port 0 picks one); unused by loopback.
+    pub fabric_address: SocketAddr,
+    /// Index bytes; rounded down to a power-of-two number of 64-byte buckets.
+    pub index_size: u64,
+    /// Heap bytes; rounded down to whole chunks.
+    pub heap_size: u64,
+    /// Bytes per heap chunk handed to a client.
+    pub chunk_size: u64,
+    /// Hugepage policy for the table region.
+    pub hugepages: HugepagePolicy,
+    /// The largest share of MemAvailable the table may pin.
+    pub max_pinned_share: f64,
+    /// The cluster secret clients prove with HMAC.
+    pub secret: Vec<u8>,
+    /// A client that sends nothing for this long loses its connection and keys.
+    pub lease_timeout: Duration,
+    /// The deadline of one client operation; freed heap space is quarantined for twice this.
+    pub operation_deadline: Duration,
+    /// Most control connections at once.
+    pub max_connections: usize,
+    /// The hash seed; random when absent.
+    pub hash_seed: Option<u64>,
+    /// How often the heap collector scans the index.
+    pub collector_interval: Duration,
+}
+
+impl ServerConfig {
+    /// A configuration for tests and examples: loopback addresses with port 0, a small table.
+    pub fn local(secret: &[u8]) -> Self {
+        Self {
+            node_id: 1,
+            control_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            fabric: Backend::Soft,
+            fabric_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            index_size: 256 * 1024,
+            heap_size: 4 * 1024 * 1024,
+            chunk_size: 64 * 1024,
+            hugepages: HugepagePolicy::Auto,
+            max_pinned_share: 0.5,
+            secret: secret.to_vec(),
+            lease_timeout: Duration::from_secs(10),
+            operation_deadline: Duration::from_secs(2),
+            max_connections: 1024,
+            hash_seed: None,
+            collector_interval: Duration::from_millis(100),
+        }
+    }
+
+    /// Checks the configuration and derives the table geometry.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the field and what would be valid.
+    pub fn geometry(&self, hash_seed: u64) -> Result<TableGeometry> {
+        if self.secret.is_empty() {
+            return Err(Error::Config {
+                field: "secret",
+                reason: "the cluster secret is empty; set one (clients must present the same)"
+                    .into(),
+            });
+        }
+        if self.index_size < 2 * COMBINED_BUCKET_SIZE {
+            return Err(Error::Config {
+                field: "index_size",
+                reason: format!(
+                    "{} bytes is too small: the index needs at least {} bytes (two combined buckets)",
+                    self.index_size,
+                    2 * COMBINED_BUCKET_SIZE
+                ),
+            });
+        }
+        if self.chunk_size < MAX_BLOCK_SIZE || self.chunk_size % 4096 != 0 {
+            return Err(Error::Config {
+                field: "chunk_size",
+                reason: format!(
+                    "{} bytes: a chunk must be a multiple of 4096 and hold the largest block ({MAX_BLOCK_SIZE} bytes)",
+                    self.chunk_size
+                ),
+            });
+        }
+        if self.heap_size < self.chunk_size || self.heap_size > MAX_HEAP_SIZE {
+            return Err(Error::Config {
+                field: "heap_size",
+                reason: format!(
+                    "{} bytes: the heap must hold at least one chunk ({} bytes) and at most 2^48 bytes",
+                    self.heap_size, self.chunk_size
+                ),
+            });
+        }
+        if !(0.0..=1.0).contains(&self.max_pinned_share) {
+            return Err(Error::Config {
+                field: "max_pinned_share",
+                reason: format!(
+                    "{} is not a share between 0.0 and 1.0",
+                    self.max_pinned_share
+                ),
+            });
+        }
+        let buckets = self.index_size / 64;
+        let bucket_count = 1u64 << (63 - buckets.leading_zeros());
+        let chunks = self.heap_size / self.chunk_size;
+        Ok(TableGeometry {
+            bucket_count,
+            heap_size: chunks * self.chunk_size,
+            chunk_size: self.chunk_size,
+            hash_seed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_rounds_to_powers_of_two_and_whole_chunks() {
+        let mut config = ServerConfig::local(b"s");
+        config.index_size = 100_000;
+        config.heap_size = 200_000;
+        config.chunk_size = 64 * 1024;
+        let geometry = config.geometry(1).expect("valid");
+        assert_eq!(geometry.bucket_count, 1024);
+        assert_eq!(geometry.heap_size, 3 * 64 * 1024);
+    }
+
+    #[test]
+    fn bad_sizes_name_the_field() {
+        let mut config = ServerConfig::local(b"s");
+        config.index_size = 64;
+        assert!(config
+            .geometry(1)
+            .unwrap_err()
+            .to_string()
+            .contains("index_size"));
+        let mut config = ServerConfig::local(b"s");
+        config.chunk_size = 1000;
+        assert!(config
+            .geometry(1)
+            .unwrap_err()
+            .to_string()
+            .contains("chunk_size"));
+        let mut config = ServerConfig::local(b"s");
+        config.heap_size = 4096;
+        assert!(config
+            .geometry(1)
+            .unwrap_err()
+            .to_string()
+            .contains("heap_size"));
+        let config = ServerConfig::local(b"");
+        assert!(config
+            .geometry(1)
+            .unwrap_err()
+            .to_string()
+            .contains("secret"));
+    }
+}

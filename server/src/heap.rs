@@ -1,0 +1,250 @@
+//! Heap chunks: handed to one client at a time, sealed when the client moves on or leaves, and
+//! reclaimed by the collector once no slot references them for a whole quarantine.
+//!
+//! Chunk states: `Free` → `Owned` (one client writes blocks into it) → `Sealed` (no writer) →
+//! `Candidate` (a scan found no reference after the seal was older than the quarantine) → `Free`
+//! (a later scan, a quarantine after the first, still found none). A reference found in any
+//! scan sends a candidate back to `Sealed`.
+//!
+//! Why this is safe: a client writes a block, then CASes its slot within one operation deadline;
+//! a reader that read a slot reads the block within one deadline. The quarantine is twice the
+//! deadline, so by the time a chunk is freed no operation that saw a slot into it (or wrote a
+//! block into it) is still running. Crashed clients need no special case: their chunks are
+//! sealed at lease expiry and reclaimed like any other.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rdkv_common::layout::TableGeometry;
+
+/// One chunk's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    /// Available.
+    Free,
+    /// Written by this connection.
+    Owned(u64),
+    /// No writer since this instant.
+    Sealed(Instant),
+    /// Unreferenced in a scan at this instant.
+    Candidate(Instant),
+}
+
+/// What one collection pass found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CollectionReport {
+    /// Non-empty slots seen.
+    pub keys: u64,
+    /// Chunks returned to the free list.
+    pub reclaimed: u64,
+}
+
+/// The chunk allocator and collector.
+#[derive(Debug)]
+pub struct Heap {
+    /// Chunk bytes.
+    chunk_size: u64,
+    /// Per-chunk state.
+    chunks: Mutex<Vec<ChunkState>>,
+    /// Free chunks, reused oldest-freed first.
+    free: Mutex<VecDeque<u64>>,
+    /// How long a chunk stays unreferenced before reuse.
+    quarantine: Duration,
+    /// Chunks handed out since start.
+    pub allocations: AtomicU64,
+    /// Chunks reclaimed since start.
+    pub reclaimed: AtomicU64,
+    /// Keys seen by the last scan.
+    pub keys_estimate: AtomicU64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Heap {
+    /// A heap of `geometry.chunk_count()` free chunks.
+    pub fn new(geometry: &TableGeometry, quarantine: Duration) -> Self {
+        let count = geometry.chunk_count();
+        Self {
+            chunk_size: geometry.chunk_size,
+            chunks: Mutex::new(vec![ChunkState::Free; count as usize]),
+            free: Mutex::new((0..count).collect()),
+            quarantine,
+            allocations: AtomicU64::new(0),
+            reclaimed: AtomicU64::new(0),
+            keys_estimate: AtomicU64::new(0),
+        }
+    }
+
+    /// Seals every chunk `connection` owns, then hands it a free one.
+    pub fn allocate(&self, connection: u64) -> Option<u64> {
+        self.seal_owned_by(connection);
+        let chunk = lock(&self.free).pop_front()?;
+        lock(&self.chunks)[chunk as usize] = ChunkState::Owned(connection);
+        self.allocations.fetch_add(1, Ordering::Relaxed);
+        Some(chunk)
+    }
+
+    /// Seals every chunk `connection` owns (it moved on, left, or its lease expired).
+    pub fn seal_owned_by(&self, connection: u64) {
+        let now = Instant::now();
+        for state in lock(&self.chunks).iter_mut() {
+            if *state == ChunkState::Owned(connection) {
+                *state = ChunkState::Sealed(now);
+            }
+        }
+    }
+
+    /// Heap bytes not free.
+    pub fn used_bytes(&self) -> u64 {
+        let chunks = lock(&self.chunks);
+        chunks
+            .iter()
+            .filter(|state| **state != ChunkState::Free)
+            .count() as u64
+            * self.chunk_size
+    }
+
+    /// One collection pass. `referenced` lists, for every non-empty slot, its heap offset.
+    pub fn collect(
+        &self,
+        referenced_offsets: impl Iterator<Item = u64>,
+        now: Instant,
+    ) -> CollectionReport {
+        let mut referenced = vec![false; lock(&self.chunks).len()];
+        let mut keys = 0u64;
+        for offset in referenced_offsets {
+            keys += 1;
+            if let Some(flag) = referenced.get_mut((offset / self.chunk_size) as usize) {
+                *flag = true;
+            }
+        }
+        let mut freed = Vec::new();
+        {
+            let mut chunks = lock(&self.chunks);
+            for (index, state) in chunks.iter_mut().enumerate() {
+                *state = match (*state, referenced[index]) {
+                    (ChunkState::Sealed(since), false)
+                        if now.duration_since(since) >= self.quarantine =>
+                    {
+                        ChunkState::Candidate(now)
+                    }
+                    (ChunkState::Candidate(_), true) => ChunkState::Sealed(now),
+                    (ChunkState::Candidate(since), false)
+                        if now.duration_since(since) >= self.quarantine =>
+                    {
+                        freed.push(index as u64);
+                        ChunkState::Free
+                    }
+                    (unchanged, _) => unchanged,
+                };
+            }
+        }
+        let reclaimed = freed.len() as u64;
+        lock(&self.free).extend(freed);
+        self.reclaimed.fetch_add(reclaimed, Ordering::Relaxed);
+        self.keys_estimate.store(keys, Ordering::Relaxed);
+        CollectionReport { keys, reclaimed }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heap(chunks: u64) -> Heap {
+        let geometry = TableGeometry {
+            bucket_count: 4,
+            heap_size: chunks * 65536,
+            chunk_size: 65536,
+            hash_seed: 0,
+        };
+        Heap::new(&geometry, Duration::from_secs(1))
+    }
+
+    #[test]
+    fn chunks_are_exclusive_until_exhausted() {
+        let heap = heap(2);
+        assert_eq!(heap.allocate(1), Some(0));
+        assert_eq!(heap.allocate(2), Some(1));
+        assert_eq!(heap.allocate(3), None, "no free chunk");
+        assert_eq!(heap.used_bytes(), 2 * 65536);
+    }
+
+    #[test]
+    fn unreferenced_sealed_chunk_is_freed_after_two_quarantines() {
+        let heap = heap(2);
+        let start = Instant::now();
+        assert_eq!(heap.allocate(1), Some(0));
+        assert_eq!(
+            heap.allocate(1),
+            Some(1),
+            "the second request seals chunk 0"
+        );
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            heap.collect(std::iter::empty(), start).reclaimed,
+            0,
+            "sealed too recently"
+        );
+        assert_eq!(
+            heap.collect(std::iter::empty(), start + second).reclaimed,
+            0,
+            "now a candidate"
+        );
+        assert_eq!(
+            heap.collect(std::iter::empty(), start + second * 2)
+                .reclaimed,
+            1
+        );
+        assert_eq!(heap.allocate(2), Some(0), "chunk 0 is reused");
+    }
+
+    #[test]
+    fn a_reference_keeps_a_chunk_and_resets_its_candidacy() {
+        let heap = heap(2);
+        let start = Instant::now();
+        heap.allocate(1);
+        heap.seal_owned_by(1);
+        let second = Duration::from_secs(1);
+        heap.collect(std::iter::empty(), start + second);
+        let report = heap.collect([128u64].into_iter(), start + second * 2);
+        assert_eq!(
+            report,
+            CollectionReport {
+                keys: 1,
+                reclaimed: 0
+            }
+        );
+        assert_eq!(
+            heap.collect(std::iter::empty(), start + second * 3)
+                .reclaimed,
+            0,
+            "candidacy restarted"
+        );
+        assert_eq!(
+            heap.collect(std::iter::empty(), start + second * 4)
+                .reclaimed,
+            1
+        );
+    }
+
+    #[test]
+    fn owned_chunks_are_never_collected() {
+        let heap = heap(1);
+        let start = Instant::now();
+        heap.allocate(1);
+        for step in 1..5 {
+            assert_eq!(
+                heap.collect(std::iter::empty(), start + Duration::from_secs(step))
+                    .reclaimed,
+                0
+            );
+        }
+    }
+}

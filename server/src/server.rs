@@ -1,0 +1,220 @@
+//! Starting, running and stopping a server: the table is registered before the control listener
+//! accepts anyone; the accept loop caps connections with a semaphore; a collector task reclaims
+//! heap chunks; shutdown cancels everything and waits for every connection's teardown.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::RngCore;
+use rdkv_common::fabric::{Backend, Device, DeviceConfig};
+use rdkv_common::memory::PinLimits;
+use rdkv_common::protocol::ServerStats;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::ServerConfig;
+use crate::connection::{self, Shared};
+use crate::error::{Error, Result};
+use crate::heap::Heap;
+use crate::stats::Counters;
+use crate::table::TableRegion;
+
+/// A started server. Dropping it cancels it; [`RunningServer::shutdown`] also waits for every
+/// connection's teardown and then deregisters the table.
+#[derive(Debug)]
+pub struct RunningServer {
+    /// Where the control plane listens.
+    control_address: SocketAddr,
+    /// Where the soft NIC listens.
+    fabric_address: Option<SocketAddr>,
+    /// Cancels every task.
+    shutdown: CancellationToken,
+    /// Tracks every task, so shutdown can wait for them.
+    tasks: TaskTracker,
+    /// The state connections share.
+    shared: Arc<Shared>,
+}
+
+impl RunningServer {
+    /// The bound control address.
+    pub fn control_address(&self) -> SocketAddr {
+        self.control_address
+    }
+
+    /// The soft NIC's bound address (none for loopback).
+    pub fn fabric_address(&self) -> Option<SocketAddr> {
+        self.fabric_address
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> ServerStats {
+        self.shared.counters.snapshot(
+            self.shared.config.node_id,
+            &self.shared.table,
+            &self.shared.heap,
+        )
+    }
+
+    /// A token that stops the server when cancelled.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Stops accepting, tears every connection down in order, waits for it, then releases the
+    /// table (deregistered and unpinned when the last reference goes).
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        tracing::info!(node = self.shared.config.node_id, "server stopped");
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Registers the table, binds the listeners and starts serving.
+///
+/// # Errors
+/// [`Error::Config`] for invalid settings; the fabric's errors (memlock, hugepages, RAM share,
+/// listener); [`Error::BindControl`].
+pub async fn start(config: ServerConfig) -> Result<RunningServer> {
+    let hash_seed = config
+        .hash_seed
+        .unwrap_or_else(|| rand::thread_rng().next_u64());
+    let geometry = config.geometry(hash_seed)?;
+    let device = match config.fabric {
+        Backend::Soft => Device::soft(Some(config.fabric_address), DeviceConfig::default())?,
+        Backend::Loopback => Device::loopback(DeviceConfig::default()),
+    };
+    let table = TableRegion::allocate(
+        &device,
+        geometry,
+        config.hugepages,
+        PinLimits {
+            max_pinned_share: config.max_pinned_share,
+        },
+    )?;
+    let listener = TcpListener::bind(config.control_address)
+        .await
+        .map_err(|source| Error::BindControl {
+            address: config.control_address,
+            source,
+        })?;
+    let control_address = listener.local_addr().map_err(|source| Error::BindControl {
+        address: config.control_address,
+        source,
+    })?;
+    let shared = Arc::new(Shared {
+        heap: Heap::new(&geometry, config.operation_deadline * 2),
+        completion_queue: device.create_completion_queue(1024),
+        table,
+        counters: Counters::new(),
+        next_connection: AtomicU64::new(1),
+        config,
+    });
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    tasks.spawn(accept_loop(
+        listener,
+        shared.clone(),
+        shutdown.clone(),
+        tasks.clone(),
+    ));
+    tasks.spawn(collect_loop(shared.clone(), shutdown.clone()));
+    tracing::info!(
+        node = shared.config.node_id,
+        control = %control_address,
+        fabric = ?device.listen_address(),
+        "server ready"
+    );
+    Ok(RunningServer {
+        control_address,
+        fabric_address: device.listen_address(),
+        shutdown,
+        tasks,
+        shared,
+    })
+}
+
+/// Starts a server and runs it until `shutdown` is cancelled, then stops it in order.
+///
+/// # Errors
+/// As [`start`].
+pub async fn run(
+    config: ServerConfig,
+    shutdown: CancellationToken,
+    ready: impl FnOnce(&RunningServer),
+) -> Result<()> {
+    let server = start(config).await?;
+    ready(&server);
+    shutdown.cancelled().await;
+    server.shutdown().await;
+    Ok(())
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+) {
+    let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            permit = limit.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+        };
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let shared = shared.clone();
+                let shutdown = shutdown.clone();
+                tasks.spawn(async move {
+                    connection::serve(shared, stream, peer, shutdown).await;
+                    drop(permit);
+                });
+            }
+            Err(error) => tracing::warn!(%error, "accept failed"),
+        }
+    }
+}
+
+async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
+    let mut ticks = tokio::time::interval(shared.config.collector_interval);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let pass = shared.clone();
+        let scanned = tokio::task::spawn_blocking(move || {
+            let mut offsets = Vec::new();
+            pass.table.for_each_slot(|slot| offsets.push(slot.offset()));
+            pass.heap.collect(offsets.into_iter(), Instant::now())
+        })
+        .await;
+        if let Ok(report) = scanned {
+            if report.reclaimed > 0 {
+                tracing::debug!(
+                    reclaimed = report.reclaimed,
+                    keys = report.keys,
+                    "heap chunks reclaimed"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The table region: one pinned block holding the index and the heap, registered once before the
+//! first client is accepted.
+//!
+//! The region's own memory region carries no remote rights at all (`LOCAL_WRITE | MW_BIND`):
+//! every remote access goes through memory windows bound to one client's queue pair, so every
+//! rkey a client ever holds is its own and dies with its connection.
+
+use std::sync::Arc;
+
+use rdkv_common::fabric::{AccessFlags, Device, MemoryRegion, ProtectionDomain};
+use rdkv_common::layout::{Slot, TableGeometry};
+use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+
+use crate::error::Result;
+
+/// The registered table.
+#[derive(Debug)]
+pub struct TableRegion {
+    /// The shape.
+    pub geometry: TableGeometry,
+    /// The registration (no remote rights; windows are bound over it).
+    pub region: MemoryRegion,
+    /// The protection domain of the region and of every client queue pair.
+    pub domain: ProtectionDomain,
+    /// The device.
+    pub device: Device,
+}
+
+impl TableRegion {
+    /// Allocates, pins and registers the region.
+    ///
+    /// # Errors
+    /// The memory layer's errors (memlock, RAM share, hugepages), each naming its fix.
+    pub fn allocate(
+        device: &Device,
+        geometry: TableGeometry,
+        hugepages: HugepagePolicy,
+        limits: PinLimits,
+    ) -> Result<Self> {
+        let memory = Arc::new(PinnedMemory::allocate(
+            geometry.region_size(),
+            hugepages,
+            limits,
+        )?);
+        let domain = device.allocate_protection_domain();
+        let region = domain.register(
+            &memory,
+            0,
+            geometry.region_size(),
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+        )?;
+        tracing::info!(
+            buckets = geometry.bucket_count,
+            heap_bytes = geometry.heap_size,
+            chunk_bytes = geometry.chunk_size,
+            region_bytes = geometry.region_size(),
+            backing = memory.backing().name(),
+            "table registered"
+        );
+        Ok(Self {
+            geometry,
+            region,
+            domain,
+            device: device.clone(),
+        })
+    }
+
+    /// Virtual address of the index.
+    pub fn index_address(&self) -> u64 {
+        self.region.address()
+    }
+
+    /// Virtual address of the heap.
+    pub fn heap_address(&self) -> u64 {
+        self.region.address() + self.geometry.heap_offset()
+    }
+
+    /// Visits every non-empty slot (atomic loads; the control plane's view, never the data path).
+    pub fn for_each_slot(&self, mut visit: impl FnMut(Slot)) {
+        let words = self.geometry.index_size() / 8;
+        for word in 0..words {
+            if let Ok(value) = self.region.load_u64(word * 8) {
+                if value != 0 {
+                    visit(Slot(value));
+                }
+            }
+        }
+    }
+}
