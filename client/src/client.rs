@@ -68,16 +68,20 @@ impl Client {
 
     /// Runs one operation under the deadline, retrying once on a fresh connection when the
     /// failure is retryable (it happened before any final CAS).
-    async fn run<T>(
+    async fn run<T, Attempt, Outcome>(
         &self,
         operation: &'static str,
-        mut attempt: impl AsyncFnMut(&Arc<NodeConnection>) -> Result<T>,
-    ) -> Result<T> {
+        mut attempt: Attempt,
+    ) -> Result<T>
+    where
+        Attempt: FnMut(Arc<NodeConnection>) -> Outcome,
+        Outcome: std::future::Future<Output = Result<T>>,
+    {
         let work = async {
             let mut retried = false;
             loop {
                 let connection = self.connection().await?;
-                match attempt(&connection).await {
+                match attempt(connection.clone()).await {
                     Err(error) if error.is_retryable() && !retried => {
                         tracing::debug!(%error, operation, "retrying on a fresh connection");
                         connection.mark_broken();
@@ -107,8 +111,8 @@ impl Client {
         mutation: Mutation<'_>,
     ) -> Result<MutationOutcome> {
         let outcome = self
-            .run(operation, async |connection| {
-                operations::mutate(connection, operation, key, value, mutation).await
+            .run(operation, |connection| async move {
+                operations::mutate(&connection, operation, key, value, mutation).await
             })
             .await;
         self.counters.mutations.fetch_add(1, Ordering::Relaxed);
@@ -121,8 +125,8 @@ impl Client {
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
     /// [`Error::Corrupt`], or a typed work-completion failure.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        self.run("get", async |connection| {
-            operations::get(connection, key).await
+        self.run("get", |connection| async move {
+            operations::get(&connection, key).await
         })
         .await
     }
@@ -218,8 +222,8 @@ impl Client {
     /// As [`Client::get`], plus [`Error::Unresolved`].
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
         let outcome = self
-            .run("delete", async |connection| {
-                operations::delete(connection, key).await
+            .run("delete", |connection| async move {
+                operations::delete(&connection, key).await
             })
             .await;
         self.counters.mutations.fetch_add(1, Ordering::Relaxed);

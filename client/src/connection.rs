@@ -128,6 +128,9 @@ pub(crate) struct NodeConnection {
     scratch_permits: Arc<Semaphore>,
     /// The current chunk.
     chunk: Mutex<Option<ChunkCursor>>,
+    /// One refill at a time: operations that find the chunk full wait for the refill in
+    /// progress instead of each asking for a chunk.
+    refill: Semaphore,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,
     /// Set when the connection failed; the client then reconnects.
@@ -258,6 +261,7 @@ impl NodeConnection {
             scratch_free: Arc::new(Mutex::new((0..slots).collect())),
             scratch_permits: Arc::new(Semaphore::new(slots as usize)),
             chunk: Mutex::new(None),
+            refill: Semaphore::new(1),
             control,
             broken: AtomicBool::new(false),
             counters,
@@ -342,6 +346,15 @@ impl NodeConnection {
     /// server for a new chunk when it is full.
     pub(crate) async fn place_block(&self, length: u64) -> Result<BlockPlace> {
         loop {
+            if let Some(place) = self.take_from_chunk(length) {
+                return Ok(place);
+            }
+            let _refilling = self
+                .refill
+                .acquire()
+                .await
+                .expect("the refill semaphore is never closed");
+            // Another operation may have refilled while this one waited.
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
             }

@@ -9,6 +9,7 @@
 //! 4. destroy the queue pair;
 //! 5. seal its chunks, which the collector reclaims once nothing references them.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -74,9 +75,9 @@ pub(crate) async fn serve(
             queue_pair: None,
             windows: Vec::new(),
             chunk_window: None,
+            retired_chunk_windows: VecDeque::new(),
         };
         let reason = session.run(stream, shutdown).await;
-        session.teardown();
         shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
         tracing::info!(%reason, "connection closed");
     }
@@ -96,6 +97,10 @@ struct Session {
     windows: Vec<MemoryWindow>,
     /// The WRITE window over the client's current chunk.
     chunk_window: Option<MemoryWindow>,
+    /// WRITE windows of sealed chunks, kept for one operation deadline so that writes the
+    /// client placed before the seal can land; revoked after that, long before the collector
+    /// may reuse the chunk (it waits two deadlines after the seal).
+    retired_chunk_windows: VecDeque<(MemoryWindow, Instant)>,
 }
 
 /// Reads frames on its own task, so the session's select loop stays cancellation-safe.
@@ -124,7 +129,12 @@ impl Session {
             }
             Err(reason) => reason,
         };
+        // Tear down before the socket closes, so a client that sees the close knows its keys
+        // are already revoked.
+        self.teardown();
         reader_task.abort();
+        let _ = reader_task.await;
+        drop(writer);
         reason
     }
 
@@ -275,6 +285,7 @@ impl Session {
             tokio::select! {
                 _ = shutdown.cancelled() => return "server shutting down".into(),
                 _ = checks.tick() => {
+                    self.revoke_retired_windows();
                     if last_heard.elapsed() > lease {
                         return format!("lease expired (nothing heard for {lease:?})");
                     }
@@ -314,14 +325,17 @@ impl Session {
     }
 
     fn allocate_chunk(&mut self) -> ServerMessage {
+        if let Some(window) = self.chunk_window.take() {
+            self.retired_chunk_windows
+                .push_back((window, Instant::now()));
+        }
+        self.revoke_retired_windows();
         let shared = &self.shared;
         let Some(queue_pair) = &self.queue_pair else {
             return ServerMessage::Refused {
                 reason: "no queue pair".into(),
             };
         };
-        // Revoke the old chunk's key before the chunk is sealed.
-        self.chunk_window = None;
         let geometry = &shared.table.geometry;
         let Some(chunk) = shared.heap.allocate(self.connection_id) else {
             return ServerMessage::Refused {
@@ -355,6 +369,18 @@ impl Session {
         }
     }
 
+    /// Revokes the WRITE windows of chunks sealed more than one operation deadline ago.
+    fn revoke_retired_windows(&mut self) {
+        let deadline = self.shared.config.operation_deadline;
+        while let Some((window, sealed_at)) = self.retired_chunk_windows.front() {
+            if sealed_at.elapsed() < deadline {
+                break;
+            }
+            window.invalidate();
+            self.retired_chunk_windows.pop_front();
+        }
+    }
+
     /// The ordered teardown described in the module docs.
     fn teardown(&mut self) {
         if let Some(queue_pair) = &self.queue_pair {
@@ -365,6 +391,9 @@ impl Session {
             window.invalidate();
         }
         if let Some(window) = self.chunk_window.take() {
+            window.invalidate();
+        }
+        for (window, _) in self.retired_chunk_windows.drain(..) {
             window.invalidate();
         }
         self.queue_pair = None;

@@ -179,13 +179,13 @@ mod tests {
     #[test]
     fn unreferenced_sealed_chunk_is_freed_after_two_quarantines() {
         let heap = heap(2);
-        let start = Instant::now();
         assert_eq!(heap.allocate(1), Some(0));
         assert_eq!(
             heap.allocate(1),
             Some(1),
             "the second request seals chunk 0"
         );
+        let start = Instant::now();
         let second = Duration::from_secs(1);
         assert_eq!(
             heap.collect(std::iter::empty(), start).reclaimed,
@@ -208,9 +208,9 @@ mod tests {
     #[test]
     fn a_reference_keeps_a_chunk_and_resets_its_candidacy() {
         let heap = heap(2);
-        let start = Instant::now();
         heap.allocate(1);
         heap.seal_owned_by(1);
+        let start = Instant::now();
         let second = Duration::from_secs(1);
         heap.collect(std::iter::empty(), start + second);
         let report = heap.collect([128u64].into_iter(), start + second * 2);

@@ -1,0 +1,203 @@
+//! Store-level properties against an in-process server: the data path is one-sided, the heap
+//! reaches a steady state under updates, and a full table fails clearly without losing data.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkv_client::{Client, ClientConfig, Error};
+use rdkv_common::fabric::Backend;
+use rdkv_server::{RunningServer, ServerConfig};
+
+const SECRET: &[u8] = b"store-test-secret";
+
+async fn start(config: ServerConfig) -> (RunningServer, Arc<Client>) {
+    let fabric = config.fabric;
+    let server = rdkv_server::start(config).await.expect("start server");
+    let client = Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
+        .await
+        .expect("connect");
+    (server, Arc::new(client))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_code_handles_no_data_path_request() {
+    let (server, client) = start(ServerConfig::local(SECRET)).await;
+    let before = server.stats();
+    for index in 0..5_000u32 {
+        client
+            .put(&index.to_le_bytes(), b"one-sided value")
+            .await
+            .expect("put");
+    }
+    for index in 0..5_000u32 {
+        assert!(client
+            .get(&index.to_le_bytes())
+            .await
+            .expect("get")
+            .is_some());
+    }
+    let after = server.stats();
+    assert_eq!(after.data_path_requests, 0);
+    let control = after.control_messages - before.control_messages;
+    assert!(
+        control < 50,
+        "10,000 GETs and PUTs took {control} control messages (chunk allocations and heartbeats only)"
+    );
+    let answered = after.fabric_frames_sent - before.fabric_frames_sent;
+    assert!(
+        answered >= 20_000,
+        "the NIC engine answered {answered} one-sided requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heap_use_reaches_a_steady_state_under_updates() {
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 32 * 1024 * 1024;
+    config.chunk_size = 64 * 1024;
+    config.operation_deadline = Duration::from_millis(500);
+    config.collector_interval = Duration::from_millis(50);
+    let (server, client) = start(config).await;
+    let value = vec![7u8; 200];
+    let tasks = 16u64;
+    let updates = 200_000u64;
+    let mut handles = Vec::new();
+    for task in 0..tasks {
+        let client = client.clone();
+        let value = value.clone();
+        handles.push(tokio::spawn(async move {
+            for round in 0..updates / tasks {
+                let key = format!("key-{:04}", (round * 7 + task * 131) % 1000);
+                client.put(key.as_bytes(), &value).await.expect("update");
+            }
+        }));
+    }
+    let mut peak = 0;
+    let mut ticks = tokio::time::interval(Duration::from_millis(20));
+    let updaters = async {
+        for handle in handles {
+            handle.await.expect("updater");
+        }
+    };
+    tokio::pin!(updaters);
+    loop {
+        tokio::select! {
+            _ = &mut updaters => break,
+            _ = ticks.tick() => peak = peak.max(server.stats().heap_used_bytes),
+        }
+    }
+    let stats = server.stats();
+    let written = updates * 256;
+    assert!(
+        written > stats.heap_size_bytes * 3 / 2,
+        "the updates wrote {written} bytes, more than the heap holds, so chunks must be reused"
+    );
+    assert!(
+        stats.chunks_reclaimed > 0,
+        "chunks were reclaimed and reused"
+    );
+    let bound = stats.heap_size_bytes * 3 / 4;
+    assert!(
+        peak <= bound,
+        "heap use peaked at {peak} bytes, over the bound of {bound}"
+    );
+    for index in 0..1000 {
+        let key = format!("key-{index:04}");
+        assert_eq!(
+            client.get(key.as_bytes()).await.expect("get").as_deref(),
+            Some(value.as_slice())
+        );
+    }
+    eprintln!(
+        "steady state: peak heap use {peak} of {} bytes, {} chunks reclaimed",
+        stats.heap_size_bytes, stats.chunks_reclaimed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_index_fails_clearly_and_keeps_its_keys() {
+    let mut config = ServerConfig::local(SECRET);
+    config.index_size = 256;
+    let (_server, client) = start(config).await;
+    let mut stored = Vec::new();
+    let error = loop {
+        let key = format!("key-{}", stored.len());
+        match client.put(key.as_bytes(), key.as_bytes()).await {
+            Ok(()) => stored.push(key),
+            Err(error) => break error,
+        }
+        assert!(stored.len() <= 32, "4 buckets hold at most 32 slots");
+    };
+    assert!(matches!(error, Error::TableFull { .. }), "{error}");
+    assert!(
+        error.to_string().contains("index_size"),
+        "the error names the fix: {error}"
+    );
+    assert!(
+        stored.len() >= 16,
+        "a full index holds at least its first combined bucket's slots"
+    );
+    for key in &stored {
+        assert_eq!(
+            client.get(key.as_bytes()).await.expect("get").as_deref(),
+            Some(key.as_bytes())
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_heap_fails_clearly_and_keeps_its_keys() {
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 64 * 1024;
+    config.chunk_size = 64 * 1024;
+    let (_server, client) = start(config).await;
+    let value = vec![1u8; 4000];
+    let mut stored = Vec::new();
+    let error = loop {
+        let key = format!("big-{}", stored.len());
+        match client.put(key.as_bytes(), &value).await {
+            Ok(()) => stored.push(key),
+            Err(error) => break error,
+        }
+        assert!(
+            stored.len() < 100,
+            "one 64 KiB chunk cannot hold 100 blocks of 4 KiB"
+        );
+    };
+    assert!(matches!(error, Error::TableFull { .. }), "{error}");
+    assert!(
+        error.to_string().contains("heap_size"),
+        "the error names the fix: {error}"
+    );
+    assert_eq!(stored.len(), 16, "16 blocks of 4,032 bytes fit in 64 KiB");
+    for key in &stored {
+        assert_eq!(
+            client.get(key.as_bytes()).await.expect("get").as_deref(),
+            Some(value.as_slice())
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_fabric_serves_the_same_store() {
+    let mut config = ServerConfig::local(SECRET);
+    config.fabric = Backend::Loopback;
+    let (server, client) = start(config).await;
+    for index in 0..1000u32 {
+        client
+            .put(&index.to_le_bytes(), &index.to_be_bytes())
+            .await
+            .expect("put");
+    }
+    for index in 0..1000u32 {
+        assert_eq!(
+            client
+                .get(&index.to_le_bytes())
+                .await
+                .expect("get")
+                .as_deref(),
+            Some(&index.to_be_bytes()[..])
+        );
+    }
+    assert_eq!(server.stats().data_path_requests, 0);
+}

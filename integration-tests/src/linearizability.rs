@@ -1,0 +1,360 @@
+//! A linearizability checker for a key-value register history, in the style of Wing & Gong's
+//! search with porcupine's memoization.
+//!
+//! Linearizability is local (compositional), so the history is split per key and each key is
+//! checked against a register model: `get`, `put`, `delete` and `compare_and_swap`. The search
+//! walks the calls in time order, tries to linearize each pending call whose effect is
+//! consistent with the model state, backtracks when a return is reached before its call was
+//! linearized, and remembers every (linearized set, state) pair already explored.
+
+use std::collections::{HashMap, HashSet};
+
+/// An operation on one key. Values are unique `u64`s, so a read names the write it saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// Read the value.
+    Get,
+    /// Write a value.
+    Put(u64),
+    /// Remove the key.
+    Delete,
+    /// Replace `expected` with `new`.
+    CompareAndSwap {
+        /// The value required.
+        expected: u64,
+        /// The value written.
+        new: u64,
+    },
+}
+
+/// What the operation returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// `get`: the value, or absent.
+    Value(Option<u64>),
+    /// `put`: done.
+    Written,
+    /// `delete`: whether the key existed.
+    Deleted(bool),
+    /// `compare_and_swap`: swapped.
+    Swapped,
+    /// `compare_and_swap`: not swapped; the value seen.
+    Mismatch(Option<u64>),
+}
+
+/// One completed operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    /// The key.
+    pub key: u64,
+    /// The operation.
+    pub operation: Operation,
+    /// Its result.
+    pub outcome: Outcome,
+    /// When it was called (any monotonic unit).
+    pub call: u64,
+    /// When it returned.
+    pub ret: u64,
+}
+
+/// The register model: the new state, or `None` if `outcome` is impossible in `state`.
+fn step(state: Option<u64>, operation: Operation, outcome: Outcome) -> Option<Option<u64>> {
+    match (operation, outcome) {
+        (Operation::Get, Outcome::Value(value)) => (value == state).then_some(state),
+        (Operation::Put(value), Outcome::Written) => Some(Some(value)),
+        (Operation::Delete, Outcome::Deleted(existed)) => {
+            (existed == state.is_some()).then_some(None)
+        }
+        (Operation::CompareAndSwap { expected, new }, Outcome::Swapped) => {
+            (state == Some(expected)).then_some(Some(new))
+        }
+        (Operation::CompareAndSwap { expected, .. }, Outcome::Mismatch(seen)) => {
+            (state != Some(expected) && seen == state).then_some(state)
+        }
+        _ => None,
+    }
+}
+
+/// The result of a check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every key's history is linearizable.
+    Linearizable,
+    /// This key's history is not.
+    Violation {
+        /// The key.
+        key: u64,
+        /// Its operations.
+        operations: usize,
+    },
+}
+
+/// Checks a whole history, key by key.
+pub fn check(history: &[Event]) -> Verdict {
+    let mut per_key: HashMap<u64, Vec<Event>> = HashMap::new();
+    for event in history {
+        per_key.entry(event.key).or_default().push(*event);
+    }
+    let mut keys: Vec<u64> = per_key.keys().copied().collect();
+    keys.sort_unstable();
+    for key in keys {
+        let events = &per_key[&key];
+        if !check_key(events) {
+            return Verdict::Violation {
+                key,
+                operations: events.len(),
+            };
+        }
+    }
+    Verdict::Linearizable
+}
+
+/// One entry of the time-ordered call/return list.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// The operation's index.
+    operation: usize,
+    /// Call (true) or return.
+    is_call: bool,
+    /// Previous live entry.
+    previous: Option<usize>,
+    /// Next live entry.
+    next: Option<usize>,
+}
+
+/// Checks one key's history starting from an absent key.
+pub fn check_key(events: &[Event]) -> bool {
+    let count = events.len();
+    // Calls sort before returns at equal times: equal stamps count as concurrent.
+    let mut order: Vec<(u64, bool, usize)> = Vec::with_capacity(2 * count);
+    for (index, event) in events.iter().enumerate() {
+        order.push((event.call, true, index));
+        order.push((event.ret, false, index));
+    }
+    order.sort_by_key(|(time, is_call, index)| (*time, !*is_call, *index));
+    let mut entries: Vec<Entry> = order
+        .iter()
+        .map(|(_, is_call, operation)| Entry {
+            operation: *operation,
+            is_call: *is_call,
+            previous: None,
+            next: None,
+        })
+        .collect();
+    let mut return_of = vec![0usize; count];
+    for (position, entry) in entries.iter().enumerate() {
+        if !entry.is_call {
+            return_of[entry.operation] = position;
+        }
+    }
+    let length = entries.len();
+    for (position, entry) in entries.iter_mut().enumerate() {
+        entry.previous = position.checked_sub(1);
+        entry.next = (position + 1 < length).then_some(position + 1);
+    }
+    let mut head = (length > 0).then_some(0usize);
+
+    let words = count.div_ceil(64);
+    let mut linearized = vec![0u64; words];
+    let mut state: Option<u64> = None;
+    let mut seen: HashSet<(Vec<u64>, Option<u64>)> = HashSet::new();
+    let mut stack: Vec<(usize, Option<u64>)> = Vec::new();
+    let mut cursor = head;
+
+    // Removes a call entry and its return from the list; `restore` puts them back.
+    fn unlink(entries: &mut [Entry], head: &mut Option<usize>, position: usize) {
+        let Entry { previous, next, .. } = entries[position];
+        match previous {
+            Some(previous) => entries[previous].next = next,
+            None => *head = next,
+        }
+        if let Some(next) = next {
+            entries[next].previous = previous;
+        }
+    }
+    fn relink(entries: &mut [Entry], head: &mut Option<usize>, position: usize) {
+        let Entry { previous, next, .. } = entries[position];
+        match previous {
+            Some(previous) => entries[previous].next = Some(position),
+            None => *head = Some(position),
+        }
+        if let Some(next) = next {
+            entries[next].previous = Some(position);
+        }
+    }
+
+    loop {
+        let Some(position) = cursor else {
+            // Walked off the end with calls left: impossible when returns follow calls, but
+            // treat it as needing a backtrack.
+            if head.is_none() {
+                return true;
+            }
+            match stack.pop() {
+                None => return false,
+                Some((call, previous_state)) => {
+                    let operation = entries[call].operation;
+                    relink(&mut entries, &mut head, return_of[operation]);
+                    relink(&mut entries, &mut head, call);
+                    linearized[operation / 64] &= !(1 << (operation % 64));
+                    state = previous_state;
+                    cursor = entries[call].next;
+                    continue;
+                }
+            }
+        };
+        if head.is_none() {
+            return true;
+        }
+        let entry = entries[position];
+        if entry.is_call {
+            let event = events[entry.operation];
+            if let Some(next_state) = step(state, event.operation, event.outcome) {
+                let mut next_linearized = linearized.clone();
+                next_linearized[entry.operation / 64] |= 1 << (entry.operation % 64);
+                if seen.insert((next_linearized.clone(), next_state)) {
+                    stack.push((position, state));
+                    state = next_state;
+                    linearized = next_linearized;
+                    unlink(&mut entries, &mut head, position);
+                    unlink(&mut entries, &mut head, return_of[entry.operation]);
+                    cursor = head;
+                    continue;
+                }
+            }
+            cursor = entry.next;
+        } else {
+            // A return whose call is not linearized yet: undo the last choice.
+            match stack.pop() {
+                None => return false,
+                Some((call, previous_state)) => {
+                    let operation = entries[call].operation;
+                    relink(&mut entries, &mut head, return_of[operation]);
+                    relink(&mut entries, &mut head, call);
+                    linearized[operation / 64] &= !(1 << (operation % 64));
+                    state = previous_state;
+                    cursor = entries[call].next;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(operation: Operation, outcome: Outcome, call: u64, ret: u64) -> Event {
+        Event {
+            key: 1,
+            operation,
+            outcome,
+            call,
+            ret,
+        }
+    }
+
+    #[test]
+    fn sequential_history_passes() {
+        let history = [
+            event(Operation::Get, Outcome::Value(None), 0, 1),
+            event(Operation::Put(5), Outcome::Written, 2, 3),
+            event(Operation::Get, Outcome::Value(Some(5)), 4, 5),
+            event(
+                Operation::CompareAndSwap {
+                    expected: 5,
+                    new: 6,
+                },
+                Outcome::Swapped,
+                6,
+                7,
+            ),
+            event(
+                Operation::CompareAndSwap {
+                    expected: 5,
+                    new: 7,
+                },
+                Outcome::Mismatch(Some(6)),
+                8,
+                9,
+            ),
+            event(Operation::Delete, Outcome::Deleted(true), 10, 11),
+            event(Operation::Delete, Outcome::Deleted(false), 12, 13),
+        ];
+        assert_eq!(check(&history), Verdict::Linearizable);
+    }
+
+    #[test]
+    fn overlapping_operations_may_take_either_order() {
+        let history = [
+            event(Operation::Put(1), Outcome::Written, 0, 10),
+            event(Operation::Put(2), Outcome::Written, 1, 9),
+            event(Operation::Get, Outcome::Value(Some(1)), 11, 12),
+        ];
+        assert_eq!(
+            check(&history),
+            Verdict::Linearizable,
+            "put 2 then put 1 explains the read"
+        );
+    }
+
+    #[test]
+    fn a_stale_read_fails() {
+        let history = [
+            event(Operation::Put(1), Outcome::Written, 0, 1),
+            event(Operation::Put(2), Outcome::Written, 2, 3),
+            event(Operation::Get, Outcome::Value(Some(1)), 4, 5),
+        ];
+        assert!(matches!(
+            check(&history),
+            Verdict::Violation {
+                key: 1,
+                operations: 3
+            }
+        ));
+    }
+
+    #[test]
+    fn a_value_never_written_fails() {
+        let history = [
+            event(Operation::Put(1), Outcome::Written, 0, 1),
+            event(Operation::Get, Outcome::Value(Some(9)), 2, 3),
+        ];
+        assert!(matches!(check(&history), Verdict::Violation { .. }));
+    }
+
+    #[test]
+    fn two_successful_swaps_from_one_value_fail() {
+        let history = [
+            event(Operation::Put(1), Outcome::Written, 0, 1),
+            event(
+                Operation::CompareAndSwap {
+                    expected: 1,
+                    new: 2,
+                },
+                Outcome::Swapped,
+                2,
+                10,
+            ),
+            event(
+                Operation::CompareAndSwap {
+                    expected: 1,
+                    new: 3,
+                },
+                Outcome::Swapped,
+                3,
+                9,
+            ),
+        ];
+        assert!(matches!(check(&history), Verdict::Violation { .. }));
+    }
+
+    #[test]
+    fn a_delete_that_claims_absence_of_a_written_key_fails() {
+        let history = [
+            event(Operation::Put(4), Outcome::Written, 0, 1),
+            event(Operation::Delete, Outcome::Deleted(false), 2, 3),
+        ];
+        assert!(matches!(check(&history), Verdict::Violation { .. }));
+    }
+}

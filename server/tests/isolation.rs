@@ -1,0 +1,280 @@
+//! Isolation: keys are per connection and die with it. A raw client speaks the control protocol
+//! and posts fabric requests by hand, with keys that are not its own.
+
+use std::sync::Arc;
+
+use rdkv_common::fabric::{
+    AccessFlags, Backend, CompletionQueue, Device, DeviceConfig, MemoryRegion, QueuePair,
+    QueuePairConfig, RemoteKey, WorkCompletionStatus, WorkRequest,
+};
+use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_common::protocol::{
+    compute_proof, read_frame, write_frame, ClientMessage, ServerMessage, Welcome, PROTOCOL_VERSION,
+};
+use rdkv_common::ControlError;
+use rdkv_server::{RunningServer, ServerConfig};
+use tokio::net::TcpStream;
+
+const SECRET: &[u8] = b"isolation-secret";
+
+struct RawClient {
+    stream: TcpStream,
+    welcome: Welcome,
+    queue_pair: QueuePair,
+    local: MemoryRegion,
+    _completion_queue: CompletionQueue,
+    _device: Device,
+}
+
+impl RawClient {
+    async fn connect(server: &RunningServer) -> Self {
+        let mut stream = TcpStream::connect(server.control_address())
+            .await
+            .expect("connect");
+        let ServerMessage::Challenge { nonce, .. } =
+            read_frame(&mut stream).await.expect("challenge")
+        else {
+            panic!("no challenge");
+        };
+        write_frame(
+            &mut stream,
+            &ClientMessage::Authenticate {
+                protocol_version: PROTOCOL_VERSION,
+                proof: compute_proof(SECRET, &nonce),
+                client_name: "raw".into(),
+            },
+        )
+        .await
+        .expect("authenticate");
+        let ServerMessage::Welcome(welcome) = read_frame(&mut stream).await.expect("welcome")
+        else {
+            panic!("no welcome");
+        };
+        let device = Device::soft(None, DeviceConfig::default()).expect("device");
+        let domain = device.allocate_protection_domain();
+        let completion_queue = device.create_completion_queue(64);
+        let queue_pair = domain
+            .create_queue_pair(&completion_queue, QueuePairConfig::default())
+            .expect("queue pair");
+        let memory = Arc::new(
+            PinnedMemory::allocate(8192, HugepagePolicy::Off, PinLimits::default()).expect("pin"),
+        );
+        let local = domain
+            .register_all(&memory, AccessFlags::LOCAL_WRITE)
+            .expect("register");
+        queue_pair
+            .connect(&welcome.server_endpoint)
+            .await
+            .expect("connect queue pair");
+        write_frame(
+            &mut stream,
+            &ClientMessage::ConnectQueuePair {
+                endpoint: queue_pair.endpoint(),
+            },
+        )
+        .await
+        .expect("send endpoint");
+        assert_eq!(
+            read_frame::<_, ServerMessage>(&mut stream)
+                .await
+                .expect("ready"),
+            ServerMessage::QueuePairReady
+        );
+        Self {
+            stream,
+            welcome: *welcome,
+            queue_pair,
+            local,
+            _completion_queue: completion_queue,
+            _device: device,
+        }
+    }
+
+    async fn chunk(&mut self) -> RemoteKey {
+        write_frame(&mut self.stream, &ClientMessage::AllocateChunk)
+            .await
+            .expect("request chunk");
+        match read_frame(&mut self.stream).await.expect("chunk") {
+            ServerMessage::Chunk { key, .. } => key,
+            other => panic!("no chunk: {other:?}"),
+        }
+    }
+
+    async fn read(&self, key: RemoteKey) -> WorkCompletionStatus {
+        let completions = self
+            .queue_pair
+            .execute(vec![WorkRequest::read(
+                1,
+                self.local.segment(0, 64),
+                key.at(0),
+            )])
+            .await
+            .expect("post");
+        completions[0].status
+    }
+
+    async fn write(&self, key: RemoteKey) -> WorkCompletionStatus {
+        let completions = self
+            .queue_pair
+            .execute(vec![WorkRequest::write(
+                1,
+                self.local.segment(0, 64),
+                key.at(0),
+            )])
+            .await
+            .expect("post");
+        completions[0].status
+    }
+
+    /// Says goodbye and waits until the server closes the connection, which it does only after
+    /// the teardown revoked this client's keys.
+    async fn disconnect(mut self) -> Welcome {
+        write_frame(&mut self.stream, &ClientMessage::Goodbye)
+            .await
+            .expect("goodbye");
+        let closed = read_frame::<_, ServerMessage>(&mut self.stream).await;
+        assert!(matches!(closed, Err(ControlError::Closed)), "{closed:?}");
+        self.welcome
+    }
+}
+
+async fn server() -> RunningServer {
+    let mut config = ServerConfig::local(SECRET);
+    config.fabric = Backend::Soft;
+    rdkv_server::start(config).await.expect("start")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_chunk_cannot_be_written() {
+    let server = server().await;
+    let mut owner = RawClient::connect(&server).await;
+    let intruder = RawClient::connect(&server).await;
+    let owner_chunk = owner.chunk().await;
+    assert_eq!(
+        owner.write(owner_chunk).await,
+        WorkCompletionStatus::Success,
+        "the owner may write"
+    );
+    assert_eq!(
+        intruder.write(owner_chunk).await,
+        WorkCompletionStatus::RemoteAccessError,
+        "the chunk's key is bound to its owner's queue pair"
+    );
+    assert_eq!(
+        intruder.read(owner.welcome.index_key).await,
+        WorkCompletionStatus::WorkRequestFlushError,
+        "the intruder's queue pair is in ERROR after its violation"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_die_with_their_connection() {
+    let server = server().await;
+    let mut leaving = RawClient::connect(&server).await;
+    let chunk = leaving.chunk().await;
+    assert_eq!(
+        leaving.read(leaving.welcome.index_key).await,
+        WorkCompletionStatus::Success
+    );
+    assert_eq!(leaving.write(chunk).await, WorkCompletionStatus::Success);
+    let windows_before = server.stats().live_memory_windows;
+    let old = leaving.disconnect().await;
+    assert_eq!(
+        server.stats().live_memory_windows,
+        windows_before - 3,
+        "index, heap and chunk windows are gone"
+    );
+
+    for (name, key, write) in [
+        ("index", old.index_key, false),
+        ("heap", old.heap_key, false),
+        ("chunk", chunk, true),
+    ] {
+        let other = RawClient::connect(&server).await;
+        let status = if write {
+            other.write(key).await
+        } else {
+            other.read(key).await
+        };
+        assert_eq!(
+            status,
+            WorkCompletionStatus::RemoteAccessError,
+            "stale {name} key"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_gets_no_keys() {
+    let server = server().await;
+    let mut stream = TcpStream::connect(server.control_address())
+        .await
+        .expect("connect");
+    let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await.expect("challenge")
+    else {
+        panic!("no challenge");
+    };
+    write_frame(
+        &mut stream,
+        &ClientMessage::Authenticate {
+            protocol_version: PROTOCOL_VERSION,
+            proof: compute_proof(b"not the secret", &nonce),
+            client_name: "intruder".into(),
+        },
+    )
+    .await
+    .expect("send");
+    let reply: ServerMessage = read_frame(&mut stream).await.expect("reply");
+    assert!(
+        matches!(reply, ServerMessage::Refused { ref reason } if reason.contains("secret")),
+        "{reply:?}"
+    );
+    assert!(matches!(
+        read_frame::<_, ServerMessage>(&mut stream).await,
+        Err(ControlError::Closed)
+    ));
+    let stats = server.stats();
+    assert_eq!(
+        stats.queue_pairs.iter().sum::<i64>(),
+        0,
+        "no queue pair for an unauthenticated peer"
+    );
+    assert_eq!(
+        stats.live_memory_windows, 0,
+        "no key for an unauthenticated peer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_close_only_their_connection() {
+    use tokio::io::AsyncWriteExt;
+    let server = server().await;
+    let healthy = RawClient::connect(&server).await;
+    let mut bad = TcpStream::connect(server.control_address())
+        .await
+        .expect("connect");
+    let _challenge: ServerMessage = read_frame(&mut bad).await.expect("challenge");
+    bad.write_all(&u32::MAX.to_le_bytes())
+        .await
+        .expect("oversize length");
+    assert!(matches!(
+        read_frame::<_, ServerMessage>(&mut bad).await,
+        Err(ControlError::Closed)
+    ));
+    let mut garbage = TcpStream::connect(server.control_address())
+        .await
+        .expect("connect");
+    let _challenge: ServerMessage = read_frame(&mut garbage).await.expect("challenge");
+    garbage
+        .write_all(&[4, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF])
+        .await
+        .expect("garbage");
+    assert!(matches!(
+        read_frame::<_, ServerMessage>(&mut garbage).await,
+        Err(ControlError::Closed)
+    ));
+    assert_eq!(
+        healthy.read(healthy.welcome.index_key).await,
+        WorkCompletionStatus::Success
+    );
+}
