@@ -31,3 +31,8 @@ pub use connection::{ClientConfig, NodeAddress};
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};
 pub use operations::CasOutcome;
+
+/// The README's code examples, compiled as doctests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

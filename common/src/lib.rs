@@ -18,8 +18,3 @@ pub mod memory;
 pub mod protocol;
 
 pub use error::{ControlError, Error, Result};
-
-/// The README's code examples, compiled as doctests so they stay true.
-#[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;

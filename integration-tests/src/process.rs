@@ -37,8 +37,14 @@ impl ServerProcess {
     /// Starts `rdkv-server` on loopback with port 0 and `extra` arguments, and waits for its
     /// ready line.
     pub fn start(secret: &str, extra: &[&str]) -> Self {
+        Self::start_at(secret, "127.0.0.1:0", "127.0.0.1:0", extra)
+    }
+
+    /// Starts `rdkv-server` on the given control and fabric addresses (to restart a node where
+    /// it was), with `extra` arguments, and waits for its ready line.
+    pub fn start_at(secret: &str, control: &str, fabric: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(server_binary())
-            .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+            .args(["--listen", control, "--fabric-listen", fabric])
             .args(extra)
             .env("RDKV_SECRET", secret)
             .env("RUST_LOG", "warn")
@@ -64,6 +70,12 @@ impl ServerProcess {
             control_address,
             fabric_address,
         }
+    }
+
+    /// Kills the process with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// The process id.

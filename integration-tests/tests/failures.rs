@@ -1,0 +1,80 @@
+//! Failures against real server processes: a killed node fails fast with a clear error and
+//! never hangs a client; a restarted node is reconnected to automatically.
+
+use std::time::{Duration, Instant};
+
+use rdkv_client::{Client, ClientConfig, Error};
+use rdkv_common::fabric::Backend;
+use rdkv_integration_tests::process::ServerProcess;
+
+const SECRET: &str = "failures-secret";
+
+async fn client_of(server: &ServerProcess) -> Client {
+    let mut config = ClientConfig::new(server.control_address, Backend::Soft, SECRET.as_bytes());
+    config.concurrency = 2;
+    config.operation_deadline = Some(Duration::from_secs(2));
+    Client::connect(config).await.expect("connect")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_fails_fast_with_node_unreachable() {
+    let mut server = ServerProcess::start(SECRET, &["--heap-size", "4M"]);
+    let client = client_of(&server).await;
+    client.put(b"key", b"value").await.expect("put");
+    server.kill();
+    for operation in 0..3 {
+        let started = Instant::now();
+        let error = client.get(b"key").await.expect_err("the node is dead");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "operation {operation} took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            matches!(error, Error::NodeUnreachable { .. }),
+            "operation {operation}: {error}"
+        );
+        assert!(
+            error
+                .to_string()
+                .contains(&server.control_address.to_string()),
+            "{error}"
+        );
+    }
+    let error = client
+        .put(b"key", b"other")
+        .await
+        .expect_err("the node is dead");
+    assert!(matches!(error, Error::NodeUnreachable { .. }), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_is_reconnected_automatically() {
+    let mut server = ServerProcess::start(SECRET, &["--heap-size", "4M"]);
+    let client = client_of(&server).await;
+    client.put(b"before", b"restart").await.expect("put");
+    let (control, fabric) = (
+        server.control_address.to_string(),
+        server.fabric_address.to_string(),
+    );
+    server.kill();
+    let _restarted = ServerProcess::start_at(SECRET, &control, &fabric, &["--heap-size", "4M"]);
+    let reconnects_before = client.counters().reconnects;
+    assert_eq!(
+        client.get(b"before").await.expect("get after restart"),
+        None,
+        "a restarted node starts empty"
+    );
+    client
+        .put(b"after", b"restart")
+        .await
+        .expect("put after restart");
+    assert_eq!(
+        client.get(b"after").await.expect("get").as_deref(),
+        Some(&b"restart"[..])
+    );
+    assert!(
+        client.counters().reconnects > reconnects_before,
+        "the client reconnected"
+    );
+}
