@@ -92,3 +92,60 @@ fn it_prints_a_ready_line_and_stops_cleanly_on_sigterm() {
         .expect("stderr");
     assert!(stderr.contains("server stopped"), "{stderr}");
 }
+
+#[test]
+fn the_memlock_trap_is_reported_with_its_fix() {
+    // As root the capability CAP_IPC_LOCK lifts RLIMIT_MEMLOCK; drop to an unprivileged user
+    // without capabilities to meet the limit that ordinary users meet.
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim() == "0")
+        .unwrap_or(false);
+    let has_setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    let limit_kib: u64 = Command::new("sh")
+        .args(["-c", "ulimit -l"])
+        .output()
+        .ok()
+        .and_then(|output| String::from_utf8_lossy(&output.stdout).trim().parse().ok())
+        .unwrap_or(u64::MAX);
+    if !is_root || !has_setpriv || limit_kib > 1 << 20 {
+        eprintln!("skipped: needs root, setpriv and a finite memlock limit (have root={is_root}, setpriv={has_setpriv}, limit={limit_kib} KiB)");
+        return;
+    }
+    let heap = format!("{}K", limit_kib * 2);
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            BINARY,
+            "--listen",
+            "127.0.0.1:0",
+            "--fabric-listen",
+            "127.0.0.1:0",
+            "--heap-size",
+            &heap,
+        ])
+        .env("RDKV_SECRET", "s")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run as an unprivileged user");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if stderr.starts_with("setpriv:") {
+        eprintln!("skipped: the unprivileged user cannot run the binary here: {stderr}");
+        return;
+    }
+    assert!(stderr.contains("RLIMIT_MEMLOCK"), "{stderr}");
+    assert!(
+        stderr.contains("ulimit -l") && stderr.contains("limits.conf"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "a clean error, not a crash: {stderr}"
+    );
+}
