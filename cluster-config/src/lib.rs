@@ -1,7 +1,15 @@
-//! rdkv-cluster-config: the cluster file and launcher (skeleton).
+//! rdkv-cluster-config: the cluster file and the local launcher.
 //!
-//! It will parse and validate the TOML cluster file and start, stop and report on local nodes
-//! (issue "Cluster"). No binary ships until the launcher exists.
+//! - [`config`]: the TOML schema and its validation (errors name file, line and field).
+//! - [`units`]: sizes and durations.
+//! - [`launcher`]: `rdkv-cluster up | down | status` for nodes on this machine.
+//! - [`error`]: the one error enum.
 #![forbid(unsafe_code)]
 
-pub use rdkv_common::memory::HugepagePolicy;
+pub mod config;
+pub mod error;
+pub mod launcher;
+pub mod units;
+
+pub use config::{load, ClusterConfig, NodeConfig};
+pub use error::{Error, Result};

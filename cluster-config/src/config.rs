@@ -1,0 +1,394 @@
+//! The cluster file: its TOML schema, and validation with errors that name the file, the line
+//! and the field.
+//!
+//! ```toml
+//! [cluster]
+//! name = "local"
+//! secret = "change-me"            # or secret_file = "path" (should be mode 0600)
+//! fabric = "soft"                 # soft | verbs
+//! lease_timeout = "10s"
+//! operation_deadline = "2s"
+//!
+//! [[node]]
+//! id = 1
+//! control_address = "127.0.0.1:7400"
+//! fabric_address = "127.0.0.1:7401"   # soft; for verbs: device = "mlx5_0", gid_index = 3
+//! metrics_address = "127.0.0.1:7402"
+//! index_size = "1M"
+//! heap_size = "4M"
+//! chunk_size = "256K"
+//! hugepages = "auto"                  # auto | require | off
+//! ```
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rdkv_common::fabric::Backend;
+use rdkv_common::layout::{COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE};
+use rdkv_common::memory::limits::{
+    decide_available_memory, decide_memlock, read_meminfo, read_memlock_figures, MemlockFigures,
+};
+use rdkv_common::memory::{HugepagePolicy, PinLimits};
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::error::{Error, Result};
+use crate::units::{parse_duration, parse_size};
+
+/// A size written as a number of bytes or as text with a unit.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    /// Bytes.
+    Bytes(u64),
+    /// `"64M"`.
+    Text(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    cluster: Spanned<RawCluster>,
+    #[serde(rename = "node", default)]
+    nodes: Vec<Spanned<RawNode>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    name: Spanned<String>,
+    secret: Option<Spanned<String>>,
+    secret_file: Option<Spanned<String>>,
+    fabric: Spanned<String>,
+    lease_timeout: Option<Spanned<String>>,
+    operation_deadline: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    id: Spanned<u32>,
+    control_address: Spanned<String>,
+    fabric_address: Option<Spanned<String>>,
+    device: Option<Spanned<String>>,
+    gid_index: Option<Spanned<u32>>,
+    metrics_address: Option<Spanned<String>>,
+    index_size: Spanned<RawSize>,
+    heap_size: Spanned<RawSize>,
+    chunk_size: Option<Spanned<RawSize>>,
+    hugepages: Option<Spanned<String>>,
+    max_pinned_share: Option<Spanned<f64>>,
+}
+
+/// A validated cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The file it came from.
+    pub path: PathBuf,
+    /// The cluster's name.
+    pub name: String,
+    /// The shared secret.
+    pub secret: Vec<u8>,
+    /// The fabric.
+    pub fabric: Backend,
+    /// Lease timeout.
+    pub lease_timeout: Duration,
+    /// Per-operation deadline.
+    pub operation_deadline: Duration,
+    /// The nodes, in file order.
+    pub nodes: Vec<NodeConfig>,
+    /// Things worth fixing that do not stop the cluster (an over-readable secret file).
+    pub warnings: Vec<String>,
+}
+
+/// One validated node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeConfig {
+    /// The node's id.
+    pub id: u32,
+    /// Control-plane address.
+    pub control_address: SocketAddr,
+    /// Soft NIC address.
+    pub fabric_address: Option<SocketAddr>,
+    /// RDMA device (verbs).
+    pub device: Option<String>,
+    /// GID index (verbs).
+    pub gid_index: Option<u32>,
+    /// Prometheus metrics address.
+    pub metrics_address: Option<SocketAddr>,
+    /// Index bytes.
+    pub index_size: u64,
+    /// Heap bytes.
+    pub heap_size: u64,
+    /// Chunk bytes.
+    pub chunk_size: u64,
+    /// Hugepage policy.
+    pub hugepages: HugepagePolicy,
+    /// Largest share of MemAvailable to pin.
+    pub max_pinned_share: f64,
+}
+
+impl ClusterConfig {
+    /// The node with this id.
+    pub fn node(&self, id: u32) -> Option<&NodeConfig> {
+        self.nodes.iter().find(|node| node.id == id)
+    }
+}
+
+/// The default chunk size.
+pub const DEFAULT_CHUNK_SIZE: u64 = 1 << 20;
+
+/// 1-based line of a byte offset.
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// Builds errors that point into one file.
+struct Locator<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Locator<'_> {
+    fn error(&self, span: std::ops::Range<usize>, field: impl Into<String>, message: impl Into<String>) -> Error {
+        Error::Invalid {
+            file: self.path.to_path_buf(),
+            line: line_of(self.text, span.start),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    fn size(&self, value: &Spanned<RawSize>, field: String) -> Result<u64> {
+        match value.get_ref() {
+            RawSize::Bytes(bytes) => Ok(*bytes),
+            RawSize::Text(text) => parse_size(text).map_err(|message| self.error(value.span(), field, message)),
+        }
+    }
+
+    fn duration(&self, value: &Option<Spanned<String>>, field: &str, default: Duration) -> Result<Duration> {
+        match value {
+            None => Ok(default),
+            Some(value) => parse_duration(value.get_ref())
+                .map_err(|message| self.error(value.span(), field, message)),
+        }
+    }
+
+    fn address(&self, value: &Spanned<String>, field: String) -> Result<SocketAddr> {
+        value.get_ref().parse().map_err(|_| {
+            self.error(
+                value.span(),
+                field,
+                format!("`{}` is not an address: use ip:port, for example \"127.0.0.1:7400\"", value.get_ref()),
+            )
+        })
+    }
+}
+
+/// Loads and validates a cluster file, checking sizes against this machine's memlock limit and
+/// memory (each node runs as its own process here).
+///
+/// # Errors
+/// [`Error::Read`] or [`Error::Invalid`] naming the file, line and field.
+pub fn load(path: &Path) -> Result<ClusterConfig> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        file: path.to_path_buf(),
+        source,
+    })?;
+    let (available, _) = read_meminfo();
+    parse(path, &text, read_memlock_figures(), available)
+}
+
+/// Validates cluster file text with given machine figures (tests inject them).
+///
+/// # Errors
+/// [`Error::Invalid`] naming the file, line and field.
+pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory: u64) -> Result<ClusterConfig> {
+    let locator = Locator { path, text };
+    let raw: RawFile = toml::from_str(text).map_err(|error| {
+        let span = error.span().unwrap_or(0..0);
+        locator.error(span, "syntax", error.message().to_string())
+    })?;
+    let cluster = raw.cluster.get_ref();
+    let mut warnings = Vec::new();
+
+    let fabric = match cluster.fabric.get_ref().as_str() {
+        "soft" => Backend::Soft,
+        "verbs" => {
+            return Err(locator.error(
+                cluster.fabric.span(),
+                "cluster.fabric",
+                "the verbs fabric is not in this build yet (it comes with the `verbs` cargo feature); use \"soft\"",
+            ))
+        }
+        other => {
+            return Err(locator.error(
+                cluster.fabric.span(),
+                "cluster.fabric",
+                format!("unknown fabric `{other}`: expected \"soft\" or \"verbs\""),
+            ))
+        }
+    };
+
+    let secret = match (&cluster.secret, &cluster.secret_file) {
+        (Some(_), Some(file)) => {
+            return Err(locator.error(file.span(), "cluster.secret_file", "set either secret or secret_file, not both"))
+        }
+        (None, None) => {
+            return Err(locator.error(raw.cluster.span(), "cluster.secret", "missing: set secret or secret_file"))
+        }
+        (Some(secret), None) => secret.get_ref().as_bytes().to_vec(),
+        (None, Some(file)) => {
+            let secret_path = path
+                .parent()
+                .map(|directory| directory.join(file.get_ref()))
+                .unwrap_or_else(|| PathBuf::from(file.get_ref()));
+            let bytes = std::fs::read(&secret_path).map_err(|error| {
+                locator.error(
+                    file.span(),
+                    "cluster.secret_file",
+                    format!("cannot read {}: {error}", secret_path.display()),
+                )
+            })?;
+            if let Ok(metadata) = std::fs::metadata(&secret_path) {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = metadata.permissions().mode();
+                if mode & 0o077 != 0 {
+                    warnings.push(format!(
+                        "{}:{}: cluster.secret_file: {} is readable by group or others (mode {:o}); run `chmod 600 {}`",
+                        path.display(),
+                        line_of(text, file.span().start),
+                        secret_path.display(),
+                        mode & 0o777,
+                        secret_path.display()
+                    ));
+                }
+            }
+            bytes.trim_ascii().to_vec()
+        }
+    };
+    if secret.is_empty() {
+        let span = cluster
+            .secret
+            .as_ref()
+            .map(Spanned::span)
+            .or_else(|| cluster.secret_file.as_ref().map(Spanned::span))
+            .unwrap_or(0..0);
+        return Err(locator.error(span, "cluster.secret", "the secret is empty"));
+    }
+    let lease_timeout = locator.duration(&cluster.lease_timeout, "cluster.lease_timeout", Duration::from_secs(10))?;
+    let operation_deadline =
+        locator.duration(&cluster.operation_deadline, "cluster.operation_deadline", Duration::from_secs(2))?;
+
+    if raw.nodes.is_empty() {
+        return Err(locator.error(raw.cluster.span(), "node", "no [[node]] tables: a cluster needs at least one node"));
+    }
+    let mut nodes = Vec::new();
+    let mut ids: HashMap<u32, usize> = HashMap::new();
+    let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
+    for (index, spanned) in raw.nodes.iter().enumerate() {
+        let node = spanned.get_ref();
+        let name = |field: &str| format!("node[{index}].{field}");
+        let id = *node.id.get_ref();
+        if let Some(first) = ids.insert(id, index) {
+            return Err(locator.error(node.id.span(), name("id"), format!("duplicate id {id} (also node[{first}])")));
+        }
+        let control_address = locator.address(&node.control_address, name("control_address"))?;
+        let fabric_address = node
+            .fabric_address
+            .as_ref()
+            .map(|address| locator.address(address, name("fabric_address")))
+            .transpose()?;
+        let metrics_address = node
+            .metrics_address
+            .as_ref()
+            .map(|address| locator.address(address, name("metrics_address")))
+            .transpose()?;
+        if fabric == Backend::Soft && fabric_address.is_none() {
+            return Err(locator.error(spanned.span(), name("fabric_address"), "missing: the soft fabric needs an address per node"));
+        }
+        let spans = [
+            (Some(control_address), node.control_address.span(), "control_address"),
+            (fabric_address, node.fabric_address.as_ref().map_or(0..0, Spanned::span), "fabric_address"),
+            (metrics_address, node.metrics_address.as_ref().map_or(0..0, Spanned::span), "metrics_address"),
+        ];
+        for (address, span, field) in spans {
+            let Some(address) = address else { continue };
+            if address.port() == 0 {
+                return Err(locator.error(span, name(field), "port 0 is not allowed here: clients need to know the port"));
+            }
+            if let Some(other) = addresses.insert(address, name(field)) {
+                return Err(locator.error(span, name(field), format!("duplicate address {address} (also {other})")));
+            }
+        }
+        let index_size = locator.size(&node.index_size, name("index_size"))?;
+        let heap_size = locator.size(&node.heap_size, name("heap_size"))?;
+        let chunk_size = node
+            .chunk_size
+            .as_ref()
+            .map(|size| locator.size(size, name("chunk_size")))
+            .transpose()?
+            .unwrap_or(DEFAULT_CHUNK_SIZE.min(heap_size.max(MAX_BLOCK_SIZE.div_ceil(4096) * 4096)));
+        if index_size < 2 * COMBINED_BUCKET_SIZE {
+            return Err(locator.error(
+                node.index_size.span(),
+                name("index_size"),
+                format!("{index_size} bytes is too small: at least {} bytes (two combined buckets)", 2 * COMBINED_BUCKET_SIZE),
+            ));
+        }
+        if chunk_size < MAX_BLOCK_SIZE || chunk_size % 4096 != 0 {
+            let span = node.chunk_size.as_ref().map_or(spanned.span(), Spanned::span);
+            return Err(locator.error(
+                span,
+                name("chunk_size"),
+                format!("{chunk_size} bytes: a chunk must be a multiple of 4096 and hold the largest block ({MAX_BLOCK_SIZE} bytes)"),
+            ));
+        }
+        if heap_size < chunk_size {
+            return Err(locator.error(
+                node.heap_size.span(),
+                name("heap_size"),
+                format!("{heap_size} bytes is too small: at least one chunk ({chunk_size} bytes)"),
+            ));
+        }
+        let hugepages = match &node.hugepages {
+            None => HugepagePolicy::Auto,
+            Some(policy) => policy
+                .get_ref()
+                .parse()
+                .map_err(|message: String| locator.error(policy.span(), name("hugepages"), message))?,
+        };
+        let max_pinned_share = node.max_pinned_share.as_ref().map_or(0.5, |share| *share.get_ref());
+        let pinned = index_size + heap_size;
+        let size_span = node.heap_size.span();
+        decide_memlock(pinned, memlock)
+            .map_err(|error| locator.error(size_span.clone(), name("heap_size"), format!("index_size + heap_size is too large for this machine: {error}")))?;
+        decide_available_memory(pinned, available_memory, PinLimits { max_pinned_share })
+            .map_err(|error| locator.error(size_span, name("heap_size"), format!("index_size + heap_size is too large for this machine: {error}")))?;
+        nodes.push(NodeConfig {
+            id,
+            control_address,
+            fabric_address,
+            device: node.device.as_ref().map(|device| device.get_ref().clone()),
+            gid_index: node.gid_index.as_ref().map(|index| *index.get_ref()),
+            metrics_address,
+            index_size,
+            heap_size,
+            chunk_size,
+            hugepages,
+            max_pinned_share,
+        });
+    }
+    Ok(ClusterConfig {
+        path: path.to_path_buf(),
+        name: cluster.name.get_ref().clone(),
+        secret,
+        fabric,
+        lease_timeout,
+        operation_deadline,
+        nodes,
+        warnings,
+    })
+}

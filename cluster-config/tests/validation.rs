@@ -1,0 +1,146 @@
+//! Cluster file validation: one test per error case, each checking the line and field named.
+
+use std::path::Path;
+
+use rdkv_cluster_config::config::{load, parse};
+use rdkv_cluster_config::Error;
+use rdkv_common::memory::limits::MemlockFigures;
+
+const MIB: u64 = 1 << 20;
+
+fn roomy() -> MemlockFigures {
+    MemlockFigures {
+        soft_limit: u64::MAX,
+        hard_limit: u64::MAX,
+        locked_bytes: 0,
+        has_ipc_lock_capability: false,
+    }
+}
+
+const NODE_1: &str = r#"
+[[node]]
+id = 1
+control_address = "127.0.0.1:7400"
+fabric_address = "127.0.0.1:7401"
+index_size = "1M"
+heap_size = "4M"
+"#;
+
+fn file(cluster_extra: &str, nodes: &str) -> String {
+    format!("[cluster]\nname = \"test\"\nsecret = \"s\"\nfabric = \"soft\"\n{cluster_extra}{nodes}")
+}
+
+fn invalid(text: &str) -> (usize, String, String) {
+    match parse(Path::new("cluster.toml"), text, roomy(), 64 * 1024 * MIB) {
+        Err(Error::Invalid { line, field, message, .. }) => (line, field, message),
+        other => panic!("expected an invalid-file error, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_shipped_example_is_valid() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
+    let config = load(&example).expect("examples/local-3node.toml is valid on this machine");
+    assert_eq!(config.nodes.len(), 3);
+    assert_eq!(config.name, "local-3node");
+    assert!(config.warnings.is_empty());
+}
+
+#[test]
+fn duplicate_ids_are_refused() {
+    let second = NODE_1.replace("7400", "7500").replace("7401", "7501");
+    let (line, field, message) = invalid(&file("", &format!("{NODE_1}{second}")));
+    assert_eq!(field, "node[1].id");
+    assert_eq!(line, 14);
+    assert!(message.contains("duplicate id 1"), "{message}");
+}
+
+#[test]
+fn duplicate_addresses_are_refused() {
+    let second = NODE_1.replace("id = 1", "id = 2").replace("7401", "7501");
+    let (line, field, message) = invalid(&file("", &format!("{NODE_1}{second}")));
+    assert_eq!(field, "node[1].control_address");
+    assert_eq!(line, 15);
+    assert!(message.contains("duplicate address 127.0.0.1:7400"), "{message}");
+}
+
+#[test]
+fn an_index_too_small_for_one_bucket_pair_is_refused() {
+    let (line, field, message) = invalid(&file("", &NODE_1.replace("index_size = \"1M\"", "index_size = 64")));
+    assert_eq!((line, field.as_str()), (10, "node[0].index_size"));
+    assert!(message.contains("too small"), "{message}");
+}
+
+#[test]
+fn sizes_over_the_memlock_limit_name_the_fix() {
+    let tight = MemlockFigures {
+        soft_limit: 8 * MIB,
+        hard_limit: 8 * MIB,
+        locked_bytes: 0,
+        has_ipc_lock_capability: false,
+    };
+    let text = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"64M\""));
+    let error = parse(Path::new("cluster.toml"), &text, tight, 64 * 1024 * MIB).expect_err("over memlock");
+    let message = error.to_string();
+    assert!(message.starts_with("cluster.toml:11: node[0].heap_size:"), "{message}");
+    assert!(message.contains("ulimit -l"), "{message}");
+}
+
+#[test]
+fn sizes_over_the_ram_share_are_refused() {
+    let text = file("", NODE_1);
+    let error = parse(Path::new("cluster.toml"), &text, roomy(), 6 * MIB).expect_err("over the RAM share");
+    assert!(error.to_string().contains("MemAvailable"), "{error}");
+}
+
+#[test]
+fn an_unknown_fabric_is_refused() {
+    let text = file("", NODE_1).replace("fabric = \"soft\"", "fabric = \"carrier-pigeon\"");
+    let (line, field, message) = invalid(&text);
+    assert_eq!((line, field.as_str()), (4, "cluster.fabric"));
+    assert!(message.contains("expected \"soft\" or \"verbs\""), "{message}");
+}
+
+#[test]
+fn a_missing_secret_file_is_refused() {
+    let text = file("", NODE_1).replace("secret = \"s\"", "secret_file = \"/nonexistent/rdkv-secret\"");
+    let (line, field, message) = invalid(&text);
+    assert_eq!((line, field.as_str()), (3, "cluster.secret_file"));
+    assert!(message.contains("cannot read /nonexistent/rdkv-secret"), "{message}");
+}
+
+#[test]
+fn a_secret_file_readable_by_others_is_a_warning() {
+    use std::os::unix::fs::PermissionsExt;
+    let directory = std::env::temp_dir().join(format!("rdkv-validation-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let secret = directory.join("secret");
+    std::fs::write(&secret, "from-a-file\n").expect("write");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let cluster = directory.join("cluster.toml");
+    std::fs::write(&cluster, file("", NODE_1).replace("secret = \"s\"", "secret_file = \"secret\"")).expect("write");
+    let config = load(&cluster).expect("valid, with a warning");
+    assert_eq!(config.secret, b"from-a-file");
+    assert_eq!(config.warnings.len(), 1);
+    assert!(config.warnings[0].contains("chmod 600"), "{}", config.warnings[0]);
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    assert!(load(&cluster).expect("valid").warnings.is_empty());
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+#[test]
+fn unknown_keys_are_refused() {
+    let text = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"4M\"\nheap_sise = \"8M\""));
+    let (line, _, message) = invalid(&text);
+    assert_eq!(line, 12);
+    assert!(message.contains("heap_sise"), "{message}");
+}
+
+#[test]
+fn port_zero_and_bad_addresses_are_refused() {
+    let (_, field, message) = invalid(&file("", &NODE_1.replace("127.0.0.1:7401", "127.0.0.1:0")));
+    assert_eq!(field, "node[0].fabric_address");
+    assert!(message.contains("port 0"), "{message}");
+    let (_, field, _) = invalid(&file("", &NODE_1.replace("127.0.0.1:7400", "localhost")));
+    assert_eq!(field, "node[0].control_address");
+}
