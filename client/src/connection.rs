@@ -17,7 +17,7 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, ServerMessage, ServerStats, Welcome,
+    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, ServerStats, Welcome,
     PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
@@ -201,6 +201,7 @@ impl NodeConnection {
             &mut stream,
             &ClientMessage::Authenticate {
                 protocol_version: PROTOCOL_VERSION,
+                purpose: Purpose::Data,
                 proof: compute_proof(&config.secret, &nonce),
                 client_name: config.name.clone(),
             },

@@ -236,7 +236,7 @@ pub enum ControlError {
     #[error("the control connection was closed by the peer")]
     Closed,
     /// Reading or writing the socket failed.
-    #[error("control connection I/O")]
+    #[error("control connection I/O: {0}")]
     Io(#[source] io::Error),
     /// The peer sent a message that is not valid at this point of the conversation.
     #[error("unexpected control message: {0}")]

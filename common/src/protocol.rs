@@ -27,6 +27,8 @@ pub enum ClientMessage {
     Authenticate {
         /// The client's protocol version.
         protocol_version: u32,
+        /// Data (a queue pair and keys) or monitoring only (stats, no fabric resources).
+        purpose: Purpose,
         /// HMAC-SHA256 over the challenge with the cluster secret.
         proof: [u8; PROOF_LENGTH],
         /// A name for logs.
@@ -47,6 +49,15 @@ pub enum ClientMessage {
     Goodbye,
 }
 
+/// Why a client connects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Purpose {
+    /// One-sided operations: the server creates a queue pair and issues keys.
+    Data,
+    /// Stats only (`rdkv-cluster status`, `rdkv stats`): no queue pair, no keys.
+    Monitor,
+}
+
 /// What a server sends.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ServerMessage {
@@ -63,6 +74,11 @@ pub enum ServerMessage {
     Welcome(Box<Welcome>),
     /// The server's queue pair is connected; one-sided requests may start.
     QueuePairReady,
+    /// A monitoring connection is authenticated; it may ask for stats.
+    MonitorReady {
+        /// The node's id.
+        node_id: u32,
+    },
     /// A heap chunk and the WRITE key only this connection holds.
     Chunk {
         /// The chunk's index.
@@ -273,4 +289,46 @@ mod tests {
         assert!(!verify_proof(b"other", &nonce, &proof));
         assert!(!verify_proof(b"secret", &[8u8; PROOF_LENGTH], &proof));
     }
+}
+
+/// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats.
+///
+/// # Errors
+/// [`ControlError`] when the node cannot be reached, refuses the secret, or answers oddly.
+pub async fn fetch_stats(
+    address: std::net::SocketAddr,
+    secret: &[u8],
+    timeout: std::time::Duration,
+) -> Result<ServerStats, ControlError> {
+    let conversation = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await.map_err(ControlError::Io)?;
+        let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
+            return Err(ControlError::Unexpected("no challenge".into()));
+        };
+        write_frame(
+            &mut stream,
+            &ClientMessage::Authenticate {
+                protocol_version: PROTOCOL_VERSION,
+                purpose: Purpose::Monitor,
+                proof: compute_proof(secret, &nonce),
+                client_name: "rdkv-monitor".into(),
+            },
+        )
+        .await?;
+        match read_frame(&mut stream).await? {
+            ServerMessage::MonitorReady { .. } => {}
+            ServerMessage::Refused { reason } => return Err(ControlError::Unexpected(reason)),
+            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+        write_frame(&mut stream, &ClientMessage::Stats).await?;
+        let reply = read_frame(&mut stream).await?;
+        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
+        match reply {
+            ServerMessage::Stats(stats) => Ok(stats),
+            other => Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+    };
+    tokio::time::timeout(timeout, conversation)
+        .await
+        .unwrap_or(Err(ControlError::Unexpected(format!("no answer within {timeout:?}"))))
 }

@@ -42,6 +42,8 @@ pub struct ServerConfig {
     pub hash_seed: Option<u64>,
     /// How often the heap collector scans the index.
     pub collector_interval: Duration,
+    /// Where Prometheus metrics are served, if anywhere.
+    pub metrics_address: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -63,7 +65,43 @@ impl ServerConfig {
             max_connections: 1024,
             hash_seed: None,
             collector_interval: Duration::from_millis(100),
+            metrics_address: None,
         }
+    }
+
+    /// The configuration of node `node_id` of a cluster file.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the file has no such node.
+    pub fn from_cluster(cluster: &rdkv_cluster_config::ClusterConfig, node_id: u32) -> Result<Self> {
+        let node = cluster.node(node_id).ok_or_else(|| Error::Config {
+            field: "node",
+            reason: format!(
+                "{} has no node with id {node_id} (ids: {:?})",
+                cluster.path.display(),
+                cluster.nodes.iter().map(|node| node.id).collect::<Vec<_>>()
+            ),
+        })?;
+        Ok(Self {
+            node_id,
+            control_address: node.control_address,
+            fabric: cluster.fabric,
+            fabric_address: node
+                .fabric_address
+                .unwrap_or_else(|| SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+            index_size: node.index_size,
+            heap_size: node.heap_size,
+            chunk_size: node.chunk_size,
+            hugepages: node.hugepages,
+            max_pinned_share: node.max_pinned_share,
+            secret: cluster.secret.clone(),
+            lease_timeout: cluster.lease_timeout,
+            operation_deadline: cluster.operation_deadline,
+            max_connections: 1024,
+            hash_seed: None,
+            collector_interval: Duration::from_millis(100),
+            metrics_address: node.metrics_address,
+        })
     }
 
     /// Checks the configuration and derives the table geometry.

@@ -20,7 +20,7 @@ use rdkv_common::fabric::{
     AccessFlags, CompletionQueue, MemoryWindow, QueuePair, QueuePairConfig, QueuePairState,
 };
 use rdkv_common::protocol::{
-    read_frame, verify_proof, write_frame, ClientMessage, ServerMessage, Welcome, PROOF_LENGTH,
+    read_frame, verify_proof, write_frame, ClientMessage, Purpose, ServerMessage, Welcome, PROOF_LENGTH,
     PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
@@ -174,6 +174,7 @@ impl Session {
         .await?;
         let ClientMessage::Authenticate {
             protocol_version,
+            purpose,
             proof,
             client_name,
         } = Self::next_message(messages).await?
@@ -210,7 +211,16 @@ impl Session {
             .await;
             return Err(reason);
         }
-        tracing::info!(%client_name, "client authenticated");
+        tracing::info!(%client_name, ?purpose, "client authenticated");
+        if purpose == Purpose::Monitor {
+            return Self::send(
+                writer,
+                &ServerMessage::MonitorReady {
+                    node_id: shared.config.node_id,
+                },
+            )
+            .await;
+        }
 
         // Only an authenticated client gets a queue pair and keys.
         let table = &shared.table;
@@ -302,7 +312,7 @@ impl Session {
                     last_heard = Instant::now();
                     shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
                     let reply = match message {
-                        ClientMessage::AllocateChunk => self.allocate_chunk(),
+                        ClientMessage::AllocateChunk if self.queue_pair.is_some() => self.allocate_chunk(),
                         ClientMessage::Heartbeat => ServerMessage::HeartbeatAck,
                         ClientMessage::Stats => ServerMessage::Stats(shared.counters.snapshot(
                             shared.config.node_id,

@@ -6,6 +6,7 @@
 //! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
 //! - `connection`: one client's handshake, keys, chunks, lease and ordered teardown.
 //! - [`server`]: start, run, shutdown.
+//! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
 //!
 //! The server never handles a GET, PUT, DELETE or CAS: the fabric's NIC engine serves clients'
@@ -16,6 +17,7 @@ pub mod config;
 mod connection;
 pub mod error;
 pub mod heap;
+pub mod metrics;
 pub mod server;
 pub mod stats;
 pub mod table;

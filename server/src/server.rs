@@ -20,6 +20,7 @@ use crate::config::ServerConfig;
 use crate::connection::{self, Shared};
 use crate::error::{Error, Result};
 use crate::heap::Heap;
+use crate::metrics;
 use crate::stats::Counters;
 use crate::table::TableRegion;
 
@@ -31,6 +32,8 @@ pub struct RunningServer {
     control_address: SocketAddr,
     /// Where the soft NIC listens.
     fabric_address: Option<SocketAddr>,
+    /// Where metrics are served.
+    metrics_address: Option<SocketAddr>,
     /// Cancels every task.
     shutdown: CancellationToken,
     /// Tracks every task, so shutdown can wait for them.
@@ -48,6 +51,11 @@ impl RunningServer {
     /// The soft NIC's bound address (none for loopback).
     pub fn fabric_address(&self) -> Option<SocketAddr> {
         self.fabric_address
+    }
+
+    /// The bound metrics address, if metrics are served.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics_address
     }
 
     /// The counters now.
@@ -129,6 +137,24 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         tasks.clone(),
     ));
     tasks.spawn(collect_loop(shared.clone(), shutdown.clone()));
+    let metrics_address = match shared.config.metrics_address {
+        None => None,
+        Some(address) => {
+            let listener = metrics::bind(address)
+                .await
+                .map_err(|source| Error::BindControl { address, source })?;
+            let bound = listener.local_addr().ok();
+            let gauges = Arc::new(metrics::Metrics::new(shared.config.node_id));
+            let state = shared.clone();
+            tasks.spawn(metrics::serve(
+                listener,
+                gauges,
+                move || state.counters.snapshot(state.config.node_id, &state.table, &state.heap),
+                shutdown.clone(),
+            ));
+            bound
+        }
+    };
     tracing::info!(
         node = shared.config.node_id,
         control = %control_address,
@@ -137,6 +163,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     );
     Ok(RunningServer {
         control_address,
+        metrics_address,
         fabric_address: device.listen_address(),
         shutdown,
         tasks,

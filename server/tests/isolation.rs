@@ -9,7 +9,7 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, ServerMessage, Welcome, PROTOCOL_VERSION,
+    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, Welcome, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use rdkv_server::{RunningServer, ServerConfig};
@@ -40,6 +40,7 @@ impl RawClient {
             &mut stream,
             &ClientMessage::Authenticate {
                 protocol_version: PROTOCOL_VERSION,
+                purpose: Purpose::Data,
                 proof: compute_proof(SECRET, &nonce),
                 client_name: "raw".into(),
             },
@@ -218,6 +219,7 @@ async fn a_wrong_secret_gets_no_keys() {
         &mut stream,
         &ClientMessage::Authenticate {
             protocol_version: PROTOCOL_VERSION,
+            purpose: Purpose::Data,
             proof: compute_proof(b"not the secret", &nonce),
             client_name: "intruder".into(),
         },

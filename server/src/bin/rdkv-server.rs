@@ -12,12 +12,24 @@ use rdkv_server::ServerConfig;
 use tokio_util::sync::CancellationToken;
 
 /// Run one rdkv node: pin and register the table, then serve clients until SIGINT/SIGTERM.
+///
+/// Either from a cluster file (`--config FILE --node ID`, as `rdkv-cluster up` does) or from
+/// the flags below.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Arguments {
+    /// A cluster file; the node's settings and the secret come from it.
+    #[arg(long, requires = "node")]
+    config: Option<PathBuf>,
+    /// With --config: which node of the file to run.
+    #[arg(long)]
+    node: Option<u32>,
     /// The node's id.
     #[arg(long, default_value_t = 1)]
     node_id: u32,
+    /// Prometheus metrics listen address (GET /metrics).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Control-plane listen address.
     #[arg(long, default_value = "127.0.0.1:7400")]
     listen: SocketAddr,
@@ -25,13 +37,13 @@ struct Arguments {
     #[arg(long, default_value = "127.0.0.1:7401")]
     fabric_listen: SocketAddr,
     /// Index size in bytes (K, M, G suffixes allowed).
-    #[arg(long, default_value = "4M", value_parser = parse_size)]
+    #[arg(long, default_value = "4M", value_parser = rdkv_cluster_config::units::parse_size)]
     index_size: u64,
     /// Heap size in bytes (K, M, G suffixes allowed).
-    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    #[arg(long, default_value = "64M", value_parser = rdkv_cluster_config::units::parse_size)]
     heap_size: u64,
     /// Heap chunk size in bytes (K, M suffixes allowed).
-    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    #[arg(long, default_value = "1M", value_parser = rdkv_cluster_config::units::parse_size)]
     chunk_size: u64,
     /// Hugepage policy: auto, require or off.
     #[arg(long, default_value = "auto")]
@@ -50,20 +62,6 @@ struct Arguments {
     deadline_ms: u64,
 }
 
-fn parse_size(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (digits, multiplier) = match text.chars().last() {
-        Some('K' | 'k') => (&text[..text.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&text[..text.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&text[..text.len() - 1], 1 << 30),
-        _ => (text, 1),
-    };
-    digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|number| number.checked_mul(multiplier))
-        .ok_or_else(|| format!("`{text}` is not a size: use bytes or a number with K, M or G"))
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -75,16 +73,53 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let arguments = Arguments::parse();
+    let config = match (&arguments.config, arguments.node) {
+        (Some(path), Some(node)) => {
+            let cluster = rdkv_cluster_config::load(path)?;
+            for warning in &cluster.warnings {
+                tracing::warn!("{warning}");
+            }
+            ServerConfig::from_cluster(&cluster, node)?
+        }
+        _ => config_from_flags(&arguments)?,
+    };
+    let node_id = config.node_id;
+    let shutdown = CancellationToken::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signals.cancel();
+    });
+    rdkv_server::run(config, shutdown, |server| {
+        // One machine-readable line on stdout: launchers and tests wait for it.
+        println!(
+            "rdkv-server ready node={} control={} fabric={} metrics={}",
+            node_id,
+            server.control_address(),
+            server
+                .fabric_address()
+                .map_or_else(|| "-".to_string(), |address| address.to_string()),
+            server
+                .metrics_address()
+                .map_or_else(|| "-".to_string(), |address| address.to_string())
+        );
+    })
+    .await
+    .context("run rdkv-server")?;
+    Ok(())
+}
+
+fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
     let secret = match &arguments.secret_file {
         Some(path) => std::fs::read(path)
             .with_context(|| format!("read the secret file {}", path.display()))?
             .trim_ascii()
             .to_vec(),
         None => std::env::var("RDKV_SECRET")
-            .context("no secret: pass --secret-file FILE or set RDKV_SECRET")?
+            .context("no secret: pass --secret-file FILE or set RDKV_SECRET (or use --config FILE --node ID)")?
             .into_bytes(),
     };
-    let config = ServerConfig {
+    Ok(ServerConfig {
         node_id: arguments.node_id,
         control_address: arguments.listen,
         fabric: Backend::Soft,
@@ -100,27 +135,8 @@ async fn main() -> anyhow::Result<()> {
         max_connections: 1024,
         hash_seed: None,
         collector_interval: Duration::from_millis(100),
-    };
-    let shutdown = CancellationToken::new();
-    let signals = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        signals.cancel();
-    });
-    rdkv_server::run(config, shutdown, |server| {
-        // One machine-readable line on stdout: launchers and tests wait for it.
-        println!(
-            "rdkv-server ready node={} control={} fabric={}",
-            arguments.node_id,
-            server.control_address(),
-            server
-                .fabric_address()
-                .map_or_else(|| "-".to_string(), |address| address.to_string())
-        );
+        metrics_address: arguments.metrics_listen,
     })
-    .await
-    .context("run rdkv-server")?;
-    Ok(())
 }
 
 async fn wait_for_signal() {

@@ -1,0 +1,134 @@
+//! Prometheus metrics over HTTP: `GET /metrics` on the node's metrics address returns the
+//! server's counters in the Prometheus text format (encoded by the `prometheus` crate).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use rdkv_common::fabric::QueuePairState;
+use rdkv_common::protocol::ServerStats;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// The gauges, refreshed from a stats snapshot at every scrape.
+pub struct Metrics {
+    registry: Registry,
+    gauges: Vec<(IntGauge, fn(&ServerStats) -> i64)>,
+    queue_pairs: IntGaugeVec,
+}
+
+impl Metrics {
+    /// Registers every gauge, labelled with the node's id.
+    ///
+    /// # Panics
+    /// Never in practice: metric names are static and registered once.
+    pub fn new(node_id: u32) -> Self {
+        let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
+        let node = node_id.to_string();
+        let definitions: [(&str, &str, fn(&ServerStats) -> i64); 13] = [
+            ("uptime_seconds", "Seconds since the server started", |stats| stats.uptime_seconds as i64),
+            ("connections", "Control connections open now", |stats| stats.connections as i64),
+            ("memory_regions", "Live memory regions", |stats| stats.live_memory_regions),
+            ("memory_windows", "Live memory windows (per-client keys)", |stats| stats.live_memory_windows),
+            ("pinned_bytes", "Bytes pinned (mlocked)", |stats| stats.pinned_bytes as i64),
+            ("heap_used_bytes", "Heap bytes owned, sealed or quarantined", |stats| stats.heap_used_bytes as i64),
+            ("heap_size_bytes", "Heap bytes", |stats| stats.heap_size_bytes as i64),
+            ("keys", "Keys (from the last index scan)", |stats| stats.keys_estimate as i64),
+            ("chunk_allocations_total", "Heap chunks handed out", |stats| stats.chunk_allocations as i64),
+            ("chunks_reclaimed_total", "Heap chunks reclaimed", |stats| stats.chunks_reclaimed as i64),
+            ("control_messages_total", "Control-plane messages handled", |stats| stats.control_messages as i64),
+            ("data_path_requests_total", "One-sided requests handled by server code (always 0)", |stats| {
+                stats.data_path_requests as i64
+            }),
+            ("authentication_failures_total", "Refused authentications", |stats| {
+                stats.authentication_failures as i64
+            }),
+        ];
+        let gauges = definitions
+            .into_iter()
+            .map(|(name, help, read)| {
+                let gauge = IntGauge::with_opts(Opts::new(name, help).const_label("node", node.clone()))
+                    .expect("a valid gauge");
+                registry.register(Box::new(gauge.clone())).expect("registered once");
+                (gauge, read)
+            })
+            .collect();
+        let queue_pairs = IntGaugeVec::new(
+            Opts::new("queue_pairs", "Queue pairs by state").const_label("node", node),
+            &["state"],
+        )
+        .expect("a valid gauge vector");
+        registry.register(Box::new(queue_pairs.clone())).expect("registered once");
+        Self {
+            registry,
+            gauges,
+            queue_pairs,
+        }
+    }
+
+    /// The text exposition of `stats`.
+    pub fn render(&self, stats: &ServerStats) -> Vec<u8> {
+        for (gauge, read) in &self.gauges {
+            gauge.set(read(stats));
+        }
+        for state in QueuePairState::ALL {
+            self.queue_pairs
+                .with_label_values(&[state.verbs_name()])
+                .set(stats.queue_pairs[state.index()]);
+        }
+        let mut body = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut body);
+        body
+    }
+}
+
+/// Serves `GET /metrics` until `shutdown`.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    snapshot: impl Fn() -> ServerStats + Send + Sync + 'static,
+    shutdown: CancellationToken,
+) {
+    let snapshot = Arc::new(snapshot);
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((mut stream, _)) = accepted else { continue };
+        let metrics = metrics.clone();
+        let snapshot = snapshot.clone();
+        tokio::spawn(async move {
+            let mut head = Vec::with_capacity(1024);
+            let mut buffer = [0u8; 1024];
+            // Read the request head (bounded), then answer one request and close.
+            while !head.windows(4).any(|window| window == b"\r\n\r\n") && head.len() < 8192 {
+                match tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buffer)).await {
+                    Ok(Ok(read)) if read > 0 => head.extend_from_slice(&buffer[..read]),
+                    _ => return,
+                }
+            }
+            let request_line = head.split(|byte| *byte == b'\r').next().unwrap_or_default();
+            let response = if request_line.starts_with(b"GET /metrics ") {
+                let body = metrics.render(&snapshot());
+                let mut response = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    TextEncoder::new().format_type(),
+                    body.len()
+                )
+                .into_bytes();
+                response.extend_from_slice(&body);
+                response
+            } else {
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 22\r\nConnection: close\r\n\r\ntry GET /metrics here\n".to_vec()
+            };
+            let _ = stream.write_all(&response).await;
+        });
+    }
+}
+
+/// Binds the metrics listener.
+pub(crate) async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(address).await
+}
