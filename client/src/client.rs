@@ -1,26 +1,41 @@
-//! [`Client`]: the public handle. It owns one connection to its node, re-establishes it after a
-//! failure, applies the per-operation deadline, and retries an operation on a fresh connection
-//! only when the failure came before its final compare-and-swap.
+//! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens one
+//! connection per node on first use and re-establishes it after a failure, applies the
+//! per-operation deadline, and retries an operation on a fresh connection only when the failure
+//! came before its final compare-and-swap.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rdkv_common::protocol::ServerStats;
+use rdkv_cluster_config::ClusterConfig;
+use rdkv_common::protocol::{fetch_stats, ServerStats};
+use rdkv_common::sharding;
 
 use crate::connection::{ClientConfig, NodeConnection};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::operations::{self, CasOutcome, Mutation, MutationOutcome};
 
-/// An rdkv client. Cheap to share behind an `Arc`; every method takes `&self`.
+/// One node of the client's cluster.
+#[derive(Debug)]
+struct Node {
+    /// The node's id (the rendezvous hashing input).
+    id: u32,
+    /// How to reach it.
+    config: ClientConfig,
+    /// The live connection, opened lazily and replaced when it breaks.
+    connection: Mutex<Option<Arc<NodeConnection>>>,
+}
+
+/// An rdkv client: one connection per node, opened on first use; keys map to nodes by
+/// rendezvous hashing. Share it behind an `Arc`; every method takes `&self`.
 #[derive(Debug)]
 pub struct Client {
-    /// Settings.
-    config: ClientConfig,
-    /// The live connection; replaced when it breaks.
-    connection: Mutex<Option<Arc<NodeConnection>>>,
+    /// The nodes, in cluster-file order.
+    nodes: Vec<Node>,
+    /// Node ids, in the same order, for rendezvous hashing.
+    node_ids: Vec<u32>,
     /// Counters.
     counters: Arc<Counters>,
     /// The per-operation deadline.
@@ -28,7 +43,7 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects and authenticates.
+    /// Connects to one node and authenticates at once.
     ///
     /// # Errors
     /// [`Error::NodeUnreachable`], [`Error::AuthenticationFailed`], or the fabric's errors
@@ -40,26 +55,79 @@ impl Client {
             connection.welcome.operation_deadline_ms,
         ));
         Ok(Self {
-            config,
-            connection: Mutex::new(Some(connection)),
+            node_ids: vec![1],
+            nodes: vec![Node {
+                id: 1,
+                config,
+                connection: Mutex::new(Some(connection)),
+            }],
             counters,
             deadline,
         })
     }
 
-    /// The live connection, re-established if it broke.
-    async fn connection(&self) -> Result<Arc<NodeConnection>> {
-        let current = self
+    /// A client of every node of a cluster; connections open on first use.
+    pub fn for_cluster(cluster: &ClusterConfig) -> Self {
+        let nodes: Vec<Node> = cluster
+            .nodes
+            .iter()
+            .map(|node| {
+                let mut config =
+                    ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
+                config.operation_deadline = Some(cluster.operation_deadline);
+                Node {
+                    id: node.id,
+                    config,
+                    connection: Mutex::new(None),
+                }
+            })
+            .collect();
+        Self {
+            node_ids: nodes.iter().map(|node| node.id).collect(),
+            nodes,
+            counters: Arc::new(Counters::default()),
+            deadline: cluster.operation_deadline,
+        }
+    }
+
+    /// A client of the cluster in a cluster file.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the file is invalid.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        let cluster = rdkv_cluster_config::load(path).map_err(|error| Error::Config {
+            reason: error.to_string(),
+        })?;
+        Ok(Self::for_cluster(&cluster))
+    }
+
+    /// The node that owns `key`.
+    fn node_for(&self, key: &[u8]) -> &Node {
+        let index = sharding::owner(key, &self.node_ids).unwrap_or(0);
+        &self.nodes[index]
+    }
+
+    /// The id of the node that owns `key`.
+    pub fn node_of(&self, key: &[u8]) -> u32 {
+        self.node_for(key).id
+    }
+
+    /// The live connection to `node`, (re-)established if needed.
+    async fn connection(&self, node: &Node) -> Result<Arc<NodeConnection>> {
+        let current = node
             .connection
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone();
+        let had_one = current.is_some();
         if let Some(connection) = current.filter(|connection| !connection.is_broken()) {
             return Ok(connection);
         }
-        let fresh = NodeConnection::open(&self.config, self.counters.clone()).await?;
-        self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
-        *self
+        let fresh = NodeConnection::open(&node.config, self.counters.clone()).await?;
+        if had_one {
+            self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        *node
             .connection
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
@@ -71,16 +139,18 @@ impl Client {
     async fn run<T, Attempt, Outcome>(
         &self,
         operation: &'static str,
+        key: &[u8],
         mut attempt: Attempt,
     ) -> Result<T>
     where
         Attempt: FnMut(Arc<NodeConnection>) -> Outcome,
         Outcome: std::future::Future<Output = Result<T>>,
     {
+        let node = self.node_for(key);
         let work = async {
             let mut retried = false;
             loop {
-                let connection = self.connection().await?;
+                let connection = self.connection(node).await?;
                 match attempt(connection.clone()).await {
                     Err(error) if error.is_retryable() && !retried => {
                         tracing::debug!(%error, operation, "retrying on a fresh connection");
@@ -111,7 +181,7 @@ impl Client {
         mutation: Mutation<'_>,
     ) -> Result<MutationOutcome> {
         let outcome = self
-            .run(operation, |connection| async move {
+            .run(operation, key, |connection| async move {
                 operations::mutate(&connection, operation, key, value, mutation).await
             })
             .await;
@@ -125,7 +195,7 @@ impl Client {
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
     /// [`Error::Corrupt`], or a typed work-completion failure.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        self.run("get", |connection| async move {
+        self.run("get", key, |connection| async move {
             operations::get(&connection, key).await
         })
         .await
@@ -136,24 +206,23 @@ impl Client {
     /// # Errors
     /// The first error of any key.
     pub async fn batch_get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Bytes>>> {
-        let connection = self.connection().await?;
-        let mut tasks = tokio::task::JoinSet::new();
-        for (index, key) in keys.iter().enumerate() {
-            let connection = connection.clone();
-            let key = key.to_vec();
-            tasks.spawn(async move { (index, operations::get(&connection, &key).await) });
-        }
-        let mut values = vec![None; keys.len()];
         let work = async {
+            let mut tasks = tokio::task::JoinSet::new();
+            for (index, key) in keys.iter().enumerate() {
+                let connection = self.connection(self.node_for(key)).await?;
+                let key = key.to_vec();
+                tasks.spawn(async move { (index, operations::get(&connection, &key).await) });
+            }
+            let mut values = vec![None; keys.len()];
             while let Some(joined) = tasks.join_next().await {
                 let (index, value) = joined.map_err(|error| Error::Refused {
                     reason: format!("batch task failed: {error}"),
                 })?;
                 values[index] = value?;
             }
-            Ok::<_, Error>(())
+            Ok::<_, Error>(values)
         };
-        tokio::time::timeout(self.deadline, work)
+        let values = tokio::time::timeout(self.deadline, work)
             .await
             .unwrap_or(Err(Error::TimedOut {
                 operation: "batch_get",
@@ -222,7 +291,7 @@ impl Client {
     /// As [`Client::get`], plus [`Error::Unresolved`].
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
         let outcome = self
-            .run("delete", |connection| async move {
+            .run("delete", key, |connection| async move {
                 operations::delete(&connection, key).await
             })
             .await;
@@ -235,24 +304,44 @@ impl Client {
         self.counters.snapshot()
     }
 
-    /// The server's counters.
+    /// Every node's counters, over monitoring connections (no queue pair, no keys); a node that
+    /// does not answer gives its error.
+    pub async fn cluster_stats(&self) -> Vec<(u32, Result<ServerStats>)> {
+        let mut stats = Vec::new();
+        for node in &self.nodes {
+            let address = node.config.node.control_address;
+            let fetched = fetch_stats(address, &node.config.secret, self.deadline)
+                .await
+                .map_err(|error| Error::NodeUnreachable {
+                    address,
+                    reason: error.to_string(),
+                });
+            stats.push((node.id, fetched));
+        }
+        stats
+    }
+
+    /// The counters of the node that owns `key` (or of the only node).
     ///
     /// # Errors
     /// [`Error::NodeUnreachable`] when the node cannot be reached.
     pub async fn server_stats(&self) -> Result<ServerStats> {
-        self.connection().await?.stats().await
+        let node = &self.nodes[0];
+        self.connection(node).await?.stats().await
     }
 
-    /// Says goodbye to the node; the server tears the connection down at once instead of
-    /// waiting for the lease to expire.
+    /// Reports the last counters and says goodbye to every connected node; the servers tear
+    /// the connections down at once instead of waiting for the leases to expire.
     pub async fn close(&self) {
-        let current = self
-            .connection
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .take();
-        if let Some(connection) = current {
-            connection.close().await;
+        for node in &self.nodes {
+            let current = node
+                .connection
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            if let Some(connection) = current {
+                connection.close().await;
+            }
         }
     }
 }

@@ -17,8 +17,8 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, ServerStats, Welcome,
-    PROTOCOL_VERSION,
+    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, ServerStats,
+    Welcome, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use tokio::net::TcpStream;
@@ -253,7 +253,7 @@ impl NodeConnection {
         let (control, requests) = mpsc::channel(16);
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
-        tokio::spawn(control_task(stream, requests, heartbeat));
+        tokio::spawn(control_task(stream, requests, heartbeat, counters.clone()));
         Ok(Arc::new(Self {
             address,
             welcome,
@@ -396,14 +396,19 @@ impl NodeConnection {
 
     /// Says goodbye; the server tears the connection down in order.
     pub(crate) async fn close(&self) {
-        let (reply, _answer) = oneshot::channel();
-        let _ = self
+        let (reply, answer) = oneshot::channel();
+        let sent = self
             .control
             .send(ControlRequest {
                 message: ClientMessage::Goodbye,
                 reply,
             })
             .await;
+        if sent.is_ok() {
+            // The control task answers once the last counters and the goodbye are written.
+            let _ = tokio::time::timeout(CONNECT_TIMEOUT, answer).await;
+        }
+        self.mark_broken();
     }
 }
 
@@ -412,6 +417,7 @@ async fn control_task(
     mut stream: TcpStream,
     mut requests: mpsc::Receiver<ControlRequest>,
     heartbeat: Duration,
+    counters: Arc<Counters>,
 ) {
     let mut ticks = tokio::time::interval(heartbeat);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -421,11 +427,29 @@ async fn control_task(
                 Some(request) => (request.message, Some(request.reply)),
                 None => return,
             },
-            _ = ticks.tick() => (ClientMessage::Heartbeat, None),
+            _ = ticks.tick() => (ClientMessage::Heartbeat { counters: counters.take_report() }, None),
         };
         let goodbye = message == ClientMessage::Goodbye;
+        if goodbye {
+            // Report the last counters before leaving.
+            let report = ClientMessage::Heartbeat {
+                counters: counters.take_report(),
+            };
+            if write_frame(&mut stream, &report).await.is_ok() {
+                let _ = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    read_frame::<_, ServerMessage>(&mut stream),
+                )
+                .await;
+            }
+        }
         let outcome = match write_frame(&mut stream, &message).await {
-            Ok(()) if goodbye => return,
+            Ok(()) if goodbye => {
+                if let Some(reply) = reply {
+                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck));
+                }
+                return;
+            }
             Ok(()) => {
                 tokio::time::timeout(CONNECT_TIMEOUT, read_frame::<_, ServerMessage>(&mut stream))
                     .await

@@ -2,6 +2,9 @@
 //! checksum retries.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use rdkv_common::protocol::ClientCounters;
 
 /// Live counters, shared by every connection of one client.
 #[derive(Debug, Default)]
@@ -24,6 +27,8 @@ pub struct Counters {
     pub checksum_retries: AtomicU64,
     /// Connections re-established after a failure.
     pub reconnects: AtomicU64,
+    /// What was last reported to a server (each increment is reported once).
+    reported: Mutex<CounterSnapshot>,
 }
 
 /// A copy of the counters.
@@ -75,6 +80,27 @@ fn ratio(numerator: u64, denominator: u64) -> f64 {
 }
 
 impl Counters {
+    /// The increments since the last report, marking them reported.
+    pub fn take_report(&self) -> ClientCounters {
+        let now = self.snapshot();
+        let mut reported = self
+            .reported
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let report = ClientCounters {
+            operations: now.operations - reported.operations,
+            gets: now.gets - reported.gets,
+            mutations: now.mutations - reported.mutations,
+            round_trips: now.round_trips - reported.round_trips,
+            get_round_trips: now.get_round_trips - reported.get_round_trips,
+            verbs: now.verbs - reported.verbs,
+            cas_failures: now.cas_failures - reported.cas_failures,
+            checksum_retries: now.checksum_retries - reported.checksum_retries,
+        };
+        *reported = now;
+        report
+    }
+
     /// A snapshot.
     pub fn snapshot(&self) -> CounterSnapshot {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);

@@ -93,6 +93,12 @@ pub enum Error {
         /// The server's reason.
         reason: String,
     },
+    /// The cluster file is invalid.
+    #[error("{reason}")]
+    Config {
+        /// The validation error (file, line, field).
+        reason: String,
+    },
     /// The control plane failed.
     #[error("control plane: {0}")]
     Control(#[from] rdkv_common::ControlError),

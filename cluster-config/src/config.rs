@@ -152,7 +152,12 @@ struct Locator<'a> {
 }
 
 impl Locator<'_> {
-    fn error(&self, span: std::ops::Range<usize>, field: impl Into<String>, message: impl Into<String>) -> Error {
+    fn error(
+        &self,
+        span: std::ops::Range<usize>,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Error {
         Error::Invalid {
             file: self.path.to_path_buf(),
             line: line_of(self.text, span.start),
@@ -164,11 +169,18 @@ impl Locator<'_> {
     fn size(&self, value: &Spanned<RawSize>, field: String) -> Result<u64> {
         match value.get_ref() {
             RawSize::Bytes(bytes) => Ok(*bytes),
-            RawSize::Text(text) => parse_size(text).map_err(|message| self.error(value.span(), field, message)),
+            RawSize::Text(text) => {
+                parse_size(text).map_err(|message| self.error(value.span(), field, message))
+            }
         }
     }
 
-    fn duration(&self, value: &Option<Spanned<String>>, field: &str, default: Duration) -> Result<Duration> {
+    fn duration(
+        &self,
+        value: &Option<Spanned<String>>,
+        field: &str,
+        default: Duration,
+    ) -> Result<Duration> {
         match value {
             None => Ok(default),
             Some(value) => parse_duration(value.get_ref())
@@ -181,7 +193,10 @@ impl Locator<'_> {
             self.error(
                 value.span(),
                 field,
-                format!("`{}` is not an address: use ip:port, for example \"127.0.0.1:7400\"", value.get_ref()),
+                format!(
+                    "`{}` is not an address: use ip:port, for example \"127.0.0.1:7400\"",
+                    value.get_ref()
+                ),
             )
         })
     }
@@ -205,7 +220,12 @@ pub fn load(path: &Path) -> Result<ClusterConfig> {
 ///
 /// # Errors
 /// [`Error::Invalid`] naming the file, line and field.
-pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory: u64) -> Result<ClusterConfig> {
+pub fn parse(
+    path: &Path,
+    text: &str,
+    memlock: MemlockFigures,
+    available_memory: u64,
+) -> Result<ClusterConfig> {
     let locator = Locator { path, text };
     let raw: RawFile = toml::from_str(text).map_err(|error| {
         let span = error.span().unwrap_or(0..0);
@@ -234,10 +254,18 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
 
     let secret = match (&cluster.secret, &cluster.secret_file) {
         (Some(_), Some(file)) => {
-            return Err(locator.error(file.span(), "cluster.secret_file", "set either secret or secret_file, not both"))
+            return Err(locator.error(
+                file.span(),
+                "cluster.secret_file",
+                "set either secret or secret_file, not both",
+            ))
         }
         (None, None) => {
-            return Err(locator.error(raw.cluster.span(), "cluster.secret", "missing: set secret or secret_file"))
+            return Err(locator.error(
+                raw.cluster.span(),
+                "cluster.secret",
+                "missing: set secret or secret_file",
+            ))
         }
         (Some(secret), None) => secret.get_ref().as_bytes().to_vec(),
         (None, Some(file)) => {
@@ -278,12 +306,23 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
             .unwrap_or(0..0);
         return Err(locator.error(span, "cluster.secret", "the secret is empty"));
     }
-    let lease_timeout = locator.duration(&cluster.lease_timeout, "cluster.lease_timeout", Duration::from_secs(10))?;
-    let operation_deadline =
-        locator.duration(&cluster.operation_deadline, "cluster.operation_deadline", Duration::from_secs(2))?;
+    let lease_timeout = locator.duration(
+        &cluster.lease_timeout,
+        "cluster.lease_timeout",
+        Duration::from_secs(10),
+    )?;
+    let operation_deadline = locator.duration(
+        &cluster.operation_deadline,
+        "cluster.operation_deadline",
+        Duration::from_secs(2),
+    )?;
 
     if raw.nodes.is_empty() {
-        return Err(locator.error(raw.cluster.span(), "node", "no [[node]] tables: a cluster needs at least one node"));
+        return Err(locator.error(
+            raw.cluster.span(),
+            "node",
+            "no [[node]] tables: a cluster needs at least one node",
+        ));
     }
     let mut nodes = Vec::new();
     let mut ids: HashMap<u32, usize> = HashMap::new();
@@ -293,7 +332,11 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
         let name = |field: &str| format!("node[{index}].{field}");
         let id = *node.id.get_ref();
         if let Some(first) = ids.insert(id, index) {
-            return Err(locator.error(node.id.span(), name("id"), format!("duplicate id {id} (also node[{first}])")));
+            return Err(locator.error(
+                node.id.span(),
+                name("id"),
+                format!("duplicate id {id} (also node[{first}])"),
+            ));
         }
         let control_address = locator.address(&node.control_address, name("control_address"))?;
         let fabric_address = node
@@ -307,20 +350,44 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
             .map(|address| locator.address(address, name("metrics_address")))
             .transpose()?;
         if fabric == Backend::Soft && fabric_address.is_none() {
-            return Err(locator.error(spanned.span(), name("fabric_address"), "missing: the soft fabric needs an address per node"));
+            return Err(locator.error(
+                spanned.span(),
+                name("fabric_address"),
+                "missing: the soft fabric needs an address per node",
+            ));
         }
         let spans = [
-            (Some(control_address), node.control_address.span(), "control_address"),
-            (fabric_address, node.fabric_address.as_ref().map_or(0..0, Spanned::span), "fabric_address"),
-            (metrics_address, node.metrics_address.as_ref().map_or(0..0, Spanned::span), "metrics_address"),
+            (
+                Some(control_address),
+                node.control_address.span(),
+                "control_address",
+            ),
+            (
+                fabric_address,
+                node.fabric_address.as_ref().map_or(0..0, Spanned::span),
+                "fabric_address",
+            ),
+            (
+                metrics_address,
+                node.metrics_address.as_ref().map_or(0..0, Spanned::span),
+                "metrics_address",
+            ),
         ];
         for (address, span, field) in spans {
             let Some(address) = address else { continue };
             if address.port() == 0 {
-                return Err(locator.error(span, name(field), "port 0 is not allowed here: clients need to know the port"));
+                return Err(locator.error(
+                    span,
+                    name(field),
+                    "port 0 is not allowed here: clients need to know the port",
+                ));
             }
             if let Some(other) = addresses.insert(address, name(field)) {
-                return Err(locator.error(span, name(field), format!("duplicate address {address} (also {other})")));
+                return Err(locator.error(
+                    span,
+                    name(field),
+                    format!("duplicate address {address} (also {other})"),
+                ));
             }
         }
         let index_size = locator.size(&node.index_size, name("index_size"))?;
@@ -335,11 +402,17 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
             return Err(locator.error(
                 node.index_size.span(),
                 name("index_size"),
-                format!("{index_size} bytes is too small: at least {} bytes (two combined buckets)", 2 * COMBINED_BUCKET_SIZE),
+                format!(
+                    "{index_size} bytes is too small: at least {} bytes (two combined buckets)",
+                    2 * COMBINED_BUCKET_SIZE
+                ),
             ));
         }
         if chunk_size < MAX_BLOCK_SIZE || chunk_size % 4096 != 0 {
-            let span = node.chunk_size.as_ref().map_or(spanned.span(), Spanned::span);
+            let span = node
+                .chunk_size
+                .as_ref()
+                .map_or(spanned.span(), Spanned::span);
             return Err(locator.error(
                 span,
                 name("chunk_size"),
@@ -355,18 +428,32 @@ pub fn parse(path: &Path, text: &str, memlock: MemlockFigures, available_memory:
         }
         let hugepages = match &node.hugepages {
             None => HugepagePolicy::Auto,
-            Some(policy) => policy
-                .get_ref()
-                .parse()
-                .map_err(|message: String| locator.error(policy.span(), name("hugepages"), message))?,
+            Some(policy) => policy.get_ref().parse().map_err(|message: String| {
+                locator.error(policy.span(), name("hugepages"), message)
+            })?,
         };
-        let max_pinned_share = node.max_pinned_share.as_ref().map_or(0.5, |share| *share.get_ref());
+        let max_pinned_share = node
+            .max_pinned_share
+            .as_ref()
+            .map_or(0.5, |share| *share.get_ref());
         let pinned = index_size + heap_size;
         let size_span = node.heap_size.span();
-        decide_memlock(pinned, memlock)
-            .map_err(|error| locator.error(size_span.clone(), name("heap_size"), format!("index_size + heap_size is too large for this machine: {error}")))?;
-        decide_available_memory(pinned, available_memory, PinLimits { max_pinned_share })
-            .map_err(|error| locator.error(size_span, name("heap_size"), format!("index_size + heap_size is too large for this machine: {error}")))?;
+        decide_memlock(pinned, memlock).map_err(|error| {
+            locator.error(
+                size_span.clone(),
+                name("heap_size"),
+                format!("index_size + heap_size is too large for this machine: {error}"),
+            )
+        })?;
+        decide_available_memory(pinned, available_memory, PinLimits { max_pinned_share }).map_err(
+            |error| {
+                locator.error(
+                    size_span,
+                    name("heap_size"),
+                    format!("index_size + heap_size is too large for this machine: {error}"),
+                )
+            },
+        )?;
         nodes.push(NodeConfig {
             id,
             control_address,

@@ -37,9 +37,13 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 /// # Errors
 /// [`Error::Refused`] naming the build command when it is missing.
 pub fn server_binary() -> Result<PathBuf> {
-    let executable = std::env::current_exe().map_err(|error| Error::Refused(format!("locate this program: {error}")))?;
+    let executable = std::env::current_exe()
+        .map_err(|error| Error::Refused(format!("locate this program: {error}")))?;
     let directory = executable.parent().unwrap_or(Path::new("."));
-    let candidates = [directory.join("rdkv-server"), directory.join("../rdkv-server")];
+    let candidates = [
+        directory.join("rdkv-server"),
+        directory.join("../rdkv-server"),
+    ];
     candidates
         .into_iter()
         .find(|candidate| candidate.exists())
@@ -94,10 +98,13 @@ pub fn running_nodes(config: &ClusterConfig, run_directory: &Path) -> Vec<(u32, 
         .nodes
         .iter()
         .filter_map(|node| {
-            if let Some(pid) = read_pid(&pid_file(run_directory, node.id)).filter(|pid| is_alive(*pid)) {
+            if let Some(pid) =
+                read_pid(&pid_file(run_directory, node.id)).filter(|pid| is_alive(*pid))
+            {
                 return Some((node.id, format!("pid {pid}")));
             }
-            answers(node.control_address).then(|| (node.id, format!("{} answers", node.control_address)))
+            answers(node.control_address)
+                .then(|| (node.id, format!("{} answers", node.control_address)))
         })
         .collect()
 }
@@ -126,11 +133,18 @@ pub struct StartedNode {
 /// # Errors
 /// [`Error::Refused`] when the cluster already runs or a node is remote; [`Error::Node`] when a
 /// node fails to start (the nodes already started are stopped again).
-pub fn start(config: &ClusterConfig, run_directory: &Path, detach: bool) -> Result<Vec<StartedNode>> {
+pub fn start(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    detach: bool,
+) -> Result<Vec<StartedNode>> {
     check_local(config)?;
     let running = running_nodes(config, run_directory);
     if !running.is_empty() {
-        let list: Vec<String> = running.iter().map(|(id, how)| format!("node {id} ({how})")).collect();
+        let list: Vec<String> = running
+            .iter()
+            .map(|(id, how)| format!("node {id} ({how})"))
+            .collect();
         return Err(Error::Refused(format!(
             "cluster `{}` is already running: {}; stop it with `rdkv-cluster down {}`",
             config.name,
@@ -138,8 +152,12 @@ pub fn start(config: &ClusterConfig, run_directory: &Path, detach: bool) -> Resu
             config.path.display()
         )));
     }
-    fs::create_dir_all(run_directory)
-        .map_err(|error| Error::Refused(format!("create the run directory {}: {error}", run_directory.display())))?;
+    fs::create_dir_all(run_directory).map_err(|error| {
+        Error::Refused(format!(
+            "create the run directory {}: {error}",
+            run_directory.display()
+        ))
+    })?;
     let binary = server_binary()?;
     let config_path = fs::canonicalize(&config.path).unwrap_or_else(|_| config.path.clone());
     let mut started: Vec<StartedNode> = Vec::new();
@@ -157,8 +175,17 @@ pub fn start(config: &ClusterConfig, run_directory: &Path, detach: bool) -> Resu
     Ok(started)
 }
 
-fn start_node(binary: &Path, config_path: &Path, node: &NodeConfig, run_directory: &Path, detach: bool) -> Result<StartedNode> {
-    let failure = |message: String| Error::Node { node: node.id, message };
+fn start_node(
+    binary: &Path,
+    config_path: &Path,
+    node: &NodeConfig,
+    run_directory: &Path,
+    detach: bool,
+) -> Result<StartedNode> {
+    let failure = |message: String| Error::Node {
+        node: node.id,
+        message,
+    };
     let mut command = Command::new(binary);
     command
         .args(["--config"])
@@ -175,10 +202,16 @@ fn start_node(binary: &Path, config_path: &Path, node: &NodeConfig, run_director
     } else {
         command.stderr(Stdio::piped());
     }
-    let mut child = command.spawn().map_err(|error| failure(format!("spawn {}: {error}", binary.display())))?;
+    let mut child = command
+        .spawn()
+        .map_err(|error| failure(format!("spawn {}: {error}", binary.display())))?;
     let pid = child.id();
-    fs::write(pid_file(run_directory, node.id), format!("{pid}\n")).map_err(|error| failure(format!("write its pid file: {error}")))?;
-    let stdout = child.stdout.take().ok_or_else(|| failure("no stdout".into()))?;
+    fs::write(pid_file(run_directory, node.id), format!("{pid}\n"))
+        .map_err(|error| failure(format!("write its pid file: {error}")))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| failure("no stdout".into()))?;
     let (sender, receiver) = mpsc::sync_channel(1);
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -193,8 +226,18 @@ fn start_node(binary: &Path, config_path: &Path, node: &NodeConfig, run_director
             let _ = fs::remove_file(pid_file(run_directory, node.id));
             let mut detail = String::new();
             if let Some(stderr) = child.stderr.take() {
-                let lines: Vec<String> = BufReader::new(stderr).lines().map_while(std::result::Result::ok).collect();
-                detail = lines.iter().rev().take(8).rev().cloned().collect::<Vec<_>>().join("\n  ");
+                let lines: Vec<String> = BufReader::new(stderr)
+                    .lines()
+                    .map_while(std::result::Result::ok)
+                    .collect();
+                detail = lines
+                    .iter()
+                    .rev()
+                    .take(8)
+                    .rev()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n  ");
             } else if detach {
                 detail = fs::read_to_string(log_file(run_directory, node.id)).unwrap_or_default();
             }
@@ -206,7 +249,11 @@ fn start_node(binary: &Path, config_path: &Path, node: &NodeConfig, run_director
         }
     };
     Ok(StartedNode {
-        ready: ReadyNode { id: node.id, pid, ready_line },
+        ready: ReadyNode {
+            id: node.id,
+            pid,
+            ready_line,
+        },
         child,
     })
 }
@@ -240,13 +287,20 @@ pub fn stop(config: &ClusterConfig, run_directory: &Path) -> Result<Vec<String>>
     for node in &config.nodes {
         let path = pid_file(run_directory, node.id);
         let Some(pid) = read_pid(&path) else {
-            report.push(format!("node {}: not started from {}", node.id, run_directory.display()));
+            report.push(format!(
+                "node {}: not started from {}",
+                node.id,
+                run_directory.display()
+            ));
             continue;
         };
         any = true;
         if !is_alive(pid) {
             let _ = fs::remove_file(&path);
-            report.push(format!("node {}: already stopped (stale pid {pid})", node.id));
+            report.push(format!(
+                "node {}: already stopped (stale pid {pid})",
+                node.id
+            ));
             continue;
         }
         let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
@@ -256,7 +310,10 @@ pub fn stop(config: &ClusterConfig, run_directory: &Path) -> Result<Vec<String>>
         }
         if is_alive(pid) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            report.push(format!("node {}: killed (pid {pid}) after {STOP_TIMEOUT:?}", node.id));
+            report.push(format!(
+                "node {}: killed (pid {pid}) after {STOP_TIMEOUT:?}",
+                node.id
+            ));
         } else {
             report.push(format!("node {}: stopped (pid {pid})", node.id));
         }
@@ -337,16 +394,26 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
                 stats.connections.to_string(),
                 format!(
                     "{}/{}/{}",
-                    stats.queue_pairs[3], stats.queue_pairs[2] + stats.queue_pairs[1] + stats.queue_pairs[0], stats.queue_pairs[4]
+                    stats.queue_pairs[3],
+                    stats.queue_pairs[2] + stats.queue_pairs[1] + stats.queue_pairs[0],
+                    stats.queue_pairs[4]
                 ),
                 stats.live_memory_regions.to_string(),
                 stats.live_memory_windows.to_string(),
                 format_bytes(stats.pinned_bytes),
-                format!("{} / {}", format_bytes(stats.heap_used_bytes), format_bytes(stats.heap_size_bytes)),
+                format!(
+                    "{} / {}",
+                    format_bytes(stats.heap_used_bytes),
+                    format_bytes(stats.heap_size_bytes)
+                ),
                 stats.keys_estimate.to_string(),
             ],
             Err(reason) => {
-                let mut row = vec![status.id.to_string(), "down".into(), status.address.to_string()];
+                let mut row = vec![
+                    status.id.to_string(),
+                    "down".into(),
+                    status.address.to_string(),
+                ];
                 row.extend(std::iter::repeat_n("-".to_string(), 7));
                 row.push(reason.clone());
                 row
@@ -354,7 +421,19 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
         })
         .collect();
     table(
-        &["node", "state", "control", "uptime", "conns", "QPs rts/setup/err", "MRs", "MWs", "pinned", "heap used", "keys"],
+        &[
+            "node",
+            "state",
+            "control",
+            "uptime",
+            "conns",
+            "QPs rts/setup/err",
+            "MRs",
+            "MWs",
+            "pinned",
+            "heap used",
+            "keys",
+        ],
         &rows,
     )
 }

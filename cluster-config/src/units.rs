@@ -28,7 +28,8 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// A message naming the accepted forms.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let invalid = || format!("`{text}` is not a duration: use a number with ms, s or m (for example \"2s\")");
+    let invalid =
+        || format!("`{text}` is not a duration: use a number with ms, s or m (for example \"2s\")");
     let (digits, unit) = if let Some(digits) = text.strip_suffix("ms") {
         (digits, Duration::from_millis(1))
     } else if let Some(digits) = text.strip_suffix('s') {

@@ -32,7 +32,12 @@ fn file(cluster_extra: &str, nodes: &str) -> String {
 
 fn invalid(text: &str) -> (usize, String, String) {
     match parse(Path::new("cluster.toml"), text, roomy(), 64 * 1024 * MIB) {
-        Err(Error::Invalid { line, field, message, .. }) => (line, field, message),
+        Err(Error::Invalid {
+            line,
+            field,
+            message,
+            ..
+        }) => (line, field, message),
         other => panic!("expected an invalid-file error, got {other:?}"),
     }
 }
@@ -61,12 +66,18 @@ fn duplicate_addresses_are_refused() {
     let (line, field, message) = invalid(&file("", &format!("{NODE_1}{second}")));
     assert_eq!(field, "node[1].control_address");
     assert_eq!(line, 15);
-    assert!(message.contains("duplicate address 127.0.0.1:7400"), "{message}");
+    assert!(
+        message.contains("duplicate address 127.0.0.1:7400"),
+        "{message}"
+    );
 }
 
 #[test]
 fn an_index_too_small_for_one_bucket_pair_is_refused() {
-    let (line, field, message) = invalid(&file("", &NODE_1.replace("index_size = \"1M\"", "index_size = 64")));
+    let (line, field, message) = invalid(&file(
+        "",
+        &NODE_1.replace("index_size = \"1M\"", "index_size = 64"),
+    ));
     assert_eq!((line, field.as_str()), (10, "node[0].index_size"));
     assert!(message.contains("too small"), "{message}");
 }
@@ -79,17 +90,25 @@ fn sizes_over_the_memlock_limit_name_the_fix() {
         locked_bytes: 0,
         has_ipc_lock_capability: false,
     };
-    let text = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"64M\""));
-    let error = parse(Path::new("cluster.toml"), &text, tight, 64 * 1024 * MIB).expect_err("over memlock");
+    let text = file(
+        "",
+        &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"64M\""),
+    );
+    let error =
+        parse(Path::new("cluster.toml"), &text, tight, 64 * 1024 * MIB).expect_err("over memlock");
     let message = error.to_string();
-    assert!(message.starts_with("cluster.toml:11: node[0].heap_size:"), "{message}");
+    assert!(
+        message.starts_with("cluster.toml:11: node[0].heap_size:"),
+        "{message}"
+    );
     assert!(message.contains("ulimit -l"), "{message}");
 }
 
 #[test]
 fn sizes_over_the_ram_share_are_refused() {
     let text = file("", NODE_1);
-    let error = parse(Path::new("cluster.toml"), &text, roomy(), 6 * MIB).expect_err("over the RAM share");
+    let error =
+        parse(Path::new("cluster.toml"), &text, roomy(), 6 * MIB).expect_err("over the RAM share");
     assert!(error.to_string().contains("MemAvailable"), "{error}");
 }
 
@@ -98,15 +117,24 @@ fn an_unknown_fabric_is_refused() {
     let text = file("", NODE_1).replace("fabric = \"soft\"", "fabric = \"carrier-pigeon\"");
     let (line, field, message) = invalid(&text);
     assert_eq!((line, field.as_str()), (4, "cluster.fabric"));
-    assert!(message.contains("expected \"soft\" or \"verbs\""), "{message}");
+    assert!(
+        message.contains("expected \"soft\" or \"verbs\""),
+        "{message}"
+    );
 }
 
 #[test]
 fn a_missing_secret_file_is_refused() {
-    let text = file("", NODE_1).replace("secret = \"s\"", "secret_file = \"/nonexistent/rdkv-secret\"");
+    let text = file("", NODE_1).replace(
+        "secret = \"s\"",
+        "secret_file = \"/nonexistent/rdkv-secret\"",
+    );
     let (line, field, message) = invalid(&text);
     assert_eq!((line, field.as_str()), (3, "cluster.secret_file"));
-    assert!(message.contains("cannot read /nonexistent/rdkv-secret"), "{message}");
+    assert!(
+        message.contains("cannot read /nonexistent/rdkv-secret"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -118,11 +146,19 @@ fn a_secret_file_readable_by_others_is_a_warning() {
     std::fs::write(&secret, "from-a-file\n").expect("write");
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let cluster = directory.join("cluster.toml");
-    std::fs::write(&cluster, file("", NODE_1).replace("secret = \"s\"", "secret_file = \"secret\"")).expect("write");
+    std::fs::write(
+        &cluster,
+        file("", NODE_1).replace("secret = \"s\"", "secret_file = \"secret\""),
+    )
+    .expect("write");
     let config = load(&cluster).expect("valid, with a warning");
     assert_eq!(config.secret, b"from-a-file");
     assert_eq!(config.warnings.len(), 1);
-    assert!(config.warnings[0].contains("chmod 600"), "{}", config.warnings[0]);
+    assert!(
+        config.warnings[0].contains("chmod 600"),
+        "{}",
+        config.warnings[0]
+    );
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     assert!(load(&cluster).expect("valid").warnings.is_empty());
     let _ = std::fs::remove_dir_all(&directory);
@@ -130,7 +166,13 @@ fn a_secret_file_readable_by_others_is_a_warning() {
 
 #[test]
 fn unknown_keys_are_refused() {
-    let text = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"4M\"\nheap_sise = \"8M\""));
+    let text = file(
+        "",
+        &NODE_1.replace(
+            "heap_size = \"4M\"",
+            "heap_size = \"4M\"\nheap_sise = \"8M\"",
+        ),
+    );
     let (line, _, message) = invalid(&text);
     assert_eq!(line, 12);
     assert!(message.contains("heap_sise"), "{message}");

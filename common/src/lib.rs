@@ -7,6 +7,7 @@
 //!   and hugepage checks done before anything is pinned.
 //! - [`layout`]: the table layout (buckets, slots, blocks) shared by server and client.
 //! - [`protocol`]: the control-plane messages, their framing and the HMAC handshake.
+//! - [`sharding`]: rendezvous hashing of keys to nodes.
 //! - [`error`]: the crate's error enum (and its control-plane part).
 //!
 //! `unsafe` code lives only in `fabric` and `memory`; each block carries a `// SAFETY:` argument.
@@ -16,5 +17,6 @@ pub mod fabric;
 pub mod layout;
 pub mod memory;
 pub mod protocol;
+pub mod sharding;
 
 pub use error::{ControlError, Error, Result};

@@ -41,8 +41,12 @@ pub enum ClientMessage {
     },
     /// A fresh heap chunk for this client; seals the client's current chunk.
     AllocateChunk,
-    /// Renews the lease.
-    Heartbeat,
+    /// Renews the lease, and reports the client's counters since its last report (the server
+    /// sums them, so `rdkv stats` can show round trips per operation cluster-wide).
+    Heartbeat {
+        /// Counter increments since the last report.
+        counters: ClientCounters,
+    },
     /// The server's counters.
     Stats,
     /// A clean goodbye.
@@ -154,6 +158,71 @@ pub struct ServerStats {
     pub fabric_frames_sent: i64,
     /// Authentication failures since start.
     pub authentication_failures: u64,
+    /// What this node's clients reported about their one-sided work.
+    pub client_counters: ClientCounters,
+}
+
+/// Client-side counters, as increments: one-sided work is invisible to the server, so clients
+/// report it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientCounters {
+    /// Operations completed.
+    pub operations: u64,
+    /// GETs.
+    pub gets: u64,
+    /// Mutations.
+    pub mutations: u64,
+    /// Posted lists awaited (network round trips).
+    pub round_trips: u64,
+    /// Round trips spent by GETs.
+    pub get_round_trips: u64,
+    /// Work requests posted.
+    pub verbs: u64,
+    /// Slot CASes that lost a race.
+    pub cas_failures: u64,
+    /// Checksum retries.
+    pub checksum_retries: u64,
+}
+
+impl ClientCounters {
+    /// Adds another report.
+    pub fn add(&mut self, other: &ClientCounters) {
+        self.operations += other.operations;
+        self.gets += other.gets;
+        self.mutations += other.mutations;
+        self.round_trips += other.round_trips;
+        self.get_round_trips += other.get_round_trips;
+        self.verbs += other.verbs;
+        self.cas_failures += other.cas_failures;
+        self.checksum_retries += other.checksum_retries;
+    }
+
+    /// Round trips per operation.
+    pub fn round_trips_per_operation(&self) -> f64 {
+        if self.operations == 0 {
+            0.0
+        } else {
+            self.round_trips as f64 / self.operations as f64
+        }
+    }
+
+    /// Round trips per GET.
+    pub fn round_trips_per_get(&self) -> f64 {
+        if self.gets == 0 {
+            0.0
+        } else {
+            self.get_round_trips as f64 / self.gets as f64
+        }
+    }
+
+    /// Work requests per operation.
+    pub fn verbs_per_operation(&self) -> f64 {
+        if self.operations == 0 {
+            0.0
+        } else {
+            self.verbs as f64 / self.operations as f64
+        }
+    }
 }
 
 /// HMAC-SHA256 proof of the secret over a nonce.
@@ -245,11 +314,15 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip() {
         let (mut left, mut right) = tokio::io::duplex(1 << 16);
-        write_frame(&mut left, &ClientMessage::Heartbeat)
-            .await
-            .expect("write");
+        let heartbeat = ClientMessage::Heartbeat {
+            counters: ClientCounters {
+                operations: 3,
+                ..ClientCounters::default()
+            },
+        };
+        write_frame(&mut left, &heartbeat).await.expect("write");
         let message: ClientMessage = read_frame(&mut right).await.expect("read");
-        assert_eq!(message, ClientMessage::Heartbeat);
+        assert_eq!(message, heartbeat);
     }
 
     #[tokio::test]
@@ -301,7 +374,9 @@ pub async fn fetch_stats(
     timeout: std::time::Duration,
 ) -> Result<ServerStats, ControlError> {
     let conversation = async {
-        let mut stream = tokio::net::TcpStream::connect(address).await.map_err(ControlError::Io)?;
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(ControlError::Io)?;
         let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
             return Err(ControlError::Unexpected("no challenge".into()));
         };
@@ -330,5 +405,7 @@ pub async fn fetch_stats(
     };
     tokio::time::timeout(timeout, conversation)
         .await
-        .unwrap_or(Err(ControlError::Unexpected(format!("no answer within {timeout:?}"))))
+        .unwrap_or(Err(ControlError::Unexpected(format!(
+            "no answer within {timeout:?}"
+        ))))
 }

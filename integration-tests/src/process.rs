@@ -6,21 +6,27 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-/// The `rdkv-server` binary next to this test executable (`target/<profile>/rdkv-server`).
-/// `cargo test --workspace` builds it because `rdkv-server` has integration tests.
-pub fn server_binary() -> PathBuf {
+/// A workspace binary next to this test executable (`target/<profile>/NAME`). `cargo test
+/// --workspace` builds `rdkv-server` and `rdkv-cluster` because their packages have
+/// integration tests.
+pub fn workspace_binary(name: &str) -> PathBuf {
     let executable = std::env::current_exe().expect("the test executable's path");
     let profile_directory = executable
         .parent()
         .and_then(|deps| deps.parent())
         .expect("tests run from target/<profile>/deps");
-    let binary = profile_directory.join("rdkv-server");
+    let binary = profile_directory.join(name);
     assert!(
         binary.exists(),
-        "{} is missing: build it with `cargo build -p rdkv-server` (cargo test --workspace does)",
+        "{} is missing: build it with `cargo build --workspace --bins` (cargo test --workspace does)",
         binary.display()
     );
     binary
+}
+
+/// The `rdkv-server` binary.
+pub fn server_binary() -> PathBuf {
+    workspace_binary("rdkv-server")
 }
 
 /// A running server process.

@@ -73,7 +73,10 @@ impl ServerConfig {
     ///
     /// # Errors
     /// [`Error::Config`] when the file has no such node.
-    pub fn from_cluster(cluster: &rdkv_cluster_config::ClusterConfig, node_id: u32) -> Result<Self> {
+    pub fn from_cluster(
+        cluster: &rdkv_cluster_config::ClusterConfig,
+        node_id: u32,
+    ) -> Result<Self> {
         let node = cluster.node(node_id).ok_or_else(|| Error::Config {
             field: "node",
             reason: format!(

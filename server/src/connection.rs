@@ -20,8 +20,8 @@ use rdkv_common::fabric::{
     AccessFlags, CompletionQueue, MemoryWindow, QueuePair, QueuePairConfig, QueuePairState,
 };
 use rdkv_common::protocol::{
-    read_frame, verify_proof, write_frame, ClientMessage, Purpose, ServerMessage, Welcome, PROOF_LENGTH,
-    PROTOCOL_VERSION,
+    read_frame, verify_proof, write_frame, ClientMessage, Purpose, ServerMessage, Welcome,
+    PROOF_LENGTH, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -313,7 +313,10 @@ impl Session {
                     shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
                     let reply = match message {
                         ClientMessage::AllocateChunk if self.queue_pair.is_some() => self.allocate_chunk(),
-                        ClientMessage::Heartbeat => ServerMessage::HeartbeatAck,
+                        ClientMessage::Heartbeat { counters } => {
+                            shared.counters.add_client_report(&counters);
+                            ServerMessage::HeartbeatAck
+                        }
                         ClientMessage::Stats => ServerMessage::Stats(shared.counters.snapshot(
                             shared.config.node_id,
                             &shared.table,

@@ -27,30 +27,69 @@ impl Metrics {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
         let definitions: [(&str, &str, fn(&ServerStats) -> i64); 13] = [
-            ("uptime_seconds", "Seconds since the server started", |stats| stats.uptime_seconds as i64),
-            ("connections", "Control connections open now", |stats| stats.connections as i64),
-            ("memory_regions", "Live memory regions", |stats| stats.live_memory_regions),
-            ("memory_windows", "Live memory windows (per-client keys)", |stats| stats.live_memory_windows),
-            ("pinned_bytes", "Bytes pinned (mlocked)", |stats| stats.pinned_bytes as i64),
-            ("heap_used_bytes", "Heap bytes owned, sealed or quarantined", |stats| stats.heap_used_bytes as i64),
-            ("heap_size_bytes", "Heap bytes", |stats| stats.heap_size_bytes as i64),
-            ("keys", "Keys (from the last index scan)", |stats| stats.keys_estimate as i64),
-            ("chunk_allocations_total", "Heap chunks handed out", |stats| stats.chunk_allocations as i64),
-            ("chunks_reclaimed_total", "Heap chunks reclaimed", |stats| stats.chunks_reclaimed as i64),
-            ("control_messages_total", "Control-plane messages handled", |stats| stats.control_messages as i64),
-            ("data_path_requests_total", "One-sided requests handled by server code (always 0)", |stats| {
-                stats.data_path_requests as i64
+            (
+                "uptime_seconds",
+                "Seconds since the server started",
+                |stats| stats.uptime_seconds as i64,
+            ),
+            ("connections", "Control connections open now", |stats| {
+                stats.connections as i64
             }),
-            ("authentication_failures_total", "Refused authentications", |stats| {
-                stats.authentication_failures as i64
+            ("memory_regions", "Live memory regions", |stats| {
+                stats.live_memory_regions
             }),
+            (
+                "memory_windows",
+                "Live memory windows (per-client keys)",
+                |stats| stats.live_memory_windows,
+            ),
+            ("pinned_bytes", "Bytes pinned (mlocked)", |stats| {
+                stats.pinned_bytes as i64
+            }),
+            (
+                "heap_used_bytes",
+                "Heap bytes owned, sealed or quarantined",
+                |stats| stats.heap_used_bytes as i64,
+            ),
+            ("heap_size_bytes", "Heap bytes", |stats| {
+                stats.heap_size_bytes as i64
+            }),
+            ("keys", "Keys (from the last index scan)", |stats| {
+                stats.keys_estimate as i64
+            }),
+            (
+                "chunk_allocations_total",
+                "Heap chunks handed out",
+                |stats| stats.chunk_allocations as i64,
+            ),
+            ("chunks_reclaimed_total", "Heap chunks reclaimed", |stats| {
+                stats.chunks_reclaimed as i64
+            }),
+            (
+                "control_messages_total",
+                "Control-plane messages handled",
+                |stats| stats.control_messages as i64,
+            ),
+            (
+                "data_path_requests_total",
+                "One-sided requests handled by server code (always 0)",
+                |stats| stats.data_path_requests as i64,
+            ),
+            (
+                "authentication_failures_total",
+                "Refused authentications",
+                |stats| stats.authentication_failures as i64,
+            ),
         ];
         let gauges = definitions
             .into_iter()
             .map(|(name, help, read)| {
-                let gauge = IntGauge::with_opts(Opts::new(name, help).const_label("node", node.clone()))
-                    .expect("a valid gauge");
-                registry.register(Box::new(gauge.clone())).expect("registered once");
+                let gauge =
+                    IntGauge::with_opts(Opts::new(name, help).const_label("node", node.clone()))
+                        .expect("a valid gauge");
+                registry
+                    .register(Box::new(gauge.clone()))
+                    .expect("registered once");
                 (gauge, read)
             })
             .collect();
@@ -59,7 +98,9 @@ impl Metrics {
             &["state"],
         )
         .expect("a valid gauge vector");
-        registry.register(Box::new(queue_pairs.clone())).expect("registered once");
+        registry
+            .register(Box::new(queue_pairs.clone()))
+            .expect("registered once");
         Self {
             registry,
             gauges,
@@ -96,7 +137,9 @@ pub(crate) async fn serve(
             _ = shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((mut stream, _)) = accepted else { continue };
+        let Ok((mut stream, _)) = accepted else {
+            continue;
+        };
         let metrics = metrics.clone();
         let snapshot = snapshot.clone();
         tokio::spawn(async move {
@@ -104,7 +147,12 @@ pub(crate) async fn serve(
             let mut buffer = [0u8; 1024];
             // Read the request head (bounded), then answer one request and close.
             while !head.windows(4).any(|window| window == b"\r\n\r\n") && head.len() < 8192 {
-                match tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buffer)).await {
+                match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    stream.read(&mut buffer),
+                )
+                .await
+                {
                     Ok(Ok(read)) if read > 0 => head.extend_from_slice(&buffer[..read]),
                     _ => return,
                 }

@@ -149,7 +149,11 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             tasks.spawn(metrics::serve(
                 listener,
                 gauges,
-                move || state.counters.snapshot(state.config.node_id, &state.table, &state.heap),
+                move || {
+                    state
+                        .counters
+                        .snapshot(state.config.node_id, &state.table, &state.heap)
+                },
                 shutdown.clone(),
             ));
             bound

@@ -3,7 +3,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use rdkv_common::protocol::ServerStats;
+use std::sync::Mutex;
+
+use rdkv_common::protocol::{ClientCounters, ServerStats};
 
 use crate::heap::Heap;
 use crate::table::TableRegion;
@@ -22,6 +24,8 @@ pub struct Counters {
     /// One-sided requests handled by server application code. Nothing in this crate can
     /// increment it: the fabric gives server code no callback for data-path requests.
     pub data_path_requests: AtomicU64,
+    /// The sum of what clients reported about their one-sided work.
+    pub client_counters: Mutex<ClientCounters>,
 }
 
 impl Counters {
@@ -33,7 +37,16 @@ impl Counters {
             control_messages: AtomicU64::new(0),
             authentication_failures: AtomicU64::new(0),
             data_path_requests: AtomicU64::new(0),
+            client_counters: Mutex::new(ClientCounters::default()),
         }
+    }
+
+    /// Adds a client's report.
+    pub fn add_client_report(&self, report: &ClientCounters) {
+        self.client_counters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .add(report);
     }
 
     /// A snapshot with the table's and heap's figures.
@@ -56,6 +69,10 @@ impl Counters {
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),
             fabric_frames_sent: gauges.frames_sent,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
+            client_counters: *self
+                .client_counters
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
         }
     }
 }

@@ -9,7 +9,8 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, Welcome, PROTOCOL_VERSION,
+    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, Welcome,
+    PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use rdkv_server::{RunningServer, ServerConfig};

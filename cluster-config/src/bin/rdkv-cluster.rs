@@ -79,8 +79,16 @@ async fn main() -> anyhow::Result<()> {
                     ]
                 })
                 .collect();
-            say(&format!("cluster `{}` is up ({} nodes, fabric {:?}):", config.name, nodes.len(), config.fabric));
-            say(&launcher::table(&["node", "pid", "control", "fabric", "metrics", "state"], &rows));
+            say(&format!(
+                "cluster `{}` is up ({} nodes, fabric {:?}):",
+                config.name,
+                nodes.len(),
+                config.fabric
+            ));
+            say(&launcher::table(
+                &["node", "pid", "control", "fabric", "metrics", "state"],
+                &rows,
+            ));
             if detach {
                 say(&format!(
                     "detached; logs and pid files in {}. Stop with `rdkv-cluster down {}`.",

@@ -62,7 +62,6 @@ struct Arguments {
     deadline_ms: u64,
 }
 
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()

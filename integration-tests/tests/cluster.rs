@@ -1,0 +1,236 @@
+//! A three-node cluster started from `examples/local-3node.toml` through the `rdkv-cluster`
+//! binary (on free ports, in a generated copy of the file): 10,000 keys written and read back by
+//! a fresh client, spread over all nodes; one node killed with SIGKILL: its keys fail fast with
+//! `node unreachable`, the others keep working, and `status` shows it down; the metrics
+//! endpoint is scraped and parsed.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_client::{Client, Error};
+use rdkv_integration_tests::process::workspace_binary;
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .expect("a free port")
+}
+
+/// The example file with every port replaced by a free one, written into `directory`.
+fn generate_cluster_file(directory: &Path) -> PathBuf {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
+    let mut text = std::fs::read_to_string(example).expect("read the example");
+    for port in [
+        "7400", "7401", "7402", "7410", "7411", "7412", "7420", "7421", "7422",
+    ] {
+        text = text.replace(&format!(":{port}\""), &format!(":{}\"", free_port()));
+    }
+    let path = directory.join("cluster.toml");
+    std::fs::write(&path, text).expect("write the cluster file");
+    path
+}
+
+fn rdkv_cluster(arguments: &[&str]) -> std::process::Output {
+    Command::new(workspace_binary("rdkv-cluster"))
+        .args(arguments)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run rdkv-cluster")
+}
+
+/// Stops the cluster even if the test fails.
+struct Cluster {
+    file: PathBuf,
+    run_directory: PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = rdkv_cluster(&[
+            "down",
+            self.file.to_str().unwrap_or_default(),
+            "--run-dir",
+            self.run_directory.to_str().unwrap_or_default(),
+        ]);
+        let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent")));
+    }
+}
+
+fn scrape(address: SocketAddr) -> HashMap<String, f64> {
+    let mut stream = TcpStream::connect(address).expect("connect to metrics");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: rdkv\r\n\r\n")
+        .expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain"), "{head}");
+    let mut samples = HashMap::new();
+    for line in body
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.is_empty())
+    {
+        let (name, value) = line.rsplit_once(' ').expect("name value");
+        samples.insert(
+            name.to_string(),
+            value.parse::<f64>().expect("a numeric sample"),
+        );
+    }
+    samples
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_node_cluster_from_the_example_file() {
+    let directory = std::env::temp_dir().join(format!("rdkv-cluster-test-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let file = generate_cluster_file(&directory);
+    let run_directory = directory.join("run");
+    let file_text = file.to_str().expect("utf-8 path").to_string();
+    let run_text = run_directory.to_str().expect("utf-8 path").to_string();
+    let up = rdkv_cluster(&["up", &file_text, "--detach", "--run-dir", &run_text]);
+    assert!(
+        up.status.success(),
+        "up failed: {}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let _cluster = Cluster {
+        file: file.clone(),
+        run_directory: run_directory.clone(),
+    };
+    let table = String::from_utf8_lossy(&up.stdout);
+    assert_eq!(table.matches("ready").count(), 3, "{table}");
+
+    let again = rdkv_cluster(&["up", &file_text, "--detach", "--run-dir", &run_text]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already running"));
+
+    // 10,000 keys through one client, read back through a fresh one.
+    let writer = Arc::new(Client::from_file(&file).expect("client"));
+    let mut tasks = Vec::new();
+    for task in 0..16u32 {
+        let writer = writer.clone();
+        tasks.push(tokio::spawn(async move {
+            for index in (task..10_000).step_by(16) {
+                writer
+                    .put(
+                        format!("key-{index}").as_bytes(),
+                        format!("value-{index}").as_bytes(),
+                    )
+                    .await
+                    .expect("put");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("writer");
+    }
+    writer.close().await;
+    let reader = Arc::new(Client::from_file(&file).expect("client"));
+    let mut per_node: HashMap<u32, Vec<u32>> = HashMap::new();
+    for index in 0..10_000u32 {
+        let key = format!("key-{index}");
+        let value = reader.get(key.as_bytes()).await.expect("get");
+        assert_eq!(
+            value.as_deref(),
+            Some(format!("value-{index}").as_bytes()),
+            "{key}"
+        );
+        per_node
+            .entry(reader.node_of(key.as_bytes()))
+            .or_default()
+            .push(index);
+    }
+    assert_eq!(per_node.len(), 3, "all three nodes hold keys");
+    for (node, stats) in reader.cluster_stats().await {
+        let stats = stats.expect("node stats");
+        assert!(
+            stats.chunk_allocations > 0 && stats.heap_used_bytes > 0,
+            "node {node} stores blocks"
+        );
+        assert!(
+            per_node[&node].len() > 2_000,
+            "node {node} owns {} keys",
+            per_node[&node].len()
+        );
+    }
+
+    // Metrics: scrape node 1 and check the parsed samples.
+    let cluster = rdkv_cluster_config::load(&file).expect("the generated file is valid");
+    let metrics_address = cluster.nodes[0].metrics_address.expect("metrics address");
+    let samples = scrape(metrics_address);
+    assert!(samples["rdkv_heap_used_bytes{node=\"1\"}"] > 0.0);
+    assert_eq!(samples["rdkv_data_path_requests_total{node=\"1\"}"], 0.0);
+    assert!(
+        samples.contains_key("rdkv_queue_pairs{node=\"1\",state=\"RTS\"}"),
+        "{samples:?}"
+    );
+
+    // Kill node 2 with SIGKILL.
+    let pid = std::fs::read_to_string(run_directory.join("node-2.pid")).expect("pid file");
+    let killed = Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let deadline = cluster.operation_deadline;
+    for index in per_node[&2].iter().take(20) {
+        let started = Instant::now();
+        let error = reader
+            .get(format!("key-{index}").as_bytes())
+            .await
+            .expect_err("node 2 is dead");
+        assert!(
+            started.elapsed() <= deadline + Duration::from_millis(500),
+            "took {:?}",
+            started.elapsed()
+        );
+        assert!(matches!(error, Error::NodeUnreachable { .. }), "{error}");
+    }
+    for node in [1u32, 3] {
+        for index in per_node[&node].iter().take(500) {
+            let key = format!("key-{index}");
+            assert!(reader
+                .get(key.as_bytes())
+                .await
+                .expect("survivors keep working")
+                .is_some());
+            reader
+                .put(key.as_bytes(), b"updated")
+                .await
+                .expect("survivors take writes");
+        }
+    }
+    let status = rdkv_cluster(&["status", &file_text]);
+    let status_text = String::from_utf8_lossy(&status.stdout);
+    let row = |node: &str| {
+        status_text
+            .lines()
+            .find(|line| line.split_whitespace().next() == Some(node))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(row("2").contains("down"), "{status_text}");
+    assert!(row("1").contains(" up "), "{status_text}");
+    assert!(row("3").contains(" up "), "{status_text}");
+
+    let down = rdkv_cluster(&["down", &file_text, "--run-dir", &run_text]);
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    let report = String::from_utf8_lossy(&down.stdout);
+    assert!(
+        report.contains("node 1: stopped") && report.contains("node 3: stopped"),
+        "{report}"
+    );
+    assert!(report.contains("node 2: already stopped"), "{report}");
+}
