@@ -11,10 +11,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+/// Reads one gauge's value from a snapshot.
+type Reader = fn(&ServerStats) -> i64;
+
 /// The gauges, refreshed from a stats snapshot at every scrape.
 pub struct Metrics {
     registry: Registry,
-    gauges: Vec<(IntGauge, fn(&ServerStats) -> i64)>,
+    gauges: Vec<(IntGauge, Reader)>,
     queue_pairs: IntGaugeVec,
 }
 
@@ -26,7 +29,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, fn(&ServerStats) -> i64); 13] = [
+        let definitions: [(&str, &str, Reader); 13] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
