@@ -307,6 +307,52 @@ where
     })
 }
 
+/// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats.
+///
+/// # Errors
+/// [`ControlError`] when the node cannot be reached, refuses the secret, or answers oddly.
+pub async fn fetch_stats(
+    address: std::net::SocketAddr,
+    secret: &[u8],
+    timeout: std::time::Duration,
+) -> Result<ServerStats, ControlError> {
+    let conversation = async {
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(ControlError::Io)?;
+        let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
+            return Err(ControlError::Unexpected("no challenge".into()));
+        };
+        write_frame(
+            &mut stream,
+            &ClientMessage::Authenticate {
+                protocol_version: PROTOCOL_VERSION,
+                purpose: Purpose::Monitor,
+                proof: compute_proof(secret, &nonce),
+                client_name: "rdkv-monitor".into(),
+            },
+        )
+        .await?;
+        match read_frame(&mut stream).await? {
+            ServerMessage::MonitorReady { .. } => {}
+            ServerMessage::Refused { reason } => return Err(ControlError::Unexpected(reason)),
+            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+        write_frame(&mut stream, &ClientMessage::Stats).await?;
+        let reply = read_frame(&mut stream).await?;
+        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
+        match reply {
+            ServerMessage::Stats(stats) => Ok(stats),
+            other => Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+    };
+    tokio::time::timeout(timeout, conversation)
+        .await
+        .unwrap_or(Err(ControlError::Unexpected(format!(
+            "no answer within {timeout:?}"
+        ))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,50 +408,4 @@ mod tests {
         assert!(!verify_proof(b"other", &nonce, &proof));
         assert!(!verify_proof(b"secret", &[8u8; PROOF_LENGTH], &proof));
     }
-}
-
-/// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats.
-///
-/// # Errors
-/// [`ControlError`] when the node cannot be reached, refuses the secret, or answers oddly.
-pub async fn fetch_stats(
-    address: std::net::SocketAddr,
-    secret: &[u8],
-    timeout: std::time::Duration,
-) -> Result<ServerStats, ControlError> {
-    let conversation = async {
-        let mut stream = tokio::net::TcpStream::connect(address)
-            .await
-            .map_err(ControlError::Io)?;
-        let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
-            return Err(ControlError::Unexpected("no challenge".into()));
-        };
-        write_frame(
-            &mut stream,
-            &ClientMessage::Authenticate {
-                protocol_version: PROTOCOL_VERSION,
-                purpose: Purpose::Monitor,
-                proof: compute_proof(secret, &nonce),
-                client_name: "rdkv-monitor".into(),
-            },
-        )
-        .await?;
-        match read_frame(&mut stream).await? {
-            ServerMessage::MonitorReady { .. } => {}
-            ServerMessage::Refused { reason } => return Err(ControlError::Unexpected(reason)),
-            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
-        }
-        write_frame(&mut stream, &ClientMessage::Stats).await?;
-        let reply = read_frame(&mut stream).await?;
-        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
-        match reply {
-            ServerMessage::Stats(stats) => Ok(stats),
-            other => Err(ControlError::Unexpected(format!("{other:?}"))),
-        }
-    };
-    tokio::time::timeout(timeout, conversation)
-        .await
-        .unwrap_or(Err(ControlError::Unexpected(format!(
-            "no answer within {timeout:?}"
-        ))))
 }
