@@ -68,6 +68,15 @@ impl Client {
 
     /// A client of every node of a cluster; connections open on first use.
     pub fn for_cluster(cluster: &ClusterConfig) -> Self {
+        Self::for_cluster_with_concurrency(
+            cluster,
+            ClientConfig::new(cluster.nodes[0].control_address, cluster.fabric, &[]).concurrency,
+        )
+    }
+
+    /// As [`Client::for_cluster`], with `concurrency` operations in flight per node (each holds
+    /// a 64 KiB registered scratch buffer).
+    pub fn for_cluster_with_concurrency(cluster: &ClusterConfig, concurrency: usize) -> Self {
         let nodes: Vec<Node> = cluster
             .nodes
             .iter()
@@ -75,6 +84,7 @@ impl Client {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
                 config.operation_deadline = Some(cluster.operation_deadline);
+                config.concurrency = concurrency.max(1);
                 Node {
                     id: node.id,
                     config,

@@ -1,7 +1,21 @@
-//! rdkv-ycsb: the YCSB-style load generator (skeleton).
+//! rdkv-ycsb: a YCSB-style load generator whose output a YCSB user recognises, with rdkv, Redis
+//! and in-process drivers.
 //!
-//! Workloads A–F, the rdkv, Redis and in-process drivers and YCSB's output format come with the
-//! YCSB issue; the `rdkv-ycsb` binary ships then.
+//! - [`properties`]: workload property files and `-p` overrides.
+//! - [`generator`]: zipfian (0.99, scrambled), uniform and latest key choosers.
+//! - [`driver`]: the stores.
+//! - [`runner`]: load and run phases, throttling, time limits, progress.
+//! - [`measurement`]: HdrHistogram latencies, YCSB's text output, JSON.
+//! - [`plot`]: throughput-over-time and latency-CDF plots.
+//! - [`compare`]: rdkv and Redis side by side.
+//! - [`workloads`]: the shipped core workloads.
 #![forbid(unsafe_code)]
 
-pub use rdkv_common::fabric::Backend;
+pub mod compare;
+pub mod driver;
+pub mod generator;
+pub mod measurement;
+pub mod plot;
+pub mod properties;
+pub mod runner;
+pub mod workloads;

@@ -1,0 +1,309 @@
+//! `rdkv-ycsb compare`: rdkv and Redis side by side in one run, on this machine.
+//!
+//! It starts a local rdkv cluster (a generated cluster file on free loopback ports, through the
+//! same launcher as `rdkv-cluster`) and `redis-server` (loopback, persistence off), loads the
+//! same records into both, runs the chosen workloads against each in turn at equal concurrency,
+//! prints one table with the ratios, and stops what it started.
+
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::driver::Driver;
+use crate::measurement::{OperationKind, Report};
+use crate::properties::{Properties, Workload};
+use crate::runner::{self, RunOptions};
+use crate::workloads;
+
+/// Knobs of a comparison.
+#[derive(Debug, Clone)]
+pub struct CompareOptions {
+    /// Records loaded into each store.
+    pub records: u64,
+    /// Seconds each workload runs per store.
+    pub seconds: f64,
+    /// Concurrent tasks per store.
+    pub threads: usize,
+    /// rdkv nodes.
+    pub nodes: u32,
+    /// Workloads, by letter.
+    pub workloads: Vec<String>,
+    /// The `redis-server` program.
+    pub redis_server: PathBuf,
+    /// Show progress.
+    pub progress: bool,
+}
+
+/// One row of the comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct ComparisonRow {
+    /// The workload letter.
+    pub workload: String,
+    /// rdkv's report.
+    pub rdkv: Report,
+    /// Redis's report.
+    pub redis: Report,
+    /// Bytes of each record's value.
+    pub record_size: usize,
+}
+
+impl ComparisonRow {
+    /// rdkv throughput / Redis throughput.
+    pub fn ratio(&self) -> f64 {
+        self.rdkv.throughput / self.redis.throughput.max(1e-9)
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(
+        TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?
+            .local_addr()?
+            .port(),
+    )
+}
+
+/// Stops a child on drop.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Stops the started nodes on drop.
+struct ClusterGuard {
+    nodes: Vec<rdkv_cluster_config::launcher::StartedNode>,
+    run_directory: PathBuf,
+}
+
+impl Drop for ClusterGuard {
+    fn drop(&mut self) {
+        for node in self.nodes.iter_mut().rev() {
+            rdkv_cluster_config::launcher::stop_child(node, &self.run_directory);
+        }
+        if let Some(parent) = self.run_directory.parent() {
+            let _ = std::fs::remove_dir_all(parent);
+        }
+    }
+}
+
+fn write_cluster_file(
+    directory: &Path,
+    options: &CompareOptions,
+    record_size: usize,
+) -> anyhow::Result<PathBuf> {
+    let block = (record_size as u64 + 64 + 16).div_ceil(64) * 64;
+    let per_node = options.records.div_ceil(u64::from(options.nodes.max(1)));
+    // Live records, churn from updates and inserts until the collector catches up, and room.
+    let heap = (per_node * block * 4).max(16 << 20).next_power_of_two();
+    let index = (per_node * 64).max(1 << 20).next_power_of_two();
+    let mut text = format!(
+        "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n"
+    );
+    for node in 1..=options.nodes.max(1) {
+        text.push_str(&format!(
+            "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = \"1M\"\n",
+            free_port()?,
+            free_port()?
+        ));
+    }
+    let path = directory.join("cluster.toml");
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
+fn start_redis(program: &Path) -> anyhow::Result<(ChildGuard, String)> {
+    let port = free_port()?;
+    let mut child = Command::new(program)
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|error| {
+            anyhow::anyhow!(
+                "start {}: {error}; install Redis with `apt-get install redis-server`",
+                program.display()
+            )
+        })?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("redis-server has no stdout"))?;
+    let guard = ChildGuard(child);
+    let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        let mut ready = false;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !ready && line.contains("Ready to accept connections") {
+                ready = true;
+                let _ = sender.send(());
+            }
+        }
+    });
+    receiver
+        .recv_timeout(Duration::from_secs(15))
+        .map_err(|_| {
+            anyhow::anyhow!("redis-server did not report `Ready to accept connections` within 15 s")
+        })?;
+    Ok((guard, format!("redis://127.0.0.1:{port}")))
+}
+
+fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> {
+    let name = format!("workload{letter}");
+    let text = workloads::builtin(&name)
+        .ok_or_else(|| anyhow::anyhow!("unknown workload `{letter}`: use a, b, c, d, e or f"))?;
+    let mut properties = Properties::parse(&name, text)?;
+    properties.set_override(&format!("recordcount={}", options.records))?;
+    properties.set_override(&format!("operationcount={}", u64::MAX / 4))?;
+    Ok(Workload::from_properties(&name, &properties)?)
+}
+
+/// Runs the comparison and returns one row per workload.
+///
+/// # Errors
+/// Starting either store, or a refused workload (E).
+pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonRow>> {
+    let workloads: Vec<Workload> = options
+        .workloads
+        .iter()
+        .map(|letter| workload(letter, options))
+        .collect::<anyhow::Result<_>>()?;
+    let first = workloads
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no workloads to compare"))?;
+    let directory = std::env::temp_dir().join(format!("rdkv-ycsb-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&directory)?;
+    let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
+    let cluster = rdkv_cluster_config::load(&cluster_file)?;
+    let run_directory = directory.join("run");
+    eprintln!(
+        "starting rdkv ({} node(s)) and redis-server on loopback",
+        options.nodes
+    );
+    let _cluster = ClusterGuard {
+        nodes: rdkv_cluster_config::launcher::start(&cluster, &run_directory, true)?,
+        run_directory,
+    };
+    let (_redis, redis_url) = start_redis(&options.redis_server)?;
+    let run_options = RunOptions {
+        threads: options.threads,
+        target: None,
+        max_execution_time: Some(Duration::from_secs_f64(options.seconds)),
+        progress: options.progress,
+    };
+    let load_options = RunOptions {
+        max_execution_time: None,
+        ..run_options
+    };
+    let rdkv = Arc::new(Driver::Rdkv {
+        client: Arc::new(rdkv_client::Client::for_cluster_with_concurrency(
+            &cluster,
+            options.threads,
+        )),
+        _server: None,
+        name: "rdkv",
+    });
+    let redis = Arc::new(Driver::redis(&redis_url).await?);
+    let mut reports: Vec<(Report, Report)> = Vec::new();
+    for (store, driver) in [("rdkv", rdkv.clone()), ("redis", redis.clone())] {
+        eprintln!(
+            "{store}: loading {} records of {} bytes",
+            first.record_count,
+            first.record_size()
+        );
+        let loaded = runner::load(first, driver.clone(), load_options).await?;
+        anyhow::ensure!(
+            loaded
+                .kinds
+                .iter()
+                .all(|kind| kind.outcomes.keys().all(|outcome| outcome == "OK")),
+            "{store}: the load had errors: {:?}",
+            loaded.kinds
+        );
+        for (index, workload) in workloads.iter().enumerate() {
+            eprintln!(
+                "{store}: running {} for {} s with {} tasks",
+                workload.name, options.seconds, options.threads
+            );
+            let report = runner::run(workload, driver.clone(), run_options).await?;
+            if store == "rdkv" {
+                reports.push((report.clone(), report));
+            } else {
+                reports[index].1 = report;
+            }
+        }
+    }
+    rdkv.close().await;
+    Ok(reports
+        .into_iter()
+        .zip(&options.workloads)
+        .map(|((rdkv, redis), letter)| ComparisonRow {
+            workload: letter.to_uppercase(),
+            rdkv,
+            redis,
+            record_size: first.record_size(),
+        })
+        .collect())
+}
+
+fn read_percentiles(report: &Report) -> (u64, u64) {
+    report
+        .kind(OperationKind::Read)
+        .or_else(|| report.kinds.first())
+        .map_or((0, 0), |kind| (kind.p50_us, kind.p99_us))
+}
+
+/// The comparison table.
+pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
+    let mut out = format!(
+        "{} records of {} bytes, {} tasks per store, {} s per workload, rdkv on {} node(s) (soft fabric), Redis with one multiplexed connection\n\n",
+        options.records,
+        rows.first().map_or(0, |row| row.record_size),
+        options.threads,
+        options.seconds,
+        options.nodes
+    );
+    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for row in rows {
+        let (rdkv_p50, rdkv_p99) = read_percentiles(&row.rdkv);
+        let (redis_p50, redis_p99) = read_percentiles(&row.redis);
+        let figures = row.rdkv.rdkv.unwrap_or(crate::measurement::RdkvFigures {
+            round_trips_per_operation: 0.0,
+            round_trips_per_read: 0.0,
+            verbs_per_operation: 0.0,
+            cas_failures: 0,
+            checksum_retries: 0,
+        });
+        out.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} |\n",
+            row.workload,
+            row.rdkv.throughput,
+            row.redis.throughput,
+            row.ratio(),
+            rdkv_p50,
+            redis_p50,
+            rdkv_p99,
+            redis_p99,
+            figures.round_trips_per_operation,
+            figures.round_trips_per_read
+        ));
+    }
+    out
+}

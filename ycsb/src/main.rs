@@ -1,0 +1,253 @@
+//! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis or an in-process rdkv, plots,
+//! and a side-by-side comparison with Redis.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use rdkv_ycsb::compare::{self, CompareOptions};
+use rdkv_ycsb::driver::Driver;
+use rdkv_ycsb::measurement::Report;
+use rdkv_ycsb::properties::{Properties, Workload};
+use rdkv_ycsb::runner::{self, RunOptions};
+use rdkv_ycsb::{plot, workloads};
+
+/// YCSB-style benchmarks for rdkv, with Redis and in-process baselines.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Arguments {
+    #[command(subcommand)]
+    command: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Insert `recordcount` records (YCSB's load phase).
+    Load(PhaseArguments),
+    /// Run `operationcount` operations of the workload's mix (YCSB's run phase).
+    Run(PhaseArguments),
+    /// Plot throughput over time and latency CDFs from JSON reports.
+    Plot {
+        /// Output file: .svg or .png.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        /// JSON reports written with --json.
+        #[arg(required = true)]
+        reports: Vec<PathBuf>,
+    },
+    /// Start a local rdkv cluster and redis-server, load both, run workloads against each in
+    /// turn, and print one table with the ratios.
+    Compare {
+        /// Records loaded into each store.
+        #[arg(long, default_value_t = 100_000)]
+        records: u64,
+        /// Seconds each workload runs against each store.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Concurrent tasks per store.
+        #[arg(long, default_value_t = 64)]
+        threads: usize,
+        /// rdkv nodes.
+        #[arg(long, default_value_t = 1)]
+        nodes: u32,
+        /// Workloads (letters), run in this order.
+        #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,f")]
+        workloads: Vec<String>,
+        /// The redis-server program.
+        #[arg(long, default_value = "redis-server")]
+        redis_server: PathBuf,
+        /// Also write every report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DriverName {
+    /// rdkv through a cluster file (--config).
+    Rdkv,
+    /// Redis at --redis-url.
+    Redis,
+    /// An in-process rdkv server on the loopback fabric (the ceiling); `run` loads first.
+    Memory,
+}
+
+#[derive(Debug, Args)]
+struct PhaseArguments {
+    /// The store.
+    #[arg(long, value_enum, default_value = "rdkv")]
+    driver: DriverName,
+    /// The cluster file (rdkv driver).
+    #[arg(long, short = 'c', default_value = "examples/local-3node.toml")]
+    config: PathBuf,
+    /// The Redis URL (redis driver).
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// A workload property file, or a shipped one by name (workloada … workloadf).
+    #[arg(short = 'P', long = "workload", default_value = "workloada")]
+    workload: String,
+    /// Property overrides: -p recordcount=100000.
+    #[arg(short = 'p', value_name = "KEY=VALUE")]
+    properties: Vec<String>,
+    /// Concurrent tasks.
+    #[arg(long, alias = "concurrency", default_value_t = 1)]
+    threads: usize,
+    /// Throttle to this many operations per second in total.
+    #[arg(long)]
+    target: Option<f64>,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    max_execution_time: Option<u64>,
+    /// Also write the figures as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// For `run`: load the records first, in the same process.
+    #[arg(long)]
+    load: bool,
+}
+
+fn load_workload(arguments: &PhaseArguments) -> anyhow::Result<Workload> {
+    let path = Path::new(&arguments.workload);
+    let stem = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .unwrap_or(&arguments.workload)
+        .to_string();
+    let mut properties = if path.exists() {
+        Properties::load(path)?
+    } else if let Some(text) = workloads::builtin(&arguments.workload) {
+        Properties::parse(&arguments.workload, text)?
+    } else {
+        anyhow::bail!(
+            "{}: no such workload file, and not a shipped workload (workloada … workloadf)",
+            arguments.workload
+        );
+    };
+    for assignment in &arguments.properties {
+        properties.set_override(assignment)?;
+    }
+    for unknown in properties.unknown_keys() {
+        eprintln!("warning: property `{unknown}` is not used by the core workload");
+    }
+    Ok(Workload::from_properties(&stem, &properties)?)
+}
+
+async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Result<Driver> {
+    Ok(match arguments.driver {
+        DriverName::Rdkv => Driver::rdkv(&arguments.config)?,
+        DriverName::Redis => Driver::redis(&arguments.redis_url)
+            .await
+            .with_context(|| format!("connect to Redis at {}", arguments.redis_url))?,
+        DriverName::Memory => {
+            Driver::memory(
+                workload.record_count * 2,
+                workload.record_size(),
+                arguments.threads,
+            )
+            .await?
+        }
+    })
+}
+
+fn emit(report: &Report, json: Option<&Path>) -> anyhow::Result<()> {
+    print!("{}", report.to_ycsb_text());
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_vec_pretty(report)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match Arguments::parse().command {
+        Action::Load(arguments) => {
+            let workload = load_workload(&arguments)?;
+            let driver = Arc::new(driver(&arguments, &workload).await?);
+            let report = runner::load(&workload, driver.clone(), options(&arguments)).await?;
+            driver.close().await;
+            emit(&report, arguments.json.as_deref())?;
+        }
+        Action::Run(arguments) => {
+            let workload = load_workload(&arguments)?;
+            let driver = Arc::new(driver(&arguments, &workload).await?);
+            if arguments.load || matches!(arguments.driver, DriverName::Memory) {
+                let loaded = runner::load(
+                    &workload,
+                    driver.clone(),
+                    RunOptions {
+                        max_execution_time: None,
+                        ..options(&arguments)
+                    },
+                )
+                .await?;
+                eprintln!(
+                    "loaded {} records in {} ms",
+                    loaded.operations, loaded.runtime_ms
+                );
+            }
+            let report = runner::run(&workload, driver.clone(), options(&arguments)).await?;
+            driver.close().await;
+            emit(&report, arguments.json.as_deref())?;
+        }
+        Action::Plot { output, reports } => {
+            let reports: Vec<Report> = reports
+                .iter()
+                .map(|path| -> anyhow::Result<Report> {
+                    let bytes =
+                        std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+                    serde_json::from_slice(&bytes).with_context(|| {
+                        format!("{} is not an rdkv-ycsb JSON report", path.display())
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?;
+            plot::plot(&reports, &output)?;
+            eprintln!("wrote {}", output.display());
+        }
+        Action::Compare {
+            records,
+            seconds,
+            threads,
+            nodes,
+            workloads,
+            redis_server,
+            json,
+        } => {
+            let options = CompareOptions {
+                records,
+                seconds,
+                threads,
+                nodes,
+                workloads,
+                redis_server,
+                progress: true,
+            };
+            let rows = compare::compare(&options).await?;
+            println!("{}", compare::table(&rows, &options));
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)
+                    .with_context(|| format!("write {}", path.display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn options(arguments: &PhaseArguments) -> RunOptions {
+    RunOptions {
+        threads: arguments.threads,
+        target: arguments.target,
+        max_execution_time: arguments.max_execution_time.map(Duration::from_secs),
+        progress: true,
+    }
+}
