@@ -39,6 +39,9 @@ pub(crate) const WRITE_BLOCK_AT: u64 = 512;
 pub(crate) const READ_BLOCKS_AT: u64 = WRITE_BLOCK_AT + 16 * 1024;
 /// Bytes of the candidate block area.
 pub(crate) const READ_BLOCKS_SIZE: u64 = SCRATCH_SIZE - READ_BLOCKS_AT;
+/// How long to wait before asking again for a chunk when the heap's free chunks are all
+/// waiting to be reclaimed.
+const CHUNK_RETRY_INTERVAL: Duration = Duration::from_millis(10);
 /// How long connecting and each handshake step may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -369,7 +372,18 @@ impl NodeConnection {
                         used: 0,
                     });
                 }
-                ServerMessage::Refused { reason } => return Err(Error::TableFull { reason }),
+                ServerMessage::ChunkUnavailable {
+                    reclaimable,
+                    reason,
+                } => {
+                    if reclaimable == 0 {
+                        return Err(Error::TableFull { reason });
+                    }
+                    // Chunks are on their way back; wait for the collector (the operation's
+                    // deadline bounds the wait).
+                    tokio::time::sleep(CHUNK_RETRY_INTERVAL).await;
+                }
+                ServerMessage::Refused { reason } => return Err(Error::Refused { reason }),
                 other => {
                     return Err(Error::Refused {
                         reason: format!("unexpected reply to AllocateChunk: {other:?}"),

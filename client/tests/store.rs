@@ -201,3 +201,54 @@ async fn loopback_fabric_serves_the_same_store() {
     }
     assert_eq!(server.stats().data_path_requests, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_lived_blocks_do_not_pin_their_chunks() {
+    // Every chunk written during the updates keeps about three long-lived blocks (cold keys
+    // written once) among dead versions of a hot key. Without compaction each such chunk stays
+    // pinned and the 8 MiB heap (128 chunks) fills after about 384 of the 450 rounds.
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 8 * 1024 * 1024;
+    config.chunk_size = 64 * 1024;
+    config.operation_deadline = Duration::from_millis(300);
+    config.collector_interval = Duration::from_millis(20);
+    let (server, client) = start(config).await;
+    let value = vec![3u8; 1000];
+    let rounds = 450u32;
+    let mut written = 0u64;
+    for round in 0..rounds {
+        client
+            .put(format!("cold-{round}").as_bytes(), &value)
+            .await
+            .unwrap_or_else(|error| panic!("round {round}: cold put: {error}"));
+        for _ in 0..20 {
+            client
+                .put(b"hot", &value)
+                .await
+                .unwrap_or_else(|error| panic!("round {round}: hot put: {error}"));
+        }
+        written += 21 * 1088;
+    }
+    let stats = server.stats();
+    assert!(
+        written > stats.heap_size_bytes,
+        "wrote {written} bytes through a {}-byte heap",
+        stats.heap_size_bytes
+    );
+    assert!(
+        stats.blocks_relocated >= 100,
+        "compaction moved {} live blocks",
+        stats.blocks_relocated
+    );
+    for round in 0..rounds {
+        assert_eq!(
+            client
+                .get(format!("cold-{round}").as_bytes())
+                .await
+                .expect("get")
+                .as_deref(),
+            Some(value.as_slice()),
+            "cold-{round} survived its moves"
+        );
+    }
+}

@@ -92,6 +92,14 @@ pub enum ServerMessage {
         /// The WRITE key, bound to this connection's queue pair.
         key: RemoteKey,
     },
+    /// No free chunk now. `reclaimable` chunks are sealed or quarantined and will come back
+    /// once nothing references them: worth retrying shortly when it is above zero.
+    ChunkUnavailable {
+        /// Chunks on their way back to the free list.
+        reclaimable: u64,
+        /// What to do if it persists.
+        reason: String,
+    },
     /// The lease was renewed.
     HeartbeatAck,
     /// The server's counters.
@@ -149,6 +157,8 @@ pub struct ServerStats {
     pub chunk_allocations: u64,
     /// Chunks reclaimed since start.
     pub chunks_reclaimed: u64,
+    /// Live blocks moved out of sparse chunks by compaction since start.
+    pub blocks_relocated: u64,
     /// Control messages handled since start.
     pub control_messages: u64,
     /// One-sided requests handled by server application code: always 0 by construction (the

@@ -351,7 +351,8 @@ impl Session {
         };
         let geometry = &shared.table.geometry;
         let Some(chunk) = shared.heap.allocate(self.connection_id) else {
-            return ServerMessage::Refused {
+            return ServerMessage::ChunkUnavailable {
+                reclaimable: shared.heap.reclaimable_chunks(crate::compactor::MAX_LIVE_SHARE),
                 reason: format!(
                     "heap full: all {} chunks of {} bytes are in use or quarantined; raise heap_size",
                     geometry.chunk_count(),

@@ -58,6 +58,10 @@ pub struct Heap {
     pub reclaimed: AtomicU64,
     /// Keys seen by the last scan.
     pub keys_estimate: AtomicU64,
+    /// Live bytes per chunk, from the last scan.
+    live_bytes: Mutex<Vec<u64>>,
+    /// Blocks moved by compaction since start.
+    pub blocks_relocated: AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -78,13 +82,52 @@ impl Heap {
             allocations: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
             keys_estimate: AtomicU64::new(0),
+            live_bytes: Mutex::new(vec![0; count as usize]),
+            blocks_relocated: AtomicU64::new(0),
         }
     }
 
+    /// Chunk bytes.
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size
+    }
+
+    /// Sealed chunks, sealed at least `min_age` ago, whose live bytes (at the last scan) are more
+    /// than zero and less than `max_live_share` of the chunk: worth compacting. Sparsest first.
+    pub fn compaction_candidates(
+        &self,
+        now: Instant,
+        min_age: Duration,
+        max_live_share: f64,
+        limit: usize,
+    ) -> Vec<u64> {
+        let chunks = lock(&self.chunks);
+        let live = lock(&self.live_bytes);
+        let threshold = (self.chunk_size as f64 * max_live_share) as u64;
+        let mut candidates: Vec<(u64, u64)> = chunks
+            .iter()
+            .enumerate()
+            .filter_map(|(index, state)| match state {
+                ChunkState::Sealed(since) if now.duration_since(*since) >= min_age => {
+                    let bytes = live[index];
+                    (bytes > 0 && bytes < threshold).then_some((bytes, index as u64))
+                }
+                _ => None,
+            })
+            .collect();
+        candidates.sort_unstable();
+        candidates
+            .into_iter()
+            .take(limit)
+            .map(|(_, index)| index)
+            .collect()
+    }
+
     /// Seals every chunk `connection` owns, then hands it a free one.
+    /// When none is free, nothing changes and the connection keeps its chunk.
     pub fn allocate(&self, connection: u64) -> Option<u64> {
-        self.seal_owned_by(connection);
         let chunk = lock(&self.free).pop_front()?;
+        self.seal_owned_by(connection);
         lock(&self.chunks)[chunk as usize] = ChunkState::Owned(connection);
         self.allocations.fetch_add(1, Ordering::Relaxed);
         Some(chunk)
@@ -100,6 +143,24 @@ impl Heap {
         }
     }
 
+    /// Chunks sealed or quarantined: neither owned nor free, coming back once unreferenced.
+    ///
+    /// Only chunks that will really come back count: unreferenced ones, and sparse ones that
+    /// compaction will empty (live bytes under `max_live_share` of a chunk at the last scan).
+    pub fn reclaimable_chunks(&self, max_live_share: f64) -> u64 {
+        let chunks = lock(&self.chunks);
+        let live = lock(&self.live_bytes);
+        let threshold = (self.chunk_size as f64 * max_live_share) as u64;
+        chunks
+            .iter()
+            .zip(live.iter())
+            .filter(|(state, live)| {
+                matches!(state, ChunkState::Sealed(_) | ChunkState::Candidate(_))
+                    && **live < threshold
+            })
+            .count() as u64
+    }
+
     /// Heap bytes not free.
     pub fn used_bytes(&self) -> u64 {
         let chunks = lock(&self.chunks);
@@ -110,20 +171,25 @@ impl Heap {
             * self.chunk_size
     }
 
-    /// One collection pass. `referenced` lists, for every non-empty slot, its heap offset.
+    /// One collection pass over every non-empty slot's (heap offset, block length).
     pub fn collect(
         &self,
-        referenced_offsets: impl Iterator<Item = u64>,
+        referenced_blocks: impl Iterator<Item = (u64, u64)>,
         now: Instant,
     ) -> CollectionReport {
-        let mut referenced = vec![false; lock(&self.chunks).len()];
+        let count = lock(&self.chunks).len();
+        let mut referenced = vec![false; count];
+        let mut live = vec![0u64; count];
         let mut keys = 0u64;
-        for offset in referenced_offsets {
+        for (offset, length) in referenced_blocks {
             keys += 1;
-            if let Some(flag) = referenced.get_mut((offset / self.chunk_size) as usize) {
+            let chunk = (offset / self.chunk_size) as usize;
+            if let Some(flag) = referenced.get_mut(chunk) {
                 *flag = true;
+                live[chunk] += length;
             }
         }
+        *lock(&self.live_bytes) = live;
         let mut freed = Vec::new();
         {
             let mut chunks = lock(&self.chunks);
@@ -213,7 +279,7 @@ mod tests {
         let start = Instant::now();
         let second = Duration::from_secs(1);
         heap.collect(std::iter::empty(), start + second);
-        let report = heap.collect([128u64].into_iter(), start + second * 2);
+        let report = heap.collect([(128u64, 64u64)].into_iter(), start + second * 2);
         assert_eq!(
             report,
             CollectionReport {
@@ -231,6 +297,34 @@ mod tests {
             heap.collect(std::iter::empty(), start + second * 4)
                 .reclaimed,
             1
+        );
+    }
+
+    #[test]
+    fn sparse_sealed_chunks_are_compaction_candidates_sparsest_first() {
+        let heap = heap(4);
+        for connection in 1..=3 {
+            heap.allocate(connection);
+            heap.seal_owned_by(connection);
+        }
+        let later = Instant::now() + Duration::from_secs(2);
+        // Chunk 0: 60 KiB live (dense); chunk 1: 1 KiB; chunk 2: 8 KiB; chunk 3: free.
+        heap.collect(
+            [(0, 60 * 1024), (65536, 1024), (2 * 65536, 8 * 1024)].into_iter(),
+            Instant::now(),
+        );
+        assert_eq!(
+            heap.compaction_candidates(later, Duration::from_secs(1), 0.5, 8),
+            vec![1, 2]
+        );
+        assert_eq!(
+            heap.compaction_candidates(later, Duration::from_secs(1), 0.5, 1),
+            vec![1]
+        );
+        assert!(
+            heap.compaction_candidates(Instant::now(), Duration::from_secs(1), 0.5, 8)
+                .is_empty(),
+            "too recently sealed"
         );
     }
 

@@ -4,6 +4,7 @@
 //! - [`config`]: settings and their validation.
 //! - [`table`]: the registered region (index + heap).
 //! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
+//! - [`compactor`]: moves the few live blocks out of sparse chunks so they can be reclaimed.
 //! - `connection`: one client's handshake, keys, chunks, lease and ordered teardown.
 //! - [`server`]: start, run, shutdown.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
@@ -13,6 +14,7 @@
 //! one-sided requests against the registered table, and gives server code no callback for them.
 #![forbid(unsafe_code)]
 
+pub mod compactor;
 pub mod config;
 mod connection;
 pub mod error;

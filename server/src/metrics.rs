@@ -29,7 +29,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 13] = [
+        let definitions: [(&str, &str, Reader); 14] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -68,6 +68,11 @@ impl Metrics {
             ("chunks_reclaimed_total", "Heap chunks reclaimed", |stats| {
                 stats.chunks_reclaimed as i64
             }),
+            (
+                "blocks_relocated_total",
+                "Live blocks moved out of sparse chunks",
+                |stats| stats.blocks_relocated as i64,
+            ),
             (
                 "control_messages_total",
                 "Control-plane messages handled",

@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::compactor;
 use crate::config::ServerConfig;
 use crate::connection::{self, Shared};
 use crate::error::{Error, Result};
@@ -121,7 +122,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         source,
     })?;
     let shared = Arc::new(Shared {
-        heap: Heap::new(&geometry, config.operation_deadline * 2),
+        heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
         completion_queue: device.create_completion_queue(1024),
         table,
         counters: Counters::new(),
@@ -233,9 +234,24 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
         }
         let pass = shared.clone();
         let scanned = tokio::task::spawn_blocking(move || {
-            let mut offsets = Vec::new();
-            pass.table.for_each_slot(|slot| offsets.push(slot.offset()));
-            pass.heap.collect(offsets.into_iter(), Instant::now())
+            let mut slots = Vec::new();
+            pass.table
+                .for_each_slot(|index_offset, slot| slots.push((index_offset, slot)));
+            let now = Instant::now();
+            let report = pass.heap.collect(
+                slots
+                    .iter()
+                    .map(|(_, slot)| (slot.offset(), slot.block_length())),
+                now,
+            );
+            compactor::compact(
+                &pass.table,
+                &pass.heap,
+                &slots,
+                pass.config.operation_deadline,
+                now,
+            );
+            report
         })
         .await;
         if let Ok(report) = scanned {

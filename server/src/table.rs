@@ -75,13 +75,14 @@ impl TableRegion {
         self.region.address() + self.geometry.heap_offset()
     }
 
-    /// Visits every non-empty slot (atomic loads; the control plane's view, never the data path).
-    pub fn for_each_slot(&self, mut visit: impl FnMut(Slot)) {
+    /// Visits every non-empty slot with its offset in the index (atomic loads; the control
+    /// plane's view, never the data path).
+    pub fn for_each_slot(&self, mut visit: impl FnMut(u64, Slot)) {
         let words = self.geometry.index_size() / 8;
         for word in 0..words {
             if let Ok(value) = self.region.load_u64(word * 8) {
                 if value != 0 {
-                    visit(Slot(value));
+                    visit(word * 8, Slot(value));
                 }
             }
         }

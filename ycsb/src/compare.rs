@@ -104,8 +104,8 @@ fn write_cluster_file(
     // Live records, churn from updates and inserts until the collector catches up, and room.
     let heap = (per_node * block * 4).max(16 << 20).next_power_of_two();
     let index = (per_node * 64).max(1 << 20).next_power_of_two();
-    let mut text = format!(
-        "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n"
+    let mut text = String::from(
+        "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n",
     );
     for node in 1..=options.nodes.max(1) {
         text.push_str(&format!(
@@ -262,6 +262,15 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         .collect())
 }
 
+/// Operations that did not return OK or NOT_FOUND.
+pub fn errors(report: &Report) -> u64 {
+    report
+        .kinds
+        .iter()
+        .map(|kind| kind.outcomes.get("ERROR").copied().unwrap_or(0))
+        .sum()
+}
+
 fn read_percentiles(report: &Report) -> (u64, u64) {
     report
         .kind(OperationKind::Read)
@@ -279,8 +288,8 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
         options.seconds,
         options.nodes
     );
-    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ |\n");
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ | errors rdkv/Redis |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in rows {
         let (rdkv_p50, rdkv_p99) = read_percentiles(&row.rdkv);
         let (redis_p50, redis_p99) = read_percentiles(&row.redis);
@@ -292,7 +301,7 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
             checksum_retries: 0,
         });
         out.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} |\n",
+            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} | {}/{} |\n",
             row.workload,
             row.rdkv.throughput,
             row.redis.throughput,
@@ -302,7 +311,9 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
             rdkv_p99,
             redis_p99,
             figures.round_trips_per_operation,
-            figures.round_trips_per_read
+            figures.round_trips_per_read,
+            errors(&row.rdkv),
+            errors(&row.redis)
         ));
     }
     out

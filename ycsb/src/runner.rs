@@ -87,7 +87,9 @@ async fn execute(
     let value = record_value(workload);
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let inserted = Arc::new(AtomicU64::new(workload.record_count));
+    // Insert key numbers handed out, and inserts completed: reads choose among completed ones
+    // (YCSB's acknowledged counter), so "latest" reads do not chase inserts still in flight.
+    let inserted = Arc::new((AtomicU64::new(workload.record_count), AtomicU64::new(workload.record_count)));
     let chooser =
         KeyChooser::from_name(&workload.request_distribution).map_err(anyhow::Error::msg)?;
     let counters_before = driver.rdkv_counters();
@@ -208,48 +210,40 @@ async fn one_operation(
     driver: &Driver,
     workload: &Workload,
     chooser: &KeyChooser,
-    inserted: &AtomicU64,
+    inserted: &(AtomicU64, AtomicU64),
     value: &[u8],
     random: &mut rand::rngs::StdRng,
 ) -> (OperationKind, Outcome, Duration) {
     let mix = workload.proportions;
     let total = mix.read + mix.update + mix.insert + mix.scan + mix.read_modify_write;
-    let mut pick = random.gen::<f64>() * total;
-    let records = inserted.load(Ordering::Relaxed);
+    let pick = random.gen::<f64>() * total;
+    let (next_insert, acknowledged) = inserted;
+    let records = acknowledged.load(Ordering::Relaxed);
     let existing_key =
         |random: &mut rand::rngs::StdRng| workload.key(chooser.next(records, random));
-    let begun;
-    let (kind, outcome) = if pick < mix.read {
-        let key = existing_key(random);
-        begun = Instant::now();
-        (OperationKind::Read, driver.read(&key).await)
-    } else if {
-        pick -= mix.read;
-        pick < mix.update
-    } {
-        let key = existing_key(random);
-        begun = Instant::now();
-        (
-            OperationKind::Update,
-            driver.update(&key, value).await.map(|()| true),
-        )
-    } else if {
-        pick -= mix.update;
-        pick < mix.insert
-    } {
-        let key = workload.key(inserted.fetch_add(1, Ordering::Relaxed));
-        begun = Instant::now();
-        (
-            OperationKind::Insert,
-            driver.insert(&key, value).await.map(|()| true),
-        )
+    let kind = if pick < mix.read {
+        OperationKind::Read
+    } else if pick < mix.read + mix.update {
+        OperationKind::Update
+    } else if pick < mix.read + mix.update + mix.insert {
+        OperationKind::Insert
     } else {
-        let key = existing_key(random);
-        begun = Instant::now();
-        (
-            OperationKind::ReadModifyWrite,
-            driver.read_modify_write(&key, value).await,
-        )
+        OperationKind::ReadModifyWrite
+    };
+    let key = match kind {
+        OperationKind::Insert => workload.key(next_insert.fetch_add(1, Ordering::Relaxed)),
+        _ => existing_key(random),
+    };
+    let begun = Instant::now();
+    let outcome = match kind {
+        OperationKind::Read => driver.read(&key).await,
+        OperationKind::Update => driver.update(&key, value).await.map(|()| true),
+        OperationKind::Insert => {
+            let outcome = driver.insert(&key, value).await.map(|()| true);
+            acknowledged.fetch_add(1, Ordering::Relaxed);
+            outcome
+        }
+        _ => driver.read_modify_write(&key, value).await,
     };
     (kind, status(outcome), begun.elapsed())
 }

@@ -406,6 +406,18 @@ impl MemoryRegion {
         self.inner.memory.load_u64(self.inner.offset + offset)
     }
 
+    /// Compares the aligned word `offset` bytes in with `expected` and, if equal, stores `new`;
+    /// returns the original value, as an RDMA CAS does.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub fn compare_exchange_u64(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
+        self.check(offset, 8)?;
+        self.inner
+            .memory
+            .compare_exchange_u64(self.inner.offset + offset, expected, new)
+    }
+
     fn check(&self, offset: u64, length: u64) -> Result<()> {
         match offset.checked_add(length) {
             Some(end) if end <= self.inner.length => Ok(()),

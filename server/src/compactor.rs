@@ -1,0 +1,112 @@
+//! Compaction: live blocks are moved out of sparse sealed chunks so the collector can reclaim
+//! them.
+//!
+//! Out-of-place updates leave dead blocks behind; a chunk is reclaimed only when no slot
+//! references it, so one long-lived block (a key updated once and then left alone, common under
+//! zipfian workloads) would pin a whole chunk forever. After each scan, the server picks sealed
+//! chunks whose live bytes are under half the chunk, copies each live block (verified by its
+//! checksum) into a chunk the server owns, and CASes the slot from the old block to the copy.
+//!
+//! Why this is safe: blocks are immutable, so the copy holds the same key and value; a reader
+//! that read the old slot still finds the old block (the chunk is only freed after the usual
+//! quarantine); a client CAS that expected the old slot value fails and re-reads, as after any
+//! lost race. If a client changed the slot first, the server's CAS fails and the copy is simply
+//! dead. This is control-plane maintenance on the server's own memory, like reclaiming; the
+//! server still never handles a client's GET, PUT, DELETE or CAS.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use rdkv_common::layout::{decode_block, Slot};
+
+use crate::heap::Heap;
+use crate::table::TableRegion;
+
+/// The owner id of the server's own compaction chunks (client connections start at 1).
+pub const COMPACTOR: u64 = 0;
+/// Chunks with less than this share of live bytes are compacted.
+pub const MAX_LIVE_SHARE: f64 = 0.5;
+/// Most chunks compacted per pass, to bound the work of one scan.
+const CHUNKS_PER_PASS: usize = 8;
+
+/// The server's current compaction chunk and how much of it is used.
+struct Destination {
+    /// Heap offset of the chunk.
+    heap_offset: u64,
+    /// Bytes used.
+    used: u64,
+}
+
+/// One compaction pass over the slots of the scan just made.
+pub fn compact(
+    table: &TableRegion,
+    heap: &Heap,
+    slots: &[(u64, Slot)],
+    deadline: Duration,
+    now: Instant,
+) -> u64 {
+    // Sealed for a deadline: no client is still writing a block it placed there.
+    let candidates = heap.compaction_candidates(now, deadline, MAX_LIVE_SHARE, CHUNKS_PER_PASS);
+    if candidates.is_empty() {
+        return 0;
+    }
+    let chunk_size = heap.chunk_size();
+    let heap_base = table.geometry.heap_offset();
+    let mut destination: Option<Destination> = None;
+    let mut moved = 0u64;
+    let mut block = Vec::new();
+    for (index_offset, slot) in slots {
+        if !candidates.contains(&(slot.offset() / chunk_size)) {
+            continue;
+        }
+        let length = slot.block_length();
+        if destination
+            .as_ref()
+            .is_none_or(|place| place.used + length > chunk_size)
+        {
+            let Some(chunk) = heap.allocate(COMPACTOR) else {
+                tracing::warn!("compaction stopped: no free chunk to move live blocks into");
+                break;
+            };
+            destination = Some(Destination {
+                heap_offset: chunk * chunk_size,
+                used: 0,
+            });
+        }
+        let Some(place) = destination.as_mut() else {
+            break;
+        };
+        block.resize(length as usize, 0);
+        if table
+            .region
+            .read(heap_base + slot.offset(), &mut block)
+            .is_err()
+            || decode_block(&block).is_err()
+        {
+            // Not an intact block (a slot changing under us): leave it to the next scan.
+            continue;
+        }
+        let new_offset = place.heap_offset + place.used;
+        if table.region.write(heap_base + new_offset, &block).is_err() {
+            continue;
+        }
+        place.used += length;
+        let relocated = Slot::new(slot.fingerprint(), slot.units(), new_offset);
+        if let Ok(original) = table
+            .region
+            .compare_exchange_u64(*index_offset, slot.0, relocated.0)
+        {
+            if original == slot.0 {
+                moved += 1;
+            }
+        }
+    }
+    // Seal the destination: the next pass starts a fresh one, and this one can be compacted
+    // or reclaimed like any other.
+    heap.seal_owned_by(COMPACTOR);
+    heap.blocks_relocated.fetch_add(moved, Ordering::Relaxed);
+    if moved > 0 {
+        tracing::debug!(moved, chunks = candidates.len(), "compacted sparse chunks");
+    }
+    moved
+}
