@@ -248,6 +248,16 @@ fn start_node(
             return Err(failure(format!("failed to start: {why}\n  {detail}")));
         }
     };
+    // The ready line comes after the control listener is bound; confirm over the port itself.
+    if TcpStream::connect_timeout(&node.control_address, Duration::from_secs(5)).is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = fs::remove_file(pid_file(run_directory, node.id));
+        return Err(failure(format!(
+            "printed its ready line but its control port {} does not accept connections",
+            node.control_address
+        )));
+    }
     Ok(StartedNode {
         ready: ReadyNode {
             id: node.id,
@@ -443,4 +453,30 @@ pub fn say(line: &str) {
     let stdout = std::io::stdout();
     let mut handle = stdout.lock();
     let _ = writeln!(handle, "{line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_nodes_are_refused_with_what_to_do_instead() {
+        let text = "[cluster]\nname = \"t\"\nsecret = \"s\"\nfabric = \"soft\"\n\n[[node]]\nid = 4\ncontrol_address = \"192.0.2.10:7400\"\nfabric_address = \"192.0.2.10:7401\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
+        let figures = rdkv_common::memory::limits::MemlockFigures {
+            soft_limit: u64::MAX,
+            hard_limit: u64::MAX,
+            locked_bytes: 0,
+            has_ipc_lock_capability: true,
+        };
+        let config = crate::config::parse(Path::new("remote.toml"), text, figures, u64::MAX).expect("valid file");
+        let message = check_local(&config).unwrap_err().to_string();
+        assert!(message.contains("node 4") && message.contains("another host"), "{message}");
+        assert!(message.contains("--config FILE --node 4"), "{message}");
+    }
+
+    #[test]
+    fn tables_align_columns() {
+        let text = table(&["a", "long header"], &[vec!["value".into(), "x".into()]]);
+        assert_eq!(text, "a      long header\nvalue  x\n");
+    }
 }
