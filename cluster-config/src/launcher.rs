@@ -468,9 +468,13 @@ mod tests {
             locked_bytes: 0,
             has_ipc_lock_capability: true,
         };
-        let config = crate::config::parse(Path::new("remote.toml"), text, figures, u64::MAX).expect("valid file");
+        let config = crate::config::parse(Path::new("remote.toml"), text, figures, u64::MAX)
+            .expect("valid file");
         let message = check_local(&config).unwrap_err().to_string();
-        assert!(message.contains("node 4") && message.contains("another host"), "{message}");
+        assert!(
+            message.contains("node 4") && message.contains("another host"),
+            "{message}"
+        );
         assert!(message.contains("--config FILE --node 4"), "{message}");
     }
 

@@ -7,6 +7,7 @@
 //!   and hugepage checks done before anything is pinned.
 //! - [`layout`]: the table layout (buckets, slots, blocks) shared by server and client.
 //! - [`protocol`]: the control-plane messages, their framing and the HMAC handshake.
+//! - [`process`]: logging and shutdown signals shared by the binaries.
 //! - [`sharding`]: rendezvous hashing of keys to nodes.
 //! - [`error`]: the crate's error enum (and its control-plane part).
 //!
@@ -16,6 +17,7 @@ pub mod error;
 pub mod fabric;
 pub mod layout;
 pub mod memory;
+pub mod process;
 pub mod protocol;
 pub mod sharding;
 

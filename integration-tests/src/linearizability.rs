@@ -183,6 +183,20 @@ pub fn check_key(events: &[Event]) -> bool {
         }
     }
 
+    // Takes back the linearization of the call at `call`.
+    fn undo(
+        entries: &mut [Entry],
+        head: &mut Option<usize>,
+        linearized: &mut [u64],
+        return_of: &[usize],
+        call: usize,
+    ) {
+        let operation = entries[call].operation;
+        relink(entries, head, return_of[operation]);
+        relink(entries, head, call);
+        linearized[operation / 64] &= !(1 << (operation % 64));
+    }
+
     loop {
         let Some(position) = cursor else {
             // Walked off the end with calls left: impossible when returns follow calls, but
@@ -190,18 +204,13 @@ pub fn check_key(events: &[Event]) -> bool {
             if head.is_none() {
                 return true;
             }
-            match stack.pop() {
-                None => return false,
-                Some((call, previous_state)) => {
-                    let operation = entries[call].operation;
-                    relink(&mut entries, &mut head, return_of[operation]);
-                    relink(&mut entries, &mut head, call);
-                    linearized[operation / 64] &= !(1 << (operation % 64));
-                    state = previous_state;
-                    cursor = entries[call].next;
-                    continue;
-                }
-            }
+            let Some((call, previous_state)) = stack.pop() else {
+                return false;
+            };
+            undo(&mut entries, &mut head, &mut linearized, &return_of, call);
+            state = previous_state;
+            cursor = entries[call].next;
+            continue;
         };
         if head.is_none() {
             return true;
@@ -225,17 +234,12 @@ pub fn check_key(events: &[Event]) -> bool {
             cursor = entry.next;
         } else {
             // A return whose call is not linearized yet: undo the last choice.
-            match stack.pop() {
-                None => return false,
-                Some((call, previous_state)) => {
-                    let operation = entries[call].operation;
-                    relink(&mut entries, &mut head, return_of[operation]);
-                    relink(&mut entries, &mut head, call);
-                    linearized[operation / 64] &= !(1 << (operation % 64));
-                    state = previous_state;
-                    cursor = entries[call].next;
-                }
-            }
+            let Some((call, previous_state)) = stack.pop() else {
+                return false;
+            };
+            undo(&mut entries, &mut head, &mut linearized, &return_of, call);
+            state = previous_state;
+            cursor = entries[call].next;
         }
     }
 }

@@ -166,19 +166,33 @@ async fn a_three_node_cluster_from_the_example_file() {
     let cli = |arguments: &[&str], stdin: Option<&str>| -> (i32, String) {
         let mut command = Command::new(workspace_binary("rdkv"));
         command.args(["--config", &file_text]).args(arguments);
-        command.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+        command
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
         let mut child = command.spawn().expect("run rdkv");
         if let Some(input) = stdin {
-            child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(input.as_bytes())
+                .expect("write stdin");
         }
         drop(child.stdin.take());
         let output = child.wait_with_output().expect("rdkv output");
-        (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stdout).into_owned())
+        (
+            output.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
     };
     assert_eq!(cli(&["put", "user:1", "ada"], None).0, 0);
     assert_eq!(cli(&["get", "user:1"], None), (0, "ada".to_string()));
     assert_eq!(cli(&["cas", "user:1", "ada", "grace"], None).0, 0);
-    assert_eq!(cli(&["cas", "user:1", "ada", "linus"], None).0, 1, "not swapped");
+    assert_eq!(
+        cli(&["cas", "user:1", "ada", "linus"], None).0,
+        1,
+        "not swapped"
+    );
     assert_eq!(cli(&["put", "user:2"], Some("from stdin")).0, 0);
     assert_eq!(cli(&["get", "user:2"], None), (0, "from stdin".to_string()));
     assert_eq!(cli(&["del", "user:1"], None).0, 0);

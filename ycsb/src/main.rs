@@ -162,14 +162,7 @@ fn emit(report: &Report, json: Option<&Path>) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    rdkv_common::process::init_logging("warn");
     match Arguments::parse().command {
         Action::Load(arguments) => {
             let workload = load_workload(&arguments)?;

@@ -89,7 +89,10 @@ async fn execute(
     let stop = Arc::new(AtomicBool::new(false));
     // Insert key numbers handed out, and inserts completed: reads choose among completed ones
     // (YCSB's acknowledged counter), so "latest" reads do not chase inserts still in flight.
-    let inserted = Arc::new((AtomicU64::new(workload.record_count), AtomicU64::new(workload.record_count)));
+    let inserted = Arc::new((
+        AtomicU64::new(workload.record_count),
+        AtomicU64::new(workload.record_count),
+    ));
     let chooser =
         KeyChooser::from_name(&workload.request_distribution).map_err(anyhow::Error::msg)?;
     let counters_before = driver.rdkv_counters();

@@ -3,7 +3,6 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rdkv_cluster_config::launcher::{self, say};
 
@@ -108,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
                     });
                 }
             }
-            wait_for_stop().await;
+            rdkv_common::process::shutdown_signal().await;
             say("stopping the cluster");
             for node in &mut nodes {
                 launcher::stop_child(node, &run_directory);
@@ -126,21 +125,4 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-async fn wait_for_stop() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let terminate = signal(SignalKind::terminate()).context("install SIGTERM handler");
-    let interrupt = signal(SignalKind::interrupt()).context("install SIGINT handler");
-    match (terminate, interrupt) {
-        (Ok(mut terminate), Ok(mut interrupt)) => {
-            tokio::select! {
-                _ = terminate.recv() => {}
-                _ = interrupt.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

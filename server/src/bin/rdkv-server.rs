@@ -64,14 +64,7 @@ struct Arguments {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    rdkv_common::process::init_logging("info");
     let arguments = Arguments::parse();
     let config = match (&arguments.config, arguments.node) {
         (Some(path), Some(node)) => {
@@ -87,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        wait_for_signal().await;
+        rdkv_common::process::shutdown_signal().await;
         signals.cancel();
     });
     rdkv_server::run(config, shutdown, |server| {
@@ -137,22 +130,4 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         collector_interval: Duration::from_millis(100),
         metrics_address: arguments.metrics_listen,
     })
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let terminate = signal(SignalKind::terminate());
-    let interrupt = signal(SignalKind::interrupt());
-    match (terminate, interrupt) {
-        (Ok(mut terminate), Ok(mut interrupt)) => {
-            tokio::select! {
-                _ = terminate.recv() => {}
-                _ = interrupt.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("signal received: shutting down");
 }
