@@ -26,6 +26,9 @@ struct Node {
     config: ClientConfig,
     /// The live connection, opened lazily and replaced when it breaks.
     connection: Mutex<Option<Arc<NodeConnection>>>,
+    /// One connection attempt at a time: concurrent operations wait for it instead of each
+    /// opening (and pinning buffers for) a connection of their own.
+    connecting: tokio::sync::Semaphore,
 }
 
 /// An rdkv client: one connection per node, opened on first use; keys map to nodes by
@@ -60,6 +63,7 @@ impl Client {
                 id: 1,
                 config,
                 connection: Mutex::new(Some(connection)),
+                connecting: tokio::sync::Semaphore::new(1),
             }],
             counters,
             deadline,
@@ -89,6 +93,7 @@ impl Client {
                     id: node.id,
                     config,
                     connection: Mutex::new(None),
+                    connecting: tokio::sync::Semaphore::new(1),
                 }
             })
             .collect();
@@ -124,15 +129,30 @@ impl Client {
 
     /// The live connection to `node`, (re-)established if needed.
     async fn connection(&self, node: &Node) -> Result<Arc<NodeConnection>> {
-        let current = node
+        let healthy = || {
+            node.connection
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone()
+                .filter(|connection| !connection.is_broken())
+        };
+        if let Some(connection) = healthy() {
+            return Ok(connection);
+        }
+        let _connecting = node
+            .connecting
+            .acquire()
+            .await
+            .expect("the connection gate is never closed");
+        // Another operation may have connected while this one waited.
+        if let Some(connection) = healthy() {
+            return Ok(connection);
+        }
+        let had_one = node
             .connection
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone();
-        let had_one = current.is_some();
-        if let Some(connection) = current.filter(|connection| !connection.is_broken()) {
-            return Ok(connection);
-        }
+            .is_some();
         let fresh = NodeConnection::open(&node.config, self.counters.clone()).await?;
         if had_one {
             self.counters.reconnects.fetch_add(1, Ordering::Relaxed);

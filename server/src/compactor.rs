@@ -29,7 +29,8 @@ pub const MAX_LIVE_SHARE: f64 = 0.5;
 /// Most chunks compacted per pass, to bound the work of one scan.
 const CHUNKS_PER_PASS: usize = 8;
 
-/// The server's current compaction chunk and how much of it is used.
+/// The chunk the server is moving blocks into and how much of it is used.
+#[derive(Debug)]
 struct Destination {
     /// Heap offset of the chunk.
     heap_offset: u64,
@@ -37,76 +38,94 @@ struct Destination {
     used: u64,
 }
 
-/// One compaction pass over the slots of the scan just made.
-pub fn compact(
-    table: &TableRegion,
-    heap: &Heap,
-    slots: &[(u64, Slot)],
-    deadline: Duration,
-    now: Instant,
-) -> u64 {
-    // Sealed for a deadline: no client is still writing a block it placed there.
-    let candidates = heap.compaction_candidates(now, deadline, MAX_LIVE_SHARE, CHUNKS_PER_PASS);
-    if candidates.is_empty() {
-        return 0;
-    }
-    let chunk_size = heap.chunk_size();
-    let heap_base = table.geometry.heap_offset();
-    let mut destination: Option<Destination> = None;
-    let mut moved = 0u64;
-    let mut block = Vec::new();
-    for (index_offset, slot) in slots {
-        if !candidates.contains(&(slot.offset() / chunk_size)) {
-            continue;
+/// Moves live blocks out of sparse chunks into one server-owned chunk at a time. The destination
+/// stays open across passes until it is full, so compaction never churns chunks: a destination is
+/// sealed only when full (dense), and every chunk it empties was under half full, so each
+/// destination filled frees at least two chunks.
+#[derive(Debug, Default)]
+pub struct Compactor {
+    destination: std::sync::Mutex<Option<Destination>>,
+}
+
+impl Compactor {
+    /// One compaction pass over the slots of the scan just made; returns the blocks moved.
+    pub fn compact(
+        &self,
+        table: &TableRegion,
+        heap: &Heap,
+        slots: &[(u64, Slot)],
+        deadline: Duration,
+        now: Instant,
+    ) -> u64 {
+        // Sealed for a deadline: no client is still writing a block it placed there.
+        let candidates = heap.compaction_candidates(now, deadline, MAX_LIVE_SHARE, CHUNKS_PER_PASS);
+        if candidates.is_empty() {
+            return 0;
         }
-        let length = slot.block_length();
-        if destination
-            .as_ref()
-            .is_none_or(|place| place.used + length > chunk_size)
-        {
-            let Some(chunk) = heap.allocate(COMPACTOR) else {
-                tracing::warn!("compaction stopped: no free chunk to move live blocks into");
+        let chunk_size = heap.chunk_size();
+        let heap_base = table.geometry.heap_offset();
+        let mut destination = self
+            .destination
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut moved = 0u64;
+        let mut block = Vec::new();
+        for (index_offset, slot) in slots {
+            let chunk = slot.offset() / chunk_size;
+            if !candidates.contains(&chunk) {
+                continue;
+            }
+            let length = slot.block_length();
+            if destination
+                .as_ref()
+                .is_none_or(|place| place.used + length > chunk_size)
+            {
+                // The full destination is sealed by the allocation of the next one.
+                let Some(next) = heap.allocate(COMPACTOR) else {
+                    tracing::debug!("compaction paused: no free chunk to move live blocks into");
+                    break;
+                };
+                *destination = Some(Destination {
+                    heap_offset: next * chunk_size,
+                    used: 0,
+                });
+            }
+            let Some(place) = destination.as_mut() else {
                 break;
             };
-            destination = Some(Destination {
-                heap_offset: chunk * chunk_size,
-                used: 0,
-            });
-        }
-        let Some(place) = destination.as_mut() else {
-            break;
-        };
-        block.resize(length as usize, 0);
-        if table
-            .region
-            .read(heap_base + slot.offset(), &mut block)
-            .is_err()
-            || decode_block(&block).is_err()
-        {
-            // Not an intact block (a slot changing under us): leave it to the next scan.
-            continue;
-        }
-        let new_offset = place.heap_offset + place.used;
-        if table.region.write(heap_base + new_offset, &block).is_err() {
-            continue;
-        }
-        place.used += length;
-        let relocated = Slot::new(slot.fingerprint(), slot.units(), new_offset);
-        if let Ok(original) = table
-            .region
-            .compare_exchange_u64(*index_offset, slot.0, relocated.0)
-        {
-            if original == slot.0 {
-                moved += 1;
+            if place.heap_offset / chunk_size == chunk {
+                continue;
+            }
+            block.resize(length as usize, 0);
+            if table
+                .region
+                .read(heap_base + slot.offset(), &mut block)
+                .is_err()
+                || decode_block(&block).is_err()
+            {
+                // Not an intact block (a slot changing under us): leave it to the next scan.
+                continue;
+            }
+            let new_offset = place.heap_offset + place.used;
+            if table.region.write(heap_base + new_offset, &block).is_err() {
+                continue;
+            }
+            place.used += length;
+            let relocated = Slot::new(slot.fingerprint(), slot.units(), new_offset);
+            if let Ok(original) =
+                table
+                    .region
+                    .compare_exchange_u64(*index_offset, slot.0, relocated.0)
+            {
+                if original == slot.0 {
+                    moved += 1;
+                }
             }
         }
+        heap.blocks_relocated.fetch_add(moved, Ordering::Relaxed);
+        if moved > 0 {
+            tracing::debug!(moved, chunks = candidates.len(), "compacted sparse chunks");
+        }
+        moved
     }
-    // Seal the destination: the next pass starts a fresh one, and this one can be compacted
-    // or reclaimed like any other.
-    heap.seal_owned_by(COMPACTOR);
-    heap.blocks_relocated.fetch_add(moved, Ordering::Relaxed);
-    if moved > 0 {
-        tracing::debug!(moved, chunks = candidates.len(), "compacted sparse chunks");
-    }
-    moved
 }

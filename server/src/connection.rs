@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     pub(crate) completion_queue: CompletionQueue,
     /// The next connection id.
     pub(crate) next_connection: AtomicU64,
+    /// Moves live blocks out of sparse chunks.
+    pub(crate) compactor: crate::compactor::Compactor,
 }
 
 /// Serves one control connection until it ends, then tears its resources down.

@@ -125,8 +125,23 @@ impl Heap {
 
     /// Seals every chunk `connection` owns, then hands it a free one.
     /// When none is free, nothing changes and the connection keeps its chunk.
+    ///
+    /// The last free chunk is kept for the compactor (owner
+    /// [`COMPACTOR`](crate::compactor::COMPACTOR)), so that compaction can always make room even
+    /// when clients have taken everything else.
     pub fn allocate(&self, connection: u64) -> Option<u64> {
-        let chunk = lock(&self.free).pop_front()?;
+        let chunk = {
+            let mut free = lock(&self.free);
+            let reserve = if connection == crate::compactor::COMPACTOR {
+                0
+            } else {
+                1
+            };
+            if free.len() <= reserve && lock(&self.chunks).len() > 1 {
+                return None;
+            }
+            free.pop_front()?
+        };
         self.seal_owned_by(connection);
         lock(&self.chunks)[chunk as usize] = ChunkState::Owned(connection);
         self.allocations.fetch_add(1, Ordering::Relaxed);
@@ -234,17 +249,27 @@ mod tests {
     }
 
     #[test]
-    fn chunks_are_exclusive_until_exhausted() {
-        let heap = heap(2);
+    fn chunks_are_exclusive_and_the_last_one_is_kept_for_the_compactor() {
+        let heap = heap(3);
         assert_eq!(heap.allocate(1), Some(0));
         assert_eq!(heap.allocate(2), Some(1));
-        assert_eq!(heap.allocate(3), None, "no free chunk");
-        assert_eq!(heap.used_bytes(), 2 * 65536);
+        assert_eq!(
+            heap.allocate(3),
+            None,
+            "the last free chunk is the compactor's"
+        );
+        assert_eq!(heap.allocate(crate::compactor::COMPACTOR), Some(2));
+        assert_eq!(
+            heap.allocate(crate::compactor::COMPACTOR),
+            None,
+            "no free chunk"
+        );
+        assert_eq!(heap.used_bytes(), 3 * 65536);
     }
 
     #[test]
     fn unreferenced_sealed_chunk_is_freed_after_two_quarantines() {
-        let heap = heap(2);
+        let heap = heap(3);
         assert_eq!(heap.allocate(1), Some(0));
         assert_eq!(
             heap.allocate(1),
@@ -268,7 +293,11 @@ mod tests {
                 .reclaimed,
             1
         );
-        assert_eq!(heap.allocate(2), Some(0), "chunk 0 is reused");
+        assert_eq!(
+            heap.used_bytes(),
+            65536,
+            "chunk 0 is free again; only chunk 1 is in use"
+        );
     }
 
     #[test]

@@ -126,6 +126,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         completion_queue: device.create_completion_queue(1024),
         table,
         counters: Counters::new(),
+        compactor: compactor::Compactor::default(),
         next_connection: AtomicU64::new(1),
         config,
     });
@@ -244,7 +245,7 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                     .map(|(_, slot)| (slot.offset(), slot.block_length())),
                 now,
             );
-            compactor::compact(
+            pass.compactor.compact(
                 &pass.table,
                 &pass.heap,
                 &slots,

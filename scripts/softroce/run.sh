@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Soft-RoCE harness: boots a Linux guest under QEMU (TCG, no network: -nic none), brings up an
+# rdma_rxe device over a dummy interface that exists only inside the guest, and runs verbs
+# programs there against real ibverbs (rdma-core's rxe provider).
+#
+#   scripts/softroce/run.sh [--timeout SECONDS] [PROGRAM ...]
+#
+# Each PROGRAM (a host path, for example a test binary) is copied into a shared folder and run in
+# the guest; with none, only the guest's own smoke tests run: `ibv_devinfo` must show rxe0 with
+# PORT_ACTIVE, and `ibv_rc_pingpong` must pass between two processes over rxe0.
+# The kernel and initramfs are cached under $RDKV_SOFTROCE_CACHE (default ~/.cache/rdkv-softroce).
+# Prints one PASS/FAIL line per check and a summary; exits non-zero on any failure.
+set -euo pipefail
+
+timeout_seconds=240
+programs=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --timeout) timeout_seconds="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) programs+=("$1"); shift ;;
+  esac
+done
+
+cache="${RDKV_SOFTROCE_CACHE:-$HOME/.cache/rdkv-softroce}"
+mkdir -p "$cache"
+started=$(date +%s)
+say() { printf '[softroce %3ss] %s\n' "$(( $(date +%s) - started ))" "$*"; }
+
+need_packages=()
+for tool in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static depmod:kmod cpio:cpio \
+            rdma:iproute2 ibv_devinfo:ibverbs-utils ibv_rc_pingpong:ibverbs-utils; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || need_packages+=("${tool##*:}")
+done
+[ -f /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ] || need_packages+=(ibverbs-providers rdma-core)
+if [ ${#need_packages[@]} -gt 0 ]; then
+  say "installing ${need_packages[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing packages: apt-get install ${need_packages[*]}" >&2; exit 2
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_packages[@]}" >/dev/null
+fi
+
+# 1. The guest kernel: Debian's current linux-image, unpacked (never installed on the host).
+if [ ! -f "$cache/kernel.version" ]; then
+  package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-/{print $2; exit}')
+  [ -n "$package" ] || { echo "cannot resolve linux-image-amd64 (run apt-get update)" >&2; exit 2; }
+  say "downloading $package"
+  rm -rf "$cache/kernel" && mkdir -p "$cache/kernel"
+  (cd "$cache" && timeout 300 apt-get download "$package" >/dev/null)
+  dpkg-deb -x "$cache/$package"_*.deb "$cache/kernel"
+  rm -f "$cache/$package"_*.deb
+  version=$(ls "$cache/kernel/lib/modules" | head -1)
+  depmod -b "$cache/kernel" "$version"
+  echo "$version" > "$cache/kernel.version"
+fi
+version=$(cat "$cache/kernel.version")
+modules="$cache/kernel/lib/modules/$version"
+
+# 2. The initramfs: busybox, the verbs tools with their libraries, the rxe provider, modules.
+initramfs="$cache/initramfs-$version.cpio.gz"
+if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ]; then
+  say "building the initramfs"
+  root=$(mktemp -d)
+  trap 'rm -rf "$root"' EXIT
+  mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,tmp,host,lib/modules,usr/lib/x86_64-linux-gnu/libibverbs,etc/libibverbs.d}
+  cp /bin/busybox "$root/bin/busybox"
+  for applet in sh mount mkdir ip insmod cat echo grep sleep poweroff sync ls seq timeout test true false kill wait; do
+    ln -sf busybox "$root/bin/$applet"
+  done
+  for program in rdma ibv_devices ibv_devinfo ibv_rc_pingpong; do
+    path=$(command -v "$program")
+    cp "$path" "$root/bin/"
+    ldd "$path" | awk '/=>/ {print $3} /^\t\/lib/ {print $1}' | while read -r library; do
+      [ -n "$library" ] && [ -f "$library" ] && mkdir -p "$root$(dirname "$library")" && cp -L "$library" "$root$library"
+    done
+  done
+  provider=/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so
+  cp -L "$provider" "$root$provider"
+  ldd "$provider" | awk '/=>/ {print $3}' | while read -r library; do
+    [ -f "$library" ] && mkdir -p "$root$(dirname "$library")" && cp -L "$library" "$root$library"
+  done
+  cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
+  # Modules and their dependencies, in load order, from modules.dep.
+  : > "$root/modules.order"
+  add_module() {
+    local name=$1 entry dependency
+    entry=$(grep -E "(^|/)$name\.ko(\.xz|\.zst)?:" "$modules/modules.dep" | head -1) || true
+    [ -n "$entry" ] || { echo "module $name not found in $version" >&2; exit 2; }
+    for dependency in ${entry#*:}; do
+      add_module "$(basename "$dependency" | sed -E 's/\.ko(\.xz|\.zst)?$//')"
+    done
+    local file=${entry%%:*}
+    grep -qx "$file" "$root/modules.order" && return 0
+    mkdir -p "$root/lib/modules/$(dirname "$file")"
+    case "$file" in
+      *.xz) xz -dc "$modules/$file" > "$root/lib/modules/${file%.xz}"; file=${file%.xz} ;;
+      *.zst) zstd -qdc "$modules/$file" > "$root/lib/modules/${file%.zst}"; file=${file%.zst} ;;
+      *) cp "$modules/$file" "$root/lib/modules/$file" ;;
+    esac
+    echo "$file" >> "$root/modules.order"
+  }
+  for module in dummy crc32_generic rdma_rxe ib_uverbs rdma_ucm virtio_pci 9pnet_virtio 9p; do
+    add_module "$module"
+  done
+  cp "$(dirname "$0")/guest-init.sh" "$root/init"
+  chmod +x "$root/init"
+  (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1 > "$initramfs")
+  rm -rf "$root"
+  trap - EXIT
+fi
+
+# 3. The shared folder: the programs to run and where results come back.
+share=$(mktemp -d)
+trap 'rm -rf "$share"' EXIT
+mkdir -p "$share/programs"
+for program in "${programs[@]}"; do
+  cp "$program" "$share/programs/"
+done
+
+say "booting the guest (kernel $version, TCG, -nic none)"
+set +e
+timeout "$timeout_seconds" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m 1024 -smp 2 \
+  -nographic -no-reboot -nic none \
+  -kernel "$cache/kernel/boot/vmlinuz-$version" -initrd "$initramfs" \
+  -append "console=ttyS0 quiet panic=-1" \
+  -virtfs "local,path=$share,mount_tag=host,security_model=none" > "$share/console.log" 2>&1
+qemu_status=$?
+set -e
+grep -E '^\[guest\]' "$share/console.log" || true
+if [ $qemu_status -eq 124 ]; then
+  say "FAIL: the guest did not finish within ${timeout_seconds}s"; tail -20 "$share/console.log"; exit 1
+fi
+passed=$(grep -c '^\[guest\] PASS' "$share/console.log" || true)
+failed=$(grep -c '^\[guest\] FAIL' "$share/console.log" || true)
+if ! grep -q '^\[guest\] DONE' "$share/console.log"; then
+  say "FAIL: the guest stopped before finishing"; tail -30 "$share/console.log"; exit 1
+fi
+say "softroce: $passed passed, $failed failed"
+[ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]
