@@ -10,7 +10,8 @@ mkdir -p /dev/infiniband /tmp
 for module in $(cat /modules.order); do
   insmod "/lib/modules/$module" 2>/dev/null
 done
-report() { echo "[guest] $*"; }
+# A leading newline keeps reports on lines of their own between kernel console messages.
+report() { printf '\n[guest] %s\n' "$*"; }
 check() { name=$1; shift; if "$@" > /tmp/out 2>&1; then report "PASS $name"; else report "FAIL $name"; sed 's/^/[guest]   /' /tmp/out; fi; }
 
 ip link add rdkv0 type dummy
@@ -33,7 +34,7 @@ if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
   for program in /host/programs/*; do
     [ -f "$program" ] || continue
     chmod +x "$program"
-    check "$(basename "$program")" "$program"
+    check "$(basename "$program")" env LD_LIBRARY_PATH=/host/lib "$program" --test-threads=1
   done
 else
   report "FAIL mount the shared folder"

@@ -66,7 +66,7 @@ if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ]; then
   trap 'rm -rf "$root"' EXIT
   mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,tmp,host,lib/modules,usr/lib/x86_64-linux-gnu/libibverbs,etc/libibverbs.d}
   cp /bin/busybox "$root/bin/busybox"
-  for applet in sh mount mkdir ip insmod cat echo grep sleep poweroff sync ls seq timeout test true false kill wait; do
+  for applet in sh env mount mkdir ip insmod cat echo grep sleep poweroff sync ls seq timeout test true false kill wait; do
     ln -sf busybox "$root/bin/$applet"
   done
   for program in rdma ibv_devices ibv_devinfo ibv_rc_pingpong; do
@@ -114,9 +114,13 @@ fi
 # 3. The shared folder: the programs to run and where results come back.
 share=$(mktemp -d)
 trap 'rm -rf "$share"' EXIT
-mkdir -p "$share/programs"
+mkdir -p "$share/programs" "$share/lib"
 for program in "${programs[@]}"; do
   cp "$program" "$share/programs/"
+  # The program's shared libraries travel with it (the guest has only what the tools need).
+  ldd "$program" 2>/dev/null | awk '/=>/ {print $3}' | while read -r library; do
+    [ -f "$library" ] && cp -Ln "$library" "$share/lib/" 2>/dev/null || true
+  done
 done
 
 say "booting the guest (kernel $version, TCG, -nic none)"
@@ -128,6 +132,7 @@ timeout "$timeout_seconds" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -
   -virtfs "local,path=$share,mount_tag=host,security_model=none" > "$share/console.log" 2>&1
 qemu_status=$?
 set -e
+cp "$share/console.log" "$cache/last-console.log"
 grep -E '^\[guest\]' "$share/console.log" || true
 if [ $qemu_status -eq 124 ]; then
   say "FAIL: the guest did not finish within ${timeout_seconds}s"; tail -20 "$share/console.log"; exit 1

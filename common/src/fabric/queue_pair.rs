@@ -302,10 +302,16 @@ impl QueuePairShared {
     }
 
     /// The responder never answered: the oldest request completes RETRY_EXC_ERR, the rest flush.
+    /// Already in ERROR, everything outstanding simply flushes (a request posted after the
+    /// error must not be reported as unanswered).
     pub(crate) fn fail_unanswered(&self) {
         let oldest = {
             let mut requester = lock(&self.requester);
-            requester.in_flight.pop_front()
+            if requester.state == QueuePairState::Error {
+                None
+            } else {
+                requester.in_flight.pop_front()
+            }
         };
         if let Some(entry) = oldest {
             self.finish(entry, WorkCompletionStatus::RetryExceededError);
