@@ -28,61 +28,31 @@ pub struct Counters {
     /// Connections re-established after a failure.
     pub reconnects: AtomicU64,
     /// What was last reported to a server (each increment is reported once).
-    reported: Mutex<CounterSnapshot>,
+    reported: Mutex<ClientCounters>,
 }
 
-/// A copy of the counters.
+/// A copy of the counters: the one-sided work (the same figures clients report to servers,
+/// with their per-operation ratios) plus reconnects.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CounterSnapshot {
-    /// Operations completed.
-    pub operations: u64,
-    /// GETs.
-    pub gets: u64,
-    /// Mutations.
-    pub mutations: u64,
-    /// Round trips.
-    pub round_trips: u64,
-    /// Round trips of GETs.
-    pub get_round_trips: u64,
-    /// Work requests posted.
-    pub verbs: u64,
-    /// Lost slot CAS races.
-    pub cas_failures: u64,
-    /// Checksum retries.
-    pub checksum_retries: u64,
-    /// Reconnects.
+    /// Operations, round trips, work requests, lost races, checksum retries.
+    pub work: ClientCounters,
+    /// Connections re-established after a failure.
     pub reconnects: u64,
 }
 
-impl CounterSnapshot {
-    /// Round trips per operation.
-    pub fn round_trips_per_operation(&self) -> f64 {
-        ratio(self.round_trips, self.operations)
-    }
+impl std::ops::Deref for CounterSnapshot {
+    type Target = ClientCounters;
 
-    /// Round trips per GET.
-    pub fn round_trips_per_get(&self) -> f64 {
-        ratio(self.get_round_trips, self.gets)
-    }
-
-    /// Work requests per operation.
-    pub fn verbs_per_operation(&self) -> f64 {
-        ratio(self.verbs, self.operations)
-    }
-}
-
-fn ratio(numerator: u64, denominator: u64) -> f64 {
-    if denominator == 0 {
-        0.0
-    } else {
-        numerator as f64 / denominator as f64
+    fn deref(&self) -> &ClientCounters {
+        &self.work
     }
 }
 
 impl Counters {
     /// The increments since the last report, marking them reported.
     pub fn take_report(&self) -> ClientCounters {
-        let now = self.snapshot();
+        let now = self.snapshot().work;
         let mut reported = self
             .reported
             .lock()
@@ -105,14 +75,16 @@ impl Counters {
     pub fn snapshot(&self) -> CounterSnapshot {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         CounterSnapshot {
-            operations: load(&self.operations),
-            gets: load(&self.gets),
-            mutations: load(&self.mutations),
-            round_trips: load(&self.round_trips),
-            get_round_trips: load(&self.get_round_trips),
-            verbs: load(&self.verbs),
-            cas_failures: load(&self.cas_failures),
-            checksum_retries: load(&self.checksum_retries),
+            work: ClientCounters {
+                operations: load(&self.operations),
+                gets: load(&self.gets),
+                mutations: load(&self.mutations),
+                round_trips: load(&self.round_trips),
+                get_round_trips: load(&self.get_round_trips),
+                verbs: load(&self.verbs),
+                cas_failures: load(&self.cas_failures),
+                checksum_retries: load(&self.checksum_retries),
+            },
             reconnects: load(&self.reconnects),
         }
     }
