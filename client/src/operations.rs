@@ -219,11 +219,16 @@ async fn find_matches(
                 .region()
                 .read(scratch.base + READ_BLOCKS_AT + at, &mut bytes)?;
             match decode_block(&bytes) {
-                Ok(block) if block.key == key => matches.push(Match {
-                    position,
-                    slot,
-                    value: Bytes::copy_from_slice(block.value),
-                }),
+                Ok(block) if block.key == key => {
+                    // The value is a slice of the block just read: no further copy.
+                    let start = block.value.as_ptr() as usize - bytes.as_ptr() as usize;
+                    let end = start + block.value.len();
+                    matches.push(Match {
+                        position,
+                        slot,
+                        value: Bytes::from(bytes).slice(start..end),
+                    })
+                }
                 Ok(_) => {}
                 Err(BlockError::Checksum | BlockError::Malformed { .. }) => {
                     return Ok(Err(ChecksumMismatch))

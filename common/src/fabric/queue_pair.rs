@@ -368,6 +368,8 @@ impl QueuePairShared {
         let device = self.device();
         let domain = self.protection_domain.inner.id;
         let count = list.len();
+        // One timestamp per list: every request of a list is posted at the same instant.
+        let posted_at = Instant::now();
         let entries = list
             .into_iter()
             .enumerate()
@@ -382,7 +384,7 @@ impl QueuePairShared {
                 request,
                 list: list_completion.clone(),
                 is_tail: index + 1 == count,
-                posted_at: Instant::now(),
+                posted_at,
             });
 
         match self.transport.get() {
