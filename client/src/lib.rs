@@ -7,7 +7,8 @@
 //! # async fn example() -> Result<(), rdkv_client::Error> {
 //! use rdkv_client::{Client, ClientConfig};
 //! use rdkv_common::fabric::Backend;
-//! let client = Client::connect(ClientConfig::new("127.0.0.1:7400".parse().unwrap(), Backend::Soft, b"secret")).await?;
+//! let address = std::net::SocketAddr::from(([127, 0, 0, 1], 7400));
+//! let client = Client::connect(ClientConfig::new(address, Backend::Soft, b"secret")).await?;
 //! client.put(b"user:1", b"ada").await?;
 //! assert_eq!(client.get(b"user:1").await?.as_deref(), Some(&b"ada"[..]));
 //! # Ok(()) }

@@ -157,6 +157,18 @@ impl Session {
             .map_err(|error| format!("send: {error}"))
     }
 
+    /// Tells the client why it is refused (best effort) and returns the reason for the log.
+    async fn refuse(writer: &mut OwnedWriteHalf, reason: String) -> String {
+        let _ = Self::send(
+            writer,
+            &ServerMessage::Refused {
+                reason: reason.clone(),
+            },
+        )
+        .await;
+        reason
+    }
+
     async fn handshake(
         &mut self,
         writer: &mut OwnedWriteHalf,
@@ -187,14 +199,7 @@ impl Session {
             let reason = format!(
                 "protocol version mismatch: the server speaks {PROTOCOL_VERSION}, the client {protocol_version}; upgrade the older side"
             );
-            let _ = Self::send(
-                writer,
-                &ServerMessage::Refused {
-                    reason: reason.clone(),
-                },
-            )
-            .await;
-            return Err(reason);
+            return Err(Self::refuse(writer, reason).await);
         }
         if !verify_proof(&shared.config.secret, &nonce, &proof) {
             shared
@@ -204,14 +209,7 @@ impl Session {
             let reason =
                 "authentication failed: the client's secret does not match this cluster's secret"
                     .to_string();
-            let _ = Self::send(
-                writer,
-                &ServerMessage::Refused {
-                    reason: reason.clone(),
-                },
-            )
-            .await;
-            return Err(reason);
+            return Err(Self::refuse(writer, reason).await);
         }
         tracing::info!(%client_name, ?purpose, "client authenticated");
         if purpose == Purpose::Monitor {
@@ -327,8 +325,7 @@ impl Session {
                         ClientMessage::Goodbye => return "client said goodbye".into(),
                         other => {
                             let reason = format!("unexpected message after the handshake: {other:?}");
-                            let _ = Self::send(writer, &ServerMessage::Refused { reason: reason.clone() }).await;
-                            return reason;
+                            return Self::refuse(writer, reason).await;
                         }
                     };
                     if let Err(reason) = Self::send(writer, &reply).await {
