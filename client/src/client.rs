@@ -12,7 +12,7 @@ use rdkv_cluster_config::ClusterConfig;
 use rdkv_common::protocol::{fetch_stats, ServerStats};
 use rdkv_common::sharding;
 
-use crate::connection::{ClientConfig, NodeConnection};
+use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::operations::{self, CasOutcome, Mutation, MutationOutcome};
@@ -72,10 +72,7 @@ impl Client {
 
     /// A client of every node of a cluster; connections open on first use.
     pub fn for_cluster(cluster: &ClusterConfig) -> Self {
-        Self::for_cluster_with_concurrency(
-            cluster,
-            ClientConfig::new(cluster.nodes[0].control_address, cluster.fabric, &[]).concurrency,
-        )
+        Self::for_cluster_with_concurrency(cluster, DEFAULT_CONCURRENCY)
     }
 
     /// As [`Client::for_cluster`], with `concurrency` operations in flight per node (each holds
@@ -351,7 +348,8 @@ impl Client {
         stats
     }
 
-    /// The counters of the node that owns `key` (or of the only node).
+    /// The counters of the first node (the only one for a client made with
+    /// [`Client::connect`]); [`Client::cluster_stats`] asks every node.
     ///
     /// # Errors
     /// [`Error::NodeUnreachable`] when the node cannot be reached.

@@ -42,6 +42,8 @@ pub(crate) const READ_BLOCKS_SIZE: u64 = SCRATCH_SIZE - READ_BLOCKS_AT;
 /// How long to wait before asking again for a chunk when the heap's free chunks are all
 /// waiting to be reclaimed.
 const CHUNK_RETRY_INTERVAL: Duration = Duration::from_millis(10);
+/// Operations in flight per connection unless configured otherwise.
+pub const DEFAULT_CONCURRENCY: usize = 16;
 /// How long connecting and each handshake step may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -79,7 +81,7 @@ impl ClientConfig {
             },
             secret: secret.to_vec(),
             name: format!("rdkv-client-{}", std::process::id()),
-            concurrency: 16,
+            concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
         }
     }

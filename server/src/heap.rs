@@ -46,6 +46,8 @@ pub struct CollectionReport {
 pub struct Heap {
     /// Chunk bytes.
     chunk_size: u64,
+    /// Chunks in the heap (fixed).
+    chunk_count: usize,
     /// Per-chunk state.
     chunks: Mutex<Vec<ChunkState>>,
     /// Free chunks, reused oldest-freed first.
@@ -76,6 +78,7 @@ impl Heap {
         let count = geometry.chunk_count();
         Self {
             chunk_size: geometry.chunk_size,
+            chunk_count: count as usize,
             chunks: Mutex::new(vec![ChunkState::Free; count as usize]),
             free: Mutex::new((0..count).collect()),
             quarantine,
@@ -137,7 +140,7 @@ impl Heap {
             } else {
                 1
             };
-            if free.len() <= reserve && lock(&self.chunks).len() > 1 {
+            if free.len() <= reserve && self.chunk_count > 1 {
                 return None;
             }
             free.pop_front()?
@@ -192,7 +195,7 @@ impl Heap {
         referenced_blocks: impl Iterator<Item = (u64, u64)>,
         now: Instant,
     ) -> CollectionReport {
-        let count = lock(&self.chunks).len();
+        let count = self.chunk_count;
         let mut referenced = vec![false; count];
         let mut live = vec![0u64; count];
         let mut keys = 0u64;
