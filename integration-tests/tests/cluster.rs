@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -15,22 +15,16 @@ use std::time::{Duration, Instant};
 use rdkv_client::{Client, Error};
 use rdkv_integration_tests::process::workspace_binary;
 
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
-        .and_then(|listener| listener.local_addr())
-        .map(|address| address.port())
-        .expect("a free port")
-}
-
 /// The example file with every port replaced by a free one, written into `directory`.
 fn generate_cluster_file(directory: &Path) -> PathBuf {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
     let mut text = std::fs::read_to_string(example).expect("read the example");
-    for port in [
+    let example_ports = [
         "7400", "7401", "7402", "7410", "7411", "7412", "7420", "7421", "7422",
-    ] {
-        text = text.replace(&format!(":{port}\""), &format!(":{}\"", free_port()));
+    ];
+    let free = rdkv_common::process::free_loopback_ports(example_ports.len()).expect("free ports");
+    for (port, free) in example_ports.iter().zip(free) {
+        text = text.replace(&format!(":{port}\""), &format!(":{free}\""));
     }
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text).expect("write the cluster file");

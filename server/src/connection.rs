@@ -101,7 +101,7 @@ struct Session {
     chunk_window: Option<MemoryWindow>,
     /// WRITE windows of sealed chunks, kept for one operation deadline so that writes the
     /// client placed before the seal can land; revoked after that, long before the collector
-    /// may reuse the chunk (it waits two deadlines after the seal).
+    /// may reuse the chunk (it waits at least two quarantines of 1.25 deadlines after the seal).
     retired_chunk_windows: VecDeque<(MemoryWindow, Instant)>,
 }
 

@@ -7,9 +7,10 @@
 //! scan sends a candidate back to `Sealed`.
 //!
 //! Why this is safe: a client writes a block, then CASes its slot within one operation deadline;
-//! a reader that read a slot reads the block within one deadline. The quarantine is twice the
-//! deadline, so by the time a chunk is freed no operation that saw a slot into it (or wrote a
-//! block into it) is still running. Crashed clients need no special case: their chunks are
+//! a reader that read a slot reads the block within one deadline. The quarantine is 1.25 times
+//! the deadline, and a chunk is freed only after two of them (the first from the seal to an
+//! unreferenced scan, the second from that scan to a confirming one), so by then no operation
+//! that saw a slot into it (or wrote a block into it) is still running. Crashed clients need no special case: their chunks are
 //! sealed at lease expiry and reclaimed like any other.
 
 use std::collections::VecDeque;

@@ -6,7 +6,6 @@
 //! prints one table with the ratios, and stops what it started.
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -59,14 +58,6 @@ impl ComparisonRow {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(
-        TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?
-            .local_addr()?
-            .port(),
-    )
-}
-
 /// Stops a child on drop.
 struct ChildGuard(Child);
 
@@ -107,11 +98,13 @@ fn write_cluster_file(
     let mut text = String::from(
         "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n",
     );
-    for node in 1..=options.nodes.max(1) {
+    let nodes = options.nodes.max(1);
+    let ports = rdkv_common::process::free_loopback_ports(2 * nodes as usize)?;
+    for (node, pair) in (1..=nodes).zip(ports.chunks(2)) {
         text.push_str(&format!(
             "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = \"1M\"\n",
-            free_port()?,
-            free_port()?
+            pair[0],
+            pair[1]
         ));
     }
     let path = directory.join("cluster.toml");
@@ -120,7 +113,7 @@ fn write_cluster_file(
 }
 
 fn start_redis(program: &Path) -> anyhow::Result<(ChildGuard, String)> {
-    let port = free_port()?;
+    let port = rdkv_common::process::free_loopback_ports(1)?[0];
     let mut child = Command::new(program)
         .args([
             "--port",
