@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rdkv_common::fabric::{
     AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, PostedList, QueuePair,
-    QueuePairConfig, RemoteKey, WorkCompletion, WorkCompletionStatus, WorkRequest,
+    QueuePairConfig, RemoteKey, VerbsOptions, WorkCompletion, WorkCompletionStatus, WorkRequest,
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
@@ -63,6 +63,10 @@ pub struct ClientConfig {
     pub node: NodeAddress,
     /// The cluster secret.
     pub secret: Vec<u8>,
+    /// This client's RDMA device, port and GID index (verbs only); by default the
+    /// `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX` environment variables, else the
+    /// first device and an automatic GID.
+    pub verbs: VerbsOptions,
     /// A name for the server's logs.
     pub name: String,
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer).
@@ -80,10 +84,31 @@ impl ClientConfig {
                 fabric,
             },
             secret: secret.to_vec(),
+            verbs: verbs_options_from_environment(),
             name: format!("rdkv-client-{}", std::process::id()),
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
         }
+    }
+}
+
+/// The client's verbs device from `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX`
+/// (unparsable numbers are ignored with a warning).
+pub fn verbs_options_from_environment() -> VerbsOptions {
+    fn number<T: std::str::FromStr>(name: &str) -> Option<T> {
+        let text = std::env::var(name).ok()?;
+        let parsed = text.trim().parse().ok();
+        if parsed.is_none() {
+            tracing::warn!(variable = name, value = %text, "ignoring a value that is not a number");
+        }
+        parsed
+    }
+    VerbsOptions {
+        device: std::env::var("RDKV_RDMA_DEVICE")
+            .ok()
+            .filter(|name| !name.is_empty()),
+        port: number("RDKV_RDMA_PORT"),
+        gid_index: number("RDKV_GID_INDEX"),
     }
 }
 
@@ -227,12 +252,14 @@ impl NodeConnection {
             Err(error) => return Err(unreachable(format!("handshake: {error}"))),
         };
 
-        let device = match config.node.fabric {
-            Backend::Soft => Device::soft(None, DeviceConfig::default())?,
-            Backend::Loopback => Device::loopback(DeviceConfig::default()),
-        };
+        let device = Device::open(
+            config.node.fabric,
+            None,
+            &config.verbs,
+            DeviceConfig::default(),
+        )?;
         let domain = device.allocate_protection_domain();
-        let completion_queue = device.create_completion_queue(1024);
+        let completion_queue = device.create_completion_queue(1024)?;
         let queue_pair = domain.create_queue_pair(&completion_queue, QueuePairConfig::default())?;
         let slots = config.concurrency.max(1) as u64;
         let memory = Arc::new(PinnedMemory::allocate(

@@ -236,13 +236,7 @@ pub fn parse(
 
     let fabric = match cluster.fabric.get_ref().as_str() {
         "soft" => Backend::Soft,
-        "verbs" => {
-            return Err(locator.error(
-                cluster.fabric.span(),
-                "cluster.fabric",
-                "the verbs fabric is not in this build yet (it comes with the `verbs` cargo feature); use \"soft\"",
-            ))
-        }
+        "verbs" => Backend::Verbs,
         other => {
             return Err(locator.error(
                 cluster.fabric.span(),

@@ -205,7 +205,41 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+
+    /// The verbs backend was asked for but this binary was built without it.
+    #[error("the verbs backend is not in this build: {}", VERBS_BUILD_HINT)]
+    VerbsNotBuilt,
+
+    /// No usable RDMA device: the library, the device, the port or the GID is missing.
+    #[error("RDMA device unavailable: {reason}")]
+    VerbsDevice {
+        /// What is missing, with the fix.
+        reason: String,
+    },
+
+    /// An ibverbs call failed.
+    #[error("ibverbs {operation} failed{}", qp_context(*qp_number))]
+    VerbsCall {
+        /// The call, as a verb phrase (`ibv_reg_mr`, `modify QP to RTR`).
+        operation: &'static str,
+        /// The queue pair concerned, if any.
+        qp_number: Option<u32>,
+        /// The OS error the call returned.
+        #[source]
+        source: io::Error,
+    },
 }
+
+fn qp_context(qp_number: Option<u32>) -> String {
+    qp_number
+        .map(|number| format!(" on queue pair {number}"))
+        .unwrap_or_default()
+}
+
+/// What to install and how to rebuild for the verbs backend.
+pub const VERBS_BUILD_HINT: &str = "rebuild with `cargo build --release --features verbs` after \
+     `apt-get install cmake clang libclang-dev` (libibverbs1 and the NIC's provider, e.g. \
+     ibverbs-providers, are needed at run time)";
 
 /// Control-plane failures (see [`crate::protocol`]).
 #[derive(Debug, thiserror::Error)]

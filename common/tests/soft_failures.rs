@@ -57,6 +57,7 @@ impl SilentPeer {
                 device_id: 0x5151,
                 address: Some(address),
                 qp_number: 1,
+                verbs: None,
             },
             close,
             thread: Some(thread),
@@ -90,7 +91,9 @@ async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {
     )
     .expect("device");
     let domain = device.allocate_protection_domain();
-    let queue = device.create_completion_queue(64);
+    let queue = device
+        .create_completion_queue(64)
+        .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
         .expect("queue pair");
@@ -241,7 +244,9 @@ async fn send_queue_never_exceeds_its_depth() {
     let peer = SilentPeer::start();
     let device = Device::soft(None, DeviceConfig::default()).expect("device");
     let domain = device.allocate_protection_domain();
-    let queue = device.create_completion_queue(64);
+    let queue = device
+        .create_completion_queue(64)
+        .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig { max_send_wr: 4 })
         .expect("queue pair");
@@ -277,7 +282,9 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
     .expect("listening device");
     let dialing = Device::soft(None, DeviceConfig::default()).expect("dialing device");
     let domain = dialing.allocate_protection_domain();
-    let queue = dialing.create_completion_queue(8);
+    let queue = dialing
+        .create_completion_queue(8)
+        .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
         .expect("queue pair");
@@ -286,6 +293,7 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         device_id: listening.id(),
         address: listening.listen_address(),
         qp_number: 999_999,
+        verbs: None,
     };
     let error = queue_pair
         .connect(&endpoint)
@@ -297,7 +305,9 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         backend: Backend::Loopback,
         ..endpoint
     };
-    let loopback_queue = loopback.create_completion_queue(8);
+    let loopback_queue = loopback
+        .create_completion_queue(8)
+        .expect("create completion queue");
     let loopback_pair = loopback
         .allocate_protection_domain()
         .create_queue_pair(&loopback_queue, QueuePairConfig::default())

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use rdkv_common::fabric::{
     AccessFlags, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QueuePair,
-    QueuePairConfig, QueuePairState, RemoteSegment, WorkCompletion, WorkCompletionStatus,
-    WorkRequest,
+    QueuePairConfig, QueuePairState, RemoteSegment, VerbsOptions, WorkCompletion,
+    WorkCompletionStatus, WorkRequest,
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 
@@ -22,6 +22,10 @@ pub enum Fabric {
     Soft,
     /// The in-process backend.
     Loopback,
+    /// Real ibverbs on the RDMA device named by `RDKV_RDMA_DEVICE` (the first one when unset),
+    /// with the GID index of `RDKV_GID_INDEX` (automatic when unset). Built with the `verbs`
+    /// feature; run in the Soft-RoCE guest by `scripts/softroce/run.sh`.
+    Verbs,
 }
 
 const MIB: u64 = 1024 * 1024;
@@ -46,6 +50,19 @@ pub fn devices_with(fabric: Fabric, config: DeviceConfig) -> (Device, Device) {
             )
         }
         Fabric::Loopback => (Device::loopback(config), Device::loopback(config)),
+        Fabric::Verbs => {
+            let options = VerbsOptions {
+                device: std::env::var("RDKV_RDMA_DEVICE").ok(),
+                port: None,
+                gid_index: std::env::var("RDKV_GID_INDEX")
+                    .ok()
+                    .and_then(|index| index.parse().ok()),
+            };
+            (
+                Device::verbs(&options, config).expect("open the RDMA device (server side)"),
+                Device::verbs(&options, config).expect("open the RDMA device (client side)"),
+            )
+        }
     }
 }
 
@@ -143,8 +160,12 @@ pub async fn connect_with(
     let (server_device, client_device) = devices_with(fabric, device_config);
     let server_domain = server_device.allocate_protection_domain();
     let client_domain = client_device.allocate_protection_domain();
-    let server_completion_queue = server_device.create_completion_queue(1024);
-    let client_completion_queue = client_device.create_completion_queue(1024);
+    let server_completion_queue = server_device
+        .create_completion_queue(1024)
+        .expect("create completion queue");
+    let client_completion_queue = client_device
+        .create_completion_queue(1024)
+        .expect("create completion queue");
     let remote = server_domain
         .register_all(
             &pinned(REMOTE_SIZE),
@@ -197,7 +218,9 @@ fn pattern(length: usize, seed: u8) -> Vec<u8> {
 pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
     let (device, _) = devices(fabric);
     let domain = device.allocate_protection_domain();
-    let queue = device.create_completion_queue(16);
+    let queue = device
+        .create_completion_queue(16)
+        .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
         .expect("create");
@@ -505,18 +528,30 @@ pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Fabric) {
     .await;
 }
 
-/// A local buffer outside any registered region fails LOC_PROT_ERR, and nothing is sent.
+/// A local buffer outside any registered region fails, and nothing is sent: LOC_PROT_ERR, except
+/// a WRITE source with an unknown lkey, which rxe reports as LOC_QP_OP_ERR (docs/fabric.md).
 pub async fn unregistered_local_buffer_is_local_protection_error(fabric: Fabric) {
+    let outside = |connected: &Connected| {
+        let mut local = connected.local_at(0, 64);
+        local.address = connected.local.address() + LOCAL_SIZE + 4096;
+        local
+    };
     let connected = connect(fabric).await;
-    let mut local = connected.local_at(0, 64);
-    local.address = connected.local.address() + LOCAL_SIZE + 4096;
-    let bad = WorkRequest::read(7, local, connected.remote_at(0));
+    let bad = WorkRequest::read(7, outside(&connected), connected.remote_at(0));
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::LocalProtectionError).await;
     let mut unknown_key = connected.local_at(0, 64);
     unknown_key.local_key ^= 0x0F00_F000;
     let second = connect(fabric).await;
     let bad = WorkRequest::write(8, unknown_key, second.remote_at(0));
-    expect_error_then_flush(&second, bad, WorkCompletionStatus::LocalProtectionError).await;
+    expect_error_then_flush(
+        &second,
+        bad,
+        WorkCompletionStatus::LocalQueuePairOperationError,
+    )
+    .await;
+    let third = connect(fabric).await;
+    let bad = WorkRequest::write(9, outside(&third), third.remote_at(0));
+    expect_error_then_flush(&third, bad, WorkCompletionStatus::LocalProtectionError).await;
 }
 
 /// A deregistered region's rkey is rejected.

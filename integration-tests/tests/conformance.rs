@@ -44,3 +44,5 @@ macro_rules! conformance_suite {
 
 conformance_suite!(soft, Fabric::Soft);
 conformance_suite!(loopback, Fabric::Loopback);
+#[cfg(feature = "verbs")]
+conformance_suite!(verbs, Fabric::Verbs);

@@ -3,7 +3,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use rdkv_common::fabric::Backend;
+use rdkv_common::fabric::{Backend, VerbsOptions};
 use rdkv_common::layout::{TableGeometry, COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MAX_HEAP_SIZE};
 use rdkv_common::memory::HugepagePolicy;
 
@@ -18,8 +18,10 @@ pub struct ServerConfig {
     pub control_address: SocketAddr,
     /// The fabric backend.
     pub fabric: Backend,
-    /// Where the soft NIC listens (port 0 picks one); unused by loopback.
+    /// Where the soft NIC listens (port 0 picks one); unused by loopback and verbs.
     pub fabric_address: SocketAddr,
+    /// The RDMA device, port and GID index (verbs only).
+    pub verbs: VerbsOptions,
     /// Index bytes; rounded down to a power-of-two number of 64-byte buckets.
     pub index_size: u64,
     /// Heap bytes; rounded down to whole chunks.
@@ -54,6 +56,7 @@ impl ServerConfig {
             control_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             fabric: Backend::Soft,
             fabric_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            verbs: VerbsOptions::default(),
             index_size: 256 * 1024,
             heap_size: 4 * 1024 * 1024,
             chunk_size: 64 * 1024,
@@ -92,6 +95,11 @@ impl ServerConfig {
             fabric_address: node
                 .fabric_address
                 .unwrap_or_else(|| SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+            verbs: VerbsOptions {
+                device: node.device.clone(),
+                port: None,
+                gid_index: node.gid_index,
+            },
             index_size: node.index_size,
             heap_size: node.heap_size,
             chunk_size: node.chunk_size,

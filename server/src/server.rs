@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::RngCore;
-use rdkv_common::fabric::{Backend, Device, DeviceConfig};
+use rdkv_common::fabric::{Device, DeviceConfig};
 use rdkv_common::memory::PinLimits;
 use rdkv_common::protocol::ServerStats;
 use tokio::net::TcpListener;
@@ -99,10 +99,12 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         .hash_seed
         .unwrap_or_else(|| rand::thread_rng().next_u64());
     let geometry = config.geometry(hash_seed)?;
-    let device = match config.fabric {
-        Backend::Soft => Device::soft(Some(config.fabric_address), DeviceConfig::default())?,
-        Backend::Loopback => Device::loopback(DeviceConfig::default()),
-    };
+    let device = Device::open(
+        config.fabric,
+        Some(config.fabric_address),
+        &config.verbs,
+        DeviceConfig::default(),
+    )?;
     let table = TableRegion::allocate(
         &device,
         geometry,
@@ -123,7 +125,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     })?;
     let shared = Arc::new(Shared {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
-        completion_queue: device.create_completion_queue(1024),
+        completion_queue: device.create_completion_queue(1024)?,
         table,
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),

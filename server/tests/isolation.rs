@@ -54,7 +54,9 @@ impl RawClient {
         };
         let device = Device::soft(None, DeviceConfig::default()).expect("device");
         let domain = device.allocate_protection_domain();
-        let completion_queue = device.create_completion_queue(64);
+        let completion_queue = device
+            .create_completion_queue(64)
+            .expect("create completion queue");
         let queue_pair = domain
             .create_queue_pair(&completion_queue, QueuePairConfig::default())
             .expect("queue pair");

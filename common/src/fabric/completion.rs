@@ -30,6 +30,9 @@ pub(crate) struct CompletionQueueInner {
     capacity: usize,
     /// Completions dropped because the backlog was full (a verbs CQ overrun).
     overruns: AtomicU64,
+    /// The NIC's CQ and its poller, on a verbs device.
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Option<crate::fabric::verbs::completion::VerbsCompletionQueue>,
 }
 
 impl CompletionQueueInner {
@@ -61,16 +64,25 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    pub(crate) fn new(device: Arc<DeviceInner>, capacity: usize) -> Self {
-        Self {
+    pub(crate) fn new(device: Arc<DeviceInner>, capacity: usize) -> crate::Result<Self> {
+        #[cfg(feature = "verbs")]
+        let verbs = match &device.verbs {
+            Some(context) => Some(
+                crate::fabric::verbs::completion::VerbsCompletionQueue::create(context, capacity)?,
+            ),
+            None => None,
+        };
+        Ok(Self {
             inner: Arc::new(CompletionQueueInner {
                 _device: device,
                 generated: AtomicU64::new(0),
                 backlog: Mutex::new(VecDeque::new()),
                 capacity: capacity.max(1),
                 overruns: AtomicU64::new(0),
+                #[cfg(feature = "verbs")]
+                verbs,
             }),
-        }
+        })
     }
 
     /// Completions generated so far by the queue pairs on this queue.

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::fabric::completion::CompletionQueue;
@@ -28,6 +29,22 @@ pub struct DeviceConfig {
     /// blocks in the kernel. Zero never spins (lowest CPU use); a few tens of microseconds
     /// cuts the latency of a lightly loaded queue pair by the cost of a thread wake-up.
     pub poll_spin: Duration,
+}
+
+/// Which RDMA device the verbs backend opens, and how it addresses peers.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerbsOptions {
+    /// The device name as `ibv_devices` lists it (`mlx5_0`, `rxe0`); `None` opens the first.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// The port number (from 1); `None` means port 1.
+    #[serde(default)]
+    pub port: Option<u8>,
+    /// The GID index (`show_gids` lists them); `None` picks the first RoCE v2 IPv4 GID, else
+    /// index 0.
+    #[serde(default)]
+    pub gid_index: Option<u32>,
 }
 
 /// The default maximum message size: 1 MiB.
@@ -122,6 +139,9 @@ pub(crate) struct DeviceInner {
     pub(crate) spinning: std::sync::atomic::AtomicBool,
     /// The soft backend's listener (absent for loopback and for a soft device that only dials).
     pub(crate) soft_listener: OnceLock<SoftListener>,
+    /// The opened RDMA device of a verbs device.
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Option<Arc<crate::fabric::verbs::context::VerbsContext>>,
 }
 
 impl DeviceInner {
@@ -151,7 +171,7 @@ pub(crate) fn find_loopback_device(id: u64) -> Option<Arc<DeviceInner>> {
 }
 
 /// A random-enough 64-bit id from the clock, the process id and a counter.
-fn random_id() -> u64 {
+pub(crate) fn random_id() -> u64 {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -174,6 +194,26 @@ pub struct Device {
 
 impl Device {
     fn new(backend: Backend, config: DeviceConfig) -> Self {
+        #[cfg(feature = "verbs")]
+        return Self::with_verbs(backend, config, None);
+        #[cfg(not(feature = "verbs"))]
+        Self::build(backend, config)
+    }
+
+    #[cfg(feature = "verbs")]
+    fn with_verbs(
+        backend: Backend,
+        config: DeviceConfig,
+        verbs: Option<Arc<crate::fabric::verbs::context::VerbsContext>>,
+    ) -> Self {
+        let mut device = Self::build(backend, config);
+        if let Some(inner) = Arc::get_mut(&mut device.inner) {
+            inner.verbs = verbs;
+        }
+        device
+    }
+
+    fn build(backend: Backend, config: DeviceConfig) -> Self {
         let id = random_id();
         let inner = Arc::new(DeviceInner {
             id,
@@ -186,8 +226,58 @@ impl Device {
             next_qp_number: AtomicU32::new(((id >> 40) as u32 & 0xFFFF) | 0x10),
             spinning: std::sync::atomic::AtomicBool::new(false),
             soft_listener: OnceLock::new(),
+            #[cfg(feature = "verbs")]
+            verbs: None,
         });
         Self { inner }
+    }
+
+    /// A real RDMA device through ibverbs (the cargo feature `verbs`): opens the device
+    /// `options` names, checks its port and picks its GID. Every protection domain of the
+    /// device is the one PD allocated here.
+    ///
+    /// # Errors
+    /// [`crate::Error::VerbsNotBuilt`] in a build without the feature;
+    /// [`crate::Error::VerbsDevice`] naming what is missing (library, device, port, GID) and
+    /// the fix.
+    pub fn verbs(options: &VerbsOptions, config: DeviceConfig) -> Result<Self> {
+        #[cfg(feature = "verbs")]
+        {
+            let context = crate::fabric::verbs::context::VerbsContext::open(options)?;
+            Ok(Self::with_verbs(
+                Backend::Verbs,
+                config,
+                Some(Arc::new(context)),
+            ))
+        }
+        #[cfg(not(feature = "verbs"))]
+        {
+            let _ = (options, config);
+            Err(crate::Error::VerbsNotBuilt)
+        }
+    }
+
+    /// Opens a device of `backend`: soft listening on `listen` (when given), loopback, or verbs
+    /// with `verbs`.
+    ///
+    /// # Errors
+    /// As [`Device::soft`] and [`Device::verbs`].
+    pub fn open(
+        backend: Backend,
+        listen: Option<SocketAddr>,
+        verbs: &VerbsOptions,
+        config: DeviceConfig,
+    ) -> Result<Self> {
+        match backend {
+            Backend::Soft => Self::soft(listen, config),
+            Backend::Loopback => Ok(Self::loopback(config)),
+            Backend::Verbs => Self::verbs(verbs, config),
+        }
+    }
+
+    /// Whether this build has the verbs backend.
+    pub fn verbs_built() -> bool {
+        cfg!(feature = "verbs")
     }
 
     /// An in-process device: queue pairs connect only to loopback queue pairs of this process.
@@ -238,8 +328,13 @@ impl Device {
         ProtectionDomain::new(self.inner.clone())
     }
 
-    /// Creates a completion queue that keeps at most `capacity` unclaimed completions.
-    pub fn create_completion_queue(&self, capacity: usize) -> CompletionQueue {
+    /// Creates a completion queue that keeps at most `capacity` unclaimed completions (and,
+    /// on verbs, a CQ of `capacity` entries polled by a task on the current tokio runtime).
+    ///
+    /// # Errors
+    /// On verbs, [`crate::Error::VerbsCall`] when the CQ cannot be created or no tokio runtime
+    /// runs; never on soft or loopback.
+    pub fn create_completion_queue(&self, capacity: usize) -> Result<CompletionQueue> {
         CompletionQueue::new(self.inner.clone(), capacity)
     }
 

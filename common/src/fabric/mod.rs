@@ -8,9 +8,12 @@
 //! ([`QueuePair::post`]) whose future resolves when the list's last (signaled) request
 //! completes. Completions carry ibverbs statuses ([`WorkCompletionStatus`]).
 //!
-//! Backends: `soft` ([`Device::soft`], a user-space RNIC over TCP) and `loopback`
-//! ([`Device::loopback`], the same model in one process). Both run the same responder engine
-//! and the same requester bookkeeping; only the transport differs. `docs/fabric.md` describes
+//! Backends: `soft` ([`Device::soft`], a user-space RNIC over TCP), `loopback`
+//! ([`Device::loopback`], the same model in one process) and, with the cargo feature `verbs`,
+//! `verbs` ([`Device::verbs`], real ibverbs through `sideway`). Soft and loopback run the same
+//! responder engine and the same requester bookkeeping; only the transport differs. Verbs keeps
+//! the requester bookkeeping (in-flight entries keep buffers alive, per-list futures) and lets
+//! the NIC do the rest. `docs/fabric.md` describes
 //! the model, the wire format and when each status arises.
 //!
 //! # Thread safety
@@ -25,15 +28,17 @@ mod protection;
 mod queue_pair;
 mod soft;
 mod types;
+#[cfg(feature = "verbs")]
+mod verbs;
 mod wire;
 
 pub use completion::{CompletionQueue, PostedList};
-pub use device::{Device, DeviceConfig, GaugeSnapshot, DEFAULT_MAX_MESSAGE_SIZE};
+pub use device::{Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_MAX_MESSAGE_SIZE};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,
-    RemoteSegment, WorkCompletion, WorkCompletionStatus, WorkRequest,
+    RemoteSegment, VerbsAddress, WorkCompletion, WorkCompletionStatus, WorkRequest,
 };
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it (the state it guards is

@@ -12,6 +12,7 @@ use dashmap::DashMap;
 
 use crate::error::{Error, Result};
 use crate::fabric::device::DeviceInner;
+use crate::fabric::lock;
 use crate::fabric::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
 use crate::memory::PinnedMemory;
 
@@ -82,6 +83,13 @@ impl ProtectionTable {
         }
     }
 
+    /// Inserts an entry under a key the NIC chose (verbs regions, so in-flight requests can
+    /// keep their memory alive by key).
+    #[cfg(feature = "verbs")]
+    fn insert_with_key(&self, key: u32, entry: ProtectionEntry) {
+        self.entries.insert(key, Arc::new(entry));
+    }
+
     fn remove(&self, key: u32) {
         self.entries.remove(&key);
     }
@@ -92,6 +100,10 @@ impl ProtectionTable {
 
     /// The requester's check of a local buffer: lkey valid, same PD, a region (not a window),
     /// in range, and LOCAL_WRITE when the NIC writes into it.
+    ///
+    /// The statuses follow rxe (the reference the conformance suite runs against): a bad buffer
+    /// fails LOC_PROT_ERR, except a WRITE source whose lkey is unknown (the requester cannot
+    /// even look the region up while building the packet), which fails LOC_QP_OP_ERR.
     pub(crate) fn check_local(
         &self,
         protection_domain: u32,
@@ -108,11 +120,14 @@ impl ProtectionTable {
         if segment.length == 0 {
             return Ok(None);
         }
-        let entry = self
-            .lookup(segment.local_key)
-            .ok_or(WorkCompletionStatus::LocalProtectionError)?;
+        let unknown_key = if opcode == Opcode::Write {
+            WorkCompletionStatus::LocalQueuePairOperationError
+        } else {
+            WorkCompletionStatus::LocalProtectionError
+        };
+        let entry = self.lookup(segment.local_key).ok_or(unknown_key)?;
         if entry.protection_domain != protection_domain || entry.bound_qp.is_some() {
-            return Err(WorkCompletionStatus::LocalProtectionError);
+            return Err(unknown_key);
         }
         if opcode.writes_local_buffer() && !entry.access.contains(AccessFlags::LOCAL_WRITE) {
             return Err(WorkCompletionStatus::LocalProtectionError);
@@ -210,14 +225,38 @@ impl ProtectionDomain {
             });
         }
         let device = &self.inner.device;
-        let key = device.table.insert(ProtectionEntry {
+        let entry = ProtectionEntry {
             protection_domain: self.inner.id,
             memory: memory.clone(),
             address,
             length,
             access,
             bound_qp: None,
-        });
+        };
+        #[cfg(feature = "verbs")]
+        let (key, remote_key, verbs) = match &device.verbs {
+            Some(context) => {
+                let registered = crate::fabric::verbs::memory::VerbsRegion::register(
+                    &context.protection_domain,
+                    memory,
+                    offset,
+                    length,
+                    access,
+                )?;
+                let (local_key, remote_key) = (registered.local_key(), registered.remote_key());
+                device.table.insert_with_key(local_key, entry);
+                (local_key, remote_key, Some(registered))
+            }
+            None => {
+                let key = device.table.insert(entry);
+                (key, key, None)
+            }
+        };
+        #[cfg(not(feature = "verbs"))]
+        let (key, remote_key) = {
+            let key = device.table.insert(entry);
+            (key, key)
+        };
         device
             .gauges
             .live_memory_regions
@@ -228,7 +267,7 @@ impl ProtectionDomain {
             .fetch_add(length as i64, Ordering::Relaxed);
         tracing::debug!(
             local_key = key,
-            remote_key = key,
+            remote_key,
             address,
             length,
             ?access,
@@ -238,6 +277,9 @@ impl ProtectionDomain {
             inner: Arc::new(MemoryRegionInner {
                 protection_domain: self.clone(),
                 key,
+                remote_key,
+                #[cfg(feature = "verbs")]
+                verbs,
                 memory: memory.clone(),
                 offset,
                 address,
@@ -270,6 +312,8 @@ impl ProtectionDomain {
         MemoryWindow {
             protection_domain: self.clone(),
             key: Mutex::new(None),
+            #[cfg(feature = "verbs")]
+            verbs: Mutex::new(None),
         }
     }
 
@@ -288,8 +332,14 @@ impl ProtectionDomain {
 struct MemoryRegionInner {
     /// The parent domain, kept alive by the region.
     protection_domain: ProtectionDomain,
-    /// lkey and rkey.
+    /// lkey (and rkey, except on verbs).
     key: u32,
+    /// rkey.
+    remote_key: u32,
+    /// The NIC's registration, on a verbs device; declared before `memory` so it is
+    /// deregistered before the memory can be unmapped.
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Option<crate::fabric::verbs::memory::VerbsRegion>,
     /// The pinned block.
     memory: Arc<PinnedMemory>,
     /// Offset of the region inside the block.
@@ -334,7 +384,7 @@ impl MemoryRegion {
     /// The remote key with the range it covers.
     pub fn remote_key(&self) -> RemoteKey {
         RemoteKey {
-            key: self.inner.key,
+            key: self.inner.remote_key,
             address: self.inner.address,
             length: self.inner.length,
         }
@@ -358,6 +408,12 @@ impl MemoryRegion {
     /// The domain.
     pub fn protection_domain(&self) -> &ProtectionDomain {
         &self.inner.protection_domain
+    }
+
+    /// The NIC's registration, on a verbs device.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs_region(&self) -> Option<&crate::fabric::verbs::memory::VerbsRegion> {
+        self.inner.verbs.as_ref()
     }
 
     /// The pinned block under the region.
@@ -438,6 +494,10 @@ pub struct MemoryWindow {
     protection_domain: ProtectionDomain,
     /// The rkey of the current binding, if bound.
     key: Mutex<Option<u32>>,
+    /// On a verbs device: the NIC's window and the region it is bound over (kept registered
+    /// while the window may be used).
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Mutex<Option<(crate::fabric::verbs::memory::VerbsWindow, MemoryRegion)>>,
 }
 
 impl MemoryWindow {
@@ -446,15 +506,13 @@ impl MemoryWindow {
         &self.protection_domain
     }
 
-    /// Binds the window (replacing any earlier binding, whose key dies) and returns the new key.
-    pub(crate) fn bind(
+    /// Checks a bind: the range lies inside the region, which allows MW_BIND.
+    pub(crate) fn check_bind(
         &self,
         region: &MemoryRegion,
         address: u64,
         length: u64,
-        access: AccessFlags,
-        qp_number: u32,
-    ) -> Result<RemoteKey> {
+    ) -> Result<()> {
         let parent = region.remote_key();
         if address < parent.address
             || address
@@ -476,6 +534,26 @@ impl MemoryWindow {
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// Records the key of a binding made by the NIC (verbs), replacing any earlier one.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn set_key(&self, key: u32) {
+        *lock(&self.key) = Some(key);
+    }
+
+    /// Binds the window in the device's protection table (soft and loopback; replacing any
+    /// earlier binding, whose key dies) and returns the new key.
+    pub(crate) fn bind(
+        &self,
+        region: &MemoryRegion,
+        address: u64,
+        length: u64,
+        access: AccessFlags,
+        qp_number: u32,
+    ) -> Result<RemoteKey> {
+        self.check_bind(region, address, length)?;
         let granted = access
             & (AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC);
         let device = &self.protection_domain.inner.device;
@@ -511,10 +589,13 @@ impl MemoryWindow {
 
     /// Revokes the current binding, if any: its rkey fails from now on.
     pub fn invalidate(&self) {
-        let previous = match self.key.lock() {
-            Ok(mut slot) => slot.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
-        };
+        let previous = lock(&self.key).take();
+        #[cfg(feature = "verbs")]
+        {
+            // Deallocating the NIC's window revokes its key whatever its queue pair's state.
+            let binding = lock(&self.verbs).take();
+            drop(binding);
+        }
         if let Some(key) = previous {
             self.protection_domain.inner.device.table.remove(key);
             tracing::debug!(remote_key = key, "invalidated memory window");
@@ -523,10 +604,7 @@ impl MemoryWindow {
 
     /// The current rkey, if bound.
     pub fn remote_key(&self) -> Option<u32> {
-        match self.key.lock() {
-            Ok(slot) => *slot,
-            Err(poisoned) => *poisoned.into_inner(),
-        }
+        *lock(&self.key)
     }
 }
 

@@ -58,7 +58,14 @@ pub(crate) enum Transport {
     Loopback(Weak<QueuePairShared>),
     /// The software RNIC's TCP connection.
     Soft(Arc<SoftConnection>),
+    /// The NIC (the queue pair's `verbs` part does the work).
+    #[cfg(feature = "verbs")]
+    Verbs,
 }
+
+/// Work request ids with this bit are memory window binds, not entries of the in-flight queue.
+#[cfg(feature = "verbs")]
+const BIND_REQUEST_FLAG: u64 = 1 << 63;
 
 /// One posted request, from post until completion.
 #[derive(Debug)]
@@ -116,6 +123,12 @@ pub(crate) struct QueuePairShared {
     loopback_order: Mutex<()>,
     /// A soft connection that arrived before `connect` (passive side).
     pub(crate) pending_stream: Mutex<Option<TcpStream>>,
+    /// The NIC's queue pair, on a verbs device.
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Option<crate::fabric::verbs::queue_pair::VerbsQueuePair>,
+    /// Completed memory window binds by work request id, until their binder takes them.
+    #[cfg(feature = "verbs")]
+    verbs_binds: Mutex<std::collections::HashMap<u64, WorkCompletionStatus>>,
 }
 
 impl QueuePairShared {
@@ -285,8 +298,19 @@ impl QueuePairShared {
         }
     }
 
-    /// Moves to ERROR, flushes every outstanding request and closes the transport.
+    /// Moves to ERROR, flushes every outstanding request and closes the transport. On verbs the
+    /// NIC's queue pair moves to ERROR and the NIC flushes: outstanding entries are retired by
+    /// their flush completions, never before, so their buffers outlive the NIC's use.
     pub(crate) fn enter_error(&self) {
+        #[cfg(feature = "verbs")]
+        if let Some(verbs) = &self.verbs {
+            {
+                let mut requester = lock(&self.requester);
+                self.set_state_locked(&mut requester, QueuePairState::Error);
+            }
+            verbs.modify_to_error();
+            return;
+        }
         let flushed = {
             let mut requester = lock(&self.requester);
             self.set_state_locked(&mut requester, QueuePairState::Error);
@@ -299,6 +323,107 @@ impl QueuePairShared {
         if let Some(Transport::Soft(connection)) = self.transport.get() {
             connection.close();
         }
+    }
+
+    /// A completion polled from the NIC's CQ: retires every entry up to the one it names (the
+    /// ones before it were unsignaled and succeeded), or records a window bind's outcome.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn on_verbs_completion(&self, work_request_id: u64, status: WorkCompletionStatus) {
+        let failed = status != WorkCompletionStatus::Success;
+        if work_request_id & BIND_REQUEST_FLAG != 0 {
+            lock(&self.verbs_binds).insert(work_request_id, status);
+            if failed {
+                let mut requester = lock(&self.requester);
+                self.set_state_locked(&mut requester, QueuePairState::Error);
+            }
+            return;
+        }
+        let mut retired = Vec::new();
+        {
+            let mut requester = lock(&self.requester);
+            while requester
+                .in_flight
+                .front()
+                .is_some_and(|front| front.sequence <= work_request_id)
+            {
+                let Some(entry) = requester.in_flight.pop_front() else {
+                    break;
+                };
+                let entry_status = if entry.sequence == work_request_id {
+                    status
+                } else {
+                    WorkCompletionStatus::Success
+                };
+                retired.push((entry, entry_status));
+            }
+            if failed {
+                self.set_state_locked(&mut requester, QueuePairState::Error);
+            }
+        }
+        for (entry, entry_status) in retired {
+            self.finish(entry, entry_status);
+        }
+    }
+
+    /// Polls the NIC's CQ from this thread until `done` holds or `limit` passes; true when it
+    /// held.
+    #[cfg(feature = "verbs")]
+    fn poll_until(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if done() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            match &self.completion_queue.inner.verbs {
+                Some(queue) => {
+                    if queue.shared.poll_and_dispatch() == 0 {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                None => return done(),
+            }
+        }
+    }
+
+    /// Posts a list on the NIC. In ERROR nothing reaches the NIC: every request flushes at once.
+    #[cfg(feature = "verbs")]
+    fn post_verbs(
+        &self,
+        verbs: &crate::fabric::verbs::queue_pair::VerbsQueuePair,
+        entries: impl Iterator<Item = InFlight>,
+    ) -> Result<()> {
+        let mut requester = lock(&self.requester);
+        if requester.state != QueuePairState::ReadyToSend {
+            drop(requester);
+            for entry in entries {
+                self.finish(entry, WorkCompletionStatus::WorkRequestFlushError);
+            }
+            return Ok(());
+        }
+        let first = requester.in_flight.len();
+        for mut entry in entries {
+            entry.sequence = requester.next_sequence;
+            requester.next_sequence += 1;
+            requester.in_flight.push_back(entry);
+        }
+        let posted = verbs.post(
+            requester
+                .in_flight
+                .range(first..)
+                .map(|entry| (entry.sequence, &entry.request)),
+        );
+        if let Err(error) = posted {
+            // Nothing of the list reached the NIC: take it back and free its slots.
+            let count = requester.in_flight.len() - first;
+            requester.in_flight.truncate(first);
+            drop(requester);
+            self.permits.add_permits(count);
+            return Err(error);
+        }
+        Ok(())
     }
 
     /// The responder never answered: the oldest request completes RETRY_EXC_ERR, the rest flush.
@@ -375,12 +500,21 @@ impl QueuePairShared {
             .enumerate()
             .map(|(index, request)| InFlight {
                 sequence: 0,
-                local: device.table.check_local(
-                    domain,
-                    &request.local,
-                    request.opcode,
-                    device.config.max_message_size,
-                ),
+                local: match self.transport.get() {
+                    // The NIC checks local buffers; the entry only keeps valid ones alive.
+                    #[cfg(feature = "verbs")]
+                    Some(Transport::Verbs) => Ok(device
+                        .table
+                        .check_local(domain, &request.local, request.opcode, u32::MAX)
+                        .ok()
+                        .flatten()),
+                    _ => device.table.check_local(
+                        domain,
+                        &request.local,
+                        request.opcode,
+                        device.config.max_message_size,
+                    ),
+                },
                 request,
                 list: list_completion.clone(),
                 is_tail: index + 1 == count,
@@ -388,6 +522,12 @@ impl QueuePairShared {
             });
 
         match self.transport.get() {
+            #[cfg(feature = "verbs")]
+            Some(Transport::Verbs) => {
+                if let Some(verbs) = &self.verbs {
+                    self.post_verbs(verbs, entries)?;
+                }
+            }
             Some(Transport::Soft(connection)) => {
                 {
                     let mut requester = lock(&self.requester);
@@ -563,6 +703,31 @@ impl ProtectionDomain {
                 reason: "max_send_wr must be at least 1".into(),
             });
         }
+        #[cfg(feature = "verbs")]
+        let verbs =
+            match &device.verbs {
+                Some(context) => {
+                    let queue = completion_queue.inner.verbs.as_ref().ok_or_else(|| {
+                        Error::ObjectMismatch {
+                            reason: "a verbs queue pair needs a completion queue of a verbs device"
+                                .into(),
+                        }
+                    })?;
+                    Some(crate::fabric::verbs::queue_pair::VerbsQueuePair::create(
+                        context,
+                        queue,
+                        config.max_send_wr,
+                        crate::fabric::device::random_id() as u32,
+                    )?)
+                }
+                None => None,
+            };
+        #[cfg(feature = "verbs")]
+        let qp_number = match &verbs {
+            Some(verbs) => verbs.qp_number,
+            None => device.allocate_qp_number(),
+        };
+        #[cfg(not(feature = "verbs"))]
         let qp_number = device.allocate_qp_number();
         let shared = Arc::new(QueuePairShared {
             protection_domain: self.clone(),
@@ -581,7 +746,15 @@ impl ProtectionDomain {
             transport: OnceLock::new(),
             loopback_order: Mutex::new(()),
             pending_stream: Mutex::new(None),
+            #[cfg(feature = "verbs")]
+            verbs,
+            #[cfg(feature = "verbs")]
+            verbs_binds: Mutex::new(std::collections::HashMap::new()),
         });
+        #[cfg(feature = "verbs")]
+        if let Some(queue) = &completion_queue.inner.verbs {
+            queue.shared.attach(qp_number, Arc::downgrade(&shared));
+        }
         device
             .gauges
             .move_queue_pair(None, Some(QueuePairState::Reset));
@@ -598,8 +771,17 @@ impl QueuePair {
         self.shared.qp_number
     }
 
-    /// The current state.
+    /// The current state. On verbs it is read from the NIC (`ibv_query_qp`), which may have
+    /// moved the queue pair to ERROR on its own.
     pub fn state(&self) -> QueuePairState {
+        #[cfg(feature = "verbs")]
+        if let Some(verbs) = &self.shared.verbs {
+            if verbs.query_state() == Some(QueuePairState::Error) {
+                let mut requester = lock(&self.shared.requester);
+                self.shared
+                    .set_state_locked(&mut requester, QueuePairState::Error);
+            }
+        }
         self.shared.state()
     }
 
@@ -621,6 +803,10 @@ impl QueuePair {
             device_id: device.id,
             address: device.soft_listener.get().map(soft::SoftListener::address),
             qp_number: self.shared.qp_number,
+            #[cfg(feature = "verbs")]
+            verbs: self.shared.verbs.as_ref().map(|verbs| verbs.address()),
+            #[cfg(not(feature = "verbs"))]
+            verbs: None,
         }
     }
 
@@ -629,6 +815,18 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidQueuePairState`] unless the queue pair is in RESET.
     pub fn modify_to_init(&self) -> Result<()> {
+        #[cfg(feature = "verbs")]
+        if let Some(verbs) = &self.shared.verbs {
+            let state = self.shared.state();
+            if state != QueuePairState::Reset {
+                return Err(Error::InvalidQueuePairState {
+                    qp_number: self.shared.qp_number,
+                    state,
+                    operation: "move to INIT",
+                });
+            }
+            verbs.modify_to_init()?;
+        }
         self.shared.transition(
             &[QueuePairState::Reset],
             QueuePairState::Init,
@@ -676,6 +874,7 @@ impl QueuePair {
                 Ok(())
             }
             Backend::Soft => soft::connect(shared, &local, remote).await,
+            Backend::Verbs => self.connect_verbs(remote),
         };
         if let Err(error) = connected {
             shared.enter_error();
@@ -688,6 +887,24 @@ impl QueuePair {
         )?;
         tracing::debug!(qp_number = shared.qp_number, remote = ?remote, "queue pair connected");
         Ok(())
+    }
+
+    /// INIT → RTR → RTS on the NIC towards `remote`.
+    fn connect_verbs(&self, remote: &QueuePairEndpoint) -> Result<()> {
+        #[cfg(feature = "verbs")]
+        if let Some(verbs) = &self.shared.verbs {
+            let address = remote.verbs.ok_or_else(|| Error::EndpointNotFound {
+                reason: format!(
+                    "the verbs endpoint of queue pair {} carries no GID/PSN",
+                    remote.qp_number
+                ),
+            })?;
+            verbs.connect(remote.qp_number, &address, self.shared.retry_timeout())?;
+            let _ = self.shared.transport.set(Transport::Verbs);
+            return Ok(());
+        }
+        let _ = remote;
+        Err(Error::VerbsNotBuilt)
     }
 
     /// Posts a list of work requests at once (one doorbell). Waits while the send queue lacks
@@ -742,7 +959,83 @@ impl QueuePair {
                 operation: "bind a memory window",
             });
         }
+        #[cfg(feature = "verbs")]
+        if let Some(verbs) = &self.shared.verbs {
+            return self.bind_verbs_window(verbs, window, region, address, length, access);
+        }
         window.bind(region, address, length, access, self.shared.qp_number)
+    }
+
+    /// Binds a fresh NIC window (any earlier one is deallocated, which revokes its key) and
+    /// waits for the bind's completion.
+    #[cfg(feature = "verbs")]
+    fn bind_verbs_window(
+        &self,
+        verbs: &crate::fabric::verbs::queue_pair::VerbsQueuePair,
+        window: &MemoryWindow,
+        region: &MemoryRegion,
+        address: u64,
+        length: u64,
+        access: AccessFlags,
+    ) -> Result<RemoteKey> {
+        use std::sync::atomic::AtomicU64;
+        static NEXT_BIND: AtomicU64 = AtomicU64::new(0);
+
+        window.check_bind(region, address, length)?;
+        let registered = region.verbs_region().ok_or_else(|| Error::ObjectMismatch {
+            reason: "the region is not registered with the NIC of this queue pair".into(),
+        })?;
+        let mut binding = lock(&window.verbs);
+        drop(binding.take());
+        let nic_window =
+            crate::fabric::verbs::memory::VerbsWindow::allocate(&verbs.context.protection_domain)?;
+        let work_request_id = BIND_REQUEST_FLAG | NEXT_BIND.fetch_add(1, Ordering::Relaxed);
+        let key = verbs.post_bind(
+            work_request_id,
+            &nic_window,
+            registered,
+            address,
+            length,
+            access,
+        )?;
+        let shared = &self.shared;
+        let limit = shared.retry_timeout() * 2;
+        let mut status = None;
+        shared.poll_until(limit, || {
+            status = lock(&shared.verbs_binds).remove(&work_request_id);
+            status.is_some()
+        });
+        match status {
+            Some(WorkCompletionStatus::Success) => {
+                *binding = Some((nic_window, region.clone()));
+                window.set_key(key);
+                tracing::debug!(
+                    remote_key = key,
+                    address,
+                    length,
+                    qp_number = shared.qp_number,
+                    "bound memory window"
+                );
+                Ok(RemoteKey {
+                    key,
+                    address,
+                    length,
+                })
+            }
+            Some(status) => Err(Error::WorkCompletion {
+                qp_number: shared.qp_number,
+                work_request_id,
+                status,
+            }),
+            None => Err(Error::VerbsCall {
+                operation: "bind a memory window",
+                qp_number: Some(shared.qp_number),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no completion for the bind within {limit:?}"),
+                ),
+            }),
+        }
     }
 
     /// Moves the queue pair to ERROR: outstanding requests flush, later ones flush at once, and
@@ -757,6 +1050,25 @@ impl QueuePair {
     pub fn drain(&self) {
         if self.state() != QueuePairState::Error {
             self.modify_to_error();
+        }
+        #[cfg(feature = "verbs")]
+        if self.shared.verbs.is_some() {
+            // The NIC flushes what is outstanding; poll until every entry has its completion.
+            let shared = &self.shared;
+            let limit = shared.retry_timeout() + Duration::from_secs(1);
+            let drained = shared.poll_until(limit, || lock(&shared.requester).in_flight.is_empty());
+            if !drained {
+                let left = std::mem::take(&mut lock(&shared.requester).in_flight);
+                tracing::warn!(
+                    qp_number = shared.qp_number,
+                    outstanding = left.len(),
+                    "the NIC did not flush every request within {limit:?}; completing them as flushed"
+                );
+                for entry in left {
+                    shared.finish(entry, WorkCompletionStatus::WorkRequestFlushError);
+                }
+            }
+            return;
         }
         let _gate = self
             .shared
@@ -774,6 +1086,10 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.drain();
+        #[cfg(feature = "verbs")]
+        if let Some(queue) = &self.shared.completion_queue.inner.verbs {
+            queue.shared.detach(self.shared.qp_number);
+        }
         let device = self.shared.device();
         device.queue_pairs.remove(&self.shared.qp_number);
         device

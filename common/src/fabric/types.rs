@@ -31,6 +31,19 @@ pub enum Backend {
     Soft,
     /// The in-process model with no network.
     Loopback,
+    /// Real ibverbs (any RDMA NIC, or Soft-RoCE), built with the cargo feature `verbs`.
+    Verbs,
+}
+
+impl Backend {
+    /// The name used in configuration files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Soft => "soft",
+            Self::Loopback => "loopback",
+            Self::Verbs => "verbs",
+        }
+    }
 }
 
 /// A one-sided operation.
@@ -193,6 +206,14 @@ pub enum WorkCompletionStatus {
     RemoteOperationError = 6,
     /// IBV_WC_RETRY_EXC_ERR: the responder did not answer (lost connection or timeout).
     RetryExceededError = 7,
+    /// IBV_WC_LOC_QP_OP_ERR: the local NIC found the request inconsistent with the queue pair
+    /// (verbs only; for example a length over the port's limits).
+    LocalQueuePairOperationError = 8,
+    /// IBV_WC_MW_BIND_ERR: a memory window bind failed (verbs only).
+    MemoryWindowBindError = 9,
+    /// Any other ibverbs status (RNR retry, bad response, fatal, vendor-specific): the raw value
+    /// is logged when it is seen.
+    OtherError = 10,
 }
 
 impl WorkCompletionStatus {
@@ -206,6 +227,9 @@ impl WorkCompletionStatus {
             4 => Self::RemoteInvalidRequestError,
             5 => Self::RemoteAccessError,
             7 => Self::RetryExceededError,
+            8 => Self::LocalQueuePairOperationError,
+            9 => Self::MemoryWindowBindError,
+            10 => Self::OtherError,
             _ => Self::RemoteOperationError,
         }
     }
@@ -221,6 +245,9 @@ impl WorkCompletionStatus {
             Self::RemoteAccessError => "IBV_WC_REM_ACCESS_ERR",
             Self::RemoteOperationError => "IBV_WC_REM_OP_ERR",
             Self::RetryExceededError => "IBV_WC_RETRY_EXC_ERR",
+            Self::LocalQueuePairOperationError => "IBV_WC_LOC_QP_OP_ERR",
+            Self::MemoryWindowBindError => "IBV_WC_MW_BIND_ERR",
+            Self::OtherError => "another ibverbs error status",
         }
     }
 
@@ -302,6 +329,23 @@ pub struct QueuePairEndpoint {
     pub address: Option<SocketAddr>,
     /// The queue pair number.
     pub qp_number: u32,
+    /// For the verbs backend: the port address and starting packet sequence number.
+    pub verbs: Option<VerbsAddress>,
+}
+
+/// What an ibverbs RC queue pair needs to reach its peer (exchanged over the control socket,
+/// as `ibv_rc_pingpong` exchanges it): the GID (RoCE, or IB with a GRH), the LID (IB), the
+/// starting PSN and the port's active MTU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerbsAddress {
+    /// The port GID at the configured GID index.
+    pub gid: [u8; 16],
+    /// The port LID (0 on RoCE).
+    pub lid: u16,
+    /// The starting packet sequence number of the sender (24 bits).
+    pub psn: u32,
+    /// The port's active MTU as an `ibv_mtu` value (1 = 256 B … 5 = 4096 B).
+    pub mtu: u32,
 }
 
 /// A remote key and the range it covers: what a server hands a client for one region.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use rdkv_common::fabric::Backend;
+use rdkv_common::fabric::{Backend, VerbsOptions};
 use rdkv_common::memory::HugepagePolicy;
 use rdkv_server::ServerConfig;
 use tokio_util::sync::CancellationToken;
@@ -33,9 +33,22 @@ struct Arguments {
     /// Control-plane listen address.
     #[arg(long, default_value = "127.0.0.1:7400")]
     listen: SocketAddr,
+    /// The fabric: `soft` (the software RNIC over TCP) or `verbs` (an RDMA NIC; needs a build
+    /// with `--features verbs`).
+    #[arg(long, default_value = "soft", value_parser = parse_fabric)]
+    fabric: Backend,
     /// Soft NIC listen address (one-sided requests arrive here).
     #[arg(long, default_value = "127.0.0.1:7401")]
     fabric_listen: SocketAddr,
+    /// Verbs: the RDMA device (`ibv_devices` lists them); the first one by default.
+    #[arg(long)]
+    rdma_device: Option<String>,
+    /// Verbs: the port number (from 1).
+    #[arg(long)]
+    rdma_port: Option<u8>,
+    /// Verbs: the GID index (`show_gids` lists them); by default the first RoCE v2 IPv4 GID.
+    #[arg(long)]
+    gid_index: Option<u32>,
     /// Index size in bytes (K, M, G suffixes allowed).
     #[arg(long, default_value = "4M", value_parser = rdkv_cluster_config::units::parse_size)]
     index_size: u64,
@@ -102,6 +115,14 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+fn parse_fabric(text: &str) -> Result<Backend, String> {
+    match text {
+        "soft" => Ok(Backend::Soft),
+        "verbs" => Ok(Backend::Verbs),
+        other => Err(format!("unknown fabric `{other}`: expected soft or verbs")),
+    }
+}
+
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
     let secret = match &arguments.secret_file {
         Some(path) => std::fs::read(path)
@@ -115,8 +136,13 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
     Ok(ServerConfig {
         node_id: arguments.node_id,
         control_address: arguments.listen,
-        fabric: Backend::Soft,
+        fabric: arguments.fabric,
         fabric_address: arguments.fabric_listen,
+        verbs: VerbsOptions {
+            device: arguments.rdma_device.clone(),
+            port: arguments.rdma_port,
+            gid_index: arguments.gid_index,
+        },
         index_size: arguments.index_size,
         heap_size: arguments.heap_size,
         chunk_size: arguments.chunk_size,
