@@ -17,8 +17,8 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, ServerStats,
-    Welcome, PROTOCOL_VERSION,
+    compute_proof, read_frame, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
+    ServerStats, Welcome, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use tokio::net::TcpStream;
@@ -148,6 +148,8 @@ pub(crate) struct NodeConnection {
     pub(crate) address: SocketAddr,
     /// What the server sent after authentication.
     pub(crate) welcome: Welcome,
+    /// The keys bound to this connection's server queue pair.
+    pub(crate) keys: ConnectionKeys,
     /// The client's queue pair.
     pub(crate) queue_pair: QueuePair,
     /// The registered scratch buffers.
@@ -276,11 +278,11 @@ impl NodeConnection {
             },
         )
         .await?;
-        match read_reply(&mut stream).await {
-            Ok(ServerMessage::QueuePairReady) => {}
+        let keys = match read_reply(&mut stream).await {
+            Ok(ServerMessage::QueuePairReady(keys)) => keys,
             Ok(ServerMessage::Refused { reason }) => return Err(Error::Refused { reason }),
             other => return Err(unreachable(format!("queue pair not ready: {other:?}"))),
-        }
+        };
 
         let (control, requests) = mpsc::channel(16);
         let heartbeat =
@@ -289,6 +291,7 @@ impl NodeConnection {
         Ok(Arc::new(Self {
             address,
             welcome,
+            keys,
             queue_pair,
             scratch_region,
             scratch_free: Arc::new(Mutex::new((0..slots).collect())),

@@ -132,7 +132,7 @@ fn bucket_reads(scratch: &Scratch, location: &KeyLocation) -> Vec<WorkRequest> {
                     COMBINED_BUCKET_SIZE as u32,
                 ),
                 connection
-                    .welcome
+                    .keys
                     .index_key
                     .at(geometry.combined_bucket_offset(bucket)),
             )
@@ -179,7 +179,7 @@ async fn find_matches(
         .filter(|(_, slot)| !slot.is_empty() && slot.fingerprint() == location.fingerprint)
         .collect();
     let mut matches = Vec::new();
-    let heap_key = scratch.connection().welcome.heap_key;
+    let heap_key = scratch.connection().keys.heap_key;
     let mut remaining = candidates.as_slice();
     while !remaining.is_empty() {
         // As many candidates as fit the read area go in one list.
@@ -253,10 +253,7 @@ async fn compare_and_swap_slot(
     let request = WorkRequest::compare_and_swap(
         0,
         scratch.region().segment(scratch.base + CAS_RESULTS_AT, 8),
-        connection
-            .welcome
-            .index_key
-            .at(geometry.slot_offset(position)),
+        connection.keys.index_key.at(geometry.slot_offset(position)),
         expected.0,
         new.0,
     );
@@ -505,7 +502,7 @@ pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Resu
                         .region()
                         .segment(scratch.base + CAS_RESULTS_AT + index as u64 * 8, 8),
                     connection
-                        .welcome
+                        .keys
                         .index_key
                         .at(geometry.slot_offset(found.position)),
                     found.slot.0,

@@ -74,10 +74,12 @@ pub enum ServerMessage {
         /// The node's id.
         node_id: u32,
     },
-    /// Authentication passed: the table and this connection's keys.
+    /// Authentication passed: the table and the server's queue pair.
     Welcome(Box<Welcome>),
-    /// The server's queue pair is connected; one-sided requests may start.
-    QueuePairReady,
+    /// The server's queue pair is connected (RTS) and the keys are bound to it; one-sided
+    /// requests may start. (Windows are bound only now: a bind is a send-queue work request,
+    /// which real verbs accept only in RTS.)
+    QueuePairReady(ConnectionKeys),
     /// A monitoring connection is authenticated; it may ask for stats.
     MonitorReady {
         /// The node's id.
@@ -120,14 +122,19 @@ pub struct Welcome {
     pub geometry: TableGeometry,
     /// The server queue pair to connect to.
     pub server_endpoint: QueuePairEndpoint,
-    /// READ and ATOMIC over the index, bound to this connection's queue pair.
-    pub index_key: RemoteKey,
-    /// READ over the heap, bound to this connection's queue pair.
-    pub heap_key: RemoteKey,
     /// Heartbeat at least this often, in milliseconds, or the lease expires.
     pub lease_timeout_ms: u64,
     /// The deadline of one operation, in milliseconds.
     pub operation_deadline_ms: u64,
+}
+
+/// The keys of one data connection, bound to its server queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionKeys {
+    /// READ and ATOMIC over the index.
+    pub index_key: RemoteKey,
+    /// READ over the heap.
+    pub heap_key: RemoteKey,
 }
 
 /// A server's counters, as `rdkv stats` and the metrics endpoint show them.

@@ -600,10 +600,32 @@ pub async fn deregistered_region_rkey_is_rejected(fabric: Fabric) {
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
 }
 
-/// A memory window's rkey works on its queue pair, fails on another, and dies with the window.
+/// A memory window binds only on an RTS queue pair; its rkey works on that queue pair, fails on
+/// another, and dies with the window.
 pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
     let connected = connect(fabric).await;
     let window = connected.server_domain.allocate_memory_window();
+    let unconnected = connected
+        .server_domain
+        .create_queue_pair(
+            &connected.server_completion_queue,
+            QueuePairConfig::default(),
+        )
+        .expect("create");
+    unconnected.modify_to_init().expect("init");
+    assert!(
+        unconnected
+            .bind_memory_window(
+                &window,
+                &connected.remote,
+                connected.remote.address(),
+                4096,
+                AccessFlags::REMOTE_READ,
+            )
+            .is_err(),
+        "a bind before RTS is refused"
+    );
+    drop(unconnected);
     let window_key = connected
         .server_queue_pair
         .bind_memory_window(

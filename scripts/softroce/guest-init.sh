@@ -13,6 +13,8 @@ done
 # A leading newline keeps reports on lines of their own between kernel console messages.
 report() { printf '\n[guest] %s\n' "$*"; }
 check() { name=$1; shift; if "$@" > /tmp/out 2>&1; then report "PASS $name"; else report "FAIL $name"; sed 's/^/[guest]   /' /tmp/out; fi; }
+# As check, and shows the output when it passes too.
+check_show() { check "$@"; grep -q "^" /tmp/out && sed 's/^/[guest]   /' /tmp/out | tail -12; true; }
 
 ip link add rdkv0 type dummy
 ip addr add 192.0.2.1/24 dev rdkv0
@@ -29,6 +31,51 @@ check "ibv_rc_pingpong over rxe0" sh -c '
   done
   wait $server && grep -q "100 iters" /tmp/client.log'
 
+# Two processes over rxe0: an rdkv-server on the verbs fabric, and the rdkv CLI and rdkv-ycsb as
+# its clients. Every wait is bounded.
+smoke_tests() {
+  export LD_LIBRARY_PATH=/host/lib
+  smoke=/host/smoke
+  config=$smoke/verbs-1node.toml
+  "$smoke/rdkv-server" --config "$config" --node 1 > /tmp/rdkv-server.log 2>&1 &
+  server=$!
+  check "rdkv-server starts on rxe0" sh -c '
+    for attempt in $(seq 1 300); do
+      grep -q "rdkv-server ready" /tmp/rdkv-server.log && exit 0
+      kill -0 '"$server"' 2>/dev/null || break
+      sleep 0.1
+    done
+    cat /tmp/rdkv-server.log; exit 1'
+  check "rdkv put/get/cas/del over rxe0" sh -c '
+    set -e
+    rdkv="'"$smoke"'/rdkv -c '"$config"'"
+    $rdkv put greeting "hello over rxe0"
+    test "$($rdkv get greeting)" = "hello over rxe0"
+    $rdkv cas greeting "hello over rxe0" "swapped"
+    test "$($rdkv get greeting)" = "swapped"
+    $rdkv del greeting
+    if $rdkv get greeting; then echo "deleted key still found"; exit 1; fi
+    $rdkv stats'
+  check_show "rdkv-ycsb workload A over rxe0 (2000 records, 2 s)" sh -c '
+    set -e
+    ycsb="'"$smoke"'/rdkv-ycsb"
+    $ycsb load -c '"$config"' -P workloada -p recordcount=2000 --threads 4 > /tmp/load.log 2>&1 || { cat /tmp/load.log; exit 1; }
+    $ycsb run -c '"$config"' -P workloada -p recordcount=2000 -p operationcount=1000000 \
+      --max-execution-time 2 --threads 4 > /tmp/run.log 2>&1 || { cat /tmp/run.log; exit 1; }
+    grep -E "^\[OVERALL\]|Return=" /tmp/run.log
+    if grep -q "Return=ERROR" /tmp/load.log /tmp/run.log; then exit 1; fi'
+  if grep -qiE " (ERROR|WARN) " /tmp/rdkv-server.log; then
+    grep -iE " (ERROR|WARN) " /tmp/rdkv-server.log | tail -10 | sed 's/^/[guest]   rdkv-server: /'
+  fi
+  kill -TERM "$server" 2>/dev/null
+  check "rdkv-server stops cleanly on SIGTERM" sh -c '
+    for attempt in $(seq 1 100); do
+      kill -0 '"$server"' 2>/dev/null || exit 0
+      sleep 0.1
+    done
+    echo "still running"; exit 1'
+}
+
 mkdir -p /host
 if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
   for program in /host/programs/*; do
@@ -36,6 +83,9 @@ if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
     chmod +x "$program"
     check "$(basename "$program")" env LD_LIBRARY_PATH=/host/lib "$program" --test-threads=1
   done
+  if [ -x /host/smoke/rdkv-server ]; then
+    smoke_tests
+  fi
 else
   report "FAIL mount the shared folder"
 fi

@@ -3,21 +3,26 @@
 # rdma_rxe device over a dummy interface that exists only inside the guest, and runs verbs
 # programs there against real ibverbs (rdma-core's rxe provider).
 #
-#   scripts/softroce/run.sh [--timeout SECONDS] [PROGRAM ...]
+#   scripts/softroce/run.sh [--timeout SECONDS] [--no-build] [PROGRAM ...]
 #
-# Each PROGRAM (a host path, for example a test binary) is copied into a shared folder and run in
-# the guest; with none, only the guest's own smoke tests run: `ibv_devinfo` must show rxe0 with
-# PORT_ACTIVE, and `ibv_rc_pingpong` must pass between two processes over rxe0.
+# First it builds, on the host, with `--features verbs`: the fabric conformance test binary and
+# rdkv-server, rdkv and rdkv-ycsb (skip with --no-build). In the guest it then checks that rxe0 is
+# PORT_ACTIVE and that `ibv_rc_pingpong` passes over it, runs the conformance suite (soft,
+# loopback and verbs on rxe0), and runs two-process smoke tests: rdkv-server on the verbs fabric
+# (examples/verbs-1node.toml) with the rdkv CLI and rdkv-ycsb as clients. Each extra PROGRAM (a
+# host path, for example another test binary) is run in the guest too.
 # The kernel and initramfs are cached under $RDKV_SOFTROCE_CACHE (default ~/.cache/rdkv-softroce).
 # Prints one PASS/FAIL line per check and a summary; exits non-zero on any failure.
 set -euo pipefail
 
 timeout_seconds=240
+build=1
 programs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --timeout) timeout_seconds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) programs+=("$1"); shift ;;
   esac
 done
@@ -33,6 +38,12 @@ for tool in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static depmod:kmo
   command -v "${tool%%:*}" >/dev/null 2>&1 || need_packages+=("${tool##*:}")
 done
 [ -f /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ] || need_packages+=(ibverbs-providers rdma-core)
+if [ "$build" -eq 1 ]; then
+  # sideway builds rdma-core headers with cmake and generates bindings with libclang.
+  command -v cmake >/dev/null 2>&1 || need_packages+=(cmake)
+  command -v clang >/dev/null 2>&1 || need_packages+=(clang)
+  ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need_packages+=(libclang-dev)
+fi
 if [ ${#need_packages[@]} -gt 0 ]; then
   say "installing ${need_packages[*]}"
   if [ "$(id -u)" -ne 0 ]; then
@@ -60,7 +71,7 @@ modules="$cache/kernel/lib/modules/$version"
 
 # 2. The initramfs: busybox, the verbs tools with their libraries, the rxe provider, modules.
 initramfs="$cache/initramfs-$version.cpio.gz"
-if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ]; then
+if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ] || [ "$(dirname "$0")/guest-init.sh" -nt "$initramfs" ]; then
   say "building the initramfs"
   root=$(mktemp -d)
   trap 'rm -rf "$root"' EXIT
@@ -111,16 +122,44 @@ if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ]; then
   trap - EXIT
 fi
 
-# 3. The shared folder: the programs to run and where results come back.
+# 3. The host build: the conformance suite and the binaries, with the verbs backend.
+repository=$(cd "$(dirname "$0")/../.." && pwd)
+smoke_binaries=()
+if [ "$build" -eq 1 ]; then
+  say "building with --features verbs (conformance suite, rdkv-server, rdkv, rdkv-ycsb)"
+  (cd "$repository" && timeout 1200 cargo build --quiet --features verbs \
+      -p rdkv-server -p rdkv-client -p rdkv-ycsb --bins)
+  conformance=$(cd "$repository" && timeout 1200 cargo test --features verbs \
+      -p rdkv-integration-tests --test conformance --no-run 2>&1 \
+      | grep -o 'target/[^ )]*/deps/conformance-[0-9a-f]*' | head -1)
+  [ -n "$conformance" ] || { echo "could not build the conformance test binary" >&2; exit 2; }
+  programs=("$repository/$conformance" "${programs[@]}")
+  smoke_binaries=("$repository/target/debug/rdkv-server" "$repository/target/debug/rdkv" \
+                  "$repository/target/debug/rdkv-ycsb")
+  say "built"
+fi
+
+# 4. The shared folder: the programs to run, the smoke-test binaries, and where results come back.
 share=$(mktemp -d)
 trap 'rm -rf "$share"' EXIT
 mkdir -p "$share/programs" "$share/lib"
-for program in "${programs[@]}"; do
-  cp "$program" "$share/programs/"
-  # The program's shared libraries travel with it (the guest has only what the tools need).
-  ldd "$program" 2>/dev/null | awk '/=>/ {print $3}' | while read -r library; do
+if [ ${#smoke_binaries[@]} -gt 0 ]; then
+  mkdir -p "$share/smoke"
+  cp "${smoke_binaries[@]}" "$share/smoke/"
+  cp "$repository/examples/verbs-1node.toml" "$share/smoke/"
+fi
+# A program's shared libraries travel with it (the guest has only what the tools need).
+copy_libraries() {
+  ldd "$1" 2>/dev/null | awk '/=>/ {print $3}' | while read -r library; do
     [ -f "$library" ] && cp -Ln "$library" "$share/lib/" 2>/dev/null || true
   done
+}
+for program in "${programs[@]}"; do
+  cp "$program" "$share/programs/"
+  copy_libraries "$program"
+done
+for program in "${smoke_binaries[@]}"; do
+  copy_libraries "$program"
 done
 
 say "booting the guest (kernel $version, TCG, -nic none)"

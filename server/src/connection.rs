@@ -20,8 +20,8 @@ use rdkv_common::fabric::{
     AccessFlags, CompletionQueue, MemoryWindow, QueuePair, QueuePairConfig, QueuePairState,
 };
 use rdkv_common::protocol::{
-    read_frame, verify_proof, write_frame, ClientMessage, Purpose, ServerMessage, Welcome,
-    PROOF_LENGTH, PROTOCOL_VERSION,
+    read_frame, verify_proof, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
+    Welcome, PROOF_LENGTH, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -231,6 +231,28 @@ impl Session {
         queue_pair
             .modify_to_init()
             .map_err(|error| format!("init queue pair: {error}"))?;
+        let welcome = Welcome {
+            connection_id: self.connection_id,
+            geometry: table.geometry,
+            server_endpoint: queue_pair.endpoint(),
+            lease_timeout_ms: shared.config.lease_timeout.as_millis() as u64,
+            operation_deadline_ms: shared.config.operation_deadline.as_millis() as u64,
+        };
+        self.queue_pair = Some(queue_pair);
+        Self::send(writer, &ServerMessage::Welcome(Box::new(welcome))).await?;
+
+        let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
+        else {
+            return Err("expected ConnectQueuePair after Welcome".into());
+        };
+        let Some(queue_pair) = &self.queue_pair else {
+            return Err("queue pair vanished".into());
+        };
+        queue_pair
+            .connect(&endpoint)
+            .await
+            .map_err(|error| format!("connect queue pair: {error}"))?;
+        // Bind in RTS: a type-2 bind is a work request on the send queue.
         let bind = |access: AccessFlags, address: u64, length: u64| {
             let window = table.domain.allocate_memory_window();
             queue_pair
@@ -249,36 +271,20 @@ impl Session {
             table.geometry.heap_size,
         )?;
         self.windows = vec![index_window, heap_window];
-        let welcome = Welcome {
-            connection_id: self.connection_id,
-            geometry: table.geometry,
-            server_endpoint: queue_pair.endpoint(),
-            index_key,
-            heap_key,
-            lease_timeout_ms: shared.config.lease_timeout.as_millis() as u64,
-            operation_deadline_ms: shared.config.operation_deadline.as_millis() as u64,
-        };
         tracing::debug!(
             index_key = index_key.key,
             heap_key = heap_key.key,
             qp_number = queue_pair.qp_number(),
             "keys issued"
         );
-        self.queue_pair = Some(queue_pair);
-        Self::send(writer, &ServerMessage::Welcome(Box::new(welcome))).await?;
-
-        let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
-        else {
-            return Err("expected ConnectQueuePair after Welcome".into());
-        };
-        let Some(queue_pair) = &self.queue_pair else {
-            return Err("queue pair vanished".into());
-        };
-        queue_pair
-            .connect(&endpoint)
-            .await
-            .map_err(|error| format!("connect queue pair: {error}"))?;
-        Self::send(writer, &ServerMessage::QueuePairReady).await
+        Self::send(
+            writer,
+            &ServerMessage::QueuePairReady(ConnectionKeys {
+                index_key,
+                heap_key,
+            }),
+        )
+        .await
     }
 
     async fn serve_requests(

@@ -9,7 +9,7 @@ use rdkv_common::fabric::{
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, Welcome,
+    compute_proof, read_frame, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
     PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
@@ -20,7 +20,7 @@ const SECRET: &[u8] = b"isolation-secret";
 
 struct RawClient {
     stream: TcpStream,
-    welcome: Welcome,
+    keys: ConnectionKeys,
     queue_pair: QueuePair,
     local: MemoryRegion,
     _completion_queue: CompletionQueue,
@@ -78,15 +78,16 @@ impl RawClient {
         )
         .await
         .expect("send endpoint");
-        assert_eq!(
-            read_frame::<_, ServerMessage>(&mut stream)
-                .await
-                .expect("ready"),
-            ServerMessage::QueuePairReady
-        );
+        let keys = match read_frame::<_, ServerMessage>(&mut stream)
+            .await
+            .expect("ready")
+        {
+            ServerMessage::QueuePairReady(keys) => keys,
+            other => panic!("expected QueuePairReady, got {other:?}"),
+        };
         Self {
             stream,
-            welcome: *welcome,
+            keys,
             queue_pair,
             local,
             _completion_queue: completion_queue,
@@ -132,13 +133,13 @@ impl RawClient {
 
     /// Says goodbye and waits until the server closes the connection, which it does only after
     /// the teardown revoked this client's keys.
-    async fn disconnect(mut self) -> Welcome {
+    async fn disconnect(mut self) -> ConnectionKeys {
         write_frame(&mut self.stream, &ClientMessage::Goodbye)
             .await
             .expect("goodbye");
         let closed = read_frame::<_, ServerMessage>(&mut self.stream).await;
         assert!(matches!(closed, Err(ControlError::Closed)), "{closed:?}");
-        self.welcome
+        self.keys
     }
 }
 
@@ -165,7 +166,7 @@ async fn another_clients_chunk_cannot_be_written() {
         "the chunk's key is bound to its owner's queue pair"
     );
     assert_eq!(
-        intruder.read(owner.welcome.index_key).await,
+        intruder.read(owner.keys.index_key).await,
         WorkCompletionStatus::WorkRequestFlushError,
         "the intruder's queue pair is in ERROR after its violation"
     );
@@ -177,12 +178,12 @@ async fn keys_die_with_their_connection() {
     let mut leaving = RawClient::connect(&server).await;
     let chunk = leaving.chunk().await;
     assert_eq!(
-        leaving.read(leaving.welcome.index_key).await,
+        leaving.read(leaving.keys.index_key).await,
         WorkCompletionStatus::Success
     );
     assert_eq!(leaving.write(chunk).await, WorkCompletionStatus::Success);
     let windows_before = server.stats().live_memory_windows;
-    let old = leaving.disconnect().await;
+    let old_keys = leaving.disconnect().await;
     assert_eq!(
         server.stats().live_memory_windows,
         windows_before - 3,
@@ -190,8 +191,8 @@ async fn keys_die_with_their_connection() {
     );
 
     for (name, key, write) in [
-        ("index", old.index_key, false),
-        ("heap", old.heap_key, false),
+        ("index", old_keys.index_key, false),
+        ("heap", old_keys.heap_key, false),
         ("chunk", chunk, true),
     ] {
         let other = RawClient::connect(&server).await;
@@ -279,7 +280,7 @@ async fn malformed_frames_close_only_their_connection() {
         Err(ControlError::Closed)
     ));
     assert_eq!(
-        healthy.read(healthy.welcome.index_key).await,
+        healthy.read(healthy.keys.index_key).await,
         WorkCompletionStatus::Success
     );
 }

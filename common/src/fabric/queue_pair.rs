@@ -932,7 +932,8 @@ impl QueuePair {
     /// # Errors
     /// [`Error::ObjectMismatch`] when the window, region and queue pair are in different
     /// domains or the region lacks MW_BIND; [`Error::RangeOutsideParent`] when the range leaves
-    /// the region; [`Error::InvalidQueuePairState`] in RESET or ERROR.
+    /// the region; [`Error::InvalidQueuePairState`] unless the queue pair is RTS (as on real
+    /// verbs, where the bind is posted on the send queue).
     pub fn bind_memory_window(
         &self,
         window: &MemoryWindow,
@@ -952,11 +953,12 @@ impl QueuePair {
             });
         }
         let state = self.state();
-        if matches!(state, QueuePairState::Reset | QueuePairState::Error) {
+        if state != QueuePairState::ReadyToSend {
             return Err(Error::InvalidQueuePairState {
                 qp_number: self.shared.qp_number,
                 state,
-                operation: "bind a memory window",
+                operation: "bind a memory window (a type-2 bind is a send-queue work request: \
+                            connect the queue pair first, it must be RTS)",
             });
         }
         #[cfg(feature = "verbs")]
