@@ -137,6 +137,14 @@ if [ "$build" -eq 1 ]; then
   smoke_binaries=("$repository/target/debug/rdkv-server" "$repository/target/debug/rdkv" \
                   "$repository/target/debug/rdkv-ycsb")
   say "built"
+  # On the host (no RDMA device here, normally): the verbs build must fail clearly, not crash.
+  if (cd "$repository" && timeout 600 cargo test --quiet --features verbs -p rdkv-server \
+        --test binary the_verbs_fabric > "$cache/host-check.log" 2>&1); then
+    host_result="PASS"
+  else
+    host_result="FAIL"; cat "$cache/host-check.log"
+  fi
+  say "$host_result host: rdkv-server --fabric verbs without an RDMA device exits with a clear error"
 fi
 
 # 4. The shared folder: the programs to run, the smoke-test binaries, and where results come back.
@@ -178,6 +186,10 @@ if [ $qemu_status -eq 124 ]; then
 fi
 passed=$(grep -c '^\[guest\] PASS' "$share/console.log" || true)
 failed=$(grep -c '^\[guest\] FAIL' "$share/console.log" || true)
+case "${host_result:-}" in
+  PASS) passed=$((passed + 1)) ;;
+  FAIL) failed=$((failed + 1)) ;;
+esac
 if ! grep -q '^\[guest\] DONE' "$share/console.log"; then
   say "FAIL: the guest stopped before finishing"; tail -30 "$share/console.log"; exit 1
 fi

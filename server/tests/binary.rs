@@ -23,6 +23,43 @@ fn a_missing_secret_is_a_clear_error() {
     );
 }
 
+/// `--fabric verbs` either runs (a build with the feature on a machine with an RDMA device) or
+/// exits with an error that names the fix: rebuild with the feature, or load a driver / rxe. It
+/// never crashes.
+#[test]
+fn the_verbs_fabric_without_a_device_or_the_feature_is_a_clear_error() {
+    let has_device = std::fs::read_dir("/sys/class/infiniband")
+        .map(|mut entries| entries.next().is_some())
+        .unwrap_or(false);
+    if has_device && cfg!(feature = "verbs") {
+        eprintln!("skipped: this machine has an RDMA device and the verbs backend is built");
+        return;
+    }
+    let output = Command::new(BINARY)
+        .args([
+            "--fabric",
+            "verbs",
+            "--listen",
+            "127.0.0.1:0",
+            "--index-size",
+            "1M",
+            "--heap-size",
+            "4M",
+        ])
+        .env("RDKV_SECRET", "s")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run");
+    assert_eq!(output.status.code(), Some(1), "an error exit, not a crash");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let expected = if cfg!(feature = "verbs") {
+        "RDMA device unavailable"
+    } else {
+        "--features verbs"
+    };
+    assert!(stderr.contains(expected), "{stderr}");
+}
+
 #[test]
 fn a_bad_size_names_the_field() {
     let output = Command::new(BINARY)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayDomain;
 
@@ -68,12 +68,28 @@ impl VerbsContext {
     /// [`Error::VerbsDevice`] naming what is missing and how to fix it.
     pub(crate) fn open(options: &VerbsOptions) -> Result<Self> {
         let devices = DeviceList::new().map_err(|error| {
+            let cause = std::error::Error::source(&error)
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            // The raw errno: EOPNOTSUPP when libibverbs.so.1 could not be loaded, ENOSYS when
+            // the kernel has no RDMA subsystem.
+            let errno = match &error.0 {
+                GetDeviceListErrorKind::Ibverbs(source) => source.raw_os_error(),
+                _ => None,
+            };
+            let fix = match errno {
+                Some(libc::ENOSYS) => {
+                    "the kernel has no RDMA support (/sys/class/infiniband is missing): load the \
+                     NIC's driver, or Soft-RoCE with `modprobe rdma_rxe && rdma link add rxe0 \
+                     type rxe netdev <interface>`"
+                }
+                _ => {
+                    "install the verbs library and providers with `apt-get install libibverbs1 \
+                     ibverbs-providers`"
+                }
+            };
             unavailable(format!(
-                "cannot list RDMA devices ({error}: {}); install the verbs library and providers \
-                 with `apt-get install libibverbs1 ibverbs-providers`",
-                std::error::Error::source(&error)
-                    .map(ToString::to_string)
-                    .unwrap_or_default()
+                "cannot list RDMA devices ({error}: {cause}); {fix}"
             ))
         })?;
         let names: Vec<String> = devices.iter().map(|device| device.name()).collect();
