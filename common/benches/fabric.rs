@@ -1,5 +1,6 @@
 //! Fabric micro-benchmark: the `soft` backend over loopback TCP against the in-process
-//! `loopback` backend (the ceiling), in one run.
+//! `loopback` backend (the ceiling), in one run; with `--features verbs`, also the `verbs`
+//! backend on the RDMA device named by `RDKV_RDMA_DEVICE` (the first one by default).
 //!
 //! Scenarios: READ 64 B, READ 1 KiB, CAS, and lists of 4 READs of 64 B (one doorbell, last one
 //! signaled); at queue depth 1 and 64 (lists outstanding per queue pair); over 1 and 8 queue
@@ -7,6 +8,7 @@
 //! post-to-completion, and for `soft` the frames per `write` call (how well posts coalesce).
 //!
 //! Run: `cargo bench -p rdkv-common --bench fabric -- --seconds 2`
+//! (`--backend verbs --backend soft` to compare a NIC with the soft fabric on one machine).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use rdkv_common::fabric::{
-    AccessFlags, Device, DeviceConfig, MemoryRegion, QueuePair, QueuePairConfig,
+    AccessFlags, Device, DeviceConfig, MemoryRegion, QueuePair, QueuePairConfig, VerbsOptions,
     WorkCompletionStatus, WorkRequest,
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
@@ -27,7 +29,8 @@ struct Options {
     /// Measured seconds per scenario.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
-    /// Only these backends (soft, loopback); default both.
+    /// Only these backends (loopback, soft, verbs); default loopback and soft, plus verbs in a
+    /// build with the feature.
     #[arg(long)]
     backend: Vec<String>,
     /// Busy-poll budget of the soft engine threads, in microseconds (DeviceConfig::poll_spin).
@@ -115,14 +118,23 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
         poll_spin: spin,
         ..DeviceConfig::default()
     };
-    let devices = if backend == "soft" {
-        (
+    let devices = match backend {
+        "soft" => (
             Device::soft(Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), config)
                 .expect("soft server NIC"),
             Device::soft(None, config).expect("soft client NIC"),
-        )
-    } else {
-        (Device::loopback(config), Device::loopback(config))
+        ),
+        "verbs" => {
+            let options = VerbsOptions {
+                device: std::env::var("RDKV_RDMA_DEVICE").ok(),
+                ..VerbsOptions::default()
+            };
+            (
+                Device::verbs(&options, config).expect("open the RDMA device"),
+                Device::verbs(&options, config).expect("open the RDMA device"),
+            )
+        }
+        _ => (Device::loopback(config), Device::loopback(config)),
     };
     let (server, client) = &devices;
     let server_domain = server.allocate_protection_domain();
@@ -142,7 +154,8 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
     let remote = server_domain
         .register_all(
             &pin(1 << 20),
-            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
+            // Verbs requires LOCAL_WRITE on a region that grants REMOTE_ATOMIC.
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
         )
         .expect("register remote");
     let local = client_domain
@@ -247,10 +260,14 @@ async fn scenario(
 
 fn main() {
     let options = Options::parse();
-    let backends: Vec<&'static str> = ["loopback", "soft"]
+    let backends: Vec<&'static str> = ["loopback", "soft", "verbs"]
         .into_iter()
         .filter(|backend| {
-            options.backend.is_empty() || options.backend.iter().any(|wanted| wanted == backend)
+            if options.backend.is_empty() {
+                *backend != "verbs" || Device::verbs_built()
+            } else {
+                options.backend.iter().any(|wanted| wanted == backend)
+            }
         })
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -303,19 +320,29 @@ fn main() {
             }
         }
     }
-    if backends.len() == 2 {
+    if backends.len() >= 2 {
+        let base = backends[0];
         println!();
-        println!("soft / loopback throughput ratio:");
-        for pair in rows.chunks(2) {
-            if let [loopback, soft] = pair {
-                println!(
-                    "  {:<14} QPs {} depth {:>2}: {:.2}",
-                    soft.operation.name(),
-                    soft.queue_pairs,
-                    soft.depth,
-                    soft.operations_per_second / loopback.operations_per_second
-                );
-            }
+        println!("throughput relative to {base}:");
+        for group in rows.chunks(backends.len()) {
+            let reference = group[0].operations_per_second;
+            let ratios: Vec<String> = group[1..]
+                .iter()
+                .map(|row| {
+                    format!(
+                        "{} {:.2}",
+                        row.backend,
+                        row.operations_per_second / reference
+                    )
+                })
+                .collect();
+            println!(
+                "  {:<14} QPs {} depth {:>2}: {}",
+                group[0].operation.name(),
+                group[0].queue_pairs,
+                group[0].depth,
+                ratios.join(", ")
+            );
         }
     }
 }

@@ -14,7 +14,7 @@ done
 report() { printf '\n[guest] %s\n' "$*"; }
 check() { name=$1; shift; if "$@" > /tmp/out 2>&1; then report "PASS $name"; else report "FAIL $name"; sed 's/^/[guest]   /' /tmp/out; fi; }
 # As check, and shows the output when it passes too.
-check_show() { check "$@"; grep -q "^" /tmp/out && sed 's/^/[guest]   /' /tmp/out | tail -12; true; }
+check_show() { check "$@"; grep -q "^" /tmp/out && sed 's/^/[guest]   /' /tmp/out | tail -"${SHOW_LINES:-12}"; true; }
 
 ip link add rdkv0 type dummy
 ip addr add 192.0.2.1/24 dev rdkv0
@@ -85,6 +85,10 @@ if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
   done
   if [ -x /host/smoke/rdkv-server ]; then
     smoke_tests
+  fi
+  if [ -x /host/bench/fabric ]; then
+    SHOW_LINES=60 check_show "fabric benchmark (verbs on rxe0 vs soft, under TCG)" env LD_LIBRARY_PATH=/host/lib \
+      /host/bench/fabric --backend verbs --backend soft --seconds "$(cat /host/bench/seconds)"
   fi
 else
   report "FAIL mount the shared folder"

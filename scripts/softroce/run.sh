@@ -3,25 +3,29 @@
 # rdma_rxe device over a dummy interface that exists only inside the guest, and runs verbs
 # programs there against real ibverbs (rdma-core's rxe provider).
 #
-#   scripts/softroce/run.sh [--timeout SECONDS] [--no-build] [PROGRAM ...]
+#   scripts/softroce/run.sh [--timeout SECONDS] [--no-build] [--fabric-bench SECONDS] [PROGRAM ...]
 #
 # First it builds, on the host, with `--features verbs`: the fabric conformance test binary and
 # rdkv-server, rdkv and rdkv-ycsb (skip with --no-build). In the guest it then checks that rxe0 is
 # PORT_ACTIVE and that `ibv_rc_pingpong` passes over it, runs the conformance suite (soft,
 # loopback and verbs on rxe0), and runs two-process smoke tests: rdkv-server on the verbs fabric
 # (examples/verbs-1node.toml) with the rdkv CLI and rdkv-ycsb as clients. Each extra PROGRAM (a
-# host path, for example another test binary) is run in the guest too.
+# host path, for example another test binary) is run in the guest too. --fabric-bench also runs
+# the fabric benchmark (verbs on rxe0 vs soft, SECONDS per scenario) in the guest; under TCG its
+# figures compare the two paths on one slow machine, they say nothing about hardware speed.
 # The kernel and initramfs are cached under $RDKV_SOFTROCE_CACHE (default ~/.cache/rdkv-softroce).
 # Prints one PASS/FAIL line per check and a summary; exits non-zero on any failure.
 set -euo pipefail
 
 timeout_seconds=240
 build=1
+bench_seconds=""
 programs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --timeout) timeout_seconds="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --fabric-bench) bench_seconds="$2"; shift 2 ;;
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) programs+=("$1"); shift ;;
   esac
@@ -136,6 +140,11 @@ if [ "$build" -eq 1 ]; then
   programs=("$repository/$conformance" "${programs[@]}")
   smoke_binaries=("$repository/target/debug/rdkv-server" "$repository/target/debug/rdkv" \
                   "$repository/target/debug/rdkv-ycsb")
+  if [ -n "$bench_seconds" ]; then
+    bench=$(cd "$repository" && timeout 1200 cargo bench --features verbs -p rdkv-common \
+        --bench fabric --no-run 2>&1 | grep -o 'target/[^ )]*/deps/fabric-[0-9a-f]*' | head -1)
+    [ -n "$bench" ] || { echo "could not build the fabric benchmark" >&2; exit 2; }
+  fi
   say "built"
   # On the host (no RDMA device here, normally): the verbs build must fail clearly, not crash.
   if (cd "$repository" && timeout 600 cargo test --quiet --features verbs -p rdkv-server \
@@ -169,6 +178,12 @@ done
 for program in "${smoke_binaries[@]}"; do
   copy_libraries "$program"
 done
+if [ -n "$bench_seconds" ] && [ -n "${bench:-}" ]; then
+  mkdir -p "$share/bench"
+  cp "$repository/$bench" "$share/bench/fabric"
+  echo "$bench_seconds" > "$share/bench/seconds"
+  copy_libraries "$repository/$bench"
+fi
 
 say "booting the guest (kernel $version, TCG, -nic none)"
 set +e

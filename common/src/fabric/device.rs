@@ -141,7 +141,7 @@ pub(crate) struct DeviceInner {
     pub(crate) soft_listener: OnceLock<SoftListener>,
     /// The opened RDMA device of a verbs device.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<Arc<crate::fabric::verbs::context::VerbsContext>>,
+    pub(crate) verbs: VerbsSlot,
 }
 
 impl DeviceInner {
@@ -158,6 +158,17 @@ impl DeviceInner {
         self.queue_pairs.get(&qp_number)?.upgrade()
     }
 }
+
+/// What a device holds of the verbs backend: the opened RDMA device, when it is a verbs device
+/// (nothing in a build without the feature).
+#[cfg(feature = "verbs")]
+type VerbsSlot = Option<Arc<crate::fabric::verbs::context::VerbsContext>>;
+#[cfg(feature = "verbs")]
+const NO_VERBS: VerbsSlot = None;
+#[cfg(not(feature = "verbs"))]
+struct VerbsSlot;
+#[cfg(not(feature = "verbs"))]
+const NO_VERBS: VerbsSlot = VerbsSlot;
 
 /// Process-wide registry of loopback devices, so a loopback endpoint can name its device.
 fn loopback_devices() -> &'static DashMap<u64, Weak<DeviceInner>> {
@@ -194,26 +205,12 @@ pub struct Device {
 
 impl Device {
     fn new(backend: Backend, config: DeviceConfig) -> Self {
-        #[cfg(feature = "verbs")]
-        return Self::with_verbs(backend, config, None);
+        Self::build(backend, config, NO_VERBS)
+    }
+
+    fn build(backend: Backend, config: DeviceConfig, verbs: VerbsSlot) -> Self {
         #[cfg(not(feature = "verbs"))]
-        Self::build(backend, config)
-    }
-
-    #[cfg(feature = "verbs")]
-    fn with_verbs(
-        backend: Backend,
-        config: DeviceConfig,
-        verbs: Option<Arc<crate::fabric::verbs::context::VerbsContext>>,
-    ) -> Self {
-        let mut device = Self::build(backend, config);
-        if let Some(inner) = Arc::get_mut(&mut device.inner) {
-            inner.verbs = verbs;
-        }
-        device
-    }
-
-    fn build(backend: Backend, config: DeviceConfig) -> Self {
+        let VerbsSlot = verbs;
         let id = random_id();
         let inner = Arc::new(DeviceInner {
             id,
@@ -227,14 +224,15 @@ impl Device {
             spinning: std::sync::atomic::AtomicBool::new(false),
             soft_listener: OnceLock::new(),
             #[cfg(feature = "verbs")]
-            verbs: None,
+            verbs,
         });
         Self { inner }
     }
 
     /// A real RDMA device through ibverbs (the cargo feature `verbs`): opens the device
-    /// `options` names, checks its port and picks its GID. Every protection domain of the
-    /// device is the one PD allocated here.
+    /// `options` names, checks its port and picks its GID, and checks with one FETCH_ADD
+    /// between two of its queue pairs that its atomics work on host-order words (rdkv's table
+    /// words). Every protection domain of the device is the one PD allocated here.
     ///
     /// # Errors
     /// [`crate::Error::VerbsNotBuilt`] in a build without the feature;
@@ -243,12 +241,9 @@ impl Device {
     pub fn verbs(options: &VerbsOptions, config: DeviceConfig) -> Result<Self> {
         #[cfg(feature = "verbs")]
         {
-            let context = crate::fabric::verbs::context::VerbsContext::open(options)?;
-            Ok(Self::with_verbs(
-                Backend::Verbs,
-                config,
-                Some(Arc::new(context)),
-            ))
+            let context = Arc::new(crate::fabric::verbs::context::VerbsContext::open(options)?);
+            crate::fabric::verbs::probe::check_atomic_byte_order(&context)?;
+            Ok(Self::build(Backend::Verbs, config, Some(context)))
         }
         #[cfg(not(feature = "verbs"))]
         {

@@ -715,7 +715,7 @@ impl ProtectionDomain {
                     })?;
                     Some(crate::fabric::verbs::queue_pair::VerbsQueuePair::create(
                         context,
-                        queue,
+                        queue.shared.queue.clone(),
                         config.max_send_wr,
                         crate::fabric::device::random_id() as u32,
                     )?)

@@ -146,33 +146,7 @@ impl VerbsCompletionShared {
     /// many completions were taken.
     pub(crate) fn poll_and_dispatch(&self) -> usize {
         let _serialised = lock(&self.poll_lock);
-        let mut taken = 0;
-        loop {
-            let mut completions = [MaybeUninit::<ibv_wc>::uninit(); POLL_BATCH];
-            // SAFETY: the CQ is alive (see `raw_queue`); the array has room for POLL_BATCH
-            // entries, and `ibv_poll_cq` writes at most that many.
-            let count = unsafe {
-                ibv_poll_cq(
-                    self.raw_queue(),
-                    POLL_BATCH as i32,
-                    completions.as_mut_ptr().cast::<ibv_wc>(),
-                )
-            };
-            if count < 0 {
-                tracing::error!(result = count, "ibv_poll_cq failed");
-                return taken;
-            }
-            let count = count as usize;
-            for completion in &completions[..count] {
-                // SAFETY: `ibv_poll_cq` initialised the first `count` entries.
-                let completion = unsafe { completion.assume_init_ref() };
-                self.dispatch(completion);
-            }
-            taken += count;
-            if count < POLL_BATCH {
-                return taken;
-            }
-        }
+        poll_completions(&self.queue, |completion| self.dispatch(completion))
     }
 
     fn dispatch(&self, completion: &ibv_wc) {
@@ -226,6 +200,42 @@ impl VerbsCompletionShared {
             // acknowledged exactly once, so destroying the CQ later does not block.
             unsafe { ibv_ack_cq_events(queue, 1) };
             any = true;
+        }
+    }
+}
+
+/// Takes completions with `ibv_poll_cq` until the CQ is empty, handing each to `visit`; returns
+/// how many were taken. Callers serialise calls on one CQ when order matters.
+pub(crate) fn poll_completions(
+    queue: &BasicCompletionQueue,
+    mut visit: impl FnMut(&ibv_wc),
+) -> usize {
+    // SAFETY: the pointer is used only inside this call, while `queue` borrows the live CQ.
+    let raw = unsafe { queue.cq().as_ptr() };
+    let mut taken = 0;
+    loop {
+        let mut completions = [MaybeUninit::<ibv_wc>::uninit(); POLL_BATCH];
+        // SAFETY: the CQ is alive (borrowed); the array has room for POLL_BATCH entries, and
+        // `ibv_poll_cq` writes at most that many.
+        let count = unsafe {
+            ibv_poll_cq(
+                raw,
+                POLL_BATCH as i32,
+                completions.as_mut_ptr().cast::<ibv_wc>(),
+            )
+        };
+        if count < 0 {
+            tracing::error!(result = count, "ibv_poll_cq failed");
+            return taken;
+        }
+        let count = count as usize;
+        for completion in &completions[..count] {
+            // SAFETY: `ibv_poll_cq` initialised the first `count` entries.
+            visit(unsafe { completion.assume_init_ref() });
+        }
+        taken += count;
+        if count < POLL_BATCH {
+            return taken;
         }
     }
 }

@@ -9,6 +9,7 @@
 //! * [`memory`]: memory regions over caller-owned pinned memory and type-2 memory windows.
 //! * [`completion`]: a basic CQ polled with `ibv_poll_cq`, armed through a completion channel
 //!   whose fd is awaited with `tokio::io::unix::AsyncFd`.
+//! * [`probe`]: the self-test at open that the NIC's atomics work on host-order words.
 //! * [`queue_pair`]: extended RC queue pairs (READ, WRITE, CAS, FETCH_ADD and BIND_MW in the
 //!   send-ops flags), connected by exchanging (QPN, GID, LID, PSN, MTU).
 //!
@@ -23,6 +24,7 @@
 pub(crate) mod completion;
 pub(crate) mod context;
 pub(crate) mod memory;
+pub(crate) mod probe;
 pub(crate) mod queue_pair;
 
 use rdma_mummy_sys::ibv_wc_status;

@@ -12,6 +12,7 @@ use rdma_mummy_sys::{
     ibv_query_qp, ibv_send_flags, ibv_wr_abort, ibv_wr_bind_mw, ibv_wr_complete, ibv_wr_start,
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard, QueuePair as SidewayQueuePair, QueuePairAttribute,
@@ -23,7 +24,6 @@ use sideway::ibverbs::AccessFlags as SidewayAccess;
 use crate::error::{Error, Result};
 use crate::fabric::lock;
 use crate::fabric::types::{AccessFlags, Opcode, QueuePairState, VerbsAddress, WorkRequest};
-use crate::fabric::verbs::completion::VerbsCompletionQueue;
 use crate::fabric::verbs::context::VerbsContext;
 use crate::fabric::verbs::memory::{sideway_access, VerbsRegion, VerbsWindow};
 
@@ -75,11 +75,10 @@ impl VerbsQueuePair {
     /// [`Error::VerbsCall`] when the NIC refuses (for example `max_send_wr` over its limit).
     pub(crate) fn create(
         context: &Arc<VerbsContext>,
-        completion_queue: &VerbsCompletionQueue,
+        queue: Arc<BasicCompletionQueue>,
         max_send_wr: u32,
         psn: u32,
     ) -> Result<Self> {
-        let queue = completion_queue.shared.queue.clone();
         let queue_pair = context
             .protection_domain
             .create_qp_builder()
