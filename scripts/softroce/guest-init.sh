@@ -37,6 +37,8 @@ smoke_tests() {
   export LD_LIBRARY_PATH=/host/lib
   smoke=/host/smoke
   config=$smoke/verbs-1node.toml
+  # Reserve 2 MiB hugepages, so `hugepages = "auto"` registers the table on them with rxe.
+  echo 8 > /proc/sys/vm/nr_hugepages
   "$smoke/rdkv-server" --config "$config" --node 1 > /tmp/rdkv-server.log 2>&1 &
   server=$!
   check "rdkv-server starts on rxe0" sh -c '
@@ -46,6 +48,8 @@ smoke_tests() {
       sleep 0.1
     done
     cat /tmp/rdkv-server.log; exit 1'
+  check "the table is on 2 MiB hugepages, registered with rxe0" \
+    grep -q "pinned memory block.*2 MiB hugetlb pages" /tmp/rdkv-server.log
   check "rdkv put/get/cas/del over rxe0" sh -c '
     set -e
     rdkv="'"$smoke"'/rdkv -c '"$config"'"
@@ -85,6 +89,18 @@ if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
   done
   if [ -x /host/smoke/rdkv-server ]; then
     smoke_tests
+  fi
+  if [ -x /host/bench/fabric ] && [ -f /host/smoke/soft-1node.toml ]; then
+    /host/smoke/rdkv-server --config /host/smoke/soft-1node.toml --node 1 > /tmp/soft-server.log 2>&1 &
+    soft_server=$!
+    check_show "rdkv-ycsb workload A over the soft fabric in the same guest (comparison)" sh -c '
+      for attempt in $(seq 1 300); do grep -q "rdkv-server ready" /tmp/soft-server.log && break; sleep 0.1; done
+      ycsb=/host/smoke/rdkv-ycsb; config=/host/smoke/soft-1node.toml
+      $ycsb load -c $config -P workloada -p recordcount=2000 --threads 4 > /tmp/load.log 2>&1 || { cat /tmp/load.log; exit 1; }
+      $ycsb run -c $config -P workloada -p recordcount=2000 -p operationcount=1000000 \
+        --max-execution-time 2 --threads 4 > /tmp/run.log 2>&1 || { cat /tmp/run.log; exit 1; }
+      grep -E "^\[OVERALL\]|Return=|AverageLatency" /tmp/run.log'
+    kill -TERM "$soft_server" 2>/dev/null; wait "$soft_server" 2>/dev/null
   fi
   if [ -x /host/bench/fabric ]; then
     SHOW_LINES=60 check_show "fabric benchmark (verbs on rxe0 vs soft, under TCG)" env LD_LIBRARY_PATH=/host/lib \

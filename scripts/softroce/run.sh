@@ -75,7 +75,10 @@ modules="$cache/kernel/lib/modules/$version"
 
 # 2. The initramfs: busybox, the verbs tools with their libraries, the rxe provider, modules.
 initramfs="$cache/initramfs-$version.cpio.gz"
-if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ] || [ "$(dirname "$0")/guest-init.sh" -nt "$initramfs" ]; then
+# Rebuilt whenever this script or the guest's init changes (by content, not mtime: a cache shared
+# between checkouts must not serve a stale init).
+stamp=$(cat "$0" "$(dirname "$0")/guest-init.sh" | sha256sum | cut -c1-16)
+if [ ! -f "$initramfs" ] || [ "$(cat "$initramfs.stamp" 2>/dev/null)" != "$stamp" ]; then
   say "building the initramfs"
   root=$(mktemp -d)
   trap 'rm -rf "$root"' EXIT
@@ -122,6 +125,7 @@ if [ ! -f "$initramfs" ] || [ "$0" -nt "$initramfs" ] || [ "$(dirname "$0")/gues
   cp "$(dirname "$0")/guest-init.sh" "$root/init"
   chmod +x "$root/init"
   (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1 > "$initramfs")
+  echo "$stamp" > "$initramfs.stamp"
   rm -rf "$root"
   trap - EXIT
 fi
@@ -182,6 +186,9 @@ if [ -n "$bench_seconds" ] && [ -n "${bench:-}" ]; then
   mkdir -p "$share/bench"
   cp "$repository/$bench" "$share/bench/fabric"
   echo "$bench_seconds" > "$share/bench/seconds"
+  # The same node on the soft fabric, for a side-by-side YCSB run in the same guest.
+  sed -e 's/^fabric = "verbs"/fabric = "soft"/' -e 's/^device = "rxe0"/fabric_address = "127.0.0.1:7401"/' \
+      "$repository/examples/verbs-1node.toml" > "$share/smoke/soft-1node.toml"
   copy_libraries "$repository/$bench"
 fi
 
