@@ -140,10 +140,10 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
     let server_domain = server.allocate_protection_domain();
     let client_domain = client.allocate_protection_domain();
     let server_queue = server
-        .create_completion_queue(1024)
+        .create_completion_queue(8 * 256)
         .expect("create completion queue");
     let client_queue = client
-        .create_completion_queue(1024)
+        .create_completion_queue(8 * 256)
         .expect("create completion queue");
     let pin = |length| {
         Arc::new(

@@ -206,6 +206,22 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// A verbs completion queue has no room for another send queue: a CQ overrun on a NIC
+    /// breaks every queue pair on it, so the sum of their depths must fit.
+    #[error(
+        "completion queue full: {committed} of its {capacity} entries are already promised to \
+         queue pairs, and one with max_send_wr = {requested} does not fit; create the CQ larger \
+         or the queue pair shallower"
+    )]
+    CompletionQueueFull {
+        /// The CQ's entries.
+        capacity: usize,
+        /// Entries promised to the queue pairs already on it.
+        committed: usize,
+        /// The new queue pair's depth.
+        requested: u32,
+    },
+
     /// The verbs backend was asked for but this binary was built without it.
     #[error("the verbs backend is not in this build: {}", VERBS_BUILD_HINT)]
     VerbsNotBuilt,

@@ -92,7 +92,7 @@ async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {
     .expect("device");
     let domain = device.allocate_protection_domain();
     let queue = device
-        .create_completion_queue(64)
+        .create_completion_queue(256)
         .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
@@ -245,7 +245,7 @@ async fn send_queue_never_exceeds_its_depth() {
     let device = Device::soft(None, DeviceConfig::default()).expect("device");
     let domain = device.allocate_protection_domain();
     let queue = device
-        .create_completion_queue(64)
+        .create_completion_queue(256)
         .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig { max_send_wr: 4 })
@@ -283,7 +283,7 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
     let dialing = Device::soft(None, DeviceConfig::default()).expect("dialing device");
     let domain = dialing.allocate_protection_domain();
     let queue = dialing
-        .create_completion_queue(8)
+        .create_completion_queue(256)
         .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
@@ -306,7 +306,7 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         ..endpoint
     };
     let loopback_queue = loopback
-        .create_completion_queue(8)
+        .create_completion_queue(256)
         .expect("create completion queue");
     let loopback_pair = loopback
         .allocate_protection_domain()

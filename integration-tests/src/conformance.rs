@@ -11,7 +11,7 @@ use std::sync::Arc;
 use rdkv_common::fabric::{
     AccessFlags, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QueuePair,
     QueuePairConfig, QueuePairState, RemoteSegment, VerbsOptions, WorkCompletion,
-    WorkCompletionStatus, WorkRequest,
+    WorkCompletionStatus, WorkRequest, DEFAULT_MAX_SEND_WR,
 };
 use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 
@@ -31,6 +31,9 @@ pub enum Fabric {
 const MIB: u64 = 1024 * 1024;
 /// Size of the server's registered block: 1 MiB for the largest transfer plus room.
 const REMOTE_SIZE: u64 = MIB + 64 * 1024;
+/// Entries of each side's completion queue: room for 16 queue pairs of the default depth (the
+/// concurrency checks connect 8).
+const COMPLETION_QUEUE_SIZE: usize = 16 * DEFAULT_MAX_SEND_WR as usize;
 /// Size of the client's local block.
 const LOCAL_SIZE: u64 = MIB + 64 * 1024;
 
@@ -161,10 +164,10 @@ pub async fn connect_with(
     let server_domain = server_device.allocate_protection_domain();
     let client_domain = client_device.allocate_protection_domain();
     let server_completion_queue = server_device
-        .create_completion_queue(1024)
+        .create_completion_queue(COMPLETION_QUEUE_SIZE)
         .expect("create completion queue");
     let client_completion_queue = client_device
-        .create_completion_queue(1024)
+        .create_completion_queue(COMPLETION_QUEUE_SIZE)
         .expect("create completion queue");
     let remote = server_domain
         .register_all(
@@ -219,7 +222,7 @@ pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
     let (device, _) = devices(fabric);
     let domain = device.allocate_protection_domain();
     let queue = device
-        .create_completion_queue(16)
+        .create_completion_queue(DEFAULT_MAX_SEND_WR as usize)
         .expect("create completion queue");
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
@@ -255,6 +258,39 @@ pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
     assert_eq!(connected.server_device.gauges().live_memory_windows, 1);
     drop(window);
     assert_eq!(connected.server_device.gauges().live_memory_windows, 0);
+}
+
+/// A completion queue takes queue pairs only while their send queues fit in it (an overrun
+/// would break every queue pair on a NIC's CQ); a destroyed queue pair gives its room back.
+pub async fn completion_queue_capacity_bounds_its_send_queues(fabric: Fabric) {
+    let (device, _) = devices(fabric);
+    let domain = device.allocate_protection_domain();
+    let queue = device
+        .create_completion_queue(300)
+        .expect("create completion queue");
+    let first = domain
+        .create_queue_pair(&queue, QueuePairConfig { max_send_wr: 256 })
+        .expect("256 of 300 fit");
+    let refused = domain.create_queue_pair(&queue, QueuePairConfig { max_send_wr: 64 });
+    assert!(
+        matches!(
+            refused,
+            Err(rdkv_common::Error::CompletionQueueFull {
+                capacity: 300,
+                committed: 256,
+                requested: 64
+            })
+        ),
+        "{refused:?}"
+    );
+    let small = domain
+        .create_queue_pair(&queue, QueuePairConfig { max_send_wr: 44 })
+        .expect("256 + 44 = 300 fit");
+    drop(first);
+    domain
+        .create_queue_pair(&queue, QueuePairConfig { max_send_wr: 256 })
+        .expect("the destroyed queue pair's room is free again");
+    drop(small);
 }
 
 /// READ and WRITE round trips at 8 B, 64 B, 4 KiB and 1 MiB.

@@ -12,6 +12,7 @@ macro_rules! conformance_suite {
 
             conformance_suite!(@checks
                 queue_pair_states_and_gauges,
+                completion_queue_capacity_bounds_its_send_queues,
                 read_write_round_trips,
                 compare_and_swap_returns_original,
                 fetch_and_add_returns_original,

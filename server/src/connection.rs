@@ -35,6 +35,10 @@ use crate::heap::Heap;
 use crate::stats::Counters;
 use crate::table::TableRegion;
 
+/// The send queue depth of a server queue pair: the server posts only window binds, one at a
+/// time, on it (clients post their one-sided requests on their own queue pairs).
+pub(crate) const SEND_QUEUE_DEPTH: u32 = 4;
+
 /// How long a client has for each handshake step.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a connection checks its lease and its queue pair.
@@ -226,7 +230,12 @@ impl Session {
         let table = &shared.table;
         let queue_pair = table
             .domain
-            .create_queue_pair(&shared.completion_queue, QueuePairConfig::default())
+            .create_queue_pair(
+                &shared.completion_queue,
+                QueuePairConfig {
+                    max_send_wr: SEND_QUEUE_DEPTH,
+                },
+            )
             .map_err(|error| format!("create queue pair: {error}"))?;
         queue_pair
             .modify_to_init()

@@ -125,7 +125,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     })?;
     let shared = Arc::new(Shared {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
-        completion_queue: device.create_completion_queue(1024)?,
+        // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
+        completion_queue: device.create_completion_queue(
+            (config.max_connections * crate::connection::SEND_QUEUE_DEPTH as usize).max(1024),
+        )?,
         table,
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),

@@ -55,7 +55,7 @@ impl RawClient {
         let device = Device::soft(None, DeviceConfig::default()).expect("device");
         let domain = device.allocate_protection_domain();
         let completion_queue = device
-            .create_completion_queue(64)
+            .create_completion_queue(256)
             .expect("create completion queue");
         let queue_pair = domain
             .create_queue_pair(&completion_queue, QueuePairConfig::default())

@@ -33,6 +33,31 @@ pub(crate) struct CompletionQueueInner {
     /// The NIC's CQ and its poller, on a verbs device.
     #[cfg(feature = "verbs")]
     pub(crate) verbs: Option<crate::fabric::verbs::completion::VerbsCompletionQueue>,
+    /// Entries promised to the send queues of the queue pairs on this CQ.
+    committed: Mutex<usize>,
+}
+
+impl CompletionQueueInner {
+    /// Promises `depth` entries to a new queue pair, or refuses when the CQ could overrun (on a
+    /// NIC an overrun breaks every queue pair on the CQ; every backend enforces it alike).
+    pub(crate) fn commit(&self, depth: u32) -> crate::Result<()> {
+        let mut committed = crate::fabric::lock(&self.committed);
+        if *committed + depth as usize > self.capacity {
+            return Err(crate::Error::CompletionQueueFull {
+                capacity: self.capacity,
+                committed: *committed,
+                requested: depth,
+            });
+        }
+        *committed += depth as usize;
+        Ok(())
+    }
+
+    /// Returns a destroyed queue pair's entries.
+    pub(crate) fn release(&self, depth: u32) {
+        let mut committed = crate::fabric::lock(&self.committed);
+        *committed = committed.saturating_sub(depth as usize);
+    }
 }
 
 impl CompletionQueueInner {
@@ -81,6 +106,7 @@ impl CompletionQueue {
                 overruns: AtomicU64::new(0),
                 #[cfg(feature = "verbs")]
                 verbs,
+                committed: Mutex::new(0),
             }),
         })
     }

@@ -703,25 +703,10 @@ impl ProtectionDomain {
                 reason: "max_send_wr must be at least 1".into(),
             });
         }
+        completion_queue.inner.commit(config.max_send_wr)?;
         #[cfg(feature = "verbs")]
-        let verbs =
-            match &device.verbs {
-                Some(context) => {
-                    let queue = completion_queue.inner.verbs.as_ref().ok_or_else(|| {
-                        Error::ObjectMismatch {
-                            reason: "a verbs queue pair needs a completion queue of a verbs device"
-                                .into(),
-                        }
-                    })?;
-                    Some(crate::fabric::verbs::queue_pair::VerbsQueuePair::create(
-                        context,
-                        queue.shared.queue.clone(),
-                        config.max_send_wr,
-                        crate::fabric::device::random_id() as u32,
-                    )?)
-                }
-                None => None,
-            };
+        let verbs = create_verbs_queue_pair(&device, completion_queue, config)
+            .inspect_err(|_| completion_queue.inner.release(config.max_send_wr))?;
         #[cfg(feature = "verbs")]
         let qp_number = match &verbs {
             Some(verbs) => verbs.qp_number,
@@ -763,6 +748,32 @@ impl ProtectionDomain {
             .insert(qp_number, Arc::downgrade(&shared));
         Ok(QueuePair { shared })
     }
+}
+
+/// On a verbs device: the NIC's queue pair, with its send queue's entries promised on the CQ.
+#[cfg(feature = "verbs")]
+fn create_verbs_queue_pair(
+    device: &crate::fabric::device::DeviceInner,
+    completion_queue: &CompletionQueue,
+    config: QueuePairConfig,
+) -> Result<Option<crate::fabric::verbs::queue_pair::VerbsQueuePair>> {
+    let Some(context) = &device.verbs else {
+        return Ok(None);
+    };
+    let queue = completion_queue
+        .inner
+        .verbs
+        .as_ref()
+        .ok_or_else(|| Error::ObjectMismatch {
+            reason: "a verbs queue pair needs a completion queue of a verbs device".into(),
+        })?;
+    crate::fabric::verbs::queue_pair::VerbsQueuePair::create(
+        context,
+        queue.shared.queue.clone(),
+        config.max_send_wr,
+        crate::fabric::device::random_id() as u32,
+    )
+    .map(Some)
 }
 
 impl QueuePair {
@@ -1092,6 +1103,10 @@ impl Drop for QueuePair {
         if let Some(queue) = &self.shared.completion_queue.inner.verbs {
             queue.shared.detach(self.shared.qp_number);
         }
+        self.shared
+            .completion_queue
+            .inner
+            .release(self.shared.config.max_send_wr);
         let device = self.shared.device();
         device.queue_pairs.remove(&self.shared.qp_number);
         device
