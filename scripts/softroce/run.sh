@@ -53,8 +53,8 @@ if [ ${#need_packages[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing packages: apt-get install ${need_packages[*]}" >&2; exit 2
   fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_packages[@]}" >/dev/null
+  timeout 300 apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq "${need_packages[@]}" >/dev/null
 fi
 
 # 1. The guest kernel: Debian's current linux-image, unpacked (never installed on the host).
