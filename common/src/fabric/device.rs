@@ -232,7 +232,9 @@ impl Device {
     /// A real RDMA device through ibverbs (the cargo feature `verbs`): opens the device
     /// `options` names, checks its port and picks its GID, and checks with one FETCH_ADD
     /// between two of its queue pairs that its atomics work on host-order words (rdkv's table
-    /// words). Every protection domain of the device is the one PD allocated here.
+    /// words). The opened device and its one protection domain are shared process-wide: every
+    /// `Device::verbs` with the same options while one is alive, and every
+    /// `allocate_protection_domain` of it, use the same PD.
     ///
     /// # Errors
     /// [`crate::Error::VerbsNotBuilt`] in a build without the feature;
@@ -241,8 +243,7 @@ impl Device {
     pub fn verbs(options: &VerbsOptions, config: DeviceConfig) -> Result<Self> {
         #[cfg(feature = "verbs")]
         {
-            let context = Arc::new(crate::fabric::verbs::context::VerbsContext::open(options)?);
-            crate::fabric::verbs::probe::check_atomic_byte_order(&context)?;
+            let context = crate::fabric::verbs::context::VerbsContext::shared(options)?;
             Ok(Self::build(Backend::Verbs, config, Some(context)))
         }
         #[cfg(not(feature = "verbs"))]

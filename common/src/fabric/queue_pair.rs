@@ -998,6 +998,15 @@ impl QueuePair {
         let registered = region.verbs_region().ok_or_else(|| Error::ObjectMismatch {
             reason: "the region is not registered with the NIC of this queue pair".into(),
         })?;
+        // A bind takes a send queue slot like any work request, until its completion.
+        let _slot = self
+            .shared
+            .permits
+            .try_acquire()
+            .map_err(|_| Error::InvalidWorkRequest {
+                qp_number: self.shared.qp_number,
+                reason: "the send queue is full: a window bind needs a free slot".into(),
+            })?;
         let mut binding = lock(&window.verbs);
         drop(binding.take());
         let nic_window =

@@ -1,7 +1,8 @@
 //! Opening an RDMA device: the device by name, the port, the GID index, and the one protection
 //! domain every rdkv object of the device shares.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
@@ -9,7 +10,9 @@ use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayDomain;
 
 use crate::error::{Error, Result};
 use crate::fabric::device::VerbsOptions;
+use crate::fabric::lock;
 use crate::fabric::types::VerbsAddress;
+use crate::fabric::verbs::probe::check_atomic_byte_order;
 
 /// `ibv_port_state::IBV_PORT_ACTIVE`.
 const PORT_ACTIVE: u32 = 4;
@@ -60,7 +63,32 @@ fn unavailable(reason: String) -> Error {
     Error::VerbsDevice { reason }
 }
 
+/// The opened devices of this process, by their options, so every rdkv device with the same
+/// options shares one context and one PD.
+fn opened() -> &'static Mutex<HashMap<String, Weak<VerbsContext>>> {
+    static OPENED: OnceLock<Mutex<HashMap<String, Weak<VerbsContext>>>> = OnceLock::new();
+    OPENED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
 impl VerbsContext {
+    /// The process's opened device for `options`, opening it (and running the atomics
+    /// self-test) if none is alive.
+    ///
+    /// # Errors
+    /// As [`VerbsContext::open`] and [`check_atomic_byte_order`].
+    pub(crate) fn shared(options: &VerbsOptions) -> Result<Arc<Self>> {
+        let key = format!("{options:?}");
+        let mut opened = lock(opened());
+        if let Some(context) = opened.get(&key).and_then(Weak::upgrade) {
+            return Ok(context);
+        }
+        let context = Arc::new(Self::open(options)?);
+        check_atomic_byte_order(&context)?;
+        opened.retain(|_, context| context.strong_count() > 0);
+        opened.insert(key, Arc::downgrade(&context));
+        Ok(context)
+    }
+
     /// Opens the device `options` names (or the first one), checks that the port is active and
     /// picks the GID.
     ///
@@ -186,6 +214,11 @@ fn choose_gid(
     configured: Option<u32>,
 ) -> Result<(u32, [u8; 16])> {
     if let Some(index) = configured {
+        if index > u32::from(u8::MAX) {
+            return Err(unavailable(format!(
+                "GID index {index} is out of range: an address vector holds indexes 0–255"
+            )));
+        }
         let gid = context.query_gid(port, index).map_err(|error| {
             unavailable(format!(
                 "cannot read GID index {index} of {name} port {port} ({error}); list the valid \
