@@ -142,6 +142,9 @@ pub(crate) struct BlockPlace {
     pub(crate) heap_offset: u64,
 }
 
+/// Stripes of the per-key writer turns (see `NodeConnection::writer_turn`).
+const WRITER_STRIPES: usize = 1024;
+
 /// One live connection to a node.
 pub(crate) struct NodeConnection {
     /// The node's address.
@@ -163,6 +166,9 @@ pub(crate) struct NodeConnection {
     /// One refill at a time: operations that find the chunk full wait for the refill in
     /// progress instead of each asking for a chunk.
     refill: Semaphore,
+    /// Writers of one key (by stripe) in this process take turns: they would otherwise only
+    /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
+    writer_stripes: Box<[tokio::sync::Mutex<()>]>,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,
     /// Set when the connection failed; the client then reconnects.
@@ -298,6 +304,9 @@ impl NodeConnection {
             scratch_permits: Arc::new(Semaphore::new(slots as usize)),
             chunk: Mutex::new(None),
             refill: Semaphore::new(1),
+            writer_stripes: (0..WRITER_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
             control,
             broken: AtomicBool::new(false),
             counters,
@@ -356,6 +365,21 @@ impl NodeConnection {
                 reason: format!("unexpected reply {other:?}"),
             }),
         }
+    }
+
+    /// Waits for this process's turn to write the key at `location`: writers of one key (and
+    /// of the few keys sharing its stripe) go one at a time, so a hot key's writers do not
+    /// spend their round trips losing CAS races to each other. Writers in other processes
+    /// still race, and lose with a back-off. Take it before [`NodeConnection::scratch`].
+    pub(crate) async fn writer_turn(
+        &self,
+        location: &rdkv_common::layout::KeyLocation,
+    ) -> tokio::sync::MutexGuard<'_, ()> {
+        let stripe = (location.combined_buckets[0]
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(u64::from(location.fingerprint))
+            % self.writer_stripes.len() as u64) as usize;
+        self.writer_stripes[stripe].lock().await
     }
 
     /// Takes a scratch buffer, waiting while all are in use.

@@ -33,8 +33,24 @@ use crate::error::{Error, Result};
 
 /// Attempts after lost CAS races before giving up.
 const RACE_ATTEMPTS: u32 = 64;
+
 /// Attempts after checksum mismatches before giving up.
 const CHECKSUM_ATTEMPTS: u32 = 4;
+
+/// Waits before the next attempt after a lost race: a few yields at first (the winner is often a
+/// task of this process), then a random pause of up to 50 µs × 2^(attempt − 4), capped at 3.2 ms,
+/// so writers of one hot key spread out. The operation deadline bounds the whole loop.
+async fn back_off(attempt: u32) {
+    if attempt < 4 {
+        for _ in 0..(1u32 << attempt) {
+            tokio::task::yield_now().await;
+        }
+        return;
+    }
+    let ceiling_micros = 50u64 << (attempt - 4).min(6);
+    let pause = rand::random::<u64>() % ceiling_micros;
+    tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
+}
 
 /// The outcome of a compare-and-swap.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,6 +334,7 @@ pub(crate) async fn mutate(
 ) -> Result<MutationOutcome> {
     check_key_value(key, value).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
+    let _turn = connection.writer_turn(&location).await;
     let mut scratch = connection.scratch().await;
     let mut block = Vec::with_capacity(value.len() + key.len() + 64);
     let units = encode_block(key, value, &mut block);
@@ -337,7 +354,7 @@ pub(crate) async fn mutate(
         .with_signaled(false),
     );
     let mut checksum_failures = 0;
-    for _ in 0..RACE_ATTEMPTS {
+    for attempt in 0..RACE_ATTEMPTS {
         // The block WRITE rides in the same list as the first bucket READs.
         let mut list: Vec<WorkRequest> = block_write.take().into_iter().collect();
         list.extend(bucket_reads(&scratch, &location));
@@ -408,6 +425,7 @@ pub(crate) async fn mutate(
                 }
             }
         }
+        back_off(attempt).await;
     }
     Err(Error::Contention {
         operation,
@@ -427,7 +445,7 @@ async fn resolve_duplicates(
     new_slot: Slot,
     mutation: Mutation<'_>,
 ) -> Result<MutationOutcome> {
-    for _ in 0..RACE_ATTEMPTS {
+    for attempt in 0..RACE_ATTEMPTS {
         scratch
             .execute(bucket_reads(scratch, location))
             .await
@@ -461,6 +479,7 @@ async fn resolve_duplicates(
                 }
             }
         }
+        back_off(attempt).await;
     }
     Err(Error::Contention {
         operation,
@@ -474,8 +493,9 @@ pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Resu
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
     let geometry = connection.welcome.geometry;
+    let _turn = connection.writer_turn(&location).await;
     let mut scratch = connection.scratch().await;
-    for _ in 0..RACE_ATTEMPTS {
+    for attempt in 0..RACE_ATTEMPTS {
         scratch
             .execute(bucket_reads(&scratch, &location))
             .await
@@ -523,6 +543,7 @@ pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Resu
             .counters
             .cas_failures
             .fetch_add(1, Ordering::Relaxed);
+        back_off(attempt).await;
     }
     Err(Error::Contention {
         operation: "delete",

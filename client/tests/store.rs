@@ -252,3 +252,58 @@ async fn long_lived_blocks_do_not_pin_their_chunks() {
         );
     }
 }
+
+/// 64 tasks of one client hammer one key: every put succeeds (writers of a key in one process
+/// take turns instead of losing CAS races to each other), and 32 tasks' compare-and-swap
+/// increments of one counter add up exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hot_key_under_many_writers_loses_nothing() {
+    let (_server, client) = start(ServerConfig::local(SECRET)).await;
+    let mut tasks = Vec::new();
+    for task in 0..64u32 {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            for round in 0..50u32 {
+                client
+                    .put(b"hot", format!("{task}:{round}").as_bytes())
+                    .await
+                    .expect("every put of a hot key succeeds");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+
+    client.put(b"counter", b"0").await.expect("put");
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..20 {
+                // An application-level read-modify-write: retry on a mismatch.
+                for _attempt in 0..10_000 {
+                    let current = client.get(b"counter").await.expect("get").expect("present");
+                    let value: u64 = std::str::from_utf8(&current)
+                        .expect("utf-8")
+                        .parse()
+                        .expect("number");
+                    let next = (value + 1).to_string();
+                    match client
+                        .compare_and_swap(b"counter", &current, next.as_bytes())
+                        .await
+                        .expect("compare_and_swap never gives up")
+                    {
+                        rdkv_client::CasOutcome::Swapped => break,
+                        rdkv_client::CasOutcome::Mismatch(_) => continue,
+                    }
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let total = client.get(b"counter").await.expect("get").expect("present");
+    assert_eq!(&total[..], b"640", "32 tasks × 20 increments");
+}

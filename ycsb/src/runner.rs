@@ -203,7 +203,13 @@ fn status(outcome: Result<bool, String>) -> Outcome {
         Ok(true) => Outcome::Ok,
         Ok(false) => Outcome::NotFound,
         Err(error) => {
-            tracing::debug!(%error, "operation failed");
+            // The first few failures of a run are shown; the rest are counted (Return=ERROR).
+            static SHOWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            if SHOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 5 {
+                tracing::warn!(%error, "operation failed (the first 5 failures are shown)");
+            } else {
+                tracing::debug!(%error, "operation failed");
+            }
             Outcome::Error
         }
     }
