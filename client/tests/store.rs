@@ -307,3 +307,16 @@ async fn one_hot_key_under_many_writers_loses_nothing() {
     let total = client.get(b"counter").await.expect("get").expect("present");
     assert_eq!(&total[..], b"640", "32 tasks × 20 increments");
 }
+
+/// `Client::cluster_stats` (what `rdkv stats` and `rdkv-cluster status` show) counts the data
+/// connections, not the monitoring connection that asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_do_not_count_the_asking_connection() {
+    let (_server, client) = start(ServerConfig::local(SECRET)).await;
+    client.put(b"key", b"value").await.expect("put");
+    let stats = client.cluster_stats().await;
+    let [(_, Ok(stats))] = &stats[..] else {
+        panic!("one node's stats: {stats:?}");
+    };
+    assert_eq!(stats.connections, 1, "the client's one data connection");
+}

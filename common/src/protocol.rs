@@ -324,7 +324,8 @@ where
     })
 }
 
-/// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats.
+/// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats. Their
+/// `connections` leaves out this monitoring connection itself.
 ///
 /// # Errors
 /// [`ControlError`] when the node cannot be reached, refuses the secret, or answers oddly.
@@ -359,7 +360,10 @@ pub async fn fetch_stats(
         let reply = read_frame(&mut stream).await?;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
         match reply {
-            ServerMessage::Stats(stats) => Ok(stats),
+            ServerMessage::Stats(mut stats) => {
+                stats.connections = stats.connections.saturating_sub(1);
+                Ok(stats)
+            }
             other => Err(ControlError::Unexpected(format!("{other:?}"))),
         }
     };
