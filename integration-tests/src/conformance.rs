@@ -744,6 +744,57 @@ pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
 }
 
+/// When the responder's queue pair is destroyed, the requester's oldest outstanding request
+/// completes RETRY_EXC_ERR (soft: at once, the connection closes; verbs: after the NIC's
+/// retries, about `retry_timeout`), the rest flush, and the queue pair is in ERROR.
+pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
+    let config = DeviceConfig {
+        retry_timeout: std::time::Duration::from_millis(300),
+        ..DeviceConfig::default()
+    };
+    let Connected {
+        server_queue_pair,
+        client_queue_pair,
+        local,
+        remote,
+        ..
+    } = connect_with(fabric, config, QueuePairConfig::default()).await;
+    let read = |id| WorkRequest::read(id, local.segment(0, 64), remote.remote_key().at(0));
+    let completions = client_queue_pair
+        .execute(vec![read(1)])
+        .await
+        .expect("post");
+    assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+    drop(server_queue_pair);
+    let started = std::time::Instant::now();
+    let posted = client_queue_pair
+        .post(vec![read(2), read(3)])
+        .await
+        .expect("post");
+    let Ok(completions) = tokio::time::timeout(std::time::Duration::from_secs(20), posted).await
+    else {
+        panic!(
+            "no completion within 20 s: queue pair {:?}, {} outstanding",
+            client_queue_pair.state(),
+            client_queue_pair.outstanding()
+        );
+    };
+    assert_eq!(
+        statuses(&completions),
+        [
+            WorkCompletionStatus::RetryExceededError,
+            WorkCompletionStatus::WorkRequestFlushError
+        ],
+        "the oldest request is unanswered, the rest flush"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(30),
+        "bounded by the retry timeout ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(client_queue_pair.state(), QueuePairState::Error);
+}
+
 /// Moving a queue pair to ERROR with requests in flight completes every one of them exactly
 /// once, as success (already answered) or WR_FLUSH_ERR, and nothing stays outstanding.
 pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {

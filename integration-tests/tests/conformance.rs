@@ -26,6 +26,7 @@ macro_rules! conformance_suite {
                 memory_window_is_bound_to_one_queue_pair,
                 deallocated_window_rkey_is_rejected,
                 error_with_requests_in_flight_flushes_them,
+                vanished_peer_is_retry_exceeded,
                 concurrent_fetch_add_is_exact,
                 concurrent_compare_and_swap_increments_are_exact,
                 reads_racing_compare_and_swap_never_tear,

@@ -85,7 +85,8 @@ if mount -t 9p -o trans=virtio,version=9p2000.L host /host 2>/dev/null; then
   for program in /host/programs/*; do
     [ -f "$program" ] || continue
     chmod +x "$program"
-    check "$(basename "$program")" env LD_LIBRARY_PATH=/host/lib "$program" --test-threads=1
+    check "$(basename "$program")" env LD_LIBRARY_PATH=/host/lib "$program" --test-threads=1 \
+      $(cat /host/test-filter 2>/dev/null)
   done
   if [ -x /host/smoke/rdkv-server ]; then
     smoke_tests

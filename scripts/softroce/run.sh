@@ -3,7 +3,8 @@
 # rdma_rxe device over a dummy interface that exists only inside the guest, and runs verbs
 # programs there against real ibverbs (rdma-core's rxe provider).
 #
-#   scripts/softroce/run.sh [--timeout SECONDS] [--no-build] [--fabric-bench SECONDS] [PROGRAM ...]
+#   scripts/softroce/run.sh [--timeout SECONDS] [--no-build] [--fabric-bench SECONDS]
+#                           [--filter TEST_NAME] [PROGRAM ...]
 #
 # First it builds, on the host, with `--features verbs`: the fabric conformance test binary and
 # rdkv-server, rdkv and rdkv-ycsb (skip with --no-build). In the guest it then checks that rxe0 is
@@ -13,6 +14,8 @@
 # host path, for example another test binary) is run in the guest too. --fabric-bench also runs
 # the fabric benchmark (verbs on rxe0 vs soft, SECONDS per scenario) in the guest; under TCG its
 # figures compare the two paths on one slow machine, they say nothing about hardware speed.
+# --filter runs only the tests whose names contain TEST_NAME (and skips the smoke tests): for
+# debugging one check in the guest.
 # The kernel and initramfs are cached under $RDKV_SOFTROCE_CACHE (default ~/.cache/rdkv-softroce).
 # Prints one PASS/FAIL line per check and a summary; exits non-zero on any failure.
 set -euo pipefail
@@ -20,13 +23,15 @@ set -euo pipefail
 timeout_seconds=240
 build=1
 bench_seconds=""
+test_filter=""
 programs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --timeout) timeout_seconds="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     --fabric-bench) bench_seconds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --filter) test_filter="$2"; shift 2 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) programs+=("$1"); shift ;;
   esac
 done
@@ -164,7 +169,8 @@ fi
 share=$(mktemp -d)
 trap 'rm -rf "$share"' EXIT
 mkdir -p "$share/programs" "$share/lib"
-if [ ${#smoke_binaries[@]} -gt 0 ]; then
+[ -z "$test_filter" ] || echo "$test_filter" > "$share/test-filter"
+if [ ${#smoke_binaries[@]} -gt 0 ] && [ -z "$test_filter" ]; then
   mkdir -p "$share/smoke"
   cp "${smoke_binaries[@]}" "$share/smoke/"
   cp "$repository/examples/verbs-1node.toml" "$share/smoke/"

@@ -27,8 +27,12 @@ use crate::fabric::types::{AccessFlags, Opcode, QueuePairState, VerbsAddress, Wo
 use crate::fabric::verbs::context::VerbsContext;
 use crate::fabric::verbs::memory::{sideway_access, VerbsRegion, VerbsWindow};
 
-/// Retries a requester makes before RETRY_EXC_ERR (the IB maximum).
-const RETRY_COUNT: u8 = 7;
+/// Retries a requester makes before RETRY_EXC_ERR. Not 7: rxe treats a retry count of 7 as
+/// "retry forever" (as the spec does only for the RNR retry count), so a vanished peer would
+/// never be reported; found by the conformance check `vanished_peer_is_retry_exceeded`.
+const RETRY_COUNT: u8 = 6;
+/// RNR retries (7 = forever; RNR NAKs do not arise with one-sided traffic).
+const RNR_RETRY_COUNT: u8 = 7;
 /// The RNR NAK timer (0.64 ms... irrelevant for one-sided traffic, but must be valid).
 const MIN_RNR_TIMER: u8 = 12;
 
@@ -181,7 +185,7 @@ impl VerbsQueuePair {
             .setup_sq_psn(self.psn)
             .setup_timeout(timeout_exponent(retry_timeout))
             .setup_retry_cnt(RETRY_COUNT)
-            .setup_rnr_retry(RETRY_COUNT)
+            .setup_rnr_retry(RNR_RETRY_COUNT)
             .setup_max_read_atomic(context.max_read_atomic);
         self.modify("modify QP to RTS", &ready_to_send)
     }
@@ -355,8 +359,8 @@ mod tests {
 
     #[test]
     fn timeout_exponent_spreads_the_retry_timeout_over_the_retries() {
-        // 2 s over 8 tries = 250 ms per try: 4.096 µs × 2^15 = 134 ms, 2^16 = 268 ms.
-        assert_eq!(timeout_exponent(Duration::from_secs(2)), 15);
+        // 2 s over 7 tries = 286 ms per try: 4.096 µs × 2^16 = 268 ms, 2^17 = 537 ms.
+        assert_eq!(timeout_exponent(Duration::from_secs(2)), 16);
         assert_eq!(timeout_exponent(Duration::ZERO), 1);
         assert_eq!(timeout_exponent(Duration::from_secs(1_000_000)), 31);
     }
