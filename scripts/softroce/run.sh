@@ -162,7 +162,7 @@ if [ "$build" -eq 1 ]; then
   else
     host_result="FAIL"; cat "$cache/host-check.log"
   fi
-  say "$host_result host: rdkv-server --fabric verbs without an RDMA device exits with a clear error"
+  say "$host_result host: rdkv-server --fabric verbs without an RDMA device, or without libibverbs, exits with a clear error"
 fi
 
 # 4. The shared folder: the programs to run, the smoke-test binaries, and where results come back.

@@ -60,6 +60,45 @@ fn the_verbs_fabric_without_a_device_or_the_feature_is_a_clear_error() {
     assert!(stderr.contains(expected), "{stderr}");
 }
 
+/// A verbs build on a machine without `libibverbs.so.1` (hidden here by bind-mounting /dev/null
+/// over it in a private mount namespace, as root) exits naming the package to install.
+#[cfg(feature = "verbs")]
+#[test]
+fn the_verbs_fabric_without_the_verbs_library_is_a_clear_error() {
+    let Ok(library) = std::fs::canonicalize("/usr/lib/x86_64-linux-gnu/libibverbs.so.1") else {
+        eprintln!("skipped: no libibverbs.so.1 here to hide");
+        return;
+    };
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|output| output.stdout.trim_ascii() == b"0");
+    if !is_root {
+        eprintln!("skipped: hiding the library needs root (a private mount namespace)");
+        return;
+    }
+    let script = format!(
+        "mount --bind /dev/null '{}' && exec '{BINARY}' --fabric verbs --listen 127.0.0.1:0 \
+         --index-size 1M --heap-size 4M",
+        library.display()
+    );
+    let Ok(output) = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .env("RDKV_SECRET", "s")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+    else {
+        eprintln!("skipped: no unshare");
+        return;
+    };
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("apt-get install libibverbs1"),
+        "names the package: {stderr}"
+    );
+}
+
 #[test]
 fn a_bad_size_names_the_field() {
     let output = Command::new(BINARY)
