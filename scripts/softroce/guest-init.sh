@@ -60,6 +60,10 @@ smoke_tests() {
     $rdkv del greeting
     if $rdkv get greeting; then echo "deleted key still found"; exit 1; fi
     $rdkv stats'
+  check_show "rdkv-cluster status sees the node over rxe0 (a monitoring connection)" sh -c '
+    "'"$smoke"'/rdkv-cluster" status "'"$config"'" > /tmp/status.log 2>&1 || { cat /tmp/status.log; exit 1; }
+    cat /tmp/status.log
+    grep -qE "^ *1 +up" /tmp/status.log'
   check_show "rdkv-ycsb workload A over rxe0 (2000 records, 2 s)" sh -c '
     set -e
     ycsb="'"$smoke"'/rdkv-ycsb"
