@@ -744,9 +744,10 @@ pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
     expect_error_then_flush(&connected, bad, WorkCompletionStatus::RemoteAccessError).await;
 }
 
-/// When the responder's queue pair is destroyed, the requester's oldest outstanding request
-/// completes RETRY_EXC_ERR (soft: at once, the connection closes; verbs: after the NIC's
-/// retries, about `retry_timeout`), the rest flush, and the queue pair is in ERROR.
+/// When the responder's queue pair is destroyed, the requester notices only when it next sends,
+/// as a real NIC does: that request completes RETRY_EXC_ERR (soft: at once, its connection is
+/// closed; verbs: after the NIC's retries, about `retry_timeout`), the rest flush, and the queue
+/// pair is in ERROR.
 pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
     let config = DeviceConfig {
         retry_timeout: std::time::Duration::from_millis(300),
@@ -766,6 +767,10 @@ pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
         .expect("post");
     assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
     drop(server_queue_pair);
+    // Not a readiness wait: it lets a soft NIC see the closed connection while nothing is
+    // outstanding, the case where soft used to differ from verbs (it went to ERROR at once, so
+    // the next requests flushed instead of reporting the vanished peer).
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let started = std::time::Instant::now();
     let posted = client_queue_pair
         .post(vec![read(2), read(3)])

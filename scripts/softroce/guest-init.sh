@@ -82,6 +82,15 @@ smoke_tests() {
       sleep 0.1
     done
     echo "still running"; exit 1'
+  # The README's hardware path: the launcher starts the node, the CLI uses it, `down` stops it.
+  check "rdkv-cluster up --detach / rdkv / rdkv-cluster down on the verbs fabric" sh -c '
+    set -e
+    cluster="'"$smoke"'/rdkv-cluster"; config="'"$config"'"
+    timeout 120 $cluster up --detach --run-dir /tmp/cluster "$config"
+    "'"$smoke"'/rdkv" -c "$config" put launched yes
+    test "$("'"$smoke"'/rdkv" -c "$config" get launched)" = yes
+    timeout 60 $cluster down --run-dir /tmp/cluster "$config"
+    if $cluster status "$config" | grep -qE "^ *1 +up"; then echo "still up after down"; exit 1; fi'
 }
 
 mkdir -p /host

@@ -428,12 +428,16 @@ impl QueuePairShared {
 
     /// The responder never answered: the oldest request completes RETRY_EXC_ERR, the rest flush.
     /// Already in ERROR, everything outstanding simply flushes (a request posted after the
-    /// error must not be reported as unanswered).
+    /// error must not be reported as unanswered). With nothing outstanding nothing happens, as
+    /// on a real NIC, which notices a vanished peer only when it next sends: the connection is
+    /// closed by then, so the next post comes back here with a request to fail.
     pub(crate) fn fail_unanswered(&self) {
         let oldest = {
             let mut requester = lock(&self.requester);
             if requester.state == QueuePairState::Error {
                 None
+            } else if requester.in_flight.is_empty() {
+                return;
             } else {
                 requester.in_flight.pop_front()
             }
@@ -560,6 +564,10 @@ impl QueuePairShared {
                 tokio::task::yield_now().await;
                 drop(doorbell);
                 self.settle_local_failures();
+                if connection.is_closed() {
+                    // The peer is gone (or the queue pair is closing): nothing will answer.
+                    self.fail_unanswered();
+                }
             }
             Some(Transport::Loopback(remote)) => {
                 let _order = lock(&self.loopback_order);

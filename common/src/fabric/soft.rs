@@ -318,6 +318,11 @@ impl SoftConnection {
         }
     }
 
+    /// Whether the connection is closed (locally, or because the peer went away).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Closes the connection; the engine threads on both ends see end of stream.
     pub(crate) fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
