@@ -800,6 +800,44 @@ pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
     assert_eq!(client_queue_pair.state(), QueuePairState::Error);
 }
 
+/// A post whose future is dropped after its first poll (soft and verbs queue the list and yield
+/// before ringing the doorbell) still reaches the NIC: the WRITE lands, and its completion goes
+/// to the completion queue's backlog, as a verbs CQ would hold it.
+pub async fn a_post_dropped_before_its_doorbell_still_runs(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    let data = pattern(64, 77);
+    connected.local.write(0, &data).expect("fill local");
+    let mut post = Box::pin(connected.client_queue_pair.post(vec![WorkRequest::write(
+        41,
+        connected.local_at(0, 64),
+        connected.remote_at(512),
+    )]));
+    tokio::select! {
+        biased;
+        posted = &mut post => drop(posted.expect("post")),
+        () = std::future::ready(()) => {}
+    }
+    drop(post);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut backlog = Vec::new();
+    while backlog.is_empty() && std::time::Instant::now() < deadline {
+        backlog = connected.client_completion_queue.poll(8);
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        backlog
+            .iter()
+            .map(|completion| (completion.work_request_id, completion.status))
+            .collect::<Vec<_>>(),
+        [(41, WorkCompletionStatus::Success)],
+        "the dropped post's completion is in the backlog"
+    );
+    let mut on_server = vec![0u8; 64];
+    connected.remote.read(512, &mut on_server).expect("read");
+    assert_eq!(on_server, data, "the WRITE landed");
+    assert_eq!(connected.client_queue_pair.outstanding(), 0);
+}
+
 /// Moving a queue pair to ERROR with requests in flight completes every one of them exactly
 /// once, as success (already answered) or WR_FLUSH_ERR, and nothing stays outstanding.
 pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {

@@ -27,6 +27,7 @@ macro_rules! conformance_suite {
                 deallocated_window_rkey_is_rejected,
                 error_with_requests_in_flight_flushes_them,
                 vanished_peer_is_retry_exceeded,
+                a_post_dropped_before_its_doorbell_still_runs,
                 concurrent_fetch_add_is_exact,
                 concurrent_compare_and_swap_increments_are_exact,
                 reads_racing_compare_and_swap_never_tear,

@@ -142,14 +142,14 @@ pub(crate) struct ListCompletion {
 }
 
 impl ListCompletion {
-    pub(crate) fn new() -> (Arc<Self>, PostedList) {
+    pub(crate) fn new(queue: Arc<CompletionQueueInner>) -> (Arc<Self>, PostedList) {
         let (sender, receiver) = oneshot::channel();
         (
             Arc::new(Self {
                 completions: Mutex::new(Vec::new()),
                 sender: Mutex::new(Some(sender)),
             }),
-            PostedList { receiver },
+            PostedList { receiver, queue },
         )
     }
 
@@ -187,10 +187,24 @@ impl ListCompletion {
 /// completes. Only signaled requests and failed or flushed ones produce completions.
 ///
 /// Dropping it is safe at any time: the buffers its requests use stay referenced until their
-/// completions are polled by the NIC side, and the completions go to the completion queue.
+/// completions are polled by the NIC side, and the completions go to the completion queue —
+/// also when the list had completed but its future was never awaited.
 #[derive(Debug)]
 pub struct PostedList {
     receiver: oneshot::Receiver<Vec<WorkCompletion>>,
+    /// Where completions that nobody awaited go.
+    queue: Arc<CompletionQueueInner>,
+}
+
+impl Drop for PostedList {
+    fn drop(&mut self) {
+        // Refuse completions from now on (they go to the backlog instead), and move one that
+        // arrived but was never awaited there too.
+        self.receiver.close();
+        if let Ok(unclaimed) = self.receiver.try_recv() {
+            self.queue.push_unclaimed(unclaimed);
+        }
+    }
 }
 
 impl Future for PostedList {

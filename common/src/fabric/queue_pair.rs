@@ -546,7 +546,7 @@ impl QueuePairShared {
             .map_err(|_| invalid("the queue pair is destroyed".into()))?;
         permits.forget();
 
-        let (list_completion, posted) = ListCompletion::new();
+        let (list_completion, posted) = ListCompletion::new(self.completion_queue.inner.clone());
         let device = self.device();
         let domain = self.protection_domain.inner.id;
         let count = list.len();
