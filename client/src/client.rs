@@ -85,6 +85,7 @@ impl Client {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
                 config.operation_deadline = Some(cluster.operation_deadline);
+                config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
                 Node {
                     id: node.id,

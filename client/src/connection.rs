@@ -67,6 +67,8 @@ pub struct ClientConfig {
     /// `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX` environment variables, else the
     /// first device and an automatic GID.
     pub verbs: VerbsOptions,
+    /// How long the client's NIC busy-polls for completions before it sleeps; zero never spins.
+    pub poll_spin: Duration,
     /// A name for the server's logs.
     pub name: String,
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer).
@@ -85,6 +87,7 @@ impl ClientConfig {
             },
             secret: secret.to_vec(),
             verbs: verbs_options_from_environment(),
+            poll_spin: Duration::ZERO,
             name: format!("rdkv-client-{}", std::process::id()),
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
@@ -264,7 +267,10 @@ impl NodeConnection {
             config.node.fabric,
             None,
             &config.verbs,
-            DeviceConfig::default(),
+            DeviceConfig {
+                poll_spin: config.poll_spin,
+                ..DeviceConfig::default()
+            },
         )?;
         let domain = device.allocate_protection_domain();
         let completion_queue = device.create_completion_queue(1024)?;

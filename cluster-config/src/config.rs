@@ -7,6 +7,7 @@
 //! secret = "change-me"            # or secret_file = "path" (should be mode 0600)
 //! fabric = "soft"                 # soft | verbs
 //! lease_timeout = "10s"
+//! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never spin)
 //! operation_deadline = "2s"
 //!
 //! [[node]]
@@ -64,6 +65,7 @@ struct RawCluster {
     fabric: Spanned<String>,
     lease_timeout: Option<Spanned<String>>,
     operation_deadline: Option<Spanned<String>>,
+    poll_spin: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,6 +84,9 @@ struct RawNode {
     max_pinned_share: Option<Spanned<f64>>,
 }
 
+/// The longest `poll_spin` a cluster file may ask for.
+const MAX_POLL_SPIN: Duration = Duration::from_millis(10);
+
 /// A validated cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -97,6 +102,8 @@ pub struct ClusterConfig {
     pub lease_timeout: Duration,
     /// Per-operation deadline.
     pub operation_deadline: Duration,
+    /// How long a NIC's completion side busy-polls before it sleeps (servers and clients).
+    pub poll_spin: Duration,
     /// The nodes, in file order.
     pub nodes: Vec<NodeConfig>,
     /// Things worth fixing that do not stop the cluster (an over-readable secret file).
@@ -310,6 +317,18 @@ pub fn parse(
         "cluster.operation_deadline",
         Duration::from_secs(2),
     )?;
+    let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
+    if poll_spin > MAX_POLL_SPIN {
+        let span = cluster.poll_spin.as_ref().map_or(0..0, Spanned::span);
+        return Err(locator.error(
+            span,
+            "cluster.poll_spin",
+            format!(
+                "{poll_spin:?} is more than the {MAX_POLL_SPIN:?} allowed: a longer spin only burns \
+                 a core; tens of microseconds is what cuts a wake-up (docs/benchmarks.md)"
+            ),
+        ));
+    }
 
     if raw.nodes.is_empty() {
         return Err(locator.error(
@@ -469,6 +488,7 @@ pub fn parse(
         fabric,
         lease_timeout,
         operation_deadline,
+        poll_spin,
         nodes,
         warnings,
     })

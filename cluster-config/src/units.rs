@@ -28,10 +28,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// A message naming the accepted forms.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let invalid =
-        || format!("`{text}` is not a duration: use a number with ms, s or m (for example \"2s\")");
+    let invalid = || {
+        format!("`{text}` is not a duration: use a number with us, ms, s or m (for example \"2s\")")
+    };
     let (digits, unit) = if let Some(digits) = text.strip_suffix("ms") {
         (digits, Duration::from_millis(1))
+    } else if let Some(digits) = text.strip_suffix("us").or_else(|| text.strip_suffix("µs")) {
+        (digits, Duration::from_micros(1))
     } else if let Some(digits) = text.strip_suffix('s') {
         (digits, Duration::from_secs(1))
     } else if let Some(digits) = text.strip_suffix('m') {
@@ -72,7 +75,9 @@ mod tests {
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
-        assert!(parse_duration("2").unwrap_err().contains("ms, s or m"));
+        assert_eq!(parse_duration("30us"), Ok(Duration::from_micros(30)));
+        assert_eq!(parse_duration("30µs"), Ok(Duration::from_micros(30)));
+        assert!(parse_duration("2").unwrap_err().contains("us, ms, s or m"));
         assert_eq!(format_bytes(64 << 20), "64.0 MiB");
         assert_eq!(format_bytes(12), "12 B");
     }

@@ -186,3 +186,38 @@ fn port_zero_and_bad_addresses_are_refused() {
     let (_, field, _) = invalid(&file("", &NODE_1.replace("127.0.0.1:7400", "localhost")));
     assert_eq!(field, "node[0].control_address");
 }
+
+#[test]
+fn poll_spin_is_parsed_and_bounded() {
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file("poll_spin = \"30us\"\n", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.poll_spin, std::time::Duration::from_micros(30));
+    let default = parse(
+        Path::new("cluster.toml"),
+        &file("", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(
+        default.poll_spin,
+        std::time::Duration::ZERO,
+        "never spins by default"
+    );
+    let (line, field, message) = invalid(&file("poll_spin = \"1s\"\n", NODE_1));
+    assert_eq!((line, field.as_str()), (5, "cluster.poll_spin"));
+    assert!(message.contains("burns"), "{message}");
+}
+
+#[test]
+fn the_shipped_verbs_example_is_valid() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/verbs-1node.toml");
+    let config = load(&example).expect("examples/verbs-1node.toml is valid on this machine");
+    assert_eq!(config.fabric, rdkv_common::fabric::Backend::Verbs);
+    assert_eq!(config.nodes[0].device.as_deref(), Some("rxe0"));
+}

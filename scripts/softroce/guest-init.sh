@@ -82,10 +82,11 @@ smoke_tests() {
       sleep 0.1
     done
     echo "still running"; exit 1'
-  # The README's hardware path: the launcher starts the node, the CLI uses it, `down` stops it.
-  check "rdkv-cluster up --detach / rdkv / rdkv-cluster down on the verbs fabric" sh -c '
+  # The README's hardware path: the launcher starts the node, the CLI uses it, `down` stops it;
+  # this node and its clients busy-poll their CQs (poll_spin = 50us).
+  check "rdkv-cluster up --detach / rdkv / rdkv-cluster down on the verbs fabric, poll_spin 50us" sh -c '
     set -e
-    cluster="'"$smoke"'/rdkv-cluster"; config="'"$config"'"
+    cluster="'"$smoke"'/rdkv-cluster"; config="'"$smoke"'/verbs-1node-spin.toml"
     timeout 120 $cluster up --detach --run-dir /tmp/cluster "$config"
     "'"$smoke"'/rdkv" -c "$config" put launched yes
     test "$("'"$smoke"'/rdkv" -c "$config" get launched)" = yes

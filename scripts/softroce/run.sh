@@ -174,6 +174,9 @@ if [ ${#smoke_binaries[@]} -gt 0 ] && [ -z "$test_filter" ]; then
   mkdir -p "$share/smoke"
   cp "${smoke_binaries[@]}" "$share/smoke/"
   cp "$repository/examples/verbs-1node.toml" "$share/smoke/"
+  # The same node with busy-polling completions (the launcher check uses it).
+  sed 's/^fabric = "verbs"/fabric = "verbs"\npoll_spin = "50us"/' \
+      "$repository/examples/verbs-1node.toml" > "$share/smoke/verbs-1node-spin.toml"
 fi
 # A program's shared libraries travel with it (the guest has only what the tools need).
 copy_libraries() {

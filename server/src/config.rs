@@ -22,6 +22,9 @@ pub struct ServerConfig {
     pub fabric_address: SocketAddr,
     /// The RDMA device, port and GID index (verbs only).
     pub verbs: VerbsOptions,
+    /// How long the NIC's completion side busy-polls before it sleeps (soft: the engine
+    /// threads; verbs: the CQ poller); zero never spins.
+    pub poll_spin: Duration,
     /// Index bytes; rounded down to a power-of-two number of 64-byte buckets.
     pub index_size: u64,
     /// Heap bytes; rounded down to whole chunks.
@@ -57,6 +60,7 @@ impl ServerConfig {
             fabric: Backend::Soft,
             fabric_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             verbs: VerbsOptions::default(),
+            poll_spin: Duration::ZERO,
             index_size: 256 * 1024,
             heap_size: 4 * 1024 * 1024,
             chunk_size: 64 * 1024,
@@ -100,6 +104,7 @@ impl ServerConfig {
                 port: None,
                 gid_index: node.gid_index,
             },
+            poll_spin: cluster.poll_spin,
             index_size: node.index_size,
             heap_size: node.heap_size,
             chunk_size: node.chunk_size,

@@ -103,7 +103,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         config.fabric,
         Some(config.fabric_address),
         &config.verbs,
-        DeviceConfig::default(),
+        DeviceConfig {
+            poll_spin: config.poll_spin,
+            ..DeviceConfig::default()
+        },
     )?;
     let table = TableRegion::allocate(
         &device,

@@ -93,7 +93,11 @@ impl CompletionQueue {
         #[cfg(feature = "verbs")]
         let verbs = match &device.verbs {
             Some(context) => Some(
-                crate::fabric::verbs::completion::VerbsCompletionQueue::create(context, capacity)?,
+                crate::fabric::verbs::completion::VerbsCompletionQueue::create(
+                    context,
+                    capacity,
+                    device.config.poll_spin,
+                )?,
             ),
             None => None,
         };

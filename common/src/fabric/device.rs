@@ -25,9 +25,10 @@ pub struct DeviceConfig {
     /// How long the oldest outstanding request may wait for its response before it completes
     /// IBV_WC_RETRY_EXC_ERR (the product of a real NIC's timeout and retry count).
     pub retry_timeout: Duration,
-    /// How long a soft engine thread busy-polls its socket after its last frame before it
-    /// blocks in the kernel. Zero never spins (lowest CPU use); a few tens of microseconds
-    /// cuts the latency of a lightly loaded queue pair by the cost of a thread wake-up.
+    /// How long a soft engine thread busy-polls its socket after its last frame, or a verbs
+    /// CQ's poller task its CQ after its last completion, before it sleeps in the kernel. Zero
+    /// never spins (lowest CPU use); a few tens of microseconds cuts the latency of a lightly
+    /// loaded queue pair by the cost of a thread wake-up.
     pub poll_spin: Duration,
 }
 

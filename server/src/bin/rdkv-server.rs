@@ -49,6 +49,9 @@ struct Arguments {
     /// Verbs: the GID index (`show_gids` lists them); by default the first RoCE v2 IPv4 GID.
     #[arg(long)]
     gid_index: Option<u32>,
+    /// Busy-poll the fabric this many microseconds before sleeping (lower latency, more CPU).
+    #[arg(long, default_value_t = 0)]
+    poll_spin_us: u64,
     /// Index size in bytes (K, M, G suffixes allowed).
     #[arg(long, default_value = "4M", value_parser = rdkv_cluster_config::units::parse_size)]
     index_size: u64,
@@ -143,6 +146,7 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
             port: arguments.rdma_port,
             gid_index: arguments.gid_index,
         },
+        poll_spin: Duration::from_micros(arguments.poll_spin_us),
         index_size: arguments.index_size,
         heap_size: arguments.heap_size,
         chunk_size: arguments.chunk_size,

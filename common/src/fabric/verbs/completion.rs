@@ -77,7 +77,11 @@ impl VerbsCompletionQueue {
     ///
     /// # Errors
     /// [`Error::VerbsCall`] when a verbs object cannot be created or no tokio runtime runs.
-    pub(crate) fn create(context: &VerbsContext, capacity: usize) -> Result<Self> {
+    pub(crate) fn create(
+        context: &VerbsContext,
+        capacity: usize,
+        poll_spin: std::time::Duration,
+    ) -> Result<Self> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|error| Error::VerbsCall {
             operation: "create a completion queue (it needs a tokio runtime for its poller)",
             qp_number: None,
@@ -113,7 +117,7 @@ impl VerbsCompletionQueue {
             poll_lock: Mutex::new(()),
             shutdown: Notify::new(),
         });
-        runtime.spawn(run_poller(shared.clone()));
+        runtime.spawn(run_poller(shared.clone(), poll_spin));
         Ok(Self { shared })
     }
 }
@@ -240,8 +244,10 @@ pub(crate) fn poll_completions(
     }
 }
 
-/// The polling task: arm, drain, wait for an event, repeat, until the CQ handle is dropped.
-async fn run_poller(shared: Arc<VerbsCompletionShared>) {
+/// The polling task: (busy-poll while completions keep coming, up to `poll_spin` after the last
+/// one, yielding between polls), arm, drain, wait for an event, repeat, until the CQ handle is
+/// dropped.
+async fn run_poller(shared: Arc<VerbsCompletionShared>, poll_spin: std::time::Duration) {
     // SAFETY: the fd belongs to the completion channel that `ChannelFd` holds by `Arc`; the
     // channel is destroyed only after the last `Arc` goes, so the fd stays open and the same
     // for the whole life of the `AsyncFd`, which owns that `ChannelFd`.
@@ -256,6 +262,15 @@ async fn run_poller(shared: Arc<VerbsCompletionShared>) {
         }
     };
     loop {
+        if !poll_spin.is_zero() {
+            let mut last = std::time::Instant::now();
+            while last.elapsed() < poll_spin {
+                tokio::task::yield_now().await;
+                if shared.poll_and_dispatch() > 0 {
+                    last = std::time::Instant::now();
+                }
+            }
+        }
         shared.arm();
         shared.poll_and_dispatch();
         tokio::select! {
