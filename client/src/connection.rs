@@ -67,7 +67,8 @@ pub struct ClientConfig {
     /// `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX` environment variables, else the
     /// first device and an automatic GID.
     pub verbs: VerbsOptions,
-    /// How long the client's NIC busy-polls for completions before it sleeps; zero never spins.
+    /// How long the client's completion poller busy-polls before it sleeps (verbs; a soft
+    /// client's engine task does not spin); zero never spins.
     pub poll_spin: Duration,
     /// A name for the server's logs.
     pub name: String,

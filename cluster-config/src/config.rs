@@ -7,7 +7,7 @@
 //! secret = "change-me"            # or secret_file = "path" (should be mode 0600)
 //! fabric = "soft"                 # soft | verbs
 //! lease_timeout = "10s"
-//! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never spin)
+//! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
 //!
 //! [[node]]
@@ -102,7 +102,8 @@ pub struct ClusterConfig {
     pub lease_timeout: Duration,
     /// Per-operation deadline.
     pub operation_deadline: Duration,
-    /// How long a NIC's completion side busy-polls before it sleeps (servers and clients).
+    /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
+    /// every completion queue poller (clients' included).
     pub poll_spin: Duration,
     /// The nodes, in file order.
     pub nodes: Vec<NodeConfig>,
