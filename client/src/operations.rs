@@ -181,7 +181,8 @@ fn read_slots(scratch: &Scratch, location: &KeyLocation) -> Result<Vec<(SlotPosi
 }
 
 /// Reads the blocks of the fingerprint matches and returns those holding `key`, lowest
-/// position first.
+/// position first. A block that fails its checksum, or that holds a key which could not live in
+/// the slot that pointed to it (a torn slot read), asks the caller to read the buckets again.
 async fn find_matches(
     scratch: &mut Scratch,
     operation: &'static str,
@@ -245,7 +246,18 @@ async fn find_matches(
                         value: Bytes::from(bytes).slice(start..end),
                     })
                 }
-                Ok(_) => {}
+                Ok(block) => {
+                    // Another key's block: a fingerprint collision if that key really lives
+                    // here. If it could not (other fingerprint or buckets), the slot word was
+                    // read torn — a NIC need not READ an 8-byte word atomically against a
+                    // concurrent CAS, and rxe does not — so the buckets are read again.
+                    let other = scratch.connection().welcome.geometry.locate(block.key);
+                    if other.fingerprint != slot.fingerprint()
+                        || !other.combined_buckets.contains(&position.combined_bucket)
+                    {
+                        return Ok(Err(ChecksumMismatch));
+                    }
+                }
                 Err(BlockError::Checksum | BlockError::Malformed { .. }) => {
                     return Ok(Err(ChecksumMismatch))
                 }

@@ -959,7 +959,11 @@ pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Fabric) {
     assert_eq!(connected.remote.load_u64(1024).expect("counter"), 2_000);
 }
 
-/// READs racing CASes on one word never see a torn value.
+/// READs racing CASes on one word never see a torn value — on soft and loopback, whose engine
+/// copies with aligned 8-byte atomics. Verbs makes no such promise (the IB spec gives none, and
+/// rxe copies READ data with `memcpy`: in the TCG guest it was seen to tear), so on verbs the
+/// torn reads are counted and reported, not failed; rdkv's store does not rely on the property
+/// (a slot whose block belongs elsewhere is re-read, docs/protocol.md).
 pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
     let connected = Arc::new(connect(fabric).await);
     let word_offset = 2048u64;
@@ -989,6 +993,7 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
         let connected = connected.clone();
         tokio::spawn(async move {
             let (_server, client) = connected.another_pair().await;
+            let mut torn = 0u32;
             for round in 0..2_000u64 {
                 let completions = client
                     .execute(vec![WorkRequest::read(
@@ -1001,10 +1006,13 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
                 assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
                 let mut bytes = [0u8; 8];
                 connected.local.read(16384 + 24, &mut bytes).expect("local");
-                assert!(
-                    bytes.iter().all(|byte| *byte == bytes[0]),
-                    "torn word {bytes:?}"
-                );
+                if bytes.iter().any(|byte| *byte != bytes[0]) {
+                    assert_eq!(fabric, Fabric::Verbs, "torn word {bytes:?}");
+                    torn += 1;
+                }
+            }
+            if torn > 0 {
+                eprintln!("verbs: {torn} of 2,000 READs racing CAS returned a torn word");
             }
         })
     };
