@@ -87,32 +87,12 @@ impl ClientConfig {
                 fabric,
             },
             secret: secret.to_vec(),
-            verbs: verbs_options_from_environment(),
+            verbs: VerbsOptions::from_environment(),
             poll_spin: Duration::ZERO,
             name: format!("rdkv-client-{}", std::process::id()),
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
         }
-    }
-}
-
-/// The client's verbs device from `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX`
-/// (unparsable numbers are ignored with a warning).
-pub fn verbs_options_from_environment() -> VerbsOptions {
-    fn number<T: std::str::FromStr>(name: &str) -> Option<T> {
-        let text = std::env::var(name).ok()?;
-        let parsed = text.trim().parse().ok();
-        if parsed.is_none() {
-            tracing::warn!(variable = name, value = %text, "ignoring a value that is not a number");
-        }
-        parsed
-    }
-    VerbsOptions {
-        device: std::env::var("RDKV_RDMA_DEVICE")
-            .ok()
-            .filter(|name| !name.is_empty()),
-        port: number("RDKV_RDMA_PORT"),
-        gid_index: number("RDKV_GID_INDEX"),
     }
 }
 

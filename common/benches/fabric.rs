@@ -125,10 +125,7 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
             Device::soft(None, config).expect("soft client NIC"),
         ),
         "verbs" => {
-            let options = VerbsOptions {
-                device: std::env::var("RDKV_RDMA_DEVICE").ok(),
-                ..VerbsOptions::default()
-            };
+            let options = VerbsOptions::from_environment();
             (
                 Device::verbs(&options, config).expect("open the RDMA device"),
                 Device::verbs(&options, config).expect("open the RDMA device"),

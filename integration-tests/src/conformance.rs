@@ -54,13 +54,7 @@ pub fn devices_with(fabric: Fabric, config: DeviceConfig) -> (Device, Device) {
         }
         Fabric::Loopback => (Device::loopback(config), Device::loopback(config)),
         Fabric::Verbs => {
-            let options = VerbsOptions {
-                device: std::env::var("RDKV_RDMA_DEVICE").ok(),
-                port: None,
-                gid_index: std::env::var("RDKV_GID_INDEX")
-                    .ok()
-                    .and_then(|index| index.parse().ok()),
-            };
+            let options = VerbsOptions::from_environment();
             (
                 Device::verbs(&options, config).expect("open the RDMA device (server side)"),
                 Device::verbs(&options, config).expect("open the RDMA device (client side)"),

@@ -48,6 +48,29 @@ pub struct VerbsOptions {
     pub gid_index: Option<u32>,
 }
 
+impl VerbsOptions {
+    /// The options in `RDKV_RDMA_DEVICE`, `RDKV_RDMA_PORT` and `RDKV_GID_INDEX` (unset or empty:
+    /// the defaults; a number that does not parse is ignored with a warning). Clients, the
+    /// conformance suite and the fabric benchmark take their device from here.
+    pub fn from_environment() -> Self {
+        fn number<T: std::str::FromStr>(name: &str) -> Option<T> {
+            let text = std::env::var(name).ok()?;
+            let parsed = text.trim().parse().ok();
+            if parsed.is_none() {
+                tracing::warn!(variable = name, value = %text, "ignoring a value that is not a number");
+            }
+            parsed
+        }
+        Self {
+            device: std::env::var("RDKV_RDMA_DEVICE")
+                .ok()
+                .filter(|name| !name.is_empty()),
+            port: number("RDKV_RDMA_PORT"),
+            gid_index: number("RDKV_GID_INDEX"),
+        }
+    }
+}
+
 /// The default maximum message size: 1 MiB.
 pub const DEFAULT_MAX_MESSAGE_SIZE: u32 = 1 << 20;
 

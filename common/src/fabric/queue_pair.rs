@@ -581,9 +581,12 @@ impl QueuePairShared {
         match self.transport.get() {
             #[cfg(feature = "verbs")]
             Some(Transport::Verbs) => {
-                if let Some(verbs) = &self.verbs {
-                    self.post_verbs(verbs, entries).await;
-                }
+                // `connect` sets this transport only when the NIC queue pair exists.
+                let Some(verbs) = &self.verbs else {
+                    self.permits.add_permits(count);
+                    return Err(invalid("a verbs transport without a NIC queue pair".into()));
+                };
+                self.post_verbs(verbs, entries).await;
             }
             Some(Transport::Soft(connection)) => {
                 {

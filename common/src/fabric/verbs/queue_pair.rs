@@ -33,7 +33,7 @@ use crate::fabric::verbs::memory::{sideway_access, VerbsRegion, VerbsWindow};
 const RETRY_COUNT: u8 = 6;
 /// RNR retries (7 = forever; RNR NAKs do not arise with one-sided traffic).
 const RNR_RETRY_COUNT: u8 = 7;
-/// The RNR NAK timer (0.64 ms... irrelevant for one-sided traffic, but must be valid).
+/// The RNR NAK timer code 12 (0.64 ms); irrelevant to one-sided traffic, but it must be valid.
 const MIN_RNR_TIMER: u8 = 12;
 
 /// A queue pair on the NIC.
