@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::counters::Counters;
 use crate::error::{Error, Result};
+use crate::fault::{FaultInjector, Injection, Moment, Step, StepKind};
 
 /// Bytes of one scratch buffer.
 pub(crate) const SCRATCH_SIZE: u64 = 64 * 1024;
@@ -76,6 +77,9 @@ pub struct ClientConfig {
     pub concurrency: usize,
     /// The per-operation deadline; the server's when absent.
     pub operation_deadline: Option<Duration>,
+    /// Stalls or fails chosen steps of operations (tests and chaos experiments; see
+    /// [`crate::fault`]). None in production.
+    pub fault_injector: Option<Arc<dyn FaultInjector>>,
 }
 
 impl ClientConfig {
@@ -92,6 +96,7 @@ impl ClientConfig {
             name: format!("rdkv-client-{}", std::process::id()),
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
+            fault_injector: None,
         }
     }
 }
@@ -159,6 +164,8 @@ pub(crate) struct NodeConnection {
     broken: AtomicBool,
     /// Counters.
     pub(crate) counters: Arc<Counters>,
+    /// The configured fault injector (tests only).
+    fault_injector: Option<Arc<dyn FaultInjector>>,
     /// The device, kept for the connection's lifetime.
     _device: Device,
 }
@@ -297,6 +304,7 @@ impl NodeConnection {
             control,
             broken: AtomicBool::new(false),
             counters,
+            fault_injector: config.fault_injector.clone(),
             _device: device,
         }))
     }
@@ -549,12 +557,18 @@ impl Scratch {
         &self.connection.scratch_region
     }
 
-    /// Posts a list and waits for its completions; counts one round trip. Any failed status
-    /// marks the connection broken and is returned as the first failed status.
+    /// Posts a list (one step of `operation`) and waits for its completions; counts one round
+    /// trip. Any failed status marks the connection broken and is returned as the first failed
+    /// status. The connection's fault injector, if any, may stall or fail the step before it is
+    /// posted or after it ran.
     pub(crate) async fn execute(
         &mut self,
+        operation: &'static str,
+        kind: StepKind,
         list: Vec<WorkRequest>,
     ) -> Result<Vec<WorkCompletion>, ExecuteError> {
+        let number = self.round_trips as u32;
+        self.inject(operation, kind, number, Moment::Before).await?;
         let counters = &self.connection.counters;
         counters.round_trips.fetch_add(1, Ordering::Relaxed);
         self.round_trips += 1;
@@ -580,7 +594,39 @@ impl Scratch {
             self.connection.mark_broken();
             return Err(ExecuteError::Completion(failed.status));
         }
+        self.inject(operation, kind, number, Moment::After).await?;
         Ok(completions)
+    }
+
+    /// Asks the fault injector about one step; an injected failure breaks the connection as a
+    /// real one would.
+    async fn inject(
+        &self,
+        operation: &'static str,
+        kind: StepKind,
+        number: u32,
+        moment: Moment,
+    ) -> Result<(), ExecuteError> {
+        let Some(injector) = &self.connection.fault_injector else {
+            return Ok(());
+        };
+        let step = Step {
+            operation,
+            kind,
+            number,
+            moment,
+        };
+        match injector.inject(&step) {
+            Injection::Proceed => Ok(()),
+            Injection::Stall(pause) => {
+                tokio::time::sleep(pause).await;
+                Ok(())
+            }
+            Injection::Fail(status) => {
+                self.connection.mark_broken();
+                Err(ExecuteError::Completion(status))
+            }
+        }
     }
 }
 

@@ -108,6 +108,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the failed operation may have taken effect. `false` means it certainly did not.
+    pub fn may_have_applied(&self) -> bool {
+        matches!(self, Error::Unresolved { .. } | Error::TimedOut { .. })
+    }
+
     /// Whether retrying on a fresh connection is safe and may succeed.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::NodeUnreachable { .. } | Error::Control(_))

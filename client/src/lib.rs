@@ -19,12 +19,14 @@
 //! - `operations`: the one-sided algorithms.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
+//! - [`fault`]: fault injection between the steps of an operation (tests).
 #![forbid(unsafe_code)]
 
 pub mod client;
 mod connection;
 pub mod counters;
 pub mod error;
+pub mod fault;
 mod operations;
 
 pub use client::Client;

@@ -30,6 +30,7 @@ use crate::connection::{
     READ_BLOCKS_SIZE, WRITE_BLOCK_AT,
 };
 use crate::error::{Error, Result};
+use crate::fault::StepKind;
 
 /// Attempts after lost CAS races before giving up.
 const RACE_ATTEMPTS: u32 = 64;
@@ -227,7 +228,7 @@ async fn find_matches(
             })
             .collect();
         scratch
-            .execute(list)
+            .execute(operation, StepKind::ReadBlocks, list)
             .await
             .map_err(read_failure(operation))?;
         for (position, slot, at) in round {
@@ -286,7 +287,7 @@ async fn compare_and_swap_slot(
         new.0,
     );
     scratch
-        .execute(vec![request])
+        .execute(operation, StepKind::Replace, vec![request])
         .await
         .map_err(cas_failure(operation))?;
     let original = scratch.region().load_u64(scratch.base + CAS_RESULTS_AT)?;
@@ -314,7 +315,11 @@ pub(crate) async fn get(connection: &Arc<NodeConnection>, key: &[u8]) -> Result<
     let mut scratch = connection.scratch().await;
     for _ in 0..CHECKSUM_ATTEMPTS {
         scratch
-            .execute(bucket_reads(&scratch, &location))
+            .execute(
+                "get",
+                StepKind::ReadBuckets,
+                bucket_reads(&scratch, &location),
+            )
             .await
             .map_err(read_failure("get"))?;
         let slots = read_slots(&scratch, &location)?;
@@ -371,7 +376,7 @@ pub(crate) async fn mutate(
         let mut list: Vec<WorkRequest> = block_write.take().into_iter().collect();
         list.extend(bucket_reads(&scratch, &location));
         scratch
-            .execute(list)
+            .execute(operation, StepKind::ReadBuckets, list)
             .await
             .map_err(read_failure(operation))?;
         let slots = read_slots(&scratch, &location)?;
@@ -459,7 +464,11 @@ async fn resolve_duplicates(
 ) -> Result<MutationOutcome> {
     for attempt in 0..RACE_ATTEMPTS {
         scratch
-            .execute(bucket_reads(scratch, location))
+            .execute(
+                operation,
+                StepKind::ReadBuckets,
+                bucket_reads(scratch, location),
+            )
             .await
             .map_err(read_failure(operation))?;
         let slots = read_slots(scratch, location)?;
@@ -509,7 +518,11 @@ pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Resu
     let mut scratch = connection.scratch().await;
     for attempt in 0..RACE_ATTEMPTS {
         scratch
-            .execute(bucket_reads(&scratch, &location))
+            .execute(
+                "delete",
+                StepKind::ReadBuckets,
+                bucket_reads(&scratch, &location),
+            )
             .await
             .map_err(read_failure("delete"))?;
         let slots = read_slots(&scratch, &location)?;
@@ -544,7 +557,10 @@ pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Resu
             })
             .collect();
         let winner_index = ordered.len() as u64 - 1;
-        scratch.execute(list).await.map_err(cas_failure("delete"))?;
+        scratch
+            .execute("delete", StepKind::Remove, list)
+            .await
+            .map_err(cas_failure("delete"))?;
         let original = scratch
             .region()
             .load_u64(scratch.base + CAS_RESULTS_AT + winner_index * 8)?;

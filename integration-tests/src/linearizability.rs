@@ -16,6 +16,10 @@ pub enum Operation {
     Get,
     /// Write a value.
     Put(u64),
+    /// Write a value only if the key is absent.
+    Insert(u64),
+    /// Write a value only if the key is present.
+    Update(u64),
     /// Remove the key.
     Delete,
     /// Replace `expected` with `new`.
@@ -40,6 +44,13 @@ pub enum Outcome {
     Swapped,
     /// `compare_and_swap`: not swapped; the value seen.
     Mismatch(Option<u64>),
+    /// `insert`: whether it inserted (false: the key was present).
+    Inserted(bool),
+    /// `update`: whether it updated (false: the key was absent).
+    Updated(bool),
+    /// The operation failed with an error that says it may have applied: it took effect at
+    /// some point after its call, or never. Record it with `ret = u64::MAX`.
+    Unknown,
 }
 
 /// One completed operation.
@@ -71,6 +82,28 @@ fn step(state: Option<u64>, operation: Operation, outcome: Outcome) -> Option<Op
         (Operation::CompareAndSwap { expected, .. }, Outcome::Mismatch(seen)) => {
             (state != Some(expected) && seen == state).then_some(state)
         }
+        (Operation::Insert(value), Outcome::Inserted(inserted)) => {
+            (inserted == state.is_none()).then_some(if inserted { Some(value) } else { state })
+        }
+        (Operation::Update(value), Outcome::Updated(updated)) => {
+            (updated == state.is_some()).then_some(if updated { Some(value) } else { state })
+        }
+        // An operation that may have applied: linearized here, it has its effect; its return
+        // is at the end of time, so "never applied" is the same as "applied after everything".
+        (operation, Outcome::Unknown) => Some(match operation {
+            Operation::Get => state,
+            Operation::Put(value) => Some(value),
+            Operation::Insert(value) => state.or(Some(value)),
+            Operation::Update(value) => state.map(|_| value),
+            Operation::Delete => None,
+            Operation::CompareAndSwap { expected, new } => {
+                if state == Some(expected) {
+                    Some(new)
+                } else {
+                    state
+                }
+            }
+        }),
         _ => None,
     }
 }
@@ -349,6 +382,82 @@ mod tests {
                 3,
                 9,
             ),
+        ];
+        assert!(matches!(check(&history), Verdict::Violation { .. }));
+    }
+
+    #[test]
+    fn insert_and_update_follow_presence() {
+        let history = [
+            event(Operation::Update(1), Outcome::Updated(false), 0, 1),
+            event(Operation::Insert(2), Outcome::Inserted(true), 2, 3),
+            event(Operation::Insert(3), Outcome::Inserted(false), 4, 5),
+            event(Operation::Update(4), Outcome::Updated(true), 6, 7),
+            event(Operation::Get, Outcome::Value(Some(4)), 8, 9),
+        ];
+        assert_eq!(check(&history), Verdict::Linearizable);
+        let inserted_over_a_present_key = [
+            event(Operation::Put(1), Outcome::Written, 0, 1),
+            event(Operation::Insert(2), Outcome::Inserted(true), 2, 3),
+        ];
+        assert!(matches!(
+            check(&inserted_over_a_present_key),
+            Verdict::Violation { .. }
+        ));
+        // The "visible insert reported as exists": the key was absent, an insert's value
+        // was read, yet the insert said the key was present.
+        let visible_but_reported_present = [
+            event(Operation::Delete, Outcome::Deleted(false), 0, 1),
+            event(Operation::Insert(3), Outcome::Inserted(false), 2, 20),
+            event(Operation::Get, Outcome::Value(Some(3)), 5, 6),
+        ];
+        assert!(matches!(
+            check(&visible_but_reported_present),
+            Verdict::Violation { .. }
+        ));
+    }
+
+    #[test]
+    fn an_unknown_outcome_may_apply_or_not() {
+        let applied = [
+            event(Operation::Put(1), Outcome::Unknown, 0, u64::MAX),
+            event(Operation::Get, Outcome::Value(Some(1)), 2, 3),
+        ];
+        assert_eq!(check(&applied), Verdict::Linearizable);
+        let not_applied = [
+            event(Operation::Put(1), Outcome::Unknown, 0, u64::MAX),
+            event(Operation::Get, Outcome::Value(None), 2, 3),
+        ];
+        assert_eq!(check(&not_applied), Verdict::Linearizable);
+        let applied_then_undone = [
+            event(Operation::Put(1), Outcome::Unknown, 0, u64::MAX),
+            event(Operation::Get, Outcome::Value(Some(1)), 2, 3),
+            event(Operation::Get, Outcome::Value(None), 4, 5),
+        ];
+        assert!(matches!(
+            check(&applied_then_undone),
+            Verdict::Violation { .. }
+        ));
+    }
+
+    #[test]
+    fn a_resurrected_value_fails() {
+        // The first history, shortened: a slow put's value comes back after newer
+        // writes completed.
+        let history = [
+            event(Operation::Put(1), Outcome::Written, 0, 50),
+            event(
+                Operation::CompareAndSwap {
+                    expected: 1,
+                    new: 2,
+                },
+                Outcome::Swapped,
+                10,
+                11,
+            ),
+            event(Operation::Delete, Outcome::Deleted(true), 20, 21),
+            event(Operation::Put(3), Outcome::Written, 30, 31),
+            event(Operation::Get, Outcome::Value(Some(1)), 60, 61),
         ];
         assert!(matches!(check(&history), Verdict::Violation { .. }));
     }

@@ -1,11 +1,16 @@
-//! Linearizability of a real `rdkv-server` process: 16 concurrent clients on 8 keys, a mix of
-//! get, put, delete and compare-and-swap, at least 20,000 operations; the history must pass the
-//! checker (whose own tests show that broken histories fail it).
+//! Linearizability of a real `rdkv-server` process; the histories must pass the checker (whose
+//! own tests show that broken histories fail it):
+//!
+//! - 16 concurrent clients on 8 keys in a roomy table, a mix of get, put, delete and
+//!   compare-and-swap, at least 20,000 operations;
+//! - the adversarial shape: 16 separate clients on 12 keys that all share two combined buckets,
+//!   every operation kind, writers stalled between steps.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
+use rdkv_client::fault::{FaultInjector, Injection, Step};
 use rdkv_client::{CasOutcome, Client, ClientConfig};
 use rdkv_common::fabric::Backend;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
@@ -137,4 +142,201 @@ async fn concurrent_history_against_a_server_process_is_linearizable() {
         checked.elapsed(),
         server.id()
     );
+}
+
+/// Stalls a random share of one client's steps, before or after they run, so that slow writers
+/// race fast ones between any two steps of an operation.
+#[derive(Debug)]
+struct Staller {
+    /// The client's own random source.
+    random: std::sync::Mutex<rand::rngs::StdRng>,
+}
+
+impl FaultInjector for Staller {
+    fn inject(&self, _step: &Step) -> Injection {
+        let mut random = self
+            .random
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match random.gen_range(0..100) {
+            0..=69 => Injection::Proceed,
+            70..=89 => Injection::Stall(Duration::ZERO),
+            90..=97 => Injection::Stall(Duration::from_micros(random.gen_range(200..2_000))),
+            _ => Injection::Stall(Duration::from_micros(random.gen_range(2_000..8_000))),
+        }
+    }
+}
+
+const ADVERSARIAL_CLIENTS: u64 = 16;
+const ADVERSARIAL_KEYS: u64 = 12;
+const ADVERSARIAL_OPERATIONS_PER_CLIENT: u64 = 4_000;
+const ADVERSARIAL_SECONDS: u64 = 20;
+
+/// The shape that broke the slot protocol (issue 10): an index of two combined buckets, so every
+/// key shares its buckets with every other; every operation kind; 16 separate `Client`s (one
+/// shared `Client` would make writers of one key take turns and hide the races); writers that
+/// stall between steps. Errors that may have applied enter the history as "unknown"; errors that
+/// certainly did not apply leave it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adversarial_history_with_shared_buckets_and_stalled_writers_is_linearizable() {
+    let server = ServerProcess::start(
+        "adversarial",
+        &[
+            "--index-size",
+            "256",
+            "--heap-size",
+            "64M",
+            "--chunk-size",
+            "256K",
+        ],
+    );
+    let start = Instant::now();
+    let stop_at = start + Duration::from_secs(ADVERSARIAL_SECONDS);
+    let mut tasks = Vec::new();
+    for client_index in 0..ADVERSARIAL_CLIENTS {
+        let mut config = ClientConfig::new(server.control_address, Backend::Soft, b"adversarial");
+        config.concurrency = 1;
+        config.fault_injector = Some(Arc::new(Staller {
+            random: std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(1_000 + client_index)),
+        }));
+        let client = Client::connect(config).await.expect("connect");
+        tasks.push(tokio::spawn(async move {
+            let mut random = rand::rngs::StdRng::seed_from_u64(client_index);
+            let mut events = Vec::new();
+            let mut last_seen = [0u64; ADVERSARIAL_KEYS as usize];
+            let mut not_applied = Vec::new();
+            let mut counter = 0;
+            while counter < ADVERSARIAL_OPERATIONS_PER_CLIENT && Instant::now() < stop_at {
+                counter += 1;
+                let key = random.gen_range(0..ADVERSARIAL_KEYS);
+                let key_bytes = format!("shared-{key}");
+                let key_bytes = key_bytes.as_bytes();
+                let unique = (client_index << 32) | counter;
+                let value = unique.to_le_bytes();
+                let call = start.elapsed().as_nanos() as u64;
+                let (operation, result) = match random.gen_range(0..100) {
+                    0..=29 => (
+                        Operation::Get,
+                        client.get(key_bytes).await.map(|value| {
+                            let value = decode(value);
+                            if let Some(seen) = value {
+                                last_seen[key as usize] = seen;
+                            }
+                            Outcome::Value(value)
+                        }),
+                    ),
+                    30..=47 => (
+                        Operation::Put(unique),
+                        client
+                            .put(key_bytes, &value)
+                            .await
+                            .map(|()| Outcome::Written),
+                    ),
+                    48..=61 => (
+                        Operation::Insert(unique),
+                        client
+                            .insert(key_bytes, &value)
+                            .await
+                            .map(Outcome::Inserted),
+                    ),
+                    62..=73 => (
+                        Operation::Update(unique),
+                        client.update(key_bytes, &value).await.map(Outcome::Updated),
+                    ),
+                    74..=87 => (
+                        Operation::Delete,
+                        client.delete(key_bytes).await.map(Outcome::Deleted),
+                    ),
+                    _ => {
+                        let expected = last_seen[key as usize];
+                        (
+                            Operation::CompareAndSwap {
+                                expected,
+                                new: unique,
+                            },
+                            client
+                                .compare_and_swap(key_bytes, &expected.to_le_bytes(), &value)
+                                .await
+                                .map(|outcome| match outcome {
+                                    CasOutcome::Swapped => Outcome::Swapped,
+                                    CasOutcome::Mismatch(current) => {
+                                        let current = decode(current);
+                                        if let Some(seen) = current {
+                                            last_seen[key as usize] = seen;
+                                        }
+                                        Outcome::Mismatch(current)
+                                    }
+                                }),
+                        )
+                    }
+                };
+                let ret = start.elapsed().as_nanos() as u64;
+                match result {
+                    Ok(outcome) => events.push(Event {
+                        key,
+                        operation,
+                        outcome,
+                        call,
+                        ret,
+                    }),
+                    Err(error) if error.may_have_applied() => events.push(Event {
+                        key,
+                        operation,
+                        outcome: Outcome::Unknown,
+                        call,
+                        ret: u64::MAX,
+                    }),
+                    Err(error) => not_applied.push(error.to_string()),
+                }
+            }
+            (events, not_applied)
+        }));
+    }
+    let mut history = Vec::new();
+    let mut not_applied = Vec::new();
+    for task in tasks {
+        let (events, errors) = task.await.expect("client task");
+        history.extend(events);
+        not_applied.extend(errors);
+    }
+    let count = |wanted: fn(&Outcome) -> bool| {
+        history
+            .iter()
+            .filter(|event| wanted(&event.outcome))
+            .count()
+    };
+    let inserted = count(|outcome| *outcome == Outcome::Inserted(true));
+    let refused_inserts = count(|outcome| *outcome == Outcome::Inserted(false));
+    let updated = count(|outcome| *outcome == Outcome::Updated(true));
+    let deleted = count(|outcome| *outcome == Outcome::Deleted(true));
+    let swapped = count(|outcome| *outcome == Outcome::Swapped);
+    let unknown = count(|outcome| *outcome == Outcome::Unknown);
+    eprintln!(
+        "{} operations in {:?}: {inserted} inserted, {refused_inserts} inserts found the key, \
+         {updated} updated, {deleted} deleted, {swapped} swapped, {unknown} unknown, {} failed \
+         without applying {:?}; server pid {}",
+        history.len(),
+        start.elapsed(),
+        not_applied.len(),
+        not_applied.iter().take(3).collect::<Vec<_>>(),
+        server.id()
+    );
+    assert!(
+        history.len() >= 5_000,
+        "too few operations to exercise the races: {}",
+        history.len()
+    );
+    assert!(
+        inserted > 100 && refused_inserts > 100 && updated > 100 && deleted > 100 && swapped > 50,
+        "every operation kind took effect many times"
+    );
+    assert!(
+        not_applied.len() * 100 <= history.len(),
+        "more than 1% of operations failed: {:?}",
+        not_applied.iter().take(5).collect::<Vec<_>>()
+    );
+    let checked = Instant::now();
+    let verdict = check(&history);
+    eprintln!("checked in {:?}", checked.elapsed());
+    assert_eq!(verdict, Verdict::Linearizable);
 }
