@@ -1,7 +1,7 @@
 //! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens one
 //! connection per node on first use and re-establishes it after a failure, applies the
 //! per-operation deadline, and retries an operation on a fresh connection only when the failure
-//! came before its final compare-and-swap.
+//! came before any compare-and-swap of it was posted.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -16,6 +16,7 @@ use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::operations::{self, CasOutcome, Mutation, MutationOutcome};
+use crate::progress::Progress;
 
 /// One node of the client's cluster.
 #[derive(Debug)]
@@ -162,8 +163,10 @@ impl Client {
         Ok(fresh)
     }
 
-    /// Runs one operation under the deadline, retrying once on a fresh connection when the
-    /// failure is retryable (it happened before any final CAS).
+    /// Runs one operation under the deadline. A failure is retried once on a fresh connection
+    /// only when it is retryable and the operation posted no CAS yet; a failure after a
+    /// publishing CAS was posted becomes [`Error::Unresolved`], and a deadline says whether the
+    /// operation may have applied.
     async fn run<T, Attempt, Outcome>(
         &self,
         operation: &'static str,
@@ -171,19 +174,26 @@ impl Client {
         mut attempt: Attempt,
     ) -> Result<T>
     where
-        Attempt: FnMut(Arc<NodeConnection>) -> Outcome,
+        Attempt: FnMut(Arc<NodeConnection>, Arc<Progress>) -> Outcome,
         Outcome: std::future::Future<Output = Result<T>>,
     {
         let node = self.node_for(key);
+        let progress = Arc::new(Progress::default());
         let work = async {
             let mut retried = false;
             loop {
                 let connection = self.connection(node).await?;
-                match attempt(connection.clone()).await {
-                    Err(error) if error.is_retryable() && !retried => {
+                match attempt(connection.clone(), progress.clone()).await {
+                    Err(error) if error.is_retryable() && !retried && !progress.cas_posted() => {
                         tracing::debug!(%error, operation, "retrying on a fresh connection");
                         connection.mark_broken();
                         retried = true;
+                    }
+                    Err(error) if progress.may_have_applied() && !error.may_have_applied() => {
+                        return Err(Error::Unresolved {
+                            operation,
+                            source: Box::new(error),
+                        })
                     }
                     outcome => return outcome,
                 }
@@ -191,10 +201,13 @@ impl Client {
         };
         let outcome = tokio::time::timeout(self.deadline, work)
             .await
-            .unwrap_or(Err(Error::TimedOut {
-                operation,
-                deadline: self.deadline,
-            }));
+            .unwrap_or_else(|_| {
+                Err(Error::TimedOut {
+                    operation,
+                    deadline: self.deadline,
+                    may_have_applied: progress.may_have_applied(),
+                })
+            });
         if outcome.is_ok() {
             self.counters.operations.fetch_add(1, Ordering::Relaxed);
         }
@@ -209,8 +222,8 @@ impl Client {
         mutation: Mutation<'_>,
     ) -> Result<MutationOutcome> {
         let outcome = self
-            .run(operation, key, |connection| async move {
-                operations::mutate(&connection, operation, key, value, mutation).await
+            .run(operation, key, |connection, progress| async move {
+                operations::mutate(&connection, progress, operation, key, value, mutation).await
             })
             .await;
         self.counters.mutations.fetch_add(1, Ordering::Relaxed);
@@ -223,8 +236,8 @@ impl Client {
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
     /// [`Error::Corrupt`], or a typed work-completion failure.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        self.run("get", key, |connection| async move {
-            operations::get(&connection, key).await
+        self.run("get", key, |connection, progress| async move {
+            operations::get(&connection, progress, key).await
         })
         .await
     }
@@ -239,7 +252,10 @@ impl Client {
             for (index, key) in keys.iter().enumerate() {
                 let connection = self.connection(self.node_for(key)).await?;
                 let key = key.to_vec();
-                tasks.spawn(async move { (index, operations::get(&connection, &key).await) });
+                tasks.spawn(async move {
+                    let progress = Arc::new(Progress::default());
+                    (index, operations::get(&connection, progress, &key).await)
+                });
             }
             let mut values = vec![None; keys.len()];
             while let Some(joined) = tasks.join_next().await {
@@ -255,6 +271,7 @@ impl Client {
             .unwrap_or(Err(Error::TimedOut {
                 operation: "batch_get",
                 deadline: self.deadline,
+                may_have_applied: false,
             }))?;
         self.counters
             .operations
@@ -319,8 +336,8 @@ impl Client {
     /// As [`Client::get`], plus [`Error::Unresolved`].
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
         let outcome = self
-            .run("delete", key, |connection| async move {
-                operations::delete(&connection, key).await
+            .run("delete", key, |connection, progress| async move {
+                operations::delete(&connection, progress, key).await
             })
             .await;
         self.counters.mutations.fetch_add(1, Ordering::Relaxed);

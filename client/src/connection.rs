@@ -27,6 +27,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::fault::{FaultInjector, Injection, Moment, Step, StepKind};
+use crate::progress::Progress;
 
 /// Bytes of one scratch buffer.
 pub(crate) const SCRATCH_SIZE: u64 = 64 * 1024;
@@ -378,7 +379,7 @@ impl NodeConnection {
     }
 
     /// Takes a scratch buffer, waiting while all are in use.
-    pub(crate) async fn scratch(self: &Arc<Self>) -> Scratch {
+    pub(crate) async fn scratch(self: &Arc<Self>, progress: Arc<Progress>) -> Scratch {
         let permit = self
             .scratch_permits
             .clone()
@@ -394,6 +395,7 @@ impl NodeConnection {
             base: index * SCRATCH_SIZE,
             outstanding: None,
             round_trips: 0,
+            progress,
         }
     }
 
@@ -544,6 +546,8 @@ pub(crate) struct Scratch {
     outstanding: Option<PostedList>,
     /// Round trips made through this buffer by the current operation.
     pub(crate) round_trips: u64,
+    /// What the current operation has posted (read by the client after a failure or deadline).
+    progress: Arc<Progress>,
 }
 
 impl Scratch {
@@ -575,12 +579,14 @@ impl Scratch {
         counters
             .verbs
             .fetch_add(list.len() as u64, Ordering::Relaxed);
-        let posted = self
-            .connection
-            .queue_pair
-            .post(list)
-            .await
-            .map_err(ExecuteError::Post)?;
+        self.progress.posting(kind);
+        let posted = match self.connection.queue_pair.post(list).await {
+            Ok(posted) => posted,
+            Err(error) => {
+                self.progress.not_posted(kind);
+                return Err(ExecuteError::Post(error));
+            }
+        };
         self.outstanding = Some(posted);
         let completions = match self.outstanding.as_mut() {
             Some(posted) => posted.await,
@@ -596,6 +602,18 @@ impl Scratch {
         }
         self.inject(operation, kind, number, Moment::After).await?;
         Ok(completions)
+    }
+
+    /// A CAS of `kind` completed without swapping: count the lost race, and if it was a
+    /// publishing CAS, record that it had no effect.
+    pub(crate) fn lost_race(&self, kind: StepKind) {
+        self.connection
+            .counters
+            .cas_failures
+            .fetch_add(1, Ordering::Relaxed);
+        if kind.publishes() {
+            self.progress.lost();
+        }
     }
 
     /// Asks the fault injector about one step; an injected failure breaks the connection as a

@@ -1,4 +1,10 @@
 //! The one error enum of `rdkv-client`.
+//!
+//! Every variant says whether the failed operation **certainly did not apply** or **may have
+//! applied**, and [`Error::may_have_applied`] answers it for a value. Only two variants may have
+//! applied: [`Error::Unresolved`] (a failure after a publishing CAS was posted) and
+//! [`Error::TimedOut`] with `may_have_applied: true`. An operation is never retried internally
+//! once any CAS of it has been posted (`docs/protocol.md`, *Failures*).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,7 +14,7 @@ use rdkv_common::fabric::WorkCompletionStatus;
 /// Everything a client call can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The key is empty or too long.
+    /// The key is empty or too long. Did not apply.
     #[error("invalid key of {length} bytes: keys must be 1 to {limit} bytes")]
     InvalidKey {
         /// The key's length.
@@ -16,7 +22,7 @@ pub enum Error {
         /// The longest key.
         limit: usize,
     },
-    /// The value is too long.
+    /// The value is too long. Did not apply.
     #[error("value too large: {length} bytes exceeds the limit of {limit} bytes")]
     ValueTooLarge {
         /// The value's length.
@@ -24,13 +30,14 @@ pub enum Error {
         /// The longest value.
         limit: usize,
     },
-    /// No room: every candidate slot of the key is taken, or the heap has no free chunk.
+    /// No room: every candidate slot of the key is taken, or the heap has no free chunk. Did
+    /// not apply.
     #[error("table full: {reason}")]
     TableFull {
         /// Which part is full and what to change.
         reason: String,
     },
-    /// The server refused the secret (or the protocol version).
+    /// The server refused the secret (or the protocol version). Did not apply.
     #[error("authentication failed at {address}: {reason}")]
     AuthenticationFailed {
         /// The node's control address.
@@ -39,6 +46,8 @@ pub enum Error {
         reason: String,
     },
     /// The node cannot be reached or its connection was lost and could not be re-established.
+    /// Did not apply: a connection fails this way only before the operation posted anything
+    /// (afterwards, the failure is [`Error::Unresolved`] or [`Error::WorkCompletion`]).
     #[error("node unreachable at {address}: {reason}")]
     NodeUnreachable {
         /// The node's control address.
@@ -46,24 +55,30 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
-    /// The operation passed its deadline. For a mutation, its effect is unknown.
-    #[error("{operation} timed out after {deadline:?}")]
+    /// The operation passed its deadline. `may_have_applied` says whether a publishing CAS had
+    /// been posted without a completion showing that it lost.
+    #[error("{operation} timed out after {deadline:?}{}", if *may_have_applied { " (it may have applied)" } else { " (it did not apply)" })]
     TimedOut {
         /// The operation.
         operation: &'static str,
         /// The deadline.
         deadline: Duration,
+        /// Whether the operation may have applied.
+        may_have_applied: bool,
     },
-    /// The final compare-and-swap was posted but its completion failed: the mutation may or
-    /// may not have happened. It is never retried silently.
-    #[error("{operation} outcome unknown: its compare-and-swap completed with {status}")]
+    /// A failure struck after the operation's publishing CAS (its linearization point) was
+    /// posted and before its completion showed the outcome: the mutation may or may not have
+    /// happened. Never retried. May have applied.
+    #[error("{operation} outcome unknown (it may have applied): {source}")]
     Unresolved {
         /// The operation.
         operation: &'static str,
-        /// The completion status.
-        status: WorkCompletionStatus,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
     },
-    /// A one-sided request failed where a retry is not safe or retries ran out.
+    /// A one-sided request failed before the operation could apply (a READ, a block WRITE, or
+    /// a CAS of a tentative slot, which readers never see). Did not apply.
     #[error("{operation}: a one-sided request completed with {status}")]
     WorkCompletion {
         /// The operation.
@@ -71,7 +86,8 @@ pub enum Error {
         /// The completion status.
         status: WorkCompletionStatus,
     },
-    /// The operation lost its slot CAS race too many times in a row.
+    /// The operation lost its slot CAS race too many times in a row; every lost CAS had no
+    /// effect. Did not apply.
     #[error("{operation}: gave up after {attempts} lost compare-and-swap races on one key")]
     Contention {
         /// The operation.
@@ -79,44 +95,67 @@ pub enum Error {
         /// Attempts made.
         attempts: u32,
     },
-    /// Blocks kept failing their checksum after the bounded retries.
-    #[error("{operation}: block checksum mismatch after {attempts} attempts")]
+    /// Reads kept meeting blocks that fail their checksum (or torn slots) after the bounded
+    /// re-reads of one lookup. Did not apply.
+    #[error("{operation}: block checksum mismatch after {attempts} reads of the buckets")]
     Corrupt {
         /// The operation.
         operation: &'static str,
         /// Attempts made.
         attempts: u32,
     },
-    /// The server refused a control request.
+    /// The server refused a control request. Did not apply.
     #[error("the server refused: {reason}")]
     Refused {
         /// The server's reason.
         reason: String,
     },
-    /// The cluster file is invalid.
+    /// The cluster file is invalid. Did not apply.
     #[error("{reason}")]
     Config {
         /// The validation error (file, line, field).
         reason: String,
     },
-    /// The control plane failed.
+    /// The control plane failed (asking for a heap chunk, which comes before any CAS). Did not
+    /// apply.
     #[error("control plane: {0}")]
     Control(#[from] rdkv_common::ControlError),
-    /// The fabric or memory layer failed (memlock, connecting the queue pair, ...).
+    /// The fabric or memory layer failed (memlock, connecting the queue pair, a list the queue
+    /// pair refused to post). Did not apply.
     #[error(transparent)]
     Fabric(#[from] rdkv_common::Error),
 }
 
 impl Error {
-    /// Whether the failed operation may have taken effect. `false` means it certainly did not.
-    pub fn may_have_applied(&self) -> bool {
-        matches!(self, Error::Unresolved { .. } | Error::TimedOut { .. })
-    }
-
-    /// Whether retrying on a fresh connection is safe and may succeed.
+    /// Whether retrying on a fresh connection is safe and may succeed, for an operation that
+    /// posted no CAS yet.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::NodeUnreachable { .. } | Error::Control(_))
             || matches!(self, Error::WorkCompletion { status, .. } if status.is_retryable())
+    }
+
+    /// Whether the failed operation may have taken effect. `false` means that it certainly did
+    /// not: no reader ever saw it and none ever will. `true` comes only from
+    /// [`Error::Unresolved`] and from [`Error::TimedOut`] after a publishing CAS was posted.
+    pub fn may_have_applied(&self) -> bool {
+        match self {
+            Error::Unresolved { .. } => true,
+            Error::TimedOut {
+                may_have_applied, ..
+            } => *may_have_applied,
+            Error::InvalidKey { .. }
+            | Error::ValueTooLarge { .. }
+            | Error::TableFull { .. }
+            | Error::AuthenticationFailed { .. }
+            | Error::NodeUnreachable { .. }
+            | Error::WorkCompletion { .. }
+            | Error::Contention { .. }
+            | Error::Corrupt { .. }
+            | Error::Refused { .. }
+            | Error::Config { .. }
+            | Error::Control(_)
+            | Error::Fabric(_) => false,
+        }
     }
 }
 

@@ -17,6 +17,7 @@
 //! - [`client`]: the handle, deadlines, reconnects and safe retries.
 //! - `connection`: the handshake, queue pair, scratch buffers, chunks and control task.
 //! - `operations`: the one-sided algorithms.
+//! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
 //! - [`fault`]: fault injection between the steps of an operation (tests).
@@ -28,6 +29,7 @@ pub mod counters;
 pub mod error;
 pub mod fault;
 mod operations;
+mod progress;
 
 pub use client::Client;
 pub use connection::{ClientConfig, NodeAddress};

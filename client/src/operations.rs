@@ -1,19 +1,25 @@
-//! The one-sided algorithms (RACE-style, out of place). `docs/protocol.md` states them with
-//! their round trips; in short:
+//! The one-sided algorithms (RACE-style, out of place, with tentative inserts).
+//! `docs/protocol.md` states them with their round trips and linearization points; in short:
 //!
-//! - **GET**: READ both combined buckets in one list (round trip 1); READ every block whose slot
-//!   has the key's fingerprint, in one list (round trip 2); verify key and checksum; the match
-//!   at the lowest slot position wins. A checksum mismatch re-reads, a bounded number of times.
-//! - **Mutations**: WRITE the new block into the client's own chunk in the same list as the
-//!   bucket READs; READ the candidate blocks; CAS the winning slot from its old value to the new
-//!   one (an insert CASes the first empty slot, then re-reads to resolve duplicate inserts: the
-//!   lowest position wins, a losing upsert overwrites the winner and removes its own slot, a
-//!   losing insert removes its slot and reports the key present). A lost CAS race re-reads.
-//! - **DELETE**: CAS every slot holding the key to empty, duplicates first and the winner last,
-//!   in one list.
+//! - **Lookup** (every operation): READ both combined buckets in one list; READ the blocks of
+//!   the fingerprint matches in one list; verify key and checksum. Readers see only committed
+//!   slots; a torn or reused block re-reads the buckets, a bounded number of times, and then
+//!   fails [`Error::Corrupt`] the same way for every operation.
+//! - **GET**: the lookup; linearized at the READ of the committed slot it returns.
+//! - **Key present** (put, update, compare-and-swap): CAS the committed slot from the block read
+//!   to the new block (written into the client's own chunk in the lookup's first list);
+//!   linearized at that CAS. A lost race looks up again.
+//! - **Key absent** (put, insert): CAS the first empty slot to a *tentative* slot and READ the
+//!   buckets again in the same list; if another committed slot holds the key, withdraw the
+//!   tentative slot (the key is present); else CAS every other tentative slot of the key to
+//!   empty, then CAS the own tentative slot to committed: the linearization point. At most one
+//!   slot per key is ever committed, so no duplicate is ever visible and no late resolution
+//!   writes over a newer value.
+//! - **DELETE**: CAS the key's committed slot to empty; linearized there.
 //!
-//! Failures before the final CAS are safe to retry on a new connection; a CAS whose completion
-//! failed is reported as [`Error::Unresolved`], never retried.
+//! Every step goes through [`Scratch::execute`], which records in the operation's
+//! [`Progress`] what was posted: the client never retries an operation once a CAS of it was
+//! posted, and a failure after a publishing CAS is reported as "may have applied".
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,12 +37,14 @@ use crate::connection::{
 };
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
+use crate::progress::Progress;
 
 /// Attempts after lost CAS races before giving up.
 const RACE_ATTEMPTS: u32 = 64;
 
-/// Attempts after checksum mismatches before giving up.
-const CHECKSUM_ATTEMPTS: u32 = 4;
+/// Reads of the buckets in one lookup that may meet a torn slot or a block that fails its
+/// checksum before the lookup gives up with [`Error::Corrupt`].
+const LOOKUP_ATTEMPTS: u32 = 4;
 
 /// Waits before the next attempt after a lost race: a few yields at first (the winner is often a
 /// task of this process), then a random pause of up to 50 µs × 2^(attempt − 4), capped at 3.2 ms,
@@ -102,8 +110,34 @@ struct Match {
     value: Bytes,
 }
 
-/// A block failed its checksum: re-read.
-struct ChecksumMismatch;
+/// What one lookup of a key found.
+#[derive(Debug)]
+struct View {
+    /// Every slot read, with its position, in position order.
+    slots: Vec<(SlotPosition, Slot)>,
+    /// Committed slots holding the key, in position order. At most one is committed at any
+    /// instant; a lookup that reads the buckets while the key moves can see two.
+    committed: Vec<Match>,
+    /// Other writers' tentative slots holding the key (only when asked for).
+    tentative: Vec<Match>,
+}
+
+/// Which slots a lookup reads blocks for.
+#[derive(Debug, Clone, Copy)]
+enum Candidates {
+    /// Committed slots only (readers, and writers before they place a tentative slot).
+    Committed,
+    /// Committed and tentative slots, except the caller's own tentative slot.
+    AllBut(SlotPosition),
+}
+
+/// The next list of a lookup: its kind, and requests that go before the bucket READs.
+struct FirstList {
+    /// The step's kind.
+    kind: StepKind,
+    /// Requests posted ahead of the bucket READs in the same list.
+    before: Vec<WorkRequest>,
+}
 
 fn layout_error(error: LayoutError) -> Error {
     match error {
@@ -118,19 +152,12 @@ fn layout_error(error: LayoutError) -> Error {
     }
 }
 
-/// Maps a failure before the final CAS: safe to retry on a new connection.
-fn read_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
+/// Maps a failed list. Whether the operation may have applied is the client's call (from the
+/// operation's [`Progress`]), not this error's.
+fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
     move |error| match error {
         ExecuteError::Post(error) => Error::Fabric(error),
         ExecuteError::Completion(status) => Error::WorkCompletion { operation, status },
-    }
-}
-
-/// Maps a failure of the final CAS: the outcome is unknown.
-fn cas_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
-    move |error| match error {
-        ExecuteError::Post(error) => Error::Fabric(error),
-        ExecuteError::Completion(status) => Error::Unresolved { operation, status },
     }
 }
 
@@ -181,24 +208,84 @@ fn read_slots(scratch: &Scratch, location: &KeyLocation) -> Result<Vec<(SlotPosi
     Ok(slots)
 }
 
-/// Reads the blocks of the fingerprint matches and returns those holding `key`, lowest
-/// position first. A block that fails its checksum, or that holds a key which could not live in
-/// the slot that pointed to it (a torn slot read), asks the caller to read the buckets again.
-async fn find_matches(
+/// A block failed its checksum or was pointed at by a torn slot: read the buckets again.
+struct Reread;
+
+/// The one lookup routine: READ the buckets (after `first.before`, in one list), READ the
+/// blocks of the fingerprint matches among `candidates`, and sort the slots that hold `key`
+/// into committed and tentative. A torn slot or a block that fails its checksum reads the
+/// buckets again, at most [`LOOKUP_ATTEMPTS`] times in all, then fails [`Error::Corrupt`].
+async fn lookup(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    key: &[u8],
+    location: &KeyLocation,
+    first: FirstList,
+    candidates: Candidates,
+) -> Result<View> {
+    let mut next = Some(first);
+    for _ in 0..LOOKUP_ATTEMPTS {
+        let (kind, mut list) = match next.take() {
+            Some(first) => (first.kind, first.before),
+            None => (StepKind::ReadBuckets, Vec::new()),
+        };
+        list.extend(bucket_reads(scratch, location));
+        scratch
+            .execute(operation, kind, list)
+            .await
+            .map_err(step_failure(operation))?;
+        let slots = read_slots(scratch, location)?;
+        match read_candidates(scratch, operation, key, location, &slots, candidates).await? {
+            Ok((committed, tentative)) => {
+                return Ok(View {
+                    slots,
+                    committed,
+                    tentative,
+                })
+            }
+            Err(Reread) => {
+                scratch
+                    .connection()
+                    .counters
+                    .checksum_retries
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    Err(Error::Corrupt {
+        operation,
+        attempts: LOOKUP_ATTEMPTS,
+    })
+}
+
+/// Reads the blocks of the fingerprint matches among `candidates` and returns the committed and
+/// the tentative slots holding `key`, each in position order. A block that fails its checksum,
+/// or that holds a key which could not live in the slot that pointed to it (a torn slot read),
+/// asks the caller to read the buckets again.
+async fn read_candidates(
     scratch: &mut Scratch,
     operation: &'static str,
     key: &[u8],
     location: &KeyLocation,
     slots: &[(SlotPosition, Slot)],
-) -> Result<std::result::Result<Vec<Match>, ChecksumMismatch>> {
-    let candidates: Vec<(SlotPosition, Slot)> = slots
+    candidates: Candidates,
+) -> Result<std::result::Result<(Vec<Match>, Vec<Match>), Reread>> {
+    let wanted: Vec<(SlotPosition, Slot)> = slots
         .iter()
         .copied()
-        .filter(|(_, slot)| !slot.is_empty() && slot.fingerprint() == location.fingerprint)
+        .filter(|(position, slot)| {
+            !slot.is_empty()
+                && slot.fingerprint() == location.fingerprint
+                && match candidates {
+                    Candidates::Committed => slot.is_committed(),
+                    Candidates::AllBut(mine) => *position != mine,
+                }
+        })
         .collect();
-    let mut matches = Vec::new();
+    let mut committed = Vec::new();
+    let mut tentative = Vec::new();
     let heap_key = scratch.connection().keys.heap_key;
-    let mut remaining = candidates.as_slice();
+    let mut remaining = wanted.as_slice();
     while !remaining.is_empty() {
         // As many candidates as fit the read area go in one list.
         let mut used = 0u64;
@@ -230,7 +317,7 @@ async fn find_matches(
         scratch
             .execute(operation, StepKind::ReadBlocks, list)
             .await
-            .map_err(read_failure(operation))?;
+            .map_err(step_failure(operation))?;
         for (position, slot, at) in round {
             let mut bytes = vec![0u8; slot.block_length() as usize];
             scratch
@@ -241,11 +328,16 @@ async fn find_matches(
                     // The value is a slice of the block just read: no further copy.
                     let start = block.value.as_ptr() as usize - bytes.as_ptr() as usize;
                     let end = start + block.value.len();
-                    matches.push(Match {
+                    let found = Match {
                         position,
                         slot,
                         value: Bytes::from(bytes).slice(start..end),
-                    })
+                    };
+                    if slot.is_tentative() {
+                        tentative.push(found);
+                    } else {
+                        committed.push(found);
+                    }
                 }
                 Ok(block) => {
                     // Another key's block: a fingerprint collision if that key really lives
@@ -256,94 +348,106 @@ async fn find_matches(
                     if other.fingerprint != slot.fingerprint()
                         || !other.combined_buckets.contains(&position.combined_bucket)
                     {
-                        return Ok(Err(ChecksumMismatch));
+                        return Ok(Err(Reread));
                     }
                 }
-                Err(BlockError::Checksum | BlockError::Malformed { .. }) => {
-                    return Ok(Err(ChecksumMismatch))
-                }
+                Err(BlockError::Checksum | BlockError::Malformed { .. }) => return Ok(Err(Reread)),
             }
         }
     }
-    matches.sort_by_key(|found| found.position);
-    Ok(Ok(matches))
+    committed.sort_by_key(|found| found.position);
+    tentative.sort_by_key(|found| found.position);
+    Ok(Ok((committed, tentative)))
 }
 
-/// One CAS of a slot; `Ok(true)` when it swapped.
-async fn compare_and_swap_slot(
+/// The CAS of one slot from `expected` to `new`, as a request whose result lands in CAS result
+/// `index` of the scratch buffer.
+fn slot_cas(
+    scratch: &Scratch,
+    index: u64,
+    position: SlotPosition,
+    expected: Slot,
+    new: Slot,
+) -> WorkRequest {
+    let connection = scratch.connection();
+    WorkRequest::compare_and_swap(
+        index,
+        scratch
+            .region()
+            .segment(scratch.base + CAS_RESULTS_AT + index * 8, 8),
+        connection
+            .keys
+            .index_key
+            .at(connection.welcome.geometry.slot_offset(position)),
+        expected.0,
+        new.0,
+    )
+}
+
+/// The original value returned by CAS `index` of the last list.
+fn cas_original(scratch: &Scratch, index: u64) -> Result<Slot> {
+    Ok(Slot(
+        scratch
+            .region()
+            .load_u64(scratch.base + CAS_RESULTS_AT + index * 8)?,
+    ))
+}
+
+/// One CAS of one slot as its own step; `Ok(true)` when it swapped. A publishing CAS that lost
+/// is recorded as having had no effect.
+async fn cas_step(
     scratch: &mut Scratch,
     operation: &'static str,
+    kind: StepKind,
     position: SlotPosition,
     expected: Slot,
     new: Slot,
 ) -> Result<bool> {
-    let connection = scratch.connection().clone();
-    let geometry = &connection.welcome.geometry;
-    let request = WorkRequest::compare_and_swap(
-        0,
-        scratch.region().segment(scratch.base + CAS_RESULTS_AT, 8),
-        connection.keys.index_key.at(geometry.slot_offset(position)),
-        expected.0,
-        new.0,
-    );
+    let request = slot_cas(scratch, 0, position, expected, new);
     scratch
-        .execute(operation, StepKind::Replace, vec![request])
+        .execute(operation, kind, vec![request])
         .await
-        .map_err(cas_failure(operation))?;
-    let original = scratch.region().load_u64(scratch.base + CAS_RESULTS_AT)?;
-    let swapped = original == expected.0;
+        .map_err(step_failure(operation))?;
+    let swapped = cas_original(scratch, 0)? == expected;
     if !swapped {
-        connection
-            .counters
-            .cas_failures
-            .fetch_add(1, Ordering::Relaxed);
+        scratch.lost_race(kind);
     }
     Ok(swapped)
 }
 
-fn checksum_retry(connection: &NodeConnection) {
-    connection
-        .counters
-        .checksum_retries
-        .fetch_add(1, Ordering::Relaxed);
-}
-
 /// GET: two round trips when the key has a fingerprint match, one when it has none.
-pub(crate) async fn get(connection: &Arc<NodeConnection>, key: &[u8]) -> Result<Option<Bytes>> {
+pub(crate) async fn get(
+    connection: &Arc<NodeConnection>,
+    progress: Arc<Progress>,
+    key: &[u8],
+) -> Result<Option<Bytes>> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
-    let mut scratch = connection.scratch().await;
-    for _ in 0..CHECKSUM_ATTEMPTS {
-        scratch
-            .execute(
-                "get",
-                StepKind::ReadBuckets,
-                bucket_reads(&scratch, &location),
-            )
-            .await
-            .map_err(read_failure("get"))?;
-        let slots = read_slots(&scratch, &location)?;
-        match find_matches(&mut scratch, "get", key, &location, &slots).await? {
-            Ok(matches) => {
-                let counters = &connection.counters;
-                counters.gets.fetch_add(1, Ordering::Relaxed);
-                counters
-                    .get_round_trips
-                    .fetch_add(scratch.round_trips, Ordering::Relaxed);
-                return Ok(matches.into_iter().next().map(|found| found.value));
-            }
-            Err(ChecksumMismatch) => checksum_retry(connection),
-        }
-    }
-    Err(Error::Corrupt {
-        operation: "get",
-        attempts: CHECKSUM_ATTEMPTS,
-    })
+    let mut scratch = connection.scratch(progress).await;
+    let view = lookup(
+        &mut scratch,
+        "get",
+        key,
+        &location,
+        FirstList {
+            kind: StepKind::ReadBuckets,
+            before: Vec::new(),
+        },
+        Candidates::Committed,
+    )
+    .await?;
+    let counters = &connection.counters;
+    counters.gets.fetch_add(1, Ordering::Relaxed);
+    counters
+        .get_round_trips
+        .fetch_add(scratch.round_trips, Ordering::Relaxed);
+    Ok(view.committed.into_iter().next().map(|found| found.value))
 }
 
 /// Every mutation but delete.
 pub(crate) async fn mutate(
     connection: &Arc<NodeConnection>,
+    progress: Arc<Progress>,
     operation: &'static str,
     key: &[u8],
     value: &[u8],
@@ -352,7 +456,7 @@ pub(crate) async fn mutate(
     check_key_value(key, value).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
     let _turn = connection.writer_turn(&location).await;
-    let mut scratch = connection.scratch().await;
+    let mut scratch = connection.scratch(progress).await;
     let mut block = Vec::with_capacity(value.len() + key.len() + 64);
     let units = encode_block(key, value, &mut block);
     scratch
@@ -360,6 +464,7 @@ pub(crate) async fn mutate(
         .write(scratch.base + WRITE_BLOCK_AT, &block)?;
     let place = connection.place_block(block.len() as u64).await?;
     let new_slot = Slot::new(location.fingerprint, units, place.heap_offset);
+    // The block WRITE rides in the same list as the first bucket READs.
     let mut block_write = Some(
         WorkRequest::write(
             u64::MAX,
@@ -370,45 +475,41 @@ pub(crate) async fn mutate(
         )
         .with_signaled(false),
     );
-    let mut checksum_failures = 0;
     for attempt in 0..RACE_ATTEMPTS {
-        // The block WRITE rides in the same list as the first bucket READs.
-        let mut list: Vec<WorkRequest> = block_write.take().into_iter().collect();
-        list.extend(bucket_reads(&scratch, &location));
-        scratch
-            .execute(operation, StepKind::ReadBuckets, list)
-            .await
-            .map_err(read_failure(operation))?;
-        let slots = read_slots(&scratch, &location)?;
-        let matches = match find_matches(&mut scratch, operation, key, &location, &slots).await? {
-            Ok(matches) => matches,
-            Err(ChecksumMismatch) => {
-                checksum_retry(connection);
-                checksum_failures += 1;
-                if checksum_failures >= CHECKSUM_ATTEMPTS {
-                    return Err(Error::Corrupt {
-                        operation,
-                        attempts: checksum_failures,
-                    });
-                }
-                continue;
-            }
+        let first = FirstList {
+            kind: StepKind::ReadBuckets,
+            before: block_write.take().into_iter().collect(),
         };
-        match (mutation, matches.first()) {
+        let view = lookup(
+            &mut scratch,
+            operation,
+            key,
+            &location,
+            first,
+            Candidates::Committed,
+        )
+        .await?;
+        if view.committed.len() > 1 {
+            // Read while the key moved (deleted here, inserted there): look again.
+            back_off(attempt).await;
+            continue;
+        }
+        match (mutation, view.committed.first()) {
             (Mutation::Insert, Some(_)) => return Ok(MutationOutcome::Present),
             (Mutation::Update, None) => return Ok(MutationOutcome::Absent),
             (Mutation::CompareAndSwap { .. }, None) => return Ok(MutationOutcome::Mismatch(None)),
-            (Mutation::CompareAndSwap { expected }, Some(winner))
-                if winner.value.as_ref() != expected =>
+            (Mutation::CompareAndSwap { expected }, Some(current))
+                if current.value.as_ref() != expected =>
             {
-                return Ok(MutationOutcome::Mismatch(Some(winner.value.clone())))
+                return Ok(MutationOutcome::Mismatch(Some(current.value.clone())))
             }
-            (_, Some(winner)) => {
-                if compare_and_swap_slot(
+            (_, Some(current)) => {
+                if cas_step(
                     &mut scratch,
                     operation,
-                    winner.position,
-                    winner.slot,
+                    StepKind::Replace,
+                    current.position,
+                    current.slot,
                     new_slot,
                 )
                 .await?
@@ -417,28 +518,24 @@ pub(crate) async fn mutate(
                 }
             }
             (Mutation::Upsert | Mutation::Insert, None) => {
-                let Some((empty, _)) = slots.iter().find(|(_, slot)| slot.is_empty()) else {
+                let Some((empty, _)) = view.slots.iter().find(|(_, slot)| slot.is_empty()) else {
                     return Err(Error::TableFull {
                         reason: format!(
                             "all {} candidate slots of this key are taken; the index has {} buckets: raise index_size",
-                            slots.len(),
+                            view.slots.len(),
                             connection.welcome.geometry.bucket_count
                         ),
                     });
                 };
-                if compare_and_swap_slot(&mut scratch, operation, *empty, Slot::EMPTY, new_slot)
+                match insert_absent(&mut scratch, operation, key, &location, *empty, new_slot)
                     .await?
                 {
-                    return resolve_duplicates(
-                        &mut scratch,
-                        operation,
-                        key,
-                        &location,
-                        *empty,
-                        new_slot,
-                        mutation,
-                    )
-                    .await;
+                    Inserted::Committed => return Ok(MutationOutcome::Applied),
+                    Inserted::Present if matches!(mutation, Mutation::Insert) => {
+                        return Ok(MutationOutcome::Present)
+                    }
+                    // An upsert that found the key present replaces it on the next pass.
+                    Inserted::Present | Inserted::Lost => {}
                 }
             }
         }
@@ -450,127 +547,180 @@ pub(crate) async fn mutate(
     })
 }
 
-/// After an insert's CAS: re-read; if another slot holds the key at a lower position, that slot
-/// wins. A losing insert removes its slot and reports the key present; a losing upsert writes its
-/// block into the winner and then removes its own slot.
-async fn resolve_duplicates(
+/// How an insert of an absent key ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inserted {
+    /// The tentative slot was committed: the insert happened.
+    Committed,
+    /// Another slot holds the key, committed; the tentative slot was withdrawn.
+    Present,
+    /// The empty slot was taken first, or another inserter withdrew the tentative slot: try
+    /// again from the lookup.
+    Lost,
+}
+
+/// Inserts `new_slot` into the empty slot at `empty`: place it tentative (readers ignore it) and
+/// re-read the buckets in one list; withdraw if the key is committed elsewhere; withdraw the
+/// other inserters' tentative slots of the key; commit. Why this never leaves two committed
+/// slots of one key: `docs/protocol.md`, *Inserts*.
+async fn insert_absent(
     scratch: &mut Scratch,
     operation: &'static str,
     key: &[u8],
     location: &KeyLocation,
-    mine: SlotPosition,
+    empty: SlotPosition,
     new_slot: Slot,
-    mutation: Mutation<'_>,
-) -> Result<MutationOutcome> {
-    for attempt in 0..RACE_ATTEMPTS {
-        scratch
-            .execute(
-                operation,
-                StepKind::ReadBuckets,
-                bucket_reads(scratch, location),
-            )
-            .await
-            .map_err(read_failure(operation))?;
-        let slots = read_slots(scratch, location)?;
-        let matches = match find_matches(scratch, operation, key, location, &slots).await? {
-            Ok(matches) => matches,
-            Err(ChecksumMismatch) => {
-                checksum_retry(scratch.connection());
+) -> Result<Inserted> {
+    let tentative = new_slot.tentative();
+    let mut next = FirstList {
+        kind: StepKind::PlaceTentative,
+        before: vec![slot_cas(scratch, 0, empty, Slot::EMPTY, tentative)],
+    };
+    for round in 0..RACE_ATTEMPTS {
+        let placing = round == 0;
+        let view = lookup(
+            scratch,
+            operation,
+            key,
+            location,
+            std::mem::replace(
+                &mut next,
+                FirstList {
+                    kind: StepKind::ReadBuckets,
+                    before: Vec::new(),
+                },
+            ),
+            Candidates::AllBut(empty),
+        )
+        .await?;
+        if placing && cas_original(scratch, 0)? != Slot::EMPTY {
+            scratch.lost_race(StepKind::PlaceTentative);
+            return Ok(Inserted::Lost);
+        }
+        if !view.committed.is_empty() {
+            withdraw(scratch, operation, empty, tentative).await?;
+            return Ok(Inserted::Present);
+        }
+        if !view.tentative.is_empty() {
+            let kills: Vec<WorkRequest> = view
+                .tentative
+                .iter()
+                .take(32)
+                .enumerate()
+                .map(|(index, other)| {
+                    slot_cas(
+                        scratch,
+                        index as u64,
+                        other.position,
+                        other.slot,
+                        Slot::EMPTY,
+                    )
+                    .with_signaled(index + 1 == view.tentative.len().min(32))
+                })
+                .collect();
+            let count = kills.len();
+            scratch
+                .execute(operation, StepKind::KillTentatives, kills)
+                .await
+                .map_err(step_failure(operation))?;
+            let mut all_withdrawn = true;
+            for (index, other) in view.tentative.iter().take(count).enumerate() {
+                let original = cas_original(scratch, index as u64)?;
+                if original == other.slot.committed() {
+                    // Its inserter committed first: the key is present.
+                    withdraw(scratch, operation, empty, tentative).await?;
+                    return Ok(Inserted::Present);
+                }
+                all_withdrawn &= original == other.slot;
+            }
+            if !all_withdrawn || view.tentative.len() > count {
+                // A slot changed under us (committed and then moved, or reused): read again
+                // before deciding.
                 continue;
             }
-        };
-        let Some(winner) = matches.first() else {
-            // Deleted by someone else after our insert: our insert happened.
-            return Ok(MutationOutcome::Applied);
-        };
-        if winner.position == mine {
-            return Ok(MutationOutcome::Applied);
         }
-        match mutation {
-            Mutation::Insert => {
-                compare_and_swap_slot(scratch, operation, mine, new_slot, Slot::EMPTY).await?;
-                return Ok(MutationOutcome::Present);
-            }
-            _ => {
-                if compare_and_swap_slot(scratch, operation, winner.position, winner.slot, new_slot)
-                    .await?
-                {
-                    compare_and_swap_slot(scratch, operation, mine, new_slot, Slot::EMPTY).await?;
-                    return Ok(MutationOutcome::Applied);
-                }
-            }
-        }
-        back_off(attempt).await;
+        return Ok(
+            if cas_step(
+                scratch,
+                operation,
+                StepKind::Commit,
+                empty,
+                tentative,
+                new_slot,
+            )
+            .await?
+            {
+                Inserted::Committed
+            } else {
+                Inserted::Lost
+            },
+        );
     }
-    Err(Error::Contention {
-        operation,
-        attempts: RACE_ATTEMPTS,
-    })
+    withdraw(scratch, operation, empty, tentative).await?;
+    Ok(Inserted::Lost)
 }
 
-/// DELETE: every slot holding the key goes empty in one list, duplicates first, winner last.
-/// `Ok(false)` when the key was absent.
-pub(crate) async fn delete(connection: &Arc<NodeConnection>, key: &[u8]) -> Result<bool> {
+/// Withdraws the operation's own tentative slot (it may already have been withdrawn by another
+/// inserter, which is as good).
+async fn withdraw(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    position: SlotPosition,
+    tentative: Slot,
+) -> Result<()> {
+    cas_step(
+        scratch,
+        operation,
+        StepKind::AbortTentative,
+        position,
+        tentative,
+        Slot::EMPTY,
+    )
+    .await
+    .map(drop)
+}
+
+/// DELETE: CAS the key's committed slot to empty. `Ok(false)` when the key was absent.
+pub(crate) async fn delete(
+    connection: &Arc<NodeConnection>,
+    progress: Arc<Progress>,
+    key: &[u8],
+) -> Result<bool> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
-    let geometry = connection.welcome.geometry;
     let _turn = connection.writer_turn(&location).await;
-    let mut scratch = connection.scratch().await;
+    let mut scratch = connection.scratch(progress).await;
     for attempt in 0..RACE_ATTEMPTS {
-        scratch
-            .execute(
-                "delete",
-                StepKind::ReadBuckets,
-                bucket_reads(&scratch, &location),
-            )
-            .await
-            .map_err(read_failure("delete"))?;
-        let slots = read_slots(&scratch, &location)?;
-        let matches = match find_matches(&mut scratch, "delete", key, &location, &slots).await? {
-            Ok(matches) => matches,
-            Err(ChecksumMismatch) => {
-                checksum_retry(connection);
-                continue;
-            }
-        };
-        if matches.is_empty() {
-            return Ok(false);
-        }
-        let ordered: Vec<&Match> = matches.iter().rev().take(32).collect();
-        let list: Vec<WorkRequest> = ordered
-            .iter()
-            .enumerate()
-            .map(|(index, found)| {
-                WorkRequest::compare_and_swap(
-                    index as u64,
-                    scratch
-                        .region()
-                        .segment(scratch.base + CAS_RESULTS_AT + index as u64 * 8, 8),
-                    connection
-                        .keys
-                        .index_key
-                        .at(geometry.slot_offset(found.position)),
-                    found.slot.0,
-                    0,
+        let view = lookup(
+            &mut scratch,
+            "delete",
+            key,
+            &location,
+            FirstList {
+                kind: StepKind::ReadBuckets,
+                before: Vec::new(),
+            },
+            Candidates::Committed,
+        )
+        .await?;
+        match view.committed.as_slice() {
+            [] => return Ok(false),
+            [current]
+                if cas_step(
+                    &mut scratch,
+                    "delete",
+                    StepKind::Remove,
+                    current.position,
+                    current.slot,
+                    Slot::EMPTY,
                 )
-                .with_signaled(index + 1 == ordered.len())
-            })
-            .collect();
-        let winner_index = ordered.len() as u64 - 1;
-        scratch
-            .execute("delete", StepKind::Remove, list)
-            .await
-            .map_err(cas_failure("delete"))?;
-        let original = scratch
-            .region()
-            .load_u64(scratch.base + CAS_RESULTS_AT + winner_index * 8)?;
-        if original == matches[0].slot.0 {
-            return Ok(true);
+                .await? =>
+            {
+                return Ok(true)
+            }
+            // Lost the race, or read while the key moved: look again.
+            _ => {}
         }
-        connection
-            .counters
-            .cas_failures
-            .fetch_add(1, Ordering::Relaxed);
         back_off(attempt).await;
     }
     Err(Error::Contention {

@@ -5,7 +5,8 @@
 //! region = [ index: bucket_count × 64 B | heap: heap_size B ]      (one mmap, registered once)
 //! bucket = 8 slots × 8 B
 //! combined bucket c = buckets 2c and 2c+1 (128 B, one READ)
-//! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (0..48)
+//! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (6..48)
+//!          | tentative (bit 0; offsets are multiples of 64, so bits 0..6 are free)
 //! block  = key_length u16 | reserved u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
 //! ```
 
@@ -118,8 +119,8 @@ impl KeyLocation {
     }
 }
 
-/// A slot's place: which combined bucket and which of its 16 slots. Positions order duplicate
-/// slots of one key deterministically: first choice before second, lower slot first.
+/// A slot's place: which combined bucket and which of its 16 slots. Positions are ordered first
+/// choice before second, lower slot first: an insert takes the first empty one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SlotPosition {
     /// 0 for the first hash choice, 1 for the second.
@@ -130,7 +131,12 @@ pub struct SlotPosition {
     pub slot: usize,
 }
 
-/// An index slot: fingerprint | length units | heap offset. Zero is empty.
+/// An index slot: fingerprint | length units | heap offset | tentative bit. Zero is empty.
+///
+/// Heap offsets are multiples of 64, so the offset field's low six bits are free; bit 0 marks a
+/// **tentative** slot: an insert's reservation, published before its re-read and invisible to
+/// readers until the inserter CASes it to **committed** (the same word with bit 0 clear). See
+/// `docs/protocol.md`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Slot(pub u64);
 
@@ -138,19 +144,42 @@ impl Slot {
     /// The empty slot.
     pub const EMPTY: Slot = Slot(0);
 
-    /// A slot pointing at a block of `units` 64-byte units at heap offset `offset`.
+    /// The bit that marks a tentative slot.
+    pub const TENTATIVE_BIT: u64 = 1;
+
+    /// A committed slot pointing at a block of `units` 64-byte units at heap offset `offset`.
     pub fn new(fingerprint: u8, units: u8, offset: u64) -> Self {
         debug_assert!(units > 0 && offset < MAX_HEAP_SIZE && offset % BLOCK_UNIT == 0);
         Slot(
             (u64::from(fingerprint) << 56)
                 | (u64::from(units) << 48)
-                | (offset & (MAX_HEAP_SIZE - 1)),
+                | (offset & (MAX_HEAP_SIZE - 1) & !(BLOCK_UNIT - 1)),
         )
     }
 
     /// Whether the slot is empty.
     pub fn is_empty(self) -> bool {
         self.0 == 0
+    }
+
+    /// Whether the slot is an insert's reservation that readers ignore.
+    pub fn is_tentative(self) -> bool {
+        self.0 & Self::TENTATIVE_BIT != 0
+    }
+
+    /// Whether the slot holds a committed (visible) block.
+    pub fn is_committed(self) -> bool {
+        !self.is_empty() && !self.is_tentative()
+    }
+
+    /// The same block, marked tentative.
+    pub fn tentative(self) -> Slot {
+        Slot(self.0 | Self::TENTATIVE_BIT)
+    }
+
+    /// The same block, committed.
+    pub fn committed(self) -> Slot {
+        Slot(self.0 & !Self::TENTATIVE_BIT)
     }
 
     /// The fingerprint.
@@ -170,7 +199,7 @@ impl Slot {
 
     /// The block's heap offset.
     pub fn offset(self) -> u64 {
-        self.0 & (MAX_HEAP_SIZE - 1)
+        self.0 & (MAX_HEAP_SIZE - 1) & !(BLOCK_UNIT - 1)
     }
 
     /// Decodes a slot from the 8 bytes a READ returned (little-endian, as the NIC stores it).
@@ -327,6 +356,13 @@ mod tests {
         assert!(!slot.is_empty());
         assert_eq!(Slot::from_bytes(slot.0.to_le_bytes()), slot);
         assert!(Slot::EMPTY.is_empty());
+        assert!(slot.is_committed() && !slot.is_tentative());
+        let tentative = slot.tentative();
+        assert!(tentative.is_tentative() && !tentative.is_committed() && !tentative.is_empty());
+        assert_eq!(tentative.offset(), slot.offset());
+        assert_eq!(tentative.fingerprint(), 0xAB);
+        assert_eq!(tentative.units(), 3);
+        assert_eq!(tentative.committed(), slot);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::fabric::{QueuePairEndpoint, RemoteKey};
 use crate::layout::TableGeometry;
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -166,6 +166,8 @@ pub struct ServerStats {
     pub chunks_reclaimed: u64,
     /// Live blocks moved out of sparse chunks by compaction since start.
     pub blocks_relocated: u64,
+    /// Abandoned tentative slots cleared by the collector since start.
+    pub tentatives_cleared: u64,
     /// Control messages handled since start.
     pub control_messages: u64,
     /// One-sided requests handled by server application code: always 0 by construction (the

@@ -70,7 +70,9 @@ impl Compactor {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut moved = 0u64;
         let mut block = Vec::new();
-        for (index_offset, slot) in slots {
+        // Only committed blocks move: a tentative slot belongs to an inserter that may still
+        // commit it, which would fail against a moved word (its chunk stays referenced instead).
+        for (index_offset, slot) in slots.iter().filter(|(_, slot)| slot.is_committed()) {
             let chunk = slot.offset() / chunk_size;
             if !candidates.contains(&chunk) {
                 continue;

@@ -65,6 +65,8 @@ pub struct Heap {
     live_bytes: Mutex<Vec<u64>>,
     /// Blocks moved by compaction since start.
     pub blocks_relocated: AtomicU64,
+    /// Abandoned tentative slots cleared by the collector since start.
+    pub tentatives_cleared: AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -88,7 +90,19 @@ impl Heap {
             keys_estimate: AtomicU64::new(0),
             live_bytes: Mutex::new(vec![0; count as usize]),
             blocks_relocated: AtomicU64::new(0),
+            tentatives_cleared: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the block at heap `offset` lies in a chunk sealed at least a quarantine ago: no
+    /// operation that wrote a block there is still running, so a tentative slot pointing at it
+    /// was abandoned (its inserter failed or passed its deadline) and will never be committed.
+    pub fn writer_gone(&self, offset: u64, now: Instant) -> bool {
+        let chunk = (offset / self.chunk_size) as usize;
+        matches!(
+            lock(&self.chunks).get(chunk),
+            Some(ChunkState::Sealed(since)) if now.duration_since(*since) >= self.quarantine
+        )
     }
 
     /// Chunk bytes.
@@ -190,18 +204,19 @@ impl Heap {
             * self.chunk_size
     }
 
-    /// One collection pass over every non-empty slot's (heap offset, block length).
+    /// One collection pass over every referencing slot's (heap offset, block length, whether it
+    /// is committed); committed slots are counted as keys.
     pub fn collect(
         &self,
-        referenced_blocks: impl Iterator<Item = (u64, u64)>,
+        referenced_blocks: impl Iterator<Item = (u64, u64, bool)>,
         now: Instant,
     ) -> CollectionReport {
         let count = self.chunk_count;
         let mut referenced = vec![false; count];
         let mut live = vec![0u64; count];
         let mut keys = 0u64;
-        for (offset, length) in referenced_blocks {
-            keys += 1;
+        for (offset, length, committed) in referenced_blocks {
+            keys += u64::from(committed);
             let chunk = (offset / self.chunk_size) as usize;
             if let Some(flag) = referenced.get_mut(chunk) {
                 *flag = true;
@@ -312,7 +327,7 @@ mod tests {
         let start = Instant::now();
         let second = Duration::from_secs(1);
         heap.collect(std::iter::empty(), start + second);
-        let report = heap.collect([(128u64, 64u64)].into_iter(), start + second * 2);
+        let report = heap.collect([(128u64, 64u64, true)].into_iter(), start + second * 2);
         assert_eq!(
             report,
             CollectionReport {
@@ -343,7 +358,12 @@ mod tests {
         let later = Instant::now() + Duration::from_secs(2);
         // Chunk 0: 60 KiB live (dense); chunk 1: 1 KiB; chunk 2: 8 KiB; chunk 3: free.
         heap.collect(
-            [(0, 60 * 1024), (65536, 1024), (2 * 65536, 8 * 1024)].into_iter(),
+            [
+                (0, 60 * 1024, true),
+                (65536, 1024, true),
+                (2 * 65536, 8 * 1024, true),
+            ]
+            .into_iter(),
             Instant::now(),
         );
         assert_eq!(

@@ -29,7 +29,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 14] = [
+        let definitions: [(&str, &str, Reader); 15] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -72,6 +72,11 @@ impl Metrics {
                 "blocks_relocated_total",
                 "Live blocks moved out of sparse chunks",
                 |stats| stats.blocks_relocated as i64,
+            ),
+            (
+                "tentatives_cleared_total",
+                "Abandoned tentative slots cleared by the collector",
+                |stats| stats.tentatives_cleared as i64,
             ),
             (
                 "control_messages_total",

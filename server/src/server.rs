@@ -3,12 +3,13 @@
 //! heap chunks; shutdown cancels everything and waits for every connection's teardown.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use rand::RngCore;
 use rdkv_common::fabric::{Device, DeviceConfig};
+use rdkv_common::layout::Slot;
 use rdkv_common::memory::PinLimits;
 use rdkv_common::protocol::ServerStats;
 use tokio::net::TcpListener;
@@ -234,6 +235,32 @@ async fn accept_loop(
     }
 }
 
+/// Clears tentative slots whose block lies in a chunk sealed a quarantine ago: their inserter
+/// failed or passed its deadline and can never commit them (`docs/protocol.md`, *Abandoned
+/// tentative slots*). The CAS expects the exact tentative word, so a slot committed or changed
+/// meanwhile is left alone. Cleared slots no longer reference their chunk.
+fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Instant) {
+    slots.retain(|(index_offset, slot)| {
+        if !slot.is_tentative() || !shared.heap.writer_gone(slot.offset(), now) {
+            return true;
+        }
+        match shared
+            .table
+            .region
+            .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
+        {
+            Ok(original) if original == slot.0 => {
+                shared
+                    .heap
+                    .tentatives_cleared
+                    .fetch_add(1, Ordering::Relaxed);
+                false
+            }
+            _ => true,
+        }
+    });
+}
+
 async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut ticks = tokio::time::interval(shared.config.collector_interval);
     loop {
@@ -247,10 +274,11 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
             pass.table
                 .for_each_slot(|index_offset, slot| slots.push((index_offset, slot)));
             let now = Instant::now();
+            clear_abandoned_tentatives(&pass, &mut slots, now);
             let report = pass.heap.collect(
                 slots
                     .iter()
-                    .map(|(_, slot)| (slot.offset(), slot.block_length())),
+                    .map(|(_, slot)| (slot.offset(), slot.block_length(), slot.is_committed())),
                 now,
             );
             pass.compactor.compact(

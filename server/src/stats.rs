@@ -66,6 +66,7 @@ impl Counters {
             chunk_allocations: heap.allocations.load(Ordering::Relaxed),
             chunks_reclaimed: heap.reclaimed.load(Ordering::Relaxed),
             blocks_relocated: heap.blocks_relocated.load(Ordering::Relaxed),
+            tentatives_cleared: heap.tentatives_cleared.load(Ordering::Relaxed),
             control_messages: self.control_messages.load(Ordering::Relaxed),
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),
             fabric_frames_sent: gauges.frames_sent,
