@@ -640,6 +640,12 @@ impl Scratch {
                 tokio::time::sleep(pause).await;
                 Ok(())
             }
+            Injection::WaitFor(gate) => {
+                if let Ok(permit) = gate.acquire().await {
+                    permit.forget();
+                }
+                Ok(())
+            }
             Injection::Fail(status) => {
                 self.connection.mark_broken();
                 Err(ExecuteError::Completion(status))

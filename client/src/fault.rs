@@ -16,9 +16,11 @@
 //! branch per round trip.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkv_common::fabric::WorkCompletionStatus;
+use tokio::sync::Semaphore;
 
 /// Which step of an operation (`docs/protocol.md`, *One-sided operations*).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,12 +88,15 @@ pub struct Step {
 }
 
 /// What to do with a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Injection {
     /// Run it normally.
     Proceed,
     /// Wait this long first (before) or afterwards (after).
     Stall(Duration),
+    /// Wait until the test adds a permit to this semaphore (the permit is consumed): a
+    /// deterministic way to hold an operation between two steps while others run.
+    WaitFor(Arc<Semaphore>),
     /// Fail it with this status: before, without posting it; after, although it ran.
     Fail(WorkCompletionStatus),
 }

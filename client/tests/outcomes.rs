@@ -1,0 +1,417 @@
+//! Every error says truthfully whether its operation may have applied.
+//!
+//! For every operation kind, and for the insert paths that withdraw other inserters' tentative
+//! slots and their own, a dry run records the operation's steps; then, for every step and both
+//! moments (before it is posted, after it ran), a fresh run fails exactly that step and the test
+//! checks the answer against the store:
+//!
+//! - a failure before any CAS was posted is retried on a fresh connection and succeeds, once;
+//! - a failure after a publishing CAS (commit, replace, remove) ran is an error that says "may
+//!   have applied", and the effect is there;
+//! - any other failure is an error that says "did not apply", and the effect is not there;
+//! - afterwards the key works normally: no stray slot of the failed operation ever shows.
+
+use std::sync::{Arc, Mutex};
+
+use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
+use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
+use rdkv_common::fabric::{Backend, WorkCompletionStatus};
+use rdkv_server::{RunningServer, ServerConfig};
+use tokio::sync::{Notify, Semaphore};
+
+const SECRET: &[u8] = b"outcomes-test-secret";
+
+/// Holds an operation before its first step of one kind until the test releases it.
+#[derive(Debug)]
+struct Hold {
+    /// The step to hold before.
+    kind: StepKind,
+    /// Told when the operation reaches it.
+    reached: Arc<Notify>,
+    /// Released by the test.
+    gate: Arc<Semaphore>,
+}
+
+/// Records every step, fails the one at `fail_at` (counting both moments), and holds where told.
+#[derive(Debug, Default)]
+struct Script {
+    /// Steps seen, in order.
+    seen: Mutex<Vec<Step>>,
+    /// The index in `seen` of the step to fail.
+    fail_at: Option<usize>,
+    /// Where to hold, once.
+    hold: Mutex<Option<Hold>>,
+}
+
+impl FaultInjector for Script {
+    fn inject(&self, step: &Step) -> Injection {
+        let index = {
+            let mut seen = self.seen.lock().expect("steps");
+            seen.push(*step);
+            seen.len() - 1
+        };
+        if self.fail_at == Some(index) {
+            return Injection::Fail(WorkCompletionStatus::RetryExceededError);
+        }
+        let mut hold = self.hold.lock().expect("hold");
+        if hold
+            .as_ref()
+            .is_some_and(|hold| hold.kind == step.kind && step.moment == Moment::Before)
+        {
+            let hold = hold.take().expect("checked");
+            hold.reached.notify_one();
+            return Injection::WaitFor(hold.gate);
+        }
+        Injection::Proceed
+    }
+}
+
+impl Script {
+    fn steps(&self) -> Vec<Step> {
+        self.seen.lock().expect("steps").clone()
+    }
+}
+
+/// What the operation under test does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    /// put of an absent key.
+    PutAbsent,
+    /// put over a present key.
+    PutPresent,
+    /// insert of an absent key.
+    InsertAbsent,
+    /// update of a present key.
+    Update,
+    /// compare-and-swap whose expected value matches.
+    CompareAndSwap,
+    /// delete of a present key.
+    Delete,
+    /// insert of a key that has another inserter's abandoned tentative slot: withdraws it.
+    InsertOverAbandoned,
+    /// insert that finds another inserter's tentative slot committed when it tries to withdraw
+    /// it: withdraws its own and reports the key present.
+    InsertLosingToCommit,
+}
+
+const SCENARIOS: [Scenario; 8] = [
+    Scenario::PutAbsent,
+    Scenario::PutPresent,
+    Scenario::InsertAbsent,
+    Scenario::Update,
+    Scenario::CompareAndSwap,
+    Scenario::Delete,
+    Scenario::InsertOverAbandoned,
+    Scenario::InsertLosingToCommit,
+];
+
+/// The new value every mutation writes.
+const NEW: &[u8] = b"new";
+/// The value present before.
+const OLD: &[u8] = b"old";
+
+fn client_config(server: &RunningServer, script: Option<Arc<Script>>) -> ClientConfig {
+    let mut config = ClientConfig::new(server.control_address(), Backend::Soft, SECRET);
+    config.concurrency = 1;
+    config.fault_injector = script.map(|script| script as Arc<dyn FaultInjector>);
+    config
+}
+
+/// The operation's result, reduced to whether it reported success.
+async fn operate(scenario: Scenario, client: &Client, key: &[u8]) -> Result<bool, Error> {
+    match scenario {
+        Scenario::PutAbsent | Scenario::PutPresent => client.put(key, NEW).await.map(|()| true),
+        Scenario::InsertAbsent | Scenario::InsertOverAbandoned | Scenario::InsertLosingToCommit => {
+            client.insert(key, NEW).await
+        }
+        Scenario::Update => client.update(key, NEW).await,
+        Scenario::CompareAndSwap => client
+            .compare_and_swap(key, OLD, NEW)
+            .await
+            .map(|outcome| outcome == CasOutcome::Swapped),
+        Scenario::Delete => client.delete(key).await,
+    }
+}
+
+/// Whether the store shows the operation's effect.
+async fn applied(scenario: Scenario, admin: &Client, key: &[u8]) -> bool {
+    let value = admin.get(key).await.expect("get");
+    match scenario {
+        Scenario::Delete => value.is_none(),
+        _ => value.as_deref() == Some(NEW),
+    }
+}
+
+/// Runs `scenario` on `key` with `script` as the client's injector; returns its result.
+async fn run_case(
+    server: &RunningServer,
+    admin: &Client,
+    scenario: Scenario,
+    key: &[u8],
+    script: Arc<Script>,
+) -> Result<bool, Error> {
+    match scenario {
+        Scenario::PutAbsent | Scenario::InsertAbsent => {}
+        Scenario::PutPresent | Scenario::Update | Scenario::CompareAndSwap | Scenario::Delete => {
+            admin.put(key, OLD).await.expect("set up the old value")
+        }
+        Scenario::InsertOverAbandoned => {
+            // An inserter whose completion is lost right after it placed its tentative slot:
+            // it reports "did not apply" and leaves the slot behind.
+            let abandon = Arc::new(Script {
+                fail_at: Some(3),
+                ..Script::default()
+            });
+            let abandoning = Client::connect(client_config(server, Some(abandon.clone())))
+                .await
+                .expect("connect");
+            let error = abandoning
+                .insert(key, b"abandoned")
+                .await
+                .expect_err("the injected failure");
+            assert_eq!(
+                abandon.steps()[3].kind,
+                StepKind::PlaceTentative,
+                "{:?}",
+                abandon.steps()
+            );
+            assert!(!error.may_have_applied(), "{error}");
+            assert_eq!(
+                admin.get(key).await.expect("get"),
+                None,
+                "tentative is invisible"
+            );
+        }
+        Scenario::InsertLosingToCommit => {
+            // The other inserter places its tentative slot and is held before its commit; ours
+            // sees that slot and is held before withdrawing it; the other commits; ours then
+            // finds the slot committed.
+            let other_script = Arc::new(Script::default());
+            let other_gate = Arc::new(Semaphore::new(0));
+            let other_reached = Arc::new(Notify::new());
+            *other_script.hold.lock().expect("hold") = Some(Hold {
+                kind: StepKind::Commit,
+                reached: other_reached.clone(),
+                gate: other_gate.clone(),
+            });
+            let our_gate = Arc::new(Semaphore::new(0));
+            let our_reached = Arc::new(Notify::new());
+            *script.hold.lock().expect("hold") = Some(Hold {
+                kind: StepKind::KillTentatives,
+                reached: our_reached.clone(),
+                gate: our_gate.clone(),
+            });
+            let other = Client::connect(client_config(server, Some(other_script)))
+                .await
+                .expect("connect");
+            let ours = Client::connect(client_config(server, Some(script.clone())))
+                .await
+                .expect("connect");
+            let other_key = key.to_vec();
+            let other_insert =
+                tokio::spawn(async move { other.insert(&other_key, b"other").await });
+            other_reached.notified().await;
+            let our_key = key.to_vec();
+            let mut our_insert = tokio::spawn(async move {
+                operate(Scenario::InsertLosingToCommit, &ours, &our_key).await
+            });
+            // Ours holds before withdrawing, or ended early (an injected failure).
+            let ended_early = tokio::select! {
+                _ = our_reached.notified() => None,
+                result = &mut our_insert => Some(result.expect("our task")),
+            };
+            other_gate.add_permits(1);
+            assert!(
+                other_insert
+                    .await
+                    .expect("other task")
+                    .expect("other insert"),
+                "the other insert commits"
+            );
+            if let Some(result) = ended_early {
+                return result;
+            }
+            our_gate.add_permits(1);
+            return our_insert.await.expect("our task");
+        }
+    }
+    let client = Client::connect(client_config(server, Some(script)))
+        .await
+        .expect("connect");
+    let result = operate(scenario, &client, key).await;
+    client.close().await;
+    result
+}
+
+/// The expected answer for a failure injected at `index` of the dry run's `steps`.
+#[derive(Debug, PartialEq, Eq)]
+enum Expected {
+    /// Retried transparently: the operation succeeds.
+    Retried,
+    /// An error that says "may have applied", with the effect present.
+    MayHaveApplied,
+    /// An error that says "did not apply", with the effect absent.
+    DidNotApply,
+}
+
+fn expected(steps: &[Step], index: usize) -> Expected {
+    let step = steps[index];
+    let posted_before =
+        |step: &Step| step.kind != StepKind::ReadBuckets && step.kind != StepKind::ReadBlocks;
+    let cas_posted = steps[..index]
+        .iter()
+        .any(|earlier| earlier.moment == Moment::After && posted_before(earlier))
+        || (step.moment == Moment::After && posted_before(&step));
+    if step.moment == Moment::After && step.kind.publishes() {
+        Expected::MayHaveApplied
+    } else if cas_posted {
+        Expected::DidNotApply
+    } else {
+        Expected::Retried
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_failure_says_whether_its_operation_may_have_applied() {
+    // Every case opens new connections, and each takes a heap chunk on its first write: small
+    // chunks and a short deadline (so sealed chunks come back quickly) keep the heap from
+    // running out.
+    let mut config = ServerConfig::local(SECRET);
+    config.chunk_size = 16 * 1024;
+    config.operation_deadline = std::time::Duration::from_millis(500);
+    let server = rdkv_server::start(config).await.expect("start server");
+    let admin = Client::connect(client_config(&server, None))
+        .await
+        .expect("connect");
+    let mut kinds_failed = std::collections::HashSet::new();
+    let mut cases = 0;
+    for scenario in SCENARIOS {
+        let dry = Arc::new(Script::default());
+        let key = format!("{scenario:?}-dry");
+        let reported = run_case(&server, &admin, scenario, key.as_bytes(), dry.clone())
+            .await
+            .unwrap_or_else(|error| panic!("{scenario:?} without failures: {error}"));
+        let steps = dry.steps();
+        let succeeds = scenario != Scenario::InsertLosingToCommit;
+        assert_eq!(reported, succeeds, "{scenario:?}: {steps:?}");
+        assert_eq!(
+            applied(scenario, &admin, key.as_bytes()).await,
+            succeeds,
+            "{scenario:?}"
+        );
+        for index in 0..steps.len() {
+            let key = format!("{scenario:?}-{index}");
+            let script = Arc::new(Script {
+                fail_at: Some(index),
+                ..Script::default()
+            });
+            let result = run_case(&server, &admin, scenario, key.as_bytes(), script).await;
+            let effect = applied(scenario, &admin, key.as_bytes()).await;
+            let want = if succeeds {
+                expected(&steps, index)
+            } else {
+                // This insert never applies; a failure before any CAS is retried and finds the
+                // key present.
+                match expected(&steps, index) {
+                    Expected::MayHaveApplied => unreachable!("it publishes nothing"),
+                    other => other,
+                }
+            };
+            let context = format!(
+                "{scenario:?}, failure at {:?}: {result:?}, effect {effect}",
+                steps[index]
+            );
+            match want {
+                Expected::Retried => {
+                    assert_eq!(result.as_ref().ok(), Some(&succeeds), "{context}");
+                    assert_eq!(effect, succeeds, "{context}");
+                }
+                Expected::MayHaveApplied => {
+                    let error = result.as_ref().expect_err(&context);
+                    assert!(error.may_have_applied(), "{context}");
+                    assert!(matches!(error, Error::Unresolved { .. }), "{context}");
+                    assert!(effect, "{context}: a completed publishing CAS took effect");
+                }
+                Expected::DidNotApply => {
+                    let error = result.as_ref().expect_err(&context);
+                    assert!(!error.may_have_applied(), "{context}");
+                    assert!(!effect, "{context}: reported as not applied");
+                }
+            }
+            kinds_failed.insert(steps[index].kind);
+            cases += 1;
+            // The key works normally afterwards: a stray slot of the failed operation would
+            // show up here as a second value or a key that does not go away.
+            admin
+                .put(key.as_bytes(), b"after")
+                .await
+                .expect("put after");
+            assert_eq!(
+                admin.get(key.as_bytes()).await.expect("get").as_deref(),
+                Some(&b"after"[..]),
+                "{context}"
+            );
+            assert!(
+                admin.delete(key.as_bytes()).await.expect("delete"),
+                "{context}"
+            );
+            assert_eq!(
+                admin.get(key.as_bytes()).await.expect("get"),
+                None,
+                "{context}"
+            );
+        }
+    }
+    for kind in StepKind::ALL {
+        assert!(
+            kinds_failed.contains(&kind),
+            "no case failed a {kind:?} step: {kinds_failed:?}"
+        );
+    }
+    eprintln!("{cases} injected failures checked");
+}
+
+/// A tentative slot whose inserter failed is cleared by the server's collector once its chunk
+/// has been sealed for a quarantine, so abandoned inserts do not use up index slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_collector_clears_an_abandoned_tentative_slot() {
+    let mut config = ServerConfig::local(SECRET);
+    config.operation_deadline = std::time::Duration::from_millis(200);
+    config.collector_interval = std::time::Duration::from_millis(20);
+    let server = rdkv_server::start(config).await.expect("start server");
+    let abandon = Arc::new(Script {
+        fail_at: Some(3),
+        ..Script::default()
+    });
+    let abandoning = Client::connect(client_config(&server, Some(abandon.clone())))
+        .await
+        .expect("connect");
+    let error = abandoning
+        .insert(b"abandoned", b"value")
+        .await
+        .expect_err("the injected failure");
+    assert_eq!(abandon.steps()[3].kind, StepKind::PlaceTentative);
+    assert!(!error.may_have_applied(), "{error}");
+    assert_eq!(server.stats().tentatives_cleared, 0);
+    // Leaving seals the chunk that holds the abandoned block.
+    abandoning.close().await;
+    let started = std::time::Instant::now();
+    while server.stats().tentatives_cleared == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the collector did not clear the abandoned tentative slot"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(server.stats().tentatives_cleared, 1);
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(250),
+        "cleared before a quarantine (1.25 × deadline) passed: {:?}",
+        started.elapsed()
+    );
+    let admin = Client::connect(client_config(&server, None))
+        .await
+        .expect("connect");
+    assert_eq!(admin.get(b"abandoned").await.expect("get"), None);
+    assert!(admin.insert(b"abandoned", b"fresh").await.expect("insert"));
+}
