@@ -399,6 +399,50 @@ pub async fn compare_and_swap_returns_original(fabric: Fabric) {
     );
 }
 
+/// Requests of one list execute in order at the responder: a READ posted after a CAS in the same
+/// list sees the CAS's result, and a READ after a failed CAS sees the memory unchanged. The slot
+/// protocol relies on it: an insert places its tentative slot and re-reads the buckets in one
+/// list (`docs/protocol.md`).
+pub async fn read_after_compare_and_swap_in_one_list_sees_it(fabric: Fabric) {
+    let connected = connect(fabric).await;
+    for round in 0..64u64 {
+        let current = connected.remote.load_u64(128).expect("remote");
+        let (expected, new) = if round % 3 == 2 {
+            (current.wrapping_add(1), 7_000 + round)
+        } else {
+            (current, 1_000 + round)
+        };
+        let list = vec![
+            WorkRequest::compare_and_swap(
+                1,
+                connected.local_at(0, 8),
+                connected.remote_at(128),
+                expected,
+                new,
+            )
+            .with_signaled(false),
+            WorkRequest::read(2, connected.local_at(64, 64), connected.remote_at(128)),
+        ];
+        let completions = connected
+            .client_queue_pair
+            .execute(list)
+            .await
+            .expect("cas then read");
+        assert_eq!(statuses(&completions), [WorkCompletionStatus::Success]);
+        let original = connected.local.load_u64(0).expect("original");
+        let read = connected.local.load_u64(64).expect("read");
+        assert_eq!(
+            original, current,
+            "round {round}: the CAS returns the original"
+        );
+        let want = if original == expected { new } else { current };
+        assert_eq!(
+            read, want,
+            "round {round}: the READ after the CAS sees its result"
+        );
+    }
+}
+
 /// FETCH_ADD returns the original and adds, wrapping.
 pub async fn fetch_and_add_returns_original(fabric: Fabric) {
     let connected = connect(fabric).await;

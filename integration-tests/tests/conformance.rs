@@ -15,6 +15,7 @@ macro_rules! conformance_suite {
                 completion_queue_capacity_bounds_its_send_queues,
                 read_write_round_trips,
                 compare_and_swap_returns_original,
+                read_after_compare_and_swap_in_one_list_sees_it,
                 fetch_and_add_returns_original,
                 batch_with_only_last_signaled_gives_one_completion,
                 out_of_bounds_is_remote_access_error,
