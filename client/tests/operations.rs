@@ -168,6 +168,40 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     );
 }
 
+/// Round trips of writes (`docs/protocol.md`): an insert of an absent key is 3 (block WRITE with
+/// the bucket READs; tentative CAS with the re-read; commit), plus one block READ per lookup
+/// that meets another key's fingerprint; an update of a present key is exactly 3 (block WRITE
+/// with the bucket READs; the key's block READ; replace).
+async fn writes_take_three_round_trips(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    let before = client.counters();
+    for index in 0..200 {
+        assert!(client
+            .insert(format!("key-{index}").as_bytes(), b"value")
+            .await
+            .expect("insert"));
+    }
+    let inserted = client.counters();
+    for index in 0..200 {
+        assert!(client
+            .update(format!("key-{index}").as_bytes(), b"other")
+            .await
+            .expect("update"));
+    }
+    let updated = client.counters();
+    let insert_round_trips = inserted.work.round_trips - before.work.round_trips;
+    let update_round_trips = updated.work.round_trips - inserted.work.round_trips;
+    eprintln!("200 inserts: {insert_round_trips} round trips; 200 updates: {update_round_trips}");
+    assert!(
+        (600..=640).contains(&insert_round_trips),
+        "inserts take 3 round trips, and rarely a 4th for a fingerprint collision: {insert_round_trips}"
+    );
+    assert_eq!(
+        update_round_trips, 600,
+        "updates take exactly 3 round trips"
+    );
+}
+
 async fn wrong_secret_is_refused(fabric: Backend) {
     let (server, _client) = start(fabric).await;
     let queue_pairs_before = server.stats().queue_pairs.iter().sum::<i64>();
@@ -201,6 +235,7 @@ macro_rules! per_fabric {
                 values_from_empty_to_the_maximum,
                 keys_from_one_byte_to_the_maximum,
                 a_get_takes_two_round_trips,
+                writes_take_three_round_trips,
                 wrong_secret_is_refused,
             );
         }
