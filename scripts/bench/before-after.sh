@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Measures two builds of rdkv side by side in one run: BEFORE (any commit) and the working tree.
+#
+#   scripts/bench/before-after.sh BEFORE [--rounds N] [--profile release|debug] [-- COMPARE OPTIONS]
+#
+# It exports BEFORE with `git archive` into target/before-after/<commit>/ and builds both trees'
+# binaries (same profile; the working tree's into its own target/), then runs
+# `rdkv-ycsb compare COMPARE OPTIONS` N times for each build, alternating before/after so that
+# drift on the machine hits both alike. Every compare run starts its own rdkv node and
+# redis-server on loopback, so each rdkv figure comes with a Redis figure from the same minute;
+# the summary prints, per workload, the median rdkv ops/s of each build, the median rdkv/Redis
+# ratio of each build, and round trips per operation. Exit code: 0 when every run succeeded.
+set -euo pipefail
+
+usage() {
+  sed -n '2,3p' "$0" | sed 's/^# //' >&2
+  exit 2
+}
+[ $# -ge 1 ] || usage
+before=$1
+shift
+rounds=3
+profile=release
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) rounds=$2; shift 2 ;;
+    --profile) profile=$2; shift 2 ;;
+    --) shift; break ;;
+    *) usage ;;
+  esac
+done
+compare_options=("$@")
+[ ${#compare_options[@]} -gt 0 ] || compare_options=(--workloads a,c)
+
+repository=$(git rev-parse --show-toplevel)
+commit=$(git -C "$repository" rev-parse --short "$before^{commit}") || {
+  echo "before-after: $before is not a commit of this repository" >&2
+  exit 2
+}
+work="$repository/target/before-after"
+tree="$work/$commit"
+results="$work/results"
+mkdir -p "$work" "$results"
+rm -f "$results"/*.json
+
+profile_flag=()
+[ "$profile" = release ] && profile_flag=(--release)
+
+if [ ! -f "$tree/Cargo.toml" ]; then
+  echo "exporting $commit into $tree"
+  mkdir -p "$tree"
+  git -C "$repository" archive "$commit" | tar -x -C "$tree"
+fi
+echo "building $commit ($profile)"
+(cd "$tree" && cargo build --quiet "${profile_flag[@]}" --bins)
+echo "building the working tree ($profile)"
+(cd "$repository" && cargo build --quiet "${profile_flag[@]}" --bins)
+
+binary_before="$tree/target/$profile/rdkv-ycsb"
+binary_after="$repository/target/$profile/rdkv-ycsb"
+for round in $(seq 1 "$rounds"); do
+  for side in before after; do
+    binary=binary_$side
+    echo "round $round/$rounds: $side: rdkv-ycsb compare ${compare_options[*]}"
+    "${!binary}" compare "${compare_options[@]}" --json "$results/$side-$round.json" >/dev/null
+  done
+done
+
+python3 - "$results" "$commit" <<'SUMMARY'
+import json, pathlib, statistics, sys
+
+results, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+rows = {}
+for path in sorted(results.glob("*.json")):
+    side = path.stem.split("-")[0]
+    for entry in json.loads(path.read_text()):
+        workload = entry["workload"].upper()
+        rdkv, redis = entry["rdkv"], entry["redis"]
+        figures = rows.setdefault(workload, {}).setdefault(side, {"ops": [], "ratio": [], "round_trips": [], "errors": 0})
+        figures["ops"].append(rdkv["throughput"])
+        figures["ratio"].append(rdkv["throughput"] / redis["throughput"])
+        figures["round_trips"].append(rdkv["rdkv"]["round_trips_per_operation"])
+        figures["errors"] += sum(
+            count for kind in rdkv["kinds"] for outcome, count in kind["outcomes"].items() if outcome != "OK"
+        )
+print(f"| workload | before ({commit}) rdkv ops/s | after rdkv ops/s | after/before | before rdkv/Redis | after rdkv/Redis | before round trips/op | after round trips/op | errors before/after |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for workload, sides in sorted(rows.items()):
+    b, a = sides["before"], sides["after"]
+    median = statistics.median
+    print(
+        f"| {workload} | {median(b['ops']):,.0f} | {median(a['ops']):,.0f} | {median(a['ops']) / median(b['ops']):.2f}× "
+        f"| {median(b['ratio']):.2f}× | {median(a['ratio']):.2f}× | {median(b['round_trips']):.2f} | {median(a['round_trips']):.2f} "
+        f"| {b['errors']}/{a['errors']} |"
+    )
+print(f"(medians of {len(next(iter(rows.values()))['before']['ops'])} runs per build)")
+SUMMARY
