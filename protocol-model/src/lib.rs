@@ -1,0 +1,44 @@
+//! An exhaustive model check of rdkv's index-slot protocol with [stateright].
+//!
+//! The model shrinks the index to what the races need: one bucket of `S` slots shared by every
+//! key, two or three clients each running a short script of operations, one atomic step per slot
+//! READ or slot CAS. The checker explores every interleaving of those steps and checks, in every
+//! reachable state:
+//!
+//! - [`model::LINEARIZABLE`]: the history of invocations and returns is linearizable against a
+//!   sequential key-value map ([`key_value::KeyValueSpec`]);
+//! - [`model::NO_RESURRECTION`]: a value that was visible and then overwritten or deleted never
+//!   becomes visible again;
+//! - [`model::INSERT_EXISTS_NEVER_VISIBLE`]: an insert that reported `exists` never had its value
+//!   visible;
+//! - [`model::ONE_COMMITTED_SLOT_PER_KEY`] (new protocol only): no key is committed twice.
+//!
+//! [`model::Protocol::Old`] is today's client (`client/src/operations.rs`); the checker finds
+//! counterexamples to all three shared properties. [`model::Protocol::New`] is the
+//! tentative-slot fix; every property holds in every scenario. [`model::Protocol::NewDraft`] is
+//! the fix as first drafted, whose kill rule lets a key be committed twice.
+//!
+//! Layout: [`key_value`] (operations and the sequential spec), [`bucket`] (slot words),
+//! [`client`] (a client's local state), `step` (one atomic step, shared logic), `old_protocol`
+//! and `new_protocol` (what differs), [`model`] (the stateright model and properties),
+//! [`scenario`] (the built-in scripts), [`mod@check`] (running and reporting).
+//!
+//! [stateright]: https://docs.rs/stateright
+
+#![forbid(unsafe_code)]
+
+pub mod bucket;
+pub mod check;
+pub mod client;
+pub mod error;
+pub mod key_value;
+pub mod model;
+mod new_protocol;
+mod old_protocol;
+pub mod scenario;
+pub mod step;
+
+pub use check::{check, Counterexample, Report, Verdict};
+pub use error::{Error, Result};
+pub use model::{IndexModel, Protocol};
+pub use scenario::Scenario;
