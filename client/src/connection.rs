@@ -572,7 +572,10 @@ impl Scratch {
         list: Vec<WorkRequest>,
     ) -> Result<Vec<WorkCompletion>, ExecuteError> {
         let number = self.round_trips as u32;
-        self.inject(operation, kind, number, Moment::Before).await?;
+        let injecting = self.connection.fault_injector.is_some();
+        if injecting {
+            self.inject(operation, kind, number, Moment::Before).await?;
+        }
         let counters = &self.connection.counters;
         counters.round_trips.fetch_add(1, Ordering::Relaxed);
         self.round_trips += 1;
@@ -600,7 +603,9 @@ impl Scratch {
             self.connection.mark_broken();
             return Err(ExecuteError::Completion(failed.status));
         }
-        self.inject(operation, kind, number, Moment::After).await?;
+        if injecting {
+            self.inject(operation, kind, number, Moment::After).await?;
+        }
         Ok(completions)
     }
 

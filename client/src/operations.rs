@@ -161,30 +161,31 @@ fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
     }
 }
 
-/// The READs of a key's combined buckets into the scratch bucket area.
-fn bucket_reads(scratch: &Scratch, location: &KeyLocation) -> Vec<WorkRequest> {
+/// Appends the READs of a key's combined buckets (into the scratch bucket area) to `list`.
+fn push_bucket_reads(scratch: &Scratch, location: &KeyLocation, list: &mut Vec<WorkRequest>) {
     let connection = scratch.connection();
     let geometry = &connection.welcome.geometry;
-    location
-        .distinct_buckets()
-        .enumerate()
-        .map(|(index, (_, bucket))| {
-            WorkRequest::read(
-                index as u64,
-                scratch.region().segment(
-                    scratch.base + BUCKETS_AT + index as u64 * COMBINED_BUCKET_SIZE,
-                    COMBINED_BUCKET_SIZE as u32,
-                ),
-                connection
-                    .keys
-                    .index_key
-                    .at(geometry.combined_bucket_offset(bucket)),
-            )
-        })
-        .collect()
+    list.extend(
+        location
+            .distinct_buckets()
+            .enumerate()
+            .map(|(index, (_, bucket))| {
+                WorkRequest::read(
+                    index as u64,
+                    scratch.region().segment(
+                        scratch.base + BUCKETS_AT + index as u64 * COMBINED_BUCKET_SIZE,
+                        COMBINED_BUCKET_SIZE as u32,
+                    ),
+                    connection
+                        .keys
+                        .index_key
+                        .at(geometry.combined_bucket_offset(bucket)),
+                )
+            }),
+    );
 }
 
-/// The slots read by [`bucket_reads`], with their positions, in position order.
+/// The slots read by [`push_bucket_reads`], with their positions, in position order.
 fn read_slots(scratch: &Scratch, location: &KeyLocation) -> Result<Vec<(SlotPosition, Slot)>> {
     let mut bytes = [0u8; 2 * COMBINED_BUCKET_SIZE as usize];
     scratch
@@ -229,7 +230,8 @@ async fn lookup(
             Some(first) => (first.kind, first.before),
             None => (StepKind::ReadBuckets, Vec::new()),
         };
-        list.extend(bucket_reads(scratch, location));
+        list.reserve_exact(2);
+        push_bucket_reads(scratch, location, &mut list);
         scratch
             .execute(operation, kind, list)
             .await

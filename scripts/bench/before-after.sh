@@ -5,9 +5,10 @@
 #
 # It exports BEFORE with `git archive` into target/before-after/<commit>/ and builds both trees'
 # binaries (same profile; the working tree's into its own target/), then runs
-# `rdkv-ycsb compare COMPARE OPTIONS` N times for each build, alternating before/after so that
-# drift on the machine hits both alike. Every compare run starts its own rdkv node and
-# redis-server on loopback, so each rdkv figure comes with a Redis figure from the same minute;
+# `rdkv-ycsb compare COMPARE OPTIONS` N times for each build, alternating so that drift on the
+# machine hits both alike (odd rounds run before first, even rounds after first). Every compare
+# run starts its own rdkv node and redis-server on loopback, so each rdkv figure comes with a
+# Redis figure from the same minute;
 # the summary prints, per workload, the median rdkv ops/s of each build, the median rdkv/Redis
 # ratio of each build, and round trips per operation. Exit code: 0 when every run succeeded.
 set -euo pipefail
@@ -41,7 +42,7 @@ work="$repository/target/before-after"
 tree="$work/$commit"
 results="$work/results"
 mkdir -p "$work" "$results"
-rm -f "$results"/*.json
+rm -f "$results"/*.json "$results"/*.log
 
 profile_flag=()
 [ "$profile" = release ] && profile_flag=(--release)
@@ -59,10 +60,17 @@ echo "building the working tree ($profile)"
 binary_before="$tree/target/$profile/rdkv-ycsb"
 binary_after="$repository/target/$profile/rdkv-ycsb"
 for round in $(seq 1 "$rounds"); do
-  for side in before after; do
+  # Odd rounds run before first, even rounds after first: drift over a round hits both alike.
+  order=(before after)
+  [ $((round % 2)) -eq 0 ] && order=(after before)
+  for side in "${order[@]}"; do
     binary=binary_$side
-    echo "round $round/$rounds: $side: rdkv-ycsb compare ${compare_options[*]}"
-    "${!binary}" compare "${compare_options[@]}" --json "$results/$side-$round.json" >/dev/null
+    echo "round $round/$rounds: $side: rdkv-ycsb compare ${compare_options[*]} (log: $results/$side-$round.log)"
+    if ! "${!binary}" compare "${compare_options[@]}" --json "$results/$side-$round.json" \
+        >"$results/$side-$round.log" 2>&1; then
+      echo "before-after: the $side run of round $round failed; see $results/$side-$round.log" >&2
+      exit 1
+    fi
   done
 done
 
