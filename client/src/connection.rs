@@ -11,16 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkv_common::fabric::{
-    AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, PostedList, QueuePair,
-    QueuePairConfig, RemoteKey, VerbsOptions, WorkCompletion, WorkCompletionStatus, WorkRequest,
-};
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
     compute_proof, read_frame, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
     ServerStats, Welcome, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{
+    AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, PostedList, QueuePair,
+    QueuePairConfig, RemoteKey, VerbsOptions, WorkCompletion, WorkCompletionStatus, WorkRequest,
+};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -663,7 +663,7 @@ impl Scratch {
 #[derive(Debug)]
 pub(crate) enum ExecuteError {
     /// The post itself was refused (queue pair not RTS, bad list).
-    Post(rdkv_common::Error),
+    Post(rdkv_fabric::Error),
     /// A request completed with this status.
     Completion(WorkCompletionStatus),
 }

@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rdkv_common::fabric::WorkCompletionStatus;
+use rdkv_fabric::WorkCompletionStatus;
 
 /// Everything a client call can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -123,7 +123,7 @@ pub enum Error {
     /// The fabric or memory layer failed (memlock, connecting the queue pair, a list the queue
     /// pair refused to post). Did not apply.
     #[error(transparent)]
-    Fabric(#[from] rdkv_common::Error),
+    Fabric(#[from] rdkv_fabric::Error),
 }
 
 impl Error {

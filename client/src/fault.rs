@@ -19,7 +19,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkv_common::fabric::WorkCompletionStatus;
+use rdkv_fabric::WorkCompletionStatus;
 use tokio::sync::Semaphore;
 
 /// Which step of an operation (`docs/protocol.md`, *One-sided operations*).

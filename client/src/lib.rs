@@ -6,7 +6,7 @@
 //! ```no_run
 //! # async fn example() -> Result<(), rdkv_client::Error> {
 //! use rdkv_client::{Client, ClientConfig};
-//! use rdkv_common::fabric::Backend;
+//! use rdkv_fabric::Backend;
 //! let address = std::net::SocketAddr::from(([127, 0, 0, 1], 7400));
 //! let client = Client::connect(ClientConfig::new(address, Backend::Soft, b"secret")).await?;
 //! client.put(b"user:1", b"ada").await?;

@@ -25,11 +25,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use rdkv_common::fabric::WorkRequest;
 use rdkv_common::layout::{
     check_key_value, decode_block, encode_block, parse_combined_bucket, BlockError, KeyLocation,
     LayoutError, Slot, SlotPosition, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
 };
+use rdkv_fabric::WorkRequest;
 
 use crate::connection::{
     ExecuteError, NodeConnection, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT,

@@ -1,8 +1,8 @@
 //! Every client operation against an in-process server, on the `soft` and `loopback` fabrics.
 
 use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
-use rdkv_common::fabric::Backend;
 use rdkv_common::layout::{MAX_KEY_LENGTH, MAX_VALUE_LENGTH};
+use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
 const SECRET: &[u8] = b"operations-test-secret";

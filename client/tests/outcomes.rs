@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
 use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
-use rdkv_common::fabric::{Backend, WorkCompletionStatus};
+use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::sync::{Notify, Semaphore};
 

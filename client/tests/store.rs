@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkv_client::{Client, ClientConfig, Error};
-use rdkv_common::fabric::Backend;
+use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
 const SECRET: &[u8] = b"store-test-secret";

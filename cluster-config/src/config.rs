@@ -26,12 +26,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rdkv_common::fabric::Backend;
 use rdkv_common::layout::{COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE};
-use rdkv_common::memory::limits::{
+use rdkv_fabric::memory::limits::{
     decide_available_memory, decide_memlock, read_meminfo, read_memlock_figures, MemlockFigures,
 };
-use rdkv_common::memory::{HugepagePolicy, PinLimits};
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits};
+use rdkv_fabric::Backend;
 use serde::Deserialize;
 use toml::Spanned;
 

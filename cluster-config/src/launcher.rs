@@ -462,7 +462,7 @@ mod tests {
     #[test]
     fn remote_nodes_are_refused_with_what_to_do_instead() {
         let text = "[cluster]\nname = \"t\"\nsecret = \"s\"\nfabric = \"soft\"\n\n[[node]]\nid = 4\ncontrol_address = \"192.0.2.10:7400\"\nfabric_address = \"192.0.2.10:7401\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
-        let figures = rdkv_common::memory::limits::MemlockFigures {
+        let figures = rdkv_fabric::memory::limits::MemlockFigures {
             soft_limit: u64::MAX,
             hard_limit: u64::MAX,
             locked_bytes: 0,

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use rdkv_cluster_config::config::{load, parse};
 use rdkv_cluster_config::Error;
-use rdkv_common::memory::limits::MemlockFigures;
+use rdkv_fabric::memory::limits::MemlockFigures;
 
 const MIB: u64 = 1 << 20;
 
@@ -218,6 +218,6 @@ fn poll_spin_is_parsed_and_bounded() {
 fn the_shipped_verbs_example_is_valid() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/verbs-1node.toml");
     let config = load(&example).expect("examples/verbs-1node.toml is valid on this machine");
-    assert_eq!(config.fabric, rdkv_common::fabric::Backend::Verbs);
+    assert_eq!(config.fabric, rdkv_fabric::Backend::Verbs);
     assert_eq!(config.nodes[0].device.as_deref(), Some("rxe0"));
 }

@@ -10,8 +10,8 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::ControlError;
-use crate::fabric::{QueuePairEndpoint, RemoteKey};
 use crate::layout::TableGeometry;
+use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
 pub const PROTOCOL_VERSION: u32 = 2;

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientConfig, Error};
-use rdkv_common::fabric::Backend;
+use rdkv_fabric::Backend;
 use rdkv_integration_tests::process::ServerProcess;
 
 const SECRET: &str = "failures-secret";

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rdkv_client::fault::{FaultInjector, Injection, Step};
 use rdkv_client::{CasOutcome, Client, ClientConfig};
-use rdkv_common::fabric::Backend;
+use rdkv_fabric::Backend;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
 use rdkv_integration_tests::process::ServerProcess;
 

@@ -143,14 +143,14 @@ if [ "$build" -eq 1 ]; then
   (cd "$repository" && timeout 1200 cargo build --quiet --features verbs \
       -p rdkv-server -p rdkv-client -p rdkv-ycsb -p rdkv-cluster-config --bins)
   conformance=$(cd "$repository" && timeout 1200 cargo test --features verbs \
-      -p rdkv-integration-tests --test conformance --no-run 2>&1 \
+      -p rdkv-fabric --test conformance --no-run 2>&1 \
       | grep -o 'target/[^ )]*/deps/conformance-[0-9a-f]*' | head -1)
   [ -n "$conformance" ] || { echo "could not build the conformance test binary" >&2; exit 2; }
   programs=("$repository/$conformance" "${programs[@]}")
   smoke_binaries=("$repository/target/debug/rdkv-server" "$repository/target/debug/rdkv" \
                   "$repository/target/debug/rdkv-ycsb" "$repository/target/debug/rdkv-cluster")
   if [ -n "$bench_seconds" ]; then
-    bench=$(cd "$repository" && timeout 1200 cargo bench --features verbs -p rdkv-common \
+    bench=$(cd "$repository" && timeout 1200 cargo bench --features verbs -p rdkv-fabric \
         --bench fabric --no-run 2>&1 | grep -o 'target/[^ )]*/deps/fabric-[0-9a-f]*' | head -1)
     [ -n "$bench" ] || { echo "could not build the fabric benchmark" >&2; exit 2; }
   fi

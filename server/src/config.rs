@@ -3,9 +3,9 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use rdkv_common::fabric::{Backend, VerbsOptions};
 use rdkv_common::layout::{TableGeometry, COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MAX_HEAP_SIZE};
-use rdkv_common::memory::HugepagePolicy;
+use rdkv_fabric::memory::HugepagePolicy;
+use rdkv_fabric::{Backend, VerbsOptions};
 
 use crate::error::{Error, Result};
 

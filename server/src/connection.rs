@@ -16,14 +16,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::RngCore;
-use rdkv_common::fabric::{
-    AccessFlags, CompletionQueue, MemoryWindow, QueuePair, QueuePairConfig, QueuePairState,
-};
 use rdkv_common::protocol::{
     read_frame, verify_proof, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
     Welcome, PROOF_LENGTH, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
+use rdkv_fabric::{
+    AccessFlags, CompletionQueue, MemoryWindow, QueuePair, QueuePairConfig, QueuePairState,
+};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;

@@ -16,7 +16,7 @@ pub enum Error {
     },
     /// The fabric or the memory layer failed (memlock, hugepages, listener, ...).
     #[error(transparent)]
-    Fabric(#[from] rdkv_common::Error),
+    Fabric(#[from] rdkv_fabric::Error),
     /// The control listener could not be bound.
     #[error("bind control listener on {address}")]
     BindControl {

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::RngCore;
-use rdkv_common::fabric::{Device, DeviceConfig};
 use rdkv_common::layout::Slot;
-use rdkv_common::memory::PinLimits;
 use rdkv_common::protocol::ServerStats;
+use rdkv_fabric::memory::PinLimits;
+use rdkv_fabric::{Device, DeviceConfig};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;

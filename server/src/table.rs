@@ -7,9 +7,9 @@
 
 use std::sync::Arc;
 
-use rdkv_common::fabric::{AccessFlags, Device, MemoryRegion, ProtectionDomain};
 use rdkv_common::layout::{Slot, TableGeometry};
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{AccessFlags, Device, MemoryRegion, ProtectionDomain};
 
 use crate::error::Result;
 

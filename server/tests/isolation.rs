@@ -3,16 +3,16 @@
 
 use std::sync::Arc;
 
-use rdkv_common::fabric::{
-    AccessFlags, Backend, CompletionQueue, Device, DeviceConfig, MemoryRegion, QueuePair,
-    QueuePairConfig, RemoteKey, WorkCompletionStatus, WorkRequest,
-};
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_common::protocol::{
     compute_proof, read_frame, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
     PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{
+    AccessFlags, Backend, CompletionQueue, Device, DeviceConfig, MemoryRegion, QueuePair,
+    QueuePairConfig, RemoteKey, WorkCompletionStatus, WorkRequest,
+};
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::net::TcpStream;
 

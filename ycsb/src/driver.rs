@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use rdkv_client::{CasOutcome, Client, ClientConfig};
-use rdkv_common::fabric::Backend;
+use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
 use crate::measurement::RdkvFigures;

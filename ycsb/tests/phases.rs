@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkv_client::{Client, ClientConfig};
-use rdkv_common::fabric::Backend;
+use rdkv_fabric::Backend;
 use rdkv_server::ServerConfig;
 use rdkv_ycsb::driver::Driver;
 use rdkv_ycsb::measurement::OperationKind;

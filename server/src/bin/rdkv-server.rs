@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use rdkv_common::fabric::{Backend, VerbsOptions};
-use rdkv_common::memory::HugepagePolicy;
+use rdkv_fabric::memory::HugepagePolicy;
+use rdkv_fabric::{Backend, VerbsOptions};
 use rdkv_server::ServerConfig;
 use tokio_util::sync::CancellationToken;
 

@@ -39,8 +39,8 @@
 //! A payload longer than the device's maximum message size is a protocol violation: the
 //! connection is closed and the requester's outstanding requests complete RETRY_EXC_ERR.
 
-use crate::fabric::engine::RemoteRequest;
-use crate::fabric::types::{Opcode, WorkCompletionStatus};
+use crate::provider::engine::RemoteRequest;
+use crate::types::{Opcode, WorkCompletionStatus};
 
 /// The hello's magic.
 pub(crate) const HELLO_MAGIC: [u8; 8] = *b"RDKVSOFT";

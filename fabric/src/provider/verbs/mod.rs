@@ -29,7 +29,7 @@ pub(crate) mod queue_pair;
 
 use rdma_mummy_sys::ibv_wc_status;
 
-use crate::fabric::types::WorkCompletionStatus;
+use crate::types::WorkCompletionStatus;
 
 /// Maps a raw `ibv_wc_status` to rdkv's typed status; unknown values become
 /// [`WorkCompletionStatus::OtherError`] and are logged, never a panic.

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rdkv_common::fabric::{
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{
     AccessFlags, Backend, Device, DeviceConfig, QueuePair, QueuePairConfig, QueuePairEndpoint,
     QueuePairState, RemoteSegment, WorkCompletionStatus, WorkRequest,
 };
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 
 /// A peer that accepts one queue pair connection and never answers a request.
 struct SilentPeer {
@@ -77,8 +77,8 @@ impl SilentPeer {
 struct Client {
     _device: Device,
     queue_pair: QueuePair,
-    queue: rdkv_common::fabric::CompletionQueue,
-    domain: rdkv_common::fabric::ProtectionDomain,
+    queue: rdkv_fabric::CompletionQueue,
+    domain: rdkv_fabric::ProtectionDomain,
 }
 
 async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {

@@ -3,17 +3,17 @@
 //!
 //! Each check takes a [`Fabric`] and builds what it needs: a "server" device that listens and
 //! owns the remote memory, a "client" device that posts, and connected queue pairs between
-//! them. `tests/conformance.rs` instantiates every check for every backend with one macro.
+//! them. `main.rs` instantiates every check for every backend with one macro.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use rdkv_common::fabric::{
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{
     AccessFlags, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QueuePair,
     QueuePairConfig, QueuePairState, RemoteSegment, VerbsOptions, WorkCompletion,
     WorkCompletionStatus, WorkRequest, DEFAULT_MAX_SEND_WR,
 };
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 
 /// A backend under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,8 +75,9 @@ pub fn pinned(length: u64) -> Arc<PinnedMemory> {
 pub struct Connected {
     /// The server device (listens, owns remote memory).
     pub server_device: Device,
-    /// The client device (posts).
-    pub client_device: Device,
+    /// The client device (posts); held so that it lives as long as the pair (no check reads
+    /// it).
+    pub _client_device: Device,
     /// The server's domain.
     pub server_domain: ProtectionDomain,
     /// The client's domain.
@@ -97,7 +98,7 @@ pub struct Connected {
 
 impl Connected {
     /// A local segment in the client region.
-    pub fn local_at(&self, offset: u64, length: u32) -> rdkv_common::fabric::LocalSegment {
+    pub fn local_at(&self, offset: u64, length: u32) -> rdkv_fabric::LocalSegment {
         self.local.segment(offset, length)
     }
 
@@ -186,7 +187,7 @@ pub async fn connect_with(
     .await;
     Connected {
         server_device,
-        client_device,
+        _client_device: client_device,
         server_domain,
         client_domain,
         server_queue_pair,
@@ -269,7 +270,7 @@ pub async fn completion_queue_capacity_bounds_its_send_queues(fabric: Fabric) {
     assert!(
         matches!(
             refused,
-            Err(rdkv_common::Error::CompletionQueueFull {
+            Err(rdkv_fabric::Error::CompletionQueueFull {
                 capacity: 300,
                 committed: 256,
                 requested: 64

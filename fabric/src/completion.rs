@@ -14,8 +14,8 @@ use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
 
-use crate::fabric::device::DeviceInner;
-use crate::fabric::types::WorkCompletion;
+use crate::device::DeviceInner;
+use crate::types::WorkCompletion;
 
 /// The shared part of a completion queue.
 #[derive(Debug)]
@@ -32,7 +32,7 @@ pub(crate) struct CompletionQueueInner {
     overruns: AtomicU64,
     /// The NIC's CQ and its poller, on a verbs device.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::fabric::verbs::completion::VerbsCompletionQueue>,
+    pub(crate) verbs: Option<crate::provider::verbs::completion::VerbsCompletionQueue>,
     /// Entries promised to the send queues of the queue pairs on this CQ.
     committed: Mutex<usize>,
 }
@@ -41,7 +41,7 @@ impl CompletionQueueInner {
     /// Promises `depth` entries to a new queue pair, or refuses when the CQ could overrun (on a
     /// NIC an overrun breaks every queue pair on the CQ; every backend enforces it alike).
     pub(crate) fn commit(&self, depth: u32) -> crate::Result<()> {
-        let mut committed = crate::fabric::lock(&self.committed);
+        let mut committed = crate::lock(&self.committed);
         if *committed + depth as usize > self.capacity {
             return Err(crate::Error::CompletionQueueFull {
                 capacity: self.capacity,
@@ -55,7 +55,7 @@ impl CompletionQueueInner {
 
     /// Returns a destroyed queue pair's entries.
     pub(crate) fn release(&self, depth: u32) {
-        let mut committed = crate::fabric::lock(&self.committed);
+        let mut committed = crate::lock(&self.committed);
         *committed = committed.saturating_sub(depth as usize);
     }
 }
@@ -93,7 +93,7 @@ impl CompletionQueue {
         #[cfg(feature = "verbs")]
         let verbs = match &device.verbs {
             Some(context) => Some(
-                crate::fabric::verbs::completion::VerbsCompletionQueue::create(
+                crate::provider::verbs::completion::VerbsCompletionQueue::create(
                     context,
                     capacity,
                     device.config.poll_spin,

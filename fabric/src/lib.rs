@@ -1,4 +1,16 @@
-//! The fabric: one verbs model, several backends.
+//! rdkv-fabric: the verbs model, registered memory, and the providers behind one seam.
+//!
+//! - The model: [`Device`], [`ProtectionDomain`], [`MemoryRegion`], [`MemoryWindow`],
+//!   [`QueuePair`], [`CompletionQueue`], and the work requests and completions of
+//!   [`types`](crate::WorkRequest).
+//! - [`memory`]: page-aligned, pinned memory that the fabric registers, with the memlock, RAM
+//!   and hugepage checks done before anything is pinned.
+//! - `provider/`: `soft` (a user-space RNIC over TCP), `loopback` (the same model in one
+//!   process), the responder engine they share, and `verbs` (real ibverbs, cargo feature
+//!   `verbs`).
+//! - [`error`]: the crate's error enum.
+//!
+//! `unsafe` code lives only in this crate; each block carries a `// SAFETY:` argument.
 //!
 //! Objects and their parents (each child holds an `Arc` of its parent, so teardown order is
 //! structural): [`Device`] ← [`ProtectionDomain`] ← [`MemoryRegion`], [`MemoryWindow`],
@@ -23,17 +35,16 @@
 
 mod completion;
 mod device;
-mod engine;
+pub mod error;
+pub mod memory;
 mod protection;
+mod provider;
 mod queue_pair;
-mod soft;
 mod types;
-#[cfg(feature = "verbs")]
-mod verbs;
-mod wire;
 
 pub use completion::{CompletionQueue, PostedList};
 pub use device::{Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_MAX_MESSAGE_SIZE};
+pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
 pub use types::{

@@ -21,14 +21,16 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::fabric::device::DeviceInner;
-use crate::fabric::lock;
-use crate::fabric::queue_pair::{
+use crate::lock;
+use crate::queue_pair::{
     append_write_payload, remote_request, InFlight, QueuePairShared, Transport,
 };
-use crate::fabric::types::{Opcode, QueuePairEndpoint, WorkCompletionStatus};
-use crate::fabric::wire::{self, Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
+use crate::types::{Opcode, QueuePairEndpoint, WorkCompletionStatus};
+pub(crate) mod wire;
+
+use wire::{Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
 
 /// How long a dialer or listener waits for the other side's hello or acknowledgement.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);

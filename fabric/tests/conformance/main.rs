@@ -1,12 +1,14 @@
 //! The fabric conformance suite, instantiated for every backend built here.
 //!
-//! Each backend gets a module with one test per check in `rdkv_integration_tests::conformance`;
-//! the checks and their assertions are identical for every backend.
+//! Each backend gets a module with one test per check in `checks.rs`; the checks and their
+//! assertions are identical for every backend.
+
+mod checks;
 
 macro_rules! conformance_suite {
     ($module:ident, $fabric:expr) => {
         mod $module {
-            use rdkv_integration_tests::conformance::{self, Fabric};
+            use crate::checks::{self, Fabric};
 
             const FABRIC: Fabric = $fabric;
 
@@ -40,7 +42,7 @@ macro_rules! conformance_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $check() {
-                conformance::$check(FABRIC).await;
+                checks::$check(FABRIC).await;
             }
         )*
     };

@@ -8,11 +8,11 @@ use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayDomain;
 
+use crate::device::VerbsOptions;
 use crate::error::{Error, Result};
-use crate::fabric::device::VerbsOptions;
-use crate::fabric::lock;
-use crate::fabric::types::VerbsAddress;
-use crate::fabric::verbs::probe::check_atomic_byte_order;
+use crate::lock;
+use crate::provider::verbs::probe::check_atomic_byte_order;
+use crate::types::VerbsAddress;
 
 /// `ibv_port_state::IBV_PORT_ACTIVE`.
 const PORT_ACTIVE: u32 = 4;

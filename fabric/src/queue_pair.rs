@@ -20,14 +20,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
+use crate::completion::{CompletionQueue, ListCompletion, PostedList};
+use crate::device::find_loopback_device;
 use crate::error::{Error, Result};
-use crate::fabric::completion::{CompletionQueue, ListCompletion, PostedList};
-use crate::fabric::device::find_loopback_device;
-use crate::fabric::engine::{self, RemoteRequest, ResponderContext};
-use crate::fabric::lock;
-use crate::fabric::protection::{LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain};
-use crate::fabric::soft::{self, SoftConnection};
-use crate::fabric::types::{
+use crate::lock;
+use crate::protection::{LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain};
+use crate::provider::engine::{self, RemoteRequest, ResponderContext};
+use crate::provider::soft::{self, SoftConnection};
+use crate::types::{
     AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
@@ -129,14 +129,14 @@ pub(crate) struct QueuePairShared {
     pub(crate) pending_stream: Mutex<Option<TcpStream>>,
     /// The NIC's queue pair, on a verbs device.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::fabric::verbs::queue_pair::VerbsQueuePair>,
+    pub(crate) verbs: Option<crate::provider::verbs::queue_pair::VerbsQueuePair>,
     /// Completed memory window binds by work request id, until their binder takes them.
     #[cfg(feature = "verbs")]
     verbs_binds: Mutex<std::collections::HashMap<u64, WorkCompletionStatus>>,
 }
 
 impl QueuePairShared {
-    fn device(&self) -> &crate::fabric::device::DeviceInner {
+    fn device(&self) -> &crate::device::DeviceInner {
         &self.protection_domain.inner.device
     }
 
@@ -403,7 +403,7 @@ impl QueuePairShared {
     #[cfg(feature = "verbs")]
     async fn post_verbs(
         &self,
-        verbs: &crate::fabric::verbs::queue_pair::VerbsQueuePair,
+        verbs: &crate::provider::verbs::queue_pair::VerbsQueuePair,
         entries: impl Iterator<Item = InFlight>,
     ) {
         {
@@ -434,7 +434,7 @@ impl QueuePairShared {
     /// not: the send queue depth bounds what is outstanding), nothing of it was posted: its
     /// first request completes LOC_QP_OP_ERR, the rest flush, and the queue pair moves to ERROR.
     #[cfg(feature = "verbs")]
-    fn ring_verbs(&self, verbs: &crate::fabric::verbs::queue_pair::VerbsQueuePair) {
+    fn ring_verbs(&self, verbs: &crate::provider::verbs::queue_pair::VerbsQueuePair) {
         let mut requester = lock(&self.requester);
         if requester.unposted == 0 {
             return;
@@ -727,7 +727,7 @@ fn take_unposted(requester: &mut RequesterState) -> Vec<InFlight> {
 #[cfg(feature = "verbs")]
 struct VerbsDoorbell<'a> {
     queue_pair: &'a QueuePairShared,
-    verbs: &'a crate::fabric::verbs::queue_pair::VerbsQueuePair,
+    verbs: &'a crate::provider::verbs::queue_pair::VerbsQueuePair,
 }
 
 #[cfg(feature = "verbs")]
@@ -842,10 +842,10 @@ impl ProtectionDomain {
 /// On a verbs device: the NIC's queue pair, with its send queue's entries promised on the CQ.
 #[cfg(feature = "verbs")]
 fn create_verbs_queue_pair(
-    device: &crate::fabric::device::DeviceInner,
+    device: &crate::device::DeviceInner,
     completion_queue: &CompletionQueue,
     config: QueuePairConfig,
-) -> Result<Option<crate::fabric::verbs::queue_pair::VerbsQueuePair>> {
+) -> Result<Option<crate::provider::verbs::queue_pair::VerbsQueuePair>> {
     let Some(context) = &device.verbs else {
         return Ok(None);
     };
@@ -856,11 +856,11 @@ fn create_verbs_queue_pair(
         .ok_or_else(|| Error::ObjectMismatch {
             reason: "a verbs queue pair needs a completion queue of a verbs device".into(),
         })?;
-    crate::fabric::verbs::queue_pair::VerbsQueuePair::create(
+    crate::provider::verbs::queue_pair::VerbsQueuePair::create(
         context,
         queue.shared.queue.clone(),
         config.max_send_wr,
-        crate::fabric::device::random_id() as u32,
+        crate::device::random_id() as u32,
     )
     .map(Some)
 }
@@ -1073,7 +1073,7 @@ impl QueuePair {
     #[cfg(feature = "verbs")]
     fn bind_verbs_window(
         &self,
-        verbs: &crate::fabric::verbs::queue_pair::VerbsQueuePair,
+        verbs: &crate::provider::verbs::queue_pair::VerbsQueuePair,
         window: &MemoryWindow,
         region: &MemoryRegion,
         address: u64,
@@ -1098,8 +1098,9 @@ impl QueuePair {
             })?;
         let mut binding = lock(&window.verbs);
         drop(binding.take());
-        let nic_window =
-            crate::fabric::verbs::memory::VerbsWindow::allocate(&verbs.context.protection_domain)?;
+        let nic_window = crate::provider::verbs::memory::VerbsWindow::allocate(
+            &verbs.context.protection_domain,
+        )?;
         let work_request_id = BIND_REQUEST_FLAG | NEXT_BIND.fetch_add(1, Ordering::Relaxed);
         let key = verbs.post_bind(
             work_request_id,

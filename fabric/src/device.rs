@@ -9,13 +9,13 @@ use std::time::Duration;
 use dashmap::DashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::completion::CompletionQueue;
 use crate::error::Result;
-use crate::fabric::completion::CompletionQueue;
-use crate::fabric::protection::{ProtectionDomain, ProtectionTable};
-use crate::fabric::queue_pair::QueuePairShared;
-use crate::fabric::soft::SoftListener;
-use crate::fabric::types::{Backend, QueuePairState};
 use crate::memory::pinned_bytes;
+use crate::protection::{ProtectionDomain, ProtectionTable};
+use crate::provider::soft::SoftListener;
+use crate::queue_pair::QueuePairShared;
+use crate::types::{Backend, QueuePairState};
 
 /// Limits of one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,7 +186,7 @@ impl DeviceInner {
 /// What a device holds of the verbs backend: the opened RDMA device, when it is a verbs device
 /// (nothing in a build without the feature).
 #[cfg(feature = "verbs")]
-type VerbsSlot = Option<Arc<crate::fabric::verbs::context::VerbsContext>>;
+type VerbsSlot = Option<Arc<crate::provider::verbs::context::VerbsContext>>;
 #[cfg(feature = "verbs")]
 const NO_VERBS: VerbsSlot = None;
 #[cfg(not(feature = "verbs"))]
@@ -267,7 +267,7 @@ impl Device {
     pub fn verbs(options: &VerbsOptions, config: DeviceConfig) -> Result<Self> {
         #[cfg(feature = "verbs")]
         {
-            let context = crate::fabric::verbs::context::VerbsContext::shared(options)?;
+            let context = crate::provider::verbs::context::VerbsContext::shared(options)?;
             Ok(Self::build(Backend::Verbs, config, Some(context)))
         }
         #[cfg(not(feature = "verbs"))]

@@ -5,8 +5,8 @@
 //! [`ProtectionTable::check_remote`]) and carries it out with atomic accesses only. Server
 //! application code is never called.
 
-use crate::fabric::protection::ProtectionTable;
-use crate::fabric::types::{Opcode, WorkCompletionStatus};
+use crate::protection::ProtectionTable;
+use crate::types::{Opcode, WorkCompletionStatus};
 
 /// One incoming request, as decoded from the wire or taken from a loopback post.
 #[derive(Debug, Clone, Copy)]

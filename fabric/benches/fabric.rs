@@ -7,7 +7,7 @@
 //! pairs. Reported: operations per second (a list of 4 counts 4), p50 and p99 latency of one
 //! post-to-completion, and for `soft` the frames per `write` call (how well posts coalesce).
 //!
-//! Run: `cargo bench -p rdkv-common --bench fabric -- --seconds 2`
+//! Run: `cargo bench -p rdkv-fabric --bench fabric -- --seconds 2`
 //! (`--backend verbs --backend soft` to compare a NIC with the soft fabric on one machine).
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use hdrhistogram::Histogram;
-use rdkv_common::fabric::{
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{
     AccessFlags, Device, DeviceConfig, MemoryRegion, QueuePair, QueuePairConfig, VerbsOptions,
     WorkCompletionStatus, WorkRequest,
 };
-use rdkv_common::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 
 /// Command-line options.
 #[derive(Debug, Parser)]

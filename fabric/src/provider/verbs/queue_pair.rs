@@ -22,10 +22,10 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags as SidewayAccess;
 
 use crate::error::{Error, Result};
-use crate::fabric::lock;
-use crate::fabric::types::{AccessFlags, Opcode, QueuePairState, VerbsAddress, WorkRequest};
-use crate::fabric::verbs::context::VerbsContext;
-use crate::fabric::verbs::memory::{sideway_access, VerbsRegion, VerbsWindow};
+use crate::lock;
+use crate::provider::verbs::context::VerbsContext;
+use crate::provider::verbs::memory::{sideway_access, VerbsRegion, VerbsWindow};
+use crate::types::{AccessFlags, Opcode, QueuePairState, VerbsAddress, WorkRequest};
 
 /// Retries a requester makes before RETRY_EXC_ERR. Not 7: rxe treats a retry count of 7 as
 /// "retry forever" (as the spec does only for the RNR retry count), so a vanished peer would

@@ -14,8 +14,8 @@ use sideway::ibverbs::protection_domain::ProtectionDomain as SidewayDomain;
 use sideway::ibverbs::AccessFlags as SidewayAccess;
 
 use crate::error::{Error, Result};
-use crate::fabric::types::AccessFlags;
 use crate::memory::PinnedMemory;
+use crate::types::AccessFlags;
 
 /// rdkv access flags as sideway's.
 pub(crate) fn sideway_access(access: AccessFlags) -> SidewayAccess {

@@ -24,10 +24,10 @@ use tokio::io::Interest;
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
-use crate::fabric::lock;
-use crate::fabric::queue_pair::QueuePairShared;
-use crate::fabric::verbs::context::VerbsContext;
-use crate::fabric::verbs::status_from_raw;
+use crate::lock;
+use crate::provider::verbs::context::VerbsContext;
+use crate::provider::verbs::status_from_raw;
+use crate::queue_pair::QueuePairShared;
 
 /// Completions taken per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 32;

@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
 
+use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::fabric::device::DeviceInner;
-use crate::fabric::lock;
-use crate::fabric::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
+use crate::lock;
 use crate::memory::PinnedMemory;
+use crate::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
 
 /// One key's entry: the memory it covers and the rights it grants.
 #[derive(Debug)]
@@ -236,7 +236,7 @@ impl ProtectionDomain {
         #[cfg(feature = "verbs")]
         let (key, remote_key, verbs) = match &device.verbs {
             Some(context) => {
-                let registered = crate::fabric::verbs::memory::VerbsRegion::register(
+                let registered = crate::provider::verbs::memory::VerbsRegion::register(
                     &context.protection_domain,
                     memory,
                     offset,
@@ -302,7 +302,7 @@ impl ProtectionDomain {
     }
 
     /// Allocates an unbound type-2 memory window; bind it with
-    /// [`crate::fabric::QueuePair::bind_memory_window`].
+    /// [`crate::QueuePair::bind_memory_window`].
     pub fn allocate_memory_window(&self) -> MemoryWindow {
         self.inner
             .device
@@ -339,7 +339,7 @@ struct MemoryRegionInner {
     /// The NIC's registration, on a verbs device; declared before `memory` so it is
     /// deregistered before the memory can be unmapped.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::fabric::verbs::memory::VerbsRegion>,
+    pub(crate) verbs: Option<crate::provider::verbs::memory::VerbsRegion>,
     /// The pinned block.
     memory: Arc<PinnedMemory>,
     /// Offset of the region inside the block.
@@ -412,7 +412,7 @@ impl MemoryRegion {
 
     /// The NIC's registration, on a verbs device.
     #[cfg(feature = "verbs")]
-    pub(crate) fn verbs_region(&self) -> Option<&crate::fabric::verbs::memory::VerbsRegion> {
+    pub(crate) fn verbs_region(&self) -> Option<&crate::provider::verbs::memory::VerbsRegion> {
         self.inner.verbs.as_ref()
     }
 
@@ -497,7 +497,7 @@ pub struct MemoryWindow {
     /// On a verbs device: the NIC's window and the region it is bound over (kept registered
     /// while the window may be used).
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Mutex<Option<(crate::fabric::verbs::memory::VerbsWindow, MemoryRegion)>>,
+    pub(crate) verbs: Mutex<Option<(crate::provider::verbs::memory::VerbsWindow, MemoryRegion)>>,
 }
 
 impl MemoryWindow {

@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::fabric::types::{AccessFlags, LocalSegment, RemoteSegment, WorkRequest};
-use crate::fabric::verbs::completion::poll_completions;
-use crate::fabric::verbs::context::VerbsContext;
-use crate::fabric::verbs::memory::VerbsRegion;
-use crate::fabric::verbs::queue_pair::VerbsQueuePair;
-use crate::fabric::verbs::status_from_raw;
-use crate::fabric::WorkCompletionStatus;
 use crate::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use crate::provider::verbs::completion::poll_completions;
+use crate::provider::verbs::context::VerbsContext;
+use crate::provider::verbs::memory::VerbsRegion;
+use crate::provider::verbs::queue_pair::VerbsQueuePair;
+use crate::provider::verbs::status_from_raw;
+use crate::types::{AccessFlags, LocalSegment, RemoteSegment, WorkRequest};
+use crate::WorkCompletionStatus;
 
 /// How long the probe's one FETCH_ADD may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
