@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rdkv_cluster_config::ClusterConfig;
+use rdkv_cluster_file::ClusterConfig;
 use rdkv_common::protocol::{fetch_stats, ServerStats};
 use rdkv_common::sharding;
 
@@ -109,7 +109,7 @@ impl Client {
     /// # Errors
     /// [`Error::Config`] when the file is invalid.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let cluster = rdkv_cluster_config::load(path).map_err(|error| Error::Config {
+        let cluster = rdkv_cluster_file::load(path).map_err(|error| Error::Config {
             reason: error.to_string(),
         })?;
         Ok(Self::for_cluster(&cluster))

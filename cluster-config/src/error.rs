@@ -1,31 +1,11 @@
-//! The one error enum of `rdkv-cluster-config`.
-
-use std::path::PathBuf;
+//! The one error enum of `rdkv-cluster-config` (the launcher).
 
 /// A problem with a cluster file, or with launching or reaching its nodes.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The file cannot be read.
-    #[error("{file}: cannot read the cluster file")]
-    Read {
-        /// The file.
-        file: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not valid: where and why.
-    #[error("{file}:{line}: {field}: {message}")]
-    Invalid {
-        /// The file.
-        file: PathBuf,
-        /// The 1-based line.
-        line: usize,
-        /// The field (`node[2].heap_size`).
-        field: String,
-        /// What is wrong and how to fix it.
-        message: String,
-    },
+    /// The cluster file cannot be read or is invalid.
+    #[error(transparent)]
+    File(#[from] rdkv_cluster_file::Error),
     /// Launching, stopping or reaching a node failed.
     #[error("node {node}: {message}")]
     Node {

@@ -1,15 +1,14 @@
-//! rdkv-cluster-config: the cluster file and the local launcher.
+//! rdkv-cluster-config: the local launcher, `rdkv-cluster up | down | status`.
 //!
-//! - [`config`]: the TOML schema and its validation (errors name file, line and field).
-//! - [`units`]: sizes and durations.
-//! - [`launcher`]: `rdkv-cluster up | down | status` for nodes on this machine.
+//! - [`launcher`]: starting, stopping and reporting on the nodes of a cluster on this machine.
 //! - [`error`]: the one error enum.
+//!
+//! The cluster file itself (schema, units, validation) is the crate `rdkv-cluster-file`,
+//! re-exported here as [`config`] and [`units`].
 #![forbid(unsafe_code)]
 
-pub mod config;
 pub mod error;
 pub mod launcher;
-pub mod units;
 
-pub use config::{load, ClusterConfig, NodeConfig};
 pub use error::{Error, Result};
+pub use rdkv_cluster_file::{config, load, units, ClusterConfig, NodeConfig};

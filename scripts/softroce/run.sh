@@ -141,7 +141,7 @@ smoke_binaries=()
 if [ "$build" -eq 1 ]; then
   say "building with --features verbs (conformance suite, rdkv-server, rdkv, rdkv-ycsb)"
   (cd "$repository" && timeout 1200 cargo build --quiet --features verbs \
-      -p rdkv-server -p rdkv-client -p rdkv-ycsb -p rdkv-cluster-config --bins)
+      -p rdkv-server -p rdkv-cli -p rdkv-ycsb -p rdkv-cluster-config --bins)
   conformance=$(cd "$repository" && timeout 1200 cargo test --features verbs \
       -p rdkv-fabric --test conformance --no-run 2>&1 \
       | grep -o 'target/[^ )]*/deps/conformance-[0-9a-f]*' | head -1)

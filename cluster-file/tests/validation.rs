@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use rdkv_cluster_config::config::{load, parse};
-use rdkv_cluster_config::Error;
+use rdkv_cluster_file::config::{load, parse};
+use rdkv_cluster_file::Error;
 use rdkv_fabric::memory::limits::MemlockFigures;
 
 const MIB: u64 = 1 << 20;

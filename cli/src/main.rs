@@ -158,7 +158,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
                             stats.uptime_seconds,
                             stats.connections,
                             stats.keys_estimate,
-                            rdkv_cluster_config::units::format_bytes(stats.heap_used_bytes),
+                            rdkv_cluster_file::units::format_bytes(stats.heap_used_bytes),
                             counters.operations,
                             counters.round_trips,
                             counters.round_trips_per_operation()
