@@ -55,9 +55,12 @@ impl Client {
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
         let connection = NodeConnection::open(&config, counters.clone()).await?;
-        let deadline = config.operation_deadline.unwrap_or(Duration::from_millis(
-            connection.welcome.operation_deadline_ms,
-        ));
+        // Never longer than the server's: it reuses heap space and clears abandoned tentative
+        // slots on the assumption that no operation outlives its deadline.
+        let server_deadline = Duration::from_millis(connection.welcome.operation_deadline_ms);
+        let deadline = config
+            .operation_deadline
+            .map_or(server_deadline, |deadline| deadline.min(server_deadline));
         Ok(Self {
             node_ids: vec![1],
             nodes: vec![Node {
@@ -179,10 +182,15 @@ impl Client {
     {
         let node = self.node_for(key);
         let progress = Arc::new(Progress::default());
+        // The connection of the latest attempt, kept outside the future for the deadline case.
+        let latest: Mutex<Option<Arc<NodeConnection>>> = Mutex::new(None);
         let work = async {
             let mut retried = false;
             loop {
                 let connection = self.connection(node).await?;
+                *latest
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(connection.clone());
                 match attempt(connection.clone(), progress.clone()).await {
                     Err(error) if error.is_retryable() && !retried && !progress.cas_posted() => {
                         tracing::debug!(%error, operation, "retrying on a fresh connection");
@@ -208,10 +216,37 @@ impl Client {
                     may_have_applied: progress.may_have_applied(),
                 })
             });
+        if outcome.is_err() && progress.tentative_outstanding() {
+            let connection = latest
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            if let Some(connection) = connection {
+                self.retire(node, &connection);
+            }
+        }
         if outcome.is_ok() {
             self.counters.operations.fetch_add(1, Ordering::Relaxed);
         }
         outcome
+    }
+
+    /// Takes `connection` out of service: the next operation opens a new one, and once the
+    /// operations still using it finish, its control connection closes, so the server tears it
+    /// down and seals its chunk. Used after an operation failed with a tentative slot of its own
+    /// still in the index: the server's collector clears it a quarantine after the seal.
+    fn retire(&self, node: &Node, connection: &Arc<NodeConnection>) {
+        connection.mark_broken();
+        let mut current = node
+            .connection
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if current
+            .as_ref()
+            .is_some_and(|live| Arc::ptr_eq(live, connection))
+        {
+            *current = None;
+        }
     }
 
     async fn mutate(

@@ -76,7 +76,9 @@ pub struct ClientConfig {
     pub name: String,
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer).
     pub concurrency: usize,
-    /// The per-operation deadline; the server's when absent.
+    /// The per-operation deadline; the server's when absent. [`crate::Client::connect`] caps it
+    /// at the server's, which the server's heap reuse and its clearing of abandoned tentative
+    /// slots rely on (a cluster's clients take the cluster file's, which is the nodes' too).
     pub operation_deadline: Option<Duration>,
     /// Stalls or fails chosen steps of operations (tests and chaos experiments; see
     /// [`crate::fault`]). None in production.
@@ -607,6 +609,11 @@ impl Scratch {
             self.inject(operation, kind, number, Moment::After).await?;
         }
         Ok(completions)
+    }
+
+    /// The operation's tentative slot is gone (committed, withdrawn, or never placed).
+    pub(crate) fn tentative_resolved(&self) {
+        self.progress.tentative_resolved();
     }
 
     /// A CAS of `kind` completed without swapping: count the lost race, and if it was a

@@ -214,8 +214,9 @@ struct Reread;
 
 /// The one lookup routine: READ the buckets (after `first.before`, in one list), READ the
 /// blocks of the fingerprint matches among `candidates`, and sort the slots that hold `key`
-/// into committed and tentative. A torn slot or a block that fails its checksum reads the
-/// buckets again, at most [`LOOKUP_ATTEMPTS`] times in all, then fails [`Error::Corrupt`].
+/// into committed and tentative. A torn slot word (no valid state bits), a slot pointing at a
+/// block of a key that cannot live there, or a block that fails its checksum reads the buckets
+/// again, at most [`LOOKUP_ATTEMPTS`] times in all, then fails [`Error::Corrupt`].
 async fn lookup(
     scratch: &mut Scratch,
     operation: &'static str,
@@ -237,7 +238,13 @@ async fn lookup(
             .await
             .map_err(step_failure(operation))?;
         let slots = read_slots(scratch, location)?;
-        match read_candidates(scratch, operation, key, location, &slots, candidates).await? {
+        let outcome = if slots.iter().any(|(_, slot)| slot.is_torn()) {
+            // A word no writer wrote: the READ tore it against a concurrent CAS.
+            Err(Reread)
+        } else {
+            read_candidates(scratch, operation, key, location, &slots, candidates).await?
+        };
+        match outcome {
             Ok((committed, tentative)) => {
                 return Ok(View {
                     slots,
@@ -564,7 +571,7 @@ enum Inserted {
 /// Inserts `new_slot` into the empty slot at `empty`: place it tentative (readers ignore it) and
 /// re-read the buckets in one list; withdraw if the key is committed elsewhere; withdraw the
 /// other inserters' tentative slots of the key; commit. Why this never leaves two committed
-/// slots of one key: `docs/protocol.md`, *Inserts*.
+/// slots of one key: `docs/protocol.md`, *Insert (key absent)*.
 async fn insert_absent(
     scratch: &mut Scratch,
     operation: &'static str,
@@ -597,6 +604,7 @@ async fn insert_absent(
         .await?;
         if placing && cas_original(scratch, 0)? != Slot::EMPTY {
             scratch.lost_race(StepKind::PlaceTentative);
+            scratch.tentative_resolved();
             return Ok(Inserted::Lost);
         }
         if !view.committed.is_empty() {
@@ -641,22 +649,22 @@ async fn insert_absent(
                 continue;
             }
         }
-        return Ok(
-            if cas_step(
-                scratch,
-                operation,
-                StepKind::Commit,
-                empty,
-                tentative,
-                new_slot,
-            )
-            .await?
-            {
-                Inserted::Committed
-            } else {
-                Inserted::Lost
-            },
-        );
+        let committed = cas_step(
+            scratch,
+            operation,
+            StepKind::Commit,
+            empty,
+            tentative,
+            new_slot,
+        )
+        .await?;
+        // Committed, or withdrawn by another inserter: either way no longer tentative.
+        scratch.tentative_resolved();
+        return Ok(if committed {
+            Inserted::Committed
+        } else {
+            Inserted::Lost
+        });
     }
     withdraw(scratch, operation, empty, tentative).await?;
     Ok(Inserted::Lost)
@@ -678,8 +686,9 @@ async fn withdraw(
         tentative,
         Slot::EMPTY,
     )
-    .await
-    .map(drop)
+    .await?;
+    scratch.tentative_resolved();
+    Ok(())
 }
 
 /// DELETE: CAS the key's committed slot to empty. `Ok(false)` when the key was absent.

@@ -9,6 +9,11 @@
 //!   race. A failure or a deadline in between leaves the mark, and the error says so
 //!   ([`crate::Error::may_have_applied`]).
 //!
+//! - A tentative slot placed and not yet committed or withdrawn is recorded too: if the
+//!   operation fails or passes its deadline then, the client retires the connection, so that
+//!   the server seals its chunk and clears the abandoned slot (`docs/protocol.md`, *Abandoned
+//!   tentative slots*).
+//!
 //! The flags are atomics because the deadline drops the operation's future and reads them
 //! afterwards.
 
@@ -21,6 +26,9 @@ use crate::fault::StepKind;
 pub(crate) struct Progress {
     /// A CAS of this operation was posted.
     cas_posted: AtomicBool,
+    /// A tentative slot may be in the index that this operation has not yet committed or
+    /// withdrawn.
+    tentative_outstanding: AtomicBool,
     /// A publishing CAS was posted and not (yet) seen to lose.
     may_have_applied: AtomicBool,
 }
@@ -34,6 +42,22 @@ impl Progress {
         if kind.publishes() {
             self.may_have_applied.store(true, Ordering::Release);
         }
+        if kind == StepKind::PlaceTentative {
+            self.tentative_outstanding.store(true, Ordering::Release);
+        }
+    }
+
+    /// The operation's tentative slot is gone: committed, withdrawn (by itself or another
+    /// inserter), or never placed (the place CAS lost).
+    pub(crate) fn tentative_resolved(&self) {
+        self.tentative_outstanding.store(false, Ordering::Release);
+    }
+
+    /// Whether a tentative slot of this operation may be left in the index. The client then
+    /// retires the connection, so that its chunk is sealed and the server's collector clears the
+    /// slot a quarantine later.
+    pub(crate) fn tentative_outstanding(&self) -> bool {
+        self.tentative_outstanding.load(Ordering::Acquire)
     }
 
     /// The list of `kind` was refused before anything was posted.

@@ -21,11 +21,13 @@ use tokio::sync::{Notify, Semaphore};
 
 const SECRET: &[u8] = b"outcomes-test-secret";
 
-/// Holds an operation before its first step of one kind until the test releases it.
+/// Holds an operation at its first step of one kind until the test releases it.
 #[derive(Debug)]
 struct Hold {
-    /// The step to hold before.
+    /// The step to hold at.
     kind: StepKind,
+    /// Before it is posted, or after it ran.
+    moment: Moment,
     /// Told when the operation reaches it.
     reached: Arc<Notify>,
     /// Released by the test.
@@ -56,7 +58,7 @@ impl FaultInjector for Script {
         let mut hold = self.hold.lock().expect("hold");
         if hold
             .as_ref()
-            .is_some_and(|hold| hold.kind == step.kind && step.moment == Moment::Before)
+            .is_some_and(|hold| hold.kind == step.kind && hold.moment == step.moment)
         {
             let hold = hold.take().expect("checked");
             hold.reached.notify_one();
@@ -191,6 +193,7 @@ async fn run_case(
             let other_reached = Arc::new(Notify::new());
             *other_script.hold.lock().expect("hold") = Some(Hold {
                 kind: StepKind::Commit,
+                moment: Moment::Before,
                 reached: other_reached.clone(),
                 gate: other_gate.clone(),
             });
@@ -198,6 +201,7 @@ async fn run_case(
             let our_reached = Arc::new(Notify::new());
             *script.hold.lock().expect("hold") = Some(Hold {
                 kind: StepKind::KillTentatives,
+                moment: Moment::Before,
                 reached: our_reached.clone(),
                 gate: our_gate.clone(),
             });
@@ -372,7 +376,8 @@ async fn every_failure_says_whether_its_operation_may_have_applied() {
 }
 
 /// A tentative slot whose inserter failed is cleared by the server's collector once its chunk
-/// has been sealed for a quarantine, so abandoned inserts do not use up index slots.
+/// has been sealed for a quarantine, so abandoned inserts do not use up index slots. The client
+/// stays open: the failed operation retires its connection, which seals the chunk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_collector_clears_an_abandoned_tentative_slot() {
     let mut config = ServerConfig::local(SECRET);
@@ -393,8 +398,6 @@ async fn the_collector_clears_an_abandoned_tentative_slot() {
     assert_eq!(abandon.steps()[3].kind, StepKind::PlaceTentative);
     assert!(!error.may_have_applied(), "{error}");
     assert_eq!(server.stats().tentatives_cleared, 0);
-    // Leaving seals the chunk that holds the abandoned block.
-    abandoning.close().await;
     let started = std::time::Instant::now();
     while server.stats().tentatives_cleared == 0 {
         assert!(
@@ -414,4 +417,59 @@ async fn the_collector_clears_an_abandoned_tentative_slot() {
         .expect("connect");
     assert_eq!(admin.get(b"abandoned").await.expect("get"), None);
     assert!(admin.insert(b"abandoned", b"fresh").await.expect("insert"));
+    // The abandoning client itself goes on working, on a new connection.
+    assert_eq!(
+        abandoning.get(b"abandoned").await.expect("get").as_deref(),
+        Some(&b"fresh"[..])
+    );
+}
+
+/// A deadline says whether the operation may have applied: held (and never released) before
+/// its publishing CAS, it did not; held after it, it did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_says_whether_the_operation_may_have_applied() {
+    let server = rdkv_server::start(ServerConfig::local(SECRET))
+        .await
+        .expect("start server");
+    let admin = Client::connect(client_config(&server, None))
+        .await
+        .expect("connect");
+    let cases = [
+        (Scenario::PutAbsent, StepKind::Commit),
+        (Scenario::InsertAbsent, StepKind::Commit),
+        (Scenario::Update, StepKind::Replace),
+        (Scenario::Delete, StepKind::Remove),
+    ];
+    for (scenario, kind) in cases {
+        for moment in [Moment::Before, Moment::After] {
+            let key = format!("deadline-{scenario:?}-{moment:?}");
+            if scenario == Scenario::Update || scenario == Scenario::Delete {
+                admin.put(key.as_bytes(), OLD).await.expect("set up");
+            }
+            let script = Arc::new(Script::default());
+            *script.hold.lock().expect("hold") = Some(Hold {
+                kind,
+                moment,
+                reached: Arc::new(Notify::new()),
+                // Never released: the deadline ends the operation.
+                gate: Arc::new(Semaphore::new(0)),
+            });
+            let mut config = client_config(&server, Some(script));
+            config.operation_deadline = Some(std::time::Duration::from_millis(300));
+            let client = Client::connect(config).await.expect("connect");
+            let error = operate(scenario, &client, key.as_bytes())
+                .await
+                .expect_err("the deadline");
+            let context = format!("{scenario:?} held {moment:?} {kind:?}: {error}");
+            assert!(matches!(error, Error::TimedOut { .. }), "{context}");
+            let effect = applied(scenario, &admin, key.as_bytes()).await;
+            assert_eq!(
+                error.may_have_applied(),
+                moment == Moment::After,
+                "{context}"
+            );
+            assert_eq!(effect, moment == Moment::After, "{context}");
+            client.close().await;
+        }
+    }
 }

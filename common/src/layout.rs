@@ -6,7 +6,8 @@
 //! bucket = 8 slots × 8 B
 //! combined bucket c = buckets 2c and 2c+1 (128 B, one READ)
 //! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (6..48)
-//!          | tentative (bit 0; offsets are multiples of 64, so bits 0..6 are free)
+//!          | committed (bit 1) | tentative (bit 0); offsets are multiples of 64, so bits 0..6
+//!          are free
 //! block  = key_length u16 | reserved u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
 //! ```
 
@@ -131,11 +132,15 @@ pub struct SlotPosition {
     pub slot: usize,
 }
 
-/// An index slot: fingerprint | length units | heap offset | tentative bit. Zero is empty.
+/// An index slot: fingerprint | length units | heap offset | state bits. Zero is empty.
 ///
-/// Heap offsets are multiples of 64, so the offset field's low six bits are free; bit 0 marks a
-/// **tentative** slot: an insert's reservation, published before its re-read and invisible to
-/// readers until the inserter CASes it to **committed** (the same word with bit 0 clear). See
+/// Heap offsets are multiples of 64, so the offset field's low six bits are free for the state:
+/// bit 1 marks a **committed** slot (visible to readers), bit 0 a **tentative** one (an insert's
+/// reservation, published before its re-read, invisible until the inserter CASes it to
+/// committed). A non-empty word with neither or both bits, or with a zero length, is no word
+/// anyone wrote: it is a **torn** read (a NIC may READ an 8-byte word byte by byte against a
+/// concurrent CAS), and the reader reads again. Two bits, not one, so that a READ tearing the low
+/// byte of a tentative word it races (placed or withdrawn) can never look committed. See
 /// `docs/protocol.md`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Slot(pub u64);
@@ -147,13 +152,20 @@ impl Slot {
     /// The bit that marks a tentative slot.
     pub const TENTATIVE_BIT: u64 = 1;
 
+    /// The bit that marks a committed slot.
+    pub const COMMITTED_BIT: u64 = 2;
+
+    /// The two state bits.
+    const STATE_BITS: u64 = Self::TENTATIVE_BIT | Self::COMMITTED_BIT;
+
     /// A committed slot pointing at a block of `units` 64-byte units at heap offset `offset`.
     pub fn new(fingerprint: u8, units: u8, offset: u64) -> Self {
         debug_assert!(units > 0 && offset < MAX_HEAP_SIZE && offset % BLOCK_UNIT == 0);
         Slot(
             (u64::from(fingerprint) << 56)
                 | (u64::from(units) << 48)
-                | (offset & (MAX_HEAP_SIZE - 1) & !(BLOCK_UNIT - 1)),
+                | (offset & (MAX_HEAP_SIZE - 1) & !(BLOCK_UNIT - 1))
+                | Self::COMMITTED_BIT,
         )
     }
 
@@ -164,22 +176,27 @@ impl Slot {
 
     /// Whether the slot is an insert's reservation that readers ignore.
     pub fn is_tentative(self) -> bool {
-        self.0 & Self::TENTATIVE_BIT != 0
+        self.0 & Self::STATE_BITS == Self::TENTATIVE_BIT && self.units() > 0
     }
 
     /// Whether the slot holds a committed (visible) block.
     pub fn is_committed(self) -> bool {
-        !self.is_empty() && !self.is_tentative()
+        self.0 & Self::STATE_BITS == Self::COMMITTED_BIT && self.units() > 0
+    }
+
+    /// Whether the word is none of empty, tentative or committed: a torn read.
+    pub fn is_torn(self) -> bool {
+        !self.is_empty() && !self.is_tentative() && !self.is_committed()
     }
 
     /// The same block, marked tentative.
     pub fn tentative(self) -> Slot {
-        Slot(self.0 | Self::TENTATIVE_BIT)
+        Slot((self.0 & !Self::STATE_BITS) | Self::TENTATIVE_BIT)
     }
 
     /// The same block, committed.
     pub fn committed(self) -> Slot {
-        Slot(self.0 & !Self::TENTATIVE_BIT)
+        Slot((self.0 & !Self::STATE_BITS) | Self::COMMITTED_BIT)
     }
 
     /// The fingerprint.
@@ -356,13 +373,26 @@ mod tests {
         assert!(!slot.is_empty());
         assert_eq!(Slot::from_bytes(slot.0.to_le_bytes()), slot);
         assert!(Slot::EMPTY.is_empty());
-        assert!(slot.is_committed() && !slot.is_tentative());
+        assert!(slot.is_committed() && !slot.is_tentative() && !slot.is_torn());
         let tentative = slot.tentative();
         assert!(tentative.is_tentative() && !tentative.is_committed() && !tentative.is_empty());
         assert_eq!(tentative.offset(), slot.offset());
         assert_eq!(tentative.fingerprint(), 0xAB);
         assert_eq!(tentative.units(), 3);
         assert_eq!(tentative.committed(), slot);
+        // A READ that tears the low byte of a tentative word it races (empty ↔ tentative) sees
+        // neither state bit, or only the low byte: never a committed word.
+        for torn in [
+            tentative.0 & !0xFF,
+            tentative.0 & 0xFF,
+            tentative.0 & 0xFFFF_FFFF,
+            tentative.0 & !0xFFFF,
+        ] {
+            let torn = Slot(torn);
+            assert!(!torn.is_committed(), "{torn:?}");
+        }
+        assert!(Slot(slot.0 & !0xFF).is_torn());
+        assert!(Slot(slot.0 & 0xFF).is_torn());
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //!   visible;
 //! - [`model::ONE_COMMITTED_SLOT_PER_KEY`] (new protocol only): no key is committed twice.
 //!
-//! [`model::Protocol::Old`] is today's client (`client/src/operations.rs`); the checker finds
+//! [`model::Protocol::Old`] is the client before the fix (`client/src/operations.rs` at commit
+//! `07546f6`); the checker finds
 //! counterexamples to all three shared properties. [`model::Protocol::New`] is the
 //! tentative-slot fix; every property holds in every scenario. [`model::Protocol::NewDraft`] is
 //! the fix as first drafted, whose kill rule lets a key be committed twice.

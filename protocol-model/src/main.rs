@@ -20,8 +20,9 @@ struct Arguments {
     /// The scenario to check (see --list), or `all`.
     #[arg(long, default_value = "all")]
     scenario: String,
-    /// The protocol the clients run: `old` (today's client), `new` (tentative slots) or
-    /// `new-draft` (tentative slots with the first draft's kill rule).
+    /// The protocol the clients run: `old` (the client before the fix), `new` (tentative slots) or
+    /// `new-draft` (tentative slots with the first draft's kill rule). Exit code: 0 when every
+    /// property holds, 1 when one is violated, 2 on a usage error.
     #[arg(long, default_value = "new")]
     protocol: Protocol,
     /// Override the scenario's number of slots in the bucket (1..=4).

@@ -1,4 +1,4 @@
-//! Today's protocol (`client/src/operations.rs`): the checker finds the duplicate-insert bugs,
+//! The protocol before the fix (`client/src/operations.rs` at commit `07546f6`): the checker finds the duplicate-insert bugs,
 //! and the first draft of the fix: the checker finds its kill-rule bug. Each test prints the
 //! counterexample it found.
 

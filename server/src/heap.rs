@@ -36,7 +36,7 @@ enum ChunkState {
 /// What one collection pass found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CollectionReport {
-    /// Non-empty slots seen.
+    /// Committed slots seen (keys).
     pub keys: u64,
     /// Chunks returned to the free list.
     pub reclaimed: u64,
