@@ -242,15 +242,19 @@ pub fn parse(
     let cluster = raw.cluster.get_ref();
     let mut warnings = Vec::new();
 
-    let fabric = match cluster.fabric.get_ref().as_str() {
-        "soft" => Backend::Soft,
-        "verbs" => Backend::Verbs,
-        other => {
+    let fabric = match cluster.fabric.get_ref().parse::<Backend>() {
+        Ok(backend) if backend.crosses_processes() => backend,
+        Ok(backend) => {
             return Err(locator.error(
                 cluster.fabric.span(),
                 "cluster.fabric",
-                format!("unknown fabric `{other}`: expected \"soft\" or \"verbs\""),
+                format!(
+                    "fabric `{backend}` works only inside one process: use \"soft\" or \"verbs\""
+                ),
             ))
+        }
+        Err(error) => {
+            return Err(locator.error(cluster.fabric.span(), "cluster.fabric", error.to_string()))
         }
     };
 

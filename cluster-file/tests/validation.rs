@@ -118,7 +118,18 @@ fn an_unknown_fabric_is_refused() {
     let (line, field, message) = invalid(&text);
     assert_eq!((line, field.as_str()), (4, "cluster.fabric"));
     assert!(
-        message.contains("expected \"soft\" or \"verbs\""),
+        message.contains("unknown fabric `carrier-pigeon`: expected soft, loopback or verbs"),
+        "{message}"
+    );
+}
+
+#[test]
+fn the_loopback_fabric_is_refused_for_nodes() {
+    let text = file("", NODE_1).replace("fabric = \"soft\"", "fabric = \"loopback\"");
+    let (line, field, message) = invalid(&text);
+    assert_eq!((line, field.as_str()), (4, "cluster.fabric"));
+    assert!(
+        message.contains("works only inside one process: use \"soft\" or \"verbs\""),
         "{message}"
     );
 }

@@ -18,8 +18,8 @@ use clap::Parser;
 use hdrhistogram::Histogram;
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{
-    AccessFlags, Device, DeviceConfig, MemoryRegion, QueuePair, QueuePairConfig, VerbsOptions,
-    WorkCompletionStatus, WorkRequest,
+    AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, QueuePair, QueuePairConfig,
+    VerbsOptions, WorkCompletionStatus, WorkRequest,
 };
 
 /// Command-line options.
@@ -32,7 +32,7 @@ struct Options {
     /// Only these backends (loopback, soft, verbs); default loopback and soft, plus verbs in a
     /// build with the feature.
     #[arg(long)]
-    backend: Vec<String>,
+    backend: Vec<Backend>,
     /// Busy-poll budget of the soft engine threads, in microseconds (DeviceConfig::poll_spin).
     #[arg(long, default_value_t = 0)]
     spin_us: u64,
@@ -114,24 +114,25 @@ struct Setup {
 }
 
 async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) -> Setup {
+    let backend: Backend = backend.parse().expect("a name from Backend::ALL");
     let config = DeviceConfig {
         poll_spin: spin,
         ..DeviceConfig::default()
     };
     let devices = match backend {
-        "soft" => (
+        Backend::Soft => (
             Device::soft(Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), config)
                 .expect("soft server NIC"),
             Device::soft(None, config).expect("soft client NIC"),
         ),
-        "verbs" => {
+        Backend::Verbs => {
             let options = VerbsOptions::from_environment();
             (
                 Device::verbs(&options, config).expect("open the RDMA device"),
                 Device::verbs(&options, config).expect("open the RDMA device"),
             )
         }
-        _ => (Device::loopback(config), Device::loopback(config)),
+        Backend::Loopback => (Device::loopback(config), Device::loopback(config)),
     };
     let (server, client) = &devices;
     let server_domain = server.allocate_protection_domain();
@@ -257,15 +258,16 @@ async fn scenario(
 
 fn main() {
     let options = Options::parse();
-    let backends: Vec<&'static str> = ["loopback", "soft", "verbs"]
+    let backends: Vec<&'static str> = [Backend::Loopback, Backend::Soft, Backend::Verbs]
         .into_iter()
         .filter(|backend| {
             if options.backend.is_empty() {
-                *backend != "verbs" || Device::verbs_built()
+                *backend != Backend::Verbs || Device::verbs_built()
             } else {
-                options.backend.iter().any(|wanted| wanted == backend)
+                options.backend.contains(backend)
             }
         })
+        .map(Backend::name)
         .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -36,6 +36,9 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every provider, in the order the docs list them.
+    pub const ALL: [Backend; 3] = [Backend::Soft, Backend::Loopback, Backend::Verbs];
+
     /// The name used in configuration files and on the command line.
     pub fn name(self) -> &'static str {
         match self {
@@ -43,6 +46,39 @@ impl Backend {
             Self::Loopback => "loopback",
             Self::Verbs => "verbs",
         }
+    }
+
+    /// Whether nodes in other processes can reach a device of this provider (`loopback` lives
+    /// in one process: it serves tests and the fabric benchmark, not a node).
+    pub fn crosses_processes(self) -> bool {
+        !matches!(self, Self::Loopback)
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.name())
+    }
+}
+
+/// A fabric name that is not one of [`Backend::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown fabric `{name}`: expected soft, loopback or verbs")]
+pub struct UnknownBackend {
+    /// The name given.
+    pub name: String,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = UnknownBackend;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        Backend::ALL
+            .into_iter()
+            .find(|backend| backend.name() == name)
+            .ok_or_else(|| UnknownBackend {
+                name: name.to_string(),
+            })
     }
 }
 
@@ -366,5 +402,22 @@ impl RemoteKey {
             address: self.address + offset,
             remote_key: self.key,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_round_trip() {
+        for backend in Backend::ALL {
+            assert_eq!(backend.to_string().parse::<Backend>(), Ok(backend));
+        }
+        assert_eq!(
+            "rdma".parse::<Backend>().map_err(|error| error.to_string()),
+            Err("unknown fabric `rdma`: expected soft, loopback or verbs".to_string())
+        );
+        assert!(!Backend::Loopback.crosses_processes());
     }
 }

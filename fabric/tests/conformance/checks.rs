@@ -1,7 +1,7 @@
 //! The fabric conformance suite: every backend must pass every check here with the same
 //! assertions.
 //!
-//! Each check takes a [`Fabric`] and builds what it needs: a "server" device that listens and
+//! Each check takes a [`Backend`] and builds what it needs: a "server" device that listens and
 //! owns the remote memory, a "client" device that posts, and connected queue pairs between
 //! them. `main.rs` instantiates every check for every backend with one macro.
 
@@ -10,23 +10,10 @@ use std::sync::Arc;
 
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{
-    AccessFlags, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain, QueuePair,
-    QueuePairConfig, QueuePairState, RemoteSegment, VerbsOptions, WorkCompletion,
+    AccessFlags, Backend, CompletionQueue, Device, DeviceConfig, MemoryRegion, ProtectionDomain,
+    QueuePair, QueuePairConfig, QueuePairState, RemoteSegment, VerbsOptions, WorkCompletion,
     WorkCompletionStatus, WorkRequest, DEFAULT_MAX_SEND_WR,
 };
-
-/// A backend under test.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fabric {
-    /// The software RNIC over loopback TCP.
-    Soft,
-    /// The in-process backend.
-    Loopback,
-    /// Real ibverbs on the RDMA device named by `RDKV_RDMA_DEVICE` (the first one when unset),
-    /// with the GID index of `RDKV_GID_INDEX` (automatic when unset). Built with the `verbs`
-    /// feature; run in the Soft-RoCE guest by `scripts/softroce/run.sh`.
-    Verbs,
-}
 
 const MIB: u64 = 1024 * 1024;
 /// Size of the server's registered block: 1 MiB for the largest transfer plus room.
@@ -38,22 +25,22 @@ const COMPLETION_QUEUE_SIZE: usize = 16 * DEFAULT_MAX_SEND_WR as usize;
 const LOCAL_SIZE: u64 = MIB + 64 * 1024;
 
 /// Creates the server and client devices of a backend.
-pub fn devices(fabric: Fabric) -> (Device, Device) {
+pub fn devices(fabric: Backend) -> (Device, Device) {
     devices_with(fabric, DeviceConfig::default())
 }
 
 /// Creates the server and client devices of a backend with a device configuration.
-pub fn devices_with(fabric: Fabric, config: DeviceConfig) -> (Device, Device) {
+pub fn devices_with(fabric: Backend, config: DeviceConfig) -> (Device, Device) {
     match fabric {
-        Fabric::Soft => {
+        Backend::Soft => {
             let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
             (
                 Device::soft(Some(listen), config).expect("bind soft NIC on loopback"),
                 Device::soft(None, config).expect("create dialing soft NIC"),
             )
         }
-        Fabric::Loopback => (Device::loopback(config), Device::loopback(config)),
-        Fabric::Verbs => {
+        Backend::Loopback => (Device::loopback(config), Device::loopback(config)),
+        Backend::Verbs => {
             let options = VerbsOptions::from_environment();
             (
                 Device::verbs(&options, config).expect("open the RDMA device (server side)"),
@@ -145,13 +132,13 @@ pub async fn connect_queue_pairs(
 }
 
 /// Builds a connected pair on `fabric`.
-pub async fn connect(fabric: Fabric) -> Connected {
+pub async fn connect(fabric: Backend) -> Connected {
     connect_with(fabric, DeviceConfig::default(), QueuePairConfig::default()).await
 }
 
 /// Builds a connected pair with explicit configurations.
 pub async fn connect_with(
-    fabric: Fabric,
+    fabric: Backend,
     device_config: DeviceConfig,
     config: QueuePairConfig,
 ) -> Connected {
@@ -213,7 +200,7 @@ fn pattern(length: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Queue pairs walk RESET → INIT → RTR → RTS, and the gauges count them.
-pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
+pub async fn queue_pair_states_and_gauges(fabric: Backend) {
     let (device, _) = devices(fabric);
     let domain = device.allocate_protection_domain();
     let queue = device
@@ -257,7 +244,7 @@ pub async fn queue_pair_states_and_gauges(fabric: Fabric) {
 
 /// A completion queue takes queue pairs only while their send queues fit in it (an overrun
 /// would break every queue pair on a NIC's CQ); a destroyed queue pair gives its room back.
-pub async fn completion_queue_capacity_bounds_its_send_queues(fabric: Fabric) {
+pub async fn completion_queue_capacity_bounds_its_send_queues(fabric: Backend) {
     let (device, _) = devices(fabric);
     let domain = device.allocate_protection_domain();
     let queue = device
@@ -289,7 +276,7 @@ pub async fn completion_queue_capacity_bounds_its_send_queues(fabric: Fabric) {
 }
 
 /// READ and WRITE round trips at 8 B, 64 B, 4 KiB and 1 MiB.
-pub async fn read_write_round_trips(fabric: Fabric) {
+pub async fn read_write_round_trips(fabric: Backend) {
     let connected = connect(fabric).await;
     for (index, length) in [8usize, 64, 4096, MIB as usize].into_iter().enumerate() {
         let data = pattern(length, index as u8 + 1);
@@ -345,7 +332,7 @@ pub async fn read_write_round_trips(fabric: Fabric) {
 }
 
 /// CAS success and failure both return the original value.
-pub async fn compare_and_swap_returns_original(fabric: Fabric) {
+pub async fn compare_and_swap_returns_original(fabric: Backend) {
     let connected = connect(fabric).await;
     connected
         .local
@@ -404,7 +391,7 @@ pub async fn compare_and_swap_returns_original(fabric: Fabric) {
 /// list sees the CAS's result, and a READ after a failed CAS sees the memory unchanged. The slot
 /// protocol relies on it: an insert places its tentative slot and re-reads the buckets in one
 /// list (`docs/protocol.md`).
-pub async fn read_after_compare_and_swap_in_one_list_sees_it(fabric: Fabric) {
+pub async fn read_after_compare_and_swap_in_one_list_sees_it(fabric: Backend) {
     let connected = connect(fabric).await;
     for round in 0..64u64 {
         let current = connected.remote.load_u64(128).expect("remote");
@@ -445,7 +432,7 @@ pub async fn read_after_compare_and_swap_in_one_list_sees_it(fabric: Fabric) {
 }
 
 /// FETCH_ADD returns the original and adds, wrapping.
-pub async fn fetch_and_add_returns_original(fabric: Fabric) {
+pub async fn fetch_and_add_returns_original(fabric: Backend) {
     let connected = connect(fabric).await;
     let add = |id, addend| {
         WorkRequest::fetch_and_add(
@@ -480,7 +467,7 @@ pub async fn fetch_and_add_returns_original(fabric: Fabric) {
 }
 
 /// 16 requests posted at once with only the last signaled give exactly one completion.
-pub async fn batch_with_only_last_signaled_gives_one_completion(fabric: Fabric) {
+pub async fn batch_with_only_last_signaled_gives_one_completion(fabric: Backend) {
     let connected = connect(fabric).await;
     let before = connected.client_completion_queue.completions_generated();
     let list: Vec<WorkRequest> = (0..16u64)
@@ -555,7 +542,7 @@ async fn expect_error_then_flush(
 }
 
 /// A READ past the end of the region fails REM_ACCESS_ERR.
-pub async fn out_of_bounds_is_remote_access_error(fabric: Fabric) {
+pub async fn out_of_bounds_is_remote_access_error(fabric: Backend) {
     let connected = connect(fabric).await;
     let bad = WorkRequest::read(
         7,
@@ -566,7 +553,7 @@ pub async fn out_of_bounds_is_remote_access_error(fabric: Fabric) {
 }
 
 /// An rkey that was never issued fails REM_ACCESS_ERR.
-pub async fn unknown_rkey_is_remote_access_error(fabric: Fabric) {
+pub async fn unknown_rkey_is_remote_access_error(fabric: Backend) {
     let connected = connect(fabric).await;
     let mut remote = connected.remote_at(0);
     remote.remote_key ^= 0x00F0_0F00;
@@ -575,7 +562,7 @@ pub async fn unknown_rkey_is_remote_access_error(fabric: Fabric) {
 }
 
 /// A WRITE into a region registered REMOTE_READ only fails REM_ACCESS_ERR.
-pub async fn write_to_read_only_region_is_remote_access_error(fabric: Fabric) {
+pub async fn write_to_read_only_region_is_remote_access_error(fabric: Backend) {
     let connected = connect(fabric).await;
     let read_only = connected
         .server_domain
@@ -591,7 +578,7 @@ pub async fn write_to_read_only_region_is_remote_access_error(fabric: Fabric) {
 }
 
 /// A CAS at an address that is not 8-byte aligned fails REM_INV_REQ_ERR.
-pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Fabric) {
+pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Backend) {
     let connected = connect(fabric).await;
     let bad =
         WorkRequest::compare_and_swap(7, connected.local_at(0, 8), connected.remote_at(4), 0, 1);
@@ -605,7 +592,7 @@ pub async fn misaligned_atomic_is_remote_invalid_request(fabric: Fabric) {
 
 /// A local buffer outside any registered region fails, and nothing is sent: LOC_PROT_ERR, except
 /// a WRITE source with an unknown lkey, which rxe reports as LOC_QP_OP_ERR (docs/fabric.md).
-pub async fn unregistered_local_buffer_is_local_protection_error(fabric: Fabric) {
+pub async fn unregistered_local_buffer_is_local_protection_error(fabric: Backend) {
     let outside = |connected: &Connected| {
         let mut local = connected.local_at(0, 64);
         local.address = connected.local.address() + LOCAL_SIZE + 4096;
@@ -630,7 +617,7 @@ pub async fn unregistered_local_buffer_is_local_protection_error(fabric: Fabric)
 }
 
 /// A deregistered region's rkey is rejected.
-pub async fn deregistered_region_rkey_is_rejected(fabric: Fabric) {
+pub async fn deregistered_region_rkey_is_rejected(fabric: Backend) {
     let connected = connect(fabric).await;
     let extra = connected
         .server_domain
@@ -677,7 +664,7 @@ pub async fn deregistered_region_rkey_is_rejected(fabric: Fabric) {
 
 /// A memory window binds only on an RTS queue pair; its rkey works on that queue pair, fails on
 /// another, and dies with the window.
-pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
+pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Backend) {
     let connected = connect(fabric).await;
     let window = connected.server_domain.allocate_memory_window();
     let unconnected = connected
@@ -755,7 +742,7 @@ pub async fn memory_window_is_bound_to_one_queue_pair(fabric: Fabric) {
 }
 
 /// A deallocated memory window's rkey is rejected.
-pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
+pub async fn deallocated_window_rkey_is_rejected(fabric: Backend) {
     let connected = connect(fabric).await;
     let window = connected.server_domain.allocate_memory_window();
     let window_key = connected
@@ -787,7 +774,7 @@ pub async fn deallocated_window_rkey_is_rejected(fabric: Fabric) {
 /// as a real NIC does: that request completes RETRY_EXC_ERR (soft: at once, its connection is
 /// closed; verbs: after the NIC's retries, about `retry_timeout`), the rest flush, and the queue
 /// pair is in ERROR.
-pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
+pub async fn vanished_peer_is_retry_exceeded(fabric: Backend) {
     let config = DeviceConfig {
         retry_timeout: std::time::Duration::from_millis(300),
         ..DeviceConfig::default()
@@ -842,7 +829,7 @@ pub async fn vanished_peer_is_retry_exceeded(fabric: Fabric) {
 /// A post whose future is dropped after its first poll (soft and verbs queue the list and yield
 /// before ringing the doorbell) still reaches the NIC: the WRITE lands, and its completion goes
 /// to the completion queue's backlog, as a verbs CQ would hold it.
-pub async fn a_post_dropped_before_its_doorbell_still_runs(fabric: Fabric) {
+pub async fn a_post_dropped_before_its_doorbell_still_runs(fabric: Backend) {
     let connected = connect(fabric).await;
     let data = pattern(64, 77);
     connected.local.write(0, &data).expect("fill local");
@@ -879,7 +866,7 @@ pub async fn a_post_dropped_before_its_doorbell_still_runs(fabric: Fabric) {
 
 /// Moving a queue pair to ERROR with requests in flight completes every one of them exactly
 /// once, as success (already answered) or WR_FLUSH_ERR, and nothing stays outstanding.
-pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
+pub async fn error_with_requests_in_flight_flushes_them(fabric: Backend) {
     let connected = connect(fabric).await;
     let mut lists = Vec::new();
     for list_index in 0..8u64 {
@@ -914,7 +901,7 @@ pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
     assert_eq!(seen.len(), 128, "every request completed");
     assert_eq!(connected.client_queue_pair.outstanding(), 0);
     connected.client_queue_pair.drain();
-    if fabric == Fabric::Soft {
+    if fabric == Backend::Soft {
         assert!(
             flushed > 0,
             "8 MiB of READs cannot all be answered before the flush"
@@ -923,7 +910,7 @@ pub async fn error_with_requests_in_flight_flushes_them(fabric: Fabric) {
 }
 
 /// 8 requesters × 10,000 FETCH_ADDs on one counter end at exactly 80,000.
-pub async fn concurrent_fetch_add_is_exact(fabric: Fabric) {
+pub async fn concurrent_fetch_add_is_exact(fabric: Backend) {
     let connected = Arc::new(connect(fabric).await);
     let mut tasks = Vec::new();
     for requester in 0..8u64 {
@@ -955,7 +942,7 @@ pub async fn concurrent_fetch_add_is_exact(fabric: Fabric) {
 }
 
 /// Concurrent CAS increments (read, CAS, retry on a lost race) are exact.
-pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Fabric) {
+pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Backend) {
     let connected = Arc::new(connect(fabric).await);
     let mut tasks = Vec::new();
     for requester in 0..4u64 {
@@ -1003,7 +990,7 @@ pub async fn concurrent_compare_and_swap_increments_are_exact(fabric: Fabric) {
 /// rxe copies READ data with `memcpy`: in the TCG guest it was seen to tear), so on verbs the
 /// torn reads are counted and reported, not failed; rdkv's store does not rely on the property
 /// (a slot whose block belongs elsewhere is re-read, docs/protocol.md).
-pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
+pub async fn reads_racing_compare_and_swap_never_tear(fabric: Backend) {
     let connected = Arc::new(connect(fabric).await);
     let word_offset = 2048u64;
     let writer = {
@@ -1046,7 +1033,7 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
                 let mut bytes = [0u8; 8];
                 connected.local.read(16384 + 24, &mut bytes).expect("local");
                 if bytes.iter().any(|byte| *byte != bytes[0]) {
-                    assert_eq!(fabric, Fabric::Verbs, "torn word {bytes:?}");
+                    assert_eq!(fabric, Backend::Verbs, "torn word {bytes:?}");
                     torn += 1;
                 }
             }
@@ -1060,7 +1047,7 @@ pub async fn reads_racing_compare_and_swap_never_tear(fabric: Fabric) {
 }
 
 /// A list longer than max_send_wr is refused, and outstanding requests never exceed it.
-pub async fn send_queue_depth_is_enforced(fabric: Fabric) {
+pub async fn send_queue_depth_is_enforced(fabric: Backend) {
     let config = QueuePairConfig { max_send_wr: 4 };
     let connected = connect_with(fabric, DeviceConfig::default(), config).await;
     let read = |id| WorkRequest::read(id, connected.local_at(0, 64), connected.remote_at(0));

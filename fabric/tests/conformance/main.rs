@@ -8,9 +8,10 @@ mod checks;
 macro_rules! conformance_suite {
     ($module:ident, $fabric:expr) => {
         mod $module {
-            use crate::checks::{self, Fabric};
+            use crate::checks;
+            use rdkv_fabric::Backend;
 
-            const FABRIC: Fabric = $fabric;
+            const FABRIC: Backend = $fabric;
 
             conformance_suite!(@checks
                 queue_pair_states_and_gauges,
@@ -48,7 +49,7 @@ macro_rules! conformance_suite {
     };
 }
 
-conformance_suite!(soft, Fabric::Soft);
-conformance_suite!(loopback, Fabric::Loopback);
+conformance_suite!(soft, Backend::Soft);
+conformance_suite!(loopback, Backend::Loopback);
 #[cfg(feature = "verbs")]
-conformance_suite!(verbs, Fabric::Verbs);
+conformance_suite!(verbs, Backend::Verbs);

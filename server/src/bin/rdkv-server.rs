@@ -119,11 +119,13 @@ async fn main() -> anyhow::Result<()> {
 }
 
 fn parse_fabric(text: &str) -> Result<Backend, String> {
-    match text {
-        "soft" => Ok(Backend::Soft),
-        "verbs" => Ok(Backend::Verbs),
-        other => Err(format!("unknown fabric `{other}`: expected soft or verbs")),
+    let backend: Backend = text.parse().map_err(|error| format!("{error}"))?;
+    if !backend.crosses_processes() {
+        return Err(format!(
+            "fabric `{backend}` works only inside one process: a node needs soft or verbs"
+        ));
     }
+    Ok(backend)
 }
 
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
