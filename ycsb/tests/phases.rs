@@ -181,11 +181,9 @@ async fn plots_are_drawn_as_svg_and_png() {
                 std::fs::metadata(&path).expect("written").len() > 1000,
                 "{name}"
             ),
-            Err(error) if error.to_string().contains("no TrueType font") => {
-                eprintln!("skipped {name}: {error}");
-                continue;
-            }
-            Err(error) => panic!("{name}: {error}"),
+            Err(error) => panic!(
+                "{name}: {error} (plots need a TrueType font: apt-get install fonts-dejavu-core)"
+            ),
         }
     }
     if let Ok(svg) = std::fs::read_to_string(directory.join("plot.svg")) {
