@@ -16,6 +16,7 @@ use rdkv_common::protocol::{
     ServerStats, Welcome, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
+use rdkv_fabric::lock;
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{
     AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, PostedList, QueuePair,
@@ -181,12 +182,6 @@ impl std::fmt::Debug for NodeConnection {
             .field("connection_id", &self.welcome.connection_id)
             .finish()
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Reads one handshake reply, bounded in time.

@@ -52,9 +52,10 @@ pub use types::{
     RemoteSegment, UnknownBackend, VerbsAddress, WorkCompletion, WorkCompletionStatus, WorkRequest,
 };
 
-/// Locks a mutex, recovering the data if a panicking thread poisoned it (the state it guards is
-/// kept consistent at every unlock point).
-pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks a mutex, recovering the data if a panicking thread poisoned it. The one definition
+/// in the workspace (the server and the client use it too): every mutex in rdkv guards state
+/// that is consistent at every unlock point, so a panic elsewhere never leaves it half-written.
+pub fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -16,6 +16,8 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+
+use rdkv_fabric::lock;
 use std::time::{Duration, Instant};
 
 use rdkv_common::layout::TableGeometry;
@@ -67,12 +69,6 @@ pub struct Heap {
     pub blocks_relocated: AtomicU64,
     /// Abandoned tentative slots cleared by the collector since start.
     pub tentatives_cleared: AtomicU64,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Heap {
