@@ -1,0 +1,142 @@
+//! The control task, which owns the control stream (requests in order, heartbeats while idle),
+//! and the requests that go through it: chunks, stats, goodbye.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkv_common::protocol::{read_frame, write_frame, ClientMessage, ServerMessage, ServerStats};
+use rdkv_common::ControlError;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::counters::Counters;
+use crate::error::{Error, Result};
+
+use super::*;
+
+/// A request to the control task.
+pub(super) struct ControlRequest {
+    /// What to send.
+    message: ClientMessage,
+    /// Where the reply goes.
+    reply: oneshot::Sender<Result<ServerMessage, ControlError>>,
+}
+
+impl NodeConnection {
+    /// Sends a control request and waits for its reply.
+    pub(crate) async fn control(&self, message: ClientMessage) -> Result<ServerMessage> {
+        let (reply, answer) = oneshot::channel();
+        let lost = || Error::NodeUnreachable {
+            address: self.address,
+            reason: "the control connection is closed".into(),
+        };
+        if self
+            .control
+            .send(ControlRequest { message, reply })
+            .await
+            .is_err()
+        {
+            self.mark_broken();
+            return Err(lost());
+        }
+        match answer.await {
+            Ok(Ok(message)) => Ok(message),
+            Ok(Err(error)) => {
+                self.mark_broken();
+                Err(Error::NodeUnreachable {
+                    address: self.address,
+                    reason: error.to_string(),
+                })
+            }
+            Err(_) => {
+                self.mark_broken();
+                Err(lost())
+            }
+        }
+    }
+
+    /// The server's counters.
+    pub(crate) async fn stats(&self) -> Result<ServerStats> {
+        match self.control(ClientMessage::Stats).await? {
+            ServerMessage::Stats(stats) => Ok(stats),
+            ServerMessage::Refused { reason } => Err(Error::Refused { reason }),
+            other => Err(Error::Refused {
+                reason: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    /// Says goodbye; the server tears the connection down in order.
+    pub(crate) async fn close(&self) {
+        let (reply, answer) = oneshot::channel();
+        let sent = self
+            .control
+            .send(ControlRequest {
+                message: ClientMessage::Goodbye,
+                reply,
+            })
+            .await;
+        if sent.is_ok() {
+            // The control task answers once the last counters and the goodbye are written.
+            let _ = tokio::time::timeout(CONNECT_TIMEOUT, answer).await;
+        }
+        self.mark_broken();
+    }
+}
+
+/// Owns the control stream: forwards requests in order and heartbeats while idle.
+pub(super) async fn control_task(
+    mut stream: TcpStream,
+    mut requests: mpsc::Receiver<ControlRequest>,
+    heartbeat: Duration,
+    counters: Arc<Counters>,
+) {
+    let mut ticks = tokio::time::interval(heartbeat);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let (message, reply) = tokio::select! {
+            request = requests.recv() => match request {
+                Some(request) => (request.message, Some(request.reply)),
+                None => return,
+            },
+            _ = ticks.tick() => (ClientMessage::Heartbeat { counters: counters.take_report() }, None),
+        };
+        let goodbye = message == ClientMessage::Goodbye;
+        if goodbye {
+            // Report the last counters before leaving.
+            let report = ClientMessage::Heartbeat {
+                counters: counters.take_report(),
+            };
+            if write_frame(&mut stream, &report).await.is_ok() {
+                let _ = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    read_frame::<_, ServerMessage>(&mut stream),
+                )
+                .await;
+            }
+        }
+        let outcome = match write_frame(&mut stream, &message).await {
+            Ok(()) if goodbye => {
+                if let Some(reply) = reply {
+                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck));
+                }
+                return;
+            }
+            Ok(()) => {
+                tokio::time::timeout(CONNECT_TIMEOUT, read_frame::<_, ServerMessage>(&mut stream))
+                    .await
+                    .unwrap_or(Err(ControlError::Unexpected(
+                        "no reply within the timeout".into(),
+                    )))
+            }
+            Err(error) => Err(error),
+        };
+        let failed = outcome.is_err();
+        if let Some(reply) = reply {
+            let _ = reply.send(outcome);
+        }
+        if failed {
+            return;
+        }
+    }
+}

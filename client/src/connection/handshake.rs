@@ -1,0 +1,147 @@
+//! Opening a connection: TCP connect, the HMAC challenge, the queue pair, the keys, and the
+//! control task (`docs/protocol.md`, *Handshake*).
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkv_common::protocol::{
+    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, PROTOCOL_VERSION,
+};
+use rdkv_common::ControlError;
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{AccessFlags, Device, DeviceConfig, QueuePairConfig};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::counters::Counters;
+use crate::error::{Error, Result};
+
+use super::*;
+
+/// How long connecting and each handshake step may take.
+pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads one handshake reply, bounded in time.
+async fn read_reply(stream: &mut TcpStream) -> Result<ServerMessage, ControlError> {
+    tokio::time::timeout(CONNECT_TIMEOUT, read_frame::<_, ServerMessage>(stream))
+        .await
+        .unwrap_or(Err(ControlError::Unexpected(
+            "handshake step timed out".into(),
+        )))
+}
+
+impl NodeConnection {
+    /// Connects, authenticates, connects the queue pair and starts the control task.
+    pub(crate) async fn open(config: &ClientConfig, counters: Arc<Counters>) -> Result<Arc<Self>> {
+        let address = config.node.control_address;
+        let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
+        let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+            .map_err(|error| unreachable(error.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let step = |message: Result<ServerMessage, ControlError>| -> Result<ServerMessage> {
+            message.map_err(|error| unreachable(format!("handshake: {error}")))
+        };
+        let ServerMessage::Challenge {
+            protocol_version,
+            nonce,
+            ..
+        } = step(read_reply(&mut stream).await)?
+        else {
+            return Err(unreachable(
+                "the server did not start with a challenge".into(),
+            ));
+        };
+        if protocol_version != PROTOCOL_VERSION {
+            return Err(Error::AuthenticationFailed {
+                address,
+                reason: format!(
+                    "protocol version mismatch: the server speaks {protocol_version}, this client {PROTOCOL_VERSION}"
+                ),
+            });
+        }
+        write_frame(
+            &mut stream,
+            &ClientMessage::Authenticate {
+                protocol_version: PROTOCOL_VERSION,
+                purpose: Purpose::Data,
+                proof: compute_proof(&config.secret, &nonce),
+                client_name: config.name.clone(),
+            },
+        )
+        .await?;
+        let welcome = match read_reply(&mut stream).await {
+            Ok(ServerMessage::Welcome(welcome)) => *welcome,
+            Ok(ServerMessage::Refused { reason }) => {
+                return Err(Error::AuthenticationFailed { address, reason })
+            }
+            Ok(other) => return Err(unreachable(format!("unexpected handshake reply {other:?}"))),
+            Err(ControlError::Closed) => {
+                return Err(Error::AuthenticationFailed {
+                    address,
+                    reason: "the server closed the connection during authentication".into(),
+                })
+            }
+            Err(error) => return Err(unreachable(format!("handshake: {error}"))),
+        };
+
+        let device = Device::open(
+            config.node.fabric,
+            None,
+            &config.verbs,
+            DeviceConfig {
+                poll_spin: config.poll_spin,
+                ..DeviceConfig::default()
+            },
+        )?;
+        let domain = device.allocate_protection_domain();
+        let completion_queue = device.create_completion_queue(1024)?;
+        let queue_pair = domain.create_queue_pair(&completion_queue, QueuePairConfig::default())?;
+        let slots = config.concurrency.max(1) as u64;
+        let memory = Arc::new(PinnedMemory::allocate(
+            slots * SCRATCH_SIZE,
+            HugepagePolicy::Off,
+            PinLimits::default(),
+        )?);
+        let scratch_region = domain.register_all(&memory, AccessFlags::LOCAL_WRITE)?;
+        queue_pair.connect(&welcome.server_endpoint).await?;
+        write_frame(
+            &mut stream,
+            &ClientMessage::ConnectQueuePair {
+                endpoint: queue_pair.endpoint(),
+            },
+        )
+        .await?;
+        let keys = match read_reply(&mut stream).await {
+            Ok(ServerMessage::QueuePairReady(keys)) => keys,
+            Ok(ServerMessage::Refused { reason }) => return Err(Error::Refused { reason }),
+            other => return Err(unreachable(format!("queue pair not ready: {other:?}"))),
+        };
+
+        let (control, requests) = mpsc::channel(16);
+        let heartbeat =
+            Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
+        tokio::spawn(control_task(stream, requests, heartbeat, counters.clone()));
+        Ok(Arc::new(Self {
+            address,
+            welcome,
+            keys,
+            queue_pair,
+            scratch_region,
+            scratch_free: Arc::new(Mutex::new((0..slots).collect())),
+            scratch_permits: Arc::new(Semaphore::new(slots as usize)),
+            chunk: Mutex::new(None),
+            refill: Semaphore::new(1),
+            writer_stripes: (0..WRITER_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+            control,
+            broken: AtomicBool::new(false),
+            counters,
+            fault_injector: config.fault_injector.clone(),
+            _device: device,
+        }))
+    }
+}

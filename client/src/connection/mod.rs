@@ -1,0 +1,185 @@
+//! One client connection to one node, a file per role:
+//!
+//! - [`config`]: how a client reaches a node ([`ClientConfig`], [`NodeAddress`]);
+//! - `handshake`: connect, authenticate, connect the queue pair, start the control task;
+//! - `control`: the control task (requests in order, heartbeats while idle) and the requests
+//!   that go through it;
+//! - `scratch`: the registered scratch buffers and the posting of lists through them;
+//! - `writer_stripes`: the per-key writer turns of this process;
+//! - here: the connection itself and its heap chunk cursor.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkv_common::protocol::{ClientMessage, ConnectionKeys, ServerMessage, Welcome};
+use rdkv_fabric::lock;
+use rdkv_fabric::{Device, MemoryRegion, QueuePair, RemoteKey};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::counters::Counters;
+use crate::error::{Error, Result};
+use crate::fault::FaultInjector;
+
+mod config;
+mod control;
+mod handshake;
+mod scratch;
+mod writer_stripes;
+
+pub use config::{ClientConfig, NodeAddress, DEFAULT_CONCURRENCY};
+use control::{control_task, ControlRequest};
+use handshake::CONNECT_TIMEOUT;
+use scratch::SCRATCH_SIZE;
+pub(crate) use scratch::{
+    ExecuteError, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT, READ_BLOCKS_SIZE,
+    WRITE_BLOCK_AT,
+};
+use writer_stripes::WRITER_STRIPES;
+
+/// How long to wait before asking again for a chunk when the heap's free chunks are all
+/// waiting to be reclaimed.
+const CHUNK_RETRY_INTERVAL: Duration = Duration::from_millis(10);
+
+/// A chunk the client writes blocks into.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkCursor {
+    /// The WRITE key over the chunk.
+    pub(crate) key: RemoteKey,
+    /// The chunk's offset in the heap.
+    pub(crate) heap_offset: u64,
+    /// Bytes used.
+    pub(crate) used: u64,
+}
+
+/// Heap space for one block.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BlockPlace {
+    /// Where to WRITE it.
+    pub(crate) remote: RemoteKey,
+    /// Offset inside the chunk key's range.
+    pub(crate) offset_in_chunk: u64,
+    /// The block's heap offset (for the slot).
+    pub(crate) heap_offset: u64,
+}
+
+/// One live connection to a node.
+pub(crate) struct NodeConnection {
+    /// The node's address.
+    pub(crate) address: SocketAddr,
+    /// What the server sent after authentication.
+    pub(crate) welcome: Welcome,
+    /// The keys bound to this connection's server queue pair.
+    pub(crate) keys: ConnectionKeys,
+    /// The client's queue pair.
+    pub(crate) queue_pair: QueuePair,
+    /// The registered scratch buffers.
+    pub(crate) scratch_region: MemoryRegion,
+    /// Free scratch buffers.
+    scratch_free: Arc<Mutex<Vec<u64>>>,
+    /// Counts free scratch buffers; bounds operations in flight.
+    scratch_permits: Arc<Semaphore>,
+    /// The current chunk.
+    chunk: Mutex<Option<ChunkCursor>>,
+    /// One refill at a time: operations that find the chunk full wait for the refill in
+    /// progress instead of each asking for a chunk.
+    refill: Semaphore,
+    /// Writers of one key (by stripe) in this process take turns: they would otherwise only
+    /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
+    writer_stripes: Box<[tokio::sync::Mutex<()>]>,
+    /// Requests to the control task.
+    control: mpsc::Sender<ControlRequest>,
+    /// Set when the connection failed; the client then reconnects.
+    broken: AtomicBool,
+    /// Counters.
+    pub(crate) counters: Arc<Counters>,
+    /// The configured fault injector (tests only).
+    fault_injector: Option<Arc<dyn FaultInjector>>,
+    /// The device, kept for the connection's lifetime.
+    _device: Device,
+}
+
+impl std::fmt::Debug for NodeConnection {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("NodeConnection")
+            .field("address", &self.address)
+            .field("connection_id", &self.welcome.connection_id)
+            .finish()
+    }
+}
+
+impl NodeConnection {
+    /// Whether the connection failed.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// Marks the connection failed.
+    pub(crate) fn mark_broken(&self) {
+        self.broken.store(true, Ordering::Release);
+    }
+
+    /// Reserves heap space for a block of `length` bytes in the current chunk, asking the
+    /// server for a new chunk when it is full.
+    pub(crate) async fn place_block(&self, length: u64) -> Result<BlockPlace> {
+        loop {
+            if let Some(place) = self.take_from_chunk(length) {
+                return Ok(place);
+            }
+            let _refilling = self
+                .refill
+                .acquire()
+                .await
+                .expect("the refill semaphore is never closed");
+            // Another operation may have refilled while this one waited.
+            if let Some(place) = self.take_from_chunk(length) {
+                return Ok(place);
+            }
+            match self.control(ClientMessage::AllocateChunk).await? {
+                ServerMessage::Chunk {
+                    heap_offset, key, ..
+                } => {
+                    *lock(&self.chunk) = Some(ChunkCursor {
+                        key,
+                        heap_offset,
+                        used: 0,
+                    });
+                }
+                ServerMessage::ChunkUnavailable {
+                    reclaimable,
+                    reason,
+                } => {
+                    if reclaimable == 0 {
+                        return Err(Error::TableFull { reason });
+                    }
+                    // Chunks are on their way back; wait for the collector (the operation's
+                    // deadline bounds the wait).
+                    tokio::time::sleep(CHUNK_RETRY_INTERVAL).await;
+                }
+                ServerMessage::Refused { reason } => return Err(Error::Refused { reason }),
+                other => {
+                    return Err(Error::Refused {
+                        reason: format!("unexpected reply to AllocateChunk: {other:?}"),
+                    })
+                }
+            }
+        }
+    }
+
+    fn take_from_chunk(&self, length: u64) -> Option<BlockPlace> {
+        let mut chunk = lock(&self.chunk);
+        let cursor = chunk.as_mut()?;
+        if cursor.used + length > cursor.key.length {
+            return None;
+        }
+        let place = BlockPlace {
+            remote: cursor.key,
+            offset_in_chunk: cursor.used,
+            heap_offset: cursor.heap_offset + cursor.used,
+        };
+        cursor.used += length;
+        Some(place)
+    }
+}

@@ -1,0 +1,215 @@
+//! Scratch buffers: sub-allocated from one registered block. A [`Scratch`] stays out of the
+//! pool until every list posted through it has completed, even when the operation that used it
+//! is cancelled: its drop hands the outstanding completion to a task that returns the buffer
+//! afterwards. Every list of an operation is posted through [`Scratch::execute`].
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rdkv_fabric::lock;
+use rdkv_fabric::{MemoryRegion, PostedList, WorkCompletion, WorkCompletionStatus, WorkRequest};
+
+use crate::error::Result;
+use crate::fault::{Injection, Moment, Step, StepKind};
+use crate::progress::Progress;
+
+use super::*;
+
+/// Bytes of one scratch buffer.
+pub(crate) const SCRATCH_SIZE: u64 = 64 * 1024;
+/// Offset of the bucket area in a scratch buffer (two combined buckets).
+pub(crate) const BUCKETS_AT: u64 = 0;
+/// Offset of the 8-byte CAS results (up to 32 of them).
+pub(crate) const CAS_RESULTS_AT: u64 = 256;
+/// Offset of the block to write.
+pub(crate) const WRITE_BLOCK_AT: u64 = 512;
+/// Offset of the area candidate blocks are read into.
+pub(crate) const READ_BLOCKS_AT: u64 = WRITE_BLOCK_AT + 16 * 1024;
+/// Bytes of the candidate block area.
+pub(crate) const READ_BLOCKS_SIZE: u64 = SCRATCH_SIZE - READ_BLOCKS_AT;
+
+impl NodeConnection {
+    /// Takes a scratch buffer, waiting while all are in use.
+    pub(crate) async fn scratch(self: &Arc<Self>, progress: Arc<Progress>) -> Scratch {
+        let permit = self
+            .scratch_permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the scratch semaphore is never closed");
+        permit.forget();
+        let index = lock(&self.scratch_free)
+            .pop()
+            .expect("a permit guarantees a free scratch buffer");
+        Scratch {
+            connection: self.clone(),
+            base: index * SCRATCH_SIZE,
+            outstanding: None,
+            round_trips: 0,
+            progress,
+        }
+    }
+}
+
+/// A scratch buffer and the posting of lists through it.
+pub(crate) struct Scratch {
+    /// The connection.
+    connection: Arc<NodeConnection>,
+    /// Offset of this buffer in the scratch region.
+    pub(crate) base: u64,
+    /// A posted list not yet completed (set only while awaiting).
+    outstanding: Option<PostedList>,
+    /// Round trips made through this buffer by the current operation.
+    pub(crate) round_trips: u64,
+    /// What the current operation has posted (read by the client after a failure or deadline).
+    progress: Arc<Progress>,
+}
+
+impl Scratch {
+    /// The connection.
+    pub(crate) fn connection(&self) -> &Arc<NodeConnection> {
+        &self.connection
+    }
+
+    /// The region.
+    pub(crate) fn region(&self) -> &MemoryRegion {
+        &self.connection.scratch_region
+    }
+
+    /// Posts a list (one step of `operation`) and waits for its completions; counts one round
+    /// trip. Any failed status marks the connection broken and is returned as the first failed
+    /// status. The connection's fault injector, if any, may stall or fail the step before it is
+    /// posted or after it ran.
+    pub(crate) async fn execute(
+        &mut self,
+        operation: &'static str,
+        kind: StepKind,
+        list: Vec<WorkRequest>,
+    ) -> Result<Vec<WorkCompletion>, ExecuteError> {
+        let number = self.round_trips as u32;
+        let injecting = self.connection.fault_injector.is_some();
+        if injecting {
+            self.inject(operation, kind, number, Moment::Before).await?;
+        }
+        let counters = &self.connection.counters;
+        counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        self.round_trips += 1;
+        counters
+            .verbs
+            .fetch_add(list.len() as u64, Ordering::Relaxed);
+        self.progress.posting(kind);
+        let posted = match self.connection.queue_pair.post(list).await {
+            Ok(posted) => posted,
+            Err(error) => {
+                self.progress.not_posted(kind);
+                return Err(ExecuteError::Post(error));
+            }
+        };
+        self.outstanding = Some(posted);
+        let completions = match self.outstanding.as_mut() {
+            Some(posted) => posted.await,
+            None => Vec::new(),
+        };
+        self.outstanding = None;
+        if let Some(failed) = completions
+            .iter()
+            .find(|completion| completion.status != WorkCompletionStatus::Success)
+        {
+            self.connection.mark_broken();
+            return Err(ExecuteError::Completion(failed.status));
+        }
+        if injecting {
+            self.inject(operation, kind, number, Moment::After).await?;
+        }
+        Ok(completions)
+    }
+
+    /// The operation's tentative slot is gone (committed, withdrawn, or never placed).
+    pub(crate) fn tentative_resolved(&self) {
+        self.progress.tentative_resolved();
+    }
+
+    /// A CAS of `kind` completed without swapping: count the lost race, and if it was a
+    /// publishing CAS, record that it had no effect.
+    pub(crate) fn lost_race(&self, kind: StepKind) {
+        self.connection
+            .counters
+            .cas_failures
+            .fetch_add(1, Ordering::Relaxed);
+        if kind.publishes() {
+            self.progress.lost();
+        }
+    }
+
+    /// Asks the fault injector about one step; an injected failure breaks the connection as a
+    /// real one would.
+    async fn inject(
+        &self,
+        operation: &'static str,
+        kind: StepKind,
+        number: u32,
+        moment: Moment,
+    ) -> Result<(), ExecuteError> {
+        let Some(injector) = &self.connection.fault_injector else {
+            return Ok(());
+        };
+        let step = Step {
+            operation,
+            kind,
+            number,
+            moment,
+        };
+        match injector.inject(&step) {
+            Injection::Proceed => Ok(()),
+            Injection::Stall(pause) => {
+                tokio::time::sleep(pause).await;
+                Ok(())
+            }
+            Injection::WaitFor(gate) => {
+                if let Ok(permit) = gate.acquire().await {
+                    permit.forget();
+                }
+                Ok(())
+            }
+            Injection::Fail(status) => {
+                self.connection.mark_broken();
+                Err(ExecuteError::Completion(status))
+            }
+        }
+    }
+}
+
+/// Why a posted list failed.
+#[derive(Debug)]
+pub(crate) enum ExecuteError {
+    /// The post itself was refused (queue pair not RTS, bad list).
+    Post(rdkv_fabric::Error),
+    /// A request completed with this status.
+    Completion(WorkCompletionStatus),
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let free = self.connection.scratch_free.clone();
+        let permits = self.connection.scratch_permits.clone();
+        let base = self.base;
+        let give_back = move || {
+            lock(&free).push(base / SCRATCH_SIZE);
+            permits.add_permits(1);
+        };
+        match self.outstanding.take() {
+            None => give_back(),
+            // Cancelled while a list was in flight: the NIC may still write into this buffer,
+            // so it goes back only after the list completes.
+            Some(posted) => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        posted.await;
+                        give_back();
+                    });
+                }
+                Err(_) => std::mem::forget(posted),
+            },
+        }
+    }
+}
