@@ -5,7 +5,8 @@
 //! - [`table`]: the registered region (index + heap).
 //! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
 //! - [`compactor`]: moves the few live blocks out of sparse chunks so they can be reclaimed.
-//! - `connection`: one client's handshake, keys, chunks, lease and ordered teardown.
+//! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
+//!   heartbeats), ordered teardown.
 //! - [`server`]: start, run, shutdown.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
@@ -16,11 +17,11 @@
 
 pub mod compactor;
 pub mod config;
-mod connection;
 pub mod error;
 pub mod heap;
 pub mod metrics;
 pub mod server;
+mod session;
 pub mod stats;
 pub mod table;
 

@@ -19,10 +19,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::compactor;
 use crate::config::ServerConfig;
-use crate::connection::{self, Shared};
 use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::metrics;
+use crate::session::{self, Shared};
 use crate::stats::Counters;
 use crate::table::TableRegion;
 
@@ -131,7 +131,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
         // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
         completion_queue: device.create_completion_queue(
-            (config.max_connections * crate::connection::SEND_QUEUE_DEPTH as usize).max(1024),
+            (config.max_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024),
         )?,
         table,
         counters: Counters::new(),
@@ -226,7 +226,7 @@ async fn accept_loop(
                 let shared = shared.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
-                    connection::serve(shared, stream, peer, shutdown).await;
+                    session::serve(shared, stream, peer, shutdown).await;
                     drop(permit);
                 });
             }

@@ -1,0 +1,173 @@
+//! The handshake: challenge, HMAC proof, then (only for an authenticated client) the queue
+//! pair, the welcome and the window binds (`docs/protocol.md`, *Handshake*).
+
+use std::sync::atomic::Ordering;
+
+use rand::RngCore;
+use rdkv_common::protocol::{
+    verify_proof, ClientMessage, ConnectionKeys, Purpose, ServerMessage, Welcome, PROOF_LENGTH,
+    PROTOCOL_VERSION,
+};
+use rdkv_common::ControlError;
+use rdkv_fabric::{AccessFlags, QueuePairConfig};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::mpsc;
+
+use super::*;
+
+/// Messages from the client, as the reader task delivers them.
+type Messages = mpsc::Receiver<Result<ClientMessage, ControlError>>;
+
+impl Session {
+    /// The whole handshake: authenticate; a monitoring client is done there; a data client
+    /// then gets its queue pair (welcome) and, once connected, its keys.
+    pub(super) async fn handshake(
+        &mut self,
+        writer: &mut OwnedWriteHalf,
+        messages: &mut Messages,
+    ) -> Result<(), String> {
+        if self.authenticate(writer, messages).await? == Purpose::Monitor {
+            return Self::send(
+                writer,
+                &ServerMessage::MonitorReady {
+                    node_id: self.shared.config.node_id,
+                },
+            )
+            .await;
+        }
+        self.welcome(writer).await?;
+        self.connect_and_bind(writer, messages).await
+    }
+
+    /// Challenge, proof, version check; returns the client's purpose. Nothing is created
+    /// before this succeeds.
+    async fn authenticate(
+        &mut self,
+        writer: &mut OwnedWriteHalf,
+        messages: &mut Messages,
+    ) -> Result<Purpose, String> {
+        let shared = self.shared.clone();
+        let mut nonce = [0u8; PROOF_LENGTH];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        Self::send(
+            writer,
+            &ServerMessage::Challenge {
+                protocol_version: PROTOCOL_VERSION,
+                nonce,
+                node_id: shared.config.node_id,
+            },
+        )
+        .await?;
+        let ClientMessage::Authenticate {
+            protocol_version,
+            purpose,
+            proof,
+            client_name,
+        } = Self::next_message(messages).await?
+        else {
+            return Err("the first message was not Authenticate".into());
+        };
+        if protocol_version != PROTOCOL_VERSION {
+            let reason = format!(
+                "protocol version mismatch: the server speaks {PROTOCOL_VERSION}, the client {protocol_version}; upgrade the older side"
+            );
+            return Err(Self::refuse(writer, reason).await);
+        }
+        if !verify_proof(&shared.config.secret, &nonce, &proof) {
+            shared
+                .counters
+                .authentication_failures
+                .fetch_add(1, Ordering::Relaxed);
+            let reason =
+                "authentication failed: the client's secret does not match this cluster's secret"
+                    .to_string();
+            return Err(Self::refuse(writer, reason).await);
+        }
+        tracing::info!(%client_name, ?purpose, "client authenticated");
+        Ok(purpose)
+    }
+
+    /// Creates the client's queue pair (INIT) and sends the welcome with its endpoint. Only an
+    /// authenticated client gets here.
+    async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let table = &shared.table;
+        let queue_pair = table
+            .domain
+            .create_queue_pair(
+                &shared.completion_queue,
+                QueuePairConfig {
+                    max_send_wr: SEND_QUEUE_DEPTH,
+                },
+            )
+            .map_err(|error| format!("create queue pair: {error}"))?;
+        queue_pair
+            .modify_to_init()
+            .map_err(|error| format!("init queue pair: {error}"))?;
+        let welcome = Welcome {
+            connection_id: self.connection_id,
+            geometry: table.geometry,
+            server_endpoint: queue_pair.endpoint(),
+            lease_timeout_ms: shared.config.lease_timeout.as_millis() as u64,
+            operation_deadline_ms: shared.config.operation_deadline.as_millis() as u64,
+        };
+        self.queue_pair = Some(queue_pair);
+        Self::send(writer, &ServerMessage::Welcome(Box::new(welcome))).await
+    }
+
+    /// Connects the queue pair to the client's endpoint (RTR, RTS), binds the index and heap
+    /// windows to it (a type-2 bind is a send-queue work request, so only in RTS), and sends
+    /// the keys.
+    async fn connect_and_bind(
+        &mut self,
+        writer: &mut OwnedWriteHalf,
+        messages: &mut Messages,
+    ) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let table = &shared.table;
+        let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
+        else {
+            return Err("expected ConnectQueuePair after Welcome".into());
+        };
+        let Some(queue_pair) = &self.queue_pair else {
+            return Err("queue pair vanished".into());
+        };
+        queue_pair
+            .connect(&endpoint)
+            .await
+            .map_err(|error| format!("connect queue pair: {error}"))?;
+        // Bind in RTS: a type-2 bind is a work request on the send queue.
+        let bind = |access: AccessFlags, address: u64, length: u64| {
+            let window = table.domain.allocate_memory_window();
+            queue_pair
+                .bind_memory_window(&window, &table.region, address, length, access)
+                .map(|key| (window, key))
+                .map_err(|error| format!("bind memory window: {error}"))
+        };
+        let (index_window, index_key) = bind(
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
+            table.index_address(),
+            table.geometry.index_size(),
+        )?;
+        let (heap_window, heap_key) = bind(
+            AccessFlags::REMOTE_READ,
+            table.heap_address(),
+            table.geometry.heap_size,
+        )?;
+        self.windows = vec![index_window, heap_window];
+        tracing::debug!(
+            index_key = index_key.key,
+            heap_key = heap_key.key,
+            qp_number = queue_pair.qp_number(),
+            "keys issued"
+        );
+        Self::send(
+            writer,
+            &ServerMessage::QueuePairReady(ConnectionKeys {
+                index_key,
+                heap_key,
+            }),
+        )
+        .await
+    }
+}

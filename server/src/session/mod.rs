@@ -1,0 +1,177 @@
+//! One client session: the HMAC handshake, the client's queue pair and memory windows, heap
+//! chunks, heartbeats, and teardown in the order the design fixes.
+//!
+//! Teardown (disconnect, lease expiry, queue pair ERROR, server shutdown, or any control error):
+//!
+//! 1. move the queue pair to ERROR;
+//! 2. drain it, so no request of this client is executing;
+//! 3. invalidate its memory windows (its rkeys now fail with REM_ACCESS_ERR);
+//! 4. destroy the queue pair;
+//! 5. seal its chunks, which the collector reclaims once nothing references them.
+//!
+//! A file per role: `handshake` (authentication, the queue pair, the window binds), `serve`
+//! (control requests, heartbeats, chunks, lease and queue pair checks), `teardown` (the order
+//! above); here, the session's loop and what every session shares.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_common::protocol::{read_frame, write_frame, ClientMessage, ServerMessage};
+use rdkv_common::ControlError;
+use rdkv_fabric::{CompletionQueue, MemoryWindow, QueuePair};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::config::ServerConfig;
+use crate::heap::Heap;
+use crate::stats::Counters;
+use crate::table::TableRegion;
+
+mod handshake;
+mod serve;
+mod teardown;
+
+/// The send queue depth of a server queue pair: the server posts only window binds, one at a
+/// time, on it (clients post their one-sided requests on their own queue pairs).
+pub(crate) const SEND_QUEUE_DEPTH: u32 = 4;
+
+/// How long a client has for each handshake step.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a connection checks its lease and its queue pair.
+const CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// What every connection shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// The configuration.
+    pub(crate) config: ServerConfig,
+    /// The registered table.
+    pub(crate) table: TableRegion,
+    /// Heap chunks.
+    pub(crate) heap: Heap,
+    /// Counters.
+    pub(crate) counters: Counters,
+    /// The completion queue of every client queue pair (the server posts nothing on them).
+    pub(crate) completion_queue: CompletionQueue,
+    /// The next connection id.
+    pub(crate) next_connection: AtomicU64,
+    /// Moves live blocks out of sparse chunks.
+    pub(crate) compactor: crate::compactor::Compactor,
+}
+
+/// Serves one control connection until it ends, then tears its resources down.
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    shutdown: CancellationToken,
+) {
+    let connection_id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
+    let span = tracing::info_span!("connection", node = shared.config.node_id, connection = connection_id, %peer);
+    async move {
+        shared.counters.connections.fetch_add(1, Ordering::Relaxed);
+        let _ = stream.set_nodelay(true);
+        let mut session = Session {
+            shared: shared.clone(),
+            connection_id,
+            queue_pair: None,
+            windows: Vec::new(),
+            chunk_window: None,
+            retired_chunk_windows: VecDeque::new(),
+        };
+        let reason = session.run(stream, shutdown).await;
+        shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        tracing::info!(%reason, "connection closed");
+    }
+    .instrument(span)
+    .await;
+}
+
+/// One connection's server-side resources.
+struct Session {
+    /// Everything shared.
+    shared: Arc<Shared>,
+    /// This connection's id.
+    connection_id: u64,
+    /// The client's queue pair, created only after authentication.
+    queue_pair: Option<QueuePair>,
+    /// Index and heap READ windows, bound to the queue pair.
+    windows: Vec<MemoryWindow>,
+    /// The WRITE window over the client's current chunk.
+    chunk_window: Option<MemoryWindow>,
+    /// WRITE windows of sealed chunks, kept for one operation deadline so that writes the
+    /// client placed before the seal can land; revoked after that, long before the collector
+    /// may reuse the chunk (it waits at least two quarantines of 1.25 deadlines after the seal).
+    retired_chunk_windows: VecDeque<(MemoryWindow, Instant)>,
+}
+
+/// Reads frames on its own task, so the session's select loop stays cancellation-safe.
+async fn read_messages(
+    mut reader: OwnedReadHalf,
+    messages: mpsc::Sender<Result<ClientMessage, ControlError>>,
+) {
+    loop {
+        let message = read_frame::<_, ClientMessage>(&mut reader).await;
+        let stop = message.is_err();
+        if messages.send(message).await.is_err() || stop {
+            return;
+        }
+    }
+}
+
+impl Session {
+    async fn run(&mut self, stream: TcpStream, shutdown: CancellationToken) -> String {
+        let (reader, mut writer) = stream.into_split();
+        let (sender, mut messages) = mpsc::channel(16);
+        let reader_task = tokio::spawn(read_messages(reader, sender));
+        let reason = match self.handshake(&mut writer, &mut messages).await {
+            Ok(()) => {
+                self.serve_requests(&mut writer, &mut messages, &shutdown)
+                    .await
+            }
+            Err(reason) => reason,
+        };
+        // Tear down before the socket closes, so a client that sees the close knows its keys
+        // are already revoked.
+        self.teardown();
+        reader_task.abort();
+        let _ = reader_task.await;
+        drop(writer);
+        reason
+    }
+
+    async fn next_message(
+        messages: &mut mpsc::Receiver<Result<ClientMessage, ControlError>>,
+    ) -> Result<ClientMessage, String> {
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, messages.recv()).await {
+            Err(_) => Err("handshake timed out".into()),
+            Ok(None) => Err("client disconnected".into()),
+            Ok(Some(Err(error))) => Err(format!("bad frame: {error}")),
+            Ok(Some(Ok(message))) => Ok(message),
+        }
+    }
+
+    async fn send(writer: &mut OwnedWriteHalf, message: &ServerMessage) -> Result<(), String> {
+        write_frame(writer, message)
+            .await
+            .map_err(|error| format!("send: {error}"))
+    }
+
+    /// Tells the client why it is refused (best effort) and returns the reason for the log.
+    async fn refuse(writer: &mut OwnedWriteHalf, reason: String) -> String {
+        let _ = Self::send(
+            writer,
+            &ServerMessage::Refused {
+                reason: reason.clone(),
+            },
+        )
+        .await;
+        reason
+    }
+}

@@ -1,0 +1,129 @@
+//! Serving an established session: control requests (chunks, stats, goodbye), heartbeats,
+//! and the lease and queue pair checks.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use rdkv_common::protocol::{ClientMessage, ServerMessage};
+use rdkv_common::ControlError;
+use rdkv_fabric::{AccessFlags, QueuePairState};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+
+impl Session {
+    pub(super) async fn serve_requests(
+        &mut self,
+        writer: &mut OwnedWriteHalf,
+        messages: &mut mpsc::Receiver<Result<ClientMessage, ControlError>>,
+        shutdown: &CancellationToken,
+    ) -> String {
+        let shared = self.shared.clone();
+        let lease = shared.config.lease_timeout;
+        let mut last_heard = Instant::now();
+        let mut checks = tokio::time::interval(CHECK_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return "server shutting down".into(),
+                _ = checks.tick() => {
+                    self.revoke_retired_windows();
+                    if last_heard.elapsed() > lease {
+                        return format!("lease expired (nothing heard for {lease:?})");
+                    }
+                    if self.queue_pair.as_ref().is_some_and(|queue_pair| queue_pair.state() == QueuePairState::Error) {
+                        return "queue pair entered ERROR".into();
+                    }
+                }
+                message = messages.recv() => {
+                    let message = match message {
+                        None | Some(Err(ControlError::Closed)) => return "client disconnected".into(),
+                        Some(Err(error)) => return format!("bad frame: {error}"),
+                        Some(Ok(message)) => message,
+                    };
+                    last_heard = Instant::now();
+                    shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
+                    let reply = match message {
+                        ClientMessage::AllocateChunk if self.queue_pair.is_some() => self.allocate_chunk(),
+                        ClientMessage::Heartbeat { counters } => {
+                            shared.counters.add_client_report(&counters);
+                            ServerMessage::HeartbeatAck
+                        }
+                        ClientMessage::Stats => ServerMessage::Stats(shared.counters.snapshot(
+                            shared.config.node_id,
+                            &shared.table,
+                            &shared.heap,
+                        )),
+                        ClientMessage::Goodbye => return "client said goodbye".into(),
+                        other => {
+                            let reason = format!("unexpected message after the handshake: {other:?}");
+                            return Self::refuse(writer, reason).await;
+                        }
+                    };
+                    if let Err(reason) = Self::send(writer, &reply).await {
+                        return reason;
+                    }
+                }
+            }
+        }
+    }
+
+    fn allocate_chunk(&mut self) -> ServerMessage {
+        if let Some(window) = self.chunk_window.take() {
+            self.retired_chunk_windows
+                .push_back((window, Instant::now()));
+        }
+        self.revoke_retired_windows();
+        let shared = &self.shared;
+        let Some(queue_pair) = &self.queue_pair else {
+            return ServerMessage::Refused {
+                reason: "no queue pair".into(),
+            };
+        };
+        let geometry = &shared.table.geometry;
+        let Some(chunk) = shared.heap.allocate(self.connection_id) else {
+            return ServerMessage::ChunkUnavailable {
+                reclaimable: shared.heap.reclaimable_chunks(crate::compactor::MAX_LIVE_SHARE),
+                reason: format!(
+                    "heap full: all {} chunks of {} bytes are in use or quarantined; raise heap_size",
+                    geometry.chunk_count(),
+                    geometry.chunk_size
+                ),
+            };
+        };
+        let heap_offset = chunk * geometry.chunk_size;
+        let window = shared.table.domain.allocate_memory_window();
+        match queue_pair.bind_memory_window(
+            &window,
+            &shared.table.region,
+            shared.table.heap_address() + heap_offset,
+            geometry.chunk_size,
+            AccessFlags::REMOTE_WRITE,
+        ) {
+            Ok(key) => {
+                self.chunk_window = Some(window);
+                ServerMessage::Chunk {
+                    chunk,
+                    heap_offset,
+                    key,
+                }
+            }
+            Err(error) => ServerMessage::Refused {
+                reason: format!("bind chunk window: {error}"),
+            },
+        }
+    }
+
+    /// Revokes the WRITE windows of chunks sealed more than one operation deadline ago.
+    fn revoke_retired_windows(&mut self) {
+        let deadline = self.shared.config.operation_deadline;
+        while let Some((window, sealed_at)) = self.retired_chunk_windows.front() {
+            if sealed_at.elapsed() < deadline {
+                break;
+            }
+            window.invalidate();
+            self.retired_chunk_windows.pop_front();
+        }
+    }
+}
