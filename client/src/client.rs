@@ -16,7 +16,7 @@ use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::operations::{self, CasOutcome, Mutation, MutationOutcome};
-use crate::progress::Progress;
+use crate::progress::{Progress, Waiting};
 
 /// One node of the client's cluster.
 #[derive(Debug)]
@@ -187,6 +187,7 @@ impl Client {
         let work = async {
             let mut retried = false;
             loop {
+                progress.wait_for(Waiting::Connection);
                 let connection = self.connection(node).await?;
                 *latest
                     .lock()
@@ -213,6 +214,7 @@ impl Client {
                 Err(Error::TimedOut {
                     operation,
                     deadline: self.deadline,
+                    waiting_for: progress.waiting_for().describe(),
                     may_have_applied: progress.may_have_applied(),
                 })
             });
@@ -306,6 +308,7 @@ impl Client {
             .unwrap_or(Err(Error::TimedOut {
                 operation: "batch_get",
                 deadline: self.deadline,
+                waiting_for: "the GETs of the batch",
                 may_have_applied: false,
             }))?;
         self.counters

@@ -57,12 +57,14 @@ pub enum Error {
     },
     /// The operation passed its deadline. `may_have_applied` says whether a publishing CAS had
     /// been posted without a completion showing that it lost.
-    #[error("{operation} timed out after {deadline:?}{}", if *may_have_applied { " (it may have applied)" } else { " (it did not apply)" })]
+    #[error("{operation} timed out after {deadline:?} waiting for {waiting_for}{}", if *may_have_applied { " (it may have applied)" } else { " (it did not apply)" })]
     TimedOut {
         /// The operation.
         operation: &'static str,
         /// The deadline.
         deadline: Duration,
+        /// What the operation was waiting for when the deadline struck.
+        waiting_for: &'static str,
         /// Whether the operation may have applied.
         may_have_applied: bool,
     },

@@ -37,7 +37,7 @@ use crate::connection::{
 };
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
-use crate::progress::Progress;
+use crate::progress::{Progress, Waiting};
 
 /// Attempts after lost CAS races before giving up.
 const RACE_ATTEMPTS: u32 = 64;
@@ -432,6 +432,7 @@ pub(crate) async fn get(
 ) -> Result<Option<Bytes>> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
+    progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await;
     let view = lookup(
         &mut scratch,
@@ -464,13 +465,16 @@ pub(crate) async fn mutate(
 ) -> Result<MutationOutcome> {
     check_key_value(key, value).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
+    progress.wait_for(Waiting::WriterTurn);
     let _turn = connection.writer_turn(&location).await;
-    let mut scratch = connection.scratch(progress).await;
+    progress.wait_for(Waiting::ScratchBuffer);
+    let mut scratch = connection.scratch(progress.clone()).await;
     let mut block = Vec::with_capacity(value.len() + key.len() + 64);
     let units = encode_block(key, value, &mut block);
     scratch
         .region()
         .write(scratch.base + WRITE_BLOCK_AT, &block)?;
+    progress.wait_for(Waiting::HeapChunk);
     let place = connection.place_block(block.len() as u64).await?;
     let new_slot = Slot::new(location.fingerprint, units, place.heap_offset);
     // The block WRITE rides in the same list as the first bucket READs.
@@ -699,7 +703,9 @@ pub(crate) async fn delete(
 ) -> Result<bool> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
+    progress.wait_for(Waiting::WriterTurn);
     let _turn = connection.writer_turn(&location).await;
+    progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await;
     for attempt in 0..RACE_ATTEMPTS {
         let view = lookup(

@@ -17,7 +17,7 @@
 //! The flags are atomics because the deadline drops the operation's future and reads them
 //! afterwards.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use crate::fault::StepKind;
 
@@ -31,11 +31,67 @@ pub(crate) struct Progress {
     tentative_outstanding: AtomicBool,
     /// A publishing CAS was posted and not (yet) seen to lose.
     may_have_applied: AtomicBool,
+    /// What the operation is waiting for now ([`Waiting`] as a number), for a deadline's error.
+    waiting: AtomicU8,
+}
+
+/// What an operation waits for; a deadline's error names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Waiting {
+    /// The connection to the node (connect, handshake).
+    Connection,
+    /// This process's turn to write the key.
+    WriterTurn,
+    /// A free scratch buffer (all are in use by other operations).
+    ScratchBuffer,
+    /// Heap space: a chunk from the server.
+    HeapChunk,
+    /// The completions of a posted list of this kind.
+    Step(StepKind),
+}
+
+impl Waiting {
+    /// Every value, in encoding order.
+    const ALL: [Waiting; 12] = [
+        Waiting::Connection,
+        Waiting::WriterTurn,
+        Waiting::ScratchBuffer,
+        Waiting::HeapChunk,
+        Waiting::Step(StepKind::ReadBuckets),
+        Waiting::Step(StepKind::ReadBlocks),
+        Waiting::Step(StepKind::PlaceTentative),
+        Waiting::Step(StepKind::KillTentatives),
+        Waiting::Step(StepKind::AbortTentative),
+        Waiting::Step(StepKind::Commit),
+        Waiting::Step(StepKind::Replace),
+        Waiting::Step(StepKind::Remove),
+    ];
+
+    /// What a deadline's error says.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Waiting::Connection => "the connection to the node",
+            Waiting::WriterTurn => "this process's turn to write the key",
+            Waiting::ScratchBuffer => "a free scratch buffer",
+            Waiting::HeapChunk => "heap space from the server",
+            Waiting::Step(StepKind::ReadBuckets) => "the READ of the key's buckets",
+            Waiting::Step(StepKind::ReadBlocks) => "the READ of candidate blocks",
+            Waiting::Step(StepKind::PlaceTentative) => "the CAS that places a tentative slot",
+            Waiting::Step(StepKind::KillTentatives) => {
+                "the CASes that withdraw other inserters' slots"
+            }
+            Waiting::Step(StepKind::AbortTentative) => "the CAS that withdraws its tentative slot",
+            Waiting::Step(StepKind::Commit) => "the commit CAS",
+            Waiting::Step(StepKind::Replace) => "the CAS that replaces the value",
+            Waiting::Step(StepKind::Remove) => "the CAS that removes the key",
+        }
+    }
 }
 
 impl Progress {
     /// A list of `kind` is about to be posted.
     pub(crate) fn posting(&self, kind: StepKind) {
+        self.wait_for(Waiting::Step(kind));
         if !matches!(kind, StepKind::ReadBuckets | StepKind::ReadBlocks) {
             self.cas_posted.store(true, Ordering::Release);
         }
@@ -58,6 +114,20 @@ impl Progress {
     /// slot a quarantine later.
     pub(crate) fn tentative_outstanding(&self) -> bool {
         self.tentative_outstanding.load(Ordering::Acquire)
+    }
+
+    /// The operation now waits for `what`.
+    pub(crate) fn wait_for(&self, what: Waiting) {
+        let code = Waiting::ALL
+            .iter()
+            .position(|candidate| *candidate == what)
+            .unwrap_or(0);
+        self.waiting.store(code as u8, Ordering::Release);
+    }
+
+    /// What the operation was waiting for last.
+    pub(crate) fn waiting_for(&self) -> Waiting {
+        Waiting::ALL[usize::from(self.waiting.load(Ordering::Acquire)) % Waiting::ALL.len()]
     }
 
     /// The list of `kind` was refused before anything was posted.

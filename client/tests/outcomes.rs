@@ -462,6 +462,12 @@ async fn a_deadline_says_whether_the_operation_may_have_applied() {
                 .expect_err("the deadline");
             let context = format!("{scenario:?} held {moment:?} {kind:?}: {error}");
             assert!(matches!(error, Error::TimedOut { .. }), "{context}");
+            let waited = match kind {
+                StepKind::Commit => "waiting for the commit CAS",
+                StepKind::Replace => "waiting for the CAS that replaces the value",
+                _ => "waiting for the CAS that removes the key",
+            };
+            assert!(error.to_string().contains(waited), "{context}");
             let effect = applied(scenario, &admin, key.as_bytes()).await;
             assert_eq!(
                 error.may_have_applied(),

@@ -64,14 +64,17 @@ smoke_tests() {
     "'"$smoke"'/rdkv-cluster" status "'"$config"'" > /tmp/status.log 2>&1 || { cat /tmp/status.log; exit 1; }
     cat /tmp/status.log
     grep -qE "^ *1 +up" /tmp/status.log'
-  check_show "rdkv-ycsb workload A over rxe0 (2000 records, 2 s)" sh -c '
+  check_show "rdkv-ycsb workload A over rxe0 (2000 records, 5 s, at least 100 operations)" sh -c '
     set -e
     ycsb="'"$smoke"'/rdkv-ycsb"
     $ycsb load -c '"$config"' -P workloada -p recordcount=2000 --threads 4 > /tmp/load.log 2>&1 || { cat /tmp/load.log; exit 1; }
     $ycsb run -c '"$config"' -P workloada -p recordcount=2000 -p operationcount=1000000 \
-      --max-execution-time 2 --threads 4 > /tmp/run.log 2>&1 || { cat /tmp/run.log; exit 1; }
+      --max-execution-time 5 --threads 4 > /tmp/run.log 2>&1 || { cat /tmp/run.log; exit 1; }
     grep -E "^\[OVERALL\]|Return=" /tmp/run.log
-    if grep -q "Return=ERROR" /tmp/load.log /tmp/run.log; then exit 1; fi'
+    if grep -q "Return=ERROR" /tmp/load.log /tmp/run.log; then exit 1; fi
+    operations=$(awk -F", " "/^\[(READ|UPDATE)\], Operations,/ { total += \$3 } END { print total + 0 }" /tmp/run.log)
+    echo "operations: $operations"
+    [ "$operations" -ge 100 ] || { echo "too few operations to count as working: $operations"; exit 1; }'
   if grep -qiE " (ERROR|WARN) " /tmp/rdkv-server.log; then
     grep -iE " (ERROR|WARN) " /tmp/rdkv-server.log | tail -10 | sed 's/^/[guest]   rdkv-server: /'
   fi

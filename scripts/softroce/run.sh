@@ -173,9 +173,13 @@ mkdir -p "$share/programs" "$share/lib"
 if [ ${#smoke_binaries[@]} -gt 0 ] && [ -z "$test_filter" ]; then
   mkdir -p "$share/smoke"
   cp "${smoke_binaries[@]}" "$share/smoke/"
-  cp "$repository/examples/verbs-1node.toml" "$share/smoke/"
+  # The example node, with deadlines that fit a guest under TCG (about 1,000x slower than the
+  # host: a 2 s operation deadline and a 10 s lease time out there when the host is loaded).
+  guest_deadlines=(-e 's/^operation_deadline = .*/operation_deadline = "30s"/'
+                   -e 's/^lease_timeout = .*/lease_timeout = "120s"/')
+  sed "${guest_deadlines[@]}" "$repository/examples/verbs-1node.toml" > "$share/smoke/verbs-1node.toml"
   # The same node with busy-polling completions (the launcher check uses it).
-  sed 's/^fabric = "verbs"/fabric = "verbs"\npoll_spin = "50us"/' \
+  sed "${guest_deadlines[@]}" -e 's/^fabric = "verbs"/fabric = "verbs"\npoll_spin = "50us"/' \
       "$repository/examples/verbs-1node.toml" > "$share/smoke/verbs-1node-spin.toml"
 fi
 # A program's shared libraries travel with it (the guest has only what the tools need).
@@ -196,7 +200,8 @@ if [ -n "$bench_seconds" ] && [ -n "${bench:-}" ]; then
   cp "$repository/$bench" "$share/bench/fabric"
   echo "$bench_seconds" > "$share/bench/seconds"
   # The same node on the soft fabric, for a side-by-side YCSB run in the same guest.
-  sed -e 's/^fabric = "verbs"/fabric = "soft"/' -e 's/^device = "rxe0"/fabric_address = "127.0.0.1:7401"/' \
+  sed "${guest_deadlines[@]}" -e 's/^fabric = "verbs"/fabric = "soft"/' \
+      -e 's/^device = "rxe0"/fabric_address = "127.0.0.1:7401"/' \
       "$repository/examples/verbs-1node.toml" > "$share/smoke/soft-1node.toml"
   copy_libraries "$repository/$bench"
 fi

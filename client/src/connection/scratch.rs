@@ -11,7 +11,7 @@ use rdkv_fabric::{MemoryRegion, PostedList, WorkCompletion, WorkCompletionStatus
 
 use crate::error::Result;
 use crate::fault::{Injection, Moment, Step, StepKind};
-use crate::progress::Progress;
+use crate::progress::{Progress, Waiting};
 
 use super::*;
 
@@ -87,6 +87,7 @@ impl Scratch {
         list: Vec<WorkRequest>,
     ) -> Result<Vec<WorkCompletion>, ExecuteError> {
         let number = self.round_trips as u32;
+        self.progress.wait_for(Waiting::Step(kind));
         let injecting = self.connection.fault_injector.is_some();
         if injecting {
             self.inject(operation, kind, number, Moment::Before).await?;
