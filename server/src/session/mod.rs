@@ -139,7 +139,7 @@ impl Session {
         };
         // Tear down before the socket closes, so a client that sees the close knows its keys
         // are already revoked.
-        self.teardown();
+        self.teardown().await;
         reader_task.abort();
         let _ = reader_task.await;
         drop(writer);

@@ -1,24 +1,36 @@
 //! The ordered teardown of a session (see the module docs of `session`).
+//!
+//! Draining a queue pair may block: on `verbs` it polls the NIC's completion queue until every
+//! posted request has completed or flushed, bounded by the device's `retry_timeout` plus one
+//! second. So the teardown runs on tokio's blocking pool (`spawn_blocking`, at most 512
+//! threads), never on an async worker, and the operations of other sessions on the same runtime
+//! go on while it waits.
 
 use super::*;
 
 impl Session {
-    /// The ordered teardown described in the module docs.
-    pub(super) fn teardown(&mut self) {
-        if let Some(queue_pair) = &self.queue_pair {
-            queue_pair.modify_to_error();
-            queue_pair.drain();
+    /// The ordered teardown described in the module docs: queue pair to ERROR, drain, invalidate
+    /// every window, destroy the queue pair, seal the chunks.
+    pub(super) async fn teardown(&mut self) {
+        let queue_pair = self.queue_pair.take();
+        let mut windows: Vec<MemoryWindow> = self.windows.drain(..).collect();
+        windows.extend(self.chunk_window.take());
+        windows.extend(self.retired_chunk_windows.drain(..).map(|(window, _)| window));
+        let shared = self.shared.clone();
+        let connection_id = self.connection_id;
+        let ordered = move || {
+            if let Some(queue_pair) = &queue_pair {
+                queue_pair.modify_to_error();
+                queue_pair.drain();
+            }
+            for window in windows {
+                window.invalidate();
+            }
+            drop(queue_pair);
+            shared.heap.seal_owned_by(connection_id);
+        };
+        if let Err(error) = tokio::task::spawn_blocking(ordered).await {
+            tracing::error!(%error, connection_id, "session teardown failed");
         }
-        for window in self.windows.drain(..) {
-            window.invalidate();
-        }
-        if let Some(window) = self.chunk_window.take() {
-            window.invalidate();
-        }
-        for (window, _) in self.retired_chunk_windows.drain(..) {
-            window.invalidate();
-        }
-        self.queue_pair = None;
-        self.shared.heap.seal_owned_by(self.connection_id);
     }
 }
