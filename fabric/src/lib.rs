@@ -49,7 +49,8 @@ pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,
-    RemoteSegment, UnknownBackend, VerbsAddress, WorkCompletion, WorkCompletionStatus, WorkRequest,
+    RemoteSegment, SoftEndpoint, UnknownBackend, VerbsAddress, WorkCompletion,
+    WorkCompletionStatus, WorkRequest,
 };
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it. The one definition

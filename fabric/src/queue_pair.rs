@@ -28,8 +28,8 @@ use crate::protection::{LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomai
 use crate::provider::engine::{self, RemoteRequest, ResponderContext};
 use crate::provider::soft::{self, SoftConnection};
 use crate::types::{
-    AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
-    WorkCompletionStatus, WorkRequest,
+    AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey, SoftEndpoint,
+    VerbsAddress, WorkCompletion, WorkCompletionStatus, WorkRequest,
 };
 
 /// Settings of one queue pair.
@@ -898,15 +898,29 @@ impl QueuePair {
     /// What a peer needs to connect to this queue pair.
     pub fn endpoint(&self) -> QueuePairEndpoint {
         let device = self.shared.device();
-        QueuePairEndpoint {
-            backend: device.backend,
-            device_id: device.id,
-            address: device.soft_listener.get().map(soft::SoftListener::address),
-            qp_number: self.shared.qp_number,
-            #[cfg(feature = "verbs")]
-            verbs: self.shared.verbs.as_ref().map(|verbs| verbs.address()),
-            #[cfg(not(feature = "verbs"))]
-            verbs: None,
+        let qp_number = self.shared.qp_number;
+        match device.backend {
+            Backend::Loopback => QueuePairEndpoint::Loopback {
+                device_id: device.id,
+                qp_number,
+            },
+            Backend::Soft => QueuePairEndpoint::Soft(SoftEndpoint {
+                device_id: device.id,
+                address: device.soft_listener.get().map(soft::SoftListener::address),
+                qp_number,
+            }),
+            Backend::Verbs => QueuePairEndpoint::Verbs {
+                qp_number,
+                #[cfg(feature = "verbs")]
+                address: self
+                    .shared
+                    .verbs
+                    .as_ref()
+                    .map(|verbs| verbs.address())
+                    .unwrap_or_default(),
+                #[cfg(not(feature = "verbs"))]
+                address: VerbsAddress::default(),
+            },
         }
     }
 
@@ -944,10 +958,10 @@ impl QueuePair {
     pub async fn connect(&self, remote: &QueuePairEndpoint) -> Result<()> {
         let shared = &self.shared;
         let local = self.endpoint();
-        if local.backend != remote.backend {
+        if local.backend() != remote.backend() {
             return Err(Error::BackendMismatch {
-                local: local.backend,
-                remote: remote.backend,
+                local: local.backend(),
+                remote: remote.backend(),
             });
         }
         if shared.state() == QueuePairState::Reset {
@@ -958,23 +972,34 @@ impl QueuePair {
             QueuePairState::ReadyToReceive,
             "move to RTR",
         )?;
-        let connected = match local.backend {
-            Backend::Loopback => {
-                let peer = find_loopback_device(remote.device_id)
-                    .and_then(|device| device.queue_pair(remote.qp_number))
+        let connected = match (&local, remote) {
+            (
+                QueuePairEndpoint::Loopback { .. },
+                QueuePairEndpoint::Loopback {
+                    device_id,
+                    qp_number,
+                },
+            ) => {
+                let peer = find_loopback_device(*device_id)
+                    .and_then(|device| device.queue_pair(*qp_number))
                     .ok_or_else(|| Error::EndpointNotFound {
-                        reason: format!(
-                            "loopback queue pair {} on device {:#x}",
-                            remote.qp_number, remote.device_id
-                        ),
+                        reason: format!("loopback queue pair {qp_number} on device {device_id:#x}"),
                     })?;
                 let _ = shared
                     .transport
                     .set(Transport::Loopback(Arc::downgrade(&peer)));
                 Ok(())
             }
-            Backend::Soft => soft::connect(shared, &local, remote).await,
-            Backend::Verbs => self.connect_verbs(remote),
+            (QueuePairEndpoint::Soft(local), QueuePairEndpoint::Soft(remote)) => {
+                soft::connect(shared, local, remote).await
+            }
+            (QueuePairEndpoint::Verbs { .. }, QueuePairEndpoint::Verbs { qp_number, address }) => {
+                self.connect_verbs(*qp_number, address)
+            }
+            _ => Err(Error::BackendMismatch {
+                local: local.backend(),
+                remote: remote.backend(),
+            }),
         };
         if let Err(error) = connected {
             shared.enter_error();
@@ -989,21 +1014,16 @@ impl QueuePair {
         Ok(())
     }
 
-    /// INIT → RTR → RTS on the NIC towards `remote`.
-    fn connect_verbs(&self, remote: &QueuePairEndpoint) -> Result<()> {
+    /// INIT → RTR → RTS on the NIC towards the remote queue pair `remote_qp_number` at
+    /// `address`.
+    fn connect_verbs(&self, remote_qp_number: u32, address: &VerbsAddress) -> Result<()> {
         #[cfg(feature = "verbs")]
         if let Some(verbs) = &self.shared.verbs {
-            let address = remote.verbs.ok_or_else(|| Error::EndpointNotFound {
-                reason: format!(
-                    "the verbs endpoint of queue pair {} carries no GID/PSN",
-                    remote.qp_number
-                ),
-            })?;
-            verbs.connect(remote.qp_number, &address, self.shared.retry_timeout())?;
+            verbs.connect(remote_qp_number, address, self.shared.retry_timeout())?;
             let _ = self.shared.transport.set(Transport::Verbs);
             return Ok(());
         }
-        let _ = remote;
+        let _ = (remote_qp_number, address);
         Err(Error::VerbsNotBuilt)
     }
 

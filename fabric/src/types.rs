@@ -354,25 +354,63 @@ impl QueuePairState {
     }
 }
 
-/// What a peer needs to connect its queue pair to ours: sent over the control plane.
+/// What a peer needs to connect its queue pair to ours, one variant per provider, so that a
+/// mismatched address (a verbs endpoint without a GID, a soft one with one) cannot be built.
+/// Sent over the control plane.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct QueuePairEndpoint {
-    /// The backend of the queue pair.
-    pub backend: Backend,
+pub enum QueuePairEndpoint {
+    /// A queue pair of a loopback device in this process.
+    Loopback {
+        /// The device's id (random per device instance).
+        device_id: u64,
+        /// The queue pair number.
+        qp_number: u32,
+    },
+    /// A queue pair of a soft NIC.
+    Soft(SoftEndpoint),
+    /// An ibverbs RC queue pair.
+    Verbs {
+        /// The queue pair number.
+        qp_number: u32,
+        /// The port address and starting packet sequence number.
+        address: VerbsAddress,
+    },
+}
+
+/// Where a soft queue pair is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SoftEndpoint {
     /// The NIC's id (random per device instance).
     pub device_id: u64,
-    /// The soft NIC's listening address, if it listens.
+    /// The NIC's listening address, if it listens.
     pub address: Option<SocketAddr>,
     /// The queue pair number.
     pub qp_number: u32,
-    /// For the verbs backend: the port address and starting packet sequence number.
-    pub verbs: Option<VerbsAddress>,
+}
+
+impl QueuePairEndpoint {
+    /// The provider of the queue pair.
+    pub fn backend(&self) -> Backend {
+        match self {
+            Self::Loopback { .. } => Backend::Loopback,
+            Self::Soft(_) => Backend::Soft,
+            Self::Verbs { .. } => Backend::Verbs,
+        }
+    }
+
+    /// The queue pair number.
+    pub fn qp_number(&self) -> u32 {
+        match self {
+            Self::Loopback { qp_number, .. } | Self::Verbs { qp_number, .. } => *qp_number,
+            Self::Soft(soft) => soft.qp_number,
+        }
+    }
 }
 
 /// What an ibverbs RC queue pair needs to reach its peer (exchanged over the control socket,
 /// as `ibv_rc_pingpong` exchanges it): the GID (RoCE, or IB with a GRH), the LID (IB), the
 /// starting PSN and the port's active MTU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct VerbsAddress {
     /// The port GID at the configured GID index.
     pub gid: [u8; 16],

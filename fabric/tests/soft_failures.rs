@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{
-    AccessFlags, Backend, Device, DeviceConfig, QueuePair, QueuePairConfig, QueuePairEndpoint,
-    QueuePairState, RemoteSegment, WorkCompletionStatus, WorkRequest,
+    AccessFlags, Device, DeviceConfig, QueuePair, QueuePairConfig, QueuePairEndpoint,
+    QueuePairState, RemoteSegment, SoftEndpoint, WorkCompletionStatus, WorkRequest,
 };
 
 /// A peer that accepts one queue pair connection and never answers a request.
@@ -52,13 +52,11 @@ impl SilentPeer {
             received
         });
         Self {
-            endpoint: QueuePairEndpoint {
-                backend: Backend::Soft,
+            endpoint: QueuePairEndpoint::Soft(SoftEndpoint {
                 device_id: 0x5151,
                 address: Some(address),
                 qp_number: 1,
-                verbs: None,
-            },
+            }),
             close,
             thread: Some(thread),
         }
@@ -288,23 +286,17 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
     let queue_pair = domain
         .create_queue_pair(&queue, QueuePairConfig::default())
         .expect("queue pair");
-    let endpoint = QueuePairEndpoint {
-        backend: Backend::Soft,
+    let soft = SoftEndpoint {
         device_id: listening.id(),
         address: listening.listen_address(),
         qp_number: 999_999,
-        verbs: None,
     };
     let error = queue_pair
-        .connect(&endpoint)
+        .connect(&QueuePairEndpoint::Soft(soft))
         .await
         .expect_err("no such queue pair");
     assert!(error.to_string().contains("no such queue pair"), "{error}");
     let loopback = Device::loopback(DeviceConfig::default());
-    let endpoint = QueuePairEndpoint {
-        backend: Backend::Loopback,
-        ..endpoint
-    };
     let loopback_queue = loopback
         .create_completion_queue(256)
         .expect("create completion queue");
@@ -313,11 +305,10 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         .create_queue_pair(&loopback_queue, QueuePairConfig::default())
         .expect("queue pair");
     drop(queue_pair);
+    // A loopback queue pair cannot connect to a soft endpoint: the address says which provider
+    // it belongs to.
     let mismatch = loopback_pair
-        .connect(&QueuePairEndpoint {
-            backend: Backend::Soft,
-            ..endpoint
-        })
+        .connect(&QueuePairEndpoint::Soft(soft))
         .await
         .expect_err("backends differ");
     assert!(mismatch.to_string().contains("Loopback"), "{mismatch}");

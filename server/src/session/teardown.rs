@@ -15,7 +15,11 @@ impl Session {
         let queue_pair = self.queue_pair.take();
         let mut windows: Vec<MemoryWindow> = self.windows.drain(..).collect();
         windows.extend(self.chunk_window.take());
-        windows.extend(self.retired_chunk_windows.drain(..).map(|(window, _)| window));
+        windows.extend(
+            self.retired_chunk_windows
+                .drain(..)
+                .map(|(window, _)| window),
+        );
         let shared = self.shared.clone();
         let connection_id = self.connection_id;
         let ordered = move || {

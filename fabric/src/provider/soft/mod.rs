@@ -27,7 +27,7 @@ use crate::lock;
 use crate::queue_pair::{
     append_write_payload, remote_request, InFlight, QueuePairShared, Transport,
 };
-use crate::types::{Opcode, QueuePairEndpoint, WorkCompletionStatus};
+use crate::types::{Opcode, SoftEndpoint, WorkCompletionStatus};
 pub(crate) mod wire;
 
 use wire::{Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
@@ -155,7 +155,7 @@ fn accept_hello(
 
 /// Whether the local side dials: a side without a listener always dials; otherwise the lower
 /// (device id, queue pair number) dials.
-fn local_dials(local: &QueuePairEndpoint, remote: &QueuePairEndpoint) -> bool {
+fn local_dials(local: &SoftEndpoint, remote: &SoftEndpoint) -> bool {
     match (local.address, remote.address) {
         (None, _) => true,
         (Some(_), None) => false,
@@ -168,8 +168,8 @@ fn local_dials(local: &QueuePairEndpoint, remote: &QueuePairEndpoint) -> bool {
 /// Connects a soft queue pair: dials, or waits passively for the peer's dial.
 pub(crate) async fn connect(
     queue_pair: &Arc<QueuePairShared>,
-    local: &QueuePairEndpoint,
-    remote: &QueuePairEndpoint,
+    local: &SoftEndpoint,
+    remote: &SoftEndpoint,
 ) -> Result<()> {
     let connection = Arc::new(SoftConnection::new(
         queue_pair.protection_domain.inner.device.clone(),
