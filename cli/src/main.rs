@@ -1,6 +1,7 @@
 //! `rdkv`: get, put, delete, compare-and-swap and stats against a cluster from its file.
 //!
 //! Exit codes: 0 found / done, 1 not found (get, del) or not swapped (cas), 2 error.
+#![forbid(unsafe_code)]
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;

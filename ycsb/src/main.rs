@@ -1,5 +1,6 @@
 //! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis or an in-process rdkv, plots,
 //! and a side-by-side comparison with Redis.
+#![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,4 +1,5 @@
 //! `rdkv-cluster`: start, stop and inspect an rdkv cluster on this machine from its cluster file.
+#![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

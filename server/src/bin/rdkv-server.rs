@@ -1,4 +1,5 @@
 //! `rdkv-server`: runs one rdkv node until SIGINT or SIGTERM.
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
