@@ -137,12 +137,15 @@ impl Session {
             .await
             .map_err(|error| format!("connect queue pair: {error}"))?;
         // Bind in RTS: a type-2 bind is a work request on the send queue.
+        // On verbs a bind is a work request whose completion the binder polls for (up to twice
+        // the device's retry_timeout): tell tokio, so this worker's other tasks move on.
         let bind = |access: AccessFlags, address: u64, length: u64| {
             let window = table.domain.allocate_memory_window();
-            queue_pair
-                .bind_memory_window(&window, &table.region, address, length, access)
-                .map(|key| (window, key))
-                .map_err(|error| format!("bind memory window: {error}"))
+            off_async_worker(|| {
+                queue_pair.bind_memory_window(&window, &table.region, address, length, access)
+            })
+            .map(|key| (window, key))
+            .map_err(|error| format!("bind memory window: {error}"))
         };
         let (index_window, index_key) = bind(
             AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
@@ -169,5 +172,16 @@ impl Session {
             }),
         )
         .await
+    }
+}
+
+/// Runs a call that may block (a verbs window bind polls for its completion) without stalling
+/// the other tasks of this async worker: on a multi-threaded runtime through
+/// `block_in_place`, which hands them to other workers; elsewhere (a current-thread runtime in
+/// a test) directly.
+fn off_async_worker<T>(call: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(call),
+        _ => call(),
     }
 }
