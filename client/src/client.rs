@@ -25,11 +25,33 @@ struct Node {
     id: u32,
     /// How to reach it.
     config: ClientConfig,
-    /// The live connection, opened lazily and replaced when it breaks.
-    connection: Mutex<Option<Arc<NodeConnection>>>,
+    /// The live connection, opened lazily and replaced when it breaks. Shared with the task
+    /// that opens a connection, which stores it even if the operation that asked is cancelled.
+    connection: Arc<Mutex<Option<Arc<NodeConnection>>>>,
     /// One connection attempt at a time: concurrent operations wait for it instead of each
     /// opening (and pinning buffers for) a connection of their own.
-    connecting: tokio::sync::Semaphore,
+    connecting: Arc<tokio::sync::Semaphore>,
+    /// Set when a connection was retired: the next one counts as a reconnect.
+    retired: Arc<std::sync::atomic::AtomicBool>,
+    /// The node's own operation deadline (from its welcome; 0 until the first connection):
+    /// operations on it never run longer, whatever the client's deadline.
+    server_deadline_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Node {
+    fn new(id: u32, config: ClientConfig, connection: Option<Arc<NodeConnection>>) -> Self {
+        let server_deadline_ms = connection
+            .as_ref()
+            .map_or(0, |connection| connection.welcome.operation_deadline_ms);
+        Self {
+            id,
+            config,
+            connection: Arc::new(Mutex::new(connection)),
+            connecting: Arc::new(tokio::sync::Semaphore::new(1)),
+            retired: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            server_deadline_ms: std::sync::atomic::AtomicU64::new(server_deadline_ms),
+        }
+    }
 }
 
 /// An rdkv client: one connection per node, opened on first use; keys map to nodes by
@@ -63,12 +85,7 @@ impl Client {
             .map_or(server_deadline, |deadline| deadline.min(server_deadline));
         Ok(Self {
             node_ids: vec![1],
-            nodes: vec![Node {
-                id: 1,
-                config,
-                connection: Mutex::new(Some(connection)),
-                connecting: tokio::sync::Semaphore::new(1),
-            }],
+            nodes: vec![Node::new(1, config, Some(connection))],
             counters,
             deadline,
         })
@@ -91,12 +108,7 @@ impl Client {
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
-                Node {
-                    id: node.id,
-                    config,
-                    connection: Mutex::new(None),
-                    connecting: tokio::sync::Semaphore::new(1),
-                }
+                Node::new(node.id, config, None)
             })
             .collect();
         Self {
@@ -129,7 +141,10 @@ impl Client {
         self.node_for(key).id
     }
 
-    /// The live connection to `node`, (re-)established if needed.
+    /// The live connection to `node`, (re-)established if needed. The connection is opened by
+    /// a task of its own (bounded by the handshake's timeout), which stores it even if the
+    /// operation that asked is cancelled by its deadline: a client with a deadline shorter
+    /// than a handshake still gets connected (found by attacking it with 1 ms deadlines).
     async fn connection(&self, node: &Node) -> Result<Arc<NodeConnection>> {
         let healthy = || {
             node.connection
@@ -141,28 +156,40 @@ impl Client {
         if let Some(connection) = healthy() {
             return Ok(connection);
         }
-        let _connecting = node
+        let connecting = node
             .connecting
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .expect("the connection gate is never closed");
         // Another operation may have connected while this one waited.
         if let Some(connection) = healthy() {
             return Ok(connection);
         }
-        let had_one = node
-            .connection
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .is_some();
-        let fresh = NodeConnection::open(&node.config, self.counters.clone()).await?;
-        if had_one {
-            self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
-        }
-        *node
-            .connection
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
+        let slot = node.connection.clone();
+        let retired = node.retired.clone();
+        let config = node.config.clone();
+        let counters = self.counters.clone();
+        let opening = tokio::spawn(async move {
+            let had_one = slot
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .is_some()
+                || retired.swap(false, Ordering::AcqRel);
+            let fresh = NodeConnection::open(&config, counters.clone()).await?;
+            if had_one {
+                counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            }
+            *slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
+            drop(connecting);
+            Ok::<_, Error>(fresh)
+        });
+        let fresh = opening.await.map_err(|error| Error::NodeUnreachable {
+            address: node.config.node.control_address,
+            reason: format!("the connecting task failed: {error}"),
+        })??;
+        node.server_deadline_ms
+            .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
         Ok(fresh)
     }
 
@@ -182,14 +209,27 @@ impl Client {
     {
         let node = self.node_for(key);
         let progress = Arc::new(Progress::default());
-        // The connection of the latest attempt, kept outside the future for the deadline case.
-        let latest: Mutex<Option<Arc<NodeConnection>>> = Mutex::new(None);
+        // Never longer than the node's own deadline: its heap reuse and its clearing of
+        // abandoned tentative slots rely on it.
+        let deadline = match node.server_deadline_ms.load(Ordering::Relaxed) {
+            0 => self.deadline,
+            server => self.deadline.min(Duration::from_millis(server)),
+        };
+        // Retires the connection if the operation ends, fails or is cancelled (by this
+        // deadline or by its caller dropping the future) with its tentative slot outstanding.
+        let guard = RetireOnAbandon {
+            client: self,
+            node,
+            progress: progress.clone(),
+            latest: Mutex::new(None),
+        };
         let work = async {
             let mut retried = false;
             loop {
                 progress.wait_for(Waiting::Connection);
                 let connection = self.connection(node).await?;
-                *latest
+                *guard
+                    .latest
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(connection.clone());
                 match attempt(connection.clone(), progress.clone()).await {
@@ -208,25 +248,17 @@ impl Client {
                 }
             }
         };
-        let outcome = tokio::time::timeout(self.deadline, work)
+        let outcome = tokio::time::timeout(deadline, work)
             .await
             .unwrap_or_else(|_| {
                 Err(Error::TimedOut {
                     operation,
-                    deadline: self.deadline,
+                    deadline,
                     waiting_for: progress.waiting_for().describe(),
                     may_have_applied: progress.may_have_applied(),
                 })
             });
-        if outcome.is_err() && progress.tentative_outstanding() {
-            let connection = latest
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take();
-            if let Some(connection) = connection {
-                self.retire(node, &connection);
-            }
-        }
+        drop(guard);
         if outcome.is_ok() {
             self.counters.operations.fetch_add(1, Ordering::Relaxed);
         }
@@ -239,6 +271,7 @@ impl Client {
     /// still in the index: the server's collector clears it a quarantine after the seal.
     fn retire(&self, node: &Node, connection: &Arc<NodeConnection>) {
         connection.mark_broken();
+        node.retired.store(true, Ordering::Release);
         let mut current = node
             .connection
             .lock()
@@ -426,6 +459,36 @@ impl Client {
             if let Some(connection) = current {
                 connection.close().await;
             }
+        }
+    }
+}
+
+/// Retires the operation's connection when it is dropped with the operation's tentative slot
+/// still outstanding: after a failure, a deadline, or the caller cancelling the operation (found
+/// by attacking the client: a cancelled insert's slot stayed until the client disconnected).
+struct RetireOnAbandon<'client> {
+    /// The client.
+    client: &'client Client,
+    /// The key's node.
+    node: &'client Node,
+    /// The operation's progress.
+    progress: Arc<Progress>,
+    /// The connection of the latest attempt.
+    latest: Mutex<Option<Arc<NodeConnection>>>,
+}
+
+impl Drop for RetireOnAbandon<'_> {
+    fn drop(&mut self) {
+        if !self.progress.tentative_outstanding() {
+            return;
+        }
+        let connection = self
+            .latest
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(connection) = connection {
+            self.client.retire(self.node, &connection);
         }
     }
 }

@@ -532,9 +532,20 @@ pub(crate) async fn mutate(
             }
             (Mutation::Upsert | Mutation::Insert, None) => {
                 let Some((empty, _)) = view.slots.iter().find(|(_, slot)| slot.is_empty()) else {
+                    let tentative = view
+                        .slots
+                        .iter()
+                        .filter(|(_, slot)| slot.is_tentative())
+                        .count();
+                    if tentative > 0 && attempt + 1 < RACE_ATTEMPTS {
+                        // Inserts in progress, or abandoned ones the collector clears within a
+                        // quarantine: wait for a slot, within the deadline.
+                        back_off(attempt).await;
+                        continue;
+                    }
                     return Err(Error::TableFull {
                         reason: format!(
-                            "all {} candidate slots of this key are taken; the index has {} buckets: raise index_size",
+                            "all {} candidate slots of this key are taken ({tentative} of them by inserts in progress or abandoned, cleared within a quarantine); the index has {} buckets: raise index_size",
                             view.slots.len(),
                             connection.welcome.geometry.bucket_count
                         ),

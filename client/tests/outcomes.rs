@@ -479,3 +479,80 @@ async fn a_deadline_says_whether_the_operation_may_have_applied() {
         }
     }
 }
+
+/// An insert that its caller cancels between place and commit (here: a `timeout` around the
+/// call, while the operation is held after placing) retires its connection when its future is
+/// dropped, so the server seals the chunk and clears the slot while the client stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_insert_does_not_leave_its_slot_while_the_client_lives() {
+    let mut config = ServerConfig::local(SECRET);
+    config.operation_deadline = std::time::Duration::from_millis(200);
+    config.collector_interval = std::time::Duration::from_millis(20);
+    let server = rdkv_server::start(config).await.expect("start server");
+    let script = Arc::new(Script::default());
+    *script.hold.lock().expect("hold") = Some(Hold {
+        kind: StepKind::PlaceTentative,
+        moment: Moment::After,
+        reached: Arc::new(Notify::new()),
+        gate: Arc::new(Semaphore::new(0)),
+    });
+    let client = Client::connect(client_config(&server, Some(script)))
+        .await
+        .expect("connect");
+    let cancelled = tokio::time::timeout(
+        std::time::Duration::from_millis(50),
+        client.insert(b"k", b"v"),
+    )
+    .await;
+    assert!(cancelled.is_err(), "the caller cancelled the insert");
+    let started = std::time::Instant::now();
+    while server.stats().tentatives_cleared == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the cancelled insert's tentative slot was not cleared while its client lives"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(client.insert(b"k", b"later").await.expect("insert"));
+}
+
+/// A connection attempt outlives the operation that started it: a client whose deadline is
+/// shorter than a handshake still gets connected (the attempt runs in a task of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_attempt_outlives_a_cancelled_operation() {
+    let server = rdkv_server::start(ServerConfig::local(SECRET))
+        .await
+        .expect("start server");
+    // The first GET fails its first step (the connection breaks), and its retry's handshake
+    // cannot finish within a 1 ms deadline.
+    let script = Arc::new(Script {
+        fail_at: Some(0),
+        ..Script::default()
+    });
+    let mut config = client_config(&server, Some(script));
+    config.operation_deadline = Some(std::time::Duration::from_millis(1));
+    let client = Client::connect(config).await.expect("connect");
+    if let Err(error) = client.get(b"k").await {
+        assert!(!error.may_have_applied(), "{error}");
+    }
+    let started = std::time::Instant::now();
+    while client.counters().reconnects == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the connection attempt was abandoned with its operation"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // Connected now: GETs fit even a 1 ms deadline (a few tries, for a loaded machine).
+    let mut answered = false;
+    for _ in 0..200 {
+        if client.get(b"k").await.is_ok() {
+            answered = true;
+            break;
+        }
+    }
+    assert!(
+        answered,
+        "a GET succeeded on the connection opened in the background"
+    );
+}

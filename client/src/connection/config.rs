@@ -38,9 +38,9 @@ pub struct ClientConfig {
     pub name: String,
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer).
     pub concurrency: usize,
-    /// The per-operation deadline; the server's when absent. [`crate::Client::connect`] caps it
-    /// at the server's, which the server's heap reuse and its clearing of abandoned tentative
-    /// slots rely on (a cluster's clients take the cluster file's, which is the nodes' too).
+    /// The per-operation deadline; the server's when absent. An operation on a node never runs
+    /// longer than that node's own deadline (from its welcome), which the node's heap reuse and
+    /// its clearing of abandoned tentative slots rely on.
     pub operation_deadline: Option<Duration>,
     /// Stalls or fails chosen steps of operations (tests and chaos experiments; see
     /// [`crate::fault`]). None in production.
