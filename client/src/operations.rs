@@ -267,6 +267,28 @@ async fn lookup(
     })
 }
 
+/// A plain lookup of the committed slots holding `key` (readers and deletes).
+async fn lookup_committed(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    key: &[u8],
+    location: &KeyLocation,
+) -> Result<View> {
+    let first = FirstList {
+        kind: StepKind::ReadBuckets,
+        before: Vec::new(),
+    };
+    lookup(
+        scratch,
+        operation,
+        key,
+        location,
+        first,
+        Candidates::Committed,
+    )
+    .await
+}
+
 /// Reads the blocks of the fingerprint matches among `candidates` and returns the committed and
 /// the tentative slots holding `key`, each in position order. A block that fails its checksum,
 /// or that holds a key which could not live in the slot that pointed to it (a torn slot read),
@@ -434,18 +456,7 @@ pub(crate) async fn get(
     let location = connection.welcome.geometry.locate(key);
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await;
-    let view = lookup(
-        &mut scratch,
-        "get",
-        key,
-        &location,
-        FirstList {
-            kind: StepKind::ReadBuckets,
-            before: Vec::new(),
-        },
-        Candidates::Committed,
-    )
-    .await?;
+    let view = lookup_committed(&mut scratch, "get", key, &location).await?;
     let counters = &connection.counters;
     counters.gets.fetch_add(1, Ordering::Relaxed);
     counters
@@ -719,18 +730,7 @@ pub(crate) async fn delete(
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await;
     for attempt in 0..RACE_ATTEMPTS {
-        let view = lookup(
-            &mut scratch,
-            "delete",
-            key,
-            &location,
-            FirstList {
-                kind: StepKind::ReadBuckets,
-                before: Vec::new(),
-            },
-            Candidates::Committed,
-        )
-        .await?;
+        let view = lookup_committed(&mut scratch, "delete", key, &location).await?;
         match view.committed.as_slice() {
             [] => return Ok(false),
             [current]

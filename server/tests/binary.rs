@@ -23,6 +23,18 @@ fn a_missing_secret_is_a_clear_error() {
     );
 }
 
+/// A small node on the verbs fabric.
+const VERBS_NODE: [&str; 8] = [
+    "--fabric",
+    "verbs",
+    "--listen",
+    "127.0.0.1:0",
+    "--index-size",
+    "1M",
+    "--heap-size",
+    "4M",
+];
+
 /// `--fabric verbs` either runs (a build with the feature on a machine with an RDMA device:
 /// then the test checks that it gets ready) or exits with an error that names the fix: rebuild
 /// with the feature, or load a driver / rxe. It never crashes.
@@ -36,16 +48,7 @@ fn the_verbs_fabric_without_a_device_or_the_feature_is_a_clear_error() {
         return;
     }
     let output = Command::new(BINARY)
-        .args([
-            "--fabric",
-            "verbs",
-            "--listen",
-            "127.0.0.1:0",
-            "--index-size",
-            "1M",
-            "--heap-size",
-            "4M",
-        ])
+        .args(VERBS_NODE)
         .env("RDKV_SECRET", "s")
         .env("RUST_BACKTRACE", "0")
         .output()
@@ -65,16 +68,7 @@ fn the_verbs_fabric_without_a_device_or_the_feature_is_a_clear_error() {
 fn the_verbs_fabric_with_a_device_gets_ready() {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(BINARY)
-        .args([
-            "--fabric",
-            "verbs",
-            "--listen",
-            "127.0.0.1:0",
-            "--index-size",
-            "1M",
-            "--heap-size",
-            "4M",
-        ])
+        .args(VERBS_NODE)
         .env("RDKV_SECRET", "s")
         .stdout(std::process::Stdio::piped())
         .spawn()
