@@ -91,7 +91,6 @@ impl Waiting {
 impl Progress {
     /// A list of `kind` is about to be posted.
     pub(crate) fn posting(&self, kind: StepKind) {
-        self.wait_for(Waiting::Step(kind));
         if !matches!(kind, StepKind::ReadBuckets | StepKind::ReadBlocks) {
             self.cas_posted.store(true, Ordering::Release);
         }
@@ -118,11 +117,16 @@ impl Progress {
 
     /// The operation now waits for `what`.
     pub(crate) fn wait_for(&self, what: Waiting) {
-        let code = Waiting::ALL
-            .iter()
-            .position(|candidate| *candidate == what)
-            .unwrap_or(0);
-        self.waiting.store(code as u8, Ordering::Release);
+        // The index of `what` in `Waiting::ALL`: the four waits, then the steps in
+        // `StepKind` declaration order (the order of `StepKind::ALL`).
+        let code = match what {
+            Waiting::Connection => 0,
+            Waiting::WriterTurn => 1,
+            Waiting::ScratchBuffer => 2,
+            Waiting::HeapChunk => 3,
+            Waiting::Step(kind) => 4 + kind as u8,
+        };
+        self.waiting.store(code, Ordering::Release);
     }
 
     /// What the operation was waiting for last.
@@ -150,5 +154,19 @@ impl Progress {
     /// Whether the operation may have applied.
     pub(crate) fn may_have_applied(&self) -> bool {
         self.may_have_applied.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_wait_round_trips_through_its_code() {
+        let progress = Progress::default();
+        for what in Waiting::ALL {
+            progress.wait_for(what);
+            assert_eq!(progress.waiting_for(), what);
+        }
     }
 }
