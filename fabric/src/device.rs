@@ -1,9 +1,10 @@
-//! The NIC: [`Device`] owns the memory protection table, the queue pair table, the gauges and,
-//! for the soft backend, the listener whose engine threads serve remote requests.
+//! The NIC: [`Device`] owns the memory protection table, the queue pair table, the gauges and
+//! its provider (see [`crate::seam`]). Its constructors, which pick the provider, are the
+//! dispatch point in `provider/mod.rs`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -13,8 +14,8 @@ use crate::completion::CompletionQueue;
 use crate::error::Result;
 use crate::memory::pinned_bytes;
 use crate::protection::{ProtectionDomain, ProtectionTable};
-use crate::provider::soft::SoftListener;
 use crate::queue_pair::QueuePairShared;
+use crate::seam::DeviceProvider;
 use crate::types::{Backend, QueuePairState};
 
 /// Limits of one device.
@@ -159,13 +160,8 @@ pub(crate) struct DeviceInner {
     next_protection_domain: AtomicU32,
     /// The next queue pair number.
     next_qp_number: AtomicU32,
-    /// Set while one of the device's engine threads busy-polls (see `DeviceConfig::poll_spin`).
-    pub(crate) spinning: std::sync::atomic::AtomicBool,
-    /// The soft backend's listener (absent for loopback and for a soft device that only dials).
-    pub(crate) soft_listener: OnceLock<SoftListener>,
-    /// The opened RDMA device of a verbs device.
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: VerbsSlot,
+    /// The provider: the NIC behind the model.
+    pub(crate) provider: Box<dyn DeviceProvider>,
 }
 
 impl DeviceInner {
@@ -181,28 +177,6 @@ impl DeviceInner {
     pub(crate) fn queue_pair(&self, qp_number: u32) -> Option<Arc<QueuePairShared>> {
         self.queue_pairs.get(&qp_number)?.upgrade()
     }
-}
-
-/// What a device holds of the verbs backend: the opened RDMA device, when it is a verbs device
-/// (nothing in a build without the feature).
-#[cfg(feature = "verbs")]
-type VerbsSlot = Option<Arc<crate::provider::verbs::context::VerbsContext>>;
-#[cfg(feature = "verbs")]
-const NO_VERBS: VerbsSlot = None;
-#[cfg(not(feature = "verbs"))]
-struct VerbsSlot;
-#[cfg(not(feature = "verbs"))]
-const NO_VERBS: VerbsSlot = VerbsSlot;
-
-/// Process-wide registry of loopback devices, so a loopback endpoint can name its device.
-fn loopback_devices() -> &'static DashMap<u64, Weak<DeviceInner>> {
-    static DEVICES: OnceLock<DashMap<u64, Weak<DeviceInner>>> = OnceLock::new();
-    DEVICES.get_or_init(DashMap::new)
-}
-
-/// Finds a live loopback device by id.
-pub(crate) fn find_loopback_device(id: u64) -> Option<Arc<DeviceInner>> {
-    loopback_devices().get(&id)?.upgrade()
 }
 
 /// A random-enough 64-bit id from the clock, the process id and a counter.
@@ -228,99 +202,22 @@ pub struct Device {
 }
 
 impl Device {
-    fn new(backend: Backend, config: DeviceConfig) -> Self {
-        Self::build(backend, config, NO_VERBS)
-    }
-
-    fn build(backend: Backend, config: DeviceConfig, verbs: VerbsSlot) -> Self {
-        #[cfg(not(feature = "verbs"))]
-        let VerbsSlot = verbs;
+    /// A device of `provider`, started (see [`DeviceProvider::start`]).
+    pub(crate) fn build(config: DeviceConfig, provider: Box<dyn DeviceProvider>) -> Result<Self> {
         let id = random_id();
         let inner = Arc::new(DeviceInner {
             id,
-            backend,
+            backend: provider.backend(),
             config,
             table: ProtectionTable::new((id as u32) | 1),
             queue_pairs: DashMap::new(),
             gauges: FabricGauges::default(),
             next_protection_domain: AtomicU32::new(1),
             next_qp_number: AtomicU32::new(((id >> 40) as u32 & 0xFFFF) | 0x10),
-            spinning: std::sync::atomic::AtomicBool::new(false),
-            soft_listener: OnceLock::new(),
-            #[cfg(feature = "verbs")]
-            verbs,
+            provider,
         });
-        Self { inner }
-    }
-
-    /// A real RDMA device through ibverbs (the cargo feature `verbs`): opens the device
-    /// `options` names, checks its port and picks its GID, and checks with one FETCH_ADD
-    /// between two of its queue pairs that its atomics work on host-order words (rdkv's table
-    /// words). The opened device and its one protection domain are shared process-wide: every
-    /// `Device::verbs` with the same options while one is alive, and every
-    /// `allocate_protection_domain` of it, use the same PD.
-    ///
-    /// # Errors
-    /// [`crate::Error::VerbsNotBuilt`] in a build without the feature;
-    /// [`crate::Error::VerbsDevice`] naming what is missing (library, device, port, GID) and
-    /// the fix.
-    pub fn verbs(options: &VerbsOptions, config: DeviceConfig) -> Result<Self> {
-        #[cfg(feature = "verbs")]
-        {
-            let context = crate::provider::verbs::context::VerbsContext::shared(options)?;
-            Ok(Self::build(Backend::Verbs, config, Some(context)))
-        }
-        #[cfg(not(feature = "verbs"))]
-        {
-            let _ = (options, config);
-            Err(crate::Error::VerbsNotBuilt)
-        }
-    }
-
-    /// Opens a device of `backend`: soft listening on `listen` (when given), loopback, or verbs
-    /// with `verbs`.
-    ///
-    /// # Errors
-    /// As [`Device::soft`] and [`Device::verbs`].
-    pub fn open(
-        backend: Backend,
-        listen: Option<SocketAddr>,
-        verbs: &VerbsOptions,
-        config: DeviceConfig,
-    ) -> Result<Self> {
-        match backend {
-            Backend::Soft => Self::soft(listen, config),
-            Backend::Loopback => Ok(Self::loopback(config)),
-            Backend::Verbs => Self::verbs(verbs, config),
-        }
-    }
-
-    /// Whether this build has the verbs backend.
-    pub fn verbs_built() -> bool {
-        cfg!(feature = "verbs")
-    }
-
-    /// An in-process device: queue pairs connect only to loopback queue pairs of this process.
-    pub fn loopback(config: DeviceConfig) -> Self {
-        let device = Self::new(Backend::Loopback, config);
-        loopback_devices().insert(device.inner.id, Arc::downgrade(&device.inner));
-        device
-    }
-
-    /// A software RNIC. With `listen`, it accepts queue pair connections on that TCP address
-    /// (port 0 picks one) and its engine threads serve remote requests against its memory;
-    /// without it, its queue pairs can only dial peers that listen.
-    ///
-    /// # Errors
-    /// [`crate::Error::BindListener`] when the address cannot be bound.
-    pub fn soft(listen: Option<SocketAddr>, config: DeviceConfig) -> Result<Self> {
-        let device = Self::new(Backend::Soft, config);
-        if let Some(address) = listen {
-            let listener = SoftListener::start(address, Arc::downgrade(&device.inner))?;
-            // Freshly created: the cell is empty.
-            let _ = device.inner.soft_listener.set(listener);
-        }
-        Ok(device)
+        inner.provider.start(&inner)?;
+        Ok(Self { inner })
     }
 
     /// The backend.
@@ -340,7 +237,7 @@ impl Device {
 
     /// The soft NIC's listening address, if it listens.
     pub fn listen_address(&self) -> Option<SocketAddr> {
-        self.inner.soft_listener.get().map(SoftListener::address)
+        self.inner.provider.listen_address()
     }
 
     /// Allocates a protection domain.
@@ -373,14 +270,6 @@ impl Device {
             queue_pairs,
             frames_sent: gauges.frames_sent.load(Ordering::Relaxed),
             transport_writes: gauges.transport_writes.load(Ordering::Relaxed),
-        }
-    }
-}
-
-impl Drop for DeviceInner {
-    fn drop(&mut self) {
-        if self.backend == Backend::Loopback {
-            loopback_devices().remove(&self.id);
         }
     }
 }

@@ -8,6 +8,8 @@
 //! - `provider/`: `soft` (a user-space RNIC over TCP), `loopback` (the same model in one
 //!   process), the responder engine they share, and `verbs` (real ibverbs, cargo feature
 //!   `verbs`).
+//! - `seam`: the traits a provider implements; the model holds providers only through them
+//!   and imports no provider. `provider/mod.rs` ([`Device::open`]) is the one dispatch point.
 //! - [`error`]: the crate's error enum.
 //!
 //! `unsafe` code lives only in this crate; each block carries a `// SAFETY:` argument.
@@ -40,6 +42,7 @@ pub mod memory;
 mod protection;
 mod provider;
 mod queue_pair;
+mod seam;
 mod types;
 
 pub use completion::{CompletionQueue, PostedList};

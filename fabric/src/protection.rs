@@ -14,6 +14,7 @@ use crate::device::DeviceInner;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::memory::PinnedMemory;
+use crate::seam::ProviderObject;
 use crate::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
 
 /// One key's entry: the memory it covers and the rights it grants.
@@ -83,9 +84,8 @@ impl ProtectionTable {
         }
     }
 
-    /// Inserts an entry under a key the NIC chose (verbs regions, so in-flight requests can
-    /// keep their memory alive by key).
-    #[cfg(feature = "verbs")]
+    /// Inserts an entry under a key the NIC chose (so in-flight requests can keep their memory
+    /// alive by key).
     fn insert_with_key(&self, key: u32, entry: ProtectionEntry) {
         self.entries.insert(key, Arc::new(entry));
     }
@@ -233,30 +233,21 @@ impl ProtectionDomain {
             access,
             bound_qp: None,
         };
-        #[cfg(feature = "verbs")]
-        let (key, remote_key, verbs) = match &device.verbs {
-            Some(context) => {
-                let registered = crate::provider::verbs::memory::VerbsRegion::register(
-                    &context.protection_domain,
-                    memory,
-                    offset,
-                    length,
-                    access,
-                )?;
-                let (local_key, remote_key) = (registered.local_key(), registered.remote_key());
-                device.table.insert_with_key(local_key, entry);
-                (local_key, remote_key, Some(registered))
-            }
-            None => {
-                let key = device.table.insert(entry);
-                (key, key, None)
-            }
-        };
-        #[cfg(not(feature = "verbs"))]
-        let (key, remote_key) = {
-            let key = device.table.insert(entry);
-            (key, key)
-        };
+        let (key, remote_key, registration) =
+            match device.provider.register(memory, offset, length, access)? {
+                Some(registered) => {
+                    device.table.insert_with_key(registered.local_key, entry);
+                    (
+                        registered.local_key,
+                        registered.remote_key,
+                        Some(registered.registration),
+                    )
+                }
+                None => {
+                    let key = device.table.insert(entry);
+                    (key, key, None)
+                }
+            };
         device
             .gauges
             .live_memory_regions
@@ -278,8 +269,7 @@ impl ProtectionDomain {
                 protection_domain: self.clone(),
                 key,
                 remote_key,
-                #[cfg(feature = "verbs")]
-                verbs,
+                registration,
                 memory: memory.clone(),
                 offset,
                 address,
@@ -312,8 +302,7 @@ impl ProtectionDomain {
         MemoryWindow {
             protection_domain: self.clone(),
             key: Mutex::new(None),
-            #[cfg(feature = "verbs")]
-            verbs: Mutex::new(None),
+            binding: Mutex::new(None),
         }
     }
 
@@ -332,14 +321,17 @@ impl ProtectionDomain {
 struct MemoryRegionInner {
     /// The parent domain, kept alive by the region.
     protection_domain: ProtectionDomain,
-    /// lkey (and rkey, except on verbs).
+    /// lkey (and rkey, unless the NIC chose two keys).
     key: u32,
     /// rkey.
     remote_key: u32,
-    /// The NIC's registration, on a verbs device; declared before `memory` so it is
-    /// deregistered before the memory can be unmapped.
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::provider::verbs::memory::VerbsRegion>,
+    /// The NIC's registration, when the NIC keeps its own keys; declared before `memory` so
+    /// it is deregistered before the memory can be unmapped.
+    #[allow(
+        dead_code,
+        reason = "the seam for NIC providers (verbs); a build without one has no caller"
+    )]
+    registration: Option<ProviderObject>,
     /// The pinned block.
     memory: Arc<PinnedMemory>,
     /// Offset of the region inside the block.
@@ -410,10 +402,13 @@ impl MemoryRegion {
         &self.inner.protection_domain
     }
 
-    /// The NIC's registration, on a verbs device.
-    #[cfg(feature = "verbs")]
-    pub(crate) fn verbs_region(&self) -> Option<&crate::provider::verbs::memory::VerbsRegion> {
-        self.inner.verbs.as_ref()
+    /// The NIC's registration, when the NIC keeps its own keys.
+    #[allow(
+        dead_code,
+        reason = "the seam for NIC providers (verbs); a build without one has no caller"
+    )]
+    pub(crate) fn registration(&self) -> Option<&ProviderObject> {
+        self.inner.registration.as_ref()
     }
 
     /// The pinned block under the region.
@@ -494,10 +489,9 @@ pub struct MemoryWindow {
     protection_domain: ProtectionDomain,
     /// The rkey of the current binding, if bound.
     key: Mutex<Option<u32>>,
-    /// On a verbs device: the NIC's window and the region it is bound over (kept registered
-    /// while the window may be used).
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: Mutex<Option<(crate::provider::verbs::memory::VerbsWindow, MemoryRegion)>>,
+    /// When the NIC binds windows itself: its binding (the NIC's window, and whatever must stay
+    /// registered while the window may be used). Dropped on invalidation, which revokes it.
+    pub(crate) binding: Mutex<Option<ProviderObject>>,
 }
 
 impl MemoryWindow {
@@ -537,14 +531,18 @@ impl MemoryWindow {
         Ok(())
     }
 
-    /// Records the key of a binding made by the NIC (verbs), replacing any earlier one.
-    #[cfg(feature = "verbs")]
+    /// Records the key of a binding made by the NIC, replacing any earlier one.
+    #[allow(
+        dead_code,
+        reason = "the seam for NIC providers (verbs); a build without one has no caller"
+    )]
     pub(crate) fn set_key(&self, key: u32) {
         *lock(&self.key) = Some(key);
     }
 
-    /// Binds the window in the device's protection table (soft and loopback; replacing any
-    /// earlier binding, whose key dies) and returns the new key.
+    /// Binds the window in the device's protection table (emulated providers; replacing any
+    /// earlier binding, whose key dies) and returns the new key. The caller has checked the
+    /// bind ([`MemoryWindow::check_bind`]).
     pub(crate) fn bind(
         &self,
         region: &MemoryRegion,
@@ -553,7 +551,6 @@ impl MemoryWindow {
         access: AccessFlags,
         qp_number: u32,
     ) -> Result<RemoteKey> {
-        self.check_bind(region, address, length)?;
         let granted = access
             & (AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC);
         let device = &self.protection_domain.inner.device;
@@ -590,12 +587,10 @@ impl MemoryWindow {
     /// Revokes the current binding, if any: its rkey fails from now on.
     pub fn invalidate(&self) {
         let previous = lock(&self.key).take();
-        #[cfg(feature = "verbs")]
-        {
-            // Deallocating the NIC's window revokes its key whatever its queue pair's state.
-            let binding = lock(&self.verbs).take();
-            drop(binding);
-        }
+        // Dropping the NIC's binding (deallocating its window) revokes its key whatever its
+        // queue pair's state.
+        let binding = lock(&self.binding).take();
+        drop(binding);
         if let Some(key) = previous {
             self.protection_domain.inner.device.table.remove(key);
             tracing::debug!(remote_key = key, "invalidated memory window");

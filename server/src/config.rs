@@ -49,6 +49,11 @@ pub struct ServerConfig {
     pub collector_interval: Duration,
     /// Where Prometheus metrics are served, if anywhere.
     pub metrics_address: Option<SocketAddr>,
+    /// Fault injection for tests: each session's teardown is held this long after its drain,
+    /// as a verbs drain that waits for the NIC's flushes can be (up to `retry_timeout` + 1 s).
+    /// Zero, the default, everywhere else; neither the command line nor the cluster file sets
+    /// it.
+    pub teardown_stall: Duration,
 }
 
 impl ServerConfig {
@@ -73,6 +78,7 @@ impl ServerConfig {
             hash_seed: None,
             collector_interval: Duration::from_millis(100),
             metrics_address: None,
+            teardown_stall: Duration::ZERO,
         }
     }
 
@@ -117,6 +123,7 @@ impl ServerConfig {
             hash_seed: None,
             collector_interval: Duration::from_millis(100),
             metrics_address: node.metrics_address,
+            teardown_stall: Duration::ZERO,
         })
     }
 

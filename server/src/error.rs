@@ -3,7 +3,8 @@
 use std::io;
 use std::net::SocketAddr;
 
-/// Everything that can stop a server from starting or running.
+/// Everything that can stop a server from starting or running, or end one client's session
+/// before it is served (the handshake's failures; the session logs them as its end reason).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A configuration value is invalid; the message names the field and the fix.
@@ -25,6 +26,52 @@ pub enum Error {
         /// The OS error.
         #[source]
         source: io::Error,
+    },
+    /// The client sent nothing within the handshake's timeout.
+    #[error("handshake timed out after {timeout:?}")]
+    HandshakeTimedOut {
+        /// The timeout.
+        timeout: std::time::Duration,
+    },
+    /// The client closed the connection during the handshake.
+    #[error("client disconnected during the handshake")]
+    ClientDisconnected,
+    /// A frame from the client could not be read or decoded.
+    #[error("bad frame from the client")]
+    BadFrame {
+        /// What was wrong with it.
+        #[source]
+        source: rdkv_common::ControlError,
+    },
+    /// The client sent a message the handshake does not expect at this step.
+    #[error("expected {expected} from the client")]
+    UnexpectedMessage {
+        /// What the step expects.
+        expected: &'static str,
+    },
+    /// The client was refused (the reason was sent to it too).
+    #[error("{reason}")]
+    Refused {
+        /// Why: a protocol version mismatch or a failed proof, with the fix.
+        reason: String,
+    },
+    /// A message to the client could not be sent.
+    #[error("send to the client")]
+    Send {
+        /// The write or encoding error.
+        #[source]
+        source: rdkv_common::ControlError,
+    },
+    /// The client's queue pair or its windows could not be set up.
+    #[error("{step} for connection {connection_id}")]
+    QueuePairSetup {
+        /// What failed: create, init, connect or bind.
+        step: &'static str,
+        /// The session.
+        connection_id: u64,
+        /// The fabric's error.
+        #[source]
+        source: rdkv_fabric::Error,
     },
 }
 

@@ -1,12 +1,13 @@
 //! The responder engine: what a NIC does with one incoming one-sided request.
 //!
-//! Both backends call [`execute`]: the soft backend from its engine threads, the loopback
-//! backend inline. It checks the request against the protection table (see
+//! Both emulated providers call [`serve`]: the soft provider from its engine threads, the
+//! loopback provider inline. It checks the request against the protection table (see
 //! [`ProtectionTable::check_remote`]) and carries it out with atomic accesses only. Server
 //! application code is never called.
 
-use crate::protection::ProtectionTable;
-use crate::types::{Opcode, WorkCompletionStatus};
+use crate::protection::{LocalTarget, ProtectionTable};
+use crate::queue_pair::QueuePairShared;
+use crate::types::{Opcode, WorkCompletionStatus, WorkRequest};
 
 /// One incoming request, as decoded from the wire or taken from a loopback post.
 #[derive(Debug, Clone, Copy)]
@@ -32,6 +33,56 @@ pub(crate) struct ResponderContext {
     pub(crate) protection_domain: u32,
     /// The responder queue pair's number.
     pub(crate) qp_number: u32,
+}
+
+/// Executes one incoming request for `queue_pair` (the responder) under its responder gate.
+/// `None` means the request is not answered (the queue pair cannot receive), as a real
+/// responder drops it.
+pub(crate) fn serve(
+    queue_pair: &QueuePairShared,
+    request: &RemoteRequest,
+    write_payload: &[u8],
+    response: &mut Vec<u8>,
+) -> Option<WorkCompletionStatus> {
+    queue_pair.respond(|table, protection_domain, qp_number| {
+        let context = ResponderContext {
+            protection_domain,
+            qp_number,
+        };
+        execute(table, context, request, write_payload, response)
+    })
+}
+
+/// The wire/engine form of a work request.
+pub(crate) fn remote_request(request: &WorkRequest) -> RemoteRequest {
+    RemoteRequest {
+        opcode: request.opcode,
+        remote_key: request.remote.remote_key,
+        remote_address: request.remote.address,
+        length: request.local.length,
+        compare: request.compare,
+        swap_or_add: request.swap_or_add,
+    }
+}
+
+/// Appends the WRITE payload of an in-flight entry's local buffer to `buffer` (nothing when
+/// the buffer is unresolved or cannot be read).
+pub(crate) fn append_write_payload(
+    buffer: &mut Vec<u8>,
+    local: &std::result::Result<Option<LocalTarget>, WorkCompletionStatus>,
+) {
+    if let Ok(Some(target)) = local {
+        let start = buffer.len();
+        buffer.resize(start + target.length as usize, 0);
+        if target
+            .entry
+            .memory
+            .read_into(target.memory_offset, &mut buffer[start..])
+            .is_err()
+        {
+            buffer.truncate(start);
+        }
+    }
 }
 
 /// Checks and executes `request`. READ data or the original atomic value is appended to

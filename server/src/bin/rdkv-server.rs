@@ -162,5 +162,6 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         hash_seed: None,
         collector_interval: Duration::from_millis(100),
         metrics_address: arguments.metrics_listen,
+        teardown_stall: Duration::ZERO,
     })
 }

@@ -25,7 +25,7 @@ impl Session {
         &mut self,
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
-    ) -> Result<(), String> {
+    ) -> Result<(), crate::Error> {
         if self.authenticate(writer, messages).await? == Purpose::Monitor {
             return Self::send(
                 writer,
@@ -45,7 +45,7 @@ impl Session {
         &mut self,
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
-    ) -> Result<Purpose, String> {
+    ) -> Result<Purpose, crate::Error> {
         let shared = self.shared.clone();
         let mut nonce = [0u8; PROOF_LENGTH];
         rand::thread_rng().fill_bytes(&mut nonce);
@@ -65,7 +65,9 @@ impl Session {
             client_name,
         } = Self::next_message(messages).await?
         else {
-            return Err("the first message was not Authenticate".into());
+            return Err(crate::Error::UnexpectedMessage {
+                expected: "Authenticate as the first message",
+            });
         };
         if protocol_version != PROTOCOL_VERSION {
             let reason = format!(
@@ -89,7 +91,7 @@ impl Session {
 
     /// Creates the client's queue pair (INIT) and sends the welcome with its endpoint. Only an
     /// authenticated client gets here.
-    async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), String> {
+    async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
         let table = &shared.table;
         let queue_pair = table
@@ -100,10 +102,10 @@ impl Session {
                     max_send_wr: SEND_QUEUE_DEPTH,
                 },
             )
-            .map_err(|error| format!("create queue pair: {error}"))?;
+            .map_err(|source| self.setup_failed("create the queue pair", source))?;
         queue_pair
             .modify_to_init()
-            .map_err(|error| format!("init queue pair: {error}"))?;
+            .map_err(|source| self.setup_failed("move the queue pair to INIT", source))?;
         let welcome = Welcome {
             connection_id: self.connection_id,
             geometry: table.geometry,
@@ -122,20 +124,31 @@ impl Session {
         &mut self,
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
-    ) -> Result<(), String> {
+    ) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
         let table = &shared.table;
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
-            return Err("expected ConnectQueuePair after Welcome".into());
+            return Err(crate::Error::UnexpectedMessage {
+                expected: "ConnectQueuePair after Welcome",
+            });
+        };
+        let connection_id = self.connection_id;
+        let setup_failed = |step, source| crate::Error::QueuePairSetup {
+            step,
+            connection_id,
+            source,
         };
         let Some(queue_pair) = &self.queue_pair else {
-            return Err("queue pair vanished".into());
+            // `welcome` created it and only the teardown takes it.
+            return Err(crate::Error::UnexpectedMessage {
+                expected: "Authenticate (this session has no queue pair)",
+            });
         };
         queue_pair
             .connect(&endpoint)
             .await
-            .map_err(|error| format!("connect queue pair: {error}"))?;
+            .map_err(|source| setup_failed("connect the queue pair", source))?;
         // Bind in RTS: a type-2 bind is a work request on the send queue.
         // On verbs a bind is a work request whose completion the binder polls for (up to twice
         // the device's retry_timeout): tell tokio, so this worker's other tasks move on.
@@ -145,7 +158,7 @@ impl Session {
                 queue_pair.bind_memory_window(&window, &table.region, address, length, access)
             })
             .map(|key| (window, key))
-            .map_err(|error| format!("bind memory window: {error}"))
+            .map_err(|source| setup_failed("bind a memory window", source))
         };
         let (index_window, index_key) = bind(
             AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
@@ -172,6 +185,16 @@ impl Session {
             }),
         )
         .await
+    }
+}
+
+impl Session {
+    fn setup_failed(&self, step: &'static str, source: rdkv_fabric::Error) -> crate::Error {
+        crate::Error::QueuePairSetup {
+            step,
+            connection_id: self.connection_id,
+            source,
+        }
     }
 }
 

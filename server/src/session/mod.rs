@@ -111,6 +111,18 @@ struct Session {
     retired_chunk_windows: VecDeque<(MemoryWindow, Instant)>,
 }
 
+/// An error and its causes on one line, for the session's end reason.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        line.push_str(": ");
+        line.push_str(&next.to_string());
+        cause = next.source();
+    }
+    line
+}
+
 /// Reads frames on its own task, so the session's select loop stays cancellation-safe.
 async fn read_messages(
     mut reader: OwnedReadHalf,
@@ -135,7 +147,7 @@ impl Session {
                 self.serve_requests(&mut writer, &mut messages, &shutdown)
                     .await
             }
-            Err(reason) => reason,
+            Err(error) => with_causes(&error),
         };
         // Tear down before the socket closes, so a client that sees the close knows its keys
         // are already revoked.
@@ -148,23 +160,28 @@ impl Session {
 
     async fn next_message(
         messages: &mut mpsc::Receiver<Result<ClientMessage, ControlError>>,
-    ) -> Result<ClientMessage, String> {
+    ) -> Result<ClientMessage, crate::Error> {
         match tokio::time::timeout(HANDSHAKE_TIMEOUT, messages.recv()).await {
-            Err(_) => Err("handshake timed out".into()),
-            Ok(None) => Err("client disconnected".into()),
-            Ok(Some(Err(error))) => Err(format!("bad frame: {error}")),
+            Err(_) => Err(crate::Error::HandshakeTimedOut {
+                timeout: HANDSHAKE_TIMEOUT,
+            }),
+            Ok(None) => Err(crate::Error::ClientDisconnected),
+            Ok(Some(Err(source))) => Err(crate::Error::BadFrame { source }),
             Ok(Some(Ok(message))) => Ok(message),
         }
     }
 
-    async fn send(writer: &mut OwnedWriteHalf, message: &ServerMessage) -> Result<(), String> {
+    async fn send(
+        writer: &mut OwnedWriteHalf,
+        message: &ServerMessage,
+    ) -> Result<(), crate::Error> {
         write_frame(writer, message)
             .await
-            .map_err(|error| format!("send: {error}"))
+            .map_err(|source| crate::Error::Send { source })
     }
 
-    /// Tells the client why it is refused (best effort) and returns the reason for the log.
-    async fn refuse(writer: &mut OwnedWriteHalf, reason: String) -> String {
+    /// Tells the client why it is refused (best effort) and returns the error for the log.
+    async fn refuse(writer: &mut OwnedWriteHalf, reason: String) -> crate::Error {
         let _ = Self::send(
             writer,
             &ServerMessage::Refused {
@@ -172,6 +189,6 @@ impl Session {
             },
         )
         .await;
-        reason
+        crate::Error::Refused { reason }
     }
 }

@@ -58,11 +58,11 @@ impl Session {
                         ClientMessage::Goodbye => return "client said goodbye".into(),
                         other => {
                             let reason = format!("unexpected message after the handshake: {other:?}");
-                            return Self::refuse(writer, reason).await;
+                            return Self::refuse(writer, reason).await.to_string();
                         }
                     };
-                    if let Err(reason) = Self::send(writer, &reply).await {
-                        return reason;
+                    if let Err(error) = Self::send(writer, &reply).await {
+                        return with_causes(&error);
                     }
                 }
             }

@@ -4,7 +4,9 @@
 //! posted request has completed or flushed, bounded by the device's `retry_timeout` plus one
 //! second. So the teardown runs on tokio's blocking pool (`spawn_blocking`, at most 512
 //! threads), never on an async worker, and the operations of other sessions on the same runtime
-//! go on while it waits.
+//! go on while it waits. `client/tests/teardown.rs` holds one teardown for 3 s
+//! (`ServerConfig::teardown_stall`) on a one-thread runtime and checks that another client's
+//! 400 operations finish meanwhile.
 
 use super::*;
 
@@ -22,10 +24,15 @@ impl Session {
         );
         let shared = self.shared.clone();
         let connection_id = self.connection_id;
+        let stall = shared.config.teardown_stall;
         let ordered = move || {
             if let Some(queue_pair) = &queue_pair {
                 queue_pair.modify_to_error();
                 queue_pair.drain();
+            }
+            if !stall.is_zero() {
+                // Fault injection (tests only): a drain as slow as a NIC's can be.
+                std::thread::sleep(stall);
             }
             for window in windows {
                 window.invalidate();

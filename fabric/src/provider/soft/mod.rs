@@ -13,6 +13,7 @@
 //!   order. End of stream, a read error, a protocol violation, or an outstanding request older
 //!   than the retry timeout completes the oldest request RETRY_EXC_ERR and flushes the rest.
 
+use std::any::Any;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,13 +22,14 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
 use crate::lock;
-use crate::queue_pair::{
-    append_write_payload, remote_request, InFlight, QueuePairShared, Transport,
-};
-use crate::types::{Opcode, SoftEndpoint, WorkCompletionStatus};
+use crate::provider::engine;
+use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
+use crate::seam::{DeviceProvider, ProviderFuture, QueuePairProvider, Submission};
+use crate::types::{Backend, Opcode, QueuePairEndpoint, SoftEndpoint, WorkCompletionStatus};
 pub(crate) mod wire;
 
 use wire::{Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
@@ -36,6 +38,155 @@ use wire::{Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often an idle engine thread wakes to check the retry timeout and shutdown.
 const ENGINE_TICK: Duration = Duration::from_millis(50);
+
+/// A soft NIC: listens (when given an address) and serves its queue pairs' connections.
+#[derive(Debug)]
+pub(crate) struct SoftDevice {
+    /// Where to listen, if anywhere.
+    listen: Option<SocketAddr>,
+    /// The listener, once started.
+    listener: OnceLock<SoftListener>,
+    /// Set while one of the device's engine threads busy-polls (see `DeviceConfig::poll_spin`).
+    spinning: AtomicBool,
+}
+
+impl SoftDevice {
+    /// A soft NIC that listens on `listen` once started (port 0 picks one), or only dials.
+    pub(crate) fn new(listen: Option<SocketAddr>) -> Self {
+        Self {
+            listen,
+            listener: OnceLock::new(),
+            spinning: AtomicBool::new(false),
+        }
+    }
+}
+
+impl DeviceProvider for SoftDevice {
+    fn backend(&self) -> Backend {
+        Backend::Soft
+    }
+
+    fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {
+        if let Some(address) = self.listen {
+            let listener = SoftListener::start(address, Arc::downgrade(device))?;
+            // Started once: the cell is empty.
+            let _ = self.listener.set(listener);
+        }
+        Ok(())
+    }
+
+    fn listen_address(&self) -> Option<SocketAddr> {
+        self.listener.get().map(SoftListener::address)
+    }
+
+    fn create_queue_pair(
+        &self,
+        _device: &DeviceInner,
+        _completion_queue: &CompletionQueueInner,
+        _config: QueuePairConfig,
+    ) -> Result<Box<dyn QueuePairProvider>> {
+        Ok(Box::new(SoftQueuePair::default()))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The soft part of one queue pair: its connection, once connected.
+#[derive(Debug, Default)]
+pub(crate) struct SoftQueuePair {
+    /// Set once when the queue pair connects.
+    connection: OnceLock<Arc<SoftConnection>>,
+    /// A connection that arrived before `connect` (passive side).
+    pending_stream: Mutex<Option<TcpStream>>,
+}
+
+impl QueuePairProvider for SoftQueuePair {
+    fn endpoint(&self, queue_pair: &QueuePairShared) -> QueuePairEndpoint {
+        let device = queue_pair.device();
+        QueuePairEndpoint::Soft(SoftEndpoint {
+            device_id: device.id,
+            address: device.provider.listen_address(),
+            qp_number: queue_pair.qp_number,
+        })
+    }
+
+    fn connect<'a>(
+        &'a self,
+        queue_pair: &'a Arc<QueuePairShared>,
+        local: &'a QueuePairEndpoint,
+        remote: &'a QueuePairEndpoint,
+    ) -> ProviderFuture<'a, Result<()>> {
+        Box::pin(async move {
+            match (local, remote) {
+                (QueuePairEndpoint::Soft(local), QueuePairEndpoint::Soft(remote)) => {
+                    self.connect_soft(queue_pair, local, remote).await
+                }
+                _ => Err(Error::BackendMismatch {
+                    local: local.backend(),
+                    remote: remote.backend(),
+                }),
+            }
+        })
+    }
+
+    fn submit(
+        &self,
+        queue_pair: &QueuePairShared,
+        entries: &mut dyn Iterator<Item = InFlight>,
+    ) -> Submission {
+        let Some(connection) = self.connection.get() else {
+            return Submission::NotConnected;
+        };
+        let mut enqueuer = queue_pair.enqueuer();
+        let sendable = enqueuer.sendable;
+        connection.append(|buffer| {
+            let mut frames = 0;
+            for entry in entries {
+                if let Some(entry) = enqueuer.push(entry) {
+                    encode_request(buffer, entry);
+                    frames += 1;
+                }
+            }
+            frames
+        });
+        drop(enqueuer);
+        if !sendable {
+            queue_pair.enter_error();
+            return Submission::Complete;
+        }
+        Submission::RingAfterYield
+    }
+
+    fn ring(&self, _queue_pair: &QueuePairShared) {
+        if let Some(connection) = self.connection.get() {
+            connection.flush();
+        }
+    }
+
+    fn after_ring(&self, queue_pair: &QueuePairShared) {
+        queue_pair.settle_local_failures();
+        if self
+            .connection
+            .get()
+            .is_some_and(|connection| connection.is_closed())
+        {
+            // The peer is gone (or the queue pair is closing): nothing will answer.
+            queue_pair.fail_unanswered();
+        }
+    }
+
+    fn modify_to_error(&self) {
+        if let Some(connection) = self.connection.get() {
+            connection.close();
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
 
 /// The NIC's listening socket and its accept thread.
 #[derive(Debug)]
@@ -141,9 +292,15 @@ fn accept_hello(
         .set_read_timeout(None)
         .map_err(|error| error.to_string())?;
     let _ = stream.set_nodelay(true);
-    let mut pending = lock(&queue_pair.pending_stream);
-    match queue_pair.transport.get() {
-        Some(Transport::Soft(connection)) => {
+    let Some(soft) = queue_pair.provider.as_any().downcast_ref::<SoftQueuePair>() else {
+        return Err(format!(
+            "queue pair {} is not a soft queue pair",
+            hello.target_qp_number
+        ));
+    };
+    let mut pending = lock(&soft.pending_stream);
+    match soft.connection.get() {
+        Some(connection) => {
             let connection = connection.clone();
             drop(pending);
             connection.attach(stream, queue_pair.clone());
@@ -165,78 +322,78 @@ fn local_dials(local: &SoftEndpoint, remote: &SoftEndpoint) -> bool {
     }
 }
 
-/// Connects a soft queue pair: dials, or waits passively for the peer's dial.
-pub(crate) async fn connect(
-    queue_pair: &Arc<QueuePairShared>,
-    local: &SoftEndpoint,
-    remote: &SoftEndpoint,
-) -> Result<()> {
-    let connection = Arc::new(SoftConnection::new(
-        queue_pair.protection_domain.inner.device.clone(),
-    ));
-    if !local_dials(local, remote) {
-        let parked = {
-            let mut pending = lock(&queue_pair.pending_stream);
-            let _ = queue_pair
-                .transport
-                .set(Transport::Soft(connection.clone()));
-            pending.take()
-        };
-        if let Some(stream) = parked {
-            connection.attach(stream, queue_pair.clone());
+impl SoftQueuePair {
+    /// Connects a soft queue pair: dials, or waits passively for the peer's dial.
+    async fn connect_soft(
+        &self,
+        queue_pair: &Arc<QueuePairShared>,
+        local: &SoftEndpoint,
+        remote: &SoftEndpoint,
+    ) -> Result<()> {
+        let connection = Arc::new(SoftConnection::new(
+            queue_pair.protection_domain.inner.device.clone(),
+        ));
+        if !local_dials(local, remote) {
+            let parked = {
+                let mut pending = lock(&self.pending_stream);
+                let _ = self.connection.set(connection.clone());
+                pending.take()
+            };
+            if let Some(stream) = parked {
+                connection.attach(stream, queue_pair.clone());
+            }
+            return Ok(());
         }
-        return Ok(());
+        let Some(address) = remote.address else {
+            return Err(Error::EndpointNotFound {
+                reason: format!(
+                    "neither queue pair {} nor {} listens: one soft device needs a listen address",
+                    local.qp_number, remote.qp_number
+                ),
+            });
+        };
+        let connect_error = |source: std::io::Error| Error::ConnectPeer {
+            address,
+            qp_number: local.qp_number,
+            source,
+        };
+        let mut stream =
+            tokio::time::timeout(HELLO_TIMEOUT, tokio::net::TcpStream::connect(address))
+                .await
+                .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
+                .map_err(connect_error)?;
+        stream.set_nodelay(true).map_err(connect_error)?;
+        let hello = Hello {
+            target_qp_number: remote.qp_number,
+            source_qp_number: local.qp_number,
+            source_device_id: local.device_id,
+            target_device_id: remote.device_id,
+        };
+        stream
+            .write_all(&hello.encode())
+            .await
+            .map_err(connect_error)?;
+        let mut ack = [0u8; HELLO_ACK_LENGTH];
+        tokio::time::timeout(HELLO_TIMEOUT, stream.read_exact(&mut ack))
+            .await
+            .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
+            .map_err(connect_error)?;
+        let status = HelloStatus::decode(&ack);
+        if status != HelloStatus::Accepted {
+            return Err(Error::EndpointNotFound {
+                reason: format!(
+                    "soft NIC at {address} refused queue pair {}: {}",
+                    remote.qp_number,
+                    status.describe()
+                ),
+            });
+        }
+        let stream = stream.into_std().map_err(connect_error)?;
+        stream.set_nonblocking(false).map_err(connect_error)?;
+        let _ = self.connection.set(connection.clone());
+        connection.attach(stream, queue_pair.clone());
+        Ok(())
     }
-    let Some(address) = remote.address else {
-        return Err(Error::EndpointNotFound {
-            reason: format!(
-                "neither queue pair {} nor {} listens: one soft device needs a listen address",
-                local.qp_number, remote.qp_number
-            ),
-        });
-    };
-    let connect_error = |source: std::io::Error| Error::ConnectPeer {
-        address,
-        qp_number: local.qp_number,
-        source,
-    };
-    let mut stream = tokio::time::timeout(HELLO_TIMEOUT, tokio::net::TcpStream::connect(address))
-        .await
-        .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
-        .map_err(connect_error)?;
-    stream.set_nodelay(true).map_err(connect_error)?;
-    let hello = Hello {
-        target_qp_number: remote.qp_number,
-        source_qp_number: local.qp_number,
-        source_device_id: local.device_id,
-        target_device_id: remote.device_id,
-    };
-    stream
-        .write_all(&hello.encode())
-        .await
-        .map_err(connect_error)?;
-    let mut ack = [0u8; HELLO_ACK_LENGTH];
-    tokio::time::timeout(HELLO_TIMEOUT, stream.read_exact(&mut ack))
-        .await
-        .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
-        .map_err(connect_error)?;
-    let status = HelloStatus::decode(&ack);
-    if status != HelloStatus::Accepted {
-        return Err(Error::EndpointNotFound {
-            reason: format!(
-                "soft NIC at {address} refused queue pair {}: {}",
-                remote.qp_number,
-                status.describe()
-            ),
-        });
-    }
-    let stream = stream.into_std().map_err(connect_error)?;
-    stream.set_nonblocking(false).map_err(connect_error)?;
-    let _ = queue_pair
-        .transport
-        .set(Transport::Soft(connection.clone()));
-    connection.attach(stream, queue_pair.clone());
-    Ok(())
 }
 
 /// The outgoing side of a connection.
@@ -340,7 +497,7 @@ impl SoftConnection {
     /// A listening NIC serves the connection from an engine thread; a dialing-only NIC from a
     /// task on the current tokio runtime.
     fn attach(self: &Arc<Self>, stream: TcpStream, queue_pair: Arc<QueuePairShared>) {
-        let on_runtime = !queue_pair.listens();
+        let on_runtime = queue_pair.device().provider.listen_address().is_none();
         if on_runtime && stream.set_nonblocking(true).is_err() {
             queue_pair.fail_unanswered();
             return;
@@ -392,21 +549,25 @@ impl SoftConnection {
 const LIGHT_LOAD_FRAMES: usize = 4;
 
 /// The right to busy-poll: one engine thread per device holds it at a time.
-struct SpinToken<'a>(&'a DeviceInner);
+struct SpinToken<'a>(&'a AtomicBool);
 
 impl<'a> SpinToken<'a> {
     fn try_acquire(device: &'a DeviceInner) -> Option<Self> {
-        device
-            .spinning
+        let spinning = &device
+            .provider
+            .as_any()
+            .downcast_ref::<SoftDevice>()?
+            .spinning;
+        spinning
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
             .ok()
-            .map(|_| Self(device))
+            .map(|_| Self(spinning))
     }
 }
 
 impl Drop for SpinToken<'_> {
     fn drop(&mut self) {
-        self.0.spinning.store(false, Ordering::Release);
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -467,26 +628,9 @@ fn spin_read(stream: &TcpStream, buffer: &mut [u8], budget: Duration) -> Option<
     }
 }
 
-/// Flushes its connection when dropped: a post rings the doorbell through it, so a post whose
-/// future is dropped after queuing its requests still sends them.
-#[derive(Debug)]
-pub(crate) struct Doorbell(Arc<SoftConnection>);
-
-impl Doorbell {
-    pub(crate) fn new(connection: Arc<SoftConnection>) -> Self {
-        Self(connection)
-    }
-}
-
-impl Drop for Doorbell {
-    fn drop(&mut self) {
-        self.0.flush();
-    }
-}
-
 /// Encodes one in-flight request (and its WRITE payload) onto the outgoing buffer.
-pub(crate) fn encode_request(buffer: &mut Vec<u8>, entry: &InFlight) {
-    let request = remote_request(&entry.request);
+fn encode_request(buffer: &mut Vec<u8>, entry: &InFlight) {
+    let request = engine::remote_request(&entry.request);
     let payload_length = if entry.request.opcode == Opcode::Write {
         entry.request.local.length
     } else {
@@ -495,7 +639,7 @@ pub(crate) fn encode_request(buffer: &mut Vec<u8>, entry: &InFlight) {
     wire::encode_request_header(buffer, entry.sequence, &request, payload_length);
     if payload_length > 0 {
         let start = buffer.len();
-        append_write_payload(buffer, &entry.local);
+        engine::append_write_payload(buffer, &entry.local);
         // A zero-length or unresolved local buffer cannot reach here (it failed locally), but
         // keep the frame well formed whatever happens.
         buffer.resize(start + payload_length as usize, 0);
@@ -558,10 +702,12 @@ impl Engine {
                         } => {
                             if !self.responder_failed {
                                 let position = wire::reserve_response_header(&mut self.responses);
-                                match self
-                                    .queue_pair
-                                    .serve(&request, payload, &mut self.responses)
-                                {
+                                match engine::serve(
+                                    &self.queue_pair,
+                                    &request,
+                                    payload,
+                                    &mut self.responses,
+                                ) {
                                     Some(status) => {
                                         wire::finish_response_header(
                                             &mut self.responses,

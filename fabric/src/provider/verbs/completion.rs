@@ -26,6 +26,7 @@ use tokio::sync::Notify;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::provider::verbs::context::VerbsContext;
+use crate::provider::verbs::provider::deliver;
 use crate::provider::verbs::status_from_raw;
 use crate::queue_pair::QueuePairShared;
 
@@ -160,7 +161,7 @@ impl VerbsCompletionShared {
             .get(&completion.qp_num)
             .and_then(|entry| entry.upgrade());
         match queue_pair {
-            Some(queue_pair) => queue_pair.on_verbs_completion(completion.wr_id, status),
+            Some(queue_pair) => deliver(&queue_pair, completion.wr_id, status),
             None => tracing::debug!(
                 qp_number = completion.qp_num,
                 work_request_id = completion.wr_id,

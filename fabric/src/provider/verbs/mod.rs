@@ -2,9 +2,11 @@
 //!
 //! rdkv's fabric objects keep their model-level bookkeeping (gauges, the ordered in-flight
 //! queue that keeps local buffers alive until their completion is polled, per-list futures);
-//! when their device is a verbs device they also own the NIC object, and the NIC does the
-//! work: it checks keys, moves the bytes and reports statuses.
+//! behind the seam ([`provider`]) the NIC objects do the work: the NIC checks keys, moves the
+//! bytes and reports statuses.
 //!
+//! * [`provider`]: the seam's implementations ([`VerbsDevice`], `NicQueuePair`): doorbell
+//!   batching, flush completions, window binds and the drain.
 //! * [`context`]: opening a device by name, the port, the GID, and the one shared PD.
 //! * [`memory`]: memory regions over caller-owned pinned memory and type-2 memory windows.
 //! * [`completion`]: a basic CQ polled with `ibv_poll_cq`, armed through a completion channel
@@ -25,7 +27,10 @@ pub(crate) mod completion;
 pub(crate) mod context;
 pub(crate) mod memory;
 pub(crate) mod probe;
+pub(crate) mod provider;
 pub(crate) mod queue_pair;
+
+pub(crate) use provider::VerbsDevice;
 
 use rdma_mummy_sys::ibv_wc_status;
 

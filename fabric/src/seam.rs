@@ -1,0 +1,212 @@
+//! The provider seam: what a provider implements, and all the model knows of one.
+//!
+//! The model (device, protection, completion queue, queue pair) keeps everything every
+//! provider shares: the protection table, the queue pair state machine, the ordered in-flight
+//! queue that keeps buffers alive until their completion, per-list futures, gauges. A provider
+//! adds the transport. The model holds a provider only as a [`DeviceProvider`] or a
+//! [`QueuePairProvider`] trait object, or as an opaque [`ProviderObject`] (a NIC's CQ, region or
+//! window binding), and never imports a provider module. Providers import the model. The one
+//! place that names every provider is `provider/mod.rs` (`Device::open`).
+//!
+//! A trait object, not an enum of per-provider objects: an enum would make the model name
+//! every provider's type (and carry a `cfg` per verbs arm), which is the import the seam
+//! exists to remove. The cost is one indirect call per post, against a list's allocation and a
+//! system call or a NIC doorbell; `docs/architecture.md` argues it with rdma-core's
+//! `verbs_context_ops` and libfabric's provider ops tables, which make the same choice.
+
+use std::any::Any;
+use std::fmt::Debug;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::completion::CompletionQueueInner;
+use crate::device::{DeviceConfig, DeviceInner};
+use crate::error::Result;
+use crate::memory::PinnedMemory;
+use crate::protection::{MemoryRegion, MemoryWindow};
+use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
+use crate::types::{AccessFlags, Backend, QueuePairEndpoint, RemoteKey};
+
+/// A provider's own object behind a model object (a NIC's CQ, a region's registration, a
+/// window's binding). The model only keeps it alive and drops it; its provider downcasts it.
+pub(crate) type ProviderObject = Box<dyn Any + Send + Sync>;
+
+/// A boxed future, for the rare asynchronous provider calls (connect).
+pub(crate) type ProviderFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A region registered with a NIC that chooses its own keys.
+pub(crate) struct NicRegion {
+    /// The lkey.
+    pub(crate) local_key: u32,
+    /// The rkey.
+    pub(crate) remote_key: u32,
+    /// The registration; dropped (deregistered) before the model releases the memory.
+    pub(crate) registration: ProviderObject,
+}
+
+/// What a post's requests need after [`QueuePairProvider::submit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Submission {
+    /// Everything is done: the requests ran, or were handed to the transport.
+    Complete,
+    /// Queued for the doorbell: the model yields once so that other ready tasks of the worker
+    /// queue theirs, then calls [`QueuePairProvider::ring`] (also when the post's future is
+    /// dropped during the yield) and [`QueuePairProvider::after_ring`].
+    RingAfterYield,
+    /// The queue pair has no connection: nothing was taken from the iterator.
+    NotConnected,
+}
+
+/// One device's provider: a NIC of one backend.
+pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
+    /// Which backend it is.
+    fn backend(&self) -> Backend;
+
+    /// Called once the device's shared state exists (a soft NIC starts listening here).
+    ///
+    /// # Errors
+    /// The provider's, e.g. [`crate::Error::BindListener`].
+    fn start(&self, _device: &Arc<DeviceInner>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The address the NIC accepts connections on, if it listens.
+    fn listen_address(&self) -> Option<SocketAddr> {
+        None
+    }
+
+    /// The NIC's completion queue behind a model CQ of `capacity` entries, if the NIC has one.
+    ///
+    /// # Errors
+    /// The NIC's, e.g. [`crate::Error::VerbsCall`].
+    fn create_completion_queue(
+        &self,
+        _capacity: usize,
+        _config: &DeviceConfig,
+    ) -> Result<Option<ProviderObject>> {
+        Ok(None)
+    }
+
+    /// Registers memory with the NIC when the NIC keeps its own keys; `None` when the model's
+    /// protection table is the NIC's (emulated providers).
+    ///
+    /// # Errors
+    /// The NIC's, e.g. [`crate::Error::VerbsCall`].
+    fn register(
+        &self,
+        _memory: &Arc<PinnedMemory>,
+        _offset: u64,
+        _length: u64,
+        _access: AccessFlags,
+    ) -> Result<Option<NicRegion>> {
+        Ok(None)
+    }
+
+    /// The provider's part of a new queue pair whose completions go to `completion_queue`.
+    ///
+    /// # Errors
+    /// The provider's, e.g. [`crate::Error::ObjectMismatch`] for a CQ of another NIC.
+    fn create_queue_pair(
+        &self,
+        device: &DeviceInner,
+        completion_queue: &CompletionQueueInner,
+        config: QueuePairConfig,
+    ) -> Result<Box<dyn QueuePairProvider>>;
+
+    /// For the provider's own downcasts (its listener finding its queue pairs' parts).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One queue pair's provider part: how its requests reach the responder.
+///
+/// Every method gets the model's queue pair; the model's requester bookkeeping (sequence
+/// numbers, the in-flight queue, `finish`, `enter_error`) is what a provider calls back into.
+pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
+    /// The queue pair number when the NIC assigns it; `None` lets the model number it.
+    fn qp_number(&self) -> Option<u32> {
+        None
+    }
+
+    /// Called once after the model's queue pair exists (a NIC routes its completions here).
+    fn attach(&self, _queue_pair: &Arc<QueuePairShared>) {}
+
+    /// Called when the queue pair is destroyed, after its drain.
+    fn detach(&self, _queue_pair: &QueuePairShared) {}
+
+    /// What a peer needs to connect to this queue pair.
+    fn endpoint(&self, queue_pair: &QueuePairShared) -> QueuePairEndpoint;
+
+    /// RESET → INIT on the NIC, if it has a state of its own.
+    ///
+    /// # Errors
+    /// The NIC's.
+    fn modify_to_init(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Connects to `remote` (the model has checked that it is this provider's endpoint kind
+    /// and moved the queue pair to RTR).
+    fn connect<'a>(
+        &'a self,
+        queue_pair: &'a Arc<QueuePairShared>,
+        local: &'a QueuePairEndpoint,
+        remote: &'a QueuePairEndpoint,
+    ) -> ProviderFuture<'a, Result<()>>;
+
+    /// Whether the NIC checks local buffers itself (the model then only keeps valid buffers
+    /// alive and never fails a request locally).
+    fn checks_local_buffers(&self) -> bool {
+        false
+    }
+
+    /// Takes the entries of one post (their sequence numbers are not assigned yet) and sends
+    /// them, runs them, or queues them for [`QueuePairProvider::ring`].
+    fn submit(
+        &self,
+        queue_pair: &QueuePairShared,
+        entries: &mut dyn Iterator<Item = InFlight>,
+    ) -> Submission;
+
+    /// Rings the doorbell: hands what [`QueuePairProvider::submit`] queued to the transport.
+    fn ring(&self, _queue_pair: &QueuePairShared) {}
+
+    /// After the doorbell of a post rang.
+    fn after_ring(&self, _queue_pair: &QueuePairShared) {}
+
+    /// Whether the NIC completes every request handed to it, also on ERROR (flush
+    /// completions): the model then retires only entries never handed to it.
+    fn completes_flushes(&self) -> bool {
+        false
+    }
+
+    /// The queue pair moved to ERROR: stop the transport (close a connection, move the NIC's
+    /// queue pair to ERROR).
+    fn modify_to_error(&self) {}
+
+    /// Whether the NIC moved the queue pair to ERROR on its own.
+    fn nic_in_error(&self) -> bool {
+        false
+    }
+
+    /// Binds `window` over part of `region` when the NIC binds windows itself; `None` lets
+    /// the model bind it in the protection table.
+    fn bind_memory_window(
+        &self,
+        _queue_pair: &QueuePairShared,
+        _window: &MemoryWindow,
+        _region: &MemoryRegion,
+        _range: (u64, u64),
+        _access: AccessFlags,
+    ) -> Option<Result<RemoteKey>> {
+        None
+    }
+
+    /// After ERROR: waits until the NIC has completed every request handed to it (the model
+    /// then waits for the responder side). Blocking, bounded by the provider.
+    fn drain(&self, _queue_pair: &QueuePairShared) {}
+
+    /// For the provider's own downcasts.
+    fn as_any(&self) -> &dyn Any;
+}
