@@ -4,9 +4,9 @@
 //! posted request has completed or flushed, bounded by the device's `retry_timeout` plus one
 //! second. So the teardown runs on tokio's blocking pool (`spawn_blocking`, at most 512
 //! threads), never on an async worker, and the operations of other sessions on the same runtime
-//! go on while it waits. `client/tests/teardown.rs` holds one teardown for 3 s
+//! go on while it waits. `client/tests/teardown.rs` holds one teardown for 4 s
 //! (`ServerConfig::teardown_stall`) on a one-thread runtime and checks that another client's
-//! 400 operations finish meanwhile.
+//! 200 operations finish meanwhile.
 
 use super::*;
 
