@@ -119,21 +119,12 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
         poll_spin: spin,
         ..DeviceConfig::default()
     };
-    let devices = match backend {
-        Backend::Soft => (
-            Device::soft(Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), config)
-                .expect("soft server NIC"),
-            Device::soft(None, config).expect("soft client NIC"),
-        ),
-        Backend::Verbs => {
-            let options = VerbsOptions::from_environment();
-            (
-                Device::verbs(&options, config).expect("open the RDMA device"),
-                Device::verbs(&options, config).expect("open the RDMA device"),
-            )
-        }
-        Backend::Loopback => (Device::loopback(config), Device::loopback(config)),
-    };
+    let options = VerbsOptions::from_environment();
+    let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let devices = (
+        Device::open(backend, Some(listen), &options, config).expect("open the server device"),
+        Device::open(backend, None, &options, config).expect("open the client device"),
+    );
     let (server, client) = &devices;
     let server_domain = server.allocate_protection_domain();
     let client_domain = client.allocate_protection_domain();

@@ -121,8 +121,28 @@ pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
 
 /// One queue pair's provider part: how its requests reach the responder.
 ///
-/// Every method gets the model's queue pair; the model's requester bookkeeping (sequence
-/// numbers, the in-flight queue, `finish`, `enter_error`) is what a provider calls back into.
+/// Every method gets the model's queue pair, whose requester bookkeeping a provider calls back
+/// into (`queue_pair.rs`). The contract of a post:
+///
+/// 1. [`QueuePairProvider::submit`] queues every entry it takes through
+///    `QueuePairShared::enqueuer()`: `Enqueuer::push` gives the entry its sequence number, puts
+///    it on the in-flight queue (which keeps its buffer alive) and returns it when it is to be
+///    sent now; `push_for_doorbell` instead leaves it for [`QueuePairProvider::ring`] (the
+///    unposted tail). If `Enqueuer::sendable` is false the queue pair is not RTS: push the
+///    entries anyway and call `enter_error`, which flushes them.
+/// 2. Each request then completes exactly once, from the in-flight queue, in order:
+///    `on_response(sequence, status, payload)` for an emulated responder's answer (it writes
+///    READ data and atomic originals into the local buffer), or `complete_through(sequence,
+///    status)` for a NIC's completion (it retires the unsignaled entries before it too).
+///    After a successful response, `settle_local_failures` completes a queued local failure
+///    that reached the head. Never call `finish` on an entry that is on the in-flight queue:
+///    it reports a completion without dequeuing it.
+/// 3. A lost peer is `fail_unanswered` (the oldest request completes RETRY_EXC_ERR, the rest
+///    flush); any other transport failure is `enter_error`.
+///
+/// Entries left in the iterator by `submit` are dropped unposted: their send queue slots are
+/// not returned and their list's future never resolves. Take them all (or return
+/// [`Submission::NotConnected`] before taking any).
 pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// The queue pair number when the NIC assigns it; `None` lets the model number it.
     fn qp_number(&self) -> Option<u32> {

@@ -31,23 +31,16 @@ pub fn devices(fabric: Backend) -> (Device, Device) {
 
 /// Creates the server and client devices of a backend with a device configuration.
 pub fn devices_with(fabric: Backend, config: DeviceConfig) -> (Device, Device) {
-    match fabric {
-        Backend::Soft => {
-            let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-            (
-                Device::soft(Some(listen), config).expect("bind soft NIC on loopback"),
-                Device::soft(None, config).expect("create dialing soft NIC"),
-            )
-        }
-        Backend::Loopback => (Device::loopback(config), Device::loopback(config)),
-        Backend::Verbs => {
-            let options = VerbsOptions::from_environment();
-            (
-                Device::verbs(&options, config).expect("open the RDMA device (server side)"),
-                Device::verbs(&options, config).expect("open the RDMA device (client side)"),
-            )
-        }
-    }
+    // The server side listens where its provider can (soft: loopback, port 0); the client side
+    // only dials. Verbs takes its device from RDKV_RDMA_DEVICE and friends.
+    let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let options = VerbsOptions::from_environment();
+    (
+        Device::open(fabric, Some(listen), &options, config)
+            .unwrap_or_else(|error| panic!("open the {fabric} server device: {error}")),
+        Device::open(fabric, None, &options, config)
+            .unwrap_or_else(|error| panic!("open the {fabric} client device: {error}")),
+    )
 }
 
 /// Allocates and pins a block.
