@@ -149,8 +149,20 @@ pub(crate) fn deliver(
 
 impl NicQueuePair {
     /// Polls the NIC's CQ from this thread until `done` holds or `limit` passes; true when it
-    /// held.
-    fn poll_until(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    /// held. On a multi-threaded tokio runtime the wait runs through `block_in_place`, so the
+    /// worker's other tasks move to other workers meanwhile (the server also runs its drains on
+    /// the blocking pool, and its binds through `block_in_place`).
+    fn poll_until(&self, limit: Duration, done: impl FnMut() -> bool) -> bool {
+        let flavor = tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor());
+        match flavor {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| self.poll_blocking(limit, done))
+            }
+            _ => self.poll_blocking(limit, done),
+        }
+    }
+
+    fn poll_blocking(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
         let deadline = Instant::now() + limit;
         loop {
             if done() {
