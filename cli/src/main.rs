@@ -164,6 +164,12 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
                             counters.round_trips,
                             counters.round_trips_per_operation()
                         );
+                        if stats.heap_low() {
+                            println!(
+                                "      warning: heap under 10% free ({} of {} chunks): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
+                                stats.heap_free_chunks, stats.heap_chunks
+                            );
+                        }
                     }
                     Err(error) => {
                         down += 1;

@@ -277,11 +277,14 @@ fn expected(steps: &[Step], index: usize) -> Expected {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_says_whether_its_operation_may_have_applied() {
-    // Every case opens new connections, and each takes a heap chunk on its first write: small
-    // chunks and a short deadline (so sealed chunks come back quickly) keep the heap from
-    // running out.
+    // Every case opens new connections, and each takes a heap chunk on its first write: 1,024
+    // small chunks are more than the cases use. The collector stays off: it clears an abandoned
+    // tentative slot as soon as its connection is torn down, and the InsertOverAbandoned cases
+    // need that slot in place while their insert runs (the step lists must match the dry run).
     let mut config = ServerConfig::local(SECRET);
     config.chunk_size = 16 * 1024;
+    config.heap_size = 16 * 1024 * 1024;
+    config.collector_interval = std::time::Duration::from_secs(3600);
     config.operation_deadline = std::time::Duration::from_millis(500);
     let server = rdkv_server::start(config).await.expect("start server");
     let admin = Client::connect(client_config(&server, None))
@@ -375,9 +378,9 @@ async fn every_failure_says_whether_its_operation_may_have_applied() {
     eprintln!("{cases} injected failures checked");
 }
 
-/// A tentative slot whose inserter failed is cleared by the server's collector once its chunk
-/// has been sealed for a quarantine, so abandoned inserts do not use up index slots. The client
-/// stays open: the failed operation retires its connection, which seals the chunk.
+/// A tentative slot whose inserter failed is cleared by the server's collector once its chunk's
+/// writers are done, so abandoned inserts do not use up index slots. The client stays open: the
+/// failed operation retires its connection, whose teardown seals the chunk with no writer left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_collector_clears_an_abandoned_tentative_slot() {
     let mut config = ServerConfig::local(SECRET);
@@ -407,11 +410,6 @@ async fn the_collector_clears_an_abandoned_tentative_slot() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(server.stats().tentatives_cleared, 1);
-    assert!(
-        started.elapsed() >= std::time::Duration::from_millis(250),
-        "cleared before a quarantine (1.25 × deadline) passed: {:?}",
-        started.elapsed()
-    );
     let admin = Client::connect(client_config(&server, None))
         .await
         .expect("connect");

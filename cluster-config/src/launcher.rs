@@ -445,7 +445,23 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
             "keys",
         ],
         &rows,
-    )
+    ) + &heap_warnings(statuses)
+}
+
+/// One line per node whose heap is under 10% free, naming the fix.
+fn heap_warnings(statuses: &[NodeStatus]) -> String {
+    statuses
+        .iter()
+        .filter_map(|status| {
+            let stats = status.state.as_ref().ok()?;
+            stats.heap_low().then(|| {
+                format!(
+                    "warning: node {} heap under 10% free ({} of {} chunks): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
+                    status.id, stats.heap_free_chunks, stats.heap_chunks
+                )
+            })
+        })
+        .collect()
 }
 
 /// Writes a line to stdout, ignoring a closed pipe.

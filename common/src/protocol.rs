@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -40,7 +40,14 @@ pub enum ClientMessage {
         endpoint: QueuePairEndpoint,
     },
     /// A fresh heap chunk for this client; seals the client's current chunk.
-    AllocateChunk,
+    AllocateChunk {
+        /// The client's started-operations count (its announce word's first half) when it
+        /// stopped placing blocks in its current chunk: every operation that placed a block
+        /// there has a number up to this one, so the chunk's writers are done once the
+        /// connection has announced it quiescent through this count (`docs/protocol.md`,
+        /// *Heap space*).
+        started: u64,
+    },
     /// Renews the lease, and reports the client's counters since its last report (the server
     /// sums them, so `rdkv stats` can show round trips per operation cluster-wide).
     Heartbeat {
@@ -135,7 +142,14 @@ pub struct ConnectionKeys {
     pub index_key: RemoteKey,
     /// READ over the heap.
     pub heap_key: RemoteKey,
+    /// WRITE over this connection's announce word (`ANNOUNCE_SIZE` bytes: operations
+    /// started, then operations finished through, both little-endian u64).
+    pub announce_key: RemoteKey,
 }
+
+/// Bytes of a connection's announce word: its started-operations count, then the count it is
+/// quiescent through (every operation numbered up to it has finished), little-endian u64s.
+pub const ANNOUNCE_SIZE: u64 = 16;
 
 /// A server's counters, as `rdkv stats` and the metrics endpoint show them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,6 +172,13 @@ pub struct ServerStats {
     pub heap_used_bytes: u64,
     /// Heap bytes.
     pub heap_size_bytes: u64,
+    /// Heap chunks free now.
+    pub heap_free_chunks: u64,
+    /// Heap chunks in all.
+    pub heap_chunks: u64,
+    /// Over the last 1,024 chunks reclaimed: milliseconds from the scan that found a chunk
+    /// unreferenced to its reuse, median, 99th percentile and largest (zeros before any).
+    pub heap_reuse_delay_ms: [u64; 3],
     /// Keys, estimated from the last index scan.
     pub keys_estimate: u64,
     /// Chunks handed out since start.
@@ -179,6 +200,14 @@ pub struct ServerStats {
     pub authentication_failures: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
+}
+
+impl ServerStats {
+    /// Whether less than a tenth of the heap's chunks is free: writes may soon wait for
+    /// reclamation, or fail `TableFull` if the live data outgrows the heap.
+    pub fn heap_low(&self) -> bool {
+        self.heap_chunks > 0 && self.heap_free_chunks * 10 < self.heap_chunks
+    }
 }
 
 /// Client-side counters, as increments: one-sided work is invisible to the server, so clients

@@ -8,14 +8,13 @@
 //! checksum) into a chunk the server owns, and CASes the slot from the old block to the copy.
 //!
 //! Why this is safe: blocks are immutable, so the copy holds the same key and value; a reader
-//! that read the old slot still finds the old block (the chunk is only freed after the usual
-//! quarantine); a client CAS that expected the old slot value fails and re-reads, as after any
+//! that read the old slot still finds the old block (the chunk is freed only once every
+//! operation that could have read the old slot has finished); a client CAS that expected the old slot value fails and re-reads, as after any
 //! lost race. If a client changed the slot first, the server's CAS fails and the copy is simply
 //! dead. This is control-plane maintenance on the server's own memory, like reclaiming; the
 //! server still never handles a client's GET, PUT, DELETE or CAS.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 use rdkv_common::layout::{decode_block, Slot};
 
@@ -49,16 +48,9 @@ pub struct Compactor {
 
 impl Compactor {
     /// One compaction pass over the slots of the scan just made; returns the blocks moved.
-    pub fn compact(
-        &self,
-        table: &TableRegion,
-        heap: &Heap,
-        slots: &[(u64, Slot)],
-        deadline: Duration,
-        now: Instant,
-    ) -> u64 {
-        // Sealed for a deadline: no client is still writing a block it placed there.
-        let candidates = heap.compaction_candidates(now, deadline, MAX_LIVE_SHARE, CHUNKS_PER_PASS);
+    pub fn compact(&self, table: &TableRegion, heap: &Heap, slots: &[(u64, Slot)]) -> u64 {
+        // Settled: no client is still writing a block it placed there.
+        let candidates = heap.compaction_candidates(MAX_LIVE_SHARE, CHUNKS_PER_PASS);
         if candidates.is_empty() {
             return 0;
         }
@@ -83,7 +75,9 @@ impl Compactor {
                 .is_none_or(|place| place.used + length > chunk_size)
             {
                 // The full destination is sealed by the allocation of the next one.
-                let Some(next) = heap.allocate(COMPACTOR) else {
+                // The compactor writes synchronously: its sealed chunk has no writer left (it
+                // has no announce word, so it counts as gone).
+                let Some(next) = heap.allocate(COMPACTOR, 0) else {
                     tracing::debug!("compaction paused: no free chunk to move live blocks into");
                     break;
                 };

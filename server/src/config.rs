@@ -56,6 +56,10 @@ pub struct ServerConfig {
     pub teardown_stall: Duration,
 }
 
+/// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
+/// about two intervals after its last block dies, once no operation that saw it is running.
+pub const DEFAULT_COLLECTOR_INTERVAL: Duration = Duration::from_millis(25);
+
 impl ServerConfig {
     /// A configuration for tests and examples: loopback addresses with port 0, a small table.
     pub fn local(secret: &[u8]) -> Self {
@@ -76,7 +80,7 @@ impl ServerConfig {
             operation_deadline: Duration::from_secs(2),
             max_connections: 1024,
             hash_seed: None,
-            collector_interval: Duration::from_millis(100),
+            collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: None,
             teardown_stall: Duration::ZERO,
         }
@@ -121,7 +125,7 @@ impl ServerConfig {
             operation_deadline: cluster.operation_deadline,
             max_connections: 1024,
             hash_seed: None,
-            collector_interval: Duration::from_millis(100),
+            collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: node.metrics_address,
             teardown_stall: Duration::ZERO,
         })

@@ -15,6 +15,7 @@
 //! one-sided requests against the registered table, and gives server code no callback for them.
 #![forbid(unsafe_code)]
 
+pub mod announce;
 pub mod compactor;
 pub mod config;
 pub mod error;

@@ -17,6 +17,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::announce::Announcements;
 use crate::compactor;
 use crate::config::ServerConfig;
 use crate::error::{Error, Result};
@@ -127,8 +128,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         address: config.control_address,
         source,
     })?;
+    let announcements = Announcements::allocate(&table.domain, config.max_connections)?;
     let shared = Arc::new(Shared {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
+        announcements,
         // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
         completion_queue: device.create_completion_queue(
             (config.max_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024),
@@ -239,9 +242,9 @@ async fn accept_loop(
 /// failed or passed its deadline and can never commit them (`docs/protocol.md`, *Abandoned
 /// tentative slots*). The CAS expects the exact tentative word, so a slot committed or changed
 /// meanwhile is left alone. Cleared slots no longer reference their chunk.
-fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Instant) {
+fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>) {
     slots.retain(|(index_offset, slot)| {
-        if !slot.is_tentative() || !shared.heap.writer_gone(slot.offset(), now) {
+        if !slot.is_tentative() || !shared.heap.writer_gone(slot.offset()) {
             return true;
         }
         match shared
@@ -261,8 +264,14 @@ fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now
     });
 }
 
+/// How often, at most, the collector warns that the heap is low.
+const LOW_HEAP_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut ticks = tokio::time::interval(shared.config.collector_interval);
+    // A pass longer than the interval delays the next one; it never causes a burst.
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_low_warning = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -270,27 +279,39 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
         }
         let pass = shared.clone();
         let scanned = tokio::task::spawn_blocking(move || {
+            // Settle first: a chunk whose writers are done becomes a candidate in this scan.
+            pass.heap.settle(&pass.announcements, Instant::now());
             let mut slots = Vec::new();
             pass.table
                 .for_each_slot(|index_offset, slot| slots.push((index_offset, slot)));
+            // After the scan: every operation that read a slot the scan found changed had
+            // announced its start by now (docs/protocol.md, Heap space).
+            let snapshot = pass.announcements.snapshot();
             let now = Instant::now();
-            clear_abandoned_tentatives(&pass, &mut slots, now);
+            clear_abandoned_tentatives(&pass, &mut slots);
             let report = pass.heap.collect(
                 slots
                     .iter()
                     .map(|(_, slot)| (slot.offset(), slot.block_length(), slot.is_committed())),
+                &snapshot,
+                &pass.announcements,
                 now,
             );
-            pass.compactor.compact(
-                &pass.table,
-                &pass.heap,
-                &slots,
-                pass.config.operation_deadline,
-                now,
-            );
+            pass.compactor.compact(&pass.table, &pass.heap, &slots);
             report
         })
         .await;
+        if shared.heap.free_chunks() * 10 < shared.heap.chunk_count()
+            && last_low_warning
+                .is_none_or(|warned: Instant| warned.elapsed() >= LOW_HEAP_WARNING_EVERY)
+        {
+            last_low_warning = Some(Instant::now());
+            tracing::warn!(
+                free_chunks = shared.heap.free_chunks(),
+                chunks = shared.heap.chunk_count(),
+                "heap under 10% free: writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)"
+            );
+        }
         if let Ok(report) = scanned {
             if report.reclaimed > 0 {
                 tracing::debug!(

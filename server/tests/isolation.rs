@@ -96,9 +96,12 @@ impl RawClient {
     }
 
     async fn chunk(&mut self) -> RemoteKey {
-        write_frame(&mut self.stream, &ClientMessage::AllocateChunk)
-            .await
-            .expect("request chunk");
+        write_frame(
+            &mut self.stream,
+            &ClientMessage::AllocateChunk { started: 0 },
+        )
+        .await
+        .expect("request chunk");
         match read_frame(&mut self.stream).await.expect("chunk") {
             ServerMessage::Chunk { key, .. } => key,
             other => panic!("no chunk: {other:?}"),
@@ -123,7 +126,7 @@ impl RawClient {
             .queue_pair
             .execute(vec![WorkRequest::write(
                 1,
-                self.local.segment(0, 64),
+                self.local.segment(0, key.length.min(64) as u32),
                 key.at(0),
             )])
             .await
@@ -182,18 +185,23 @@ async fn keys_die_with_their_connection() {
         WorkCompletionStatus::Success
     );
     assert_eq!(leaving.write(chunk).await, WorkCompletionStatus::Success);
+    assert_eq!(
+        leaving.write(leaving.keys.announce_key).await,
+        WorkCompletionStatus::Success
+    );
     let windows_before = server.stats().live_memory_windows;
     let old_keys = leaving.disconnect().await;
     assert_eq!(
         server.stats().live_memory_windows,
-        windows_before - 3,
-        "index, heap and chunk windows are gone"
+        windows_before - 4,
+        "index, heap, announce and chunk windows are gone"
     );
 
     for (name, key, write) in [
         ("index", old_keys.index_key, false),
         ("heap", old_keys.heap_key, false),
         ("chunk", chunk, true),
+        ("announce", old_keys.announce_key, true),
     ] {
         let other = RawClient::connect(&server).await;
         let status = if write {

@@ -100,8 +100,10 @@ impl NodeConnection {
         let completion_queue = device.create_completion_queue(1024)?;
         let queue_pair = domain.create_queue_pair(&completion_queue, QueuePairConfig::default())?;
         let slots = config.concurrency.max(1) as u64;
+        // The scratch buffers, then one page for the announce word's source bytes.
+        let announce_source = slots * SCRATCH_SIZE;
         let memory = Arc::new(PinnedMemory::allocate(
-            slots * SCRATCH_SIZE,
+            announce_source + 4096,
             HugepagePolicy::Off,
             PinLimits::default(),
         )?);
@@ -124,12 +126,18 @@ impl NodeConnection {
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
         tokio::spawn(control_task(stream, requests, heartbeat, counters.clone()));
-        Ok(Arc::new(Self {
+        let announcer = Arc::new(Announcer::new(
+            scratch_region.clone(),
+            announce_source,
+            keys.announce_key,
+        ));
+        let connection = Arc::new(Self {
             address,
             welcome,
             keys,
             queue_pair,
             scratch_region,
+            announcer,
             scratch_free: Arc::new(Mutex::new((0..slots).collect())),
             scratch_permits: Arc::new(Semaphore::new(slots as usize)),
             chunk: Mutex::new(None),
@@ -142,6 +150,8 @@ impl NodeConnection {
             counters,
             fault_injector: config.fault_injector.clone(),
             _device: device,
-        }))
+        });
+        tokio::spawn(announce::flusher(Arc::downgrade(&connection)));
+        Ok(connection)
     }
 }

@@ -22,12 +22,14 @@ use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::fault::FaultInjector;
 
+mod announce;
 mod config;
 mod control;
 mod handshake;
 mod scratch;
 mod writer_stripes;
 
+use announce::Announcer;
 pub use config::{ClientConfig, NodeAddress, DEFAULT_CONCURRENCY};
 use control::{control_task, ControlRequest};
 use handshake::CONNECT_TIMEOUT;
@@ -74,8 +76,10 @@ pub(crate) struct NodeConnection {
     pub(crate) keys: ConnectionKeys,
     /// The client's queue pair.
     pub(crate) queue_pair: QueuePair,
-    /// The registered scratch buffers.
+    /// The registered scratch buffers (and, after them, the announce word's source bytes).
     pub(crate) scratch_region: MemoryRegion,
+    /// The announce word: which operations are in flight, for the node's reclamation.
+    announcer: Arc<Announcer>,
     /// Free scratch buffers.
     scratch_free: Arc<Mutex<Vec<u64>>>,
     /// Counts free scratch buffers; bounds operations in flight.
@@ -137,7 +141,15 @@ impl NodeConnection {
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
             }
-            match self.control(ClientMessage::AllocateChunk).await? {
+            // No block goes into the current chunk from now on, so every operation that placed
+            // one there has a number up to `started` (the node waits for them before it reuses
+            // the chunk).
+            lock(&self.chunk).take();
+            let started = self.announcer.started();
+            match self
+                .control(ClientMessage::AllocateChunk { started })
+                .await?
+            {
                 ServerMessage::Chunk {
                     heap_offset, key, ..
                 } => {

@@ -42,6 +42,8 @@ impl NodeConnection {
             .pop()
             .expect("a permit guarantees a free scratch buffer");
         Scratch {
+            operation: self.announcer.start(),
+            announced: false,
             connection: self.clone(),
             base: index * SCRATCH_SIZE,
             outstanding: None,
@@ -51,8 +53,13 @@ impl NodeConnection {
     }
 }
 
-/// A scratch buffer and the posting of lists through it.
+/// A scratch buffer and the posting of lists through it: one operation, from taking the buffer
+/// to the completion of its last list (its number in the announce word, `announce.rs`).
 pub(crate) struct Scratch {
+    /// The operation's number in the connection's announce word.
+    operation: u64,
+    /// Whether the operation's first list (which carries the announce WRITE) was posted.
+    announced: bool,
     /// The connection.
     connection: Arc<NodeConnection>,
     /// Offset of this buffer in the scratch region.
@@ -84,13 +91,18 @@ impl Scratch {
         &mut self,
         operation: &'static str,
         kind: StepKind,
-        list: Vec<WorkRequest>,
+        mut list: Vec<WorkRequest>,
     ) -> Result<Vec<WorkCompletion>, ExecuteError> {
         let number = self.round_trips as u32;
         self.progress.wait_for(Waiting::Step(kind));
         let injecting = self.connection.fault_injector.is_some();
         if injecting {
             self.inject(operation, kind, number, Moment::Before).await?;
+        }
+        if !self.announced {
+            // Before any READ or CAS of this operation: the node learns it started.
+            list.insert(0, self.connection.announcer.request());
+            self.announced = true;
         }
         let counters = &self.connection.counters;
         counters.round_trips.fetch_add(1, Ordering::Relaxed);
@@ -193,10 +205,14 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let free = self.connection.scratch_free.clone();
         let permits = self.connection.scratch_permits.clone();
+        let announcer = self.connection.announcer.clone();
         let base = self.base;
+        let operation = self.operation;
+        // The operation is over once every list it posted has completed.
         let give_back = move || {
             lock(&free).push(base / SCRATCH_SIZE);
             permits.add_permits(1);
+            announcer.finish(operation);
         };
         match self.outstanding.take() {
             None => give_back(),
@@ -209,6 +225,8 @@ impl Drop for Scratch {
                         give_back();
                     });
                 }
+                // No runtime: the list can never be awaited, so the operation never announces
+                // its finish; the node falls back to its quarantine for this connection.
                 Err(_) => std::mem::forget(posted),
             },
         }

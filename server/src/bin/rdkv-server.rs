@@ -160,7 +160,7 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         operation_deadline: Duration::from_millis(arguments.deadline_ms),
         max_connections: 1024,
         hash_seed: None,
-        collector_interval: Duration::from_millis(100),
+        collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,
         metrics_address: arguments.metrics_listen,
         teardown_stall: Duration::ZERO,
     })

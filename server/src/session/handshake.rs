@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 
 use rand::RngCore;
 use rdkv_common::protocol::{
-    verify_proof, ClientMessage, ConnectionKeys, Purpose, ServerMessage, Welcome, PROOF_LENGTH,
-    PROTOCOL_VERSION,
+    verify_proof, ClientMessage, ConnectionKeys, Purpose, ServerMessage, Welcome, ANNOUNCE_SIZE,
+    PROOF_LENGTH, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use rdkv_fabric::{AccessFlags, QueuePairConfig};
@@ -171,6 +171,29 @@ impl Session {
             table.geometry.heap_size,
         )?;
         self.windows = vec![index_window, heap_window];
+        // The announce word: one per connection, bounded by max_connections like the sessions.
+        let Some(announce_address) = shared.announcements.claim(connection_id) else {
+            return Err(Self::refuse(
+                writer,
+                format!(
+                    "no announce word free: {} data connections are open (max_connections)",
+                    shared.config.max_connections
+                ),
+            )
+            .await);
+        };
+        let announce_window = shared.table.domain.allocate_memory_window();
+        let announce_key = off_async_worker(|| {
+            queue_pair.bind_memory_window(
+                &announce_window,
+                shared.announcements.region(),
+                announce_address,
+                ANNOUNCE_SIZE,
+                AccessFlags::REMOTE_WRITE,
+            )
+        })
+        .map_err(|source| setup_failed("bind the announce window", source))?;
+        self.windows.push(announce_window);
         tracing::debug!(
             index_key = index_key.key,
             heap_key = heap_key.key,
@@ -182,6 +205,7 @@ impl Session {
             &ServerMessage::QueuePairReady(ConnectionKeys {
                 index_key,
                 heap_key,
+                announce_key,
             }),
         )
         .await

@@ -13,11 +13,10 @@
 //! (control requests, heartbeats, chunks, lease and queue pair checks), `teardown` (the order
 //! above); here, the session's loop and what every session shares.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdkv_common::protocol::{read_frame, write_frame, ClientMessage, ServerMessage};
 use rdkv_common::ControlError;
@@ -28,6 +27,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::announce::Announcements;
 use crate::config::ServerConfig;
 use crate::heap::Heap;
 use crate::stats::Counters;
@@ -63,6 +63,8 @@ pub(crate) struct Shared {
     pub(crate) next_connection: AtomicU64,
     /// Moves live blocks out of sparse chunks.
     pub(crate) compactor: crate::compactor::Compactor,
+    /// Each data connection's announce word (what it has in flight).
+    pub(crate) announcements: Announcements,
 }
 
 /// Serves one control connection until it ends, then tears its resources down.
@@ -83,7 +85,6 @@ pub(crate) async fn serve(
             queue_pair: None,
             windows: Vec::new(),
             chunk_window: None,
-            retired_chunk_windows: VecDeque::new(),
         };
         let reason = session.run(stream, shutdown).await;
         shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
@@ -101,14 +102,12 @@ struct Session {
     connection_id: u64,
     /// The client's queue pair, created only after authentication.
     queue_pair: Option<QueuePair>,
-    /// Index and heap READ windows, bound to the queue pair.
+    /// Index and heap READ windows and the announce word's WRITE window, bound to the queue
+    /// pair.
     windows: Vec<MemoryWindow>,
-    /// The WRITE window over the client's current chunk.
-    chunk_window: Option<MemoryWindow>,
-    /// WRITE windows of sealed chunks, kept for one operation deadline so that writes the
-    /// client placed before the seal can land; revoked after that, long before the collector
-    /// may reuse the chunk (it waits at least two quarantines of 1.25 deadlines after the seal).
-    retired_chunk_windows: VecDeque<(MemoryWindow, Instant)>,
+    /// The client's current chunk and the WRITE window over it. When the chunk is sealed, the
+    /// window goes to the heap, which revokes it once the chunk's writers are done.
+    chunk_window: Option<(u64, MemoryWindow)>,
 }
 
 /// An error and its causes on one line, for the session's end reason.

@@ -28,7 +28,6 @@ impl Session {
             tokio::select! {
                 _ = shutdown.cancelled() => return "server shutting down".into(),
                 _ = checks.tick() => {
-                    self.revoke_retired_windows();
                     if last_heard.elapsed() > lease {
                         return format!("lease expired (nothing heard for {lease:?})");
                     }
@@ -45,7 +44,7 @@ impl Session {
                     last_heard = Instant::now();
                     shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
                     let reply = match message {
-                        ClientMessage::AllocateChunk if self.queue_pair.is_some() => self.allocate_chunk(),
+                        ClientMessage::AllocateChunk { started } if self.queue_pair.is_some() => self.allocate_chunk(started),
                         ClientMessage::Heartbeat { counters } => {
                             shared.counters.add_client_report(&counters);
                             ServerMessage::HeartbeatAck
@@ -69,12 +68,9 @@ impl Session {
         }
     }
 
-    fn allocate_chunk(&mut self) -> ServerMessage {
-        if let Some(window) = self.chunk_window.take() {
-            self.retired_chunk_windows
-                .push_back((window, Instant::now()));
-        }
-        self.revoke_retired_windows();
+    /// Seals the client's chunk (its operations up to `started` may still be writing there)
+    /// and hands it a fresh one.
+    fn allocate_chunk(&mut self, started: u64) -> ServerMessage {
         let shared = &self.shared;
         let Some(queue_pair) = &self.queue_pair else {
             return ServerMessage::Refused {
@@ -82,7 +78,7 @@ impl Session {
             };
         };
         let geometry = &shared.table.geometry;
-        let Some(chunk) = shared.heap.allocate(self.connection_id) else {
+        let Some(chunk) = shared.heap.allocate(self.connection_id, started) else {
             return ServerMessage::ChunkUnavailable {
                 reclaimable: shared.heap.reclaimable_chunks(crate::compactor::MAX_LIVE_SHARE),
                 reason: format!(
@@ -92,6 +88,10 @@ impl Session {
                 ),
             };
         };
+        // The old chunk is sealed: its window goes to the heap, revoked when its writers are done.
+        if let Some((sealed, window)) = self.chunk_window.take() {
+            shared.heap.keep_window(sealed, window);
+        }
         let heap_offset = chunk * geometry.chunk_size;
         let window = shared.table.domain.allocate_memory_window();
         match queue_pair.bind_memory_window(
@@ -102,7 +102,7 @@ impl Session {
             AccessFlags::REMOTE_WRITE,
         ) {
             Ok(key) => {
-                self.chunk_window = Some(window);
+                self.chunk_window = Some((chunk, window));
                 ServerMessage::Chunk {
                     chunk,
                     heap_offset,
@@ -112,18 +112,6 @@ impl Session {
             Err(error) => ServerMessage::Refused {
                 reason: format!("bind chunk window: {error}"),
             },
-        }
-    }
-
-    /// Revokes the WRITE windows of chunks sealed more than one operation deadline ago.
-    fn revoke_retired_windows(&mut self) {
-        let deadline = self.shared.config.operation_deadline;
-        while let Some((window, sealed_at)) = self.retired_chunk_windows.front() {
-            if sealed_at.elapsed() < deadline {
-                break;
-            }
-            window.invalidate();
-            self.retired_chunk_windows.pop_front();
         }
     }
 }

@@ -16,12 +16,7 @@ impl Session {
     pub(super) async fn teardown(&mut self) {
         let queue_pair = self.queue_pair.take();
         let mut windows: Vec<MemoryWindow> = self.windows.drain(..).collect();
-        windows.extend(self.chunk_window.take());
-        windows.extend(
-            self.retired_chunk_windows
-                .drain(..)
-                .map(|(window, _)| window),
-        );
+        windows.extend(self.chunk_window.take().map(|(_, window)| window));
         let shared = self.shared.clone();
         let connection_id = self.connection_id;
         let stall = shared.config.teardown_stall;
@@ -39,6 +34,8 @@ impl Session {
             }
             drop(queue_pair);
             shared.heap.seal_owned_by(connection_id);
+            // Drained: nothing of this connection is in flight any more.
+            shared.announcements.release(connection_id);
         };
         if let Err(error) = tokio::task::spawn_blocking(ordered).await {
             tracing::error!(%error, connection_id, "session teardown failed");

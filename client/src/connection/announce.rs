@@ -1,0 +1,172 @@
+//! The connection's announce word: what this client tells the node, with one-sided WRITEs,
+//! about the operations it has in flight, so the node can reuse heap space as soon as no
+//! operation can still touch it (`docs/protocol.md`, *Heap space*; the server's side is
+//! `server/src/announce.rs`).
+//!
+//! Every operation gets a number when it takes its scratch buffer. The word is `started` (the
+//! highest number given) and `quiescent` (every operation numbered up to it has finished), and
+//! its source is 16 registered bytes the fabric reads when it sends the WRITE, so a WRITE
+//! always carries the values of the instant it leaves, and values only grow along the queue
+//! pair. Each operation's first list starts with the WRITE (before any READ or CAS of it), and
+//! when operations finish with none starting after them, a flusher task sends one more, so an
+//! idle connection never holds reclamation back.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, Weak};
+use std::time::Duration;
+
+use rdkv_common::protocol::ANNOUNCE_SIZE;
+use rdkv_fabric::{lock, MemoryRegion, RemoteKey, RemoteSegment, WorkRequest};
+use tokio::sync::Notify;
+
+use super::NodeConnection;
+
+/// How long the flusher waits after an operation finishes before it announces, so that a
+/// burst of finishes costs one WRITE (and an operation starting meanwhile carries it instead).
+/// Small against the node's collector interval (25 ms by default).
+const FLUSH_DELAY: Duration = Duration::from_millis(5);
+
+/// The work request id of announce WRITEs.
+const ANNOUNCE_REQUEST_ID: u64 = u64::MAX;
+
+/// Operation numbers given and still running.
+#[derive(Debug, Default)]
+struct Numbers {
+    /// The next number.
+    next: u64,
+    /// Numbers of operations still running.
+    running: BTreeSet<u64>,
+}
+
+impl Numbers {
+    /// The highest number given (0 before the first operation).
+    fn started(&self) -> u64 {
+        self.next.saturating_sub(1)
+    }
+
+    /// Every operation numbered up to this has finished.
+    fn quiescent(&self) -> u64 {
+        match self.running.first() {
+            Some(oldest) => oldest - 1,
+            None => self.started(),
+        }
+    }
+}
+
+/// One connection's announce word, its source bytes and its flusher's state.
+#[derive(Debug)]
+pub(crate) struct Announcer {
+    /// Numbers given and running.
+    numbers: Mutex<Numbers>,
+    /// The registered region holding the source bytes.
+    region: MemoryRegion,
+    /// The source bytes' offset in `region`.
+    source_offset: u64,
+    /// The connection's word on the node.
+    remote: RemoteKey,
+    /// An operation finished after the last start: only a flush will carry it. (A start's
+    /// WRITE leaves after the start, so it carries every finish before it; a start that never
+    /// posts finishes, which sets this again.)
+    dirty: AtomicBool,
+    /// Wakes the flusher.
+    finished: Notify,
+}
+
+impl Announcer {
+    /// An announcer writing `remote` from `ANNOUNCE_SIZE` bytes of `region` at `source_offset`.
+    pub(crate) fn new(region: MemoryRegion, source_offset: u64, remote: RemoteKey) -> Self {
+        let announcer = Self {
+            numbers: Mutex::new(Numbers {
+                next: 1,
+                running: BTreeSet::new(),
+            }),
+            region,
+            source_offset,
+            remote,
+            dirty: AtomicBool::new(false),
+            finished: Notify::new(),
+        };
+        announcer.store(&lock(&announcer.numbers));
+        announcer
+    }
+
+    /// Numbers a new operation; its first list must begin with [`Announcer::request`].
+    pub(crate) fn start(&self) -> u64 {
+        let mut numbers = lock(&self.numbers);
+        let number = numbers.next;
+        numbers.next += 1;
+        numbers.running.insert(number);
+        self.store(&numbers);
+        self.dirty.store(false, Ordering::Release);
+        number
+    }
+
+    /// Operation `number` is over: every list it posted has completed.
+    pub(crate) fn finish(&self, number: u64) {
+        {
+            let mut numbers = lock(&self.numbers);
+            numbers.running.remove(&number);
+            self.store(&numbers);
+            self.dirty.store(true, Ordering::Release);
+        }
+        self.finished.notify_one();
+    }
+
+    /// The highest operation number given: every operation that places a block in the current
+    /// chunk has a number up to it.
+    pub(crate) fn started(&self) -> u64 {
+        lock(&self.numbers).started()
+    }
+
+    /// The WRITE of the word, unsignaled (the caller's list ends with a signaled request).
+    pub(crate) fn request(&self) -> WorkRequest {
+        WorkRequest::write(
+            ANNOUNCE_REQUEST_ID,
+            self.region
+                .segment(self.source_offset, ANNOUNCE_SIZE as u32),
+            RemoteSegment {
+                address: self.remote.address,
+                remote_key: self.remote.key,
+            },
+        )
+        .with_signaled(false)
+    }
+
+    /// Writes the source bytes (under the numbers lock, so they only grow).
+    fn store(&self, numbers: &Numbers) {
+        let mut bytes = [0u8; ANNOUNCE_SIZE as usize];
+        bytes[..8].copy_from_slice(&numbers.started().to_le_bytes());
+        bytes[8..].copy_from_slice(&numbers.quiescent().to_le_bytes());
+        // The offset is inside the region by construction (`NodeConnection::open`).
+        let _ = self.region.write(self.source_offset, &bytes);
+    }
+}
+
+/// Announces finishes that no later start carried: after a finish, waits [`FLUSH_DELAY`] (a
+/// burst of finishes costs one WRITE, and a start meanwhile carries them instead) and WRITEs the
+/// word if it is still dirty. Ends with the connection.
+pub(crate) async fn flusher(connection: Weak<NodeConnection>) {
+    loop {
+        let announcer = match connection.upgrade() {
+            Some(connection) => connection.announcer.clone(),
+            None => return,
+        };
+        announcer.finished.notified().await;
+        tokio::time::sleep(FLUSH_DELAY).await;
+        let Some(connection) = connection.upgrade() else {
+            return;
+        };
+        if connection.is_broken() || !announcer.dirty.swap(false, Ordering::AcqRel) {
+            continue;
+        }
+        connection.counters.verbs.fetch_add(1, Ordering::Relaxed);
+        if let Ok(posted) = connection
+            .queue_pair
+            .post(vec![announcer.request().with_signaled(true)])
+            .await
+        {
+            posted.await;
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Announce words: how a node learns, without a message, which of a client's operations are
+//! still running (`docs/protocol.md`, *Heap space*).
+//!
+//! Every data connection owns one [`ANNOUNCE_SIZE`]-byte word in a small registered region, with
+//! a WRITE window bound to its queue pair: `started` (how many operations the connection has
+//! begun) then `quiescent` (every operation numbered up to it has finished). A client WRITEs the
+//! word at the head of each operation's first list, and once more when it goes idle. On one
+//! queue pair the responder executes in order, so:
+//!
+//! - an operation's announce lands before any READ or CAS of that operation: if it read a slot
+//!   before some instant, its number is in `started` at that instant;
+//! - an announce that says `quiescent ≥ n` lands after every request of operations `1..=n`:
+//!   none of them touches the table again.
+//!
+//! The heap uses two checks built on this (see `heap.rs`): a sealed chunk's writers are done once
+//! its connection is quiescent through the `started` it sent with `AllocateChunk`; an
+//! unreferenced chunk is free once every connection is quiescent through the `started` it had
+//! when the scan that found the chunk unreferenced ended. A connection that is gone (torn down:
+//! its queue pair drained) has nothing in flight.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use rdkv_common::protocol::ANNOUNCE_SIZE;
+use rdkv_fabric::lock;
+use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use rdkv_fabric::{AccessFlags, MemoryRegion, ProtectionDomain};
+
+use crate::error::Result;
+
+/// What one connection had started when a snapshot was taken.
+pub type Snapshot = Arc<Vec<(u64, u64)>>;
+
+/// The announce words of one node.
+#[derive(Debug)]
+pub struct Announcements {
+    /// The registered words, one per connection slot.
+    region: MemoryRegion,
+    /// Free word indexes, and the word of each live connection.
+    slots: Mutex<Slots>,
+}
+
+#[derive(Debug)]
+struct Slots {
+    /// Free word indexes.
+    free: Vec<u64>,
+    /// The word of each connection that has one.
+    live: HashMap<u64, u64>,
+}
+
+impl Announcements {
+    /// Words for `connections` connections, pinned and registered in `domain` (so windows of
+    /// the connections' queue pairs can be bound over them).
+    ///
+    /// # Errors
+    /// The memory layer's errors (memlock), and registration errors.
+    pub fn allocate(domain: &ProtectionDomain, connections: usize) -> Result<Self> {
+        let count = connections.max(1) as u64;
+        let memory = Arc::new(PinnedMemory::allocate(
+            count * ANNOUNCE_SIZE,
+            HugepagePolicy::Off,
+            PinLimits::default(),
+        )?);
+        let region =
+            domain.register_all(&memory, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
+        Ok(Self {
+            region,
+            slots: Mutex::new(Slots {
+                free: (0..count).rev().collect(),
+                live: HashMap::new(),
+            }),
+        })
+    }
+
+    /// The region (windows are bound over parts of it).
+    pub fn region(&self) -> &MemoryRegion {
+        &self.region
+    }
+
+    /// Gives `connection` a zeroed word; returns its virtual address, or `None` when every
+    /// word is taken (the caller refuses the connection).
+    pub fn claim(&self, connection: u64) -> Option<u64> {
+        let index = {
+            let mut slots = lock(&self.slots);
+            let index = slots.free.pop()?;
+            slots.live.insert(connection, index);
+            index
+        };
+        let offset = index * ANNOUNCE_SIZE;
+        // The word is ours until released; zero it before the client can write it.
+        let _ = self.region.write(offset, &[0u8; ANNOUNCE_SIZE as usize]);
+        Some(self.region.address() + offset)
+    }
+
+    /// Releases `connection`'s word, once its queue pair is drained: it has nothing in flight.
+    pub fn release(&self, connection: u64) {
+        let mut slots = lock(&self.slots);
+        if let Some(index) = slots.live.remove(&connection) {
+            slots.free.push(index);
+        }
+    }
+
+    /// `started` of every live connection now.
+    pub fn snapshot(&self) -> Snapshot {
+        let slots = lock(&self.slots);
+        Arc::new(
+            slots
+                .live
+                .iter()
+                .map(|(connection, index)| (*connection, self.word(*index, 0)))
+                .collect(),
+        )
+    }
+
+    /// Whether `connection` has finished every operation numbered up to `started` (true when
+    /// it is gone).
+    pub fn quiescent_through(&self, connection: u64, started: u64) -> bool {
+        let index = lock(&self.slots).live.get(&connection).copied();
+        match index {
+            None => true,
+            Some(index) => self.word(index, 8) >= started,
+        }
+    }
+
+    /// Whether every connection of `snapshot` has finished what it had started then.
+    pub fn all_quiescent(&self, snapshot: &Snapshot) -> bool {
+        snapshot
+            .iter()
+            .all(|(connection, started)| self.quiescent_through(*connection, *started))
+    }
+
+    /// One half of a word (the client writes both little-endian; an aligned 8-byte load sees
+    /// either the old or the new value).
+    fn word(&self, index: u64, half: u64) -> u64 {
+        self.region
+            .load_u64(index * ANNOUNCE_SIZE + half)
+            .map(u64::from_le)
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkv_fabric::{Device, DeviceConfig};
+
+    fn announcements(connections: usize) -> Announcements {
+        let device = Device::loopback(DeviceConfig::default());
+        Announcements::allocate(&device.allocate_protection_domain(), connections)
+            .expect("allocate announce words")
+    }
+
+    fn write(announcements: &Announcements, address: u64, started: u64, quiescent: u64) {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&started.to_le_bytes());
+        bytes[8..].copy_from_slice(&quiescent.to_le_bytes());
+        let offset = address - announcements.region().address();
+        announcements
+            .region()
+            .write(offset, &bytes)
+            .expect("write a word");
+    }
+
+    #[test]
+    fn a_snapshot_waits_for_what_was_started_and_a_gone_connection_is_quiescent() {
+        let words = announcements(2);
+        let first = words.claim(1).expect("a word");
+        let second = words.claim(2).expect("a word");
+        assert!(words.claim(3).is_none(), "only two words");
+        write(&words, first, 10, 7);
+        write(&words, second, 3, 3);
+        let snapshot = words.snapshot();
+        assert!(!words.all_quiescent(&snapshot), "connection 1 runs 8..=10");
+        write(&words, first, 12, 10);
+        assert!(words.all_quiescent(&snapshot), "8..=10 finished");
+        let later = words.snapshot();
+        assert!(!words.all_quiescent(&later), "11 and 12 run");
+        words.release(1);
+        assert!(
+            words.all_quiescent(&later),
+            "a gone connection has nothing in flight"
+        );
+        let reused = words.claim(3).expect("the released word");
+        assert_eq!(reused, first);
+        assert!(words.quiescent_through(3, 0), "a fresh word is zero");
+    }
+}
