@@ -112,7 +112,7 @@ pub enum ServerMessage {
     /// The lease was renewed.
     HeartbeatAck,
     /// The server's counters.
-    Stats(ServerStats),
+    Stats(Box<ServerStats>),
     /// The request was refused; the reason names the fix where there is one.
     Refused {
         /// Why.
@@ -393,7 +393,7 @@ pub async fn fetch_stats(
         match reply {
             ServerMessage::Stats(mut stats) => {
                 stats.connections = stats.connections.saturating_sub(1);
-                Ok(stats)
+                Ok(*stats)
             }
             other => Err(ControlError::Unexpected(format!("{other:?}"))),
         }

@@ -475,14 +475,22 @@ mod tests {
         words.announce(1, 3, 2);
         heap.allocate(1, 3);
         heap.allocate(1, 3);
-        assert_eq!(words.tick(&heap, &[], at(0.5)).reclaimed, 0, "writer 3 runs");
+        assert_eq!(
+            words.tick(&heap, &[], at(0.5)).reclaimed,
+            0,
+            "writer 3 runs"
+        );
         assert_eq!(
             words.tick(&heap, &[], at(1.5)).reclaimed,
             0,
             "settled by time, and a candidate"
         );
         assert_eq!(words.tick(&heap, &[], at(2.0)).reclaimed, 0, "3 still runs");
-        assert_eq!(words.tick(&heap, &[], at(2.6)).reclaimed, 1, "freed by time");
+        assert_eq!(
+            words.tick(&heap, &[], at(2.6)).reclaimed,
+            1,
+            "freed by time"
+        );
     }
 
     #[test]

@@ -58,7 +58,7 @@ impl NodeConnection {
     /// The server's counters.
     pub(crate) async fn stats(&self) -> Result<ServerStats> {
         match self.control(ClientMessage::Stats).await? {
-            ServerMessage::Stats(stats) => Ok(stats),
+            ServerMessage::Stats(stats) => Ok(*stats),
             ServerMessage::Refused { reason } => Err(Error::Refused { reason }),
             other => Err(Error::Refused {
                 reason: format!("unexpected reply {other:?}"),

@@ -49,11 +49,11 @@ impl Session {
                             shared.counters.add_client_report(&counters);
                             ServerMessage::HeartbeatAck
                         }
-                        ClientMessage::Stats => ServerMessage::Stats(shared.counters.snapshot(
+                        ClientMessage::Stats => ServerMessage::Stats(Box::new(shared.counters.snapshot(
                             shared.config.node_id,
                             &shared.table,
                             &shared.heap,
-                        )),
+                        ))),
                         ClientMessage::Goodbye => return "client said goodbye".into(),
                         other => {
                             let reason = format!("unexpected message after the handshake: {other:?}");
