@@ -65,4 +65,6 @@ grep -q "\[READ\], Operations, $operations" "$work/run.log" || {
   exit 1
 }
 total=$(grep -o 'refs: *[0-9,]*' "$work/valgrind.log" | tr -dc '0-9')
+# CALLGRIND_OUT=path keeps the profile, for callgrind_annotate.
+[ -z "${CALLGRIND_OUT:-}" ] || cp "$work/callgrind.out" "$CALLGRIND_OUT"
 echo "instructions: $total in all, $((total / operations)) per GET ($operations GETs, startup included)"

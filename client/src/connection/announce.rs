@@ -11,7 +11,6 @@
 //! when operations finish with none starting after them, a flusher task sends one more, so an
 //! idle connection never holds reclamation back.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Weak};
 use std::time::Duration;
@@ -35,8 +34,9 @@ const ANNOUNCE_REQUEST_ID: u64 = u64::MAX;
 struct Numbers {
     /// The next number.
     next: u64,
-    /// Numbers of operations still running.
-    running: BTreeSet<u64>,
+    /// Numbers of operations still running, oldest first (numbers are given in increasing
+    /// order; a connection runs at most its scratch buffer count at once, so this stays short).
+    running: Vec<u64>,
 }
 
 impl Numbers {
@@ -79,7 +79,7 @@ impl Announcer {
         let announcer = Self {
             numbers: Mutex::new(Numbers {
                 next: 1,
-                running: BTreeSet::new(),
+                running: Vec::new(),
             }),
             region,
             source_offset,
@@ -96,7 +96,7 @@ impl Announcer {
         let mut numbers = lock(&self.numbers);
         let number = numbers.next;
         numbers.next += 1;
-        numbers.running.insert(number);
+        numbers.running.push(number);
         self.store(&numbers);
         self.dirty.store(false, Ordering::Release);
         number
@@ -106,7 +106,13 @@ impl Announcer {
     pub(crate) fn finish(&self, number: u64) {
         {
             let mut numbers = lock(&self.numbers);
-            numbers.running.remove(&number);
+            if let Some(position) = numbers
+                .running
+                .iter()
+                .position(|running| *running == number)
+            {
+                numbers.running.remove(position);
+            }
             self.store(&numbers);
             self.dirty.store(true, Ordering::Release);
         }
