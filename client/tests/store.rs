@@ -114,6 +114,52 @@ async fn heap_use_reaches_a_steady_state_under_updates() {
     );
 }
 
+/// Under a steady update load, a chunk whose last block died comes back within 100 ms: one
+/// collector interval until the scan that finds it unreferenced, then the time for the
+/// operations that could still read it to finish (the announce words, docs/protocol.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_chunks_come_back_within_100_ms_under_load() {
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 2 * 1024 * 1024;
+    config.chunk_size = 16 * 1024;
+    let interval = config.collector_interval;
+    let (server, client) = start(config).await;
+    let value = vec![3u8; 200];
+    let mut handles = Vec::new();
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    for task in 0..8u64 {
+        let client = client.clone();
+        let value = value.clone();
+        handles.push(tokio::spawn(async move {
+            let mut round = 0u64;
+            while round < 100_000 && std::time::Instant::now() < until {
+                let key = format!("key-{:03}", (round * 13 + task * 61) % 500);
+                client.put(key.as_bytes(), &value).await.expect("update");
+                round += 1;
+            }
+        }));
+    }
+    for handle in handles {
+        handle.await.expect("updater");
+    }
+    let stats = server.stats();
+    assert!(
+        stats.chunks_reclaimed >= 20,
+        "{} chunks reclaimed: the run did not reuse the heap",
+        stats.chunks_reclaimed
+    );
+    let [median, p99, largest] = stats.heap_reuse_delay_ms;
+    let bound = Duration::from_millis(100);
+    assert!(
+        interval + Duration::from_millis(p99) <= bound,
+        "death to reuse: up to {interval:?} to the scan, then p99 {p99} ms (median {median}, largest {largest}) to reuse; the bound is {bound:?}"
+    );
+    eprintln!(
+        "{} chunks reclaimed; scan to reuse: median {median} ms, p99 {p99} ms, largest {largest} ms (plus up to {interval:?} from death to scan)",
+        stats.chunks_reclaimed
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_index_fails_clearly_and_keeps_its_keys() {
     let mut config = ServerConfig::local(SECRET);
@@ -155,9 +201,17 @@ async fn a_full_heap_fails_clearly_and_keeps_its_keys() {
     let mut stored = Vec::new();
     let error = loop {
         let key = format!("big-{}", stored.len());
+        let began = std::time::Instant::now();
         match client.put(key.as_bytes(), &value).await {
             Ok(()) => stored.push(key),
-            Err(error) => break error,
+            Err(error) => {
+                assert!(
+                    began.elapsed() < Duration::from_millis(500),
+                    "nothing could come back, so TableFull comes at once, not after {:?}",
+                    began.elapsed()
+                );
+                break error;
+            }
         }
         assert!(
             stored.len() < 100,
@@ -174,6 +228,64 @@ async fn a_full_heap_fails_clearly_and_keeps_its_keys() {
         assert_eq!(
             client.get(key.as_bytes()).await.expect("get").as_deref(),
             Some(value.as_slice())
+        );
+    }
+}
+
+/// A heap full of live data, written by several connections: the writes that find no room get
+/// `TableFull` within their deadline (never a timeout), and every stored key stays readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heap_full_of_live_data_answers_table_full_within_the_deadline() {
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 8 * 16 * 1024;
+    config.chunk_size = 16 * 1024;
+    config.operation_deadline = Duration::from_millis(600);
+    let deadline = config.operation_deadline;
+    let (server, _) = start(config).await;
+    let value = vec![9u8; 900];
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(
+            Client::connect(ClientConfig::new(
+                server.control_address(),
+                Backend::Soft,
+                SECRET,
+            ))
+            .await
+            .expect("connect"),
+        );
+    }
+    let mut stored = Vec::new();
+    let mut failures = 0;
+    for round in 0..400u32 {
+        let client = &clients[round as usize % clients.len()];
+        let key = format!("live-{round}");
+        let began = std::time::Instant::now();
+        match client.put(key.as_bytes(), &value).await {
+            Ok(()) => stored.push(key),
+            Err(error) => {
+                assert!(matches!(error, Error::TableFull { .. }), "{error}");
+                assert!(error.to_string().contains("heap_size"), "{error}");
+                assert!(
+                    began.elapsed() < deadline + Duration::from_millis(200),
+                    "TableFull after {:?}, past the {deadline:?} deadline",
+                    began.elapsed()
+                );
+                failures += 1;
+            }
+        }
+    }
+    assert!(failures > 0, "the heap never filled");
+    assert!(stored.len() > 50, "only {} writes fit", stored.len());
+    for key in &stored {
+        assert_eq!(
+            clients[0]
+                .get(key.as_bytes())
+                .await
+                .expect("get")
+                .as_deref(),
+            Some(value.as_slice()),
+            "{key}"
         );
     }
 }

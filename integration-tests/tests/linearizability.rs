@@ -3,6 +3,8 @@
 //!
 //! - 16 concurrent clients on 8 keys in a roomy table, a mix of get, put, delete and
 //!   compare-and-swap, at least 20,000 operations;
+//! - the same on a heap of 32 small chunks, so that chunks are reclaimed and reused while
+//!   readers run (the test asserts that reuse happened);
 //! - the adversarial shape: 16 separate clients on 12 keys that all share two combined buckets,
 //!   every operation kind, writers stalled between steps.
 
@@ -34,6 +36,44 @@ async fn concurrent_history_against_a_server_process_is_linearizable() {
         "linearizability",
         &["--heap-size", "32M", "--chunk-size", "256K"],
     );
+    concurrent_history(&server).await;
+}
+
+/// Blocks die and their chunks come back within milliseconds (docs/protocol.md, *Heap space*):
+/// a reader that saw a slot must never read a reused block. 32 chunks of 16 KiB for 16 writing
+/// connections: the run writes several times the heap, so chunks are reused during it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
+    let server = ServerProcess::start(
+        "linearizability",
+        &["--heap-size", "512K", "--chunk-size", "16K"],
+    );
+    let monitor = Client::connect(ClientConfig::new(
+        server.control_address,
+        Backend::Soft,
+        b"linearizability",
+    ))
+    .await
+    .expect("connect");
+    let reclaimed = || async {
+        let stats = monitor.cluster_stats().await;
+        match &stats[..] {
+            [(_, Ok(stats))] => stats.chunks_reclaimed,
+            other => panic!("stats of the one node: {other:?}"),
+        }
+    };
+    let before = reclaimed().await;
+    concurrent_history(&server).await;
+    let reused = reclaimed().await - before;
+    assert!(
+        reused >= 32,
+        "only {reused} chunks were reclaimed during the run: the heap was not reused"
+    );
+    eprintln!("{reused} chunks reclaimed and reused during the checked history");
+}
+
+/// 16 clients, 8 keys, 20,000 operations of every kind against `server`; checks the history.
+async fn concurrent_history(server: &ServerProcess) {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for client_index in 0..CLIENTS {
