@@ -160,6 +160,82 @@ async fn dead_chunks_come_back_within_100_ms_under_load() {
     );
 }
 
+/// The sizing rule holds: on a heap sized by `rdkv_cluster_file::sizing::heap_size` for the
+/// live data, the writers and the write rate, a write-heavy run has no error and no stall (no
+/// quarter second under a quarter of the median quarter's writes; the margin is for a loaded
+/// CI machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heap_sized_by_the_rule_never_stalls() {
+    use rdkv_cluster_file::sizing::{block_size, heap_size, HeapDemand};
+    let keys = 2_000u64;
+    let value = vec![5u8; 300];
+    let chunk_size = 16 * 1024;
+    let mut config = ServerConfig::local(SECRET);
+    config.chunk_size = chunk_size;
+    config.heap_size = heap_size(&HeapDemand {
+        live_bytes: keys * block_size(10, value.len() as u64),
+        writers: 1,
+        chunk_size,
+        // Well above what a debug build does here (a few thousand writes per second).
+        write_bytes_per_second: 20_000.0 * block_size(10, value.len() as u64) as f64,
+    });
+    let heap = config.heap_size;
+    let (server, client) = start(config).await;
+    for index in 0..keys {
+        client
+            .put(format!("key-{index:05}").as_bytes(), &value)
+            .await
+            .expect("load");
+    }
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    let mut handles = Vec::new();
+    for task in 0..8u64 {
+        let client = client.clone();
+        let value = value.clone();
+        let done = done.clone();
+        handles.push(tokio::spawn(async move {
+            let mut round = 0u64;
+            while round < 200_000 && std::time::Instant::now() < until {
+                let key = format!("key-{:05}", (round * 7919 + task * 131) % keys);
+                client.put(key.as_bytes(), &value).await.expect("update");
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                round += 1;
+            }
+        }));
+    }
+    let mut quarters = Vec::new();
+    let mut last = 0;
+    let mut ticks = tokio::time::interval(Duration::from_millis(250));
+    ticks.tick().await;
+    while std::time::Instant::now() < until {
+        ticks.tick().await;
+        let now = done.load(std::sync::atomic::Ordering::Relaxed);
+        quarters.push(now - last);
+        last = now;
+    }
+    for handle in handles {
+        handle.await.expect("updater");
+    }
+    let stats = server.stats();
+    assert!(
+        stats.chunks_reclaimed > 0,
+        "the run reused the heap ({heap} bytes)"
+    );
+    let mut sorted = quarters.clone();
+    sorted.sort_unstable();
+    let median = sorted[sorted.len() / 2];
+    assert!(
+        quarters.iter().all(|count| *count * 4 >= median),
+        "a quarter second under a quarter of the median ({median}): {quarters:?}"
+    );
+    eprintln!(
+        "heap {heap} bytes for {keys} keys: {} updates, per quarter second {quarters:?}, {} chunks reclaimed",
+        done.load(std::sync::atomic::Ordering::Relaxed),
+        stats.chunks_reclaimed
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_index_fails_clearly_and_keeps_its_keys() {
     let mut config = ServerConfig::local(SECRET);

@@ -4,11 +4,13 @@
 //!
 //! - [`config`]: the TOML schema and its validation (errors name file, line and field).
 //! - [`units`]: sizes and durations.
+//! - [`sizing`]: the heap sizing rule.
 //! - [`error`]: the one error enum.
 #![forbid(unsafe_code)]
 
 pub mod config;
 pub mod error;
+pub mod sizing;
 pub mod units;
 
 pub use config::{load, ClusterConfig, NodeConfig};

@@ -36,6 +36,8 @@ pub struct CompareOptions {
     pub redis_server: PathBuf,
     /// Show progress.
     pub progress: bool,
+    /// Each node's heap, in bytes; `None` sizes it by the rule (`docs/operations.md`).
+    pub heap_size: Option<u64>,
 }
 
 /// One row of the comparison.
@@ -85,15 +87,35 @@ impl Drop for ClusterGuard {
     }
 }
 
+/// Each node's chunk size.
+const CHUNK_SIZE: u64 = 1 << 20;
+
+/// Each node's heap: `--heap-size`, or the sizing rule for its share of the records.
+pub fn node_heap_size(options: &CompareOptions, record_size: usize) -> u64 {
+    // YCSB keys ("user" and up to 20 digits) and values.
+    let block = rdkv_cluster_file::sizing::block_size(24, record_size as u64);
+    let per_node = options.records.div_ceil(u64::from(options.nodes.max(1)));
+    options.heap_size.unwrap_or_else(|| {
+        rdkv_cluster_file::sizing::heap_size(&rdkv_cluster_file::sizing::HeapDemand {
+            live_bytes: per_node * block,
+            // One client process: one connection per node.
+            writers: 1,
+            chunk_size: CHUNK_SIZE,
+            // Above what one node of this machine sustains (about 60k updates/s in YCSB-A).
+            write_bytes_per_second: (ASSUMED_WRITES_PER_SECOND * block) as f64,
+        })
+    })
+}
+/// The peak write rate per node the heap is sized for, when not given.
+const ASSUMED_WRITES_PER_SECOND: u64 = 100_000;
+
 fn write_cluster_file(
     directory: &Path,
     options: &CompareOptions,
     record_size: usize,
 ) -> anyhow::Result<PathBuf> {
-    let block = (record_size as u64 + 64 + 16).div_ceil(64) * 64;
     let per_node = options.records.div_ceil(u64::from(options.nodes.max(1)));
-    // Live records, churn from updates and inserts until the collector catches up, and room.
-    let heap = (per_node * block * 4).max(16 << 20).next_power_of_two();
+    let heap = node_heap_size(options, record_size);
     let index = (per_node * 64).max(1 << 20).next_power_of_two();
     let mut text = String::from(
         "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n",
@@ -102,7 +124,7 @@ fn write_cluster_file(
     let ports = rdkv_common::process::free_loopback_ports(2 * nodes as usize)?;
     for (node, pair) in (1..=nodes).zip(ports.chunks(2)) {
         text.push_str(&format!(
-            "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = \"1M\"\n",
+            "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = {CHUNK_SIZE}\n",
             pair[0],
             pair[1]
         ));
@@ -274,12 +296,16 @@ fn read_percentiles(report: &Report) -> (u64, u64) {
 /// The comparison table.
 pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
     let mut out = format!(
-        "{} records of {} bytes, {} tasks per store, {} s per workload, rdkv on {} node(s) (soft fabric), Redis with one multiplexed connection\n\n",
+        "{} records of {} bytes, {} tasks per store, {} s per workload, rdkv on {} node(s) (soft fabric, {} heap each), Redis with one multiplexed connection\n\n",
         options.records,
         rows.first().map_or(0, |row| row.record_size),
         options.threads,
         options.seconds,
-        options.nodes
+        options.nodes,
+        rdkv_cluster_file::units::format_bytes(node_heap_size(
+            options,
+            rows.first().map_or(0, |row| row.record_size)
+        ))
     );
     out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ | errors rdkv/Redis |\n");
     out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -59,6 +59,10 @@ enum Action {
         /// The redis-server program.
         #[arg(long, default_value = "redis-server")]
         redis_server: PathBuf,
+        /// Each node's heap ("256M"); by default it is sized by the rule in docs/operations.md
+        /// (2 × live data + chunks + 0.25 s of writes at 100k writes/s).
+        #[arg(long, value_parser = rdkv_cluster_file::units::parse_size)]
+        heap_size: Option<u64>,
         /// Also write every report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -215,6 +219,7 @@ async fn main() -> anyhow::Result<()> {
             nodes,
             workloads,
             redis_server,
+            heap_size,
             json,
         } => {
             let options = CompareOptions {
@@ -225,6 +230,7 @@ async fn main() -> anyhow::Result<()> {
                 workloads,
                 redis_server,
                 progress: true,
+                heap_size,
             };
             let rows = compare::compare(&options).await?;
             println!("{}", compare::table(&rows, &options));
