@@ -236,6 +236,59 @@ async fn a_heap_sized_by_the_rule_never_stalls() {
     );
 }
 
+/// Short-lived clients (one write each, as a shell loop of `rdkv put` makes) each take a chunk
+/// for their first write; once they are gone, their chunks settle at once, the compactor moves
+/// the one live block out of each, and the heap comes back to about the live data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_short_lived_clients_leave_only_their_blocks() {
+    let mut config = ServerConfig::local(SECRET);
+    // Room for the live blocks twice over (2.2 MB), and 1,000 chunks' worth of first writes
+    // passes through it.
+    config.heap_size = 160 * 16 * 1024;
+    config.chunk_size = 16 * 1024;
+    let (server, admin) = start(config).await;
+    let value = vec![4u8; 1000];
+    let clients = 1_000u32;
+    for index in 0..clients {
+        let client =
+            Client::connect(ClientConfig::new(server.control_address(), Backend::Soft, SECRET))
+                .await
+                .expect("connect");
+        client
+            .put(format!("short-{index:04}").as_bytes(), &value)
+            .await
+            .unwrap_or_else(|error| panic!("client {index}: {error}"));
+        client.close().await;
+    }
+    // The live data: 1,000 blocks of 1,088 bytes.
+    let live = u64::from(clients) * 1088;
+    let settle_until = std::time::Instant::now() + Duration::from_secs(10);
+    let mut used = server.stats().heap_used_bytes;
+    while used > live * 2 && std::time::Instant::now() < settle_until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        used = server.stats().heap_used_bytes;
+    }
+    assert!(
+        used <= live * 2,
+        "heap use {used} bytes for {live} bytes of live blocks after {clients} short-lived clients"
+    );
+    for index in (0..clients).step_by(97) {
+        assert_eq!(
+            admin
+                .get(format!("short-{index:04}").as_bytes())
+                .await
+                .expect("get")
+                .as_deref(),
+            Some(value.as_slice())
+        );
+    }
+    eprintln!(
+        "heap use {used} bytes for {live} bytes of live blocks after {clients} short-lived clients; {} chunks reclaimed, {} blocks relocated",
+        server.stats().chunks_reclaimed,
+        server.stats().blocks_relocated
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_index_fails_clearly_and_keeps_its_keys() {
     let mut config = ServerConfig::local(SECRET);
