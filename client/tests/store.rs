@@ -250,10 +250,13 @@ async fn a_thousand_short_lived_clients_leave_only_their_blocks() {
     let value = vec![4u8; 1000];
     let clients = 1_000u32;
     for index in 0..clients {
-        let client =
-            Client::connect(ClientConfig::new(server.control_address(), Backend::Soft, SECRET))
-                .await
-                .expect("connect");
+        let client = Client::connect(ClientConfig::new(
+            server.control_address(),
+            Backend::Soft,
+            SECRET,
+        ))
+        .await
+        .expect("connect");
         client
             .put(format!("short-{index:04}").as_bytes(), &value)
             .await
