@@ -44,6 +44,7 @@ impl NodeConnection {
         Scratch {
             operation: self.announcer.start(),
             announced: false,
+            posting: false,
             connection: self.clone(),
             base: index * SCRATCH_SIZE,
             outstanding: None,
@@ -60,6 +61,9 @@ pub(crate) struct Scratch {
     operation: u64,
     /// Whether the operation's first list (which carries the announce WRITE) was posted.
     announced: bool,
+    /// Set while a post is in progress: cancelled then, the list may be queued with no
+    /// `PostedList` to wait for (`post` yields before it returns, for doorbell batching).
+    posting: bool,
     /// The connection.
     connection: Arc<NodeConnection>,
     /// Offset of this buffer in the scratch region.
@@ -111,7 +115,10 @@ impl Scratch {
             .verbs
             .fetch_add(list.len() as u64, Ordering::Relaxed);
         self.progress.posting(kind);
-        let posted = match self.connection.queue_pair.post(list).await {
+        self.posting = true;
+        let posted = self.connection.queue_pair.post(list).await;
+        self.posting = false;
+        let posted = match posted {
             Ok(posted) => posted,
             Err(error) => {
                 self.progress.not_posted(kind);
@@ -203,6 +210,16 @@ pub(crate) enum ExecuteError {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
+        if self.posting {
+            // Cancelled inside `post`: the list may be queued, and a READ or CAS result may
+            // still land in this buffer, with nothing here to wait for. The buffer stays out of
+            // the pool and the connection is retired; its memory goes with the connection.
+            // (Requests queued now execute before any later announce WRITE, so announcing the
+            // finish is still true on the node's side.)
+            self.connection.mark_broken();
+            self.connection.announcer.finish(self.operation);
+            return;
+        }
         let free = self.connection.scratch_free.clone();
         let permits = self.connection.scratch_permits.clone();
         let announcer = self.connection.announcer.clone();
