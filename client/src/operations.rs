@@ -486,7 +486,7 @@ pub(crate) async fn mutate(
         .region()
         .write(scratch.base + WRITE_BLOCK_AT, &block)?;
     progress.wait_for(Waiting::HeapChunk);
-    let place = connection.place_block(block.len() as u64).await?;
+    let place = scratch.place_block(block.len() as u64).await?;
     let new_slot = Slot::new(location.fingerprint, units, place.heap_offset);
     // The block WRITE rides in the same list as the first bucket READs.
     let mut block_write = Some(

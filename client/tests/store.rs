@@ -422,6 +422,68 @@ async fn a_heap_full_of_live_data_answers_table_full_within_the_deadline() {
     }
 }
 
+/// A heap filled to the brim, then a third of its keys deleted: every chunk is about two thirds
+/// live, over the compactor's usual threshold (half). With two free chunks or fewer it compacts
+/// dense chunks too, so the dead third comes back and writes succeed again (found by an attack
+/// run: after a killed client, a full heap of 60%-live chunks stayed full for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_heap_of_dense_chunks_gives_its_dead_bytes_back() {
+    let mut config = ServerConfig::local(SECRET);
+    config.heap_size = 12 * 16 * 1024;
+    config.chunk_size = 16 * 1024;
+    config.operation_deadline = Duration::from_millis(1500);
+    let (server, client) = start(config).await;
+    let value = vec![6u8; 900];
+    let mut stored = 0u32;
+    loop {
+        match client
+            .put(format!("dense-{stored:04}").as_bytes(), &value)
+            .await
+        {
+            Ok(()) => stored += 1,
+            Err(Error::TableFull { .. }) => break,
+            Err(error) => panic!("filling the heap: {error}"),
+        }
+        assert!(stored < 1_000, "the heap never filled");
+    }
+    for index in (0..stored).step_by(3) {
+        assert!(client
+            .delete(format!("dense-{index:04}").as_bytes())
+            .await
+            .expect("delete"));
+    }
+    // Writes that find no chunk wait (chunks are on their way back) and then succeed.
+    let began = std::time::Instant::now();
+    for index in 0..stored / 4 {
+        client
+            .put(format!("after-{index:04}").as_bytes(), &value)
+            .await
+            .unwrap_or_else(|error| {
+                panic!(
+                    "write {index} after freeing a third, {:?} in: {error}; stats {:?}",
+                    began.elapsed(),
+                    server.stats()
+                )
+            });
+    }
+    for index in (1..stored).step_by(3) {
+        assert_eq!(
+            client
+                .get(format!("dense-{index:04}").as_bytes())
+                .await
+                .expect("get")
+                .as_deref(),
+            Some(value.as_slice())
+        );
+    }
+    eprintln!(
+        "{stored} keys filled the heap; a third deleted; {} more written in {:?}; {} blocks relocated",
+        stored / 4,
+        began.elapsed(),
+        server.stats().blocks_relocated
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loopback_fabric_serves_the_same_store() {
     let mut config = ServerConfig::local(SECRET);

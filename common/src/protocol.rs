@@ -60,6 +60,39 @@ pub enum ClientMessage {
     Goodbye,
 }
 
+impl ClientMessage {
+    /// The message's name, for logs (never its fields: `Authenticate` carries a proof).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ClientMessage::Authenticate { .. } => "Authenticate",
+            ClientMessage::ConnectQueuePair { .. } => "ConnectQueuePair",
+            ClientMessage::AllocateChunk { .. } => "AllocateChunk",
+            ClientMessage::Heartbeat { .. } => "Heartbeat",
+            ClientMessage::Stats => "Stats",
+            ClientMessage::Goodbye => "Goodbye",
+        }
+    }
+}
+
+/// The longest client name a node logs; longer names are cut there.
+pub const MAX_CLIENT_NAME_LOGGED: usize = 64;
+
+/// A client's name as a node logs it: at most [`MAX_CLIENT_NAME_LOGGED`] characters, control
+/// characters escaped, so that a name cannot forge log lines.
+pub fn loggable_client_name(name: &str) -> String {
+    name.chars()
+        .take(MAX_CLIENT_NAME_LOGGED)
+        .flat_map(|character| {
+            let escaped: Vec<char> = if character.is_control() {
+                character.escape_default().collect()
+            } else {
+                vec![character]
+            };
+            escaped
+        })
+        .collect()
+}
+
 /// Why a client connects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Purpose {

@@ -25,6 +25,20 @@ use crate::table::TableRegion;
 pub const COMPACTOR: u64 = 0;
 /// Chunks with less than this share of live bytes are compacted.
 pub const MAX_LIVE_SHARE: f64 = 0.5;
+/// The live share under which a chunk is compacted when the heap is nearly full (two free
+/// chunks or fewer): dense chunks then still give their dead bytes back, a little at a time,
+/// instead of the heap staying full of chunks that are 60% live.
+pub const FULL_HEAP_LIVE_SHARE: f64 = 0.95;
+
+/// The live share under which chunks are compacted now: [`MAX_LIVE_SHARE`], or
+/// [`FULL_HEAP_LIVE_SHARE`] when the heap has two free chunks or fewer.
+pub fn live_share_now(heap: &Heap) -> f64 {
+    if heap.free_chunks() <= 2 {
+        FULL_HEAP_LIVE_SHARE
+    } else {
+        MAX_LIVE_SHARE
+    }
+}
 /// Most chunks compacted per pass, to bound the work of one scan.
 const CHUNKS_PER_PASS: usize = 8;
 
@@ -50,7 +64,7 @@ impl Compactor {
     /// One compaction pass over the slots of the scan just made; returns the blocks moved.
     pub fn compact(&self, table: &TableRegion, heap: &Heap, slots: &[(u64, Slot)]) -> u64 {
         // Settled: no client is still writing a block it placed there.
-        let candidates = heap.compaction_candidates(MAX_LIVE_SHARE, CHUNKS_PER_PASS);
+        let candidates = heap.compaction_candidates(live_share_now(heap), CHUNKS_PER_PASS);
         if candidates.is_empty() {
             return 0;
         }
@@ -64,11 +78,25 @@ impl Compactor {
         let mut block = Vec::new();
         // Only committed blocks move: a tentative slot belongs to an inserter that may still
         // commit it, which would fail against a moved word (its chunk stays referenced instead).
-        for (index_offset, slot) in slots.iter().filter(|(_, slot)| slot.is_committed()) {
-            let chunk = slot.offset() / chunk_size;
-            if !candidates.contains(&chunk) {
-                continue;
+        // One chunk at a time, sparsest first: a chunk comes back only once all its blocks are
+        // out, and a full heap has room to move only a few.
+        let mut by_chunk: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
+            .iter()
+            .map(|chunk| (*chunk, Vec::new()))
+            .collect();
+        for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
+            if let Some(blocks) = by_chunk.get_mut(&(entry.1.offset() / chunk_size)) {
+                blocks.push(entry);
             }
+        }
+        let ordered = candidates.iter().flat_map(|chunk| {
+            by_chunk
+                .remove(chunk)
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |entry| (*chunk, entry))
+        });
+        for (chunk, (index_offset, slot)) in ordered {
             let length = slot.block_length();
             if destination
                 .as_ref()

@@ -126,8 +126,10 @@ impl NodeConnection {
     }
 
     /// Reserves heap space for a block of `length` bytes in the current chunk, asking the
-    /// server for a new chunk when it is full.
-    pub(crate) async fn place_block(&self, length: u64) -> Result<BlockPlace> {
+    /// server for a new chunk when it is full. Returns the place and the operation's new number
+    /// in the announce word, given under the chunk lock with the reservation (see
+    /// [`Scratch::place_block`], which parks the operation's old number first).
+    pub(crate) async fn place_block(&self, length: u64) -> Result<(BlockPlace, u64)> {
         loop {
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
@@ -144,8 +146,11 @@ impl NodeConnection {
             // No block goes into the current chunk from now on, so every operation that placed
             // one there has a number up to `started` (the node waits for them before it reuses
             // the chunk).
-            lock(&self.chunk).take();
-            let started = self.announcer.started();
+            let started = {
+                let mut chunk = lock(&self.chunk);
+                chunk.take();
+                self.announcer.started()
+            };
             match self
                 .control(ClientMessage::AllocateChunk { started })
                 .await?
@@ -180,7 +185,10 @@ impl NodeConnection {
         }
     }
 
-    fn take_from_chunk(&self, length: u64) -> Option<BlockPlace> {
+    /// Reserves space in the current chunk and numbers the operation, under the chunk lock: a
+    /// refill takes the chunk and reads `started` under the same lock, so its `started` covers
+    /// every operation that reserved space in the chunk it seals.
+    fn take_from_chunk(&self, length: u64) -> Option<(BlockPlace, u64)> {
         let mut chunk = lock(&self.chunk);
         let cursor = chunk.as_mut()?;
         if cursor.used + length > cursor.key.length {
@@ -192,6 +200,6 @@ impl NodeConnection {
             heap_offset: cursor.heap_offset + cursor.used,
         };
         cursor.used += length;
-        Some(place)
+        Some((place, self.announcer.start()))
     }
 }

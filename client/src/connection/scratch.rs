@@ -144,6 +144,18 @@ impl Scratch {
         Ok(completions)
     }
 
+    /// Reserves heap space for the operation's block (before it posts anything). The operation is
+    /// parked meanwhile: its number is announced finished, so an operation waiting for a chunk
+    /// never holds back the reclamation it waits for, and it gets a new number with its
+    /// reservation.
+    pub(crate) async fn place_block(&mut self, length: u64) -> Result<BlockPlace> {
+        debug_assert!(!self.announced, "a block is placed before the first list");
+        self.connection.announcer.finish(self.operation);
+        let (place, operation) = self.connection.place_block(length).await?;
+        self.operation = operation;
+        Ok(place)
+    }
+
     /// The operation's tentative slot is gone (committed, withdrawn, or never placed).
     pub(crate) fn tentative_resolved(&self) {
         self.progress.tentative_resolved();

@@ -85,6 +85,7 @@ impl Session {
                     .to_string();
             return Err(Self::refuse(writer, reason).await);
         }
+        let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
         tracing::info!(%client_name, ?purpose, "client authenticated");
         Ok(purpose)
     }
@@ -139,6 +140,19 @@ impl Session {
             connection_id,
             source,
         };
+        // Clients only dial: a soft endpoint naming an address would make this node dial it
+        // (anywhere the client chose), so it is refused.
+        if let rdkv_fabric::QueuePairEndpoint::Soft(soft) = &endpoint {
+            if let Some(address) = soft.address {
+                return Err(Self::refuse(
+                    writer,
+                    format!(
+                        "a client's soft endpoint must not name a listen address (it named {address}): clients dial the node"
+                    ),
+                )
+                .await);
+            }
+        }
         let Some(queue_pair) = &self.queue_pair else {
             // `welcome` created it and only the teardown takes it.
             return Err(crate::Error::UnexpectedMessage {

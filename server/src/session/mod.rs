@@ -115,8 +115,12 @@ fn with_causes(error: &dyn std::error::Error) -> String {
     let mut line = error.to_string();
     let mut cause = error.source();
     while let Some(next) = cause {
-        line.push_str(": ");
-        line.push_str(&next.to_string());
+        // A cause some error above already printed in its own message is not repeated.
+        let text = next.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
         cause = next.source();
     }
     line

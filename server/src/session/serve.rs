@@ -56,7 +56,7 @@ impl Session {
                         ))),
                         ClientMessage::Goodbye => return "client said goodbye".into(),
                         other => {
-                            let reason = format!("unexpected message after the handshake: {other:?}");
+                            let reason = format!("unexpected message after the handshake: {}", other.kind());
                             return Self::refuse(writer, reason).await.to_string();
                         }
                     };
@@ -80,7 +80,9 @@ impl Session {
         let geometry = &shared.table.geometry;
         let Some(chunk) = shared.heap.allocate(self.connection_id, started) else {
             return ServerMessage::ChunkUnavailable {
-                reclaimable: shared.heap.reclaimable_chunks(crate::compactor::MAX_LIVE_SHARE),
+                reclaimable: shared
+                    .heap
+                    .reclaimable_chunks(crate::compactor::live_share_now(&shared.heap)),
                 reason: format!(
                     "heap full: all {} chunks of {} bytes are in use or quarantined; raise heap_size",
                     geometry.chunk_count(),
