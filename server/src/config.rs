@@ -39,7 +39,8 @@ pub struct ServerConfig {
     pub secret: Vec<u8>,
     /// A client that sends nothing for this long loses its connection and keys.
     pub lease_timeout: Duration,
-    /// The deadline of one client operation; freed heap space is quarantined for twice this.
+    /// The deadline of one client operation; heap space whose clients stopped announcing waits
+    /// at most 2.5 × this before reuse (`docs/protocol.md`, *Heap space*).
     pub operation_deadline: Duration,
     /// Most control connections at once.
     pub max_connections: usize,
