@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkv_common::layout::TableGeometry;
@@ -311,6 +311,13 @@ impl Heap {
         }
         *lock(&self.live_bytes) = live;
         let mut freed = Vec::new();
+        // Candidates of one scan share their snapshot: check each snapshot once per pass.
+        let mut quiescent: HashMap<*const Vec<(u64, u64)>, bool> = HashMap::new();
+        let mut snapshot_done = |snapshot: &Snapshot| {
+            *quiescent
+                .entry(Arc::as_ptr(snapshot))
+                .or_insert_with(|| announcements.all_quiescent(snapshot))
+        };
         {
             let mut chunks = lock(&self.chunks);
             for (index, state) in chunks.iter_mut().enumerate() {
@@ -321,8 +328,8 @@ impl Heap {
                     }),
                     (ChunkState::Candidate { .. }, true) => Some(ChunkState::Settled),
                     (ChunkState::Candidate { since, snapshot }, false)
-                        if announcements.all_quiescent(snapshot)
-                            || now.duration_since(*since) >= self.quarantine =>
+                        if now.duration_since(*since) >= self.quarantine
+                            || snapshot_done(snapshot) =>
                     {
                         freed.push((index as u64, *since));
                         Some(ChunkState::Free)

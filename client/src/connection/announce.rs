@@ -12,7 +12,7 @@
 //! idle connection never holds reclamation back.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use rdkv_common::protocol::ANNOUNCE_SIZE;
@@ -69,8 +69,8 @@ pub(crate) struct Announcer {
     /// WRITE leaves after the start, so it carries every finish before it; a start that never
     /// posts finishes, which sets this again.)
     dirty: AtomicBool,
-    /// Wakes the flusher.
-    finished: Notify,
+    /// Wakes the flusher (after a finish, and when the connection is dropped).
+    finished: Arc<Notify>,
 }
 
 impl Announcer {
@@ -85,7 +85,7 @@ impl Announcer {
             source_offset,
             remote,
             dirty: AtomicBool::new(false),
-            finished: Notify::new(),
+            finished: Arc::new(Notify::new()),
         };
         announcer.store(&lock(&announcer.numbers));
         announcer
@@ -117,6 +117,11 @@ impl Announcer {
             self.dirty.store(true, Ordering::Release);
         }
         self.finished.notify_one();
+    }
+
+    /// What wakes the flusher: given to it at start, and notified when the connection goes.
+    pub(crate) fn wakeups(&self) -> Arc<Notify> {
+        self.finished.clone()
     }
 
     /// The highest operation number given: every operation that places a block in the current
@@ -151,27 +156,22 @@ impl Announcer {
 
 /// Announces finishes that no later start carried: after a finish, waits [`FLUSH_DELAY`] (a
 /// burst of finishes costs one WRITE, and a start meanwhile carries them instead) and WRITEs the
-/// word if it is still dirty. Ends with the connection.
-pub(crate) async fn flusher(connection: Weak<NodeConnection>) {
+/// word if it is still dirty. Between flushes it holds only `wakeups` and a weak reference, so
+/// it keeps nothing of the connection alive; the connection's drop wakes it, and it ends.
+pub(crate) async fn flusher(connection: Weak<NodeConnection>, wakeups: Arc<Notify>) {
     loop {
-        let announcer = match connection.upgrade() {
-            Some(connection) => connection.announcer.clone(),
-            None => return,
-        };
-        announcer.finished.notified().await;
+        wakeups.notified().await;
         tokio::time::sleep(FLUSH_DELAY).await;
         let Some(connection) = connection.upgrade() else {
             return;
         };
+        let announcer = &connection.announcer;
         if connection.is_broken() || !announcer.dirty.swap(false, Ordering::AcqRel) {
             continue;
         }
         connection.counters.verbs.fetch_add(1, Ordering::Relaxed);
-        if let Ok(posted) = connection
-            .queue_pair
-            .post(vec![announcer.request().with_signaled(true)])
-            .await
-        {
+        let write = announcer.request().with_signaled(true);
+        if let Ok(posted) = connection.queue_pair.post(vec![write]).await {
             posted.await;
         }
     }

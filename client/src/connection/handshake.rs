@@ -151,7 +151,10 @@ impl NodeConnection {
             fault_injector: config.fault_injector.clone(),
             _device: device,
         });
-        tokio::spawn(announce::flusher(Arc::downgrade(&connection)));
+        tokio::spawn(announce::flusher(
+            Arc::downgrade(&connection),
+            connection.announcer.wakeups(),
+        ));
         Ok(connection)
     }
 }

@@ -114,6 +114,13 @@ impl std::fmt::Debug for NodeConnection {
     }
 }
 
+impl Drop for NodeConnection {
+    fn drop(&mut self) {
+        // The announce flusher waits for a wake-up; this one finds the connection gone.
+        self.announcer.wakeups().notify_one();
+    }
+}
+
 impl NodeConnection {
     /// Whether the connection failed.
     pub(crate) fn is_broken(&self) -> bool {
