@@ -166,8 +166,9 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
                         );
                         if stats.heap_low() {
                             println!(
-                                "      warning: heap under 10% free ({} of {} chunks): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
-                                stats.heap_free_chunks, stats.heap_chunks
+                                "      warning: heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
+                                rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
+                                rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
                             );
                         }
                     }

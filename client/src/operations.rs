@@ -455,7 +455,7 @@ pub(crate) async fn get(
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
     progress.wait_for(Waiting::ScratchBuffer);
-    let mut scratch = connection.scratch(progress).await;
+    let mut scratch = connection.scratch(progress).await?;
     let view = lookup_committed(&mut scratch, "get", key, &location).await?;
     let counters = &connection.counters;
     counters.gets.fetch_add(1, Ordering::Relaxed);
@@ -479,7 +479,7 @@ pub(crate) async fn mutate(
     progress.wait_for(Waiting::WriterTurn);
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
-    let mut scratch = connection.scratch(progress.clone()).await;
+    let mut scratch = connection.scratch(progress.clone()).await?;
     let mut block = Vec::with_capacity(value.len() + key.len() + 64);
     let units = encode_block(key, value, &mut block);
     scratch
@@ -728,7 +728,7 @@ pub(crate) async fn delete(
     progress.wait_for(Waiting::WriterTurn);
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
-    let mut scratch = connection.scratch(progress).await;
+    let mut scratch = connection.scratch(progress).await?;
     for attempt in 0..RACE_ATTEMPTS {
         let view = lookup_committed(&mut scratch, "delete", key, &location).await?;
         match view.committed.as_slice() {

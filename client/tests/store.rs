@@ -93,7 +93,7 @@ async fn heap_use_reaches_a_steady_state_under_updates() {
         "the updates wrote {written} bytes, more than the heap holds, so chunks must be reused"
     );
     assert!(
-        stats.chunks_reclaimed > 0,
+        stats.extents_reclaimed > 0,
         "chunks were reclaimed and reused"
     );
     let bound = stats.heap_size_bytes * 3 / 4;
@@ -110,7 +110,7 @@ async fn heap_use_reaches_a_steady_state_under_updates() {
     }
     eprintln!(
         "steady state: peak heap use {peak} of {} bytes, {} chunks reclaimed",
-        stats.heap_size_bytes, stats.chunks_reclaimed
+        stats.heap_size_bytes, stats.extents_reclaimed
     );
 }
 
@@ -144,9 +144,9 @@ async fn dead_chunks_come_back_within_100_ms_under_load() {
     }
     let stats = server.stats();
     assert!(
-        stats.chunks_reclaimed >= 20,
+        stats.extents_reclaimed >= 20,
         "{} chunks reclaimed: the run did not reuse the heap",
-        stats.chunks_reclaimed
+        stats.extents_reclaimed
     );
     let [median, p99, largest] = stats.heap_reuse_delay_ms;
     let bound = Duration::from_millis(100);
@@ -156,7 +156,7 @@ async fn dead_chunks_come_back_within_100_ms_under_load() {
     );
     eprintln!(
         "{} chunks reclaimed; scan to reuse: median {median} ms, p99 {p99} ms, largest {largest} ms (plus up to {interval:?} from death to scan)",
-        stats.chunks_reclaimed
+        stats.extents_reclaimed
     );
 }
 
@@ -219,7 +219,7 @@ async fn a_heap_sized_by_the_rule_never_stalls() {
     }
     let stats = server.stats();
     assert!(
-        stats.chunks_reclaimed > 0,
+        stats.extents_reclaimed > 0,
         "the run reused the heap ({heap} bytes)"
     );
     let mut sorted = quarters.clone();
@@ -232,7 +232,7 @@ async fn a_heap_sized_by_the_rule_never_stalls() {
     eprintln!(
         "heap {heap} bytes for {keys} keys: {} updates, per quarter second {quarters:?}, {} chunks reclaimed",
         done.load(std::sync::atomic::Ordering::Relaxed),
-        stats.chunks_reclaimed
+        stats.extents_reclaimed
     );
 }
 
@@ -287,7 +287,7 @@ async fn a_thousand_short_lived_clients_leave_only_their_blocks() {
     }
     eprintln!(
         "heap use {used} bytes for {live} bytes of live blocks after {clients} short-lived clients; {} chunks reclaimed, {} blocks relocated",
-        server.stats().chunks_reclaimed,
+        server.stats().extents_reclaimed,
         server.stats().blocks_relocated
     );
 }

@@ -456,8 +456,10 @@ fn heap_warnings(statuses: &[NodeStatus]) -> String {
             let stats = status.state.as_ref().ok()?;
             stats.heap_low().then(|| {
                 format!(
-                    "warning: node {} heap under 10% free ({} of {} chunks): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
-                    status.id, stats.heap_free_chunks, stats.heap_chunks
+                    "warning: node {} heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
+                    status.id,
+                    rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
+                    rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
                 )
             })
         })

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -39,7 +39,8 @@ pub enum ClientMessage {
         /// The client queue pair's endpoint.
         endpoint: QueuePairEndpoint,
     },
-    /// A fresh heap chunk for this client; seals the client's current chunk.
+    /// A fresh heap grant for this client, with room for at least `needed` bytes; seals the
+    /// client's current grant.
     AllocateChunk {
         /// The client's started-operations count (its announce word's first half) when it
         /// stopped placing blocks in its current chunk: every operation that placed a block
@@ -47,6 +48,8 @@ pub enum ClientMessage {
         /// connection has announced it quiescent through this count (`docs/protocol.md`,
         /// *Heap space*).
         started: u64,
+        /// The bytes of the block that found the current grant full (at most one chunk).
+        needed: u64,
     },
     /// Renews the lease, and reports the client's counters since its last report (the server
     /// sums them, so `rdkv stats` can show round trips per operation cluster-wide).
@@ -125,19 +128,18 @@ pub enum ServerMessage {
         /// The node's id.
         node_id: u32,
     },
-    /// A heap chunk and the WRITE key only this connection holds.
+    /// A heap grant (whole 4 KiB extents, at most one chunk) and the WRITE key over it that
+    /// only this connection holds; the key's length is the grant's.
     Chunk {
-        /// The chunk's index.
-        chunk: u64,
-        /// Its heap offset.
+        /// The grant's heap offset.
         heap_offset: u64,
         /// The WRITE key, bound to this connection's queue pair.
         key: RemoteKey,
     },
-    /// No free chunk now. `reclaimable` chunks are sealed or quarantined and will come back
-    /// once nothing references them: worth retrying shortly when it is above zero.
+    /// No room now. `reclaimable` extents are sealed or quarantined and will come back once
+    /// nothing references them: worth retrying shortly when it is above zero.
     ChunkUnavailable {
-        /// Chunks on their way back to the free list.
+        /// Extents on their way back to the free list.
         reclaimable: u64,
         /// What to do if it persists.
         reason: String,
@@ -201,24 +203,22 @@ pub struct ServerStats {
     pub live_memory_windows: i64,
     /// Pinned bytes.
     pub pinned_bytes: u64,
-    /// Heap bytes in chunks that are owned, sealed or quarantined.
+    /// Heap bytes in extents that are owned, sealed or quarantined.
     pub heap_used_bytes: u64,
     /// Heap bytes.
     pub heap_size_bytes: u64,
-    /// Heap chunks free now.
-    pub heap_free_chunks: u64,
-    /// Heap chunks in all.
-    pub heap_chunks: u64,
-    /// Over the last 1,024 chunks reclaimed: milliseconds from the scan that found a chunk
+    /// Heap bytes free now.
+    pub heap_free_bytes: u64,
+    /// Over the last 1,024 extents reclaimed: milliseconds from the scan that found an extent
     /// unreferenced to its reuse, median, 99th percentile and largest (zeros before any).
     pub heap_reuse_delay_ms: [u64; 3],
     /// Keys, estimated from the last index scan.
     pub keys_estimate: u64,
-    /// Chunks handed out since start.
+    /// Heap grants handed out since start.
     pub chunk_allocations: u64,
-    /// Chunks reclaimed since start.
-    pub chunks_reclaimed: u64,
-    /// Live blocks moved out of sparse chunks by compaction since start.
+    /// Heap extents reclaimed since start.
+    pub extents_reclaimed: u64,
+    /// Live blocks moved out of sparse extents by compaction since start.
     pub blocks_relocated: u64,
     /// Abandoned tentative slots cleared by the collector since start.
     pub tentatives_cleared: u64,
@@ -236,10 +236,10 @@ pub struct ServerStats {
 }
 
 impl ServerStats {
-    /// Whether less than a tenth of the heap's chunks is free: writes may soon wait for
-    /// reclamation, or fail `TableFull` if the live data outgrows the heap.
+    /// Whether less than a tenth of the heap is free: writes may soon wait for reclamation, or
+    /// fail `TableFull` if the live data outgrows the heap.
     pub fn heap_low(&self) -> bool {
-        self.heap_chunks > 0 && self.heap_free_chunks * 10 < self.heap_chunks
+        self.heap_size_bytes > 0 && self.heap_free_bytes * 10 < self.heap_size_bytes
     }
 }
 

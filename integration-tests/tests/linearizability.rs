@@ -58,7 +58,7 @@ async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
     let reclaimed = || async {
         let stats = monitor.cluster_stats().await;
         match &stats[..] {
-            [(_, Ok(stats))] => stats.chunks_reclaimed,
+            [(_, Ok(stats))] => stats.extents_reclaimed,
             other => panic!("stats of the one node: {other:?}"),
         }
     };

@@ -1,16 +1,19 @@
-//! Compaction: live blocks are moved out of sparse sealed chunks so the collector can reclaim
+//! Compaction: live blocks are moved out of sparse sealed extents so the collector can reclaim
 //! them.
 //!
-//! Out-of-place updates leave dead blocks behind; a chunk is reclaimed only when no slot
-//! references it, so one long-lived block (a key updated once and then left alone, common under
-//! zipfian workloads) would pin a whole chunk forever. After each scan, the server picks sealed
-//! chunks whose live bytes are under half the chunk, copies each live block (verified by its
-//! checksum) into a chunk the server owns, and CASes the slot from the old block to the copy.
+//! Out-of-place updates leave dead blocks behind; an extent (4 KiB, `heap.rs`) is reclaimed only
+//! when no slot references it, so one long-lived block (a key updated once and then left alone,
+//! common under zipfian workloads) pins its extent. Extents are small, so that costs little, and
+//! most space comes back without compaction; what is left is a heap of half-empty extents after
+//! many short-lived writers. After each scan, the server picks extents settled for half a second
+//! ([`COMPACTION_AGE`]; at once when the heap is nearly full) whose live bytes are under half an
+//! extent, copies each live block (verified by its checksum) into a grant the
+//! server owns, and CASes the slot from the old block to the copy.
 //!
 //! Why this is safe: blocks are immutable, so the copy holds the same key and value; a reader
-//! that read the old slot still finds the old block (the chunk is freed only once every
-//! operation that could have read the old slot has finished); a client CAS that expected the old slot value fails and re-reads, as after any
-//! lost race. If a client changed the slot first, the server's CAS fails and the copy is simply
+//! that read the old slot still finds the old block (the extent is freed only once every
+//! operation that could have read the old slot has finished); a client CAS that expected the
+//! old slot value fails and re-reads, as after any lost race. If a client changed the slot first, the server's CAS fails and the copy is simply
 //! dead. This is control-plane maintenance on the server's own memory, like reclaiming; the
 //! server still never handles a client's GET, PUT, DELETE or CAS.
 
@@ -18,43 +21,50 @@ use std::sync::atomic::Ordering;
 
 use rdkv_common::layout::{decode_block, Slot};
 
-use crate::heap::Heap;
+use crate::heap::{Grant, Heap, EXTENT_SIZE};
 use crate::table::TableRegion;
 
-/// The owner id of the server's own compaction chunks (client connections start at 1).
+/// The owner id of the server's own compaction grants (client connections start at 1).
 pub const COMPACTOR: u64 = 0;
-/// Chunks with less than this share of live bytes are compacted.
+/// Extents with less than this share of live bytes are compacted.
 pub const MAX_LIVE_SHARE: f64 = 0.5;
-/// The live share under which a chunk is compacted when the heap is nearly full (two free
-/// chunks or fewer): dense chunks then still give their dead bytes back, a little at a time,
-/// instead of the heap staying full of chunks that are 60% live.
-pub const FULL_HEAP_LIVE_SHARE: f64 = 0.95;
+/// The live share under which an extent is compacted when the heap is nearly full (two chunks'
+/// worth free or less): dense extents then still give their dead bytes back, a little at a
+/// time, instead of the heap staying full of extents that are 60% live. Not higher: moving
+/// blocks out of a 90%-live extent wins almost nothing and would use up the compactor's reserve
+/// (found by `a_heap_full_of_live_data_answers_table_full_within_the_deadline`, which spun).
+pub const FULL_HEAP_LIVE_SHARE: f64 = 0.75;
 
-/// The live share under which chunks are compacted now: [`MAX_LIVE_SHARE`], or
-/// [`FULL_HEAP_LIVE_SHARE`] when the heap has two free chunks or fewer.
+/// The live share under which extents are compacted now: [`MAX_LIVE_SHARE`], or
+/// [`FULL_HEAP_LIVE_SHARE`] when the heap has two chunks' worth free or less.
 pub fn live_share_now(heap: &Heap) -> f64 {
-    if heap.free_chunks() <= 2 {
+    if heap.free_bytes() <= 2 * heap.chunk_size() {
         FULL_HEAP_LIVE_SHARE
     } else {
         MAX_LIVE_SHARE
     }
 }
-/// Most chunks compacted per pass, to bound the work of one scan.
-const CHUNKS_PER_PASS: usize = 8;
+/// How long an extent must have been settled before it is compacted while the heap has room:
+/// blocks that young are often about to be replaced (copying them is wasted work, and makes
+/// their writers' CAS fail once), and their extents come back by themselves.
+pub const COMPACTION_AGE: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// The chunk the server is moving blocks into and how much of it is used.
+/// Most extents compacted per pass, to bound the work of one scan (512 KiB).
+const EXTENTS_PER_PASS: usize = 128;
+
+/// The grant the server is moving blocks into and how much of it is used.
 #[derive(Debug)]
 struct Destination {
-    /// Heap offset of the chunk.
-    heap_offset: u64,
+    /// The grant.
+    grant: Grant,
     /// Bytes used.
     used: u64,
 }
 
-/// Moves live blocks out of sparse chunks into one server-owned chunk at a time. The destination
-/// stays open across passes until it is full, so compaction never churns chunks: a destination is
-/// sealed only when full (dense), and every chunk it empties was under half full, so each
-/// destination filled frees at least two chunks.
+/// Moves live blocks out of sparse extents into one server-owned grant at a time. The
+/// destination stays open across passes until it is full, so compaction never churns: a
+/// destination is sealed only when full (dense), and every extent it empties was under half
+/// full, so each destination filled frees at least twice its size.
 #[derive(Debug, Default)]
 pub struct Compactor {
     destination: std::sync::Mutex<Option<Destination>>,
@@ -64,11 +74,17 @@ impl Compactor {
     /// One compaction pass over the slots of the scan just made; returns the blocks moved.
     pub fn compact(&self, table: &TableRegion, heap: &Heap, slots: &[(u64, Slot)]) -> u64 {
         // Settled: no client is still writing a block it placed there.
-        let candidates = heap.compaction_candidates(live_share_now(heap), CHUNKS_PER_PASS);
+        let share = live_share_now(heap);
+        let min_age = if share == FULL_HEAP_LIVE_SHARE {
+            std::time::Duration::ZERO
+        } else {
+            COMPACTION_AGE
+        };
+        let candidates =
+            heap.compaction_candidates(share, min_age, std::time::Instant::now(), EXTENTS_PER_PASS);
         if candidates.is_empty() {
             return 0;
         }
-        let chunk_size = heap.chunk_size();
         let heap_base = table.geometry.heap_offset();
         let mut destination = self
             .destination
@@ -77,47 +93,45 @@ impl Compactor {
         let mut moved = 0u64;
         let mut block = Vec::new();
         // Only committed blocks move: a tentative slot belongs to an inserter that may still
-        // commit it, which would fail against a moved word (its chunk stays referenced instead).
-        // One chunk at a time, sparsest first: a chunk comes back only once all its blocks are
-        // out, and a full heap has room to move only a few.
-        let mut by_chunk: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
+        // commit it, which would fail against a moved word (its extent stays referenced instead).
+        // One extent at a time, sparsest first: an extent comes back only once all its blocks
+        // are out, and a full heap has room to move only a few. A block is moved with the
+        // extent it starts in.
+        let mut by_extent: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
             .iter()
-            .map(|chunk| (*chunk, Vec::new()))
+            .map(|extent| (*extent, Vec::new()))
             .collect();
         for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
-            if let Some(blocks) = by_chunk.get_mut(&(entry.1.offset() / chunk_size)) {
+            if let Some(blocks) = by_extent.get_mut(&(entry.1.offset() / EXTENT_SIZE)) {
                 blocks.push(entry);
             }
         }
-        let ordered = candidates.iter().flat_map(|chunk| {
-            by_chunk
-                .remove(chunk)
+        let ordered = candidates.iter().flat_map(|extent| {
+            by_extent
+                .remove(extent)
                 .unwrap_or_default()
                 .into_iter()
-                .map(move |entry| (*chunk, entry))
+                .map(move |entry| (*extent, entry))
         });
-        for (chunk, (index_offset, slot)) in ordered {
+        for (extent, (index_offset, slot)) in ordered {
             let length = slot.block_length();
             if destination
                 .as_ref()
-                .is_none_or(|place| place.used + length > chunk_size)
+                .is_none_or(|place| place.used + length > place.grant.length())
             {
                 // The full destination is sealed by the allocation of the next one.
-                // The compactor writes synchronously: its sealed chunk has no writer left (it
+                // The compactor writes synchronously: its sealed grant has no writer left (it
                 // has no announce word, so it counts as gone).
-                let Some(next) = heap.allocate(COMPACTOR, 0) else {
-                    tracing::debug!("compaction paused: no free chunk to move live blocks into");
+                let Some(grant) = heap.allocate(COMPACTOR, 0, length) else {
+                    tracing::debug!("compaction paused: no free extent to move live blocks into");
                     break;
                 };
-                *destination = Some(Destination {
-                    heap_offset: next * chunk_size,
-                    used: 0,
-                });
+                *destination = Some(Destination { grant, used: 0 });
             }
             let Some(place) = destination.as_mut() else {
                 break;
             };
-            if place.heap_offset / chunk_size == chunk {
+            if place.grant.contains(extent) {
                 continue;
             }
             block.resize(length as usize, 0);
@@ -130,7 +144,7 @@ impl Compactor {
                 // Not an intact block (a slot changing under us): leave it to the next scan.
                 continue;
             }
-            let new_offset = place.heap_offset + place.used;
+            let new_offset = place.grant.heap_offset() + place.used;
             if table.region.write(heap_base + new_offset, &block).is_err() {
                 continue;
             }
@@ -148,7 +162,11 @@ impl Compactor {
         }
         heap.blocks_relocated.fetch_add(moved, Ordering::Relaxed);
         if moved > 0 {
-            tracing::debug!(moved, chunks = candidates.len(), "compacted sparse chunks");
+            tracing::debug!(
+                moved,
+                extents = candidates.len(),
+                "compacted sparse extents"
+            );
         }
         moved
     }

@@ -1,17 +1,27 @@
-//! Heap chunks: handed to one client at a time, sealed when the client moves on or leaves, and
-//! reclaimed as soon as no operation can still touch them.
+//! The heap: handed out in grants of contiguous 4 KiB extents, one grant per writing client at a
+//! time, sealed when the client moves on or leaves, and reclaimed extent by extent as soon as no
+//! operation can still touch it.
 //!
-//! Chunk states: `Free` → `Owned` (one client writes blocks into it) → `Sealed` (no new block;
-//! writers that placed one may still be running) → `Settled` (every writer finished: no new
-//! reference into the chunk can appear) → `Candidate` (a scan found no reference; operations
-//! that read a slot before that scan may still read a block) → `Free`.
+//! Extent states: `Free` → `Owned` (one client writes blocks into its grant) → `Sealed` (no new
+//! block; writers that placed one may still be running) → `Settled` (every writer finished: no
+//! new reference into the extent can appear) → `Candidate` (a scan found no reference;
+//! operations that read a slot before that scan may still read a block) → `Free`.
+//!
+//! **Grants are sized by demand.** A connection gets write space on its first write, not at
+//! connect; its first grant is just what its block needs, and each later grant doubles, up to
+//! `chunk_size`, and to an eighth of what is free: a client that writes once holds one extent, a
+//! busy writer soon holds a whole chunk (one control round trip per chunk of writes), and a heap
+//! of 10 chunks still serves 100 writers. A sealed grant's unused tail and its dead blocks come
+//! back extent by extent, like everything else: a few long-lived blocks pin their extents, not
+//! whole chunks.
 //!
 //! Why this is safe, without waiting for deadlines (`announce.rs` has the ordering argument):
 //! - *Sealed → Settled* once the connection that wrote there has announced itself quiescent
 //!   through the `started` count it sent with `AllocateChunk` (every operation that placed a
-//!   block in the chunk has a number up to it), or is gone (its queue pair drained).
-//! - *Settled → Candidate* when a scan finds no slot into the chunk; the announce words are
-//!   snapshotted after the scan. An operation that read a slot into the chunk read it before
+//!   block in the grant has a number up to it), or is gone (its queue pair drained). The grant's
+//!   WRITE window is revoked then, before any extent of it can be reused.
+//! - *Settled → Candidate* when a scan finds no slot into the extent; the announce words are
+//!   snapshotted after the scan. An operation that read a slot into the extent read it before
 //!   that slot changed, hence before the scan passed it: its start was announced by then.
 //! - *Candidate → Free* once every connection of that snapshot is quiescent through what it had
 //!   started (or gone). No operation that could hold a reference is left.
@@ -19,7 +29,7 @@
 //! Each step also completes after a quarantine (1.25 × the operation deadline) whatever the
 //! announce words say, as before they existed: a client that stopped announcing (hung,
 //! partitioned, its connection broken) delays reclamation by at most that, never forever.
-//! Crashed clients need no special case: their chunks are sealed at lease expiry and their
+//! Crashed clients need no special case: their grants are sealed at lease expiry and their
 //! words released after their queue pair is drained.
 
 use std::collections::{HashMap, VecDeque};
@@ -31,13 +41,21 @@ use rdkv_common::layout::TableGeometry;
 use rdkv_fabric::{lock, MemoryWindow};
 
 use crate::announce::{Announcements, Snapshot};
+use crate::compactor::COMPACTOR;
 
-/// One chunk's state.
+/// Bytes of one extent: the unit the heap hands out, seals and reclaims.
+pub const EXTENT_SIZE: u64 = 4096;
+
+/// Each grant is at most this share of the extents free to clients (and at least what the block
+/// asking for it needs), so that many writers share a small heap.
+const GRANT_SHARE_OF_FREE: u64 = 8;
+
+/// One extent's state.
 #[derive(Debug, Clone)]
-enum ChunkState {
+enum ExtentState {
     /// Available.
     Free,
-    /// Written by this connection.
+    /// In the grant this connection writes into.
     Owned(u64),
     /// No new block since `since`; `writer` is the connection that wrote there and the
     /// `started` count its last placing operation is within (`None`: it is gone).
@@ -45,10 +63,36 @@ enum ChunkState {
         since: Instant,
         writer: Option<(u64, u64)>,
     },
-    /// Every writer finished.
-    Settled,
+    /// Every writer finished (since then).
+    Settled { since: Instant },
     /// Unreferenced at a scan that ended at `since`; free once `snapshot` is quiescent.
     Candidate { since: Instant, snapshot: Snapshot },
+}
+
+/// A run of extents handed to one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The first extent.
+    pub first_extent: u64,
+    /// Extents in the run.
+    pub extents: u64,
+}
+
+impl Grant {
+    /// The grant's heap offset.
+    pub fn heap_offset(&self) -> u64 {
+        self.first_extent * EXTENT_SIZE
+    }
+
+    /// The grant's bytes.
+    pub fn length(&self) -> u64 {
+        self.extents * EXTENT_SIZE
+    }
+
+    /// Whether `extent` lies in the grant.
+    pub fn contains(&self, extent: u64) -> bool {
+        (self.first_extent..self.first_extent + self.extents).contains(&extent)
+    }
 }
 
 /// What one collection pass found.
@@ -56,53 +100,103 @@ enum ChunkState {
 pub struct CollectionReport {
     /// Committed slots seen (keys).
     pub keys: u64,
-    /// Chunks returned to the free list.
+    /// Extents returned to the free list.
     pub reclaimed: u64,
 }
 
-/// The chunk allocator and collector.
+/// Every extent's state, the free count and each connection's current grant.
+#[derive(Debug)]
+struct Extents {
+    /// Per-extent state.
+    states: Vec<ExtentState>,
+    /// Extents `Free` now.
+    free: u64,
+    /// Where the next search for a free run starts (after the last grant).
+    next_fit: usize,
+    /// Each writing connection's current grant.
+    owned: HashMap<u64, Grant>,
+    /// Each connection's last grant size in extents (its next grant doubles it).
+    last_grant: HashMap<u64, u64>,
+}
+
+/// The extent allocator and collector.
 #[derive(Debug)]
 pub struct Heap {
-    /// Chunk bytes.
+    /// The largest grant, in bytes (the cluster file's `chunk_size`).
     chunk_size: u64,
-    /// Chunks in the heap (fixed).
-    chunk_count: usize,
-    /// Per-chunk state.
-    chunks: Mutex<Vec<ChunkState>>,
-    /// Free chunks, reused oldest-freed first.
-    free: Mutex<VecDeque<u64>>,
-    /// How long a chunk stays unreferenced before reuse.
+    /// Extents in the heap (fixed).
+    extent_count: u64,
+    /// Extent states and grants.
+    extents: Mutex<Extents>,
+    /// How long an extent stays unreferenced before reuse.
     quarantine: Duration,
-    /// Chunks handed out since start.
+    /// Grants handed out since start.
     pub allocations: AtomicU64,
-    /// Chunks reclaimed since start.
+    /// Extents reclaimed since start.
     pub reclaimed: AtomicU64,
     /// Keys seen by the last scan.
     pub keys_estimate: AtomicU64,
-    /// Live bytes per chunk, from the last scan.
+    /// Live bytes per extent, from the last scan.
     live_bytes: Mutex<Vec<u64>>,
     /// Blocks moved by compaction since start.
     pub blocks_relocated: AtomicU64,
     /// Abandoned tentative slots cleared by the collector since start.
     pub tentatives_cleared: AtomicU64,
-    /// The WRITE windows of sealed chunks, revoked once the chunk's writers are done.
+    /// The WRITE windows of sealed grants (by first extent), revoked once the grant's writers
+    /// are done.
     sealed_windows: Mutex<HashMap<u64, MemoryWindow>>,
-    /// Milliseconds from a chunk's last reference to its reuse, for the last chunks freed.
+    /// Milliseconds from an extent's last reference to its reuse, for the last extents freed.
     pub reuse_delays: Mutex<VecDeque<u64>>,
 }
 
 /// How many reuse delays [`Heap::reuse_delays`] keeps.
 const REUSE_DELAYS_KEPT: usize = 1024;
 
+/// The first run of `desired` free extents from `from` on (wrapping once; a run never spans the
+/// wrap), else the longest run of at least `needed`, cut to `desired`.
+fn find_free_run(states: &[ExtentState], from: usize, needed: u64, desired: u64) -> Option<Grant> {
+    let count = states.len();
+    let mut best: Option<Grant> = None;
+    let mut run: Option<Grant> = None;
+    for step in 0..count {
+        let index = (from + step) % count;
+        if index == 0 {
+            run = None;
+        }
+        if !matches!(states[index], ExtentState::Free) {
+            run = None;
+            continue;
+        }
+        let current = run.get_or_insert(Grant {
+            first_extent: index as u64,
+            extents: 0,
+        });
+        current.extents += 1;
+        if current.extents >= desired {
+            return Some(*current);
+        }
+        if current.extents >= needed && best.is_none_or(|best| current.extents > best.extents) {
+            best = Some(*current);
+        }
+    }
+    best
+}
+
 impl Heap {
-    /// A heap of `geometry.chunk_count()` free chunks.
+    /// A heap of `geometry.heap_size / EXTENT_SIZE` free extents, granted at most
+    /// `geometry.chunk_size` at a time.
     pub fn new(geometry: &TableGeometry, quarantine: Duration) -> Self {
-        let count = geometry.chunk_count();
+        let count = geometry.heap_size / EXTENT_SIZE;
         Self {
             chunk_size: geometry.chunk_size,
-            chunk_count: count as usize,
-            chunks: Mutex::new(vec![ChunkState::Free; count as usize]),
-            free: Mutex::new((0..count).collect()),
+            extent_count: count,
+            extents: Mutex::new(Extents {
+                states: vec![ExtentState::Free; count as usize],
+                free: count,
+                next_fit: 0,
+                owned: HashMap::new(),
+                last_grant: HashMap::new(),
+            }),
             quarantine,
             allocations: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
@@ -115,34 +209,46 @@ impl Heap {
         }
     }
 
-    /// Whether the block at heap `offset` lies in a settled chunk: no operation that wrote a
+    /// Whether the block at heap `offset` lies in a settled extent: no operation that wrote a
     /// block there is still running, so a tentative slot pointing at it was abandoned (its
     /// inserter failed or passed its deadline) and will never be committed.
     pub fn writer_gone(&self, offset: u64) -> bool {
-        let chunk = (offset / self.chunk_size) as usize;
+        let extent = (offset / EXTENT_SIZE) as usize;
         matches!(
-            lock(&self.chunks).get(chunk),
-            Some(ChunkState::Settled | ChunkState::Candidate { .. })
+            lock(&self.extents).states.get(extent),
+            Some(ExtentState::Settled { .. } | ExtentState::Candidate { .. })
         )
     }
 
-    /// Chunk bytes.
+    /// The largest grant, in bytes.
     pub fn chunk_size(&self) -> u64 {
         self.chunk_size
     }
 
-    /// Settled chunks (no writer is still placing a block there) whose live bytes (at the
-    /// last scan) are more than zero and less than `max_live_share` of the chunk: worth
-    /// compacting. Sparsest first.
-    pub fn compaction_candidates(&self, max_live_share: f64, limit: usize) -> Vec<u64> {
-        let chunks = lock(&self.chunks);
+    /// Extents in one chunk (the largest grant).
+    fn chunk_extents(&self) -> u64 {
+        (self.chunk_size / EXTENT_SIZE).max(1)
+    }
+
+    /// Settled extents (no writer is still placing a block there) for at least `min_age`, whose
+    /// live bytes (at the last scan) are more than zero and less than `max_live_share` of an
+    /// extent: worth compacting. Sparsest first.
+    pub fn compaction_candidates(
+        &self,
+        max_live_share: f64,
+        min_age: Duration,
+        now: Instant,
+        limit: usize,
+    ) -> Vec<u64> {
+        let extents = lock(&self.extents);
         let live = lock(&self.live_bytes);
-        let threshold = (self.chunk_size as f64 * max_live_share) as u64;
-        let mut candidates: Vec<(u64, u64)> = chunks
+        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
+        let mut candidates: Vec<(u64, u64)> = extents
+            .states
             .iter()
             .enumerate()
             .filter_map(|(index, state)| match state {
-                ChunkState::Settled => {
+                ExtentState::Settled { since } if now.duration_since(*since) >= min_age => {
                     let bytes = live[index];
                     (bytes > 0 && bytes < threshold).then_some((bytes, index as u64))
                 }
@@ -157,116 +263,201 @@ impl Heap {
             .collect()
     }
 
-    /// Seals every chunk `connection` owns (its operations up to `started` may still be
-    /// placing blocks there), then hands it a free one. When none is free, nothing changes and
-    /// the connection keeps its chunk.
+    /// Seals the grant `connection` writes into (its operations up to `started` may still be
+    /// placing blocks there), then hands it a new one with room for at least `needed_bytes`:
+    /// twice its last grant, at most a chunk and an eighth of what is free (the compactor asks
+    /// for a chunk). When there is no
+    /// room, nothing changes and the connection keeps its grant.
     ///
-    /// The last free chunk is kept for the compactor (owner
-    /// [`COMPACTOR`](crate::compactor::COMPACTOR)), so that compaction can always make room even
-    /// when clients have taken everything else.
-    pub fn allocate(&self, connection: u64, started: u64) -> Option<u64> {
-        let chunk = {
-            let mut free = lock(&self.free);
-            let reserve = if connection == crate::compactor::COMPACTOR {
-                0
-            } else {
-                1
-            };
-            if free.len() <= reserve && self.chunk_count > 1 {
-                return None;
-            }
-            free.pop_front()?
+    /// The last chunk's worth of free extents is kept for the compactor (owner
+    /// [`COMPACTOR`]), so that compaction can always make room even when clients have taken
+    /// everything else.
+    pub fn allocate(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
+        let chunk_extents = self.chunk_extents();
+        let needed = needed_bytes.div_ceil(EXTENT_SIZE).max(1);
+        if needed > chunk_extents {
+            return None;
+        }
+        let mut extents = lock(&self.extents);
+        let reserve = if connection == COMPACTOR {
+            0
+        } else {
+            self.client_reserve()
         };
-        self.seal(connection, Some((connection, started)));
-        lock(&self.chunks)[chunk as usize] = ChunkState::Owned(connection);
+        let available = extents.free.saturating_sub(reserve);
+        if available < needed {
+            return None;
+        }
+        // The compactor asks for a whole chunk: it packs blocks across extent boundaries, and
+        // the larger its destination, the less it loses at the end of each.
+        let desired = if connection == COMPACTOR {
+            chunk_extents
+        } else {
+            extents
+                .last_grant
+                .get(&connection)
+                .map_or(needed, |last| last * 2)
+                .min(chunk_extents)
+                .min(available / GRANT_SHARE_OF_FREE)
+                .max(needed)
+        };
+        let grant = find_free_run(&extents.states, extents.next_fit, needed, desired)?;
+        let now = Instant::now();
+        if let Some(old) = extents.owned.insert(connection, grant) {
+            Self::seal_grant(
+                &mut extents.states,
+                old,
+                connection,
+                now,
+                Some((connection, started)),
+            );
+        }
+        let first = grant.first_extent as usize;
+        for state in &mut extents.states[first..first + grant.extents as usize] {
+            *state = ExtentState::Owned(connection);
+        }
+        extents.free -= grant.extents;
+        extents.next_fit = first + grant.extents as usize;
+        extents.last_grant.insert(connection, grant.extents);
         self.allocations.fetch_add(1, Ordering::Relaxed);
-        Some(chunk)
+        Some(grant)
     }
 
-    /// Seals every chunk `connection` owns after it is gone (left, or its lease expired): its
+    /// Seals the grant `connection` owns after it is gone (left, or its lease expired): its
     /// queue pair is drained, so it writes nothing more.
     pub fn seal_owned_by(&self, connection: u64) {
-        self.seal(connection, None);
+        let mut extents = lock(&self.extents);
+        extents.last_grant.remove(&connection);
+        if let Some(grant) = extents.owned.remove(&connection) {
+            Self::seal_grant(&mut extents.states, grant, connection, Instant::now(), None);
+        }
     }
 
-    fn seal(&self, connection: u64, writer: Option<(u64, u64)>) {
-        let now = Instant::now();
-        for state in lock(&self.chunks).iter_mut() {
-            if matches!(state, ChunkState::Owned(owner) if *owner == connection) {
-                *state = ChunkState::Sealed { since: now, writer };
+    fn seal_grant(
+        states: &mut [ExtentState],
+        grant: Grant,
+        connection: u64,
+        since: Instant,
+        writer: Option<(u64, u64)>,
+    ) {
+        let first = grant.first_extent as usize;
+        for state in &mut states[first..first + grant.extents as usize] {
+            if matches!(state, ExtentState::Owned(owner) if *owner == connection) {
+                *state = ExtentState::Sealed { since, writer };
             }
         }
     }
 
-    /// Keeps the WRITE window of a sealed chunk until the chunk's writers are done; then it is
-    /// revoked, before the chunk can be reused.
-    pub fn keep_window(&self, chunk: u64, window: MemoryWindow) {
-        if let Some(previous) = lock(&self.sealed_windows).insert(chunk, window) {
+    /// Keeps the WRITE window of a sealed grant (by its first extent) until the grant's writers
+    /// are done; then it is revoked, before any of its extents can be reused.
+    pub fn keep_window(&self, first_extent: u64, window: MemoryWindow) {
+        if let Some(previous) = lock(&self.sealed_windows).insert(first_extent, window) {
             previous.invalidate();
         }
     }
 
-    /// Moves sealed chunks whose writers are done to `Settled`, and revokes their windows.
+    /// Moves sealed extents whose writers are done to `Settled`, and revokes their grants'
+    /// windows.
     pub fn settle(&self, announcements: &Announcements, now: Instant) {
         let mut settled = Vec::new();
         {
-            let mut chunks = lock(&self.chunks);
-            for (index, state) in chunks.iter_mut().enumerate() {
-                let ChunkState::Sealed { since, writer } = state else {
+            let mut extents = lock(&self.extents);
+            // The extents of one grant share their writer: ask once per pass.
+            let mut writers_done: HashMap<(u64, u64), bool> = HashMap::new();
+            for (index, state) in extents.states.iter_mut().enumerate() {
+                let ExtentState::Sealed { since, writer } = state else {
                     continue;
                 };
                 let done = match writer {
                     None => true,
-                    Some((connection, started)) => {
-                        announcements.quiescent_through(*connection, *started)
-                    }
+                    Some((connection, started)) => *writers_done
+                        .entry((*connection, *started))
+                        .or_insert_with(|| announcements.quiescent_through(*connection, *started)),
                 };
                 if done || now.duration_since(*since) >= self.quarantine {
-                    *state = ChunkState::Settled;
+                    *state = ExtentState::Settled { since: now };
                     settled.push(index as u64);
                 }
             }
         }
         let mut windows = lock(&self.sealed_windows);
-        for chunk in settled {
-            if let Some(window) = windows.remove(&chunk) {
+        if windows.is_empty() {
+            return;
+        }
+        for extent in settled {
+            if let Some(window) = windows.remove(&extent) {
                 window.invalidate();
             }
         }
     }
 
-    /// Chunks sealed or quarantined: neither owned nor free, coming back once unreferenced.
-    ///
-    /// Only chunks that will really come back count: unreferenced ones, and sparse ones that
-    /// compaction will empty (live bytes under `max_live_share` of a chunk at the last scan).
-    pub fn reclaimable_chunks(&self, max_live_share: f64) -> u64 {
-        let chunks = lock(&self.chunks);
+    /// Extents a client can expect to get without any client giving anything up: those free,
+    /// and those sealed or quarantined that no slot referenced at the last scan, plus what compaction can win from
+    /// the extents under `max_live_share` live (their dead bytes, in whole extents, less one for
+    /// the packing of moved blocks, and only while a free extent is left or coming back to
+    /// move them into),
+    /// less the compactor's reserve. Zero means the heap is full of live data: a writer should
+    /// fail `TableFull` now rather than wait for its deadline.
+    pub fn reclaimable_extents(&self, max_live_share: f64) -> u64 {
+        let extents = lock(&self.extents);
         let live = lock(&self.live_bytes);
-        let threshold = (self.chunk_size as f64 * max_live_share) as u64;
-        chunks
-            .iter()
-            .zip(live.iter())
-            .filter(|(state, live)| {
-                matches!(
-                    state,
-                    ChunkState::Sealed { .. } | ChunkState::Settled | ChunkState::Candidate { .. }
-                ) && **live < threshold
-            })
-            .count() as u64
+        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
+        let mut unreferenced = 0u64;
+        let mut dead_bytes = 0u64;
+        for (state, live) in extents.states.iter().zip(live.iter()) {
+            if !matches!(
+                state,
+                ExtentState::Sealed { .. }
+                    | ExtentState::Settled { .. }
+                    | ExtentState::Candidate { .. }
+            ) {
+                continue;
+            }
+            if *live == 0 {
+                unreferenced += 1;
+            } else if *live < threshold {
+                dead_bytes += EXTENT_SIZE - live;
+            }
+        }
+        // Compaction needs free extents to move blocks into: with none free and none coming
+        // back, nothing will move.
+        let compaction_gain = if extents.free == 0 && unreferenced == 0 {
+            0
+        } else {
+            (dead_bytes / EXTENT_SIZE).saturating_sub(1)
+        };
+        // A client gets nothing out of the last chunk's worth, the compactor's reserve.
+        (extents.free + unreferenced + compaction_gain).saturating_sub(self.client_reserve())
+    }
+
+    /// Free extents clients may not take: one chunk's worth, the compactor's (none when the
+    /// heap is a single chunk).
+    fn client_reserve(&self) -> u64 {
+        let chunk_extents = self.chunk_extents();
+        if self.extent_count <= chunk_extents {
+            0
+        } else {
+            chunk_extents
+        }
     }
 
     /// Heap bytes not free.
     pub fn used_bytes(&self) -> u64 {
-        let chunks = lock(&self.chunks);
-        chunks
-            .iter()
-            .filter(|state| !matches!(state, ChunkState::Free))
-            .count() as u64
-            * self.chunk_size
+        (self.extent_count - lock(&self.extents).free) * EXTENT_SIZE
+    }
+
+    /// Heap bytes free now.
+    pub fn free_bytes(&self) -> u64 {
+        lock(&self.extents).free * EXTENT_SIZE
+    }
+
+    /// Heap bytes in all.
+    pub fn size_bytes(&self) -> u64 {
+        self.extent_count * EXTENT_SIZE
     }
 
     /// Over the kept reuse delays: median, 99th percentile and largest, in milliseconds (zeros
-    /// before any chunk was reclaimed).
+    /// before any extent was reclaimed).
     pub fn reuse_delay_summary(&self) -> [u64; 3] {
         let mut delays: Vec<u64> = lock(&self.reuse_delays).iter().copied().collect();
         if delays.is_empty() {
@@ -275,16 +466,6 @@ impl Heap {
         delays.sort_unstable();
         let at = |share: f64| delays[((delays.len() - 1) as f64 * share).round() as usize];
         [at(0.5), at(0.99), at(1.0)]
-    }
-
-    /// Chunks free now.
-    pub fn free_chunks(&self) -> u64 {
-        lock(&self.free).len() as u64
-    }
-
-    /// Chunks in the heap.
-    pub fn chunk_count(&self) -> u64 {
-        self.chunk_count as u64
     }
 
     /// One collection pass over every referencing slot's (heap offset, block length, whether it
@@ -297,16 +478,23 @@ impl Heap {
         announcements: &Announcements,
         now: Instant,
     ) -> CollectionReport {
-        let count = self.chunk_count;
+        let count = self.extent_count as usize;
         let mut referenced = vec![false; count];
         let mut live = vec![0u64; count];
         let mut keys = 0u64;
         for (offset, length, committed) in referenced_blocks {
             keys += u64::from(committed);
-            let chunk = (offset / self.chunk_size) as usize;
-            if let Some(flag) = referenced.get_mut(chunk) {
+            // A block may span extents: each is referenced, and holds its share of the bytes.
+            let end = offset.saturating_add(length.max(1));
+            let mut extent = offset / EXTENT_SIZE;
+            while extent * EXTENT_SIZE < end {
+                let Some(flag) = referenced.get_mut(extent as usize) else {
+                    break;
+                };
                 *flag = true;
-                live[chunk] += length;
+                let extent_end = (extent + 1) * EXTENT_SIZE;
+                live[extent as usize] += end.min(extent_end) - offset.max(extent * EXTENT_SIZE);
+                extent += 1;
             }
         }
         *lock(&self.live_bytes) = live;
@@ -319,20 +507,22 @@ impl Heap {
                 .or_insert_with(|| announcements.all_quiescent(snapshot))
         };
         {
-            let mut chunks = lock(&self.chunks);
-            for (index, state) in chunks.iter_mut().enumerate() {
+            let mut extents = lock(&self.extents);
+            for (index, state) in extents.states.iter_mut().enumerate() {
                 let next = match (&*state, referenced[index]) {
-                    (ChunkState::Settled, false) => Some(ChunkState::Candidate {
+                    (ExtentState::Settled { .. }, false) => Some(ExtentState::Candidate {
                         since: now,
                         snapshot: snapshot.clone(),
                     }),
-                    (ChunkState::Candidate { .. }, true) => Some(ChunkState::Settled),
-                    (ChunkState::Candidate { since, snapshot }, false)
+                    (ExtentState::Candidate { .. }, true) => {
+                        Some(ExtentState::Settled { since: now })
+                    }
+                    (ExtentState::Candidate { since, snapshot }, false)
                         if now.duration_since(*since) >= self.quarantine
                             || snapshot_done(snapshot) =>
                     {
-                        freed.push((index as u64, *since));
-                        Some(ChunkState::Free)
+                        freed.push(*since);
+                        Some(ExtentState::Free)
                     }
                     _ => None,
                 };
@@ -340,18 +530,18 @@ impl Heap {
                     *state = next;
                 }
             }
+            extents.free += freed.len() as u64;
         }
         let reclaimed = freed.len() as u64;
         if reclaimed > 0 {
             let mut delays = lock(&self.reuse_delays);
-            for (_, unreferenced_since) in &freed {
+            for unreferenced_since in &freed {
                 if delays.len() == REUSE_DELAYS_KEPT {
                     delays.pop_front();
                 }
                 delays.push_back(now.duration_since(*unreferenced_since).as_millis() as u64);
             }
         }
-        lock(&self.free).extend(freed.into_iter().map(|(chunk, _)| chunk));
         self.reclaimed.fetch_add(reclaimed, Ordering::Relaxed);
         self.keys_estimate.store(keys, Ordering::Relaxed);
         CollectionReport { keys, reclaimed }
@@ -363,14 +553,26 @@ mod tests {
     use super::*;
     use rdkv_fabric::{Device, DeviceConfig};
 
-    fn heap(chunks: u64) -> Heap {
+    /// A heap of `chunks` chunks of `chunk_size` bytes.
+    fn heap_of(chunks: u64, chunk_size: u64) -> Heap {
         let geometry = TableGeometry {
             bucket_count: 4,
-            heap_size: chunks * 65536,
-            chunk_size: 65536,
+            heap_size: chunks * chunk_size,
+            chunk_size,
             hash_seed: 0,
         };
         Heap::new(&geometry, Duration::from_secs(1))
+    }
+
+    /// A heap of `extents` one-extent chunks.
+    fn heap(extents: u64) -> Heap {
+        heap_of(extents, EXTENT_SIZE)
+    }
+
+    /// The first extent of `connection`'s new grant.
+    fn grant(heap: &Heap, connection: u64, started: u64) -> Option<u64> {
+        heap.allocate(connection, started, 100)
+            .map(|grant| grant.first_extent)
     }
 
     /// Announce words for connections 1 and 2, written through the returned setter.
@@ -425,20 +627,16 @@ mod tests {
     #[test]
     fn chunks_are_exclusive_and_the_last_one_is_kept_for_the_compactor() {
         let heap = heap(3);
-        assert_eq!(heap.allocate(1, 0), Some(0));
-        assert_eq!(heap.allocate(2, 0), Some(1));
+        assert_eq!(grant(&heap, 1, 0), Some(0));
+        assert_eq!(grant(&heap, 2, 0), Some(1));
         assert_eq!(
-            heap.allocate(3, 0),
+            grant(&heap, 3, 0),
             None,
             "the last free chunk is the compactor's"
         );
-        assert_eq!(heap.allocate(crate::compactor::COMPACTOR, 0), Some(2));
-        assert_eq!(
-            heap.allocate(crate::compactor::COMPACTOR, 0),
-            None,
-            "no free chunk"
-        );
-        assert_eq!(heap.used_bytes(), 3 * 65536);
+        assert_eq!(grant(&heap, COMPACTOR, 0), Some(2));
+        assert_eq!(grant(&heap, COMPACTOR, 0), None, "no free chunk");
+        assert_eq!(heap.used_bytes(), 3 * EXTENT_SIZE);
     }
 
     #[test]
@@ -448,14 +646,17 @@ mod tests {
         let now = Instant::now();
         words.announce(1, 5, 4);
         words.announce(2, 9, 9);
-        assert_eq!(heap.allocate(1, 5), Some(0));
+        assert_eq!(grant(&heap, 1, 5), Some(0));
         assert_eq!(
-            heap.allocate(1, 5),
+            grant(&heap, 1, 5),
             Some(1),
             "chunk 0 sealed; operation 5 may still write"
         );
         assert_eq!(words.tick(&heap, &[], now).reclaimed, 0, "writer 5 runs");
-        assert_eq!(heap.compaction_candidates(0.5, 8), Vec::<u64>::new());
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, now, 8),
+            Vec::<u64>::new()
+        );
         words.announce(1, 6, 5);
         assert_eq!(
             words.tick(&heap, &[], now).reclaimed,
@@ -469,7 +670,11 @@ mod tests {
             1,
             "nothing left that saw it"
         );
-        assert_eq!(heap.free_chunks(), 2, "chunk 0 and the never-used chunk 2");
+        assert_eq!(
+            heap.free_bytes(),
+            2 * EXTENT_SIZE,
+            "extent 0 and the never-used extent 2"
+        );
         assert_eq!(heap.reuse_delays.lock().expect("delays").len(), 1);
     }
 
@@ -480,8 +685,8 @@ mod tests {
         let start = Instant::now();
         let at = |seconds: f64| start + Duration::from_secs_f64(seconds);
         words.announce(1, 3, 2);
-        heap.allocate(1, 3);
-        heap.allocate(1, 3);
+        grant(&heap, 1, 3);
+        grant(&heap, 1, 3);
         assert_eq!(
             words.tick(&heap, &[], at(0.5)).reclaimed,
             0,
@@ -505,7 +710,7 @@ mod tests {
         let words = Words::new();
         let heap = heap(2);
         words.announce(1, 1, 0);
-        heap.allocate(1, 1);
+        grant(&heap, 1, 1);
         heap.seal_owned_by(1);
         let now = Instant::now();
         assert_eq!(words.tick(&heap, &[], now).reclaimed, 0, "a candidate");
@@ -533,7 +738,7 @@ mod tests {
         let heap = heap(2);
         let device = Device::loopback(DeviceConfig::default());
         let window = device.allocate_protection_domain().allocate_memory_window();
-        heap.allocate(2, 0);
+        grant(&heap, 2, 0);
         heap.keep_window(0, window);
         heap.seal_owned_by(2);
         words.announcements.release(2);
@@ -550,21 +755,33 @@ mod tests {
         let words = Words::new();
         let heap = heap(4);
         for connection in 1..=3 {
-            heap.allocate(connection, 0);
+            grant(&heap, connection, 0);
             heap.seal_owned_by(connection);
         }
-        // Chunk 0: 60 KiB live (dense); chunk 1: 1 KiB; chunk 2: 8 KiB; chunk 3: free.
+        // Extent 0: 3,500 bytes live (dense); extent 1: 100; extent 2: 800; extent 3: free.
         words.tick(
             &heap,
             &[
-                (0, 60 * 1024, true),
-                (65536, 1024, true),
-                (2 * 65536, 8 * 1024, true),
+                (0, 3500, true),
+                (EXTENT_SIZE, 100, true),
+                (2 * EXTENT_SIZE, 800, true),
             ],
             Instant::now(),
         );
-        assert_eq!(heap.compaction_candidates(0.5, 8), vec![1, 2]);
-        assert_eq!(heap.compaction_candidates(0.5, 1), vec![1]);
+        let later = Instant::now() + Duration::from_secs(1);
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, later, 8),
+            vec![1, 2]
+        );
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, later, 1),
+            vec![1]
+        );
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::from_secs(2), later, 8),
+            Vec::<u64>::new(),
+            "settled too recently: their blocks may be about to die anyway"
+        );
     }
 
     #[test]
@@ -572,7 +789,7 @@ mod tests {
         let words = Words::new();
         let heap = heap(1);
         let start = Instant::now();
-        heap.allocate(1, 0);
+        grant(&heap, 1, 0);
         for step in 1..5 {
             assert_eq!(
                 words
@@ -581,5 +798,81 @@ mod tests {
                 0
             );
         }
+    }
+
+    #[test]
+    fn grants_start_at_what_the_block_needs_and_double_up_to_a_chunk() {
+        let heap = heap_of(64, 16 * EXTENT_SIZE);
+        let sizes: Vec<u64> = (0..6)
+            .map(|_| heap.allocate(1, 0, 1000).expect("room").extents)
+            .collect();
+        assert_eq!(sizes, vec![1, 2, 4, 8, 16, 16]);
+        assert_eq!(
+            heap.allocate(2, 0, 3 * EXTENT_SIZE + 1)
+                .expect("room")
+                .extents,
+            4,
+            "a first grant holds the block that asked for it"
+        );
+        assert!(
+            heap.allocate(2, 0, 17 * EXTENT_SIZE).is_none(),
+            "no block is larger than a chunk"
+        );
+    }
+
+    #[test]
+    fn a_hundred_writers_share_a_heap_of_ten_chunks() {
+        let heap = heap_of(10, 16 * EXTENT_SIZE);
+        let mut grants: Vec<Grant> = (1..=100)
+            .map(|connection| heap.allocate(connection, 0, 1088).expect("room for each"))
+            .collect();
+        // Each writes on: later grants are cut to a share of what is free.
+        for connection in 1..=100u64 {
+            if let Some(grant) = heap.allocate(connection, 0, 1088) {
+                grants.push(grant);
+            }
+        }
+        let mut taken = std::collections::HashSet::new();
+        for grant in &grants {
+            for extent in grant.first_extent..grant.first_extent + grant.extents {
+                assert!(taken.insert(extent), "extent {extent} granted twice");
+            }
+        }
+        assert!(
+            heap.free_bytes() >= 16 * EXTENT_SIZE,
+            "a chunk stays the compactor's"
+        );
+    }
+
+    #[test]
+    fn a_sealed_grant_gives_back_its_unused_tail_and_dead_extents() {
+        let words = Words::new();
+        let heap = heap_of(64, 4 * EXTENT_SIZE);
+        for _ in 0..3 {
+            heap.allocate(1, 0, 100);
+        }
+        let grant = heap.allocate(1, 0, 100).expect("a full chunk");
+        assert_eq!(grant.extents, 4);
+        words.announcements.release(1);
+        let now = Instant::now();
+        words.tick(&heap, &[], now);
+        assert_eq!(
+            words.tick(&heap, &[], now).reclaimed,
+            7,
+            "the earlier grants"
+        );
+        let before = heap.free_bytes();
+        heap.seal_owned_by(1);
+        // One block spans the grant's first two extents; the other two were never written.
+        let block = (grant.heap_offset() + EXTENT_SIZE - 100, 200, true);
+        assert_eq!(words.tick(&heap, &[block], now).reclaimed, 0, "candidates");
+        assert_eq!(words.tick(&heap, &[block], now).reclaimed, 2, "the tail");
+        assert_eq!(heap.free_bytes(), before + 2 * EXTENT_SIZE);
+        assert!(
+            !heap.writer_gone(grant.heap_offset() + 3 * EXTENT_SIZE),
+            "free again"
+        );
+        assert_eq!(words.tick(&heap, &[], now).reclaimed, 0);
+        assert_eq!(words.tick(&heap, &[], now).reclaimed, 2, "the block died");
     }
 }

@@ -29,7 +29,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 18] = [
+        let definitions: [(&str, &str, Reader); 17] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -57,13 +57,12 @@ impl Metrics {
             ("heap_size_bytes", "Heap bytes", |stats| {
                 stats.heap_size_bytes as i64
             }),
-            ("heap_free_chunks", "Heap chunks free now", |stats| {
-                stats.heap_free_chunks as i64
+            ("heap_free_bytes", "Heap bytes free now", |stats| {
+                stats.heap_free_bytes as i64
             }),
-            ("heap_chunks", "Heap chunks in all", |stats| stats.heap_chunks as i64),
             (
                 "heap_reuse_delay_p99_milliseconds",
-                "Over the last 1,024 chunks reclaimed: 99th percentile of the milliseconds from the scan that found a chunk unreferenced to its reuse",
+                "Over the last 1,024 heap extents reclaimed: 99th percentile of the milliseconds from the scan that found an extent unreferenced to its reuse",
                 |stats| stats.heap_reuse_delay_ms[1] as i64,
             ),
             ("keys", "Keys (from the last index scan)", |stats| {
@@ -71,15 +70,15 @@ impl Metrics {
             }),
             (
                 "chunk_allocations_total",
-                "Heap chunks handed out",
+                "Heap grants handed out",
                 |stats| stats.chunk_allocations as i64,
             ),
-            ("chunks_reclaimed_total", "Heap chunks reclaimed", |stats| {
-                stats.chunks_reclaimed as i64
+            ("heap_extents_reclaimed_total", "Heap extents (4 KiB) reclaimed", |stats| {
+                stats.extents_reclaimed as i64
             }),
             (
                 "blocks_relocated_total",
-                "Live blocks moved out of sparse chunks",
+                "Live blocks moved out of sparse heap extents",
                 |stats| stats.blocks_relocated as i64,
             ),
             (

@@ -301,14 +301,14 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
             report
         })
         .await;
-        if shared.heap.free_chunks() * 10 < shared.heap.chunk_count()
+        if shared.heap.free_bytes() * 10 < shared.heap.size_bytes()
             && last_low_warning
                 .is_none_or(|warned: Instant| warned.elapsed() >= LOW_HEAP_WARNING_EVERY)
         {
             last_low_warning = Some(Instant::now());
             tracing::warn!(
-                free_chunks = shared.heap.free_chunks(),
-                chunks = shared.heap.chunk_count(),
+                free_bytes = shared.heap.free_bytes(),
+                heap_bytes = shared.heap.size_bytes(),
                 "heap under 10% free: writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)"
             );
         }
@@ -317,7 +317,7 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 tracing::debug!(
                     reclaimed = report.reclaimed,
                     keys = report.keys,
-                    "heap chunks reclaimed"
+                    "heap extents reclaimed"
                 );
             }
         }

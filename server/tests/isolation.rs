@@ -98,7 +98,10 @@ impl RawClient {
     async fn chunk(&mut self) -> RemoteKey {
         write_frame(
             &mut self.stream,
-            &ClientMessage::AllocateChunk { started: 0 },
+            &ClientMessage::AllocateChunk {
+                started: 0,
+                needed: 1024,
+            },
         )
         .await
         .expect("request chunk");

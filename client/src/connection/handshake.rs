@@ -9,8 +9,7 @@ use rdkv_common::protocol::{
     compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
-use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
-use rdkv_fabric::{AccessFlags, Device, DeviceConfig, QueuePairConfig};
+use rdkv_fabric::QueuePairConfig;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -87,27 +86,14 @@ impl NodeConnection {
             Err(error) => return Err(unreachable(format!("handshake: {error}"))),
         };
 
-        let device = Device::open(
-            config.node.fabric,
-            None,
-            &config.verbs,
-            DeviceConfig {
-                poll_spin: config.poll_spin,
-                ..DeviceConfig::default()
-            },
-        )?;
-        let domain = device.allocate_protection_domain();
-        let completion_queue = device.create_completion_queue(1024)?;
-        let queue_pair = domain.create_queue_pair(&completion_queue, QueuePairConfig::default())?;
-        let slots = config.concurrency.max(1) as u64;
-        // The scratch buffers, then one page for the announce word's source bytes.
-        let announce_source = slots * SCRATCH_SIZE;
-        let memory = Arc::new(PinnedMemory::allocate(
-            announce_source + 4096,
-            HugepagePolicy::Off,
-            PinLimits::default(),
-        )?);
-        let scratch_region = domain.register_all(&memory, AccessFlags::LOCAL_WRITE)?;
+        let fabric = ClientFabric::shared(config)?;
+        let completion_queue = fabric.device.create_completion_queue(1024)?;
+        let queue_pair = fabric
+            .domain
+            .create_queue_pair(&completion_queue, QueuePairConfig::default())?;
+        let slots = config.concurrency.max(1);
+        // The announce word's source bytes; scratch buffers come from the pool per operation.
+        let announce_region = fabric.announce_block()?;
         queue_pair.connect(&welcome.server_endpoint).await?;
         write_frame(
             &mut stream,
@@ -126,20 +112,15 @@ impl NodeConnection {
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
         tokio::spawn(control_task(stream, requests, heartbeat, counters.clone()));
-        let announcer = Arc::new(Announcer::new(
-            scratch_region.clone(),
-            announce_source,
-            keys.announce_key,
-        ));
+        let announcer = Arc::new(Announcer::new(announce_region, 0, keys.announce_key));
         let connection = Arc::new(Self {
             address,
             welcome,
             keys,
             queue_pair,
-            scratch_region,
+            retired_buffers: Mutex::new(Vec::new()),
             announcer,
-            scratch_free: Arc::new(Mutex::new((0..slots).collect())),
-            scratch_permits: Arc::new(Semaphore::new(slots as usize)),
+            scratch_permits: Arc::new(Semaphore::new(slots)),
             chunk: Mutex::new(None),
             refill: Semaphore::new(1),
             writer_stripes: (0..WRITER_STRIPES)
@@ -149,7 +130,7 @@ impl NodeConnection {
             broken: AtomicBool::new(false),
             counters,
             fault_injector: config.fault_injector.clone(),
-            _device: device,
+            fabric,
         });
         tokio::spawn(announce::flusher(
             Arc::downgrade(&connection),

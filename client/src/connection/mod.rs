@@ -4,7 +4,8 @@
 //! - `handshake`: connect, authenticate, connect the queue pair, start the control task;
 //! - `control`: the control task (requests in order, heartbeats while idle) and the requests
 //!   that go through it;
-//! - `scratch`: the registered scratch buffers and the posting of lists through them;
+//! - `pool`: the process's shared device, protection domain and scratch buffer pool;
+//! - `scratch`: a scratch buffer per operation and the posting of lists through it;
 //! - `writer_stripes`: the per-key writer turns of this process;
 //! - here: the connection itself and its heap chunk cursor.
 
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use rdkv_common::protocol::{ClientMessage, ConnectionKeys, ServerMessage, Welcome};
 use rdkv_fabric::lock;
-use rdkv_fabric::{Device, MemoryRegion, QueuePair, RemoteKey};
+use rdkv_fabric::{MemoryRegion, QueuePair, RemoteKey};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::counters::Counters;
@@ -26,6 +27,7 @@ mod announce;
 mod config;
 mod control;
 mod handshake;
+mod pool;
 mod scratch;
 mod writer_stripes;
 
@@ -33,7 +35,7 @@ use announce::Announcer;
 pub use config::{ClientConfig, NodeAddress, DEFAULT_CONCURRENCY};
 use control::{control_task, ControlRequest};
 use handshake::CONNECT_TIMEOUT;
-use scratch::SCRATCH_SIZE;
+use pool::ClientFabric;
 pub(crate) use scratch::{
     ExecuteError, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT, READ_BLOCKS_SIZE,
     WRITE_BLOCK_AT,
@@ -43,6 +45,10 @@ use writer_stripes::WRITER_STRIPES;
 /// How long to wait before asking again for a chunk when the heap's free chunks are all
 /// waiting to be reclaimed.
 const CHUNK_RETRY_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long to wait before asking again when the node says nothing will come back: two of its
+/// collector passes (25 ms by default), so that its answer reflects the latest writes.
+const TABLE_FULL_CONFIRM_DELAY: Duration = Duration::from_millis(60);
 
 /// A chunk the client writes blocks into.
 #[derive(Debug, Clone, Copy)]
@@ -76,13 +82,12 @@ pub(crate) struct NodeConnection {
     pub(crate) keys: ConnectionKeys,
     /// The client's queue pair.
     pub(crate) queue_pair: QueuePair,
-    /// The registered scratch buffers (and, after them, the announce word's source bytes).
-    pub(crate) scratch_region: MemoryRegion,
+    /// Scratch buffers that may still be written by a queued list (an operation cancelled
+    /// inside its post): kept until the queue pair above is gone (fields drop in order).
+    retired_buffers: Mutex<Vec<MemoryRegion>>,
     /// The announce word: which operations are in flight, for the node's reclamation.
     announcer: Arc<Announcer>,
-    /// Free scratch buffers.
-    scratch_free: Arc<Mutex<Vec<u64>>>,
-    /// Counts free scratch buffers; bounds operations in flight.
+    /// Bounds this connection's operations in flight (`ClientConfig::concurrency`).
     scratch_permits: Arc<Semaphore>,
     /// The current chunk.
     chunk: Mutex<Option<ChunkCursor>>,
@@ -100,8 +105,8 @@ pub(crate) struct NodeConnection {
     pub(crate) counters: Arc<Counters>,
     /// The configured fault injector (tests only).
     fault_injector: Option<Arc<dyn FaultInjector>>,
-    /// The device, kept for the connection's lifetime.
-    _device: Device,
+    /// The process's device, domain and scratch pool.
+    fabric: Arc<ClientFabric>,
 }
 
 impl std::fmt::Debug for NodeConnection {
@@ -137,6 +142,7 @@ impl NodeConnection {
     /// in the announce word, given under the chunk lock with the reservation (see
     /// [`Scratch::place_block`], which parks the operation's old number first).
     pub(crate) async fn place_block(&self, length: u64) -> Result<(BlockPlace, u64)> {
+        let mut confirmed_full = false;
         loop {
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
@@ -159,12 +165,13 @@ impl NodeConnection {
                 self.announcer.started()
             };
             match self
-                .control(ClientMessage::AllocateChunk { started })
+                .control(ClientMessage::AllocateChunk {
+                    started,
+                    needed: length,
+                })
                 .await?
             {
-                ServerMessage::Chunk {
-                    heap_offset, key, ..
-                } => {
+                ServerMessage::Chunk { heap_offset, key } => {
                     *lock(&self.chunk) = Some(ChunkCursor {
                         key,
                         heap_offset,
@@ -176,7 +183,14 @@ impl NodeConnection {
                     reason,
                 } => {
                     if reclaimable == 0 {
-                        return Err(Error::TableFull { reason });
+                        // The node judges from its last scan, which may predate deletes or
+                        // replacements that just happened: ask once more after the next ones.
+                        if confirmed_full {
+                            return Err(Error::TableFull { reason });
+                        }
+                        confirmed_full = true;
+                        tokio::time::sleep(TABLE_FULL_CONFIRM_DELAY).await;
+                        continue;
                     }
                     // Chunks are on their way back; wait for the collector (the operation's
                     // deadline bounds the wait).

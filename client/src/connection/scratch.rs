@@ -1,7 +1,8 @@
-//! Scratch buffers: sub-allocated from one registered block. A [`Scratch`] stays out of the
-//! pool until every list posted through it has completed, even when the operation that used it
-//! is cancelled: its drop hands the outstanding completion to a task that returns the buffer
-//! afterwards. Every list of an operation is posted through [`Scratch::execute`].
+//! Scratch buffers: one per operation, taken from the process's pool (`pool.rs`). A [`Scratch`]
+//! stays out of the pool until every list posted through it has completed, even when the
+//! operation that used it is cancelled: its drop hands the outstanding completion to a task
+//! that returns the buffer afterwards. Every list of an operation is posted through
+//! [`Scratch::execute`].
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use crate::error::Result;
 use crate::fault::{Injection, Moment, Step, StepKind};
 use crate::progress::{Progress, Waiting};
 
+use super::pool::ScratchBuffer;
 use super::*;
 
 /// Bytes of one scratch buffer.
@@ -29,28 +31,28 @@ pub(crate) const READ_BLOCKS_AT: u64 = WRITE_BLOCK_AT + 16 * 1024;
 pub(crate) const READ_BLOCKS_SIZE: u64 = SCRATCH_SIZE - READ_BLOCKS_AT;
 
 impl NodeConnection {
-    /// Takes a scratch buffer, waiting while all are in use.
-    pub(crate) async fn scratch(self: &Arc<Self>, progress: Arc<Progress>) -> Scratch {
+    /// Takes a scratch buffer, waiting while the connection has its configured concurrency in
+    /// flight, or while the process's pool is at its memory limit.
+    pub(crate) async fn scratch(self: &Arc<Self>, progress: Arc<Progress>) -> Result<Scratch> {
         let permit = self
             .scratch_permits
             .clone()
             .acquire_owned()
             .await
             .expect("the scratch semaphore is never closed");
+        let buffer = self.fabric.take().await?;
         permit.forget();
-        let index = lock(&self.scratch_free)
-            .pop()
-            .expect("a permit guarantees a free scratch buffer");
-        Scratch {
+        Ok(Scratch {
             operation: self.announcer.start(),
             announced: false,
             posting: false,
             connection: self.clone(),
-            base: index * SCRATCH_SIZE,
+            buffer: Some(buffer),
+            base: 0,
             outstanding: None,
             round_trips: 0,
             progress,
-        }
+        })
     }
 }
 
@@ -66,7 +68,9 @@ pub(crate) struct Scratch {
     posting: bool,
     /// The connection.
     connection: Arc<NodeConnection>,
-    /// Offset of this buffer in the scratch region.
+    /// The buffer (taken back out only by `drop`).
+    buffer: Option<ScratchBuffer>,
+    /// Offset of the operation's area in the buffer's region.
     pub(crate) base: u64,
     /// A posted list not yet completed (set only while awaiting).
     outstanding: Option<PostedList>,
@@ -82,9 +86,12 @@ impl Scratch {
         &self.connection
     }
 
-    /// The region.
+    /// The buffer's region.
     pub(crate) fn region(&self) -> &MemoryRegion {
-        &self.connection.scratch_region
+        match &self.buffer {
+            Some(buffer) => &buffer.region,
+            None => unreachable!("a scratch buffer is taken out only when it is dropped"),
+        }
     }
 
     /// Posts a list (one step of `operation`) and waits for its completions; counts one round
@@ -230,16 +237,22 @@ impl Drop for Scratch {
             // finish is still true on the node's side.)
             self.connection.mark_broken();
             self.connection.announcer.finish(self.operation);
+            if let Some(buffer) = self.buffer.take() {
+                lock(&self.connection.retired_buffers).push(buffer.region);
+                self.connection.fabric.retire();
+            }
             return;
         }
-        let free = self.connection.scratch_free.clone();
+        let fabric = self.connection.fabric.clone();
         let permits = self.connection.scratch_permits.clone();
         let announcer = self.connection.announcer.clone();
-        let base = self.base;
+        let buffer = self.buffer.take();
         let operation = self.operation;
         // The operation is over once every list it posted has completed.
         let give_back = move || {
-            lock(&free).push(base / SCRATCH_SIZE);
+            if let Some(buffer) = buffer {
+                fabric.give_back(buffer);
+            }
             permits.add_permits(1);
             announcer.finish(operation);
         };

@@ -44,7 +44,7 @@ impl Session {
                     last_heard = Instant::now();
                     shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
                     let reply = match message {
-                        ClientMessage::AllocateChunk { started } if self.queue_pair.is_some() => self.allocate_chunk(started),
+                        ClientMessage::AllocateChunk { started, needed } if self.queue_pair.is_some() => self.allocate_chunk(started, needed),
                         ClientMessage::Heartbeat { counters } => {
                             shared.counters.add_client_report(&counters);
                             ServerMessage::HeartbeatAck
@@ -68,46 +68,52 @@ impl Session {
         }
     }
 
-    /// Seals the client's chunk (its operations up to `started` may still be writing there)
-    /// and hands it a fresh one.
-    fn allocate_chunk(&mut self, started: u64) -> ServerMessage {
+    /// Seals the client's grant (its operations up to `started` may still be writing there)
+    /// and hands it a new one with room for `needed` bytes (`heap.rs` sizes it).
+    fn allocate_chunk(&mut self, started: u64, needed: u64) -> ServerMessage {
         let shared = &self.shared;
         let Some(queue_pair) = &self.queue_pair else {
             return ServerMessage::Refused {
                 reason: "no queue pair".into(),
             };
         };
-        let geometry = &shared.table.geometry;
-        let Some(chunk) = shared.heap.allocate(self.connection_id, started) else {
+        if needed > shared.heap.chunk_size() {
+            return ServerMessage::Refused {
+                reason: format!(
+                    "a block of {needed} bytes is larger than a chunk ({} bytes)",
+                    shared.heap.chunk_size()
+                ),
+            };
+        }
+        let Some(grant) = shared.heap.allocate(self.connection_id, started, needed) else {
             return ServerMessage::ChunkUnavailable {
                 reclaimable: shared
                     .heap
-                    .reclaimable_chunks(crate::compactor::live_share_now(&shared.heap)),
+                    .reclaimable_extents(crate::compactor::live_share_now(&shared.heap)),
                 reason: format!(
-                    "heap full: all {} chunks of {} bytes are in use or quarantined; raise heap_size",
-                    geometry.chunk_count(),
-                    geometry.chunk_size
+                    "heap full: {} of {} MiB in use or waiting to be reclaimed; raise heap_size (docs/operations.md, Sizing the heap: 2 x live data + (writers + 2) chunks + 0.25 s of writes)",
+                    mebibytes(shared.heap.used_bytes()),
+                    mebibytes(shared.heap.size_bytes()),
                 ),
             };
         };
-        // The old chunk is sealed: its window goes to the heap, revoked when its writers are done.
+        // The old grant is sealed: its window goes to the heap, revoked when its writers are
+        // done.
         if let Some((sealed, window)) = self.chunk_window.take() {
             shared.heap.keep_window(sealed, window);
         }
-        let heap_offset = chunk * geometry.chunk_size;
         let window = shared.table.domain.allocate_memory_window();
         match queue_pair.bind_memory_window(
             &window,
             &shared.table.region,
-            shared.table.heap_address() + heap_offset,
-            geometry.chunk_size,
+            shared.table.heap_address() + grant.heap_offset(),
+            grant.length(),
             AccessFlags::REMOTE_WRITE,
         ) {
             Ok(key) => {
-                self.chunk_window = Some((chunk, window));
+                self.chunk_window = Some((grant.first_extent, window));
                 ServerMessage::Chunk {
-                    chunk,
-                    heap_offset,
+                    heap_offset: grant.heap_offset(),
                     key,
                 }
             }
@@ -116,4 +122,9 @@ impl Session {
             },
         }
     }
+}
+
+/// Bytes as MiB with one decimal, for messages.
+fn mebibytes(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
 }
