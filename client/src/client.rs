@@ -73,7 +73,7 @@ impl Client {
     ///
     /// # Errors
     /// [`Error::NodeUnreachable`], [`Error::AuthenticationFailed`], or the fabric's errors
-    /// (for example a memlock limit too low for the scratch buffers).
+    /// (for example a memlock limit too low for even one scratch buffer).
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
         let connection = NodeConnection::open(&config, counters.clone()).await?;
@@ -96,8 +96,9 @@ impl Client {
         Self::for_cluster_with_concurrency(cluster, DEFAULT_CONCURRENCY)
     }
 
-    /// As [`Client::for_cluster`], with `concurrency` operations in flight per node (each holds
-    /// a 64 KiB registered scratch buffer).
+    /// As [`Client::for_cluster`], with at most `concurrency` operations in flight per node.
+    /// Each holds a 64 KiB registered scratch buffer while it runs, from the process's shared
+    /// pool, which grows with the operations in flight and shrinks back (`docs/memory.md`).
     pub fn for_cluster_with_concurrency(cluster: &ClusterConfig, concurrency: usize) -> Self {
         let nodes: Vec<Node> = cluster
             .nodes

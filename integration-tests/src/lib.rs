@@ -1,8 +1,10 @@
 //! rdkv's cross-crate test support.
 //!
+//! - [`cluster`]: a three-node cluster from the example file, through `rdkv-cluster`.
 //! - [`linearizability`]: a linearizability checker for key-value histories.
 //! - [`process`]: real `rdkv-server` processes for tests, stopped on drop.
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod linearizability;
 pub mod process;

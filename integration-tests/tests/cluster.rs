@@ -7,55 +7,13 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, Error};
+use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster};
 use rdkv_integration_tests::process::workspace_binary;
-
-/// The example file with every port replaced by a free one, written into `directory`.
-fn generate_cluster_file(directory: &Path) -> PathBuf {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
-    let mut text = std::fs::read_to_string(example).expect("read the example");
-    let example_ports = [
-        "7400", "7401", "7402", "7410", "7411", "7412", "7420", "7421", "7422",
-    ];
-    let free = rdkv_common::process::free_loopback_ports(example_ports.len()).expect("free ports");
-    for (port, free) in example_ports.iter().zip(free) {
-        text = text.replace(&format!(":{port}\""), &format!(":{free}\""));
-    }
-    let path = directory.join("cluster.toml");
-    std::fs::write(&path, text).expect("write the cluster file");
-    path
-}
-
-fn rdkv_cluster(arguments: &[&str]) -> std::process::Output {
-    Command::new(workspace_binary("rdkv-cluster"))
-        .args(arguments)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run rdkv-cluster")
-}
-
-/// Stops the cluster even if the test fails.
-struct Cluster {
-    file: PathBuf,
-    run_directory: PathBuf,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = rdkv_cluster(&[
-            "down",
-            self.file.to_str().unwrap_or_default(),
-            "--run-dir",
-            self.run_directory.to_str().unwrap_or_default(),
-        ]);
-        let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent")));
-    }
-}
 
 fn scrape(address: SocketAddr) -> HashMap<String, f64> {
     let mut stream = TcpStream::connect(address).expect("connect to metrics");

@@ -6,7 +6,7 @@
 //! common under zipfian workloads) pins its extent. Extents are small, so that costs little, and
 //! most space comes back without compaction; what is left is a heap of half-empty extents after
 //! many short-lived writers. After each scan, the server picks extents settled for half a second
-//! ([`COMPACTION_AGE`]; at once when the heap is nearly full) whose live bytes are under half an
+//! ([`COMPACTION_AGE`]; a tenth of a second when the heap is nearly full) whose live bytes are under half an
 //! extent, copies each live block (verified by its checksum) into a grant the
 //! server owns, and CASes the slot from the old block to the copy.
 //!
@@ -49,6 +49,10 @@ pub fn live_share_now(heap: &Heap) -> f64 {
 /// their writers' CAS fail once), and their extents come back by themselves.
 pub const COMPACTION_AGE: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// The same when the heap is nearly full: short, but hot keys' blocks (replaced every few
+/// milliseconds) are still left alone, so moving them does not make their writers lose races.
+pub const FULL_HEAP_COMPACTION_AGE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Most extents compacted per pass, to bound the work of one scan (512 KiB).
 const EXTENTS_PER_PASS: usize = 128;
 
@@ -76,7 +80,7 @@ impl Compactor {
         // Settled: no client is still writing a block it placed there.
         let share = live_share_now(heap);
         let min_age = if share == FULL_HEAP_LIVE_SHARE {
-            std::time::Duration::ZERO
+            FULL_HEAP_COMPACTION_AGE
         } else {
             COMPACTION_AGE
         };

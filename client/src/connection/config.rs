@@ -36,7 +36,8 @@ pub struct ClientConfig {
     pub poll_spin: Duration,
     /// A name for the server's logs.
     pub name: String,
-    /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer).
+    /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer from
+    /// the process's shared pool while it runs; idle connections hold none).
     pub concurrency: usize,
     /// The per-operation deadline; the server's when absent. An operation on a node never runs
     /// longer than that node's own deadline (from its welcome), which the node's heap reuse and

@@ -10,6 +10,7 @@
 //! failing: ten `Client`s of a three-node cluster run under the common 8 MiB `ulimit -l`.
 //! Only when nothing is in flight to wait for is the limit an error (it names the fix).
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{
     lock, AccessFlags, Backend, Device, DeviceConfig, MemoryRegion, ProtectionDomain, VerbsOptions,
 };
-use tokio::sync::Notify;
+use tokio::sync::oneshot;
 
 use super::scratch::SCRATCH_SIZE;
 use super::ClientConfig;
@@ -44,8 +45,28 @@ static FABRICS: Mutex<Vec<(FabricKey, Weak<ClientFabric>)>> = Mutex::new(Vec::ne
 struct PoolState {
     /// Idle buffers.
     idle: Vec<MemoryRegion>,
-    /// Buffers taken (and buffers being registered for a taker).
+    /// Buffers taken (and buffers being registered for a taker, or handed to a waiter).
     busy: usize,
+    /// Registering failed at a memory limit: takers wait in line until memory is given back.
+    at_limit: bool,
+    /// Takers waiting for a buffer, oldest first.
+    waiters: VecDeque<oneshot::Sender<MemoryRegion>>,
+}
+
+/// A taker in line. Dropped before it got its buffer (its operation's deadline passed), it
+/// leaves the line; dropped just after a buffer was handed to it, it gives the buffer back.
+struct Waiting<'pool> {
+    receiver: oneshot::Receiver<MemoryRegion>,
+    fabric: &'pool ClientFabric,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.receiver.close();
+        if let Ok(region) = self.receiver.try_recv() {
+            self.fabric.give_back(ScratchBuffer { region });
+        }
+    }
 }
 
 /// One device and protection domain, and the scratch pool registered in it.
@@ -55,8 +76,6 @@ pub(crate) struct ClientFabric {
     pub(crate) domain: ProtectionDomain,
     /// The pool.
     state: Mutex<PoolState>,
-    /// Signalled when a buffer is given back.
-    returned: Notify,
     /// The device (its domain holds it too; kept for clarity of ownership).
     pub(crate) device: Device,
 }
@@ -97,7 +116,6 @@ impl ClientFabric {
         let fabric = Arc::new(Self {
             domain: device.allocate_protection_domain(),
             state: Mutex::new(PoolState::default()),
-            returned: Notify::new(),
             device,
         });
         fabrics.push((key, Arc::downgrade(&fabric)));
@@ -105,55 +123,88 @@ impl ClientFabric {
     }
 
     /// Takes a buffer: an idle one, else a newly registered one; when the memlock limit or the
-    /// machine's memory stops the pool from growing, waits for one to be given back.
+    /// machine's memory stops the pool from growing, waits in line for one to be given back
+    /// (first come, first served: a buffer given back goes straight to the oldest waiter).
     ///
     /// # Errors
     /// The pinning error when the pool cannot grow and no buffer is in use to wait for.
-    pub(crate) async fn take(&self) -> rdkv_fabric::Result<ScratchBuffer> {
-        loop {
-            let given_back = self.returned.notified();
-            tokio::pin!(given_back);
-            given_back.as_mut().enable();
-            {
-                let mut state = lock(&self.state);
+    pub(crate) async fn take(&self) -> crate::error::Result<ScratchBuffer> {
+        let waiting = {
+            let mut state = lock(&self.state);
+            if let Some(region) = state.idle.pop() {
                 state.busy += 1;
-                if let Some(region) = state.idle.pop() {
-                    return Ok(ScratchBuffer { region });
-                }
+                return Ok(ScratchBuffer { region });
             }
-            match self.register(SCRATCH_SIZE) {
+            if state.at_limit && state.busy > 0 {
+                Some(Self::join_line(&mut state))
+            } else {
+                state.busy += 1;
+                None
+            }
+        };
+        let waiting = match waiting {
+            Some(waiting) => waiting,
+            None => match self.register(SCRATCH_SIZE) {
                 Ok(region) => return Ok(ScratchBuffer { region }),
                 Err(error) => {
-                    let others_busy = {
-                        let mut state = lock(&self.state);
-                        state.busy -= 1;
-                        state.busy
-                    };
                     let limited = matches!(
                         error,
                         rdkv_fabric::Error::MemlockLimit { .. }
                             | rdkv_fabric::Error::InsufficientMemory { .. }
                     );
-                    if !limited || others_busy == 0 {
-                        return Err(error);
+                    let mut state = lock(&self.state);
+                    state.busy -= 1;
+                    if !limited || state.busy == 0 {
+                        return Err(error.into());
                     }
                     tracing::debug!(%error, "scratch pool at its limit; waiting for a buffer");
-                    given_back.await;
+                    state.at_limit = true;
+                    Self::join_line(&mut state)
                 }
-            }
+            },
+        };
+        let mut waiting = Waiting {
+            receiver: waiting,
+            fabric: self,
+        };
+        match (&mut waiting.receiver).await {
+            Ok(region) => Ok(ScratchBuffer { region }),
+            // Never: the pool drops no waiter's sender without handing it a buffer, and it is
+            // borrowed here.
+            Err(_) => Err(crate::error::Error::Refused {
+                reason: "the scratch pool dropped a waiting operation".into(),
+            }),
         }
     }
 
-    /// Gives a buffer back (every list posted through it has completed). The pool keeps at
-    /// most as many idle buffers as busy ones (at least [`IDLE_BUFFERS_KEPT`]) and unpins the
-    /// rest.
+    /// Queues a waiter; the buffer it will be handed is already counted busy.
+    fn join_line(state: &mut PoolState) -> oneshot::Receiver<MemoryRegion> {
+        let (sender, receiver) = oneshot::channel();
+        state.waiters.push_back(sender);
+        receiver
+    }
+
+    /// Gives a buffer back (every list posted through it has completed): to the oldest waiter,
+    /// else to the idle list. The pool keeps at most as many idle buffers as busy ones (at
+    /// least [`IDLE_BUFFERS_KEPT`]) and unpins the rest.
     pub(crate) fn give_back(&self, buffer: ScratchBuffer) {
+        let mut region = buffer.region;
         let surplus = {
             let mut state = lock(&self.state);
+            while let Some(waiter) = state.waiters.pop_front() {
+                match waiter.send(region) {
+                    // Handed over: it stays busy.
+                    Ok(()) => return,
+                    // That waiter gave up (its deadline passed): the next one.
+                    Err(returned) => region = returned,
+                }
+            }
             state.busy = state.busy.saturating_sub(1);
-            state.idle.push(buffer.region);
+            state.idle.push(region);
             let keep = state.busy.max(IDLE_BUFFERS_KEPT);
             if state.idle.len() > keep {
+                // Memory goes back to the kernel: the pool may grow again.
+                state.at_limit = false;
                 state.idle.split_off(keep)
             } else {
                 Vec::new()
@@ -161,7 +212,6 @@ impl ClientFabric {
         };
         // Deregistered and unpinned outside the lock.
         drop(surplus);
-        self.returned.notify_one();
     }
 
     /// A buffer that will never come back (a list may still be queued through it): it leaves
@@ -169,8 +219,6 @@ impl ClientFabric {
     pub(crate) fn retire(&self) {
         let mut state = lock(&self.state);
         state.busy = state.busy.saturating_sub(1);
-        drop(state);
-        self.returned.notify_one();
     }
 
     /// A connection's announce source block.

@@ -1,0 +1,80 @@
+//! A cluster launched from `examples/local-3node.toml` through the `rdkv-cluster` binary, on
+//! free ports, for tests that need real node processes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::process::workspace_binary;
+
+/// The example file with every port replaced by a free one, written into `directory`.
+pub fn generate_cluster_file(directory: &Path) -> PathBuf {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
+    let mut text = std::fs::read_to_string(example).expect("read the example");
+    let example_ports = [
+        "7400", "7401", "7402", "7410", "7411", "7412", "7420", "7421", "7422",
+    ];
+    let free = rdkv_common::process::free_loopback_ports(example_ports.len()).expect("free ports");
+    for (port, free) in example_ports.iter().zip(free) {
+        text = text.replace(&format!(":{port}\""), &format!(":{free}\""));
+    }
+    let path = directory.join("cluster.toml");
+    std::fs::write(&path, text).expect("write the cluster file");
+    path
+}
+
+/// Runs `rdkv-cluster` with `arguments`.
+pub fn rdkv_cluster(arguments: &[&str]) -> std::process::Output {
+    Command::new(workspace_binary("rdkv-cluster"))
+        .args(arguments)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run rdkv-cluster")
+}
+
+/// Stops the cluster even if the test fails.
+pub struct Cluster {
+    /// The cluster file.
+    pub file: PathBuf,
+    /// The run directory.
+    pub run_directory: PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = rdkv_cluster(&[
+            "down",
+            self.file.to_str().unwrap_or_default(),
+            "--run-dir",
+            self.run_directory.to_str().unwrap_or_default(),
+        ]);
+        let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent")));
+    }
+}
+
+impl Cluster {
+    /// Generates a cluster file from the example in a fresh directory named after `tag` and
+    /// starts the cluster detached (`rdkv-cluster up --detach`); panics with its stderr if it
+    /// does not start.
+    pub fn up(tag: &str) -> Self {
+        let directory = std::env::temp_dir().join(format!("rdkv-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("directory");
+        let file = generate_cluster_file(&directory);
+        let run_directory = directory.join("run");
+        let up = rdkv_cluster(&[
+            "up",
+            file.to_str().expect("utf-8 path"),
+            "--detach",
+            "--run-dir",
+            run_directory.to_str().expect("utf-8 path"),
+        ]);
+        assert!(
+            up.status.success(),
+            "up failed: {}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+        Self {
+            file,
+            run_directory,
+        }
+    }
+}
