@@ -109,16 +109,16 @@ async fn heap_use_reaches_a_steady_state_under_updates() {
         );
     }
     eprintln!(
-        "steady state: peak heap use {peak} of {} bytes, {} chunks reclaimed",
+        "steady state: peak heap use {peak} of {} bytes, {} extents reclaimed",
         stats.heap_size_bytes, stats.extents_reclaimed
     );
 }
 
-/// Under a steady update load, a chunk whose last block died comes back within 100 ms: one
+/// Under a steady update load, an extent whose last block died comes back within 100 ms: one
 /// collector interval until the scan that finds it unreferenced, then the time for the
 /// operations that could still read it to finish (the announce words, docs/protocol.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_chunks_come_back_within_100_ms_under_load() {
+async fn dead_extents_come_back_within_100_ms_under_load() {
     let mut config = ServerConfig::local(SECRET);
     config.heap_size = 2 * 1024 * 1024;
     config.chunk_size = 16 * 1024;
@@ -145,7 +145,7 @@ async fn dead_chunks_come_back_within_100_ms_under_load() {
     let stats = server.stats();
     assert!(
         stats.extents_reclaimed >= 20,
-        "{} chunks reclaimed: the run did not reuse the heap",
+        "{} extents reclaimed: the run did not reuse the heap",
         stats.extents_reclaimed
     );
     let [median, p99, largest] = stats.heap_reuse_delay_ms;
@@ -155,7 +155,7 @@ async fn dead_chunks_come_back_within_100_ms_under_load() {
         "death to reuse: up to {interval:?} to the scan, then p99 {p99} ms (median {median}, largest {largest}) to reuse; the bound is {bound:?}"
     );
     eprintln!(
-        "{} chunks reclaimed; scan to reuse: median {median} ms, p99 {p99} ms, largest {largest} ms (plus up to {interval:?} from death to scan)",
+        "{} extents reclaimed; scan to reuse: median {median} ms, p99 {p99} ms, largest {largest} ms (plus up to {interval:?} from death to scan)",
         stats.extents_reclaimed
     );
 }
@@ -230,7 +230,7 @@ async fn a_heap_sized_by_the_rule_never_stalls() {
         "a quarter second under a quarter of the median ({median}): {quarters:?}"
     );
     eprintln!(
-        "heap {heap} bytes for {keys} keys: {} updates, per quarter second {quarters:?}, {} chunks reclaimed",
+        "heap {heap} bytes for {keys} keys: {} updates, per quarter second {quarters:?}, {} extents reclaimed",
         done.load(std::sync::atomic::Ordering::Relaxed),
         stats.extents_reclaimed
     );
@@ -286,7 +286,7 @@ async fn a_thousand_short_lived_clients_leave_only_their_blocks() {
         );
     }
     eprintln!(
-        "heap use {used} bytes for {live} bytes of live blocks after {clients} short-lived clients; {} chunks reclaimed, {} blocks relocated",
+        "heap use {used} bytes for {live} bytes of live blocks after {clients} short-lived clients; {} extents reclaimed, {} blocks relocated",
         server.stats().extents_reclaimed,
         server.stats().blocks_relocated
     );

@@ -69,7 +69,7 @@ async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
         reused >= 32,
         "only {reused} chunks were reclaimed during the run: the heap was not reused"
     );
-    eprintln!("{reused} chunks reclaimed and reused during the checked history");
+    eprintln!("{reused} extents reclaimed and reused during the checked history");
 }
 
 /// 16 clients, 8 keys, 20,000 operations of every kind against `server`; checks the history.

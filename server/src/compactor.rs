@@ -75,8 +75,15 @@ pub struct Compactor {
 }
 
 impl Compactor {
-    /// One compaction pass over the slots of the scan just made; returns the blocks moved.
-    pub fn compact(&self, table: &TableRegion, heap: &Heap, slots: &[(u64, Slot)]) -> u64 {
+    /// One compaction pass over the slots of the scan just made, at `now`; returns the blocks
+    /// moved.
+    pub fn compact(
+        &self,
+        table: &TableRegion,
+        heap: &Heap,
+        slots: &[(u64, Slot)],
+        now: std::time::Instant,
+    ) -> u64 {
         // Settled: no client is still writing a block it placed there.
         let share = live_share_now(heap);
         let min_age = if share == FULL_HEAP_LIVE_SHARE {
@@ -84,8 +91,7 @@ impl Compactor {
         } else {
             COMPACTION_AGE
         };
-        let candidates =
-            heap.compaction_candidates(share, min_age, std::time::Instant::now(), EXTENTS_PER_PASS);
+        let candidates = heap.compaction_candidates(share, min_age, now, EXTENTS_PER_PASS);
         if candidates.is_empty() {
             return 0;
         }
@@ -98,25 +104,33 @@ impl Compactor {
         let mut block = Vec::new();
         // Only committed blocks move: a tentative slot belongs to an inserter that may still
         // commit it, which would fail against a moved word (its extent stays referenced instead).
-        // One extent at a time, sparsest first: an extent comes back only once all its blocks
-        // are out, and a full heap has room to move only a few. A block is moved with the
-        // extent it starts in.
+        // One extent at a time, sparsest first: an extent comes back only once every block that
+        // touches it is out (a block may start in the extent before and end in this one), and a
+        // full heap has room to move only a few. A block touching two candidates moves once.
         let mut by_extent: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
             .iter()
             .map(|extent| (*extent, Vec::new()))
             .collect();
         for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
-            if let Some(blocks) = by_extent.get_mut(&(entry.1.offset() / EXTENT_SIZE)) {
-                blocks.push(entry);
+            let first = entry.1.offset() / EXTENT_SIZE;
+            let last = (entry.1.offset() + entry.1.block_length().max(1) - 1) / EXTENT_SIZE;
+            for extent in first..=last {
+                if let Some(blocks) = by_extent.get_mut(&extent) {
+                    blocks.push(entry);
+                }
             }
         }
-        let ordered = candidates.iter().flat_map(|extent| {
-            by_extent
-                .remove(extent)
-                .unwrap_or_default()
-                .into_iter()
-                .map(move |entry| (*extent, entry))
-        });
+        let mut seen = std::collections::HashSet::new();
+        let ordered = candidates
+            .iter()
+            .flat_map(|extent| {
+                by_extent
+                    .remove(extent)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(move |entry| (*extent, entry))
+            })
+            .filter(|(_, (index_offset, _))| seen.insert(*index_offset));
         for (extent, (index_offset, slot)) in ordered {
             let length = slot.block_length();
             if destination
@@ -173,5 +187,85 @@ impl Compactor {
             );
         }
         moved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::announce::Announcements;
+    use rdkv_common::layout::{encode_block, TableGeometry};
+    use rdkv_fabric::memory::{HugepagePolicy, PinLimits};
+    use rdkv_fabric::{Device, DeviceConfig};
+    use std::time::{Duration, Instant};
+
+    /// An extent whose only live bytes are the tail of a block that starts in the extent
+    /// before is compacted: the block moves, and the extent is no longer referenced. (The
+    /// compactor used to move only blocks that start in a candidate, so such extents stayed
+    /// candidates forever and each pass moved nothing: a heap of 1 KB values filled up.)
+    #[test]
+    fn a_block_reaching_into_a_sparse_extent_is_moved_out_of_it() {
+        let device = Device::loopback(DeviceConfig::default());
+        let geometry = TableGeometry {
+            bucket_count: 4,
+            heap_size: 16 * EXTENT_SIZE,
+            chunk_size: 4 * EXTENT_SIZE,
+            hash_seed: 0,
+        };
+        let table =
+            TableRegion::allocate(&device, geometry, HugepagePolicy::Off, PinLimits::default())
+                .expect("a table");
+        let heap = Heap::new(&geometry, Duration::from_secs(1));
+        let announcements = Announcements::allocate(&table.domain, 4).expect("announce words");
+        let grant = heap.allocate(1, 0, 2 * EXTENT_SIZE).expect("a grant");
+        assert_eq!(grant.extents, 2);
+        // A block from the middle of extent 0 into extent 1: half of extent 0 is live, under
+        // a quarter of extent 1.
+        let mut block = Vec::new();
+        let units = encode_block(b"key", &[7u8; 2900], &mut block);
+        let offset = grant.heap_offset() + EXTENT_SIZE / 2;
+        table
+            .region
+            .write(table.geometry.heap_offset() + offset, &block)
+            .expect("write the block");
+        let slot = Slot::new(9, units, offset);
+        let index_offset = 0;
+        table
+            .region
+            .compare_exchange_u64(index_offset, 0, slot.0)
+            .expect("publish the slot");
+        heap.seal_owned_by(1);
+        let now = Instant::now();
+        heap.settle(&announcements, now);
+        let slots = vec![(index_offset, slot)];
+        heap.collect(
+            slots
+                .iter()
+                .map(|(_, slot)| (slot.offset(), slot.block_length(), true)),
+            &announcements.snapshot(),
+            &announcements,
+            now,
+        );
+        let later = now + Duration::from_secs(1);
+        assert_eq!(
+            heap.compaction_candidates(MAX_LIVE_SHARE, COMPACTION_AGE, later, 8),
+            vec![grant.first_extent + 1],
+            "only the extent with the block's tail is sparse"
+        );
+        let moved = Compactor::default().compact(&table, &heap, &slots, later);
+        assert_eq!(moved, 1, "the block reaching into the sparse extent moved");
+        let relocated = Slot(table.region.load_u64(index_offset).expect("read the slot"));
+        assert_ne!(relocated.offset(), offset);
+        assert!(
+            !(grant.first_extent..grant.first_extent + 2)
+                .contains(&(relocated.offset() / EXTENT_SIZE)),
+            "the block left both of its old extents"
+        );
+        let mut copy = vec![0u8; block.len()];
+        table
+            .region
+            .read(table.geometry.heap_offset() + relocated.offset(), &mut copy)
+            .expect("read the copy");
+        assert_eq!(copy, block);
     }
 }

@@ -297,7 +297,8 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 &pass.announcements,
                 now,
             );
-            pass.compactor.compact(&pass.table, &pass.heap, &slots);
+            pass.compactor
+                .compact(&pass.table, &pass.heap, &slots, Instant::now());
             report
         })
         .await;
