@@ -1,14 +1,18 @@
-//! Compaction: live blocks are moved out of sparse sealed extents so the collector can reclaim
-//! them.
+//! Compaction: live blocks are moved out of sparse segments of settled extents so the collector can
+//! reclaim them.
 //!
 //! Out-of-place updates leave dead blocks behind; an extent (4 KiB, `heap.rs`) is reclaimed only
 //! when no slot references it, so one long-lived block (a key updated once and then left alone,
-//! common under zipfian workloads) pins its extent. Extents are small, so that costs little, and
-//! most space comes back without compaction; what is left is a heap of half-empty extents after
-//! many short-lived writers. After each scan, the server picks extents settled for half a second
-//! ([`COMPACTION_AGE`]; a tenth of a second when the heap is nearly full) whose live bytes are under half an
-//! extent, copies each live block (verified by its checksum) into a grant the
-//! server owns, and CASes the slot from the old block to the copy.
+//! common under zipfian workloads) pins its extent. Most space comes back without compaction,
+//! but what comes back that way is scattered single extents, and a grant is a contiguous run:
+//! a heap whose free space is scattered hands out one-extent grants, one control round trip
+//! every few writes. So the compactor empties whole segments (a segment is one chunk's extents,
+//! aligned), as a log-structured store's cleaner does: after each scan it picks the emptiest
+//! segment that nobody writes into and whose live bytes are under half of it (three quarters
+//! when the heap is nearly full), takes its extents settled for half a second
+//! ([`COMPACTION_AGE`]; a tenth of a second when the heap is nearly full), copies each live
+//! block touching them (verified by its checksum) into a grant the server owns, and CASes the
+//! slot from the old block to the copy. The segment comes back whole.
 //!
 //! Why this is safe: blocks are immutable, so the copy holds the same key and value; a reader
 //! that read the old slot still finds the old block (the extent is freed only once every
@@ -26,19 +30,35 @@ use crate::table::TableRegion;
 
 /// The owner id of the server's own compaction grants (client connections start at 1).
 pub const COMPACTOR: u64 = 0;
-/// Extents with less than this share of live bytes are compacted.
+/// Segments with less than this share of live bytes are compacted.
 pub const MAX_LIVE_SHARE: f64 = 0.5;
-/// The live share under which an extent is compacted when the heap is nearly full (two chunks'
-/// worth free or less): dense extents then still give their dead bytes back, a little at a
-/// time, instead of the heap staying full of extents that are 60% live. Not higher: moving
+/// The live share under which a segment is compacted when under a quarter of the heap is free
+/// ([`PRESSURE_FREE_SHARE`]): a heap twice its live data settles at about 55% live per
+/// segment, so a cleaner that waits for half-empty segments falls behind the writers and the
+/// free space left is scattered extents (one-extent grants). Dense segments then still give
+/// their dead bytes back, a little at a time. Not higher: moving
 /// blocks out of a 90%-live extent wins almost nothing and would use up the compactor's reserve
 /// (found by `a_heap_full_of_live_data_answers_table_full_within_the_deadline`, which spun).
 pub const FULL_HEAP_LIVE_SHARE: f64 = 0.75;
 
-/// The live share under which extents are compacted now: [`MAX_LIVE_SHARE`], or
-/// [`FULL_HEAP_LIVE_SHARE`] when the heap has two chunks' worth free or less.
+/// Under this share of the heap free, the cleaner works harder: segments up to
+/// [`FULL_HEAP_LIVE_SHARE`] live are compacted, [`PRESSURE_EXTENTS_PER_PASS`] per pass.
+pub const PRESSURE_FREE_SHARE: f64 = 0.25;
+
+/// Whether the heap is under pressure (see [`PRESSURE_FREE_SHARE`]).
+pub fn under_pressure(heap: &Heap) -> bool {
+    (heap.free_bytes() as f64) < heap.size_bytes() as f64 * PRESSURE_FREE_SHARE
+}
+
+/// Whether the heap is nearly full: two chunks' worth free or less.
+pub fn nearly_full(heap: &Heap) -> bool {
+    heap.free_bytes() <= 2 * heap.chunk_size()
+}
+
+/// The live share under which segments are compacted now: [`MAX_LIVE_SHARE`], or
+/// [`FULL_HEAP_LIVE_SHARE`] when the heap is under pressure.
 pub fn live_share_now(heap: &Heap) -> f64 {
-    if heap.free_bytes() <= 2 * heap.chunk_size() {
+    if under_pressure(heap) || nearly_full(heap) {
         FULL_HEAP_LIVE_SHARE
     } else {
         MAX_LIVE_SHARE
@@ -55,6 +75,10 @@ pub const FULL_HEAP_COMPACTION_AGE: std::time::Duration = std::time::Duration::f
 
 /// Most extents compacted per pass, to bound the work of one scan (512 KiB).
 const EXTENTS_PER_PASS: usize = 128;
+
+/// The same under pressure (4 MiB per pass: at 40 passes a second, a cleaner that can keep up
+/// with writers filling 100 MB/s of a heap twice its live data).
+const PRESSURE_EXTENTS_PER_PASS: usize = 1024;
 
 /// The grant the server is moving blocks into and how much of it is used.
 #[derive(Debug)]
@@ -86,12 +110,17 @@ impl Compactor {
     ) -> u64 {
         // Settled: no client is still writing a block it placed there.
         let share = live_share_now(heap);
-        let min_age = if share == FULL_HEAP_LIVE_SHARE {
+        let min_age = if nearly_full(heap) {
             FULL_HEAP_COMPACTION_AGE
         } else {
             COMPACTION_AGE
         };
-        let candidates = heap.compaction_candidates(share, min_age, now, EXTENTS_PER_PASS);
+        let limit = if under_pressure(heap) {
+            PRESSURE_EXTENTS_PER_PASS
+        } else {
+            EXTENTS_PER_PASS
+        };
+        let candidates = heap.compaction_candidates(share, min_age, now, limit);
         if candidates.is_empty() {
             return 0;
         }
@@ -249,8 +278,8 @@ mod tests {
         let later = now + Duration::from_secs(1);
         assert_eq!(
             heap.compaction_candidates(MAX_LIVE_SHARE, COMPACTION_AGE, later, 8),
-            vec![grant.first_extent + 1],
-            "only the extent with the block's tail is sparse"
+            vec![grant.first_extent + 1, grant.first_extent],
+            "the segment's extents with live bytes, the sparsest (the block's tail) first"
         );
         let moved = Compactor::default().compact(&table, &heap, &slots, later);
         assert_eq!(moved, 1, "the block reaching into the sparse extent moved");

@@ -230,9 +230,52 @@ impl Heap {
         (self.chunk_size / EXTENT_SIZE).max(1)
     }
 
-    /// Settled extents (no writer is still placing a block there) for at least `min_age`, whose
-    /// live bytes (at the last scan) are more than zero and less than `max_live_share` of an
-    /// extent: worth compacting. Sparsest first.
+    /// The heap's segments (runs of one chunk's extents, aligned) that compaction may empty:
+    /// no extent of theirs is owned or sealed (no writer is placing blocks there), some are
+    /// settled with live bytes, and their live bytes (at the last scan) are under
+    /// `max_live_share` of the segment. Each as (live bytes, first extent, extents holding live
+    /// bytes), emptiest first.
+    fn compactable_segments(
+        states: &[ExtentState],
+        live: &[u64],
+        segment: usize,
+        max_live_share: f64,
+    ) -> Vec<(u64, usize, u64)> {
+        let mut segments = Vec::new();
+        for start in (0..states.len()).step_by(segment.max(1)) {
+            let end = (start + segment).min(states.len());
+            let mut live_bytes = 0u64;
+            let mut occupied = 0u64;
+            let mut movable = false;
+            let mut writable = false;
+            for (state, bytes) in states[start..end].iter().zip(&live[start..end]) {
+                match state {
+                    ExtentState::Free => continue,
+                    ExtentState::Owned(_) | ExtentState::Sealed { .. } => {
+                        writable = true;
+                        break;
+                    }
+                    ExtentState::Settled { .. } => movable |= *bytes > 0,
+                    ExtentState::Candidate { .. } => {}
+                }
+                occupied += u64::from(*bytes > 0);
+                live_bytes += bytes;
+            }
+            let size = (end - start) as u64 * EXTENT_SIZE;
+            if !writable && movable && (live_bytes as f64) < size as f64 * max_live_share {
+                segments.push((live_bytes, start, occupied));
+            }
+        }
+        segments.sort_unstable();
+        segments
+    }
+
+    /// Extents to move live blocks out of, at most `limit`: those of the emptiest compactable
+    /// segment first (a segment is one chunk's extents; see [`Self::compactable_segments`]),
+    /// settled for at least `min_age`, with live bytes. Compaction empties whole segments, so
+    /// that what it frees is contiguous: grants are runs of extents, and a heap whose free
+    /// extents are scattered singles hands out one-extent grants (a control round trip every
+    /// few writes), however much of it is free.
     pub fn compaction_candidates(
         &self,
         max_live_share: f64,
@@ -242,25 +285,31 @@ impl Heap {
     ) -> Vec<u64> {
         let extents = lock(&self.extents);
         let live = lock(&self.live_bytes);
-        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
-        let mut candidates: Vec<(u64, u64)> = extents
-            .states
-            .iter()
-            .enumerate()
-            .filter_map(|(index, state)| match state {
-                ExtentState::Settled { since } if now.duration_since(*since) >= min_age => {
-                    let bytes = live[index];
-                    (bytes > 0 && bytes < threshold).then_some((bytes, index as u64))
+        let segment = self.chunk_extents() as usize;
+        let mut candidates = Vec::new();
+        for (_, start, _) in
+            Self::compactable_segments(&extents.states, &live, segment, max_live_share)
+        {
+            let end = (start + segment).min(extents.states.len());
+            let mut in_segment: Vec<(u64, u64)> = (start..end)
+                .filter_map(|index| match extents.states[index] {
+                    ExtentState::Settled { since }
+                        if live[index] > 0 && now.duration_since(since) >= min_age =>
+                    {
+                        Some((live[index], index as u64))
+                    }
+                    _ => None,
+                })
+                .collect();
+            in_segment.sort_unstable();
+            for (_, index) in in_segment {
+                if candidates.len() == limit {
+                    return candidates;
                 }
-                _ => None,
-            })
-            .collect();
-        candidates.sort_unstable();
+                candidates.push(index);
+            }
+        }
         candidates
-            .into_iter()
-            .take(limit)
-            .map(|(_, index)| index)
-            .collect()
     }
 
     /// Seals the grant `connection` writes into (its operations up to `started` may still be
@@ -392,39 +441,49 @@ impl Heap {
     }
 
     /// Extents a client can expect to get without any client giving anything up: those free,
-    /// and those sealed or quarantined that no slot referenced at the last scan, plus what compaction can win from
-    /// the extents under `max_live_share` live (their dead bytes, in whole extents, less one for
-    /// the packing of moved blocks, and only while a free extent is left or coming back to
-    /// move them into),
-    /// less the compactor's reserve. Zero means the heap is full of live data: a writer should
+    /// and those sealed or quarantined that no slot referenced at the last scan, plus what
+    /// compaction can win from the segments under `max_live_share` live (the extents holding
+    /// their live bytes less what those bytes fill packed, less one for the packing, and only
+    /// while a free extent is left or coming back to move them into), less the compactor's
+    /// reserve. Zero means the heap is full of live data: a writer should
     /// fail `TableFull` now rather than wait for its deadline.
     pub fn reclaimable_extents(&self, max_live_share: f64) -> u64 {
         let extents = lock(&self.extents);
         let live = lock(&self.live_bytes);
-        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
-        let mut unreferenced = 0u64;
-        let mut dead_bytes = 0u64;
-        for (state, live) in extents.states.iter().zip(live.iter()) {
-            if !matches!(
-                state,
-                ExtentState::Sealed { .. }
-                    | ExtentState::Settled { .. }
-                    | ExtentState::Candidate { .. }
-            ) {
-                continue;
-            }
-            if *live == 0 {
-                unreferenced += 1;
-            } else if *live < threshold {
-                dead_bytes += EXTENT_SIZE - live;
-            }
-        }
+        let unreferenced = extents
+            .states
+            .iter()
+            .zip(live.iter())
+            .filter(|(state, live)| {
+                **live == 0
+                    && matches!(
+                        state,
+                        ExtentState::Sealed { .. }
+                            | ExtentState::Settled { .. }
+                            | ExtentState::Candidate { .. }
+                    )
+            })
+            .count() as u64;
+        // What emptying the compactable segments wins: their occupied extents less what their
+        // live bytes fill when packed (one more for the packing's loss at the ends).
+        let segments = Self::compactable_segments(
+            &extents.states,
+            &live,
+            self.chunk_extents() as usize,
+            max_live_share,
+        );
+        let compaction_gain: u64 = segments
+            .iter()
+            .map(|(live_bytes, _, occupied)| {
+                occupied.saturating_sub(live_bytes.div_ceil(EXTENT_SIZE) + 1)
+            })
+            .sum();
         // Compaction needs free extents to move blocks into: with none free and none coming
         // back, nothing will move.
         let compaction_gain = if extents.free == 0 && unreferenced == 0 {
             0
         } else {
-            (dead_bytes / EXTENT_SIZE).saturating_sub(1)
+            compaction_gain
         };
         // A client gets nothing out of the last chunk's worth, the compactor's reserve.
         (extents.free + unreferenced + compaction_gain).saturating_sub(self.client_reserve())
@@ -782,6 +841,54 @@ mod tests {
             Vec::<u64>::new(),
             "settled too recently: their blocks may be about to die anyway"
         );
+    }
+
+    #[test]
+    fn compaction_empties_whole_segments_emptiest_first_and_skips_written_ones() {
+        let words = Words::new();
+        // Three segments (chunks) of four extents.
+        let heap = heap_of(3, 4 * EXTENT_SIZE);
+        let first = heap.allocate(1, 0, 4 * EXTENT_SIZE).expect("segment 0");
+        let second = heap.allocate(2, 0, 4 * EXTENT_SIZE).expect("segment 1");
+        assert_eq!((first.first_extent, second.first_extent), (0, 4));
+        heap.seal_owned_by(1);
+        let now = Instant::now();
+        let blocks = [
+            // Segment 0: 40% live over all four extents (each extent alone is dense enough
+            // to be left alone by a per-extent rule).
+            (0, 1700, true),
+            (EXTENT_SIZE, 1700, true),
+            (2 * EXTENT_SIZE, 1700, true),
+            (3 * EXTENT_SIZE, 1450, true),
+            // Segment 1: 10% live, in one extent.
+            (5 * EXTENT_SIZE, 1600, true),
+        ];
+        words.tick(&heap, &blocks, now);
+        let later = now + Duration::from_secs(1);
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, later, 8),
+            vec![3, 0, 1, 2],
+            "segment 1 is still written into: left alone"
+        );
+        heap.seal_owned_by(2);
+        words.tick(&heap, &blocks, now);
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, later, 8),
+            vec![5, 3, 0, 1, 2],
+            "the emptiest segment first, then the next, sparsest extent first within each"
+        );
+        assert_eq!(
+            heap.compaction_candidates(0.3, Duration::ZERO, later, 8),
+            vec![5]
+        );
+        assert_eq!(
+            heap.compaction_candidates(0.5, Duration::ZERO, later, 2),
+            vec![5, 3]
+        );
+        // Free: segment 2 (the compactor's reserve, not the clients'); unreferenced: extents
+        // 4, 6 and 7; compaction: segment 0 packs four extents into two (less one for the
+        // packing: one), segment 1's one extent wins nothing.
+        assert_eq!(heap.reclaimable_extents(0.5), 3 + 1);
     }
 
     #[test]
