@@ -78,7 +78,7 @@ impl Metrics {
             }),
             (
                 "blocks_relocated_total",
-                "Live blocks moved out of sparse heap extents",
+                "Live blocks moved out of sparse heap segments by compaction",
                 |stats| stats.blocks_relocated as i64,
             ),
             (
