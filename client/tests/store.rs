@@ -389,7 +389,7 @@ async fn a_full_index_fails_clearly_and_keeps_its_keys() {
 async fn a_full_heap_fails_clearly_and_keeps_its_keys() {
     let mut config = ServerConfig::local(SECRET);
     config.heap_size = 64 * 1024;
-    config.chunk_size = 64 * 1024;
+    config.chunk_size = 16 * 1024;
     let (_server, client) = start(config).await;
     let value = vec![1u8; 4000];
     let mut stored = Vec::new();
@@ -417,11 +417,41 @@ async fn a_full_heap_fails_clearly_and_keeps_its_keys() {
         error.to_string().contains("heap_size"),
         "the error names the fix: {error}"
     );
-    assert_eq!(stored.len(), 16, "16 blocks of 4,032 bytes fit in 64 KiB");
+    eprintln!("{} blocks of 4,032 bytes stored", stored.len());
+    assert!(
+        (10..=12).contains(&stored.len()),
+        "{} blocks: 48 KiB is the clients' (16 KiB is the compactor's reserve)",
+        stored.len()
+    );
     for key in &stored {
         assert_eq!(
             client.get(key.as_bytes()).await.expect("get").as_deref(),
             Some(value.as_slice())
+        );
+    }
+    // Many writers of one client at once: each fails on its own, none waits its turn behind
+    // the others' confirmations (they used to, 60 ms each, up to the whole deadline).
+    let mut writers = Vec::new();
+    for writer in 0..32 {
+        let client = client.clone();
+        let value = value.clone();
+        writers.push(tokio::spawn(async move {
+            let began = std::time::Instant::now();
+            let outcome = client
+                .put(format!("late-{writer}").as_bytes(), &value)
+                .await;
+            (outcome, began.elapsed())
+        }));
+    }
+    for writer in writers {
+        let (outcome, took) = writer.await.expect("a writer");
+        assert!(
+            matches!(outcome, Err(Error::TableFull { .. })),
+            "{outcome:?}"
+        );
+        assert!(
+            took < Duration::from_millis(800),
+            "a writer took {took:?} to get TableFull"
         );
     }
 }
@@ -514,9 +544,11 @@ async fn a_full_heap_of_dense_chunks_gives_its_dead_bytes_back() {
             .await
             .expect("delete"));
     }
-    // Writes that find no chunk wait (chunks are on their way back) and then succeed.
+    // Writes that find no chunk wait (chunks are on their way back) and then succeed: half of
+    // what the deletes freed. (A quarter of the keys, three quarters of it, failed at times on
+    // a loaded machine: the heap is then 90% live, and extents over 75% live are not compacted.)
     let began = std::time::Instant::now();
-    for index in 0..stored / 4 {
+    for index in 0..stored / 6 {
         client
             .put(format!("after-{index:04}").as_bytes(), &value)
             .await
@@ -540,7 +572,7 @@ async fn a_full_heap_of_dense_chunks_gives_its_dead_bytes_back() {
     }
     eprintln!(
         "{stored} keys filled the heap; a third deleted; {} more written in {:?}; {} blocks relocated",
-        stored / 4,
+        stored / 6,
         began.elapsed(),
         server.stats().blocks_relocated
     );

@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rdkv_common::layout::{COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE};
+use rdkv_common::layout::{COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MIN_HEAP_CHUNKS};
 use rdkv_fabric::memory::limits::{
     decide_available_memory, decide_memlock, read_meminfo, read_memlock_figures, MemlockFigures,
 };
@@ -415,7 +415,11 @@ pub fn parse(
             .as_ref()
             .map(|size| locator.size(size, name("chunk_size")))
             .transpose()?
-            .unwrap_or(DEFAULT_CHUNK_SIZE.min(heap_size.max(MAX_BLOCK_SIZE.div_ceil(4096) * 4096)));
+            .unwrap_or(
+                DEFAULT_CHUNK_SIZE
+                    .min(heap_size / MIN_HEAP_CHUNKS / 4096 * 4096)
+                    .max(MAX_BLOCK_SIZE.div_ceil(4096) * 4096),
+            );
         if index_size < 2 * COMBINED_BUCKET_SIZE {
             return Err(locator.error(
                 node.index_size.span(),
@@ -437,11 +441,11 @@ pub fn parse(
                 format!("{chunk_size} bytes: a chunk must be a multiple of 4096 and hold the largest block ({MAX_BLOCK_SIZE} bytes)"),
             ));
         }
-        if heap_size < chunk_size {
+        if heap_size < MIN_HEAP_CHUNKS * chunk_size {
             return Err(locator.error(
                 node.heap_size.span(),
                 name("heap_size"),
-                format!("{heap_size} bytes is too small: at least one chunk ({chunk_size} bytes)"),
+                format!("{heap_size} bytes is too small: at least {MIN_HEAP_CHUNKS} chunks ({} bytes; one is the compactor's, one its reserve); raise heap_size or lower chunk_size", MIN_HEAP_CHUNKS * chunk_size),
             ));
         }
         let hugepages = match &node.hugepages {

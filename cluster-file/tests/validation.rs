@@ -83,6 +83,20 @@ fn an_index_too_small_for_one_bucket_pair_is_refused() {
 }
 
 #[test]
+fn a_heap_of_fewer_than_four_chunks_is_refused() {
+    let (line, field, message) = invalid(&file(
+        "",
+        &NODE_1.replace(
+            "heap_size = \"4M\"",
+            "heap_size = \"4M\"\nchunk_size = \"2M\"",
+        ),
+    ));
+    assert_eq!((line, field.as_str()), (11, "node[0].heap_size"));
+    assert!(message.contains("at least 4 chunks"), "{message}");
+    assert!(message.contains("lower chunk_size"), "{message}");
+}
+
+#[test]
 fn sizes_over_the_memlock_limit_name_the_fix() {
     let tight = MemlockFigures {
         soft_limit: 8 * MIB,

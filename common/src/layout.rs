@@ -30,6 +30,10 @@ pub const CANDIDATE_SLOTS: usize = HASH_CHOICES * SLOTS_PER_COMBINED_BUCKET;
 pub const BLOCK_UNIT: u64 = 64;
 /// The largest block: 255 units (the slot's length field is 8 bits).
 pub const MAX_BLOCK_SIZE: u64 = 255 * BLOCK_UNIT;
+/// The smallest heap, in chunks: one is kept for the compactor and one is its destination, so a
+/// smaller heap leaves writers nothing once dead blocks share extents with live ones (a heap of
+/// one chunk locked up for good with 10 KB live in 64 KiB).
+pub const MIN_HEAP_CHUNKS: u64 = 4;
 /// Bytes of a block header.
 pub const BLOCK_HEADER_SIZE: usize = 16;
 /// The longest key, in bytes.

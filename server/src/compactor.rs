@@ -120,7 +120,11 @@ impl Compactor {
         } else {
             EXTENTS_PER_PASS
         };
-        let candidates = heap.compaction_candidates(share, min_age, now, limit);
+        let mut candidates = heap.compaction_candidates(share, min_age, now, limit);
+        if candidates.is_empty() && nearly_full(heap) {
+            // No whole segment is sparse enough: any room is worth more than contiguous room.
+            candidates = heap.sparse_extents(share, min_age, now, limit);
+        }
         if candidates.is_empty() {
             return 0;
         }

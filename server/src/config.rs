@@ -3,7 +3,9 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use rdkv_common::layout::{TableGeometry, COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MAX_HEAP_SIZE};
+use rdkv_common::layout::{
+    TableGeometry, COMBINED_BUCKET_SIZE, MAX_BLOCK_SIZE, MAX_HEAP_SIZE, MIN_HEAP_CHUNKS,
+};
 use rdkv_fabric::memory::HugepagePolicy;
 use rdkv_fabric::{Backend, VerbsOptions};
 
@@ -163,12 +165,13 @@ impl ServerConfig {
                 ),
             });
         }
-        if self.heap_size < self.chunk_size || self.heap_size > MAX_HEAP_SIZE {
+        if self.heap_size < MIN_HEAP_CHUNKS * self.chunk_size || self.heap_size > MAX_HEAP_SIZE {
             return Err(Error::Config {
                 field: "heap_size",
                 reason: format!(
-                    "{} bytes: the heap must hold at least one chunk ({} bytes) and at most 2^48 bytes",
-                    self.heap_size, self.chunk_size
+                    "{} bytes: the heap must hold at least {MIN_HEAP_CHUNKS} chunks ({} bytes; one is the compactor's, one its reserve) and at most 2^48 bytes; raise heap_size or lower chunk_size",
+                    self.heap_size,
+                    MIN_HEAP_CHUNKS * self.chunk_size
                 ),
             });
         }
@@ -201,11 +204,11 @@ mod tests {
     fn geometry_rounds_to_powers_of_two_and_whole_chunks() {
         let mut config = ServerConfig::local(b"s");
         config.index_size = 100_000;
-        config.heap_size = 200_000;
+        config.heap_size = 300_000;
         config.chunk_size = 64 * 1024;
         let geometry = config.geometry(1).expect("valid");
         assert_eq!(geometry.bucket_count, 1024);
-        assert_eq!(geometry.heap_size, 3 * 64 * 1024);
+        assert_eq!(geometry.heap_size, 4 * 64 * 1024);
     }
 
     #[test]

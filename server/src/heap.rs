@@ -312,6 +312,40 @@ impl Heap {
         candidates
     }
 
+    /// Settled extents (for at least `min_age`) whose live bytes are more than zero and under
+    /// `max_live_share` of an extent, sparsest first: what the compactor takes, wherever they
+    /// are, once the heap is nearly full and no whole segment is sparse enough (any room is
+    /// worth more than contiguous room then).
+    pub fn sparse_extents(
+        &self,
+        max_live_share: f64,
+        min_age: Duration,
+        now: Instant,
+        limit: usize,
+    ) -> Vec<u64> {
+        let extents = lock(&self.extents);
+        let live = lock(&self.live_bytes);
+        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
+        let mut candidates: Vec<(u64, u64)> = extents
+            .states
+            .iter()
+            .enumerate()
+            .filter_map(|(index, state)| match state {
+                ExtentState::Settled { since } if now.duration_since(*since) >= min_age => {
+                    let bytes = live[index];
+                    (bytes > 0 && bytes < threshold).then_some((bytes, index as u64))
+                }
+                _ => None,
+            })
+            .collect();
+        candidates.sort_unstable();
+        candidates
+            .into_iter()
+            .take(limit)
+            .map(|(_, index)| index)
+            .collect()
+    }
+
     /// Seals the grant `connection` writes into (its operations up to `started` may still be
     /// placing blocks there), then hands it a new one with room for at least `needed_bytes`:
     /// twice its last grant, at most a chunk and an eighth of what is free (the compactor asks
@@ -464,23 +498,40 @@ impl Heap {
                     )
             })
             .count() as u64;
-        // What emptying the compactable segments wins: their occupied extents less what their
-        // live bytes fill when packed (one more for the packing's loss at the ends).
+        // What emptying the compactable segments wins: their extents holding live bytes less
+        // what those bytes fill when packed together (one more for the packing's loss at the
+        // end of the compactor's destination).
         let segments = Self::compactable_segments(
             &extents.states,
             &live,
             self.chunk_extents() as usize,
             max_live_share,
         );
-        let compaction_gain: u64 = segments
+        let (live_bytes, occupied) = segments
             .iter()
-            .map(|(live_bytes, _, occupied)| {
-                occupied.saturating_sub(live_bytes.div_ceil(EXTENT_SIZE) + 1)
+            .fold((0u64, 0u64), |(bytes, extents), (live, _, occupied)| {
+                (bytes + live, extents + occupied)
+            });
+        let segment_gain = occupied.saturating_sub(live_bytes.div_ceil(EXTENT_SIZE) + 1);
+        // Or, extent by extent (what the compactor does when the heap is nearly full): the
+        // dead bytes of the extents under the share, less one for the packing.
+        let threshold = (EXTENT_SIZE as f64 * max_live_share) as u64;
+        let dead_bytes: u64 = extents
+            .states
+            .iter()
+            .zip(live.iter())
+            .filter(|(state, live)| {
+                matches!(state, ExtentState::Settled { .. }) && **live > 0 && **live < threshold
             })
+            .map(|(_, live)| EXTENT_SIZE - live)
             .sum();
-        // Compaction needs free extents to move blocks into: with none free and none coming
-        // back, nothing will move.
-        let compaction_gain = if extents.free == 0 && unreferenced == 0 {
+        let compaction_gain = segment_gain.max((dead_bytes / EXTENT_SIZE).saturating_sub(1));
+        // Compaction needs room to move blocks into: with no extent free, none coming back and
+        // no destination of its own open, nothing will move. (An open destination counts: the
+        // compactor may have just taken the last free extents, and the extents it emptied show
+        // as unreferenced only after the next scan.)
+        let compactor_open = extents.owned.contains_key(&COMPACTOR);
+        let compaction_gain = if extents.free == 0 && unreferenced == 0 && !compactor_open {
             0
         } else {
             compaction_gain
@@ -886,9 +937,9 @@ mod tests {
             vec![5, 3]
         );
         // Free: segment 2 (the compactor's reserve, not the clients'); unreferenced: extents
-        // 4, 6 and 7; compaction: segment 0 packs four extents into two (less one for the
-        // packing: one), segment 1's one extent wins nothing.
-        assert_eq!(heap.reclaimable_extents(0.5), 3 + 1);
+        // 4, 6 and 7; compaction: the five extents with live bytes pack into two, less one
+        // for the packing.
+        assert_eq!(heap.reclaimable_extents(0.5), 3 + 2);
     }
 
     #[test]

@@ -123,6 +123,7 @@ impl NodeConnection {
             scratch_permits: Arc::new(Semaphore::new(slots)),
             chunk: Mutex::new(None),
             refill: Semaphore::new(1),
+            heap_full: Mutex::new(None),
             writer_stripes: (0..WRITER_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),

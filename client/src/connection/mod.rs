@@ -94,6 +94,10 @@ pub(crate) struct NodeConnection {
     /// One refill at a time: operations that find the chunk full wait for the refill in
     /// progress instead of each asking for a chunk.
     refill: Semaphore,
+    /// The last time a refill concluded that the node's heap is full, and the node's reason:
+    /// operations that were waiting for that refill fail with it at once, instead of each
+    /// asking again in turn (48 tasks on a full heap took up to the whole deadline to fail).
+    heap_full: Mutex<Option<(std::time::Instant, String)>>,
     /// Writers of one key (by stripe) in this process take turns: they would otherwise only
     /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
     writer_stripes: Box<[tokio::sync::Mutex<()>]>,
@@ -147,7 +151,8 @@ impl NodeConnection {
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
             }
-            let _refilling = self
+            let waiting_since = std::time::Instant::now();
+            let refilling = self
                 .refill
                 .acquire()
                 .await
@@ -155,6 +160,15 @@ impl NodeConnection {
             // Another operation may have refilled while this one waited.
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
+            }
+            // Or found the heap full while this one waited: the same answer, now.
+            if let Some((_, reason)) = lock(&self.heap_full)
+                .as_ref()
+                .filter(|(concluded, _)| *concluded >= waiting_since)
+            {
+                return Err(Error::TableFull {
+                    reason: reason.clone(),
+                });
             }
             // No block goes into the current chunk from now on, so every operation that placed
             // one there has a number up to `started` (the node waits for them before it reuses
@@ -186,9 +200,13 @@ impl NodeConnection {
                         // The node judges from its last scan, which may predate deletes or
                         // replacements that just happened: ask once more after the next ones.
                         if confirmed_full {
+                            *lock(&self.heap_full) =
+                                Some((std::time::Instant::now(), reason.clone()));
                             return Err(Error::TableFull { reason });
                         }
                         confirmed_full = true;
+                        // Others may ask meanwhile (each confirms for itself, in parallel).
+                        drop(refilling);
                         tokio::time::sleep(TABLE_FULL_CONFIRM_DELAY).await;
                         continue;
                     }
