@@ -13,10 +13,15 @@ const SECRET: &[u8] = b"store-test-secret";
 async fn start(config: ServerConfig) -> (RunningServer, Arc<Client>) {
     let fabric = config.fabric;
     let server = rdkv_server::start(config).await.expect("start server");
-    let client = Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
-        .await
-        .expect("connect");
+    let client = connect(&server, fabric).await;
     (server, Arc::new(client))
+}
+
+/// Another client of `server`, on `fabric`.
+async fn connect(server: &RunningServer, fabric: Backend) -> Client {
+    Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
+        .await
+        .expect("connect")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,13 +255,7 @@ async fn a_thousand_short_lived_clients_leave_only_their_blocks() {
     let value = vec![4u8; 1000];
     let clients = 1_000u32;
     for index in 0..clients {
-        let client = Client::connect(ClientConfig::new(
-            server.control_address(),
-            Backend::Soft,
-            SECRET,
-        ))
-        .await
-        .expect("connect");
+        let client = connect(&server, Backend::Soft).await;
         client
             .put(format!("short-{index:04}").as_bytes(), &value)
             .await
@@ -308,13 +307,7 @@ async fn a_hundred_writers_share_a_heap_of_ten_chunks() {
     let value = vec![3u8; 200];
     let mut tasks = Vec::new();
     for writer in 0..writers {
-        let client = Client::connect(ClientConfig::new(
-            server.control_address(),
-            Backend::Soft,
-            SECRET,
-        ))
-        .await
-        .expect("connect");
+        let client = connect(&server, Backend::Soft).await;
         let value = value.clone();
         tasks.push(tokio::spawn(async move {
             let mut errors = Vec::new();
@@ -469,15 +462,7 @@ async fn a_heap_full_of_live_data_answers_table_full_within_the_deadline() {
     let value = vec![9u8; 900];
     let mut clients = Vec::new();
     for _ in 0..3 {
-        clients.push(
-            Client::connect(ClientConfig::new(
-                server.control_address(),
-                Backend::Soft,
-                SECRET,
-            ))
-            .await
-            .expect("connect"),
-        );
+        clients.push(connect(&server, Backend::Soft).await);
     }
     let mut stored = Vec::new();
     let mut failures = 0;

@@ -9,10 +9,11 @@
 //! every few writes. So the compactor empties whole segments (a segment is one chunk's extents,
 //! aligned), as a log-structured store's cleaner does: after each scan it picks the emptiest
 //! segment that nobody writes into and whose live bytes are under half of it (three quarters
-//! when the heap is nearly full), takes its extents settled for half a second
+//! when under a quarter of the heap is free), takes its extents settled for half a second
 //! ([`COMPACTION_AGE`]; a tenth of a second when the heap is nearly full), copies each live
 //! block touching them (verified by its checksum) into a grant the server owns, and CASes the
-//! slot from the old block to the copy. The segment comes back whole.
+//! slot from the old block to the copy. The segment comes back whole. When the heap is nearly
+//! full and no segment is sparse enough, it takes sparse extents wherever they are.
 //!
 //! Why this is safe: blocks are immutable, so the copy holds the same key and value; a reader
 //! that read the old slot still finds the old block (the extent is freed only once every
@@ -89,10 +90,10 @@ struct Destination {
     used: u64,
 }
 
-/// Moves live blocks out of sparse extents into one server-owned grant at a time. The
+/// Moves live blocks out of sparse segments into one server-owned grant at a time. The
 /// destination stays open across passes until it is full, so compaction never churns: a
-/// destination is sealed only when full (dense), and every extent it empties was under half
-/// full, so each destination filled frees at least twice its size.
+/// destination is sealed only when full (dense), and every segment it empties was under half
+/// live (three quarters under pressure), so each destination filled frees more than it takes.
 #[derive(Debug, Default)]
 pub struct Compactor {
     destination: std::sync::Mutex<Option<Destination>>,
