@@ -158,7 +158,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
                             "up",
                             stats.uptime_seconds,
                             stats.connections,
-                            stats.keys_estimate,
+                            stats.keys,
                             rdkv_cluster_file::units::format_bytes(stats.heap_used_bytes),
                             counters.operations,
                             counters.round_trips,

@@ -9,12 +9,14 @@ use rdkv_common::protocol::ClientCounters;
 /// Live counters, shared by every connection of one client.
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Operations completed (any outcome but an error).
+    /// Operations ended, with any outcome (errors included).
     pub operations: AtomicU64,
-    /// GETs (each key of a batch counts one).
+    /// GETs (each key of a batch counts one; failed ones included).
     pub gets: AtomicU64,
-    /// Mutations (put, insert, update, delete, compare-and-swap).
+    /// Mutations (put, insert, update, delete, compare-and-swap; failed ones included).
     pub mutations: AtomicU64,
+    /// Operations that ended with an error.
+    pub failures: AtomicU64,
     /// Posted lists that waited for completions: network round trips.
     pub round_trips: AtomicU64,
     /// Round trips spent by GETs.
@@ -61,6 +63,7 @@ impl Counters {
             operations: now.operations - reported.operations,
             gets: now.gets - reported.gets,
             mutations: now.mutations - reported.mutations,
+            failures: now.failures - reported.failures,
             round_trips: now.round_trips - reported.round_trips,
             get_round_trips: now.get_round_trips - reported.get_round_trips,
             verbs: now.verbs - reported.verbs,
@@ -79,6 +82,7 @@ impl Counters {
                 operations: load(&self.operations),
                 gets: load(&self.gets),
                 mutations: load(&self.mutations),
+                failures: load(&self.failures),
                 round_trips: load(&self.round_trips),
                 get_round_trips: load(&self.get_round_trips),
                 verbs: load(&self.verbs),

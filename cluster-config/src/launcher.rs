@@ -1,15 +1,17 @@
-//! `rdkv-cluster up | down | status` for nodes on this machine.
+//! `rdkv-cluster up | down | restart | logs` for the nodes of a cluster file: local nodes as
+//! child processes, remote nodes through ssh ([`crate::remote`]).
 //!
-//! - `up` starts every node as an `rdkv-server --config FILE --node ID` child in its own process
-//!   group, writes `node-ID.pid` under the run directory, and waits for each node's ready line
-//!   (no sleeping). In the foreground it forwards each node's log lines with a `[node ID]`
-//!   prefix and stops the nodes in order on Ctrl-C or SIGTERM; with `--detach` the logs go to
-//!   `node-ID.log` and the launcher exits.
-//! - `down` sends SIGTERM to each node in order and waits for it to exit (SIGKILL after a
-//!   timeout).
-//! - `status` asks each node for its stats over a monitoring connection (no queue pair, no
-//!   keys); a node that does not answer is `down`.
-
+//! - `up` starts the nodes (all, or `--node N`) in file order. A local node is an
+//!   `rdkv-server --config FILE --node ID` child in its own process group, with `node-ID.pid`
+//!   under the run directory; `up` waits for each node's ready line (no sleeping). In the
+//!   foreground it forwards local nodes' log lines with a `[node ID]` prefix and stops the
+//!   nodes in order on Ctrl-C or SIGTERM; with `--detach` the logs go to `node-ID.log` and the
+//!   launcher exits. A remote node always runs in the background on its host.
+//! - `down` (and the stop half of `restart`) first asks each node to shut down over the
+//!   control plane, authenticated with the cluster secret: no pid file and no ssh needed. A
+//!   node that does not answer is stopped by its pid file (SIGTERM, SIGKILL after 15 s), or
+//!   through ssh on its host. A node that exited counts as stopped whether or not it has been
+//!   reaped.
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -21,16 +23,20 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use rdkv_common::protocol::{fetch_stats, ServerStats};
+use rdkv_common::protocol::request_shutdown;
+use rdkv_common::ControlError;
 
 use crate::config::{ClusterConfig, NodeConfig};
 use crate::error::{Error, Result};
-use crate::units::format_bytes;
+use crate::remote;
 
 /// How long a node may take to print its ready line.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a node may take to stop after SIGTERM before it gets SIGKILL.
+/// How long a node may take to stop after SIGTERM or a `Shutdown` before it gets SIGKILL. A
+/// node bounds its own shutdown at 10 s (`rdkv_server::server::SHUTDOWN_BOUND`).
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a node has to acknowledge a `Shutdown`.
+const SHUTDOWN_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The `rdkv-server` binary next to the running executable.
 ///
@@ -55,33 +61,51 @@ pub fn server_binary() -> Result<PathBuf> {
         })
 }
 
-/// Refuses nodes on other hosts.
+/// The nodes a command acts on: `only` or every node, in file order.
 ///
 /// # Errors
-/// [`Error::Refused`] naming the node and what to do instead.
-pub fn check_local(config: &ClusterConfig) -> Result<()> {
-    for node in &config.nodes {
-        let ip = node.control_address.ip();
-        if !(ip.is_loopback() || ip.is_unspecified()) {
-            return Err(Error::Refused(format!(
-                "node {} ({}) is on another host: remote hosts (over ssh) are not supported yet; start it there with `rdkv-server --config FILE --node {}`",
-                node.id, node.control_address, node.id
-            )));
-        }
+/// [`Error::Refused`] when `only` names no node of the file.
+pub fn select<'a>(config: &'a ClusterConfig, only: Option<u32>) -> Result<Vec<&'a NodeConfig>> {
+    match only {
+        None => Ok(config.nodes.iter().collect()),
+        Some(id) => config.node(id).map(|node| vec![node]).ok_or_else(|| {
+            let ids: Vec<String> = config
+                .nodes
+                .iter()
+                .map(|node| node.id.to_string())
+                .collect();
+            Error::Refused(format!(
+                "cluster `{}` has no node {id}; its nodes are {}",
+                config.name,
+                ids.join(", ")
+            ))
+        }),
     }
-    Ok(())
 }
 
 fn pid_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.pid"))
 }
 
-fn log_file(run_directory: &Path, node: u32) -> PathBuf {
+/// Where a detached local node logs.
+pub fn log_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.log"))
 }
 
-fn is_alive(pid: i32) -> bool {
-    kill(Pid::from_raw(pid), None).is_ok()
+/// Whether a process runs: it exists and is not a zombie (an exited process that nobody has
+/// reaped yet has stopped, as far as `down` is concerned).
+pub fn is_alive(pid: i32) -> bool {
+    if kill(Pid::from_raw(pid), None).is_err() {
+        return false;
+    }
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state != "Z" && state != "X"),
+        Err(_) => true,
+    }
 }
 
 fn read_pid(path: &Path) -> Option<i32> {
@@ -92,10 +116,9 @@ fn answers(address: SocketAddr) -> bool {
     TcpStream::connect_timeout(&address, Duration::from_millis(300)).is_ok()
 }
 
-/// Nodes of this cluster that are running now: a live pid file, or a control port that answers.
-pub fn running_nodes(config: &ClusterConfig, run_directory: &Path) -> Vec<(u32, String)> {
-    config
-        .nodes
+/// Nodes among `nodes` that are running now: a live pid file, or a control port that answers.
+pub fn running_nodes(nodes: &[&NodeConfig], run_directory: &Path) -> Vec<(u32, String)> {
+    nodes
         .iter()
         .filter_map(|node| {
             if let Some(pid) =
@@ -114,8 +137,10 @@ pub fn running_nodes(config: &ClusterConfig, run_directory: &Path) -> Vec<(u32, 
 pub struct ReadyNode {
     /// The node's id.
     pub id: u32,
-    /// Its process id.
+    /// Its process id (on its own host).
     pub pid: u32,
+    /// The ssh destination of a remote node.
+    pub host: Option<String>,
     /// The ready line.
     pub ready_line: String,
 }
@@ -124,32 +149,54 @@ pub struct ReadyNode {
 pub struct StartedNode {
     /// The node.
     pub ready: ReadyNode,
-    /// The child process.
-    pub child: Child,
+    /// The child process of a local node (a remote node runs under its host's init).
+    pub child: Option<Child>,
 }
 
 /// Starts every node and waits for each to be ready.
 ///
 /// # Errors
-/// [`Error::Refused`] when the cluster already runs or a node is remote; [`Error::Node`] when a
-/// node fails to start (the nodes already started are stopped again).
+/// As [`start_nodes`].
 pub fn start(
     config: &ClusterConfig,
     run_directory: &Path,
     detach: bool,
 ) -> Result<Vec<StartedNode>> {
-    check_local(config)?;
-    let running = running_nodes(config, run_directory);
+    start_nodes(config, run_directory, detach, None)
+}
+
+/// Starts the nodes (`only` one, or all) in file order and waits for each to be ready.
+///
+/// # Errors
+/// [`Error::Refused`] when a chosen node already runs; [`Error::Node`] when a node fails to
+/// start (the nodes this call started are stopped again).
+pub fn start_nodes(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    detach: bool,
+    only: Option<u32>,
+) -> Result<Vec<StartedNode>> {
+    let nodes = select(config, only)?;
+    let running = running_nodes(&nodes, run_directory);
     if !running.is_empty() {
         let list: Vec<String> = running
             .iter()
             .map(|(id, how)| format!("node {id} ({how})"))
             .collect();
+        let fix = match only {
+            Some(id) => format!(
+                "restart it with `rdkv-cluster restart {} --node {id}`",
+                config.path.display()
+            ),
+            None => format!(
+                "stop it with `rdkv-cluster down {}`, or start a stopped node with `up --node N`",
+                config.path.display()
+            ),
+        };
         return Err(Error::Refused(format!(
-            "cluster `{}` is already running: {}; stop it with `rdkv-cluster down {}`",
+            "cluster `{}` is already running: {}; {fix}",
             config.name,
             list.join(", "),
-            config.path.display()
         )));
     }
     fs::create_dir_all(run_directory).map_err(|error| {
@@ -158,15 +205,35 @@ pub fn start(
             run_directory.display()
         ))
     })?;
-    let binary = server_binary()?;
+    let binary = if nodes.iter().any(|node| node.host.is_none()) {
+        Some(server_binary()?)
+    } else {
+        None
+    };
     let config_path = fs::canonicalize(&config.path).unwrap_or_else(|_| config.path.clone());
     let mut started: Vec<StartedNode> = Vec::new();
-    for node in &config.nodes {
-        match start_node(&binary, &config_path, node, run_directory, detach) {
+    for node in nodes {
+        let outcome = match (&node.host, &binary) {
+            (Some(host), _) => remote::start(config, node, host).and_then(|(ready_line, pid)| {
+                confirm_control_port(node)?;
+                Ok(StartedNode {
+                    ready: ReadyNode {
+                        id: node.id,
+                        pid,
+                        host: Some(host.clone()),
+                        ready_line,
+                    },
+                    child: None,
+                })
+            }),
+            (None, Some(binary)) => start_local(binary, &config_path, node, run_directory, detach),
+            (None, None) => Err(Error::Refused("rdkv-server was not located".into())),
+        };
+        match outcome {
             Ok(node) => started.push(node),
             Err(error) => {
                 for node in started.iter_mut().rev() {
-                    stop_child(node, run_directory);
+                    stop_started(config, node, run_directory);
                 }
                 return Err(error);
             }
@@ -175,7 +242,22 @@ pub fn start(
     Ok(started)
 }
 
-fn start_node(
+/// The ready line comes after the control listener is bound; confirm over the port itself
+/// (which the node does not log: a probe that says nothing is not a client).
+fn confirm_control_port(node: &NodeConfig) -> Result<()> {
+    if TcpStream::connect_timeout(&node.control_address, Duration::from_secs(5)).is_ok() {
+        return Ok(());
+    }
+    Err(Error::Node {
+        node: node.id,
+        message: format!(
+            "printed its ready line but its control port {} does not accept connections from here",
+            node.control_address
+        ),
+    })
+}
+
+fn start_local(
     binary: &Path,
     config_path: &Path,
     node: &NodeConfig,
@@ -248,37 +330,38 @@ fn start_node(
             return Err(failure(format!("failed to start: {why}\n  {detail}")));
         }
     };
-    // The ready line comes after the control listener is bound; confirm over the port itself.
-    if TcpStream::connect_timeout(&node.control_address, Duration::from_secs(5)).is_err() {
+    if let Err(error) = confirm_control_port(node) {
         let _ = child.kill();
         let _ = child.wait();
         let _ = fs::remove_file(pid_file(run_directory, node.id));
-        return Err(failure(format!(
-            "printed its ready line but its control port {} does not accept connections",
-            node.control_address
-        )));
+        return Err(error);
     }
     Ok(StartedNode {
         ready: ReadyNode {
             id: node.id,
             pid,
+            host: None,
             ready_line,
         },
-        child,
+        child: Some(child),
     })
 }
 
-/// Stops one started child: SIGTERM, wait, SIGKILL after the timeout; removes its pid file.
+/// Stops one started local child: SIGTERM, wait, SIGKILL after the timeout; removes its pid
+/// file. A remote node is left alone here (see [`stop_started`]).
 pub fn stop_child(node: &mut StartedNode, run_directory: &Path) {
+    let Some(child) = node.child.as_mut() else {
+        return;
+    };
     let pid = Pid::from_raw(node.ready.pid as i32);
     let _ = kill(pid, Signal::SIGTERM);
     let started = Instant::now();
     loop {
-        match node.child.try_wait() {
+        match child.try_wait() {
             Ok(Some(_)) | Err(_) => break,
             Ok(None) if started.elapsed() > STOP_TIMEOUT => {
-                let _ = node.child.kill();
-                let _ = node.child.wait();
+                let _ = child.kill();
+                let _ = child.wait();
                 break;
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
@@ -287,183 +370,171 @@ pub fn stop_child(node: &mut StartedNode, run_directory: &Path) {
     let _ = fs::remove_file(pid_file(run_directory, node.ready.id));
 }
 
-/// `down`: stops every node with a pid file, in order. Returns one line per node.
+/// Stops a node this launcher started: a local child by signal, a remote node through ssh.
+pub fn stop_started(config: &ClusterConfig, node: &mut StartedNode, run_directory: &Path) {
+    match (&node.ready.host, config.node(node.ready.id)) {
+        (Some(host), Some(node_config)) => {
+            let _ = remote::stop(config, node_config, host);
+        }
+        _ => stop_child(node, run_directory),
+    }
+}
+
+/// How a node was stopped, for `down`'s report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stopped {
+    /// It acknowledged a `Shutdown` and exited.
+    ByRequest,
+    /// A signal or ssh stopped it (the line says how).
+    Otherwise(String),
+    /// It was not running.
+    NotRunning(String),
+}
+
+/// Stops one node: an authenticated `Shutdown` over the control plane, then waiting until it
+/// has exited; signals by its pid file, or ssh, when it does not answer.
 ///
 /// # Errors
-/// [`Error::Refused`] when no node of the cluster is running from this run directory.
-pub fn stop(config: &ClusterConfig, run_directory: &Path) -> Result<Vec<String>> {
-    let mut report = Vec::new();
-    let mut any = false;
-    for node in &config.nodes {
-        let path = pid_file(run_directory, node.id);
-        let Some(pid) = read_pid(&path) else {
-            report.push(format!(
-                "node {}: not started from {}",
-                node.id,
-                run_directory.display()
-            ));
-            continue;
-        };
-        any = true;
-        if !is_alive(pid) {
+/// [`Error::Node`] when it answers but cannot be stopped, or ssh fails.
+pub async fn stop_node(
+    config: &ClusterConfig,
+    node: &NodeConfig,
+    run_directory: &Path,
+) -> Result<Stopped> {
+    let path = pid_file(run_directory, node.id);
+    let pid = read_pid(&path).filter(|pid| node.host.is_none() && is_alive(*pid));
+    let refused = match request_shutdown(
+        node.control_address,
+        &config.secret,
+        SHUTDOWN_REQUEST_TIMEOUT,
+    )
+    .await
+    {
+        Ok(_) => {
+            let started = Instant::now();
+            loop {
+                let running = match pid {
+                    Some(pid) => is_alive(pid),
+                    None => answers(node.control_address),
+                };
+                if !running {
+                    break;
+                }
+                if started.elapsed() > STOP_TIMEOUT {
+                    return stop_by_signal(
+                        config,
+                        node,
+                        run_directory,
+                        "it acknowledged the shutdown but did not exit within 15s",
+                    )
+                    .await;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             let _ = fs::remove_file(&path);
-            report.push(format!(
-                "node {}: already stopped (stale pid {pid})",
-                node.id
-            ));
-            continue;
+            if let Some(host) = &node.host {
+                remote::forget(config, node, host);
+            }
+            return Ok(Stopped::ByRequest);
         }
-        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-        let started = Instant::now();
-        while is_alive(pid) && started.elapsed() < STOP_TIMEOUT {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if is_alive(pid) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            report.push(format!(
-                "node {}: killed (pid {pid}) after {STOP_TIMEOUT:?}",
-                node.id
-            ));
-        } else {
-            report.push(format!("node {}: stopped (pid {pid})", node.id));
-        }
-        let _ = fs::remove_file(&path);
+        Err(ControlError::Refused { reason }) => Some(reason),
+        Err(_) => None,
+    };
+    let why = match refused {
+        Some(reason) => format!("it refused the shutdown request ({reason})"),
+        None => "it did not answer on its control port".to_string(),
+    };
+    stop_by_signal(config, node, run_directory, &why).await
+}
+
+async fn stop_by_signal(
+    config: &ClusterConfig,
+    node: &NodeConfig,
+    run_directory: &Path,
+    why: &str,
+) -> Result<Stopped> {
+    if let Some(host) = &node.host {
+        let line = tokio::task::block_in_place(|| remote::stop(config, node, host))?;
+        return Ok(
+            if line.starts_with("not running") || line.starts_with("already stopped") {
+                Stopped::NotRunning(line)
+            } else {
+                Stopped::Otherwise(format!("{line}; {why}"))
+            },
+        );
     }
-    if !any {
-        return Err(Error::Refused(format!(
-            "cluster `{}` has no pid files in {}: was it started with `rdkv-cluster up` from this directory?",
-            config.name,
+    let path = pid_file(run_directory, node.id);
+    let Some(pid) = read_pid(&path) else {
+        return Ok(Stopped::NotRunning(format!(
+            "not running ({why}; no pid file in {})",
             run_directory.display()
         )));
+    };
+    if !is_alive(pid) {
+        let _ = fs::remove_file(&path);
+        return Ok(Stopped::NotRunning(format!(
+            "already stopped (stale pid {pid})"
+        )));
+    }
+    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+    let started = Instant::now();
+    while is_alive(pid) && started.elapsed() < STOP_TIMEOUT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let line = if is_alive(pid) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        format!("killed (pid {pid}) after {STOP_TIMEOUT:?} ({why})")
+    } else {
+        format!("stopped by SIGTERM (pid {pid}; {why})")
+    };
+    let _ = fs::remove_file(&path);
+    Ok(Stopped::Otherwise(line))
+}
+
+/// `down`: stops the nodes (`only` one, or all) in order. Returns one line per node.
+///
+/// # Errors
+/// As [`stop_node`].
+pub async fn stop(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    only: Option<u32>,
+) -> Result<Vec<String>> {
+    let mut report = Vec::new();
+    for node in select(config, only)? {
+        let started = Instant::now();
+        let line = match stop_node(config, node, run_directory).await? {
+            Stopped::ByRequest => format!(
+                "stopped (shutdown over the control plane, {:.1}s)",
+                started.elapsed().as_secs_f64()
+            ),
+            Stopped::Otherwise(line) | Stopped::NotRunning(line) => line,
+        };
+        report.push(format!("node {}: {line}", node.id));
     }
     Ok(report)
 }
 
-/// One node's state for `status`.
-#[derive(Debug, Clone)]
-pub struct NodeStatus {
-    /// The node's id.
-    pub id: u32,
-    /// Its control address.
-    pub address: SocketAddr,
-    /// Its stats, or why it is down.
-    pub state: std::result::Result<ServerStats, String>,
-}
-
-/// Asks every node for its stats.
-pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
-    let mut statuses = Vec::new();
-    for node in &config.nodes {
-        let state = fetch_stats(node.control_address, &config.secret, Duration::from_secs(2))
-            .await
-            .map_err(|error| error.to_string());
-        statuses.push(NodeStatus {
-            id: node.id,
-            address: node.control_address,
-            state,
-        });
+/// The last `lines` lines of a node's log: its log file under the run directory (a detached
+/// local node), or on its host.
+///
+/// # Errors
+/// [`Error::Refused`] when there is no log to show, naming why.
+pub fn logs(config: &ClusterConfig, run_directory: &Path, id: u32, lines: usize) -> Result<String> {
+    let node = select(config, Some(id))?[0];
+    if let Some(host) = &node.host {
+        return remote::logs(config, node, host, lines);
     }
-    statuses
-}
-
-/// Renders rows as a table with aligned columns.
-pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|title| title.len()).collect();
-    for row in rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.len());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |cells: Vec<String>| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
-            .collect();
-        out.push_str(padded.join("  ").trim_end());
-        out.push('\n');
-    };
-    line(header.iter().map(|title| title.to_string()).collect());
-    for row in rows {
-        line(row.clone());
-    }
-    out
-}
-
-/// The `status` table.
-pub fn status_table(statuses: &[NodeStatus]) -> String {
-    let rows: Vec<Vec<String>> = statuses
-        .iter()
-        .map(|status| match &status.state {
-            Ok(stats) => vec![
-                status.id.to_string(),
-                "up".into(),
-                status.address.to_string(),
-                format!("{}s", stats.uptime_seconds),
-                stats.connections.to_string(),
-                format!(
-                    "{}/{}/{}",
-                    stats.queue_pairs[3],
-                    stats.queue_pairs[2] + stats.queue_pairs[1] + stats.queue_pairs[0],
-                    stats.queue_pairs[4]
-                ),
-                stats.live_memory_regions.to_string(),
-                stats.live_memory_windows.to_string(),
-                format_bytes(stats.pinned_bytes),
-                format!(
-                    "{} / {}",
-                    format_bytes(stats.heap_used_bytes),
-                    format_bytes(stats.heap_size_bytes)
-                ),
-                stats.keys_estimate.to_string(),
-            ],
-            Err(reason) => {
-                let mut row = vec![
-                    status.id.to_string(),
-                    "down".into(),
-                    status.address.to_string(),
-                ];
-                row.extend(std::iter::repeat_n("-".to_string(), 7));
-                row.push(reason.clone());
-                row
-            }
-        })
-        .collect();
-    table(
-        &[
-            "node",
-            "state",
-            "control",
-            "uptime",
-            "conns",
-            "QPs rts/setup/err",
-            "MRs",
-            "MWs",
-            "pinned",
-            "heap used",
-            "keys",
-        ],
-        &rows,
-    ) + &heap_warnings(statuses)
-}
-
-/// One line per node whose heap is under 10% free, naming the fix.
-fn heap_warnings(statuses: &[NodeStatus]) -> String {
-    statuses
-        .iter()
-        .filter_map(|status| {
-            let stats = status.state.as_ref().ok()?;
-            stats.heap_low().then(|| {
-                format!(
-                    "warning: node {} heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
-                    status.id,
-                    rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
-                    rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
-                )
-            })
-        })
-        .collect()
+    let path = log_file(run_directory, id);
+    let text = fs::read_to_string(&path).map_err(|error| {
+        Error::Refused(format!(
+            "no log for node {id} at {} ({error}): a node started in the foreground logs to the `up` terminal; start with `--detach` to keep a log file",
+            path.display()
+        ))
+    })?;
+    let all: Vec<&str> = text.lines().collect();
+    let first = all.len().saturating_sub(lines);
+    Ok(all[first..].join("\n") + "\n")
 }
 
 /// Writes a line to stdout, ignoring a closed pipe.
@@ -471,34 +542,4 @@ pub fn say(line: &str) {
     let stdout = std::io::stdout();
     let mut handle = stdout.lock();
     let _ = writeln!(handle, "{line}");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn remote_nodes_are_refused_with_what_to_do_instead() {
-        let text = "[cluster]\nname = \"t\"\nsecret = \"s\"\nfabric = \"soft\"\n\n[[node]]\nid = 4\ncontrol_address = \"192.0.2.10:7400\"\nfabric_address = \"192.0.2.10:7401\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
-        let figures = rdkv_fabric::memory::limits::MemlockFigures {
-            soft_limit: u64::MAX,
-            hard_limit: u64::MAX,
-            locked_bytes: 0,
-            has_ipc_lock_capability: true,
-        };
-        let config = crate::config::parse(Path::new("remote.toml"), text, figures, u64::MAX)
-            .expect("valid file");
-        let message = check_local(&config).unwrap_err().to_string();
-        assert!(
-            message.contains("node 4") && message.contains("another host"),
-            "{message}"
-        );
-        assert!(message.contains("--config FILE --node 4"), "{message}");
-    }
-
-    #[test]
-    fn tables_align_columns() {
-        let text = table(&["a", "long header"], &[vec!["value".into(), "x".into()]]);
-        assert_eq!(text, "a      long header\nvalue  x\n");
-    }
 }

@@ -1,6 +1,10 @@
-//! rdkv-cluster-config: the local launcher, `rdkv-cluster up | down | status`.
+//! rdkv-cluster-config: the launcher, `rdkv-cluster up | down | restart | status | logs |
+//! systemd`.
 //!
-//! - [`launcher`]: starting, stopping and reporting on the nodes of a cluster on this machine.
+//! - [`launcher`]: starting and stopping the nodes of a cluster;
+//! - [`remote`]: nodes on other hosts, through OpenSSH;
+//! - [`status`]: each node's state and stats, and `status`'s exit code;
+//! - [`systemd`]: a service unit per node;
 //! - [`error`]: the one error enum.
 //!
 //! The cluster file itself (schema, units, validation) is the crate `rdkv-cluster-file`,
@@ -9,6 +13,9 @@
 
 pub mod error;
 pub mod launcher;
+pub mod remote;
+pub mod status;
+pub mod systemd;
 
 pub use error::{Error, Result};
 pub use rdkv_cluster_file::{config, load, units, ClusterConfig, NodeConfig};

@@ -9,9 +9,15 @@
 //! lease_timeout = "10s"
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
+//! ssh_user = "rdkv"               # remote nodes only: ssh as this user (default: your ssh config)
+//! ssh_options = ["-p", "2222"]    # remote nodes only: extra ssh arguments
+//! remote_binary = "rdkv-server"   # remote nodes only: the server binary there (default: on PATH)
+//! remote_run_dir = ".rdkv/local"  # remote nodes only: pid, log and cluster file there
 //!
 //! [[node]]
 //! id = 1
+//! host = "db1"                        # optional: an ssh destination; local when absent
+//!                                     # (and the control address is loopback) or "localhost"
 //! control_address = "127.0.0.1:7400"
 //! fabric_address = "127.0.0.1:7401"   # soft; for verbs: device = "mlx5_0", gid_index = 3
 //! metrics_address = "127.0.0.1:7402"
@@ -66,12 +72,17 @@ struct RawCluster {
     lease_timeout: Option<Spanned<String>>,
     operation_deadline: Option<Spanned<String>>,
     poll_spin: Option<Spanned<String>>,
+    ssh_user: Option<Spanned<String>>,
+    ssh_options: Option<Spanned<Vec<String>>>,
+    remote_binary: Option<Spanned<String>>,
+    remote_run_dir: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawNode {
     id: Spanned<u32>,
+    host: Option<Spanned<String>>,
     control_address: Spanned<String>,
     fabric_address: Option<Spanned<String>>,
     device: Option<Spanned<String>>,
@@ -105,10 +116,26 @@ pub struct ClusterConfig {
     /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
     /// every completion queue poller (clients' included).
     pub poll_spin: Duration,
+    /// How remote nodes are reached.
+    pub ssh: SshSettings,
     /// The nodes, in file order.
     pub nodes: Vec<NodeConfig>,
     /// Things worth fixing that do not stop the cluster (an over-readable secret file).
     pub warnings: Vec<String>,
+}
+
+/// How `rdkv-cluster` reaches nodes on other hosts: OpenSSH in batch mode, with the user's own
+/// ssh config and agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshSettings {
+    /// `ssh -l USER` (else the ssh config's user).
+    pub user: Option<String>,
+    /// Extra arguments for every ssh call (`-p 2222`, `-F file`, `-i key`).
+    pub options: Vec<String>,
+    /// The `rdkv-server` binary on the remote hosts.
+    pub remote_binary: String,
+    /// The run directory on the remote hosts (relative paths are from the login directory).
+    pub remote_run_dir: String,
 }
 
 /// One validated node.
@@ -116,6 +143,8 @@ pub struct ClusterConfig {
 pub struct NodeConfig {
     /// The node's id.
     pub id: u32,
+    /// The ssh destination of a node on another host; `None` for a node on this machine.
+    pub host: Option<String>,
     /// Control-plane address.
     pub control_address: SocketAddr,
     /// Soft NIC address.
@@ -216,12 +245,22 @@ impl Locator<'_> {
 /// # Errors
 /// [`Error::Read`] or [`Error::Invalid`] naming the file, line and field.
 pub fn load(path: &Path) -> Result<ClusterConfig> {
+    load_with_secret(path, None)
+}
+
+/// As [`load`], with the secret given rather than taken from the file's `secret` or
+/// `secret_file` (`rdkv-server --config FILE --secret-file PATH`: a systemd credential, the
+/// copy `rdkv-cluster` leaves on a remote host).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with_secret(path: &Path, secret: Option<Vec<u8>>) -> Result<ClusterConfig> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
         file: path.to_path_buf(),
         source,
     })?;
     let (available, _) = read_meminfo();
-    parse(path, &text, read_memlock_figures(), available)
+    parse_with_secret(path, &text, read_memlock_figures(), available, secret)
 }
 
 /// Validates cluster file text with given machine figures (tests inject them).
@@ -233,6 +272,16 @@ pub fn parse(
     text: &str,
     memlock: MemlockFigures,
     available_memory: u64,
+) -> Result<ClusterConfig> {
+    parse_with_secret(path, text, memlock, available_memory, None)
+}
+
+fn parse_with_secret(
+    path: &Path,
+    text: &str,
+    memlock: MemlockFigures,
+    available_memory: u64,
+    secret_override: Option<Vec<u8>>,
 ) -> Result<ClusterConfig> {
     let locator = Locator { path, text };
     let raw: RawFile = toml::from_str(text).map_err(|error| {
@@ -259,6 +308,7 @@ pub fn parse(
     };
 
     let secret = match (&cluster.secret, &cluster.secret_file) {
+        _ if secret_override.is_some() => secret_override.unwrap_or_default(),
         (Some(_), Some(file)) => {
             return Err(locator.error(
                 file.span(),
@@ -476,8 +526,23 @@ pub fn parse(
                 )
             },
         )?;
+        let host = match &node.host {
+            Some(host) if host.get_ref().trim().is_empty() => {
+                return Err(locator.error(
+                    host.span(),
+                    name("host"),
+                    "empty: name an ssh destination, or leave host out for this machine",
+                ))
+            }
+            Some(host) => (!is_this_machine(host.get_ref())).then(|| host.get_ref().clone()),
+            None => {
+                let ip = control_address.ip();
+                (!(ip.is_loopback() || ip.is_unspecified())).then(|| ip.to_string())
+            }
+        };
         nodes.push(NodeConfig {
             id,
+            host,
             control_address,
             fabric_address,
             device: node.device.as_ref().map(|device| device.get_ref().clone()),
@@ -498,7 +563,36 @@ pub fn parse(
         lease_timeout,
         operation_deadline,
         poll_spin,
+        ssh: SshSettings {
+            user: cluster.ssh_user.as_ref().map(|user| user.get_ref().clone()),
+            options: cluster
+                .ssh_options
+                .as_ref()
+                .map(|options| options.get_ref().clone())
+                .unwrap_or_default(),
+            remote_binary: cluster.remote_binary.as_ref().map_or_else(
+                || "rdkv-server".to_string(),
+                |binary| binary.get_ref().clone(),
+            ),
+            remote_run_dir: cluster.remote_run_dir.as_ref().map_or_else(
+                || format!(".rdkv/{}", cluster.name.get_ref()),
+                |directory| directory.get_ref().clone(),
+            ),
+        },
         nodes,
         warnings,
     })
+}
+
+/// Whether a node's `host` names this machine: `localhost`, a loopback address, or this
+/// machine's host name.
+fn is_this_machine(host: &str) -> bool {
+    if host == "localhost" {
+        return true;
+    }
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return ip.is_loopback();
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .is_ok_and(|name| !name.trim().is_empty() && name.trim() == host)
 }

@@ -33,6 +33,19 @@ pub enum ControlError {
     /// Reading or writing the socket failed.
     #[error("control connection I/O: {0}")]
     Io(#[source] io::Error),
+    /// The node refused the request (a wrong secret, another protocol version); the reason
+    /// names the fix.
+    #[error("refused: {reason}")]
+    Refused {
+        /// The node's reason.
+        reason: String,
+    },
+    /// The node did not answer in time.
+    #[error("no answer within {timeout:?}")]
+    TimedOut {
+        /// The time allowed.
+        timeout: std::time::Duration,
+    },
     /// The peer sent a message that is not valid at this point of the conversation.
     #[error("unexpected control message: {0}")]
     Unexpected(String),

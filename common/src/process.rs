@@ -13,6 +13,19 @@ pub fn init_logging(default_level: &str) {
         .try_init();
 }
 
+/// Ends a binary: `Ok` is exit code 0; an error prints as one line with its causes
+/// (`program: error: what: why`), never a backtrace whatever `RUST_BACKTRACE` says, and is exit
+/// code 1.
+pub fn exit_with(outcome: anyhow::Result<()>, program: &str) -> std::process::ExitCode {
+    match outcome {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{program}: error: {error:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 /// Resolves on the first SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};

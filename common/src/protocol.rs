@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -59,6 +59,9 @@ pub enum ClientMessage {
     },
     /// The server's counters.
     Stats,
+    /// Stop the node (`rdkv-cluster down`): it stops accepting, tears every connection down in
+    /// order and exits. Any authenticated connection may ask; the secret is the authority.
+    Shutdown,
     /// A clean goodbye.
     Goodbye,
 }
@@ -72,6 +75,7 @@ impl ClientMessage {
             ClientMessage::AllocateChunk { .. } => "AllocateChunk",
             ClientMessage::Heartbeat { .. } => "Heartbeat",
             ClientMessage::Stats => "Stats",
+            ClientMessage::Shutdown => "Shutdown",
             ClientMessage::Goodbye => "Goodbye",
         }
     }
@@ -148,6 +152,11 @@ pub enum ServerMessage {
     HeartbeatAck,
     /// The server's counters.
     Stats(Box<ServerStats>),
+    /// The node is shutting down, as asked.
+    ShuttingDown {
+        /// The node's id.
+        node_id: u32,
+    },
     /// The request was refused; the reason names the fix where there is one.
     Refused {
         /// Why.
@@ -212,8 +221,9 @@ pub struct ServerStats {
     /// Over the last 1,024 extents reclaimed: milliseconds from the scan that found an extent
     /// unreferenced to its reuse, median, 99th percentile and largest (zeros before any).
     pub heap_reuse_delay_ms: [u64; 3],
-    /// Keys, estimated from the last index scan.
-    pub keys_estimate: u64,
+    /// Committed keys, counted by a scan of the index made for this snapshot: exact when no
+    /// write is in flight.
+    pub keys: u64,
     /// Heap grants handed out since start.
     pub chunk_allocations: u64,
     /// Heap extents reclaimed since start.
@@ -247,12 +257,14 @@ impl ServerStats {
 /// report it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClientCounters {
-    /// Operations completed.
+    /// Operations ended, whether they succeeded or failed.
     pub operations: u64,
-    /// GETs.
+    /// GETs (failed ones included).
     pub gets: u64,
-    /// Mutations.
+    /// Mutations (failed ones included).
     pub mutations: u64,
+    /// Operations that ended with an error (a miss or a lost compare is not an error).
+    pub failures: u64,
     /// Posted lists awaited (network round trips).
     pub round_trips: u64,
     /// Round trips spent by GETs.
@@ -271,6 +283,7 @@ impl ClientCounters {
         self.operations += other.operations;
         self.gets += other.gets;
         self.mutations += other.mutations;
+        self.failures += other.failures;
         self.round_trips += other.round_trips;
         self.get_round_trips += other.get_round_trips;
         self.verbs += other.verbs;
@@ -388,38 +401,61 @@ where
     })
 }
 
+/// Opens an authenticated monitoring connection (no queue pair, no keys).
+///
+/// # Errors
+/// [`ControlError::Refused`] when the node refuses the secret or the version; the others when
+/// it cannot be reached or answers oddly.
+async fn monitor_connection(
+    address: std::net::SocketAddr,
+    secret: &[u8],
+) -> Result<tokio::net::TcpStream, ControlError> {
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .map_err(ControlError::Io)?;
+    let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
+        return Err(ControlError::Unexpected("no challenge".into()));
+    };
+    write_frame(
+        &mut stream,
+        &ClientMessage::Authenticate {
+            protocol_version: PROTOCOL_VERSION,
+            purpose: Purpose::Monitor,
+            proof: compute_proof(secret, &nonce),
+            client_name: "rdkv-monitor".into(),
+        },
+    )
+    .await?;
+    match read_frame(&mut stream).await? {
+        ServerMessage::MonitorReady { .. } => Ok(stream),
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Runs a monitoring conversation within `timeout`.
+async fn within<T>(
+    timeout: std::time::Duration,
+    conversation: impl std::future::Future<Output = Result<T, ControlError>>,
+) -> Result<T, ControlError> {
+    tokio::time::timeout(timeout, conversation)
+        .await
+        .unwrap_or(Err(ControlError::TimedOut { timeout }))
+}
+
 /// Opens a monitoring connection (no queue pair, no keys) and fetches the server's stats. Their
 /// `connections` leaves out this monitoring connection itself.
 ///
 /// # Errors
-/// [`ControlError`] when the node cannot be reached, refuses the secret, or answers oddly.
+/// [`ControlError`] when the node cannot be reached, refuses the secret
+/// ([`ControlError::Refused`]), or answers oddly.
 pub async fn fetch_stats(
     address: std::net::SocketAddr,
     secret: &[u8],
     timeout: std::time::Duration,
 ) -> Result<ServerStats, ControlError> {
-    let conversation = async {
-        let mut stream = tokio::net::TcpStream::connect(address)
-            .await
-            .map_err(ControlError::Io)?;
-        let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
-            return Err(ControlError::Unexpected("no challenge".into()));
-        };
-        write_frame(
-            &mut stream,
-            &ClientMessage::Authenticate {
-                protocol_version: PROTOCOL_VERSION,
-                purpose: Purpose::Monitor,
-                proof: compute_proof(secret, &nonce),
-                client_name: "rdkv-monitor".into(),
-            },
-        )
-        .await?;
-        match read_frame(&mut stream).await? {
-            ServerMessage::MonitorReady { .. } => {}
-            ServerMessage::Refused { reason } => return Err(ControlError::Unexpected(reason)),
-            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
-        }
+    within(timeout, async {
+        let mut stream = monitor_connection(address, secret).await?;
         write_frame(&mut stream, &ClientMessage::Stats).await?;
         let reply = read_frame(&mut stream).await?;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
@@ -430,12 +466,30 @@ pub async fn fetch_stats(
             }
             other => Err(ControlError::Unexpected(format!("{other:?}"))),
         }
-    };
-    tokio::time::timeout(timeout, conversation)
-        .await
-        .unwrap_or(Err(ControlError::Unexpected(format!(
-            "no answer within {timeout:?}"
-        ))))
+    })
+    .await
+}
+
+/// Asks a node to shut down over an authenticated monitoring connection; returns once the node
+/// has acknowledged (it then stops accepting and exits after its teardowns).
+///
+/// # Errors
+/// As [`fetch_stats`].
+pub async fn request_shutdown(
+    address: std::net::SocketAddr,
+    secret: &[u8],
+    timeout: std::time::Duration,
+) -> Result<u32, ControlError> {
+    within(timeout, async {
+        let mut stream = monitor_connection(address, secret).await?;
+        write_frame(&mut stream, &ClientMessage::Shutdown).await?;
+        match read_frame(&mut stream).await? {
+            ServerMessage::ShuttingDown { node_id } => Ok(node_id),
+            ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+            other => Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+    })
+    .await
 }
 
 #[cfg(test)]

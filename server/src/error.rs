@@ -19,7 +19,7 @@ pub enum Error {
     #[error(transparent)]
     Fabric(#[from] rdkv_fabric::Error),
     /// The control listener could not be bound.
-    #[error("bind control listener on {address}")]
+    #[error("bind the control listener on {address}")]
     BindControl {
         /// The address.
         address: SocketAddr,
@@ -32,6 +32,18 @@ pub enum Error {
     HandshakeTimedOut {
         /// The timeout.
         timeout: std::time::Duration,
+    },
+    /// The server began to shut down during the handshake.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// The metrics listener could not be bound.
+    #[error("bind the metrics listener on {address}")]
+    BindMetrics {
+        /// The address.
+        address: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: io::Error,
     },
     /// The client closed the connection during the handshake.
     #[error("client disconnected during the handshake")]

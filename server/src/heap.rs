@@ -134,8 +134,6 @@ pub struct Heap {
     pub allocations: AtomicU64,
     /// Extents reclaimed since start.
     pub reclaimed: AtomicU64,
-    /// Keys seen by the last scan.
-    pub keys_estimate: AtomicU64,
     /// Live bytes per extent, from the last scan.
     live_bytes: Mutex<Vec<u64>>,
     /// Blocks moved by compaction since start.
@@ -200,7 +198,6 @@ impl Heap {
             quarantine,
             allocations: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
-            keys_estimate: AtomicU64::new(0),
             live_bytes: Mutex::new(vec![0; count as usize]),
             blocks_relocated: AtomicU64::new(0),
             tentatives_cleared: AtomicU64::new(0),
@@ -653,7 +650,6 @@ impl Heap {
             }
         }
         self.reclaimed.fetch_add(reclaimed, Ordering::Relaxed);
-        self.keys_estimate.store(keys, Ordering::Relaxed);
         CollectionReport { keys, reclaimed }
     }
 }

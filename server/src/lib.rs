@@ -8,6 +8,7 @@
 //! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
 //!   heartbeats), ordered teardown.
 //! - [`server`]: start, run, shutdown.
+//! - [`gate`]: what a stopping server still waits for, named in its logs.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
 //!
@@ -19,6 +20,7 @@ pub mod announce;
 pub mod compactor;
 pub mod config;
 pub mod error;
+pub mod gate;
 pub mod heap;
 pub mod metrics;
 pub mod server;

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prometheus::{Encoder, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use rdkv_common::protocol::ServerStats;
 use rdkv_fabric::QueuePairState;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,10 +14,11 @@ use tokio_util::sync::CancellationToken;
 /// Reads one gauge's value from a snapshot.
 type Reader = fn(&ServerStats) -> i64;
 
-/// The gauges, refreshed from a stats snapshot at every scrape.
+/// The gauges and counters (every `*_total`), refreshed from a stats snapshot at every scrape.
 pub struct Metrics {
     registry: Registry,
     gauges: Vec<(IntGauge, Reader)>,
+    counters: Vec<(IntCounter, Reader)>,
     queue_pairs: IntGaugeVec,
 }
 
@@ -29,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 17] = [
+        let definitions: [(&str, &str, Reader); 19] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -65,8 +66,8 @@ impl Metrics {
                 "Over the last 1,024 heap extents reclaimed: 99th percentile of the milliseconds from the scan that found an extent unreferenced to its reuse",
                 |stats| stats.heap_reuse_delay_ms[1] as i64,
             ),
-            ("keys", "Keys (from the last index scan)", |stats| {
-                stats.keys_estimate as i64
+            ("keys", "Committed keys (counted by an index scan at the scrape)", |stats| {
+                stats.keys as i64
             }),
             (
                 "chunk_allocations_total",
@@ -101,19 +102,36 @@ impl Metrics {
                 "Refused authentications",
                 |stats| stats.authentication_failures as i64,
             ),
+            (
+                "client_operations_total",
+                "Operations this node's clients reported as ended (succeeded or failed)",
+                |stats| stats.client_counters.operations as i64,
+            ),
+            (
+                "client_failures_total",
+                "Operations this node's clients reported as failed",
+                |stats| stats.client_counters.failures as i64,
+            ),
         ];
-        let gauges = definitions
-            .into_iter()
-            .map(|(name, help, read)| {
-                let gauge =
-                    IntGauge::with_opts(Opts::new(name, help).const_label("node", node.clone()))
-                        .expect("a valid gauge");
+        let mut gauges = Vec::new();
+        let mut counters = Vec::new();
+        for (name, help, read) in definitions {
+            let options = Opts::new(name, help).const_label("node", node.clone());
+            // Prometheus's convention: a `_total` is a counter (it only grows).
+            if name.ends_with("_total") {
+                let counter = IntCounter::with_opts(options).expect("a valid counter");
+                registry
+                    .register(Box::new(counter.clone()))
+                    .expect("registered once");
+                counters.push((counter, read));
+            } else {
+                let gauge = IntGauge::with_opts(options).expect("a valid gauge");
                 registry
                     .register(Box::new(gauge.clone()))
                     .expect("registered once");
-                (gauge, read)
-            })
-            .collect();
+                gauges.push((gauge, read));
+            }
+        }
         let queue_pairs = IntGaugeVec::new(
             Opts::new("queue_pairs", "Queue pairs by state").const_label("node", node),
             &["state"],
@@ -125,6 +143,7 @@ impl Metrics {
         Self {
             registry,
             gauges,
+            counters,
             queue_pairs,
         }
     }
@@ -133,6 +152,11 @@ impl Metrics {
     pub fn render(&self, stats: &ServerStats) -> Vec<u8> {
         for (gauge, read) in &self.gauges {
             gauge.set(read(stats));
+        }
+        for (counter, read) in &self.counters {
+            // The snapshot's figure only grows: add what it gained since the last scrape.
+            let value = u64::try_from(read(stats)).unwrap_or(0);
+            counter.inc_by(value.saturating_sub(counter.get()));
         }
         for state in QueuePairState::ALL {
             self.queue_pairs
@@ -180,7 +204,11 @@ pub(crate) async fn serve(
             }
             let request_line = head.split(|byte| *byte == b'\r').next().unwrap_or_default();
             let response = if request_line.starts_with(b"GET /metrics ") {
-                let body = metrics.render(&snapshot());
+                // The snapshot scans the index to count keys: off the async workers.
+                let Ok(stats) = tokio::task::spawn_blocking(move || snapshot()).await else {
+                    return;
+                };
+                let body = metrics.render(&stats);
                 let mut response = format!(
                     "HTTP/1.1 200 OK\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                     TextEncoder::new().format_type(),

@@ -63,6 +63,7 @@ impl RunningServer {
 
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
+        // Tests call this; it scans the index (see `Counters::snapshot`).
         self.shared.counters.snapshot(
             self.shared.config.node_id,
             &self.shared.table,
@@ -77,11 +78,38 @@ impl RunningServer {
 
     /// Stops accepting, tears every connection down in order, waits for it, then releases the
     /// table (deregistered and unpinned when the last reference goes).
+    ///
+    /// The wait is bounded by [`SHUTDOWN_BOUND`]. Past one second it logs, once a second, what
+    /// it still waits for: each connection and its step (a drain on verbs is bounded by the
+    /// device's `retry_timeout` plus a second). Past the bound it logs what is left and
+    /// returns; the process then exits and the kernel releases what remains.
     pub async fn shutdown(self) {
         self.shutdown.cancel();
         self.tasks.close();
-        self.tasks.wait().await;
-        tracing::info!(node = self.shared.config.node_id, "server stopped");
+        let node = self.shared.config.node_id;
+        let started = Instant::now();
+        while tokio::time::timeout(SHUTDOWN_REPORT_EVERY, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            let waiting = self.shared.gate.describe();
+            if started.elapsed() >= SHUTDOWN_BOUND {
+                tracing::error!(
+                    node,
+                    waited = ?SHUTDOWN_BOUND,
+                    still = %waiting.join("; "),
+                    "shutdown bound reached: stopping without these"
+                );
+                return;
+            }
+            tracing::warn!(
+                node,
+                waited = ?started.elapsed(),
+                waiting_for = %waiting.join("; "),
+                "shutdown still waiting"
+            );
+        }
+        tracing::info!(node, "server stopped");
     }
 }
 
@@ -90,6 +118,11 @@ impl Drop for RunningServer {
         self.shutdown.cancel();
     }
 }
+
+/// How long a shutdown waits for teardowns before it gives up on them.
+pub const SHUTDOWN_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often a slow shutdown says what it waits for.
+const SHUTDOWN_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Registers the table, binds the listeners and starts serving.
 ///
@@ -140,6 +173,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),
         next_connection: AtomicU64::new(1),
+        gate: Arc::default(),
         config,
     });
     let shutdown = CancellationToken::new();
@@ -156,7 +190,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         Some(address) => {
             let listener = metrics::bind(address)
                 .await
-                .map_err(|source| Error::BindControl { address, source })?;
+                .map_err(|source| Error::BindMetrics { address, source })?;
             let bound = listener.local_addr().ok();
             let gauges = Arc::new(metrics::Metrics::new(shared.config.node_id));
             let state = shared.clone();
@@ -199,8 +233,16 @@ pub async fn run(
     ready: impl FnOnce(&RunningServer),
 ) -> Result<()> {
     let server = start(config).await?;
-    ready(&server);
-    shutdown.cancelled().await;
+    let requested = server.shutdown_token();
+    if !shutdown.is_cancelled() {
+        ready(&server);
+    }
+    // A signal (`shutdown`) or an authenticated `Shutdown` over the control plane
+    // (`requested`).
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = requested.cancelled() => {}
+    }
     server.shutdown().await;
     Ok(())
 }
@@ -278,7 +320,10 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
             _ = ticks.tick() => {}
         }
         let pass = shared.clone();
+        let gate_pass = shared.gate.enter("collector".into());
+        gate_pass.step("collection pass: index scan, reclaim, compaction");
         let scanned = tokio::task::spawn_blocking(move || {
+            let _gate_pass = gate_pass;
             // Settle first: a chunk whose writers are done becomes a candidate in this scan.
             pass.heap.settle(&pass.announcements, Instant::now());
             let mut slots = Vec::new();

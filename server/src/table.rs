@@ -78,6 +78,17 @@ impl TableRegion {
     /// Visits every non-empty slot with its offset in the index (atomic loads; the control
     /// plane's view, never the data path).
     pub fn for_each_slot(&self, mut visit: impl FnMut(u64, Slot)) {
+        self.visit_slots(&mut visit);
+    }
+
+    /// Committed keys now, by a scan of the index: exact when no write is in flight.
+    pub fn count_keys(&self) -> u64 {
+        let mut keys = 0;
+        self.visit_slots(&mut |_, slot: Slot| keys += u64::from(slot.is_committed()));
+        keys
+    }
+
+    fn visit_slots(&self, visit: &mut dyn FnMut(u64, Slot)) {
         let words = self.geometry.index_size() / 8;
         for word in 0..words {
             if let Ok(value) = self.region.load_u64(word * 8) {

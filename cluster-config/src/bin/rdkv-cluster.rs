@@ -1,15 +1,26 @@
-//! `rdkv-cluster`: start, stop and inspect an rdkv cluster on this machine from its cluster file.
+//! `rdkv-cluster`: start, stop, restart and inspect an rdkv cluster from its cluster file.
 #![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rdkv_cluster_config::launcher::{self, say};
+use rdkv_cluster_config::{status, systemd, ClusterConfig};
 
-/// Start, stop and inspect an rdkv cluster on this machine from its cluster file.
+/// The exit codes, for `--help` (and `docs/operations.md`).
+const EXIT_CODES: &str = "Exit codes:
+  0  done; for `status`, every node is up
+  1  failed (one line on stderr names the cause and the fix); for `status`, a node is down
+  2  invalid command line
+  3  `status`: a node refused the cluster file's secret (authentication failed)";
+
+/// Start, stop, restart and inspect an rdkv cluster from its cluster file: nodes on this
+/// machine as child processes, nodes on other hosts through ssh.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, after_help = EXIT_CODES)]
 struct Arguments {
     /// Where pid and log files go (default: .rdkv/<cluster name> in the current directory).
     #[arg(long, global = true)]
@@ -20,33 +31,107 @@ struct Arguments {
 
 #[derive(Debug, Subcommand)]
 enum Action {
-    /// Start every node, wait until each is ready, print the nodes, then forward their logs
-    /// until Ctrl-C (which stops the nodes in order).
+    /// Start every node (or one), wait until each is ready, print the nodes, then forward the
+    /// local nodes' logs until Ctrl-C (which stops the nodes in order).
     Up {
         /// The cluster file.
         file: PathBuf,
+        /// Start only this node (the others may be running).
+        #[arg(long)]
+        node: Option<u32>,
         /// Leave the nodes running in the background, logging to the run directory.
         #[arg(long)]
         detach: bool,
     },
-    /// Stop every node started from the run directory, in order.
+    /// Stop every node (or one), in order: an authenticated Shutdown over the control plane,
+    /// signals by pid file (or ssh) for a node that does not answer.
     Down {
         /// The cluster file.
         file: PathBuf,
+        /// Stop only this node.
+        #[arg(long)]
+        node: Option<u32>,
     },
-    /// One row per node: up or down, uptime, connections, queue pairs, keys, memory.
+    /// Stop one node and start it again in the background; the others keep serving. A
+    /// restarted node starts empty (rdkv keeps data in memory only).
+    Restart {
+        /// The cluster file.
+        file: PathBuf,
+        /// The node to restart.
+        #[arg(long)]
+        node: u32,
+    },
+    /// One row per node: up, down or auth failed, uptime, connections, queue pairs, keys,
+    /// memory. Exits 0 only when every node is up.
     Status {
         /// The cluster file.
         file: PathBuf,
     },
+    /// The last lines of a node's log (a detached local node's log file, or through ssh).
+    Logs {
+        /// The cluster file.
+        file: PathBuf,
+        /// The node.
+        #[arg(long)]
+        node: u32,
+        /// How many lines.
+        #[arg(long, default_value_t = 50)]
+        lines: usize,
+    },
+    /// Print a systemd service unit that runs one node (docs/operations.md, Running under
+    /// systemd).
+    Systemd {
+        /// The cluster file (its absolute path goes into the unit).
+        file: PathBuf,
+        /// The node.
+        #[arg(long)]
+        node: u32,
+        /// The rdkv-server binary on the node's host (default: the one next to this program).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+        /// The file holding the cluster secret on the node's host, loaded as a systemd
+        /// credential.
+        #[arg(long)]
+        credential: Option<PathBuf>,
+    },
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+impl Action {
+    fn file(&self) -> &Path {
+        match self {
+            Action::Up { file, .. }
+            | Action::Down { file, .. }
+            | Action::Restart { file, .. }
+            | Action::Status { file }
+            | Action::Logs { file, .. }
+            | Action::Systemd { file, .. } => file,
+        }
+    }
+}
+
+fn main() -> ExitCode {
     let arguments = Arguments::parse();
-    let file = match &arguments.command {
-        Action::Up { file, .. } | Action::Down { file } | Action::Status { file } => file.clone(),
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("rdkv-cluster: error: start the async runtime: {error}");
+            return ExitCode::from(1);
+        }
     };
+    match runtime.block_on(run(arguments)) {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            eprintln!("rdkv-cluster: error: {error:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(arguments: Arguments) -> anyhow::Result<u8> {
+    let file = arguments.command.file().to_path_buf();
     let config = rdkv_cluster_config::load(&file)?;
     for warning in &config.warnings {
         eprintln!("warning: {warning}");
@@ -55,75 +140,167 @@ async fn main() -> anyhow::Result<()> {
         .run_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from(".rdkv").join(&config.name));
+    // The commands to repeat, with the run directory when it is not the default.
+    let run_dir_flag = arguments
+        .run_dir
+        .as_ref()
+        .map(|directory| format!(" --run-dir {}", directory.display()))
+        .unwrap_or_default();
     match arguments.command {
-        Action::Up { detach, .. } => {
-            let mut nodes = launcher::start(&config, &run_directory, detach)?;
-            let rows: Vec<Vec<String>> = nodes
-                .iter()
-                .map(|node| {
-                    let field = |name: &str| {
-                        node.ready
-                            .ready_line
-                            .split_whitespace()
-                            .find_map(|part| part.strip_prefix(name))
-                            .unwrap_or("-")
-                            .to_string()
-                    };
-                    vec![
-                        node.ready.id.to_string(),
-                        node.ready.pid.to_string(),
-                        field("control="),
-                        field("fabric="),
-                        field("metrics="),
-                        "ready".into(),
-                    ]
-                })
-                .collect();
-            say(&format!(
-                "cluster `{}` is up ({} nodes, fabric {:?}):",
-                config.name,
-                nodes.len(),
-                config.fabric
-            ));
-            say(&launcher::table(
-                &["node", "pid", "control", "fabric", "metrics", "state"],
-                &rows,
-            ));
-            if detach {
-                say(&format!(
-                    "detached; logs and pid files in {}. Stop with `rdkv-cluster down {}`.",
-                    run_directory.display(),
-                    file.display()
-                ));
-                return Ok(());
-            }
-            say("forwarding node logs; Ctrl-C stops the cluster");
-            for node in &mut nodes {
-                if let Some(stderr) = node.child.stderr.take() {
-                    let id = node.ready.id;
-                    std::thread::spawn(move || {
-                        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                            eprintln!("[node {id}] {line}");
-                        }
-                    });
-                }
-            }
-            rdkv_common::process::shutdown_signal().await;
-            say("stopping the cluster");
-            for node in &mut nodes {
-                launcher::stop_child(node, &run_directory);
-                say(&format!("node {}: stopped", node.ready.id));
-            }
+        Action::Up { detach, node, .. } => {
+            let nodes = launcher::start_nodes(&config, &run_directory, detach, node)?;
+            up(&config, nodes, &run_directory, detach, &file, &run_dir_flag).await
         }
-        Action::Down { .. } => {
-            for line in launcher::stop(&config, &run_directory)? {
+        Action::Down { node, .. } => {
+            for line in launcher::stop(&config, &run_directory, node).await? {
                 say(&line);
             }
+            Ok(0)
+        }
+        Action::Restart { node, .. } => {
+            let line = launcher::stop(&config, &run_directory, Some(node)).await?;
+            say(&line.join("\n"));
+            let started = launcher::start_nodes(&config, &run_directory, true, Some(node))?;
+            for started in &started {
+                say(&format!(
+                    "node {}: started (pid {}{}); it holds no keys until clients write them",
+                    started.ready.id,
+                    started.ready.pid,
+                    started
+                        .ready
+                        .host
+                        .as_ref()
+                        .map(|host| format!(" on {host}"))
+                        .unwrap_or_default()
+                ));
+            }
+            Ok(0)
         }
         Action::Status { .. } => {
-            let statuses = launcher::status(&config).await;
-            say(&launcher::status_table(&statuses));
+            let statuses = status::status(&config).await;
+            say(&status::status_table(&statuses));
+            Ok(status::exit_code(&statuses))
+        }
+        Action::Logs { node, lines, .. } => {
+            let text = tokio::task::block_in_place(|| {
+                launcher::logs(&config, &run_directory, node, lines)
+            })?;
+            print!("{text}");
+            Ok(0)
+        }
+        Action::Systemd {
+            node,
+            binary,
+            credential,
+            ..
+        } => {
+            let node = launcher::select(&config, Some(node))?[0];
+            let binary = match binary {
+                Some(binary) => binary,
+                None => launcher::server_binary()?,
+            };
+            let absolute = |path: &Path| {
+                std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))
+            };
+            let credential = credential
+                .unwrap_or_else(|| PathBuf::from(format!("/etc/rdkv/{}.secret", config.name)));
+            print!(
+                "{}",
+                systemd::unit(
+                    &config,
+                    node,
+                    &absolute(&binary)?,
+                    &absolute(&file)?,
+                    &credential
+                )
+            );
+            Ok(0)
         }
     }
-    Ok(())
+}
+
+/// `up`: the table of started nodes, then (in the foreground) their logs until a signal.
+async fn up(
+    config: &ClusterConfig,
+    mut nodes: Vec<launcher::StartedNode>,
+    run_directory: &Path,
+    detach: bool,
+    file: &Path,
+    run_dir_flag: &str,
+) -> anyhow::Result<u8> {
+    let rows: Vec<Vec<String>> = nodes
+        .iter()
+        .map(|node| {
+            let field = |name: &str| {
+                node.ready
+                    .ready_line
+                    .split_whitespace()
+                    .find_map(|part| part.strip_prefix(name))
+                    .unwrap_or("-")
+                    .to_string()
+            };
+            vec![
+                node.ready.id.to_string(),
+                node.ready.host.clone().unwrap_or_else(|| "local".into()),
+                node.ready.pid.to_string(),
+                field("control="),
+                field("fabric="),
+                field("metrics="),
+                "ready".into(),
+            ]
+        })
+        .collect();
+    say(&format!(
+        "cluster `{}` is up ({} of {} nodes started, fabric {}):",
+        config.name,
+        nodes.len(),
+        config.nodes.len(),
+        config.fabric
+    ));
+    say(&status::table(
+        &[
+            "node", "host", "pid", "control", "fabric", "metrics", "state",
+        ],
+        &rows,
+    ));
+    if detach {
+        say(&format!(
+            "detached; logs and pid files in {}. Stop with `rdkv-cluster down {}{run_dir_flag}`.",
+            run_directory.display(),
+            file.display()
+        ));
+        return Ok(0);
+    }
+    say("forwarding node logs; Ctrl-C stops the cluster");
+    for node in &mut nodes {
+        match (node.child.as_mut().and_then(|child| child.stderr.take()), &node.ready.host) {
+            (Some(stderr), _) => {
+                let id = node.ready.id;
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                        eprintln!("[node {id}] {line}");
+                    }
+                });
+            }
+            (None, Some(host)) => say(&format!(
+                "node {} runs on {host}: `rdkv-cluster logs {} --node {}{run_dir_flag}` shows its log",
+                node.ready.id,
+                file.display(),
+                node.ready.id
+            )),
+            (None, None) => {}
+        }
+    }
+    rdkv_common::process::shutdown_signal().await;
+    say("stopping the cluster");
+    for node in &mut nodes {
+        if node.child.is_some() {
+            launcher::stop_child(node, run_directory);
+            say(&format!("node {}: stopped", node.ready.id));
+        } else if let Some(node_config) = config.node(node.ready.id) {
+            let stopped = launcher::stop_node(config, node_config, run_directory).await;
+            say(&format!("node {}: {stopped:?}", node.ready.id));
+        }
+    }
+    Ok(0)
 }

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 /// Either from a cluster file (`--config FILE --node ID`, as `rdkv-cluster up` does) or from
 /// the flags below.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, after_help = EXIT_CODES)]
 struct Arguments {
     /// A cluster file; the node's settings and the secret come from it.
     #[arg(long, requires = "node")]
@@ -68,7 +68,8 @@ struct Arguments {
     /// The largest share of MemAvailable the table may pin.
     #[arg(long, default_value_t = 0.5)]
     max_pinned_share: f64,
-    /// A file holding the cluster secret (else the RDKV_SECRET environment variable).
+    /// A file holding the cluster secret (else the RDKV_SECRET environment variable). With
+    /// --config it replaces the file's secret (a systemd credential, say).
     #[arg(long)]
     secret_file: Option<PathBuf>,
     /// Lease timeout in milliseconds.
@@ -79,19 +80,43 @@ struct Arguments {
     deadline_ms: u64,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// The exit codes, for `--help` (and `docs/operations.md`).
+const EXIT_CODES: &str = "Exit codes:
+  0  stopped cleanly (SIGINT, SIGTERM, or an authenticated Shutdown from `rdkv-cluster down`)
+  1  could not start or failed while running (the one-line error names the cause and the fix)
+  2  invalid command line";
+
+fn main() -> std::process::ExitCode {
     rdkv_common::process::init_logging("info");
     let arguments = Arguments::parse();
+    let outcome = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
+        .and_then(|runtime| {
+            let outcome = runtime.block_on(serve(&arguments));
+            // Whatever a blocking task still does (a collector pass), the process exits.
+            runtime.shutdown_timeout(Duration::from_secs(1));
+            outcome
+        });
+    rdkv_common::process::exit_with(outcome, "rdkv-server")
+}
+
+async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
     let config = match (&arguments.config, arguments.node) {
         (Some(path), Some(node)) => {
-            let cluster = rdkv_cluster_config::load(path)?;
+            let secret = arguments
+                .secret_file
+                .as_deref()
+                .map(read_secret_file)
+                .transpose()?;
+            let cluster = rdkv_cluster_config::config::load_with_secret(path, secret)?;
             for warning in &cluster.warnings {
                 tracing::warn!("{warning}");
             }
             ServerConfig::from_cluster(&cluster, node)?
         }
-        _ => config_from_flags(&arguments)?,
+        _ => config_from_flags(arguments)?,
     };
     let node_id = config.node_id;
     let shutdown = CancellationToken::new();
@@ -129,12 +154,22 @@ fn parse_fabric(text: &str) -> Result<Backend, String> {
     Ok(backend)
 }
 
+fn read_secret_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    let secret = std::fs::read(path)
+        .with_context(|| format!("read the secret file {}", path.display()))?
+        .trim_ascii()
+        .to_vec();
+    anyhow::ensure!(
+        !secret.is_empty(),
+        "the secret file {} is empty",
+        path.display()
+    );
+    Ok(secret)
+}
+
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
     let secret = match &arguments.secret_file {
-        Some(path) => std::fs::read(path)
-            .with_context(|| format!("read the secret file {}", path.display()))?
-            .trim_ascii()
-            .to_vec(),
+        Some(path) => read_secret_file(path)?,
         None => std::env::var("RDKV_SECRET")
             .context("no secret: pass --secret-file FILE or set RDKV_SECRET (or use --config FILE --node ID)")?
             .into_bytes(),

@@ -47,6 +47,7 @@ impl Session {
         messages: &mut Messages,
     ) -> Result<Purpose, crate::Error> {
         let shared = self.shared.clone();
+        self.pass.step("handshake: waiting for Authenticate");
         let mut nonce = [0u8; PROOF_LENGTH];
         rand::thread_rng().fill_bytes(&mut nonce);
         Self::send(
@@ -86,6 +87,7 @@ impl Session {
             return Err(Self::refuse(writer, reason).await);
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
+        self.authenticated = true;
         tracing::info!(%client_name, ?purpose, "client authenticated");
         Ok(purpose)
     }
@@ -94,6 +96,7 @@ impl Session {
     /// authenticated client gets here.
     async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
+        self.pass.step("handshake: creating the queue pair");
         let table = &shared.table;
         let queue_pair = table
             .domain
@@ -127,6 +130,7 @@ impl Session {
         messages: &mut Messages,
     ) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
+        self.pass.step("handshake: waiting for ConnectQueuePair");
         let table = &shared.table;
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
@@ -159,10 +163,12 @@ impl Session {
                 expected: "Authenticate (this session has no queue pair)",
             });
         };
+        self.pass.step("handshake: connecting the queue pair");
         queue_pair
             .connect(&endpoint)
             .await
             .map_err(|source| setup_failed("connect the queue pair", source))?;
+        self.pass.step("handshake: binding memory windows");
         // Bind in RTS: a type-2 bind is a work request on the send queue.
         // On verbs a bind is a work request whose completion the binder polls for (up to twice
         // the device's retry_timeout): tell tokio, so this worker's other tasks move on.

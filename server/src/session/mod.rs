@@ -29,6 +29,7 @@ use tracing::Instrument;
 
 use crate::announce::Announcements;
 use crate::config::ServerConfig;
+use crate::gate::{Gate, Pass};
 use crate::heap::Heap;
 use crate::stats::Counters;
 use crate::table::TableRegion;
@@ -65,6 +66,8 @@ pub(crate) struct Shared {
     pub(crate) compactor: crate::compactor::Compactor,
     /// Each data connection's announce word (what it has in flight).
     pub(crate) announcements: Announcements,
+    /// What a shutdown waits for: every connection and collector pass, with its step.
+    pub(crate) gate: Arc<Gate>,
 }
 
 /// Serves one control connection until it ends, then tears its resources down.
@@ -85,10 +88,17 @@ pub(crate) async fn serve(
             queue_pair: None,
             windows: Vec::new(),
             chunk_window: None,
+            pass: shared.gate.enter_connection(connection_id, peer),
+            authenticated: false,
         };
         let reason = session.run(stream, shutdown).await;
         shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
-        tracing::info!(%reason, "connection closed");
+        if session.authenticated || reason != crate::Error::ClientDisconnected.to_string() {
+            tracing::info!(%reason, "connection closed");
+        } else {
+            // A port probe (`rdkv-cluster up`'s readiness check, a load balancer): not news.
+            tracing::debug!("connection closed before it said anything");
+        }
     }
     .instrument(span)
     .await;
@@ -108,6 +118,10 @@ struct Session {
     /// The client's current chunk and the WRITE window over it. When the chunk is sealed, the
     /// window goes to the heap, which revokes it once the chunk's writers are done.
     chunk_window: Option<(u64, MemoryWindow)>,
+    /// This connection's pass through the server's gate, naming its step.
+    pass: Pass,
+    /// Whether the client proved the secret.
+    authenticated: bool,
 }
 
 /// An error and its causes on one line, for the session's end reason.
@@ -145,8 +159,14 @@ impl Session {
         let (reader, mut writer) = stream.into_split();
         let (sender, mut messages) = mpsc::channel(16);
         let reader_task = tokio::spawn(read_messages(reader, sender));
-        let reason = match self.handshake(&mut writer, &mut messages).await {
+        // A shutdown does not wait for a slow client's handshake.
+        let handshake = tokio::select! {
+            _ = shutdown.cancelled() => Err(crate::Error::ShuttingDown),
+            outcome = self.handshake(&mut writer, &mut messages) => outcome,
+        };
+        let reason = match handshake {
             Ok(()) => {
+                self.pass.step("serving");
                 self.serve_requests(&mut writer, &mut messages, &shutdown)
                     .await
             }
@@ -154,6 +174,8 @@ impl Session {
         };
         // Tear down before the socket closes, so a client that sees the close knows its keys
         // are already revoked.
+        self.pass
+            .step("teardown: queue pair to ERROR, drain, revoke keys");
         self.teardown().await;
         reader_task.abort();
         let _ = reader_task.await;
@@ -168,7 +190,7 @@ impl Session {
             Err(_) => Err(crate::Error::HandshakeTimedOut {
                 timeout: HANDSHAKE_TIMEOUT,
             }),
-            Ok(None) => Err(crate::Error::ClientDisconnected),
+            Ok(None) | Ok(Some(Err(ControlError::Closed))) => Err(crate::Error::ClientDisconnected),
             Ok(Some(Err(source))) => Err(crate::Error::BadFrame { source }),
             Ok(Some(Ok(message))) => Ok(message),
         }

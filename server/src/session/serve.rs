@@ -49,11 +49,23 @@ impl Session {
                             shared.counters.add_client_report(&counters);
                             ServerMessage::HeartbeatAck
                         }
-                        ClientMessage::Stats => ServerMessage::Stats(Box::new(shared.counters.snapshot(
-                            shared.config.node_id,
-                            &shared.table,
-                            &shared.heap,
-                        ))),
+                        ClientMessage::Stats => {
+                            // The snapshot scans the index to count keys: off the async workers.
+                            let state = shared.clone();
+                            let snapshot = tokio::task::spawn_blocking(move || {
+                                state.counters.snapshot(state.config.node_id, &state.table, &state.heap)
+                            });
+                            match snapshot.await {
+                                Ok(stats) => ServerMessage::Stats(Box::new(stats)),
+                                Err(error) => ServerMessage::Refused { reason: format!("stats failed: {error}") },
+                            }
+                        }
+                        ClientMessage::Shutdown => {
+                            tracing::info!("shutdown requested over the control plane");
+                            let _ = Self::send(writer, &ServerMessage::ShuttingDown { node_id: shared.config.node_id }).await;
+                            shutdown.cancel();
+                            return "it asked the node to shut down".into();
+                        }
                         ClientMessage::Goodbye => return "client said goodbye".into(),
                         other => {
                             let reason = format!("unexpected message after the handshake: {}", other.kind());

@@ -1,0 +1,215 @@
+//! `rdkv-cluster status`: each node's stats over an authenticated monitoring connection (no
+//! queue pair, no keys), as a table, and an exit code a script can trust: 0 only when every
+//! node is up.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rdkv_common::protocol::{fetch_stats, ServerStats};
+use rdkv_common::ControlError;
+
+use crate::config::ClusterConfig;
+use crate::units::format_bytes;
+
+/// A node's state, as `status` shows it.
+#[derive(Debug, Clone)]
+pub enum NodeState {
+    /// It answered with its stats.
+    Up(Box<ServerStats>),
+    /// It refused the cluster's secret (or this client's protocol version): the file's secret
+    /// is not the node's.
+    Refused(String),
+    /// It did not answer.
+    Down(String),
+}
+
+/// One node's state for `status`.
+#[derive(Debug, Clone)]
+pub struct NodeStatus {
+    /// The node's id.
+    pub id: u32,
+    /// Its control address.
+    pub address: SocketAddr,
+    /// Up with its stats, refused, or down with why.
+    pub state: NodeState,
+}
+
+/// `status`'s exit code: 0 every node up, 1 a node down, 3 a node refused the secret.
+pub fn exit_code(statuses: &[NodeStatus]) -> u8 {
+    if statuses
+        .iter()
+        .any(|status| matches!(status.state, NodeState::Refused(_)))
+    {
+        3
+    } else if statuses
+        .iter()
+        .all(|status| matches!(status.state, NodeState::Up(_)))
+    {
+        0
+    } else {
+        1
+    }
+}
+
+/// Asks every node for its stats.
+pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
+    let mut statuses = Vec::new();
+    for node in &config.nodes {
+        let state =
+            match fetch_stats(node.control_address, &config.secret, Duration::from_secs(2)).await {
+                Ok(stats) => NodeState::Up(Box::new(stats)),
+                Err(ControlError::Refused { reason }) => NodeState::Refused(reason),
+                Err(error) => NodeState::Down(error.to_string()),
+            };
+        statuses.push(NodeStatus {
+            id: node.id,
+            address: node.control_address,
+            state,
+        });
+    }
+    statuses
+}
+
+/// Renders rows as a table with aligned columns.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|title| title.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        out.push_str(padded.join("  ").trim_end());
+        out.push('\n');
+    };
+    line(header.iter().map(|title| title.to_string()).collect());
+    for row in rows {
+        line(row.clone());
+    }
+    out
+}
+
+/// The `status` table.
+pub fn status_table(statuses: &[NodeStatus]) -> String {
+    let rows: Vec<Vec<String>> = statuses
+        .iter()
+        .map(|status| match &status.state {
+            NodeState::Up(stats) => vec![
+                status.id.to_string(),
+                "up".into(),
+                status.address.to_string(),
+                format!("{}s", stats.uptime_seconds),
+                stats.connections.to_string(),
+                format!(
+                    "{}/{}/{}",
+                    stats.queue_pairs[3],
+                    stats.queue_pairs[2] + stats.queue_pairs[1] + stats.queue_pairs[0],
+                    stats.queue_pairs[4]
+                ),
+                stats.live_memory_regions.to_string(),
+                stats.live_memory_windows.to_string(),
+                format_bytes(stats.pinned_bytes),
+                format!(
+                    "{} / {}",
+                    format_bytes(stats.heap_used_bytes),
+                    format_bytes(stats.heap_size_bytes)
+                ),
+                stats.keys.to_string(),
+            ],
+            NodeState::Refused(reason) | NodeState::Down(reason) => {
+                let state = match &status.state {
+                    NodeState::Refused(reason) if reason.starts_with("authentication failed") => {
+                        "auth failed"
+                    }
+                    NodeState::Refused(_) => "refused",
+                    _ => "down",
+                };
+                let mut row = vec![
+                    status.id.to_string(),
+                    state.into(),
+                    status.address.to_string(),
+                ];
+                row.extend(std::iter::repeat_n("-".to_string(), 7));
+                row.push(reason.clone());
+                row
+            }
+        })
+        .collect();
+    table(
+        &[
+            "node",
+            "state",
+            "control",
+            "uptime",
+            "conns",
+            "QPs rts/setup/err",
+            "MRs",
+            "MWs",
+            "pinned",
+            "heap used",
+            "keys",
+        ],
+        &rows,
+    ) + &heap_warnings(statuses)
+}
+
+/// One line per node whose heap is under 10% free, naming the fix.
+fn heap_warnings(statuses: &[NodeStatus]) -> String {
+    statuses
+        .iter()
+        .filter_map(|status| {
+            let NodeState::Up(stats) = &status.state else {
+                return None;
+            };
+            stats.heap_low().then(|| {
+                format!(
+                    "warning: node {} heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
+                    status.id,
+                    rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
+                    rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
+                )
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u32, state: NodeState) -> NodeStatus {
+        NodeStatus {
+            id,
+            address: "127.0.0.1:1".parse().expect("an address"),
+            state,
+        }
+    }
+
+    #[test]
+    fn tables_align_columns() {
+        let text = table(&["a", "long header"], &[vec!["value".into(), "x".into()]]);
+        assert_eq!(text, "a      long header\nvalue  x\n");
+    }
+
+    #[test]
+    fn the_exit_code_is_zero_only_when_every_node_is_up() {
+        let up = || NodeState::Up(Box::default());
+        assert_eq!(exit_code(&[node(1, up()), node(2, up())]), 0);
+        assert_eq!(
+            exit_code(&[node(1, up()), node(2, NodeState::Down("refused".into()))]),
+            1
+        );
+        let refused =
+            NodeState::Refused("authentication failed: the client's secret does not match".into());
+        let statuses = [node(1, refused), node(2, NodeState::Down("x".into()))];
+        assert_eq!(exit_code(&statuses), 3);
+        let text = status_table(&statuses);
+        assert!(text.contains("auth failed"), "{text}");
+    }
+}

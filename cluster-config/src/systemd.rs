@@ -1,0 +1,166 @@
+//! `rdkv-cluster systemd FILE --node N`: a systemd service unit that runs one node.
+//!
+//! The unit runs `rdkv-server --config FILE --node N` with the secret from a systemd
+//! credential (`LoadCredential=`, read by `--secret-file %d/rdkv-secret`: the secret never
+//! sits in the unit or the process's environment), `LimitMEMLOCK=` sized for the node's pinned
+//! table, `Restart=on-failure`, and a stop timeout above the node's own shutdown bound.
+//! `docs/operations.md` (*Running under systemd*) shows how to install it.
+
+use std::path::Path;
+
+use crate::config::{ClusterConfig, NodeConfig};
+
+/// What pinned memory a node needs beyond its table (announce words, the soft NIC's
+/// buffers), as headroom in `LimitMEMLOCK=`.
+const MEMLOCK_HEADROOM: u64 = 16 << 20;
+
+/// The unit's file name for a node.
+pub fn unit_name(config: &ClusterConfig, node: &NodeConfig) -> String {
+    format!("rdkv-{}-node-{}.service", config.name, node.id)
+}
+
+/// The unit text. `binary` and `file` should be absolute (systemd requires an absolute
+/// `ExecStart=`); `credential` is the file that holds the secret on the node's host.
+pub fn unit(
+    config: &ClusterConfig,
+    node: &NodeConfig,
+    binary: &Path,
+    file: &Path,
+    credential: &Path,
+) -> String {
+    let memlock_mebibytes = (node.index_size + node.heap_size + MEMLOCK_HEADROOM).div_ceil(1 << 20);
+    format!(
+        "# rdkv node {id} of cluster `{name}`, from `rdkv-cluster systemd {file} --node {id}`.
+# Install (docs/operations.md, Running under systemd):
+#   install -m 0600 /dev/stdin {credential} <<< 'the cluster secret'
+#   cp {unit_name} /etc/systemd/system/ && systemctl daemon-reload
+#   systemctl enable --now {unit_name}
+[Unit]
+Description=rdkv node {id} of cluster {name}
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=exec
+ExecStart={binary} --config {file} --node {id} --secret-file %d/rdkv-secret
+LoadCredential=rdkv-secret:{credential}
+Environment=RUST_LOG=info
+Restart=on-failure
+RestartSec=2s
+# The node bounds its own shutdown at 10 s.
+TimeoutStopSec=20s
+# The table ({table} MiB) is pinned: index_size + heap_size, plus headroom.
+LimitMEMLOCK={memlock_mebibytes}M
+LimitNOFILE=65536
+
+[Install]
+WantedBy=multi-user.target
+",
+        id = node.id,
+        name = config.name,
+        file = file.display(),
+        binary = binary.display(),
+        credential = credential.display(),
+        unit_name = unit_name(config, node),
+        table = (node.index_size + node.heap_size).div_ceil(1 << 20),
+    )
+}
+
+/// A unit file's `[Section]`s and their `Key=value` lines, in order, as systemd reads them
+/// (comments and blank lines skipped): the check where `systemd-analyze` is missing.
+///
+/// # Errors
+/// The first line that is neither a section, a key with a value, a comment nor blank.
+pub fn parse_unit(text: &str) -> Result<Vec<(String, Vec<(String, String)>)>, String> {
+    let mut sections: Vec<(String, Vec<(String, String)>)> = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(name) = line
+            .strip_prefix('[')
+            .and_then(|rest| rest.strip_suffix(']'))
+        {
+            sections.push((name.to_string(), Vec::new()));
+            continue;
+        }
+        let Some((key, value)) = line.split_once('=') else {
+            return Err(format!("line {}: `{line}` is not Key=value", number + 1));
+        };
+        let Some((_, entries)) = sections.last_mut() else {
+            return Err(format!(
+                "line {}: `{line}` comes before any [Section]",
+                number + 1
+            ));
+        };
+        let key = key.trim();
+        if key.is_empty()
+            || !key
+                .chars()
+                .all(|character| character.is_ascii_alphanumeric())
+        {
+            return Err(format!("line {}: `{key}` is not a key", number + 1));
+        }
+        entries.push((key.to_string(), value.trim().to_string()));
+    }
+    Ok(sections)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example() -> ClusterConfig {
+        let text = "[cluster]\nname = \"prod\"\nsecret = \"s\"\nfabric = \"soft\"\n\n[[node]]\nid = 2\ncontrol_address = \"127.0.0.1:7410\"\nfabric_address = \"127.0.0.1:7411\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
+        let figures = rdkv_fabric::memory::limits::MemlockFigures {
+            soft_limit: u64::MAX,
+            hard_limit: u64::MAX,
+            locked_bytes: 0,
+            has_ipc_lock_capability: true,
+        };
+        crate::config::parse(Path::new("/etc/rdkv/prod.toml"), text, figures, u64::MAX)
+            .expect("valid file")
+    }
+
+    #[test]
+    fn the_unit_has_the_limits_the_restart_policy_and_the_credential() {
+        let config = example();
+        let node = &config.nodes[0];
+        let text = unit(
+            &config,
+            node,
+            Path::new("/usr/local/bin/rdkv-server"),
+            Path::new("/etc/rdkv/prod.toml"),
+            Path::new("/etc/rdkv/prod.secret"),
+        );
+        let sections = parse_unit(&text).expect("a unit file");
+        let names: Vec<&str> = sections.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["Unit", "Service", "Install"]);
+        let service = &sections[1].1;
+        let value = |key: &str| {
+            service
+                .iter()
+                .find(|(name, _)| name == key)
+                .map(|(_, value)| value.as_str())
+        };
+        assert_eq!(
+            value("ExecStart"),
+            Some("/usr/local/bin/rdkv-server --config /etc/rdkv/prod.toml --node 2 --secret-file %d/rdkv-secret")
+        );
+        assert_eq!(
+            value("LoadCredential"),
+            Some("rdkv-secret:/etc/rdkv/prod.secret")
+        );
+        assert_eq!(value("Restart"), Some("on-failure"));
+        assert_eq!(value("LimitMEMLOCK"), Some("21M"));
+        assert_eq!(unit_name(&config, node), "rdkv-prod-node-2.service");
+    }
+
+    #[test]
+    fn lines_that_are_not_unit_syntax_are_refused() {
+        assert!(parse_unit("[Unit]\nDescription=x\n").is_ok());
+        assert!(parse_unit("Description=x\n").is_err());
+        assert!(parse_unit("[Unit]\nno equals sign\n").is_err());
+    }
+}
