@@ -65,7 +65,7 @@ pub fn server_binary() -> Result<PathBuf> {
 ///
 /// # Errors
 /// [`Error::Refused`] when `only` names no node of the file.
-pub fn select<'a>(config: &'a ClusterConfig, only: Option<u32>) -> Result<Vec<&'a NodeConfig>> {
+pub fn select(config: &ClusterConfig, only: Option<u32>) -> Result<Vec<&NodeConfig>> {
     match only {
         None => Ok(config.nodes.iter().collect()),
         Some(id) => config.node(id).map(|node| vec![node]).ok_or_else(|| {

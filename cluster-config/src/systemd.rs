@@ -66,13 +66,16 @@ WantedBy=multi-user.target
     )
 }
 
+/// A unit file's sections: each name with its `(key, value)` entries, in order.
+pub type UnitSections = Vec<(String, Vec<(String, String)>)>;
+
 /// A unit file's `[Section]`s and their `Key=value` lines, in order, as systemd reads them
 /// (comments and blank lines skipped): the check where `systemd-analyze` is missing.
 ///
 /// # Errors
 /// The first line that is neither a section, a key with a value, a comment nor blank.
-pub fn parse_unit(text: &str) -> Result<Vec<(String, Vec<(String, String)>)>, String> {
-    let mut sections: Vec<(String, Vec<(String, String)>)> = Vec::new();
+pub fn parse_unit(text: &str) -> Result<UnitSections, String> {
+    let mut sections: UnitSections = Vec::new();
     for (number, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
