@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::driver::Driver;
+use crate::exit::OperationsFailed;
 use crate::measurement::{OperationKind, Report};
 use crate::properties::{Properties, Workload};
 use crate::runner::{self, RunOptions};
@@ -192,7 +193,7 @@ fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> 
 /// Runs the comparison and returns one row per workload.
 ///
 /// # Errors
-/// Starting either store, or a refused workload (E).
+/// Starting either store, a refused workload (E), or a load with errors ([`OperationsFailed`]).
 pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonRow>> {
     let workloads: Vec<Workload> = options
         .workloads
@@ -243,14 +244,10 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
             first.record_size()
         );
         let loaded = runner::load(first, driver.clone(), load_options).await?;
-        anyhow::ensure!(
-            loaded
-                .kinds
-                .iter()
-                .all(|kind| kind.outcomes.keys().all(|outcome| outcome == "OK")),
-            "{store}: the load had errors: {:?}",
-            loaded.kinds
-        );
+        // Missing records would make the comparison unfair: stop, whatever --allow-errors says.
+        if let Some(failed) = OperationsFailed::from_reports(&format!("{store} load"), &[&loaded]) {
+            return Err(failed.into());
+        }
         for (index, workload) in workloads.iter().enumerate() {
             eprintln!(
                 "{store}: running {} for {} s with {} tasks",
@@ -279,11 +276,7 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
 
 /// Operations that did not return OK or NOT_FOUND.
 pub fn errors(report: &Report) -> u64 {
-    report
-        .kinds
-        .iter()
-        .map(|kind| kind.outcomes.get("ERROR").copied().unwrap_or(0))
-        .sum()
+    report.errors()
 }
 
 fn read_percentiles(report: &Report) -> (u64, u64) {

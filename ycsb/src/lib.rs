@@ -8,11 +8,13 @@
 //! - [`measurement`]: HdrHistogram latencies, YCSB's text output, JSON.
 //! - [`plot`]: throughput-over-time and latency-CDF plots.
 //! - [`compare`]: rdkv and Redis side by side.
+//! - [`exit`]: exit codes, and the error of a phase whose operations failed.
 //! - [`workloads`]: the shipped core workloads.
 #![forbid(unsafe_code)]
 
 pub mod compare;
 pub mod driver;
+pub mod exit;
 pub mod generator;
 pub mod measurement;
 pub mod plot;

@@ -3,13 +3,14 @@
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use rdkv_ycsb::compare::{self, CompareOptions};
 use rdkv_ycsb::driver::Driver;
+use rdkv_ycsb::exit::{self, ExitStatus, OperationsFailed};
 use rdkv_ycsb::measurement::Report;
 use rdkv_ycsb::properties::{Properties, Workload};
 use rdkv_ycsb::runner::{self, RunOptions};
@@ -17,7 +18,7 @@ use rdkv_ycsb::{plot, workloads};
 
 /// YCSB-style benchmarks for rdkv, with Redis and in-process baselines.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, after_help = exit::HELP)]
 struct Arguments {
     #[command(subcommand)]
     command: Action,
@@ -26,8 +27,10 @@ struct Arguments {
 #[derive(Debug, Subcommand)]
 enum Action {
     /// Insert `recordcount` records (YCSB's load phase).
+    #[command(after_help = exit::HELP)]
     Load(PhaseArguments),
     /// Run `operationcount` operations of the workload's mix (YCSB's run phase).
+    #[command(after_help = exit::HELP)]
     Run(PhaseArguments),
     /// Plot throughput over time and latency CDFs from JSON reports.
     Plot {
@@ -40,6 +43,7 @@ enum Action {
     },
     /// Start a local rdkv cluster and redis-server, load both, run workloads against each in
     /// turn, and print one table with the ratios.
+    #[command(after_help = exit::HELP)]
     Compare {
         /// Records loaded into each store.
         #[arg(long, default_value_t = 100_000)]
@@ -66,6 +70,10 @@ enum Action {
         /// Also write every report as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Exit 0 even when operations of the runs returned ERROR (they are still counted in the
+        /// table). A load with errors stops the comparison regardless.
+        #[arg(long)]
+        allow_errors: bool,
     },
 }
 
@@ -102,7 +110,7 @@ struct PhaseArguments {
     /// Throttle to this many operations per second in total.
     #[arg(long)]
     target: Option<f64>,
-    /// Stop after this many seconds.
+    /// Stop after this many seconds (0: no limit); overrides `-p maxexecutiontime=N`.
     #[arg(long)]
     max_execution_time: Option<u64>,
     /// Also write the figures as JSON.
@@ -111,6 +119,9 @@ struct PhaseArguments {
     /// For `run`: load the records first, in the same process.
     #[arg(long)]
     load: bool,
+    /// Exit 0 even when operations returned ERROR (they are still reported, as Return=ERROR).
+    #[arg(long)]
+    allow_errors: bool,
 }
 
 fn load_workload(arguments: &PhaseArguments) -> anyhow::Result<Workload> {
@@ -166,37 +177,55 @@ fn emit(report: &Report, json: Option<&Path>) -> anyhow::Result<()> {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     rdkv_common::process::init_logging("warn");
-    match Arguments::parse().command {
+    let status = match execute(Arguments::parse().command).await {
+        Ok(status) => status,
+        Err(error) => {
+            // One line with its causes, never a backtrace (whatever RUST_BACKTRACE says).
+            eprintln!(
+                "rdkv-ycsb: error: {}",
+                exit::one_line(&format!("{error:#}"))
+            );
+            ExitStatus::after_error(&error)
+        }
+    };
+    status.into()
+}
+
+async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
+    Ok(match command {
         Action::Load(arguments) => {
             let workload = load_workload(&arguments)?;
             let driver = Arc::new(driver(&arguments, &workload).await?);
-            let report = runner::load(&workload, driver.clone(), options(&arguments)).await?;
+            let report =
+                runner::load(&workload, driver.clone(), options(&arguments, &workload)).await;
             driver.close().await;
+            let report = report?;
             emit(&report, arguments.json.as_deref())?;
+            conclude(
+                OperationsFailed::from_reports("load", &[&report]),
+                arguments.allow_errors,
+            )
         }
         Action::Run(arguments) => {
             let workload = load_workload(&arguments)?;
             let driver = Arc::new(driver(&arguments, &workload).await?);
-            if arguments.load || matches!(arguments.driver, DriverName::Memory) {
-                let loaded = runner::load(
-                    &workload,
-                    driver.clone(),
-                    RunOptions {
-                        max_execution_time: None,
-                        ..options(&arguments)
-                    },
-                )
-                .await?;
-                eprintln!(
-                    "loaded {} records in {} ms",
-                    loaded.operations, loaded.runtime_ms
-                );
-            }
-            let report = runner::run(&workload, driver.clone(), options(&arguments)).await?;
+            let phases = load_and_run(&arguments, &workload, driver.clone()).await;
+            // Closed on errors too: an in-process server torn down without it logs errors.
             driver.close().await;
+            let (loaded, report) = phases?;
             emit(&report, arguments.json.as_deref())?;
+            let reports: Vec<&Report> = loaded.iter().chain([&report]).collect();
+            let what = if loaded.is_some() {
+                "load and run"
+            } else {
+                "run"
+            };
+            conclude(
+                OperationsFailed::from_reports(what, &reports),
+                arguments.allow_errors,
+            )
         }
         Action::Plot { output, reports } => {
             let reports: Vec<Report> = reports
@@ -211,6 +240,7 @@ async fn main() -> anyhow::Result<()> {
                 .collect::<anyhow::Result<_>>()?;
             plot::plot(&reports, &output)?;
             eprintln!("wrote {}", output.display());
+            ExitStatus::Success
         }
         Action::Compare {
             records,
@@ -221,6 +251,7 @@ async fn main() -> anyhow::Result<()> {
             redis_server,
             heap_size,
             json,
+            allow_errors,
         } => {
             let options = CompareOptions {
                 records,
@@ -238,16 +269,63 @@ async fn main() -> anyhow::Result<()> {
                 std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)
                     .with_context(|| format!("write {}", path.display()))?;
             }
+            let reports: Vec<&Report> = rows
+                .iter()
+                .flat_map(|row| [&row.rdkv, &row.redis])
+                .collect();
+            conclude(
+                OperationsFailed::from_reports("compare", &reports),
+                allow_errors,
+            )
         }
-    }
-    Ok(())
+    })
 }
 
-fn options(arguments: &PhaseArguments) -> RunOptions {
+/// `run`'s phases: the load first when asked (always for the memory driver), then the run.
+async fn load_and_run(
+    arguments: &PhaseArguments,
+    workload: &Workload,
+    driver: Arc<Driver>,
+) -> anyhow::Result<(Option<Report>, Report)> {
+    let mut loaded = None;
+    if arguments.load || matches!(arguments.driver, DriverName::Memory) {
+        let report = runner::load(
+            workload,
+            driver.clone(),
+            RunOptions {
+                max_execution_time: None,
+                ..options(arguments, workload)
+            },
+        )
+        .await?;
+        eprintln!(
+            "loaded {} records in {} ms",
+            report.operations, report.runtime_ms
+        );
+        loaded = Some(report);
+    }
+    let report = runner::run(workload, driver, options(arguments, workload)).await?;
+    Ok((loaded, report))
+}
+
+/// The exit status of phases that ran, with a one-line summary on stderr when operations failed.
+fn conclude(failed: Option<OperationsFailed>, allow_errors: bool) -> ExitStatus {
+    if let Some(failed) = &failed {
+        let summary = exit::one_line(&failed.to_string());
+        if allow_errors {
+            eprintln!("rdkv-ycsb: warning: {summary} (exit 0: --allow-errors)");
+        } else {
+            eprintln!("rdkv-ycsb: error: {summary} (--allow-errors exits 0 anyway)");
+        }
+    }
+    ExitStatus::after_operations(failed.as_ref(), allow_errors)
+}
+
+fn options(arguments: &PhaseArguments, workload: &Workload) -> RunOptions {
     RunOptions {
         threads: arguments.threads,
         target: arguments.target,
-        max_execution_time: arguments.max_execution_time.map(Duration::from_secs),
+        max_execution_time: workload.time_limit(arguments.max_execution_time),
         progress: true,
     }
 }

@@ -204,6 +204,9 @@ pub struct Report {
     pub rdkv: Option<RdkvFigures>,
     /// (seconds since start, operations per second in that second).
     pub timeseries: Vec<(f64, f64)>,
+    /// The first failed operation's message, for the one-line summary of a failed phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
 }
 
 impl Report {
@@ -249,6 +252,14 @@ impl Report {
         out
     }
 
+    /// Operations that returned ERROR (neither OK nor NOT_FOUND).
+    pub fn errors(&self) -> u64 {
+        self.kinds
+            .iter()
+            .map(|kind| kind.outcomes.get("ERROR").copied().unwrap_or(0))
+            .sum()
+    }
+
     /// The kind's summary, if measured.
     pub fn kind(&self, kind: OperationKind) -> Option<&KindSummary> {
         self.kinds.iter().find(|summary| summary.kind == kind)
@@ -284,7 +295,9 @@ mod tests {
                 checksum_retries: 0,
             }),
             timeseries: vec![],
+            first_error: None,
         };
+        assert_eq!(report.errors(), 1);
         let text = report.to_ycsb_text();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use crate::generator::KeyChooser;
 
@@ -147,6 +148,7 @@ const KNOWN_KEYS: &[&str] = &[
     "maxscanlength",
     "scanlengthdistribution",
     "fieldlengthdistribution",
+    "maxexecutiontime",
 ];
 
 /// The mix of operations.
@@ -183,6 +185,9 @@ pub struct Workload {
     pub request_distribution: String,
     /// `insertorder=hashed` (the default) scrambles key numbers with FNV.
     pub hashed_insert_order: bool,
+    /// `maxexecutiontime` (whole seconds; YCSB's 0, the default, means none): a phase stops
+    /// after this long even if operations remain.
+    pub max_execution_time: Option<Duration>,
 }
 
 impl Workload {
@@ -253,7 +258,25 @@ impl Workload {
             proportions,
             request_distribution,
             hashed_insert_order: insert_order == "hashed",
+            max_execution_time: match properties.parsed(
+                "maxexecutiontime",
+                0,
+                "a whole number of seconds",
+            )? {
+                0 => None,
+                seconds => Some(Duration::from_secs(seconds)),
+            },
         })
+    }
+
+    /// A phase's time limit: `--max-execution-time` when given (0 for none), else the
+    /// `maxexecutiontime` property.
+    pub fn time_limit(&self, flag_seconds: Option<u64>) -> Option<Duration> {
+        match flag_seconds {
+            Some(0) => None,
+            Some(seconds) => Some(Duration::from_secs(seconds)),
+            None => self.max_execution_time,
+        }
     }
 
     /// Bytes of one record's value blob (fieldcount × fieldlength).
@@ -355,6 +378,45 @@ mod tests {
             .unwrap_err()
             .message
             .contains("cannot read"));
+    }
+
+    #[test]
+    fn maxexecutiontime_is_read_from_files_and_overrides_and_the_flag_wins() {
+        let mut properties = Properties::parse("w", "maxexecutiontime=30\n").expect("parses");
+        assert!(properties.unknown_keys().is_empty(), "a known key");
+        let from_file = Workload::from_properties("w", &properties).expect("valid");
+        assert_eq!(from_file.max_execution_time, Some(Duration::from_secs(30)));
+        properties
+            .set_override("maxexecutiontime=5")
+            .expect("valid override");
+        let overridden = Workload::from_properties("w", &properties).expect("valid");
+        assert_eq!(overridden.time_limit(None), Some(Duration::from_secs(5)));
+        assert_eq!(overridden.time_limit(Some(7)), Some(Duration::from_secs(7)));
+        assert_eq!(
+            overridden.time_limit(Some(0)),
+            None,
+            "the flag's 0 lifts it"
+        );
+        properties
+            .set_override("maxexecutiontime=0")
+            .expect("valid override");
+        let unlimited = Workload::from_properties("w", &properties).expect("valid");
+        assert_eq!(unlimited.time_limit(None), None, "YCSB's 0 means no limit");
+        assert_eq!(
+            Workload::from_properties("w", &Properties::default())
+                .expect("valid")
+                .max_execution_time,
+            None
+        );
+        properties
+            .set_override("maxexecutiontime=1.5")
+            .expect("valid override");
+        assert_eq!(
+            Workload::from_properties("w", &properties)
+                .unwrap_err()
+                .to_string(),
+            "-p:0: maxexecutiontime = `1.5` is not a whole number of seconds"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
@@ -95,6 +95,7 @@ async fn execute(
     ));
     let chooser =
         KeyChooser::from_name(&workload.request_distribution).map_err(anyhow::Error::msg)?;
+    let first_error = Arc::new(OnceLock::new());
     let counters_before = driver.rdkv_counters();
     let started = Instant::now();
     let deadline = options.max_execution_time.map(|limit| started + limit);
@@ -109,6 +110,7 @@ async fn execute(
         let stop = stop.clone();
         let inserted = inserted.clone();
         let chooser = chooser.clone();
+        let first_error = first_error.clone();
         tasks.spawn(async move {
             let mut random = rand::rngs::StdRng::seed_from_u64(0x7964_7362 ^ task);
             let mut measurements = Measurements::default();
@@ -130,7 +132,7 @@ async fn execute(
                         let outcome = driver.insert(&key, &value).await;
                         (
                             OperationKind::Insert,
-                            status(outcome.map(|()| true)),
+                            outcome.map(|()| true),
                             begun.elapsed(),
                         )
                     }
@@ -139,6 +141,7 @@ async fn execute(
                             .await
                     }
                 };
+                let outcome = status(outcome, &first_error);
                 measurements.record(kind, latency.as_micros() as u64, outcome);
                 done.fetch_add(1, Ordering::Relaxed);
             }
@@ -146,7 +149,7 @@ async fn execute(
         });
     }
 
-    let progress = Progress::start(total, options.progress);
+    let progress = Progress::start(total, options.max_execution_time, options.progress);
     let mut timeseries = Vec::new();
     let mut ticks = tokio::time::interval(Duration::from_secs(1));
     ticks.tick().await;
@@ -161,9 +164,10 @@ async fn execute(
             },
             _ = ticks.tick() => {
                 let now = done.load(Ordering::Relaxed);
-                let elapsed = started.elapsed().as_secs_f64();
+                let since_start = started.elapsed();
+                let elapsed = since_start.as_secs_f64();
                 timeseries.push((elapsed, (now - last) as f64 / (elapsed - last_time).max(1e-3)));
-                progress.update(now, now - last, elapsed);
+                progress.update(now, now - last, since_start);
                 last = now;
                 last_time = elapsed;
             }
@@ -195,14 +199,19 @@ async fn execute(
         kinds: merged.summaries(),
         rdkv: Driver::rdkv_figures(counters_before, driver.rdkv_counters()),
         timeseries,
+        first_error: first_error.get().cloned(),
     })
 }
 
-fn status(outcome: Result<bool, String>) -> Outcome {
+/// The outcome of one operation; the first failure of a phase is kept in `first_error`.
+fn status(outcome: Result<bool, String>, first_error: &OnceLock<String>) -> Outcome {
     match outcome {
         Ok(true) => Outcome::Ok,
         Ok(false) => Outcome::NotFound,
         Err(error) => {
+            if first_error.get().is_none() {
+                let _ = first_error.set(error.clone());
+            }
             // The first few failures of a run are shown; the rest are counted (Return=ERROR).
             static SHOWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
             if SHOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 5 {
@@ -222,7 +231,7 @@ async fn one_operation(
     inserted: &(AtomicU64, AtomicU64),
     value: &[u8],
     random: &mut rand::rngs::StdRng,
-) -> (OperationKind, Outcome, Duration) {
+) -> (OperationKind, Result<bool, String>, Duration) {
     let mix = workload.proportions;
     let total = mix.read + mix.update + mix.insert + mix.scan + mix.read_modify_write;
     let pick = random.gen::<f64>() * total;
@@ -254,41 +263,89 @@ async fn one_operation(
         }
         _ => driver.read_modify_write(&key, value).await,
     };
-    (kind, status(outcome), begun.elapsed())
+    (kind, outcome, begun.elapsed())
 }
 
-/// Live progress: a bar with ops/s on a terminal, a status line every 10 s otherwise.
+/// Bar positions of a time-limited phase: the bar shows tenths of a percent.
+const PROGRESS_STEPS: u64 = 1000;
+
+/// How far a phase is, from 0 to 1: done / total operations, or elapsed / limit when a time limit
+/// is set, whichever is further along (the phase ends at the first limit reached).
+fn completed_fraction(done: u64, total: u64, elapsed: Duration, limit: Option<Duration>) -> f64 {
+    let by_operations = if total == 0 {
+        1.0
+    } else {
+        done as f64 / total as f64
+    };
+    let by_time = limit.map_or(0.0, |limit| {
+        if limit.is_zero() {
+            1.0
+        } else {
+            elapsed.as_secs_f64() / limit.as_secs_f64()
+        }
+    });
+    by_operations.max(by_time).clamp(0.0, 1.0)
+}
+
+/// Live progress: a bar with ops/s on a terminal, a status line every 10 s otherwise. Without a
+/// time limit the bar counts operations; with one it follows [`completed_fraction`] and shows the
+/// operations done in its message.
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
     enabled: bool,
+    /// Operations the phase would issue without a time limit.
+    total: u64,
+    /// The phase's time limit, if any.
+    limit: Option<Duration>,
 }
 
 impl Progress {
-    fn start(total: u64, enabled: bool) -> Self {
+    fn start(total: u64, limit: Option<Duration>, enabled: bool) -> Self {
         if !enabled || !std::io::stderr().is_terminal() {
-            return Self { bar: None, enabled };
+            return Self {
+                bar: None,
+                enabled,
+                total,
+                limit,
+            };
         }
-        let bar = indicatif::ProgressBar::new(total);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {pos}/{len} ops {msg}",
-        ) {
+        let (length, template) = match limit {
+            None => (total, "{elapsed_precise} [{bar:40}] {pos}/{len} ops {msg}"),
+            Some(_) => (
+                PROGRESS_STEPS,
+                "{elapsed_precise} [{bar:40}] {percent:>3}% {msg}",
+            ),
+        };
+        let bar = indicatif::ProgressBar::new(length);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
             bar.set_style(style.progress_chars("=> "));
         }
         Self {
             bar: Some(bar),
             enabled,
+            total,
+            limit,
         }
     }
 
-    fn update(&self, done: u64, last_second: u64, elapsed: f64) {
-        match &self.bar {
-            Some(bar) => {
+    fn update(&self, done: u64, last_second: u64, elapsed: Duration) {
+        match (&self.bar, self.limit) {
+            (Some(bar), None) => {
                 bar.set_position(done);
                 bar.set_message(format!("{last_second} ops/s"));
             }
-            None if !self.enabled => {}
-            None => {
-                let seconds = elapsed.round() as u64;
+            (Some(bar), Some(limit)) => {
+                let fraction = completed_fraction(done, self.total, elapsed, Some(limit));
+                bar.set_position((fraction * PROGRESS_STEPS as f64) as u64);
+                bar.set_message(format!(
+                    "{done}/{} ops, {last_second} ops/s, {} s limit",
+                    self.total,
+                    limit.as_secs_f64()
+                ));
+            }
+            (None, _) if !self.enabled => {}
+            (None, _) => {
+                let seconds = elapsed.as_secs_f64().round() as u64;
                 if seconds > 0 && seconds % 10 == 0 {
                     eprintln!("{seconds} sec: {done} operations; {last_second} current ops/sec");
                 }
@@ -300,5 +357,39 @@ impl Progress {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_follows_time_when_limited_and_the_further_limit_when_both() {
+        let seconds = Duration::from_secs;
+        // No time limit: operations.
+        assert_eq!(completed_fraction(250, 1000, seconds(50), None), 0.25);
+        // The time limit of a run asking for far more operations than it will do: time.
+        let fraction = completed_fraction(347_743, 100_000_000, seconds(15), Some(seconds(60)));
+        assert_eq!(fraction, 0.25);
+        // Both: whichever is further along.
+        assert_eq!(
+            completed_fraction(900, 1000, seconds(6), Some(seconds(60))),
+            0.9
+        );
+        assert_eq!(
+            completed_fraction(100, 1000, seconds(30), Some(seconds(60))),
+            0.5
+        );
+        // Never past the end, and nothing to do is done.
+        assert_eq!(
+            completed_fraction(10, 1000, seconds(90), Some(seconds(60))),
+            1.0
+        );
+        assert_eq!(completed_fraction(0, 0, seconds(0), None), 1.0);
+        assert_eq!(
+            completed_fraction(0, 1000, seconds(0), Some(Duration::ZERO)),
+            1.0
+        );
     }
 }
