@@ -1,0 +1,486 @@
+//! Operating a cluster through `rdkv-cluster` as a script would: `down` without pid files (the
+//! authenticated `Shutdown`), `restart --node` while the other nodes serve, `status`'s exit
+//! codes (down, wrong secret), a generated systemd unit, and two "remote" nodes started
+//! through a real OpenSSH `sshd` on 127.0.0.1 (a throw-away host key and authorized key).
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_client::Client;
+use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster};
+use rdkv_integration_tests::process::workspace_binary;
+
+fn text(path: &Path) -> &str {
+    path.to_str().expect("a UTF-8 path")
+}
+
+fn stdout(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn control_addresses(file: &Path) -> Vec<SocketAddr> {
+    rdkv_cluster_config::load(file)
+        .expect("the cluster file")
+        .nodes
+        .iter()
+        .map(|node| node.control_address)
+        .collect()
+}
+
+fn answers(address: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&address, Duration::from_millis(300)).is_ok()
+}
+
+#[test]
+fn down_stops_a_cluster_whose_pid_files_were_deleted() {
+    let cluster = Cluster::up("down-no-pids");
+    let addresses = control_addresses(&cluster.file);
+    assert!(addresses.iter().all(|address| answers(*address)));
+    for entry in std::fs::read_dir(&cluster.run_directory).expect("the run directory") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_some_and(|extension| extension == "pid") {
+            std::fs::remove_file(path).expect("remove a pid file");
+        }
+    }
+    let started = Instant::now();
+    let down = rdkv_cluster(&[
+        "down",
+        text(&cluster.file),
+        "--run-dir",
+        text(&cluster.run_directory),
+    ]);
+    let took = started.elapsed();
+    assert!(down.status.success(), "{}", stderr(&down));
+    let report = stdout(&down);
+    assert_eq!(
+        report
+            .matches("stopped (shutdown over the control plane")
+            .count(),
+        3,
+        "{report}"
+    );
+    assert!(
+        addresses.iter().all(|address| !answers(*address)),
+        "a node still answers after down"
+    );
+    // Ctrl-C-fast, not the 5.5 s of waiting on unreaped children.
+    assert!(took < Duration::from_secs(3), "down took {took:?}");
+    let status = rdkv_cluster(&["status", text(&cluster.file)]);
+    assert_eq!(status.status.code(), Some(1), "{}", stdout(&status));
+}
+
+#[test]
+fn status_exits_zero_only_when_every_node_is_up_and_names_a_wrong_secret() {
+    let cluster = Cluster::up("status-codes");
+    let file = text(&cluster.file);
+    let all_up = rdkv_cluster(&["status", file]);
+    assert_eq!(all_up.status.code(), Some(0), "{}", stdout(&all_up));
+
+    let wrong = cluster.file.with_file_name("wrong-secret.toml");
+    let original = std::fs::read_to_string(&cluster.file).expect("the cluster file");
+    std::fs::write(
+        &wrong,
+        original.replace("local-dev-secret-change-me", "not-the-secret"),
+    )
+    .expect("write");
+    let refused = rdkv_cluster(&["status", text(&wrong)]);
+    assert_eq!(refused.status.code(), Some(3), "{}", stdout(&refused));
+    assert_eq!(stdout(&refused).matches("auth failed").count(), 3);
+
+    let down = rdkv_cluster(&[
+        "down",
+        file,
+        "--node",
+        "2",
+        "--run-dir",
+        text(&cluster.run_directory),
+    ]);
+    assert!(down.status.success(), "{}", stderr(&down));
+    let one_down = rdkv_cluster(&["status", file]);
+    assert_eq!(one_down.status.code(), Some(1), "{}", stdout(&one_down));
+    let table = stdout(&one_down);
+    let row = table
+        .lines()
+        .find(|line| line.starts_with("2 "))
+        .expect("node 2's row");
+    assert!(row.contains("down"), "{table}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_brings_one_node_back_empty_while_the_others_serve() {
+    let cluster = Cluster::up("restart");
+    let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
+    let client = Arc::new(Client::for_cluster(&config));
+    let keys: Vec<Vec<u8>> = (0..300)
+        .map(|index| format!("restart-{index}").into_bytes())
+        .collect();
+    for key in &keys {
+        client
+            .put(key, b"before")
+            .await
+            .expect("put before the restart");
+    }
+    let (on_two, elsewhere): (Vec<Vec<u8>>, Vec<Vec<u8>>) = keys
+        .iter()
+        .cloned()
+        .partition(|key| client.node_of(key) == 2);
+    assert!(!on_two.is_empty() && !elsewhere.is_empty());
+
+    // Load on the other nodes' keys for the whole restart: every operation must succeed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let load = {
+        let (client, stop, failures, done) =
+            (client.clone(), stop.clone(), failures.clone(), done.clone());
+        let keys = elsewhere.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            for key in keys.iter().cycle() {
+                if stop.load(Ordering::Relaxed) || started.elapsed() > Duration::from_secs(60) {
+                    break;
+                }
+                match client.get(key).await {
+                    Ok(Some(value)) if value.as_ref() == b"before" => {}
+                    _ => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let restart = tokio::task::spawn_blocking({
+        let file = cluster.file.clone();
+        let run_directory = cluster.run_directory.clone();
+        move || {
+            rdkv_cluster(&[
+                "restart",
+                text(&file),
+                "--node",
+                "2",
+                "--run-dir",
+                text(&run_directory),
+            ])
+        }
+    })
+    .await
+    .expect("restart ran");
+    stop.store(true, Ordering::Relaxed);
+    load.await.expect("the load task");
+    assert!(restart.status.success(), "{}", stderr(&restart));
+    let report = stdout(&restart);
+    assert!(report.contains("node 2: stopped"), "{report}");
+    assert!(report.contains("node 2: started"), "{report}");
+    assert!(done.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        failures.load(Ordering::Relaxed),
+        0,
+        "the other nodes' keys failed during the restart"
+    );
+
+    // The restarted node holds nothing (no replication yet); it serves new writes.
+    for key in &on_two {
+        assert_eq!(client.get(key).await.expect("get after the restart"), None);
+    }
+    for key in &elsewhere {
+        assert_eq!(
+            client.get(key).await.expect("get").as_deref(),
+            Some(&b"before"[..])
+        );
+    }
+    client
+        .put(&on_two[0], b"after")
+        .await
+        .expect("put to the restarted node");
+    assert_eq!(
+        client.get(&on_two[0]).await.expect("get").as_deref(),
+        Some(&b"after"[..])
+    );
+    let status = rdkv_cluster(&["status", text(&cluster.file)]);
+    assert_eq!(status.status.code(), Some(0), "{}", stdout(&status));
+}
+
+#[test]
+fn the_systemd_unit_passes_systemd_analyze_or_parses_as_a_unit() {
+    let directory = std::env::temp_dir().join(format!("rdkv-systemd-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let file = generate_cluster_file(&directory);
+    let output = rdkv_cluster(&["systemd", text(&file), "--node", "2"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let unit = stdout(&output);
+    let sections = rdkv_cluster_config::systemd::parse_unit(&unit).expect("unit syntax");
+    let service = &sections
+        .iter()
+        .find(|(name, _)| name == "Service")
+        .expect("a [Service]")
+        .1;
+    let value = |key: &str| {
+        service
+            .iter()
+            .find(|(name, _)| name == key)
+            .map(|(_, value)| value.clone())
+            .unwrap_or_default()
+    };
+    assert!(value("ExecStart").contains("--node 2 --secret-file %d/rdkv-secret"));
+    assert!(value("LimitMEMLOCK").ends_with('M'));
+    assert_eq!(value("Restart"), "on-failure");
+    let path = directory.join("rdkv-local-3node-node-2.service");
+    std::fs::write(&path, &unit).expect("write the unit");
+    match Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+    {
+        Ok(verify) => assert!(
+            verify.status.success() && verify.stderr.is_empty(),
+            "systemd-analyze verify: {}{}",
+            stdout(&verify),
+            stderr(&verify)
+        ),
+        Err(error) => {
+            eprintln!("systemd-analyze is not here ({error}): checked the unit syntax only")
+        }
+    }
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// A throw-away OpenSSH server on 127.0.0.1, killed when dropped.
+struct SshServer {
+    child: Child,
+    directory: PathBuf,
+    config: PathBuf,
+}
+
+impl Drop for SshServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.directory);
+    }
+}
+
+fn run_ok(command: &mut Command) {
+    let output = command.output().expect("run a setup command");
+    assert!(output.status.success(), "{command:?}: {}", stderr(&output));
+}
+
+impl SshServer {
+    /// Starts `sshd -D` on a free loopback port, accepting one fresh key; writes an ssh config
+    /// with the hosts `rdkv-remote-a` and `rdkv-remote-b` pointing at it. `None` when sshd is
+    /// not installed (outside CI).
+    fn start(directory: &Path) -> Option<Self> {
+        let sshd = Path::new("/usr/sbin/sshd");
+        if !sshd.exists() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must run the ssh test: install openssh-server"
+            );
+            eprintln!("skipped: /usr/sbin/sshd is not installed (apt-get install openssh-server)");
+            return None;
+        }
+        std::fs::create_dir_all(directory).expect("directory");
+        // sshd's privilege separation directory (it refuses to start without it).
+        let _ = std::fs::create_dir_all("/run/sshd");
+        for key in ["host_key", "client_key"] {
+            run_ok(
+                Command::new("ssh-keygen")
+                    .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                    .arg(directory.join(key)),
+            );
+        }
+        std::fs::copy(
+            directory.join("client_key.pub"),
+            directory.join("authorized_keys"),
+        )
+        .expect("authorized_keys");
+        let port = rdkv_common::process::free_loopback_ports(1).expect("a free port")[0];
+        let path = |name: &str| directory.join(name).display().to_string();
+        std::fs::write(
+            directory.join("sshd_config"),
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {}\nAuthorizedKeysFile {}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\nPidFile {}\n",
+                path("host_key"),
+                path("authorized_keys"),
+                path("sshd.pid"),
+            ),
+        )
+        .expect("sshd_config");
+        let config = directory.join("ssh_config");
+        std::fs::write(
+            &config,
+            format!(
+                "Host rdkv-remote-a rdkv-remote-b\n  HostName 127.0.0.1\n  Port {port}\n  IdentityFile {}\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n",
+                path("client_key"),
+            ),
+        )
+        .expect("ssh_config");
+        let child = Command::new(sshd)
+            .arg("-D")
+            .arg("-f")
+            .arg(directory.join("sshd_config"))
+            .arg("-E")
+            .arg(directory.join("sshd.log"))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start sshd");
+        let server = Self {
+            child,
+            directory: directory.to_path_buf(),
+            config,
+        };
+        // Ready when an ssh round trip works (bounded: sshd binds within milliseconds).
+        let started = Instant::now();
+        loop {
+            let probe = Command::new("ssh")
+                .arg("-F")
+                .arg(&server.config)
+                .args(["-o", "BatchMode=yes", "rdkv-remote-a", "true"])
+                .output()
+                .expect("run ssh");
+            if probe.status.success() {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "sshd did not accept the key: {}\n{}",
+                stderr(&probe),
+                std::fs::read_to_string(directory.join("sshd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(server)
+    }
+}
+
+fn rdkv(file: &Path, arguments: &[&str]) -> std::process::Output {
+    Command::new(workspace_binary("rdkv"))
+        .args(["--config", text(file)])
+        .args(arguments)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run rdkv")
+}
+
+#[test]
+fn two_nodes_on_remote_hosts_through_sshd_on_loopback() {
+    let directory = std::env::temp_dir().join(format!("rdkv-ssh-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let Some(sshd) = SshServer::start(&directory.join("sshd")) else {
+        return;
+    };
+    let local = generate_cluster_file(&directory);
+    let remote_run_directory = directory.join("remote run dir");
+    let settings = format!(
+        "operation_deadline = \"2s\"\nssh_options = [\"-F\", \"{}\"]\nremote_binary = \"{}\"\nremote_run_dir = \"{}\"",
+        sshd.config.display(),
+        workspace_binary("rdkv-server").display(),
+        remote_run_directory.display()
+    );
+    let file_text = std::fs::read_to_string(&local)
+        .expect("the cluster file")
+        .replace("operation_deadline = \"2s\"", &settings)
+        .replace(
+            "[[node]]\nid = 2\n",
+            "[[node]]\nid = 2\nhost = \"rdkv-remote-a\"\n",
+        )
+        .replace(
+            "[[node]]\nid = 3\n",
+            "[[node]]\nid = 3\nhost = \"rdkv-remote-b\"\n",
+        );
+    let file = directory.join("remote.toml");
+    std::fs::write(&file, file_text).expect("write the cluster file");
+    let run_directory = directory.join("run");
+    let cluster = Cluster {
+        file: file.clone(),
+        run_directory: run_directory.clone(),
+    };
+    let run_dir = text(&run_directory);
+
+    let up = rdkv_cluster(&["up", text(&file), "--detach", "--run-dir", run_dir]);
+    assert!(up.status.success(), "up: {}", stderr(&up));
+    let table = stdout(&up);
+    assert!(
+        table.contains("rdkv-remote-a") && table.contains("rdkv-remote-b"),
+        "{table}"
+    );
+    // The remote nodes run from the remote run directory, with the file and secret shipped.
+    for name in ["cluster.toml", "secret", "node-2.pid", "node-3.pid"] {
+        assert!(
+            remote_run_directory.join(name).exists(),
+            "{name} is missing on the host"
+        );
+    }
+
+    // A CLI round trip on keys of every node.
+    let config = rdkv_cluster_config::load(&file).expect("the cluster file");
+    let router = Client::for_cluster(&config);
+    let mut keys_by_node = std::collections::BTreeMap::new();
+    for index in 0..64 {
+        let key = format!("ssh-{index}");
+        keys_by_node
+            .entry(router.node_of(key.as_bytes()))
+            .or_insert(key);
+    }
+    assert_eq!(keys_by_node.len(), 3, "64 keys cover the three nodes");
+    for key in keys_by_node.values() {
+        let put = rdkv(&file, &["put", key, "over-ssh"]);
+        assert!(put.status.success(), "put {key}: {}", stderr(&put));
+        let get = rdkv(&file, &["get", key]);
+        assert!(get.status.success(), "get {key}: {}", stderr(&get));
+        assert_eq!(stdout(&get).trim_end(), "over-ssh");
+    }
+
+    let restart = rdkv_cluster(&["restart", text(&file), "--node", "2", "--run-dir", run_dir]);
+    assert!(restart.status.success(), "restart: {}", stderr(&restart));
+    assert!(
+        stdout(&restart).contains("on rdkv-remote-a"),
+        "{}",
+        stdout(&restart)
+    );
+    let status = rdkv_cluster(&["status", text(&file)]);
+    assert_eq!(status.status.code(), Some(0), "{}", stdout(&status));
+    let key_on_two = &keys_by_node[&2];
+    let put = rdkv(&file, &["put", key_on_two, "after-restart"]);
+    assert!(put.status.success(), "{}", stderr(&put));
+    assert_eq!(
+        stdout(&rdkv(&file, &["get", key_on_two])).trim_end(),
+        "after-restart"
+    );
+
+    let logs = rdkv_cluster(&[
+        "logs",
+        text(&file),
+        "--node",
+        "3",
+        "--lines",
+        "500",
+        "--run-dir",
+        run_dir,
+    ]);
+    assert!(logs.status.success(), "{}", stderr(&logs));
+    assert!(stdout(&logs).contains("server ready"), "{}", stdout(&logs));
+
+    let down = rdkv_cluster(&["down", text(&file), "--run-dir", run_dir]);
+    assert!(down.status.success(), "down: {}", stderr(&down));
+    assert_eq!(
+        stdout(&down).matches("stopped").count(),
+        3,
+        "{}",
+        stdout(&down)
+    );
+    for address in control_addresses(&file) {
+        assert!(!answers(address), "{address} still answers after down");
+    }
+    drop(cluster);
+    drop(sshd);
+    let _ = std::fs::remove_dir_all(&directory);
+}
