@@ -1,23 +1,48 @@
-//! `rdkv`: get, put, delete, compare-and-swap and stats against a cluster from its file.
+//! `rdkv`: get, put, insert, delete, compare-and-swap and stats against a cluster from its file.
+//! Arguments and dispatch live here; `input` reads keys and values (text, hex, files, stdin),
+//! `output` prints values and describes keys, `hex` spells bytes.
 //!
-//! Exit codes: 0 found / done, 1 not found (get, del) or not swapped (cas), 2 error.
+//! Exit codes (also in `--help` and `docs/operations.md`): 0 done, 1 not found (get, del), not
+//! swapped (cas) or present (insert), 2 error.
 #![forbid(unsafe_code)]
 
-use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rdkv_client::{CasOutcome, Client};
+use rdkv_client::{CasOutcome, Client, InsertOutcome};
 use rdkv_common::protocol::ClientCounters;
+
+mod hex;
+mod input;
+mod output;
+
+use input::KeyArgument;
+use output::{describe_key, describe_value, print_value};
+
+/// What `rdkv --help` prints after the options.
+const AFTER_HELP: &str = "\
+Keys and values are bytes. KEY is text (its UTF-8 bytes) unless --key-hex (hex digits, two per
+byte) or --key-file (a file's exact bytes; `-`: stdin) says otherwise; --value-hex does the same
+for VALUE, EXPECTED and NEW. put and insert read the value from stdin when VALUE is absent; the
+key and the value cannot both come from stdin.
+
+Output: get (and insert, when the key is present) prints the value's exact bytes, plus a newline
+only when stdout is a terminal, so that a pipe receives the value and nothing else; with --hex,
+a line of hex digits.
+
+Exit codes:
+  0  done: found (get), stored (put), inserted (insert), deleted (del), swapped (cas), every
+     node answered (stats)
+  1  not found (get, del), not swapped (cas), present (insert; its value is printed)
+  2  error: usage, the cluster file, an input, an unreachable node, a timeout (the message says
+     whether a write may have applied); stats: a node is down
+Errors print as one line on stderr: `rdkv: what failed: why`.";
 
 /// Talk to an rdkv cluster: values go in as arguments or on stdin and come out on stdout.
 #[derive(Debug, Parser)]
-#[command(
-    version,
-    about,
-    after_help = "Exit codes: 0 found or done, 1 not found or not swapped, 2 error."
-)]
+#[command(version, about, after_help = AFTER_HELP)]
 struct Arguments {
     /// The cluster file.
     #[arg(long, short = 'c', env = "RDKV_CONFIG")]
@@ -28,31 +53,58 @@ struct Arguments {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Print the value of KEY.
+    /// Print the value of KEY (exit 1 when absent).
     Get {
-        /// The key.
-        key: String,
+        #[command(flatten)]
+        key: KeyArgument,
+        /// Print the value as hex digits and a newline.
+        #[arg(long)]
+        hex: bool,
     },
     /// Store VALUE (or stdin when VALUE is absent) under KEY.
     Put {
-        /// The key.
-        key: String,
+        #[command(flatten)]
+        key: KeyArgument,
         /// The value; read from stdin when absent.
         value: Option<String>,
+        /// VALUE is hex digits.
+        #[arg(long)]
+        value_hex: bool,
     },
-    /// Delete KEY.
+    /// Store VALUE (or stdin) under KEY only if KEY is absent; when it is present, print its
+    /// value and exit 1.
+    Insert {
+        #[command(flatten)]
+        key: KeyArgument,
+        /// The value; read from stdin when absent.
+        value: Option<String>,
+        /// VALUE is hex digits.
+        #[arg(long)]
+        value_hex: bool,
+        /// Print the present value as hex digits and a newline.
+        #[arg(long)]
+        hex: bool,
+    },
+    /// Delete KEY (exit 1 when absent).
     Del {
-        /// The key.
-        key: String,
+        #[command(flatten)]
+        key: KeyArgument,
     },
-    /// Replace KEY's value with NEW only if it is EXPECTED.
+    /// Replace KEY's value with NEW only if it is EXPECTED (exit 1, naming the value found,
+    /// when not); `insert` sets a value only if the key is absent.
     Cas {
-        /// The key.
-        key: String,
+        #[command(flatten)]
+        key: KeyArgument,
         /// The value required.
         expected: String,
         /// The new value.
         new: String,
+        /// EXPECTED and NEW are hex digits.
+        #[arg(long)]
+        value_hex: bool,
+        /// Show the value found, when not swapped, as hex digits.
+        #[arg(long)]
+        hex: bool,
     },
     /// Cluster-wide counters: per node, and the clients' one-sided work (round trips per
     /// operation).
@@ -66,67 +118,114 @@ async fn main() -> ExitCode {
     match run(arguments).await {
         Ok(code) => code,
         Err(error) => {
+            // `{:#}`: the causes on one line, and never a backtrace (even with RUST_BACKTRACE).
             eprintln!("rdkv: {error:#}");
             ExitCode::from(2)
         }
     }
 }
 
-fn print_value(value: &[u8]) -> std::io::Result<()> {
-    let mut stdout = std::io::stdout().lock();
-    stdout.write_all(value)?;
-    if std::io::stdout().is_terminal() {
-        stdout.write_all(b"\n")?;
-    }
-    stdout.flush()
-}
-
 async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
     let client = Client::from_file(&arguments.config)?;
-    let code = match arguments.command {
-        Command::Get { key } => match client.get(key.as_bytes()).await? {
-            Some(value) => {
-                print_value(&value)?;
-                ExitCode::SUCCESS
-            }
-            None => {
-                eprintln!("rdkv: {key}: not found");
-                ExitCode::from(1)
-            }
-        },
-        Command::Put { key, value } => {
-            let value = match value {
-                Some(value) => value.into_bytes(),
-                None => {
-                    let mut bytes = Vec::new();
-                    std::io::stdin().read_to_end(&mut bytes)?;
-                    bytes
+    let outcome = execute(&client, arguments.command).await;
+    // Also after an error: the nodes hear a goodbye instead of a dropped connection.
+    client.close().await;
+    outcome
+}
+
+async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> {
+    let code = match command {
+        Command::Get { key, hex } => {
+            let key = key.bytes()?;
+            let shown = describe_key(&key);
+            match client
+                .get(&key)
+                .await
+                .with_context(|| format!("get {shown}"))?
+            {
+                Some(value) => {
+                    print_value(&value, hex).context("write the value to stdout")?;
+                    ExitCode::SUCCESS
                 }
-            };
-            client.put(key.as_bytes(), &value).await?;
+                None => {
+                    eprintln!("rdkv: {shown}: not found");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Put {
+            key,
+            value,
+            value_hex,
+        } => {
+            let value = input::value_or_stdin(value, value_hex, &key)?;
+            let key = key.bytes()?;
+            client
+                .put(&key, &value)
+                .await
+                .with_context(|| format!("put {}", describe_key(&key)))?;
             ExitCode::SUCCESS
         }
+        Command::Insert {
+            key,
+            value,
+            value_hex,
+            hex,
+        } => {
+            let value = input::value_or_stdin(value, value_hex, &key)?;
+            let key = key.bytes()?;
+            let shown = describe_key(&key);
+            match client
+                .insert_or_get(&key, &value)
+                .await
+                .with_context(|| format!("insert {shown}"))?
+            {
+                InsertOutcome::Inserted => ExitCode::SUCCESS,
+                InsertOutcome::Present(present) => {
+                    eprintln!("rdkv: {shown}: present, not inserted");
+                    print_value(&present, hex).context("write the value to stdout")?;
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Del { key } => {
-            if client.delete(key.as_bytes()).await? {
+            let key = key.bytes()?;
+            let shown = describe_key(&key);
+            if client
+                .delete(&key)
+                .await
+                .with_context(|| format!("delete {shown}"))?
+            {
                 ExitCode::SUCCESS
             } else {
-                eprintln!("rdkv: {key}: not found");
+                eprintln!("rdkv: {shown}: not found");
                 ExitCode::from(1)
             }
         }
-        Command::Cas { key, expected, new } => {
+        Command::Cas {
+            key,
+            expected,
+            new,
+            value_hex,
+            hex,
+        } => {
+            let expected = input::value_bytes(expected, value_hex, "EXPECTED")?;
+            let new = input::value_bytes(new, value_hex, "NEW")?;
+            let key = key.bytes()?;
+            let shown = describe_key(&key);
             match client
-                .compare_and_swap(key.as_bytes(), expected.as_bytes(), new.as_bytes())
-                .await?
+                .compare_and_swap(&key, &expected, &new)
+                .await
+                .with_context(|| format!("compare-and-swap {shown}"))?
             {
                 CasOutcome::Swapped => ExitCode::SUCCESS,
                 CasOutcome::Mismatch(current) => {
                     match current {
                         Some(current) => eprintln!(
-                            "rdkv: {key}: not swapped; the value is {:?}",
-                            String::from_utf8_lossy(&current)
+                            "rdkv: {shown}: not swapped; the value is {}",
+                            describe_value(&current, hex)
                         ),
-                        None => eprintln!("rdkv: {key}: not swapped; the key is absent"),
+                        None => eprintln!("rdkv: {shown}: not swapped; the key is absent"),
                     }
                     ExitCode::from(1)
                 }
@@ -196,6 +295,5 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
             }
         }
     };
-    client.close().await;
     Ok(code)
 }

@@ -1,7 +1,8 @@
 //! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens one
-//! connection per node on first use and re-establishes it after a failure, applies the
-//! per-operation deadline, and retries an operation on a fresh connection only when the failure
-//! came before any compare-and-swap of it was posted.
+//! connection per node on first use (or all at once, [`Client::connect_all`]) and re-establishes
+//! it after a failure, applies the per-operation deadline, retries an operation on a fresh
+//! connection only when the failure came before any compare-and-swap of it was posted, and says
+//! goodbye to every node when closed or dropped.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -15,7 +16,7 @@ use rdkv_common::sharding;
 use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
-use crate::operations::{self, CasOutcome, Mutation, MutationOutcome};
+use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
 
 /// One node of the client's cluster.
@@ -25,14 +26,14 @@ struct Node {
     id: u32,
     /// How to reach it.
     config: ClientConfig,
-    /// The live connection, opened lazily and replaced when it breaks. Shared with the task
-    /// that opens a connection, which stores it even if the operation that asked is cancelled.
-    connection: Arc<Mutex<Option<Arc<NodeConnection>>>>,
+    /// The live connection, opened lazily and replaced when it breaks. The task that opens a
+    /// connection holds the node and stores it even if the operation that asked is cancelled.
+    connection: Mutex<Option<Arc<NodeConnection>>>,
     /// One connection attempt at a time: concurrent operations wait for it instead of each
     /// opening (and pinning buffers for) a connection of their own.
     connecting: Arc<tokio::sync::Semaphore>,
     /// Set when a connection was retired: the next one counts as a reconnect.
-    retired: Arc<std::sync::atomic::AtomicBool>,
+    retired: std::sync::atomic::AtomicBool,
     /// The node's own operation deadline (from its welcome; 0 until the first connection):
     /// operations on it never run longer, whatever the client's deadline.
     server_deadline_ms: std::sync::atomic::AtomicU64,
@@ -46,20 +47,41 @@ impl Node {
         Self {
             id,
             config,
-            connection: Arc::new(Mutex::new(connection)),
+            connection: Mutex::new(connection),
             connecting: Arc::new(tokio::sync::Semaphore::new(1)),
-            retired: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            retired: std::sync::atomic::AtomicBool::new(false),
             server_deadline_ms: std::sync::atomic::AtomicU64::new(server_deadline_ms),
         }
     }
 }
 
-/// An rdkv client: one connection per node, opened on first use; keys map to nodes by
-/// rendezvous hashing. Share it behind an `Arc`; every method takes `&self`.
+impl Node {
+    /// The node's live connection, if it has one that has not failed.
+    fn healthy_connection(&self) -> Option<Arc<NodeConnection>> {
+        self.connection
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+            .filter(|connection| !connection.is_broken())
+    }
+}
+
+/// How long a dropped client's goodbye may take to be handed to a connection's control task
+/// (which then finishes it on its own): a full control channel never holds the task for long.
+const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// An rdkv client: one connection per node, opened on first use (or up front with
+/// [`Client::connect_all`]); keys map to nodes by rendezvous hashing. Share it behind an `Arc`;
+/// every method takes `&self`.
+///
+/// [`Client::close`] says goodbye to every node and waits until each goodbye is written.
+/// Dropping the client does the same without waiting, in tasks spawned on the current tokio
+/// runtime (if there is none, the connections just close; the servers notice at once, but
+/// the counters since the last heartbeat are lost).
 #[derive(Debug)]
 pub struct Client {
-    /// The nodes, in cluster-file order.
-    nodes: Vec<Node>,
+    /// The nodes, in cluster-file order. Shared with the tasks of [`Client::connect_all`].
+    nodes: Vec<Arc<Node>>,
     /// Node ids, in the same order, for rendezvous hashing.
     node_ids: Vec<u32>,
     /// Counters.
@@ -85,13 +107,15 @@ impl Client {
             .map_or(server_deadline, |deadline| deadline.min(server_deadline));
         Ok(Self {
             node_ids: vec![1],
-            nodes: vec![Node::new(1, config, Some(connection))],
+            nodes: vec![Arc::new(Node::new(1, config, Some(connection)))],
             counters,
             deadline,
         })
     }
 
-    /// A client of every node of a cluster; connections open on first use.
+    /// A client of every node of a cluster; connections open on first use, so the first
+    /// operation on each node pays the handshake inside its deadline. Call
+    /// [`Client::connect_all`] to connect up front.
     pub fn for_cluster(cluster: &ClusterConfig) -> Self {
         Self::for_cluster_with_concurrency(cluster, DEFAULT_CONCURRENCY)
     }
@@ -100,7 +124,7 @@ impl Client {
     /// Each holds a 64 KiB registered scratch buffer while it runs, from the process's shared
     /// pool, which grows with the operations in flight and shrinks back (`docs/memory.md`).
     pub fn for_cluster_with_concurrency(cluster: &ClusterConfig, concurrency: usize) -> Self {
-        let nodes: Vec<Node> = cluster
+        let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()
             .map(|node| {
@@ -109,7 +133,7 @@ impl Client {
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
-                Node::new(node.id, config, None)
+                Arc::new(Node::new(node.id, config, None))
             })
             .collect();
         Self {
@@ -125,14 +149,22 @@ impl Client {
     /// # Errors
     /// [`Error::Config`] when the file is invalid.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let cluster = rdkv_cluster_file::load(path).map_err(|error| Error::Config {
-            reason: error.to_string(),
+        let cluster = rdkv_cluster_file::load(path).map_err(|error| {
+            // The reason keeps the causes ("cannot read the cluster file: No such file ...").
+            let mut reason = error.to_string();
+            let mut cause = std::error::Error::source(&error);
+            while let Some(inner) = cause {
+                reason.push_str(": ");
+                reason.push_str(&inner.to_string());
+                cause = inner.source();
+            }
+            Error::Config { reason }
         })?;
         Ok(Self::for_cluster(&cluster))
     }
 
     /// The node that owns `key`.
-    fn node_for(&self, key: &[u8]) -> &Node {
+    fn node_for(&self, key: &[u8]) -> &Arc<Node> {
         let index = sharding::owner(key, &self.node_ids).unwrap_or(0);
         &self.nodes[index]
     }
@@ -142,21 +174,65 @@ impl Client {
         self.node_for(key).id
     }
 
-    /// The live connection to `node`, (re-)established if needed. The connection is opened by
-    /// a task of its own (bounded by the handshake's timeout), which stores it even if the
-    /// operation that asked is cancelled by its deadline: a client with a deadline shorter
-    /// than a handshake still gets connected (found by attacking it with 1 ms deadlines).
-    async fn connection(&self, node: &Node) -> Result<Arc<NodeConnection>> {
-        let healthy = || {
-            node.connection
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .clone()
-                .filter(|connection| !connection.is_broken())
-        };
-        if let Some(connection) = healthy() {
+    /// Connects to every node that has no live connection, concurrently, and waits for all
+    /// of them: afterwards no operation pays a handshake inside its deadline (until a
+    /// connection fails and is re-established). Each handshake step is bounded by the
+    /// connection timeout (5 s), not by the operation deadline.
+    ///
+    /// # Errors
+    /// [`Error::ConnectFailed`] naming the first node, in cluster-file order, that could not be
+    /// connected, with the cause as its source; the other nodes stay connected.
+    pub async fn connect_all(&self) -> Result<()> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (index, node) in self.nodes.iter().enumerate() {
+            if node.healthy_connection().is_some() {
+                continue;
+            }
+            let node = node.clone();
+            let counters = self.counters.clone();
+            tasks.spawn(async move { (index, Self::establish(node, counters).await) });
+        }
+        let mut first_failure: Option<(usize, Error)> = None;
+        while let Some(joined) = tasks.join_next().await {
+            // A panic in a connecting task is a bug: pass it on.
+            let (index, outcome) =
+                joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
+            if let Err(error) = outcome {
+                if first_failure
+                    .as_ref()
+                    .is_none_or(|(first, _)| index < *first)
+                {
+                    first_failure = Some((index, error));
+                }
+            }
+        }
+        match first_failure {
+            None => Ok(()),
+            Some((index, error)) => {
+                let node = &self.nodes[index];
+                Err(Error::ConnectFailed {
+                    node: node.id,
+                    address: node.config.node.control_address,
+                    source: Box::new(error),
+                })
+            }
+        }
+    }
+
+    /// The live connection to `node`, (re-)established if needed.
+    async fn connection(&self, node: &Arc<Node>) -> Result<Arc<NodeConnection>> {
+        if let Some(connection) = node.healthy_connection() {
             return Ok(connection);
         }
+        Self::establish(node.clone(), self.counters.clone()).await
+    }
+
+    /// (Re-)establishes the connection to `node`, unless another caller did meanwhile. The
+    /// connection is opened by a task of its own (bounded by the handshake's timeout), which
+    /// stores it even if the operation that asked is cancelled by its deadline: a client with a
+    /// deadline shorter than a handshake still gets connected (found by attacking it with 1 ms
+    /// deadlines).
+    async fn establish(node: Arc<Node>, counters: Arc<Counters>) -> Result<Arc<NodeConnection>> {
         let connecting = node
             .connecting
             .clone()
@@ -164,34 +240,34 @@ impl Client {
             .await
             .expect("the connection gate is never closed");
         // Another operation may have connected while this one waited.
-        if let Some(connection) = healthy() {
+        if let Some(connection) = node.healthy_connection() {
             return Ok(connection);
         }
-        let slot = node.connection.clone();
-        let retired = node.retired.clone();
-        let config = node.config.clone();
-        let counters = self.counters.clone();
+        let address = node.config.node.control_address;
         let opening = tokio::spawn(async move {
-            let had_one = slot
+            let had_one = node
+                .connection
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .is_some()
-                || retired.swap(false, Ordering::AcqRel);
-            let fresh = NodeConnection::open(&config, counters.clone()).await?;
+                || node.retired.swap(false, Ordering::AcqRel);
+            let fresh = NodeConnection::open(&node.config, counters.clone()).await?;
             if had_one {
                 counters.reconnects.fetch_add(1, Ordering::Relaxed);
             }
-            *slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
+            node.server_deadline_ms
+                .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
+            *node
+                .connection
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
             drop(connecting);
             Ok::<_, Error>(fresh)
         });
-        let fresh = opening.await.map_err(|error| Error::NodeUnreachable {
-            address: node.config.node.control_address,
+        opening.await.map_err(|error| Error::NodeUnreachable {
+            address,
             reason: format!("the connecting task failed: {error}"),
-        })??;
-        node.server_deadline_ms
-            .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
-        Ok(fresh)
+        })?
     }
 
     /// Runs one operation under the deadline. A failure is retried once on a fresh connection
@@ -374,11 +450,26 @@ impl Client {
     }
 
     /// Inserts only if absent; `Ok(false)` when the key was present.
+    /// [`Client::insert_or_get`] also returns the value that was present.
     ///
     /// # Errors
     /// As [`Client::put`].
     pub async fn insert(&self, key: &[u8], value: &[u8]) -> Result<bool> {
-        Ok(self.mutate("insert", key, value, Mutation::Insert).await? == MutationOutcome::Applied)
+        Ok(self.insert_or_get(key, value).await? == InsertOutcome::Inserted)
+    }
+
+    /// Inserts only if absent, like [`Client::insert`]; when the key is present, returns the
+    /// value it held at the moment the insert found it ([`InsertOutcome::Present`]), in the
+    /// same round trips.
+    ///
+    /// # Errors
+    /// As [`Client::put`].
+    pub async fn insert_or_get(&self, key: &[u8], value: &[u8]) -> Result<InsertOutcome> {
+        match self.mutate("insert", key, value, Mutation::Insert).await? {
+            MutationOutcome::Applied => Ok(InsertOutcome::Inserted),
+            MutationOutcome::Present(present) => Ok(InsertOutcome::Present(present)),
+            other => unreachable!("an insert ended {other:?}"),
+        }
     }
 
     /// Replaces only if present; `Ok(false)` when the key was absent.
@@ -390,6 +481,8 @@ impl Client {
     }
 
     /// Replaces the value with `new` only if it equals `expected`; linearized at the slot CAS.
+    /// An absent key is a mismatch (`CasOutcome::Mismatch(None)`); to require absence, use
+    /// [`Client::compare_and_swap_expecting`] with `None`.
     ///
     /// # Errors
     /// As [`Client::put`].
@@ -399,17 +492,51 @@ impl Client {
         expected: &[u8],
         new: &[u8],
     ) -> Result<CasOutcome> {
-        match self
-            .mutate(
-                "compare_and_swap",
-                key,
-                new,
-                Mutation::CompareAndSwap { expected },
-            )
-            .await?
-        {
+        self.compare_and_swap_expecting(key, Some(expected), new)
+            .await
+    }
+
+    /// Sets the value to `new` only if the current one is `expected`, where `None` expects the
+    /// key to be absent (then it is an insert: [`Client::insert_or_get`]). On a mismatch,
+    /// returns the current value (`None`: absent), so a retry loop needs no extra GET.
+    ///
+    /// ```no_run
+    /// # async fn example(client: &rdkv_client::Client) -> rdkv_client::Result<()> {
+    /// use rdkv_client::CasOutcome;
+    /// // Create the counter if it is absent, else add one to it.
+    /// let mut expected: Option<bytes::Bytes> = None;
+    /// loop {
+    ///     let next = expected.as_deref().map_or(0u64, |bytes| {
+    ///         u64::from_le_bytes(bytes.try_into().unwrap_or_default()) + 1
+    ///     });
+    ///     match client
+    ///         .compare_and_swap_expecting(b"counter", expected.as_deref(), &next.to_le_bytes())
+    ///         .await?
+    ///     {
+    ///         CasOutcome::Swapped => break,
+    ///         CasOutcome::Mismatch(current) => expected = current,
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Client::put`].
+    pub async fn compare_and_swap_expecting(
+        &self,
+        key: &[u8],
+        expected: Option<&[u8]>,
+        new: &[u8],
+    ) -> Result<CasOutcome> {
+        let mutation = match expected {
+            Some(expected) => Mutation::CompareAndSwap { expected },
+            None => Mutation::Insert,
+        };
+        match self.mutate("compare_and_swap", key, new, mutation).await? {
+            MutationOutcome::Applied => Ok(CasOutcome::Swapped),
             MutationOutcome::Mismatch(current) => Ok(CasOutcome::Mismatch(current)),
-            _ => Ok(CasOutcome::Swapped),
+            MutationOutcome::Present(current) => Ok(CasOutcome::Mismatch(Some(current))),
+            MutationOutcome::Absent => Ok(CasOutcome::Mismatch(None)),
         }
     }
 
@@ -459,8 +586,10 @@ impl Client {
         self.connection(node).await?.stats().await
     }
 
-    /// Reports the last counters and says goodbye to every connected node; the servers tear
-    /// the connections down at once instead of waiting for the leases to expire.
+    /// Reports the last counters and says goodbye to every connected node, and waits until
+    /// each goodbye is written (at most the connection timeout, 5 s, per node); the servers
+    /// tear the connections down at once. Dropping the client does the same without waiting
+    /// (see [`Client`]). An operation after `close` connects again.
     pub async fn close(&self) {
         for node in &self.nodes {
             let current = node
@@ -470,6 +599,30 @@ impl Client {
                 .take();
             if let Some(connection) = current {
                 connection.close().await;
+            }
+        }
+    }
+}
+
+impl Drop for Client {
+    /// Says goodbye to every connected node in tasks spawned on the current tokio runtime, each
+    /// bounded by `GOODBYE_TIMEOUT` (1 s; the connection's control task then writes the last
+    /// counters and the goodbye on its own). Outside a runtime, the connections just close.
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for node in &self.nodes {
+            let current = node
+                .connection
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            if let Some(connection) = current {
+                runtime.spawn(async move {
+                    // Best effort: on a timeout the connection closes without the goodbye.
+                    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, connection.close()).await;
+                });
             }
         }
     }

@@ -112,6 +112,19 @@ pub enum Error {
         /// The server's reason.
         reason: String,
     },
+    /// [`Client::connect_all`](crate::Client::connect_all) could not connect to a node; `source`
+    /// says why ([`Error::NodeUnreachable`], [`Error::AuthenticationFailed`], a fabric error).
+    /// Did not apply.
+    #[error("connecting to node {node} at {address} failed")]
+    ConnectFailed {
+        /// The node's id in the cluster file.
+        node: u32,
+        /// The node's control address.
+        address: SocketAddr,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
     /// The cluster file is invalid. Did not apply.
     #[error("{reason}")]
     Config {
@@ -132,8 +145,12 @@ impl Error {
     /// Whether retrying on a fresh connection is safe and may succeed, for an operation that
     /// posted no CAS yet.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::NodeUnreachable { .. } | Error::Control(_))
-            || matches!(self, Error::WorkCompletion { status, .. } if status.is_retryable())
+        match self {
+            Error::NodeUnreachable { .. } | Error::Control(_) => true,
+            Error::WorkCompletion { status, .. } => status.is_retryable(),
+            Error::ConnectFailed { source, .. } => source.is_retryable(),
+            _ => false,
+        }
     }
 
     /// Whether the failed operation may have taken effect. `false` means that it certainly did
@@ -154,6 +171,7 @@ impl Error {
             | Error::Contention { .. }
             | Error::Corrupt { .. }
             | Error::Refused { .. }
+            | Error::ConnectFailed { .. }
             | Error::Config { .. }
             | Error::Control(_)
             | Error::Fabric(_) => false,

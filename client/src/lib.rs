@@ -14,6 +14,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A client of a cluster ([`Client::for_cluster`], [`Client::from_file`]) connects to each node
+//! on first use, or to all of them with [`Client::connect_all`]. [`Client::close`] says goodbye
+//! to every node and waits; dropping the client says it without waiting.
+//!
 //! - [`client`]: the handle, deadlines, reconnects and safe retries.
 //! - `connection`: the handshake, queue pair, scratch buffers, chunks and control task.
 //! - `operations`: the one-sided algorithms.
@@ -35,7 +39,7 @@ pub use client::Client;
 pub use connection::{ClientConfig, NodeAddress};
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};
-pub use operations::CasOutcome;
+pub use operations::{CasOutcome, InsertOutcome};
 /// What an application needs besides the client, so that one dependency is enough: the
 /// fabric's name and the cluster file.
 pub use rdkv_cluster_file::{load as load_cluster_file, ClusterConfig};

@@ -64,10 +64,20 @@ async fn back_off(attempt: u32) {
 /// The outcome of a compare-and-swap.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CasOutcome {
-    /// The value equalled `expected` and is now `new`.
+    /// The value equalled `expected` (or the key was absent, when absence was expected) and is
+    /// now `new`.
     Swapped,
     /// The value differed; here is what it was (`None`: the key is absent).
     Mismatch(Option<Bytes>),
+}
+
+/// The outcome of [`Client::insert_or_get`](crate::Client::insert_or_get).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InsertOutcome {
+    /// The key was absent and now holds the value.
+    Inserted,
+    /// The key was present; nothing changed. Here is the value it held.
+    Present(Bytes),
 }
 
 /// What a mutation should do.
@@ -93,8 +103,8 @@ pub(crate) enum MutationOutcome {
     Applied,
     /// Update: the key was absent.
     Absent,
-    /// Insert: the key was present.
-    Present,
+    /// Insert: the key was present, with this value.
+    Present(Bytes),
     /// Compare-and-swap: the value differed.
     Mismatch(Option<Bytes>),
 }
@@ -519,7 +529,9 @@ pub(crate) async fn mutate(
             continue;
         }
         match (mutation, view.committed.first()) {
-            (Mutation::Insert, Some(_)) => return Ok(MutationOutcome::Present),
+            (Mutation::Insert, Some(current)) => {
+                return Ok(MutationOutcome::Present(current.value.clone()))
+            }
             (Mutation::Update, None) => return Ok(MutationOutcome::Absent),
             (Mutation::CompareAndSwap { .. }, None) => return Ok(MutationOutcome::Mismatch(None)),
             (Mutation::CompareAndSwap { expected }, Some(current))
@@ -566,11 +578,11 @@ pub(crate) async fn mutate(
                     .await?
                 {
                     Inserted::Committed => return Ok(MutationOutcome::Applied),
-                    Inserted::Present if matches!(mutation, Mutation::Insert) => {
-                        return Ok(MutationOutcome::Present)
+                    Inserted::Present(present) if matches!(mutation, Mutation::Insert) => {
+                        return Ok(MutationOutcome::Present(present))
                     }
                     // An upsert that found the key present replaces it on the next pass.
-                    Inserted::Present | Inserted::Lost => {}
+                    Inserted::Present(_) | Inserted::Lost => {}
                 }
             }
         }
@@ -583,12 +595,13 @@ pub(crate) async fn mutate(
 }
 
 /// How an insert of an absent key ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Inserted {
     /// The tentative slot was committed: the insert happened.
     Committed,
-    /// Another slot holds the key, committed; the tentative slot was withdrawn.
-    Present,
+    /// Another slot holds the key, committed, with this value; the tentative slot was
+    /// withdrawn.
+    Present(Bytes),
     /// The empty slot was taken first, or another inserter withdrew the tentative slot: try
     /// again from the lookup.
     Lost,
@@ -633,9 +646,9 @@ async fn insert_absent(
             scratch.tentative_resolved();
             return Ok(Inserted::Lost);
         }
-        if !view.committed.is_empty() {
+        if let Some(present) = view.committed.first() {
             withdraw(scratch, operation, empty, tentative).await?;
-            return Ok(Inserted::Present);
+            return Ok(Inserted::Present(present.value.clone()));
         }
         if !view.tentative.is_empty() {
             let kills: Vec<WorkRequest> = view
@@ -663,9 +676,10 @@ async fn insert_absent(
             for (index, other) in view.tentative.iter().take(count).enumerate() {
                 let original = cas_original(scratch, index as u64)?;
                 if original == other.slot.committed() {
-                    // Its inserter committed first: the key is present.
+                    // Its inserter committed first: the key is present, with the value of the
+                    // block read above (committing changes the slot's state, not its block).
                     withdraw(scratch, operation, empty, tentative).await?;
-                    return Ok(Inserted::Present);
+                    return Ok(Inserted::Present(other.value.clone()));
                 }
                 all_withdrawn &= original == other.slot;
             }

@@ -1,6 +1,6 @@
 //! Every client operation against an in-process server, on the `soft` and `loopback` fabrics.
 
-use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
+use rdkv_client::{CasOutcome, Client, ClientConfig, Error, InsertOutcome};
 use rdkv_common::layout::{MAX_KEY_LENGTH, MAX_VALUE_LENGTH};
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
@@ -90,6 +90,69 @@ async fn every_operation(fabric: Backend) {
         client.get(b"alpha").await.expect("get").as_deref(),
         Some(&b"back"[..])
     );
+}
+
+/// `insert_or_get` returns the value present; `compare_and_swap_expecting(None)` requires the
+/// key to be absent and otherwise returns the value present.
+async fn inserts_and_swaps_return_the_value_present(fabric: Backend) {
+    let (_server, client) = start(fabric).await;
+    assert_eq!(
+        client.insert_or_get(b"lock", b"ada").await.expect("insert"),
+        InsertOutcome::Inserted
+    );
+    assert_eq!(
+        client
+            .insert_or_get(b"lock", b"grace")
+            .await
+            .expect("insert"),
+        InsertOutcome::Present(bytes::Bytes::from_static(b"ada")),
+        "a present key's value comes back"
+    );
+    assert_eq!(
+        client.get(b"lock").await.expect("get").as_deref(),
+        Some(&b"ada"[..]),
+        "a refused insert changes nothing"
+    );
+
+    assert_eq!(
+        client
+            .compare_and_swap_expecting(b"counter", None, b"1")
+            .await
+            .expect("cas expecting absent"),
+        CasOutcome::Swapped,
+        "expecting absence, an absent key is set"
+    );
+    assert_eq!(
+        client.get(b"counter").await.expect("get").as_deref(),
+        Some(&b"1"[..])
+    );
+    assert_eq!(
+        client
+            .compare_and_swap_expecting(b"counter", None, b"x")
+            .await
+            .expect("cas expecting absent"),
+        CasOutcome::Mismatch(Some(bytes::Bytes::from_static(b"1"))),
+        "expecting absence, a present key is a mismatch with its value"
+    );
+    assert_eq!(
+        client
+            .compare_and_swap_expecting(b"counter", Some(b"1"), b"2")
+            .await
+            .expect("cas expecting a value"),
+        CasOutcome::Swapped
+    );
+    assert_eq!(
+        client
+            .compare_and_swap_expecting(b"nobody", Some(b"1"), b"2")
+            .await
+            .expect("cas expecting a value"),
+        CasOutcome::Mismatch(None)
+    );
+    assert_eq!(
+        client.get(b"counter").await.expect("get").as_deref(),
+        Some(&b"2"[..])
+    );
+    assert_eq!(client.get(b"nobody").await.expect("get"), None);
 }
 
 async fn values_from_empty_to_the_maximum(fabric: Backend) {
@@ -232,6 +295,7 @@ macro_rules! per_fabric {
             use super::*;
             per_fabric!(@tests $fabric;
                 every_operation,
+                inserts_and_swaps_return_the_value_present,
                 values_from_empty_to_the_maximum,
                 keys_from_one_byte_to_the_maximum,
                 a_get_takes_two_round_trips,

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex};
 
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
-use rdkv_client::{CasOutcome, Client, ClientConfig, Error};
+use rdkv_client::{CasOutcome, Client, ClientConfig, Error, InsertOutcome};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::sync::{Notify, Semaphore};
@@ -376,6 +376,96 @@ async fn every_failure_says_whether_its_operation_may_have_applied() {
         );
     }
     eprintln!("{cases} injected failures checked");
+}
+
+/// An insert that loses to another inserter returns the winner's value, on both paths that
+/// find the key present after placing a tentative slot: the re-read sees the winner's committed
+/// slot, or the CAS that would withdraw the winner's tentative slot finds it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_that_loses_returns_the_winners_value() {
+    let server = rdkv_server::start(ServerConfig::local(SECRET))
+        .await
+        .expect("start server");
+    let winner = Client::connect(client_config(&server, None))
+        .await
+        .expect("connect");
+    let present = |value: &'static [u8]| InsertOutcome::Present(bytes::Bytes::from_static(value));
+
+    // Ours found the key absent and is held before placing its tentative slot; the winner
+    // inserts meanwhile; ours then sees it committed in the re-read.
+    let script = Arc::new(Script::default());
+    let gate = Arc::new(Semaphore::new(0));
+    let reached = Arc::new(Notify::new());
+    *script.hold.lock().expect("hold") = Some(Hold {
+        kind: StepKind::PlaceTentative,
+        moment: Moment::Before,
+        reached: reached.clone(),
+        gate: gate.clone(),
+    });
+    let ours = Arc::new(
+        Client::connect(client_config(&server, Some(script)))
+            .await
+            .expect("connect"),
+    );
+    let racing = ours.clone();
+    let our_insert = tokio::spawn(async move { racing.insert_or_get(b"re-read", b"ours").await });
+    reached.notified().await;
+    assert!(winner.insert(b"re-read", b"winner").await.expect("insert"));
+    gate.add_permits(1);
+    assert_eq!(
+        our_insert.await.expect("our task").expect("our insert"),
+        present(b"winner")
+    );
+
+    // The winner is held before its commit, with its tentative slot placed; ours sees that slot
+    // and is held before withdrawing it; the winner commits; ours finds the slot committed.
+    let winner_script = Arc::new(Script::default());
+    let winner_gate = Arc::new(Semaphore::new(0));
+    let winner_reached = Arc::new(Notify::new());
+    *winner_script.hold.lock().expect("hold") = Some(Hold {
+        kind: StepKind::Commit,
+        moment: Moment::Before,
+        reached: winner_reached.clone(),
+        gate: winner_gate.clone(),
+    });
+    let held_winner = Client::connect(client_config(&server, Some(winner_script)))
+        .await
+        .expect("connect");
+    let winner_insert =
+        tokio::spawn(async move { held_winner.insert(b"withdraw", b"winner").await });
+    winner_reached.notified().await;
+    let script = Arc::new(Script::default());
+    let gate = Arc::new(Semaphore::new(0));
+    let reached = Arc::new(Notify::new());
+    *script.hold.lock().expect("hold") = Some(Hold {
+        kind: StepKind::KillTentatives,
+        moment: Moment::Before,
+        reached: reached.clone(),
+        gate: gate.clone(),
+    });
+    let ours = Client::connect(client_config(&server, Some(script)))
+        .await
+        .expect("connect");
+    let our_insert = tokio::spawn(async move {
+        ours.compare_and_swap_expecting(b"withdraw", None, b"ours")
+            .await
+    });
+    reached.notified().await;
+    winner_gate.add_permits(1);
+    assert!(winner_insert
+        .await
+        .expect("winner task")
+        .expect("winner insert"));
+    gate.add_permits(1);
+    assert_eq!(
+        our_insert.await.expect("our task").expect("our swap"),
+        CasOutcome::Mismatch(Some(bytes::Bytes::from_static(b"winner"))),
+        "a swap expecting absence loses the same way"
+    );
+    assert_eq!(
+        winner.get(b"withdraw").await.expect("get").as_deref(),
+        Some(&b"winner"[..])
+    );
 }
 
 /// A tentative slot whose inserter failed is cleared by the server's collector once its chunk's

@@ -1,0 +1,163 @@
+//! A client's connections over its life: `connect_all` connects every node of a cluster up
+//! front (or names the node it could not reach), and dropping a client says goodbye like
+//! `close` does, so its last counters reach the node.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use rdkv_client::{Client, ClientConfig, ClusterConfig, Error};
+use rdkv_cluster_file::NodeConfig;
+use rdkv_fabric::memory::HugepagePolicy;
+use rdkv_fabric::Backend;
+use rdkv_server::{RunningServer, ServerConfig};
+
+const SECRET: &[u8] = b"lifecycle-test-secret";
+
+async fn start_server() -> RunningServer {
+    rdkv_server::start(ServerConfig::local(SECRET))
+        .await
+        .expect("start server")
+}
+
+/// A cluster of nodes at these control addresses (ids from 1, in order).
+fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
+    ClusterConfig {
+        path: "lifecycle-test.toml".into(),
+        name: "lifecycle-test".into(),
+        secret: SECRET.to_vec(),
+        fabric: Backend::Soft,
+        lease_timeout: Duration::from_secs(10),
+        operation_deadline: Duration::from_secs(2),
+        poll_spin: Duration::ZERO,
+        nodes: control_addresses
+            .iter()
+            .zip(1..)
+            .map(|(&control_address, id)| NodeConfig {
+                id,
+                control_address,
+                fabric_address: None,
+                device: None,
+                gid_index: None,
+                metrics_address: None,
+                index_size: 256 * 1024,
+                heap_size: 4 * 1024 * 1024,
+                chunk_size: 64 * 1024,
+                hugepages: HugepagePolicy::Auto,
+                max_pinned_share: 0.5,
+            })
+            .collect(),
+        warnings: Vec::new(),
+    }
+}
+
+/// An address where nothing listens (a port just released).
+fn closed_address() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+}
+
+/// Waits, up to 10 s, for `condition` (a server-side effect of something already done).
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !condition() {
+        assert!(started.elapsed() < Duration::from_secs(10), "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_all_connects_every_node_up_front() {
+    let first = start_server().await;
+    let second = start_server().await;
+    let client = Client::for_cluster(&cluster(&[
+        first.control_address(),
+        second.control_address(),
+    ]));
+    assert_eq!(first.stats().connections, 0, "for_cluster connects lazily");
+    assert_eq!(second.stats().connections, 0, "for_cluster connects lazily");
+    client.connect_all().await.expect("connect every node");
+    assert_eq!(first.stats().connections, 1);
+    assert_eq!(second.stats().connections, 1);
+
+    // Operations on both nodes use those connections: none opens another.
+    let mut nodes_used = std::collections::HashSet::new();
+    for index in 0..64u32 {
+        let key = format!("key-{index}");
+        client.put(key.as_bytes(), b"value").await.expect("put");
+        nodes_used.insert(client.node_of(key.as_bytes()));
+    }
+    assert_eq!(nodes_used.len(), 2, "the keys spread over both nodes");
+    assert_eq!(first.stats().connections, 1);
+    assert_eq!(second.stats().connections, 1);
+    assert_eq!(client.counters().reconnects, 0);
+    client.connect_all().await.expect("already connected");
+    assert_eq!(first.stats().connections, 1, "no second connection");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_all_names_the_node_it_cannot_reach() {
+    let live = start_server().await;
+    let closed = closed_address();
+    let client = Client::for_cluster(&cluster(&[live.control_address(), closed]));
+    let error = client.connect_all().await.expect_err("node 2 is down");
+    match &error {
+        Error::ConnectFailed {
+            node,
+            address,
+            source,
+        } => {
+            assert_eq!((*node, *address), (2, closed), "{error}");
+            assert!(
+                matches!(**source, Error::NodeUnreachable { .. }),
+                "{source}"
+            );
+        }
+        other => panic!("not ConnectFailed: {other}"),
+    }
+    assert!(error.to_string().contains("node 2"), "{error}");
+    assert!(error.is_retryable() && !error.may_have_applied());
+    assert_eq!(live.stats().connections, 1, "the live node is connected");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_client_says_goodbye() {
+    // A long lease: the client's next heartbeat (every lease / 3) is far off, so only the
+    // goodbye can deliver the counters of the operations below.
+    let mut config = ServerConfig::local(SECRET);
+    config.lease_timeout = Duration::from_secs(120);
+    let server = rdkv_server::start(config).await.expect("start server");
+    let client = Client::connect(ClientConfig::new(
+        server.control_address(),
+        Backend::Soft,
+        SECRET,
+    ))
+    .await
+    .expect("connect");
+    // The connection's first heartbeat goes out at once (and reports nothing yet); the next
+    // one is a third of the lease away.
+    eventually("the first heartbeat", || {
+        server.stats().control_messages >= 1
+    })
+    .await;
+    for index in 0..10u32 {
+        client
+            .put(&index.to_le_bytes(), b"value")
+            .await
+            .expect("put");
+    }
+    assert_eq!(server.stats().client_counters.operations, 0);
+    assert_eq!(server.stats().connections, 1);
+    drop(client);
+    eventually(
+        "the dropped client's goodbye reported its 10 operations",
+        || server.stats().client_counters.operations == 10,
+    )
+    .await;
+    eventually("the dropped client's connection was torn down", || {
+        server.stats().connections == 0
+    })
+    .await;
+}
