@@ -278,10 +278,11 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                 }
             }
             println!(
-                "cluster: {} client operations ({} GETs, {} mutations), {:.2} round trips per operation, {:.2} per GET, {:.2} work requests per operation, {} CAS races lost, {} checksum retries",
+                "cluster: {} client operations ({} GETs, {} mutations, {} failed), {:.2} round trips per operation, {:.2} per GET, {:.2} work requests per operation, {} CAS races lost, {} checksum retries",
                 total.operations,
                 total.gets,
                 total.mutations,
+                total.failures,
                 total.round_trips_per_operation(),
                 total.round_trips_per_get(),
                 total.verbs_per_operation(),

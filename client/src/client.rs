@@ -347,8 +347,14 @@ impl Client {
                 })
             });
         drop(guard);
-        if outcome.is_ok() {
-            self.counters.operations.fetch_add(1, Ordering::Relaxed);
+        // Every operation ends counted, under its kind too (a GET counts itself only once it
+        // has looked: a failed one is counted here; mutations count themselves either way).
+        self.counters.operations.fetch_add(1, Ordering::Relaxed);
+        if outcome.is_err() {
+            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            if operation == "get" {
+                self.counters.gets.fetch_add(1, Ordering::Relaxed);
+            }
         }
         outcome
     }
@@ -424,6 +430,7 @@ impl Client {
             }
             Ok::<_, Error>(values)
         };
+        let gets_before = self.counters.gets.load(Ordering::Relaxed);
         let values = tokio::time::timeout(self.deadline, work)
             .await
             .unwrap_or(Err(Error::TimedOut {
@@ -431,11 +438,27 @@ impl Client {
                 deadline: self.deadline,
                 waiting_for: "the GETs of the batch",
                 may_have_applied: false,
-            }))?;
-        self.counters
-            .operations
-            .fetch_add(keys.len() as u64, Ordering::Relaxed);
-        Ok(values)
+            }));
+        let count = keys.len() as u64;
+        self.counters.operations.fetch_add(count, Ordering::Relaxed);
+        if values.is_err() {
+            // Each key that did not complete its GET failed with the batch. (Another task's
+            // GETs may land in between: the split is approximate under concurrency, the total
+            // is exact.)
+            let looked = self
+                .counters
+                .gets
+                .load(Ordering::Relaxed)
+                .saturating_sub(gets_before)
+                .min(count);
+            self.counters
+                .gets
+                .fetch_add(count - looked, Ordering::Relaxed);
+            self.counters
+                .failures
+                .fetch_add(count - looked, Ordering::Relaxed);
+        }
+        values
     }
 
     /// Inserts or replaces.

@@ -29,11 +29,18 @@ fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
         lease_timeout: Duration::from_secs(10),
         operation_deadline: Duration::from_secs(2),
         poll_spin: Duration::ZERO,
+        ssh: rdkv_cluster_file::config::SshSettings {
+            user: None,
+            options: Vec::new(),
+            remote_binary: "rdkv-server".into(),
+            remote_run_dir: ".rdkv/lifecycle-test".into(),
+        },
         nodes: control_addresses
             .iter()
             .zip(1..)
             .map(|(&control_address, id)| NodeConfig {
                 id,
+                host: None,
                 control_address,
                 fabric_address: None,
                 device: None,
@@ -160,4 +167,40 @@ async fn dropping_a_client_says_goodbye() {
         server.stats().connections == 0
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_operations_are_counted_under_their_kind_and_as_failures() {
+    let client = Client::for_cluster(&cluster(&[closed_address()]));
+    client.get(b"key").await.expect_err("nothing listens");
+    client
+        .put(b"key", b"value")
+        .await
+        .expect_err("nothing listens");
+    client
+        .batch_get(&[b"one".as_slice(), b"two".as_slice()])
+        .await
+        .expect_err("nothing listens");
+    let counters = client.counters();
+    assert_eq!(counters.operations, 4, "{counters:?}");
+    assert_eq!(counters.failures, 4, "{counters:?}");
+    assert_eq!(counters.gets, 3, "{counters:?}");
+    assert_eq!(counters.mutations, 1, "{counters:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_count_is_exact_at_rest() {
+    let server = start_server().await;
+    let client = Client::for_cluster(&cluster(&[server.control_address()]));
+    for index in 0..37u32 {
+        client
+            .put(format!("counted-{index}").as_bytes(), b"value")
+            .await
+            .expect("put");
+    }
+    client.delete(b"counted-0").await.expect("delete");
+    // At once, not after the collector's next scan.
+    assert_eq!(client.server_stats().await.expect("stats").keys, 36);
+    assert_eq!(server.stats().keys, 36);
+    client.close().await;
 }

@@ -229,3 +229,35 @@ pub(crate) async fn serve(
 pub(crate) async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(address).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_are_counters_and_the_rest_gauges() {
+        let metrics = Metrics::new(3);
+        let mut stats = ServerStats {
+            control_messages: 5,
+            keys: 7,
+            ..ServerStats::default()
+        };
+        let first = String::from_utf8(metrics.render(&stats)).expect("text");
+        assert!(
+            first.contains("# TYPE rdkv_control_messages_total counter"),
+            "{first}"
+        );
+        assert!(first.contains("# TYPE rdkv_keys gauge"), "{first}");
+        assert!(
+            first.contains("rdkv_control_messages_total{node=\"3\"} 5"),
+            "{first}"
+        );
+        assert!(!first.contains("_total gauge"), "{first}");
+        stats.control_messages = 9;
+        let second = String::from_utf8(metrics.render(&stats)).expect("text");
+        assert!(
+            second.contains("rdkv_control_messages_total{node=\"3\"} 9"),
+            "{second}"
+        );
+    }
+}
