@@ -1,0 +1,256 @@
+#!/usr/bin/env bash
+# README.md and docs/operations.md as written, the way a new user runs them: in a fresh clone,
+# as a non-root user, under the common 8 MiB memlock limit.
+#
+#   scripts/docs-walkthrough.sh            (CI runs it; about 5 minutes, most of it the two
+#                                           documented `rdkv-ycsb compare` runs)
+#
+# - The cargo commands run as the invoking user in this checkout (the toolchain lives in its
+#   home); everything else runs in a fresh `git clone` of HEAD with the release binaries copied
+#   in, as the user `rdkv-docs` (created when run as root) under `prlimit --memlock=8MiB`, or,
+#   when not root, as yourself under `ulimit -l 8192`.
+# - Every command runs verbatim (a `doc` line below), and its output is checked where the docs
+#   say what it prints.
+# - At the end, every command line of the `sh` blocks of both files must have been run here, or
+#   be listed in `covered_elsewhere` with the test or CI step that runs it, or why it cannot run
+#   on a CI machine. A new command in the docs fails this script until it is covered.
+# Exit code 0 only when every step passed.
+set -euo pipefail
+repository=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repository"
+work=$(mktemp -d /tmp/rdkv-docs.XXXXXX)
+chmod 755 "$work"
+ran="$work/ran.txt"
+: > "$ran"
+user=rdkv-docs
+memlock=$((8 << 20))
+children=()
+
+cleanup() {
+  local status=$?
+  for pid in "${children[@]}"; do kill "$pid" 2>/dev/null || true; done
+  if [ -d "$work/rdkv" ]; then
+    as_user "target/release/rdkv-cluster down examples/local-3node.toml" >/dev/null 2>&1 || true
+    as_user "redis-cli -p 6379 shutdown nosave" >/dev/null 2>&1 || true
+  fi
+  rm -rf "$work"
+  [ "$status" -eq 0 ] && echo "docs-walkthrough: passed" || echo "docs-walkthrough: FAILED (exit $status)" >&2
+}
+trap cleanup EXIT
+
+fail() { echo "docs-walkthrough: $*" >&2; exit 1; }
+
+# Runs a command line in the clone as the walkthrough's user, under the 8 MiB memlock limit.
+as_user() {
+  if [ "$(id -u)" -eq 0 ]; then
+    prlimit --memlock="$memlock:$memlock" runuser -u "$user" -- \
+      env -i HOME="/home/$user" PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 RUST_BACKTRACE=1 \
+      bash -c "cd '$work/rdkv' && $1"
+  else
+    bash -c "ulimit -l $((memlock >> 10)) && cd '$work/rdkv' && $1"
+  fi
+}
+
+# A documented command: recorded, echoed, run as the user; its stdout is kept in $work/out.
+doc() {
+  echo "$1" >> "$ran"
+  echo "docs\$ $1"
+  as_user "$1" > "$work/out" 2> "$work/err" || { cat "$work/out" "$work/err" >&2; fail "failed: $1"; }
+  sed 's/^/    /' "$work/out" | head -n 12
+}
+
+# A documented command run by the invoking user in this checkout (cargo).
+doc_here() {
+  echo "$1" >> "$ran"
+  echo "docs (as $(id -un), in the checkout)\$ $1"
+  bash -c "$1" || fail "failed: $1"
+}
+
+# Starts a documented command in the background as the user. Sets $started_pid to the
+# command's own process (what Ctrl-C or SIGTERM goes to) and $waiter to the shell that waits
+# for it and exits with its status.
+doc_background() {
+  echo "$1" >> "$ran"
+  echo "docs\$ $1 &"
+  rm -f "$work/$2.pid"
+  as_user "$1 & echo \$! > '$work/$2.pid'; wait \$!" > "$work/$2.out" 2> "$work/$2.err" &
+  waiter=$!
+  local deadline=$((SECONDS + 10))
+  until [ -s "$work/$2.pid" ]; do
+    [ "$SECONDS" -lt "$deadline" ] || fail "$1 did not start"
+    sleep 0.05
+  done
+  started_pid=$(cat "$work/$2.pid")
+  children+=("$started_pid")
+}
+
+# Waits (bounded) until a background command's output shows `pattern`.
+wait_for() {
+  local file=$1 pattern=$2 deadline=$((SECONDS + 60))
+  until grep -q "$pattern" "$file"; do
+    [ "$SECONDS" -lt "$deadline" ] || { cat "$file" "${file%.out}.err" >&2; fail "no \`$pattern\` in $file within 60 s"; }
+    sleep 0.1
+  done
+}
+
+expect_output() {
+  grep -q -- "$1" "$work/out" || { cat "$work/out" >&2; fail "expected \`$1\` in the output"; }
+}
+
+echo "=== build (as $(id -un)) ==="
+doc_here "cargo build --release --bins"
+doc_here "cargo build --release --workspace --bins"
+doc_here "cargo build --workspace"
+doc_here "cargo build --workspace --release"
+
+echo "=== a fresh clone, run as a non-root user with an 8 MiB memlock limit ==="
+git clone -q "$repository" "$work/rdkv"
+mkdir -p "$work/rdkv/target/release"
+cp target/release/rdkv target/release/rdkv-server target/release/rdkv-cluster target/release/rdkv-ycsb \
+  "$work/rdkv/target/release/"
+if [ "$(id -u)" -eq 0 ]; then
+  id "$user" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$user"
+  chown -R "$user" "$work"
+fi
+as_user 'echo "user $(id -un), memlock $(ulimit -l) KiB"'
+[ "$(as_user 'ulimit -l')" = "8192" ] || fail "the memlock limit is not 8 MiB"
+
+echo "=== README: the cluster in the foreground, the CLI, the Rust example ==="
+doc_background "target/release/rdkv-cluster up examples/local-3node.toml" foreground
+foreground=$started_pid
+foreground_waiter=$waiter
+wait_for "$work/foreground.out" "forwarding node logs"
+doc "target/release/rdkv --config examples/local-3node.toml put user:1 ada"
+doc "target/release/rdkv --config examples/local-3node.toml get user:1"
+[ "$(cat "$work/out")" = "ada" ] || fail "get printed $(cat "$work/out"), not ada"
+doc "target/release/rdkv --config examples/local-3node.toml cas user:1 ada grace"
+doc "target/release/rdkv --config examples/local-3node.toml del user:1"
+doc "target/release/rdkv --config examples/local-3node.toml stats"
+expect_output "client operations"
+doc "target/release/rdkv-cluster status examples/local-3node.toml"
+
+echo "--- docs/operations.md, The CLI ---"
+doc "target/release/rdkv --config examples/local-3node.toml put user:1 ada"
+doc "target/release/rdkv --config examples/local-3node.toml get user:1"
+doc "target/release/rdkv --config examples/local-3node.toml cas user:1 ada grace"
+doc "target/release/rdkv --config examples/local-3node.toml insert user:2 linus"
+doc "target/release/rdkv --config examples/local-3node.toml del user:1"
+doc "target/release/rdkv --config examples/local-3node.toml stats"
+
+echo "--- README, Use it from Rust: the Cargo.toml lines and the main, as an application ---"
+mkdir -p "$work/app/src"
+{
+  printf '[package]\nname = "readme-app"\nversion = "0.1.0"\nedition = "2021"\n\n[workspace]\n\n'
+  awk '/^## Use it from Rust/ { section = 1 } section && /^```toml/ { inside = 1; next } inside && /^```/ { exit } inside { print }' README.md
+} > "$work/app/Cargo.toml"
+awk '/^## Use it from Rust/ { section = 1 } section && /^```rust/ { inside = 1; next } inside && /^```/ { exit } inside { print }' \
+  README.md > "$work/app/src/main.rs"
+grep -q 'rdkv-client = { path = "../rdkv/client" }' "$work/app/Cargo.toml" || fail "the README's dependency line changed"
+# The workspace's lock file: the same dependency versions as the tested build, offline-ready.
+cp Cargo.lock "$work/app/Cargo.lock"
+echo "docs (as $(id -un))\$ cargo build --release   # the README's Cargo.toml and main, next to the clone"
+CARGO_TARGET_DIR="$repository/target" cargo build -q --release --manifest-path "$work/app/Cargo.toml"
+cp "$repository/target/release/readme-app" "$work/readme-app"
+[ "$(id -u)" -ne 0 ] || chown "$user" "$work/readme-app" "$work/app" -R
+echo "docs\$ ../readme-app"
+as_user "../readme-app" > "$work/out" 2>&1 || { cat "$work/out" >&2; fail "the README's Rust example failed"; }
+expect_output "ada became grace"
+
+echo "--- Ctrl-C stops the foreground cluster in order, exit 0 ---"
+kill -INT "$foreground"
+wait "$foreground_waiter" || fail "the foreground rdkv-cluster up did not exit 0 after Ctrl-C"
+grep -q "node 3: stopped" "$work/foreground.out" || { cat "$work/foreground.out" >&2; fail "no stop report"; }
+
+echo "=== docs/operations.md: Start, stop, inspect ==="
+doc "target/release/rdkv-cluster up examples/local-3node.toml --detach"
+doc "target/release/rdkv-cluster status examples/local-3node.toml"
+doc "target/release/rdkv-cluster logs examples/local-3node.toml --node 2 --lines 20"
+expect_output "server ready"
+doc "target/release/rdkv-cluster restart examples/local-3node.toml --node 2"
+expect_output "node 2: started"
+doc "target/release/rdkv-cluster down examples/local-3node.toml --node 3"
+doc "target/release/rdkv-cluster up examples/local-3node.toml --node 3 --detach"
+
+echo "=== docs/operations.md: Load tests (YCSB), on the running cluster ==="
+doc "target/release/rdkv-ycsb load -c examples/local-3node.toml -P workloada -p recordcount=3000 --threads 16"
+doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml -P workloada -p recordcount=3000 -p operationcount=100000 --threads 16 --json a.json"
+expect_output "\[OVERALL\], Throughput"
+as_user "redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes" >/dev/null
+doc "target/release/rdkv-ycsb run  --driver redis --redis-url redis://127.0.0.1:6379 -P workloadb --load --threads 16"
+as_user "redis-cli -p 6379 shutdown nosave" >/dev/null 2>&1 || true
+doc "target/release/rdkv-ycsb run  --driver memory -P workloadc -p recordcount=10000 --threads 16"
+doc "target/release/rdkv-ycsb plot -o a.svg a.json"
+as_user "test -s a.svg" || fail "plot wrote no a.svg"
+doc "target/release/rdkv-cluster down examples/local-3node.toml"
+expect_output "node 3: stopped"
+doc "target/release/rdkv-cluster systemd examples/local-3node.toml --node 1 > rdkv-local-3node-node-1.service"
+as_user "grep -q '^LimitMEMLOCK=' rdkv-local-3node-node-1.service" || fail "no unit written"
+
+echo "=== README: a single server by hand (SIGTERM stops it in order, exit 0) ==="
+doc_background "RDKV_SECRET=change-me target/release/rdkv-server --listen 127.0.0.1:7400 --fabric-listen 127.0.0.1:7401 --index-size 1M --heap-size 4M --chunk-size 256K --hugepages auto" single
+single=$started_pid
+single_waiter=$waiter
+wait_for "$work/single.out" "rdkv-server ready node=1"
+kill -TERM "$single"
+wait "$single_waiter" || fail "rdkv-server did not exit 0 after SIGTERM"
+
+echo "=== docs/operations.md: Memory ==="
+doc "ulimit -l"
+[ "$(cat "$work/out")" = "8192" ] || fail "ulimit -l printed $(cat "$work/out")"
+doc "grep -E 'HugePages_(Total|Free)' /proc/meminfo"
+
+echo "=== the YCSB comparisons with Redis (README, then docs/operations.md's full default run) ==="
+doc "target/release/rdkv-ycsb compare --records 20000 --seconds 3"
+doc "target/release/rdkv-ycsb compare"
+
+echo "=== every documented command is covered ==="
+python3 - "$ran" README.md docs/operations.md <<'PYTHON'
+import re
+import sys
+
+ran = {" ".join(line.split()) for line in open(sys.argv[1]) if line.strip()}
+# Commands not run above: the test or CI step that runs them, or why a CI machine cannot.
+covered_elsewhere = [
+    (r"^cargo test --workspace$", ".ci/run's test step (the README's test command)"),
+    (r"^cargo build --release --features verbs --bins$", ".ci/run's Soft-RoCE tier (scripts/softroce/run.sh) builds it"),
+    (r"^apt-get install cmake clang libclang-dev libibverbs1 ibverbs-providers$", "scripts/softroce/run.sh installs these when missing"),
+    (r"^(ibv_devices|show_gids)$", "needs an RDMA device: scripts/softroce/run.sh runs rdma-core's tools on rxe0 in a QEMU guest"),
+    (r"verbs-1node\.toml", "needs an RDMA device: scripts/softroce/run.sh runs rdkv-cluster, rdkv and rdkv-ycsb on examples/verbs-1node.toml over rxe0"),
+    (r"^ulimit -l unlimited$", "raises the limit above the hard limit: root only, and the walkthrough keeps the 8 MiB default on purpose"),
+    (r"\| sudo tee ", "changes the machine's configuration (limits, hugepages, sysctl): not done on a CI machine"),
+    (r"^(install -d -m 0700 /etc/rdkv|printf .* /etc/rdkv/|cp rdkv-local-3node-node-1\.service /etc/systemd/system/|systemctl |journalctl )",
+     "installs a systemd unit: needs systemd as PID 1; the unit passes systemd-analyze verify in integration-tests/tests/operations.rs"),
+]
+missing = []
+for path in sys.argv[2:]:
+    inside = False
+    pending = ""
+    for number, line in enumerate(open(path), 1):
+        if line.startswith("```"):
+            inside = line.strip() == "```sh" if not inside else False
+            continue
+        if not inside:
+            continue
+        line = pending + line.rstrip("\n")
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        command = re.sub(r"\s{2,}#.*$", "", line).strip()
+        if not command or command.startswith("#"):
+            continue
+        command = " ".join(command.split())
+        parts = [part.strip() for part in command.split(" && ")] if command.startswith("cargo build") else [command]
+        for part in parts:
+            if part in ran:
+                continue
+            reason = next((why for pattern, why in covered_elsewhere if re.search(pattern, part)), None)
+            if reason is None:
+                missing.append(f"{path}:{number}: {part}")
+            else:
+                print(f"  elsewhere: {part}\n             ({reason})")
+if missing:
+    print("documented commands that nothing runs:\n  " + "\n  ".join(missing), file=sys.stderr)
+    sys.exit(1)
+print(f"every command of README.md and docs/operations.md is run here ({len(ran)}) or covered elsewhere")
+PYTHON
