@@ -18,6 +18,8 @@ use crate::memory::limits::{
 
 /// The size of a standard page.
 const PAGE_SIZE: u64 = 4096;
+/// Bytes locked per `mlock` call (a multiple of every page size).
+const PIN_PIECE: u64 = 64 << 20;
 
 /// Bytes pinned by every live [`PinnedMemory`] in this process.
 static PINNED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -140,9 +142,7 @@ impl PinnedMemory {
             length,
             source,
         })?;
-        // SAFETY: [base, base+length) is a live mapping owned by `memory`.
-        if unsafe { libc::mlock(base.as_ptr().cast(), length as usize) } != 0 {
-            let source = io::Error::last_os_error();
+        if let Err(source) = Self::lock_in_pieces(base, length) {
             // Not counted in PINNED_BYTES yet: forget the lock state before Drop runs.
             let memory = std::mem::ManuallyDrop::new(memory);
             // SAFETY: the mapping is ours and nothing references it; it is unmapped exactly once.
@@ -170,6 +170,26 @@ impl PinnedMemory {
             "pinned memory block"
         );
         Ok(memory)
+    }
+
+    /// `mlock`s the mapping [`PIN_PIECE`] bytes at a time. One `mlock` of a large table faults
+    /// every page in while it holds the process's address-space lock, which stalls every
+    /// thread that maps memory (an allocator growing, a log line) for seconds; in pieces, the
+    /// lock is released between them, so a signal during start-up is handled at once.
+    fn lock_in_pieces(base: NonNull<u8>, length: u64) -> io::Result<()> {
+        let mut offset = 0;
+        while offset < length {
+            let piece = PIN_PIECE.min(length - offset);
+            // SAFETY: [base+offset, base+offset+piece) lies inside [base, base+length), a live
+            // mapping owned by the caller's `PinnedMemory`.
+            if unsafe { libc::mlock(base.as_ptr().add(offset as usize).cast(), piece as usize) }
+                != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            offset += piece;
+        }
+        Ok(())
     }
 
     /// Maps `length` anonymous bytes, with MAP_HUGETLB when asked.

@@ -121,11 +121,21 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
     let node_id = config.node_id;
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
+    // Until the node is ready, a signal ends the process at once: no client holds anything
+    // yet, and pinning a large table takes seconds (it is pinned in pieces, so this task
+    // runs meanwhile).
+    let starting = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let still_starting = starting.clone();
     tokio::spawn(async move {
         rdkv_common::process::shutdown_signal().await;
+        if still_starting.load(std::sync::atomic::Ordering::Acquire) {
+            tracing::info!("signal during start-up: exiting before serving anyone");
+            std::process::exit(0);
+        }
         signals.cancel();
     });
     rdkv_server::run(config, shutdown, |server| {
+        starting.store(false, std::sync::atomic::Ordering::Release);
         // One machine-readable line on stdout: launchers and tests wait for it.
         println!(
             "rdkv-server ready node={} control={} fabric={} metrics={}",
