@@ -73,7 +73,7 @@ doc_background() {
   echo "$1" >> "$ran"
   echo "docs\$ $1 &"
   rm -f "$work/$2.pid"
-  as_user "$1 & echo \$! > '$work/$2.pid'; wait \$!" > "$work/$2.out" 2> "$work/$2.err" &
+  as_user "{ $1 & echo \$! > '$work/$2.pid'; wait \$!; }" > "$work/$2.out" 2> "$work/$2.err" &
   waiter=$!
   local deadline=$((SECONDS + 10))
   until [ -s "$work/$2.pid" ]; do
