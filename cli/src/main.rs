@@ -113,7 +113,7 @@ enum Command {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    rdkv_common::process::init_logging("warn");
+    let _logging = rdkv_common::process::init_logging("warn");
     let arguments = Arguments::parse();
     match run(arguments).await {
         Ok(code) => code,

@@ -12,13 +12,14 @@
 //!   node that does not answer is stopped by its pid file (SIGTERM, SIGKILL after 15 s), or
 //!   through ssh on its host. A node that exited counts as stopped whether or not it has been
 //!   reaped.
+use std::collections::VecDeque;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
@@ -288,6 +289,28 @@ fn start_local(
         .spawn()
         .map_err(|error| failure(format!("spawn {}: {error}", binary.display())))?;
     let pid = child.id();
+    // In the foreground, forward the node's log from the start: a pipe nobody reads fills up,
+    // and a node that logs into a full pipe waits (rdkv-server drops lines rather than wait,
+    // but other servers may not). The last lines are kept for a failure report.
+    let recent: Arc<Mutex<VecDeque<String>>> = Arc::default();
+    let forwarder = child.stderr.take().map(|stderr| {
+        let (recent, id) = (recent.clone(), node.id);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr)
+                .lines()
+                .map_while(std::result::Result::ok)
+            {
+                eprintln!("[node {id}] {line}");
+                let mut recent = recent
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                if recent.len() == 8 {
+                    recent.pop_front();
+                }
+                recent.push_back(line);
+            }
+        })
+    });
     fs::write(pid_file(run_directory, node.id), format!("{pid}\n"))
         .map_err(|error| failure(format!("write its pid file: {error}")))?;
     let stdout = child
@@ -306,23 +329,16 @@ fn start_local(
             let _ = child.kill();
             let _ = child.wait();
             let _ = fs::remove_file(pid_file(run_directory, node.id));
-            let mut detail = String::new();
-            if let Some(stderr) = child.stderr.take() {
-                let lines: Vec<String> = BufReader::new(stderr)
-                    .lines()
-                    .map_while(std::result::Result::ok)
-                    .collect();
-                detail = lines
-                    .iter()
-                    .rev()
-                    .take(8)
-                    .rev()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join("\n  ");
-            } else if detach {
-                detail = fs::read_to_string(log_file(run_directory, node.id)).unwrap_or_default();
-            }
+            let detail = match forwarder {
+                Some(forwarder) => {
+                    let _ = forwarder.join();
+                    let recent = recent
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                    recent.iter().cloned().collect::<Vec<_>>().join("\n  ")
+                }
+                None => fs::read_to_string(log_file(run_directory, node.id)).unwrap_or_default(),
+            };
             let why = match outcome {
                 Err(_) => format!("no ready line within {READY_TIMEOUT:?}"),
                 Ok(_) => "it exited before it was ready".to_string(),

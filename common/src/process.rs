@@ -1,16 +1,57 @@
 //! What every rdkv binary does the same way: structured logging to stderr, and waiting for
 //! SIGINT or SIGTERM.
 
+/// The log writer's guard: dropping it flushes what is queued (for at most a second).
+static LOG_WRITER: std::sync::Mutex<Option<tracing_appender::non_blocking::WorkerGuard>> =
+    std::sync::Mutex::new(None);
+
+/// Flushes the queued log lines (for at most a second) and stops the writer.
+fn flush_log() {
+    let guard = LOG_WRITER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .take();
+    drop(guard);
+}
+
+/// Keeps the log writer running; dropping it flushes what is queued (for at most a second).
+#[must_use = "logging stops when the guard is dropped"]
+pub struct LogGuard(());
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        flush_log();
+    }
+}
+
+/// Exits the process now with `code`, after flushing the log (at most a second); destructors
+/// of other threads do not run.
+pub fn exit_now(code: i32) -> ! {
+    flush_log();
+    std::process::exit(code)
+}
+
 /// Logs to stderr with `tracing`, at `RUST_LOG` or else `default_level`; colours only on a
 /// terminal, so piped and forwarded logs stay plain text.
-pub fn init_logging(default_level: &str) {
+///
+/// Lines go through a bounded queue to a writer thread, and are dropped (not waited for) when
+/// the queue is full: a reader that stops reading a node's stderr (a launcher suspended with
+/// Ctrl-Z, a full pipe) can delay its log but never stall the node, and so never its shutdown.
+pub fn init_logging(default_level: &str) -> LogGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .finish(std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+    *LOG_WRITER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(guard);
+    LogGuard(())
 }
 
 /// Ends a binary: `Ok` is exit code 0; an error prints as one line with its causes

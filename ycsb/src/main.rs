@@ -178,7 +178,7 @@ fn emit(report: &Report, json: Option<&Path>) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    rdkv_common::process::init_logging("warn");
+    let _logging = rdkv_common::process::init_logging("warn");
     let status = match execute(Arguments::parse().command).await {
         Ok(status) => status,
         Err(error) => {

@@ -1,7 +1,6 @@
 //! `rdkv-cluster`: start, stop, restart and inspect an rdkv cluster from its cluster file.
 #![forbid(unsafe_code)]
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -148,8 +147,29 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         .unwrap_or_default();
     match arguments.command {
         Action::Up { detach, node, .. } => {
-            let nodes = launcher::start_nodes(&config, &run_directory, detach, node)?;
-            up(&config, nodes, &run_directory, detach, &file, &run_dir_flag).await
+            // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
+            let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
+            let starting = {
+                let (config, run_directory) = (config.clone(), run_directory.clone());
+                tokio::task::spawn_blocking(move || {
+                    launcher::start_nodes(&config, &run_directory, detach, node)
+                })
+            };
+            let mut nodes = starting.await.context("the start-up task")??;
+            if signal.is_finished() {
+                stop_all(&config, &mut nodes, &run_directory).await;
+                anyhow::bail!("interrupted during start-up: the nodes started were stopped again");
+            }
+            up(
+                &config,
+                nodes,
+                &run_directory,
+                detach,
+                &file,
+                &run_dir_flag,
+                &mut signal,
+            )
+            .await
         }
         Action::Down { node, .. } => {
             for line in launcher::stop(&config, &run_directory, node).await? {
@@ -227,6 +247,7 @@ async fn up(
     detach: bool,
     file: &Path,
     run_dir_flag: &str,
+    signal: &mut tokio::task::JoinHandle<()>,
 ) -> anyhow::Result<u8> {
     let rows: Vec<Vec<String>> = nodes
         .iter()
@@ -272,35 +293,37 @@ async fn up(
         return Ok(0);
     }
     say("forwarding node logs; Ctrl-C stops the cluster");
-    for node in &mut nodes {
-        match (node.child.as_mut().and_then(|child| child.stderr.take()), &node.ready.host) {
-            (Some(stderr), _) => {
-                let id = node.ready.id;
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                        eprintln!("[node {id}] {line}");
-                    }
-                });
-            }
-            (None, Some(host)) => say(&format!(
+    for node in &nodes {
+        if let Some(host) = &node.ready.host {
+            say(&format!(
                 "node {} runs on {host}: `rdkv-cluster logs {} --node {}{run_dir_flag}` shows its log",
                 node.ready.id,
                 file.display(),
                 node.ready.id
-            )),
-            (None, None) => {}
+            ));
         }
     }
-    rdkv_common::process::shutdown_signal().await;
+    let _ = signal.await;
     say("stopping the cluster");
-    for node in &mut nodes {
+    stop_all(config, &mut nodes, run_directory).await;
+    Ok(0)
+}
+
+/// Stops the nodes this launcher started, in order, saying so.
+async fn stop_all(
+    config: &ClusterConfig,
+    nodes: &mut [launcher::StartedNode],
+    run_directory: &Path,
+) {
+    for node in nodes {
         if node.child.is_some() {
             launcher::stop_child(node, run_directory);
             say(&format!("node {}: stopped", node.ready.id));
         } else if let Some(node_config) = config.node(node.ready.id) {
-            let stopped = launcher::stop_node(config, node_config, run_directory).await;
-            say(&format!("node {}: {stopped:?}", node.ready.id));
+            match launcher::stop_node(config, node_config, run_directory).await {
+                Ok(_) => say(&format!("node {}: stopped", node.ready.id)),
+                Err(error) => say(&format!("node {}: {error:#}", node.ready.id)),
+            }
         }
     }
-    Ok(0)
 }

@@ -87,7 +87,7 @@ const EXIT_CODES: &str = "Exit codes:
   2  invalid command line";
 
 fn main() -> std::process::ExitCode {
-    rdkv_common::process::init_logging("info");
+    let _logging = rdkv_common::process::init_logging("info");
     let arguments = Arguments::parse();
     let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -130,7 +130,7 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
         rdkv_common::process::shutdown_signal().await;
         if still_starting.load(std::sync::atomic::Ordering::Acquire) {
             tracing::info!("signal during start-up: exiting before serving anyone");
-            std::process::exit(0);
+            rdkv_common::process::exit_now(0);
         }
         signals.cancel();
     });
