@@ -290,3 +290,54 @@ async fn an_authenticated_shutdown_under_client_load_exits_0() {
     );
     load.assert_every_loop_fails("requested shutdown").await;
 }
+
+/// A node whose stderr nobody reads (a launcher suspended with Ctrl-Z) still stops: its log
+/// goes through a bounded queue that drops lines when the pipe is full, so no thread of the
+/// node waits on the pipe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_log_pipe_is_full_still_stops() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(rdkv_integration_tests::process::server_binary())
+        .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+        .args(SIZES)
+        .env("RDKV_SECRET", SECRET)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        // Piped and never read: 64 KiB and it is full.
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rdkv-server");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("the ready line");
+    let control: SocketAddr = line
+        .split_whitespace()
+        .find_map(|part| part.strip_prefix("control="))
+        .and_then(|address| address.parse().ok())
+        .expect("control= in the ready line");
+    // Each probe logs two lines of about 200 bytes: 1,000 of them fill the pipe six times over.
+    for _ in 0..1_000 {
+        fetch_stats(control, SECRET.as_bytes(), OPERATION_DEADLINE)
+            .await
+            .expect("the node answers while its log pipe is full");
+    }
+    let signalled = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if signalled.elapsed() > EXIT_BOUND {
+            let _ = child.kill();
+            panic!("a node with a full log pipe did not stop within {EXIT_BOUND:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(status.success(), "{status}");
+}
