@@ -59,14 +59,15 @@ impl Driver {
         let mut config = ServerConfig::local(b"rdkv-ycsb-memory");
         config.fabric = Backend::Loopback;
         let block = (record_size as u64 + 64 + 16).div_ceil(64) * 64;
-        // Three times the live blocks, in whole chunks: a small run fits the common 8 MiB
-        // memlock limit (1,000 1-KB records: a 4 MiB heap of 256 KiB chunks).
-        config.heap_size = (records * block * 3).max(4 << 20).next_power_of_two();
-        config.chunk_size = if config.heap_size < (32 << 20) {
+        // Three times the live blocks, in whole chunks (at least 4 MiB): a small run fits the
+        // common 8 MiB memlock limit (1,000 YCSB records: a heap of 4.25 MiB).
+        let heap = (records * block * 3).max(4 << 20);
+        config.chunk_size = if heap < (32 << 20) {
             256 << 10
         } else {
             1 << 20
         };
+        config.heap_size = heap.next_multiple_of(config.chunk_size);
         config.index_size = (records * 64).max(1 << 20).next_power_of_two();
         let server = rdkv_server::start(config).await?;
         let mut client_config = ClientConfig::new(
