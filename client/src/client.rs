@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rdkv_cluster_file::ClusterConfig;
-use rdkv_common::protocol::{fetch_stats, ServerStats};
+use rdkv_common::protocol::{fetch_stats, MonitoredNode, ServerStats};
 use rdkv_common::sharding;
 
 use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
@@ -130,6 +130,7 @@ impl Client {
             .map(|node| {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
+                config.node.id = Some(node.id);
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
@@ -588,7 +589,12 @@ impl Client {
         let mut stats = Vec::new();
         for node in &self.nodes {
             let address = node.config.node.control_address;
-            let fetched = fetch_stats(address, &node.config.secret, self.deadline)
+            let monitored = MonitoredNode {
+                address,
+                id: node.config.node.id,
+                secret: &node.config.secret,
+            };
+            let fetched = fetch_stats(monitored, self.deadline)
                 .await
                 .map_err(|error| Error::NodeUnreachable {
                     address,

@@ -14,9 +14,14 @@ use rdkv_server::{RunningServer, ServerConfig};
 const SECRET: &[u8] = b"lifecycle-test-secret";
 
 async fn start_server() -> RunningServer {
-    rdkv_server::start(ServerConfig::local(SECRET))
-        .await
-        .expect("start server")
+    start_node(1).await
+}
+
+/// A server that is node `id` (clients of a cluster check the id its challenge names).
+async fn start_node(id: u32) -> RunningServer {
+    let mut config = ServerConfig::local(SECRET);
+    config.node_id = id;
+    rdkv_server::start(config).await.expect("start server")
 }
 
 /// A cluster of nodes at these control addresses (ids from 1, in order).
@@ -75,8 +80,8 @@ async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_all_connects_every_node_up_front() {
-    let first = start_server().await;
-    let second = start_server().await;
+    let first = start_node(1).await;
+    let second = start_node(2).await;
     let client = Client::for_cluster(&cluster(&[
         first.control_address(),
         second.control_address(),
@@ -203,4 +208,23 @@ async fn the_key_count_is_exact_at_rest() {
     assert_eq!(client.server_stats().await.expect("stats").keys, 36);
     assert_eq!(server.stats().keys, 36);
     client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_names_another_id_is_refused() {
+    // Node 1 of this server answers at the address the cluster file gives node 2: a wrong
+    // address, or a relay that passes node 1's challenge on to get a proof for it.
+    let server = start_server().await;
+    let client = Client::for_cluster(&cluster(&[closed_address(), server.control_address()]));
+    let key = (0..1_000u32)
+        .map(|index| format!("relay-{index}"))
+        .find(|key| client.node_of(key.as_bytes()) == 2)
+        .expect("a key of node 2");
+    let error = client.get(key.as_bytes()).await.expect_err("refused");
+    let text = error.to_string();
+    assert!(text.contains("says it is node 1, not node 2"), "{text}");
+    assert_eq!(server.stats().authentication_failures, 0, "no proof was sent");
+    let stats = client.cluster_stats().await;
+    let node_two = stats[1].1.as_ref().expect_err("refused too");
+    assert!(node_two.to_string().contains("not node 2"), "{node_two}");
 }

@@ -109,8 +109,39 @@ pub fn is_alive(pid: i32) -> bool {
     }
 }
 
+/// The pid in a pid file: a positive number above 1 (never 0, -1 or init, which `kill` would
+/// read as a process group or every process).
 fn read_pid(path: &Path) -> Option<i32> {
-    fs::read_to_string(path).ok()?.trim().parse().ok()
+    fs::read_to_string(path)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|pid| *pid > 1)
+}
+
+/// Whether `pid` is node `node`'s `rdkv-server`, running: its command line is `…rdkv-server
+/// … --node N`. A pid file outlives its process (a crash, a reboot), and the pid may since
+/// belong to anything: it is never signalled unless this holds.
+pub fn is_node_process(pid: i32, node: u32) -> bool {
+    if !is_alive(pid) {
+        return false;
+    }
+    let Ok(command_line) = fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let arguments: Vec<&[u8]> = command_line.split(|byte| *byte == 0).collect();
+    let program = arguments.first().copied().unwrap_or_default();
+    let node = node.to_string();
+    program.ends_with(b"rdkv-server")
+        && arguments
+            .windows(2)
+            .any(|pair| pair[0] == b"--node" && pair[1] == node.as_bytes())
+}
+
+/// The pid of node `node`'s running `rdkv-server`, from its pid file.
+fn node_pid(run_directory: &Path, node: u32) -> Option<i32> {
+    read_pid(&pid_file(run_directory, node)).filter(|pid| is_node_process(*pid, node))
 }
 
 fn answers(address: SocketAddr) -> bool {
@@ -122,9 +153,7 @@ pub fn running_nodes(nodes: &[&NodeConfig], run_directory: &Path) -> Vec<(u32, S
     nodes
         .iter()
         .filter_map(|node| {
-            if let Some(pid) =
-                read_pid(&pid_file(run_directory, node.id)).filter(|pid| is_alive(*pid))
-            {
+            if let Some(pid) = node_pid(run_directory, node.id) {
                 return Some((node.id, format!("pid {pid}")));
             }
             answers(node.control_address)
@@ -383,7 +412,11 @@ pub fn stop_child(node: &mut StartedNode, run_directory: &Path) {
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
-    let _ = fs::remove_file(pid_file(run_directory, node.ready.id));
+    // A `restart` from another shell may have replaced the node: its pid file is not ours.
+    let path = pid_file(run_directory, node.ready.id);
+    if read_pid(&path) == Some(node.ready.pid as i32) {
+        let _ = fs::remove_file(path);
+    }
 }
 
 /// Stops a node this launcher started: a local child by signal, a remote node through ssh.
@@ -418,14 +451,13 @@ pub async fn stop_node(
     run_directory: &Path,
 ) -> Result<Stopped> {
     let path = pid_file(run_directory, node.id);
-    let pid = read_pid(&path).filter(|pid| node.host.is_none() && is_alive(*pid));
-    let refused = match request_shutdown(
-        node.control_address,
-        &config.secret,
-        SHUTDOWN_REQUEST_TIMEOUT,
-    )
-    .await
-    {
+    let pid = node_pid(run_directory, node.id).filter(|_| node.host.is_none());
+    let monitored = rdkv_common::protocol::MonitoredNode {
+        address: node.control_address,
+        id: Some(node.id),
+        secret: &config.secret,
+    };
+    let refused = match request_shutdown(monitored, SHUTDOWN_REQUEST_TIMEOUT).await {
         Ok(_) => {
             let started = Instant::now();
             loop {
@@ -453,14 +485,27 @@ pub async fn stop_node(
             }
             return Ok(Stopped::ByRequest);
         }
-        Err(ControlError::Refused { reason }) => Some(reason),
-        Err(_) => None,
+        Err(ControlError::Refused { reason }) => reason,
+        Err(_) => {
+            return stop_by_signal(
+                config,
+                node,
+                run_directory,
+                "it did not answer on its control port",
+            )
+            .await
+        }
     };
-    let why = match refused {
-        Some(reason) => format!("it refused the shutdown request ({reason})"),
-        None => "it did not answer on its control port".to_string(),
-    };
-    stop_by_signal(config, node, run_directory, &why).await
+    // It answers but refuses this file's secret: this file is not that node's (another
+    // cluster on these ports, or a stale secret). Signalling it anyway would stop a node the
+    // caller cannot prove is theirs.
+    Err(Error::Node {
+        node: node.id,
+        message: format!(
+            "refused the shutdown request ({refused}); not signalling it: check that {} is this node's cluster file and its secret",
+            config.path.display()
+        ),
+    })
 }
 
 async fn stop_by_signal(
@@ -486,10 +531,11 @@ async fn stop_by_signal(
             run_directory.display()
         )));
     };
-    if !is_alive(pid) {
+    if !is_node_process(pid, node.id) {
         let _ = fs::remove_file(&path);
         return Ok(Stopped::NotRunning(format!(
-            "already stopped (stale pid {pid})"
+            "already stopped (stale pid file: pid {pid} is not node {}'s rdkv-server; removed)",
+            node.id
         )));
     }
     let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);

@@ -83,13 +83,21 @@ fn run(
     }))
 }
 
-/// The node's run directory on its host, quoted.
+/// The node's run directory on its host, quoted; a leading `~/` is the login directory.
 fn directory(config: &ClusterConfig) -> String {
-    shell_quote(&config.ssh.remote_run_dir)
+    let directory = &config.ssh.remote_run_dir;
+    match directory.strip_prefix("~/") {
+        Some(rest) => format!("\"$HOME\"/{}", shell_quote(rest)),
+        None => shell_quote(directory),
+    }
 }
 
-/// A shell function `alive PID`: the process exists and is not a zombie.
-const ALIVE: &str = r#"alive() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }"#;
+/// Shell functions: `alive PID` (the process exists and is not a zombie) and `node_process PID
+/// ID` (it is node ID's `rdkv-server`: a pid file outlives its process, and the pid may since
+/// belong to anything, so nothing is signalled unless this holds; pids 0, 1 and negative ones
+/// never are).
+const ALIVE: &str = r#"alive() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
+node_process() { [ "$1" -gt 1 ] 2>/dev/null && alive "$1" && tr '\000' ' ' < "/proc/$1/cmdline" | grep -q "rdkv-server .*--node $2 "; }"#;
 
 /// Starts the node on `host` and returns its ready line and pid.
 ///
@@ -97,21 +105,25 @@ const ALIVE: &str = r#"alive() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[
 /// [`Error::Node`] with what ssh or the node said (the log's last lines when it exited).
 pub fn start(config: &ClusterConfig, node: &NodeConfig, host: &str) -> Result<(String, u32)> {
     let directory = directory(config);
-    let secret_script = format!("umask 077 && mkdir -p {directory} && cat > {directory}/secret");
+    let secret_script = format!(
+        "umask 077 && mkdir -p -- {directory} && cat > {directory}/secret && chmod 600 {directory}/secret"
+    );
     run(config, node, host, &secret_script, &config.secret)?;
     let id = node.id;
     let binary = shell_quote(&config.ssh.remote_binary);
     let script = format!(
         r#"set -e
+umask 077
 dir={directory}
-mkdir -p "$dir"
+mkdir -p -- "$dir"
 {ALIVE}
 pidfile="$dir/node-{id}.pid"
-if [ -f "$pidfile" ] && alive "$(cat "$pidfile")"; then
+if [ -f "$pidfile" ] && node_process "$(cat "$pidfile")" {id}; then
   echo "already running there (pid $(cat "$pidfile")); stop it with rdkv-cluster down, or restart --node {id}" >&2
   exit 3
 fi
 cat > "$dir/cluster.toml"
+chmod 600 "$dir/cluster.toml"
 : > "$dir/node-{id}.out"
 setsid nohup {binary} --config "$dir/cluster.toml" --node {id} --secret-file "$dir/secret" \
   > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
@@ -174,18 +186,18 @@ pub fn stop(config: &ClusterConfig, node: &NodeConfig, host: &str) -> Result<Str
     let script = format!(
         r#"{ALIVE}
 pidfile={directory}/node-{id}.pid
-if [ ! -f "$pidfile" ]; then echo "not running (no pid file on {host})"; exit 0; fi
+if [ ! -f "$pidfile" ]; then echo "not running (no pid file there)"; exit 0; fi
 pid=$(cat "$pidfile")
-if ! alive "$pid"; then rm -f "$pidfile"; echo "already stopped (stale pid $pid on {host})"; exit 0; fi
+if ! node_process "$pid" {id}; then rm -f "$pidfile"; echo "already stopped (stale pid file: $pid is not node {id}'s rdkv-server; removed)"; exit 0; fi
 kill -TERM "$pid"
 tries=0
 while alive "$pid" && [ "$tries" -lt 150 ]; do sleep 0.1; tries=$((tries + 1)); done
-if alive "$pid"; then kill -KILL "$pid"; echo "killed (pid $pid on {host}) after 15s"; else echo "stopped by SIGTERM (pid $pid on {host})"; fi
+if alive "$pid"; then kill -KILL "$pid"; echo "killed (pid $pid) after 15s"; else echo "stopped by SIGTERM (pid $pid)"; fi
 rm -f "$pidfile"
 "#,
         directory = directory(config),
     );
-    run(config, node, host, &script, &[]).map(|output| output.trim().to_string())
+    run(config, node, host, &script, &[]).map(|output| format!("{} on {host}", output.trim()))
 }
 
 /// Removes the node's pid file on `host` after it stopped some other way (best effort).

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rdkv_common::protocol::{fetch_stats, ServerStats};
+use rdkv_common::protocol::{fetch_stats, MonitoredNode, ServerStats};
 use rdkv_common::ControlError;
 
 use crate::config::ClusterConfig;
@@ -55,12 +55,16 @@ pub fn exit_code(statuses: &[NodeStatus]) -> u8 {
 pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
     let mut statuses = Vec::new();
     for node in &config.nodes {
-        let state =
-            match fetch_stats(node.control_address, &config.secret, Duration::from_secs(2)).await {
-                Ok(stats) => NodeState::Up(Box::new(stats)),
-                Err(ControlError::Refused { reason }) => NodeState::Refused(reason),
-                Err(error) => NodeState::Down(error.to_string()),
-            };
+        let monitored = MonitoredNode {
+            address: node.control_address,
+            id: Some(node.id),
+            secret: &config.secret,
+        };
+        let state = match fetch_stats(monitored, Duration::from_secs(2)).await {
+            Ok(stats) => NodeState::Up(Box::new(stats)),
+            Err(ControlError::Refused { reason }) => NodeState::Refused(reason),
+            Err(error) => NodeState::Down(error.to_string()),
+        };
         statuses.push(NodeStatus {
             id: node.id,
             address: node.control_address,

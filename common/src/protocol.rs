@@ -319,22 +319,57 @@ impl ClientCounters {
     }
 }
 
-/// HMAC-SHA256 proof of the secret over a nonce.
-pub fn compute_proof(secret: &[u8], nonce: &[u8; PROOF_LENGTH]) -> [u8; PROOF_LENGTH] {
+/// The HMAC over a challenge: the domain, the node id the challenge named, the nonce. Binding
+/// the node id means a proof made for node 1's challenge is worthless at any other node, and a
+/// client that checks the id it was shown against the node it meant to reach cannot be used
+/// as an oracle by a relay in front of another node.
+fn proof_mac(secret: &[u8], node_id: u32, nonce: &[u8; PROOF_LENGTH]) -> Hmac<Sha256> {
     let mut mac =
         <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"rdkv-auth-v1");
+    mac.update(b"rdkv-auth-v2");
+    mac.update(&node_id.to_le_bytes());
     mac.update(nonce);
-    mac.finalize().into_bytes().into()
+    mac
 }
 
-/// Checks a proof in constant time.
-pub fn verify_proof(secret: &[u8], nonce: &[u8; PROOF_LENGTH], proof: &[u8; PROOF_LENGTH]) -> bool {
-    let mut mac =
-        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"rdkv-auth-v1");
-    mac.update(nonce);
-    mac.verify_slice(proof).is_ok()
+/// HMAC-SHA256 proof of the secret over node `node_id`'s challenge.
+pub fn compute_proof(
+    secret: &[u8],
+    node_id: u32,
+    nonce: &[u8; PROOF_LENGTH],
+) -> [u8; PROOF_LENGTH] {
+    proof_mac(secret, node_id, nonce)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Checks a proof for this node's challenge in constant time.
+pub fn verify_proof(
+    secret: &[u8],
+    node_id: u32,
+    nonce: &[u8; PROOF_LENGTH],
+    proof: &[u8; PROOF_LENGTH],
+) -> bool {
+    proof_mac(secret, node_id, nonce)
+        .verify_slice(proof)
+        .is_ok()
+}
+
+/// Refuses a challenge from another node than the one meant (`expected`, when known): a
+/// relay in front of node 2 that passes on node 1's challenge, to get a proof for node 1.
+///
+/// # Errors
+/// [`ControlError::Refused`] naming both ids.
+pub fn check_challenge_node(expected: Option<u32>, named: u32) -> Result<(), ControlError> {
+    match expected {
+        Some(expected) if expected != named => Err(ControlError::Refused {
+            reason: format!(
+                "the node at this address says it is node {named}, not node {expected}: a wrong address in the cluster file, or something relaying to another node"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Writes one frame.
@@ -401,27 +436,39 @@ where
     })
 }
 
+/// A node to monitor: where, its id when known (checked against its challenge), the secret.
+#[derive(Debug, Clone, Copy)]
+pub struct MonitoredNode<'a> {
+    /// Its control address.
+    pub address: std::net::SocketAddr,
+    /// Its id in the cluster file; `None` accepts whichever node answers.
+    pub id: Option<u32>,
+    /// The cluster secret.
+    pub secret: &'a [u8],
+}
+
 /// Opens an authenticated monitoring connection (no queue pair, no keys).
 ///
 /// # Errors
 /// [`ControlError::Refused`] when the node refuses the secret or the version; the others when
 /// it cannot be reached or answers oddly.
 async fn monitor_connection(
-    address: std::net::SocketAddr,
-    secret: &[u8],
+    node: MonitoredNode<'_>,
 ) -> Result<tokio::net::TcpStream, ControlError> {
-    let mut stream = tokio::net::TcpStream::connect(address)
+    let mut stream = tokio::net::TcpStream::connect(node.address)
         .await
         .map_err(ControlError::Io)?;
-    let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await? else {
+    let ServerMessage::Challenge { nonce, node_id, .. } = read_frame(&mut stream).await? else {
         return Err(ControlError::Unexpected("no challenge".into()));
     };
+    check_challenge_node(node.id, node_id)?;
+    let secret = node.secret;
     write_frame(
         &mut stream,
         &ClientMessage::Authenticate {
             protocol_version: PROTOCOL_VERSION,
             purpose: Purpose::Monitor,
-            proof: compute_proof(secret, &nonce),
+            proof: compute_proof(secret, node_id, &nonce),
             client_name: "rdkv-monitor".into(),
         },
     )
@@ -450,12 +497,11 @@ async fn within<T>(
 /// [`ControlError`] when the node cannot be reached, refuses the secret
 /// ([`ControlError::Refused`]), or answers oddly.
 pub async fn fetch_stats(
-    address: std::net::SocketAddr,
-    secret: &[u8],
+    node: MonitoredNode<'_>,
     timeout: std::time::Duration,
 ) -> Result<ServerStats, ControlError> {
     within(timeout, async {
-        let mut stream = monitor_connection(address, secret).await?;
+        let mut stream = monitor_connection(node).await?;
         write_frame(&mut stream, &ClientMessage::Stats).await?;
         let reply = read_frame(&mut stream).await?;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
@@ -476,12 +522,11 @@ pub async fn fetch_stats(
 /// # Errors
 /// As [`fetch_stats`].
 pub async fn request_shutdown(
-    address: std::net::SocketAddr,
-    secret: &[u8],
+    node: MonitoredNode<'_>,
     timeout: std::time::Duration,
 ) -> Result<u32, ControlError> {
     within(timeout, async {
-        let mut stream = monitor_connection(address, secret).await?;
+        let mut stream = monitor_connection(node).await?;
         write_frame(&mut stream, &ClientMessage::Shutdown).await?;
         match read_frame(&mut stream).await? {
             ServerMessage::ShuttingDown { node_id } => Ok(node_id),
@@ -540,11 +585,17 @@ mod tests {
     }
 
     #[test]
-    fn proofs_verify_only_with_the_same_secret_and_nonce() {
+    fn proofs_verify_only_with_the_same_secret_node_and_nonce() {
         let nonce = [7u8; PROOF_LENGTH];
-        let proof = compute_proof(b"secret", &nonce);
-        assert!(verify_proof(b"secret", &nonce, &proof));
-        assert!(!verify_proof(b"other", &nonce, &proof));
-        assert!(!verify_proof(b"secret", &[8u8; PROOF_LENGTH], &proof));
+        let proof = compute_proof(b"secret", 1, &nonce);
+        assert!(verify_proof(b"secret", 1, &nonce, &proof));
+        assert!(!verify_proof(b"other", 1, &nonce, &proof));
+        assert!(!verify_proof(b"secret", 1, &[8u8; PROOF_LENGTH], &proof));
+        // A proof for node 1's challenge is worthless at node 2.
+        assert!(!verify_proof(b"secret", 2, &nonce, &proof));
+        assert!(check_challenge_node(Some(2), 2).is_ok());
+        assert!(check_challenge_node(None, 1).is_ok());
+        let refused = check_challenge_node(Some(2), 1).unwrap_err().to_string();
+        assert!(refused.contains("node 1, not node 2"), "{refused}");
     }
 }

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientConfig};
-use rdkv_common::protocol::{fetch_stats, read_frame, request_shutdown, ServerMessage};
+use rdkv_common::protocol::{
+    fetch_stats, read_frame, request_shutdown, MonitoredNode, ServerMessage,
+};
 use rdkv_fabric::Backend;
 use rdkv_integration_tests::process::{ObservedServer, Stopped};
 use tokio::net::TcpStream;
@@ -34,6 +36,15 @@ const LOOPS_END_BOUND: Duration = Duration::from_secs(10);
 const STOPPED_LINE: &str = "server stopped";
 /// The log line of a node that gave up on some teardowns.
 const BOUND_REACHED_LINE: &str = "shutdown bound reached";
+
+/// The node at `address` (its id unchecked), with the secret.
+fn monitored(address: SocketAddr) -> MonitoredNode<'static> {
+    MonitoredNode {
+        address,
+        id: None,
+        secret: SECRET.as_bytes(),
+    }
+}
 
 /// Waits for the exit without holding up the runtime's other tasks (the load's loops).
 fn wait_exit(server: &mut ObservedServer) -> Stopped {
@@ -259,7 +270,7 @@ async fn sigterm_under_client_load_exits_0_and_clients_get_errors() {
 async fn sigterm_under_status_probes_exits_0_and_probes_get_errors() {
     let (mut server, address) = ObservedServer::start(SECRET, SIZES);
     let probes = Load::start(4, move |_, _| async move {
-        fetch_stats(address, SECRET.as_bytes(), OPERATION_DEADLINE)
+        fetch_stats(monitored(address), OPERATION_DEADLINE)
             .await
             .map(|_| ())
             .map_err(|error| error.to_string())
@@ -276,7 +287,7 @@ async fn an_authenticated_shutdown_under_client_load_exits_0() {
     let (mut server, address) = ObservedServer::start(SECRET, SIZES);
     let load = client_load(address, 3).await;
     load.wait_for(300).await;
-    let node_id = request_shutdown(address, SECRET.as_bytes(), OPERATION_DEADLINE)
+    let node_id = request_shutdown(monitored(address), OPERATION_DEADLINE)
         .await
         .expect("the node acknowledges the shutdown");
     assert_eq!(node_id, 1);
@@ -319,7 +330,7 @@ async fn a_node_whose_log_pipe_is_full_still_stops() {
         .expect("control= in the ready line");
     // Each probe logs two lines of about 200 bytes: 1,000 of them fill the pipe six times over.
     for _ in 0..1_000 {
-        fetch_stats(control, SECRET.as_bytes(), OPERATION_DEADLINE)
+        fetch_stats(monitored(control), OPERATION_DEADLINE)
             .await
             .expect("the node answers while its log pipe is full");
     }

@@ -63,11 +63,12 @@ impl RunningServer {
 
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
-        // Tests call this; it scans the index (see `Counters::snapshot`).
+        // Tests call this: an index scan on the caller's thread gives the exact key count.
         self.shared.counters.snapshot(
             self.shared.config.node_id,
             &self.shared.table,
             &self.shared.heap,
+            self.shared.table.count_keys(),
         )
     }
 
@@ -118,6 +119,11 @@ impl Drop for RunningServer {
         self.shutdown.cancel();
     }
 }
+
+/// How long the accept loop waits after a failed accept (out of file descriptors).
+pub(crate) const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often, at most, a failed accept is logged.
+pub(crate) const ACCEPT_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long a shutdown waits for teardowns before it gives up on them.
 pub const SHUTDOWN_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
@@ -198,9 +204,14 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
                 listener,
                 gauges,
                 move || {
-                    state
-                        .counters
-                        .snapshot(state.config.node_id, &state.table, &state.heap)
+                    // Metrics are unauthenticated: no index scan per scrape, the collector's
+                    // count (at most one collector interval old).
+                    state.counters.snapshot(
+                        state.config.node_id,
+                        &state.table,
+                        &state.heap,
+                        state.counters.collector_keys.load(Ordering::Relaxed),
+                    )
                 },
                 shutdown.clone(),
             ));
@@ -254,6 +265,7 @@ async fn accept_loop(
     tasks: TaskTracker,
 ) {
     let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+    let mut last_accept_warning = None;
     loop {
         let permit = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -275,7 +287,20 @@ async fn accept_loop(
                     drop(permit);
                 });
             }
-            Err(error) => tracing::warn!(%error, "accept failed"),
+            Err(error) => {
+                // Out of file descriptors (EMFILE) or memory: retrying at once would spin and
+                // flood the log. Back off, and say so at most once a second.
+                if last_accept_warning
+                    .is_none_or(|warned: Instant| warned.elapsed() >= ACCEPT_WARNING_EVERY)
+                {
+                    last_accept_warning = Some(Instant::now());
+                    tracing::warn!(%error, "accept failed: backing off");
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                }
+            }
         }
     }
 }
@@ -357,6 +382,12 @@ async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 heap_bytes = shared.heap.size_bytes(),
                 "heap under 10% free: writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)"
             );
+        }
+        if let Ok(report) = &scanned {
+            shared
+                .counters
+                .collector_keys
+                .store(report.keys, Ordering::Relaxed);
         }
         if let Ok(report) = scanned {
             if report.reclaimed > 0 {

@@ -26,6 +26,22 @@ pub struct Counters {
     pub data_path_requests: AtomicU64,
     /// The sum of what clients reported about their one-sided work.
     pub client_counters: Mutex<ClientCounters>,
+    /// Committed keys found by the collector's last pass (every `collector_interval`).
+    pub collector_keys: AtomicU64,
+    /// One exact key count at a time, shared by the requests that wait for it.
+    key_scans: KeyScans,
+}
+
+/// Exact key counts for `Stats` requests: an index scan (about 1 ms per 4 MiB of index, 55 ms
+/// for 256 MiB), one at a time. A request waits for the next scan that starts after it arrived
+/// and shares its result with every request waiting alongside, so a flood of requests costs
+/// one scanning thread, not one per request.
+#[derive(Debug)]
+struct KeyScans {
+    /// Held by the one scan in progress.
+    scanning: tokio::sync::Semaphore,
+    /// When the last scan started, and what it counted.
+    last: Mutex<Option<(Instant, u64)>>,
 }
 
 impl Counters {
@@ -38,7 +54,42 @@ impl Counters {
             authentication_failures: AtomicU64::new(0),
             data_path_requests: AtomicU64::new(0),
             client_counters: Mutex::new(ClientCounters::default()),
+            collector_keys: AtomicU64::new(0),
+            key_scans: KeyScans {
+                scanning: tokio::sync::Semaphore::new(1),
+                last: Mutex::new(None),
+            },
         }
+    }
+
+    /// Committed keys now, exact when no write is in flight: the result of an index scan that
+    /// started after this call (see [`KeyScans`]).
+    pub(crate) async fn exact_keys(&self, shared: std::sync::Arc<crate::session::Shared>) -> u64 {
+        let asked = Instant::now();
+        let last = |scans: &KeyScans| {
+            *scans
+                .last
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        let Ok(_scan) = self.key_scans.scanning.acquire().await else {
+            return self.collector_keys.load(Ordering::Relaxed);
+        };
+        if let Some((started, keys)) = last(&self.key_scans) {
+            if started >= asked {
+                return keys;
+            }
+        }
+        let started = Instant::now();
+        let keys = tokio::task::spawn_blocking(move || shared.table.count_keys())
+            .await
+            .unwrap_or_else(|_| self.collector_keys.load(Ordering::Relaxed));
+        *self
+            .key_scans
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((started, keys));
+        keys
     }
 
     /// Adds a client's report.
@@ -49,9 +100,15 @@ impl Counters {
             .add(report);
     }
 
-    /// A snapshot with the table's and heap's figures. It scans the index to count the keys
-    /// (about 1 ms per 4 MiB of index): call it off the async workers.
-    pub fn snapshot(&self, node_id: u32, table: &TableRegion, heap: &Heap) -> ServerStats {
+    /// A snapshot with the table's and heap's figures, and `keys` as counted by the caller
+    /// ([`Counters::exact_keys`], or the collector's last count).
+    pub fn snapshot(
+        &self,
+        node_id: u32,
+        table: &TableRegion,
+        heap: &Heap,
+        keys: u64,
+    ) -> ServerStats {
         let gauges = table.device.gauges();
         ServerStats {
             node_id,
@@ -65,7 +122,7 @@ impl Counters {
             heap_size_bytes: heap.size_bytes(),
             heap_free_bytes: heap.free_bytes(),
             heap_reuse_delay_ms: heap.reuse_delay_summary(),
-            keys: table.count_keys(),
+            keys,
             chunk_allocations: heap.allocations.load(Ordering::Relaxed),
             extents_reclaimed: heap.reclaimed.load(Ordering::Relaxed),
             blocks_relocated: heap.blocks_relocated.load(Ordering::Relaxed),

@@ -32,7 +32,7 @@ impl RawClient {
         let mut stream = TcpStream::connect(server.control_address())
             .await
             .expect("connect");
-        let ServerMessage::Challenge { nonce, .. } =
+        let ServerMessage::Challenge { nonce, node_id, .. } =
             read_frame(&mut stream).await.expect("challenge")
         else {
             panic!("no challenge");
@@ -42,7 +42,7 @@ impl RawClient {
             &ClientMessage::Authenticate {
                 protocol_version: PROTOCOL_VERSION,
                 purpose: Purpose::Data,
-                proof: compute_proof(SECRET, &nonce),
+                proof: compute_proof(SECRET, node_id, &nonce),
                 client_name: "raw".into(),
             },
         )
@@ -226,7 +226,8 @@ async fn a_wrong_secret_gets_no_keys() {
     let mut stream = TcpStream::connect(server.control_address())
         .await
         .expect("connect");
-    let ServerMessage::Challenge { nonce, .. } = read_frame(&mut stream).await.expect("challenge")
+    let ServerMessage::Challenge { nonce, node_id, .. } =
+        read_frame(&mut stream).await.expect("challenge")
     else {
         panic!("no challenge");
     };
@@ -235,7 +236,7 @@ async fn a_wrong_secret_gets_no_keys() {
         &ClientMessage::Authenticate {
             protocol_version: PROTOCOL_VERSION,
             purpose: Purpose::Data,
-            proof: compute_proof(b"not the secret", &nonce),
+            proof: compute_proof(b"not the secret", node_id, &nonce),
             client_name: "intruder".into(),
         },
     )

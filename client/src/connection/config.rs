@@ -18,6 +18,9 @@ pub struct NodeAddress {
     pub control_address: SocketAddr,
     /// The fabric the node runs.
     pub fabric: Backend,
+    /// The node's id, when known (from the cluster file): the client refuses a node whose
+    /// challenge names another id (a wrong address, or a relay to another node).
+    pub id: Option<u32>,
 }
 
 /// Settings of a client.
@@ -55,6 +58,7 @@ impl ClientConfig {
             node: NodeAddress {
                 control_address,
                 fabric,
+                id: None,
             },
             secret: secret.to_vec(),
             verbs: VerbsOptions::from_environment(),

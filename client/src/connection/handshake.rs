@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, PROTOCOL_VERSION,
+    check_challenge_node, compute_proof, read_frame, write_frame, ClientMessage, Purpose,
+    ServerMessage, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
 use rdkv_fabric::QueuePairConfig;
@@ -46,13 +47,19 @@ impl NodeConnection {
         let ServerMessage::Challenge {
             protocol_version,
             nonce,
-            ..
+            node_id,
         } = step(read_reply(&mut stream).await)?
         else {
             return Err(unreachable(
                 "the server did not start with a challenge".into(),
             ));
         };
+        check_challenge_node(config.node.id, node_id).map_err(|error| {
+            Error::AuthenticationFailed {
+                address,
+                reason: error.to_string(),
+            }
+        })?;
         if protocol_version != PROTOCOL_VERSION {
             return Err(Error::AuthenticationFailed {
                 address,
@@ -66,7 +73,7 @@ impl NodeConnection {
             &ClientMessage::Authenticate {
                 protocol_version: PROTOCOL_VERSION,
                 purpose: Purpose::Data,
-                proof: compute_proof(&config.secret, &nonce),
+                proof: compute_proof(&config.secret, node_id, &nonce),
                 client_name: config.name.clone(),
             },
         )

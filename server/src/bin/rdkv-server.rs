@@ -102,7 +102,25 @@ fn main() -> std::process::ExitCode {
     rdkv_common::process::exit_with(outcome, "rdkv-server")
 }
 
+/// Raises the open-files soft limit to the hard limit: every client connection holds a
+/// control and a fabric socket, and the common soft default (1,024) is below what
+/// `max_connections` allows. (Past the limit, accepts back off rather than spin.)
+fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-files limit"),
+                Err(error) => {
+                    tracing::warn!(%error, soft, hard, "could not raise the open-files limit")
+                }
+            }
+        }
+    }
+}
+
 async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
+    raise_open_files_limit();
     let config = match (&arguments.config, arguments.node) {
         (Some(path), Some(node)) => {
             let secret = arguments

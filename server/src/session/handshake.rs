@@ -76,7 +76,7 @@ impl Session {
             );
             return Err(Self::refuse(writer, reason).await);
         }
-        if !verify_proof(&shared.config.secret, &nonce, &proof) {
+        if !verify_proof(&shared.config.secret, shared.config.node_id, &nonce, &proof) {
             shared
                 .counters
                 .authentication_failures

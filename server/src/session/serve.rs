@@ -50,15 +50,13 @@ impl Session {
                             ServerMessage::HeartbeatAck
                         }
                         ClientMessage::Stats => {
-                            // The snapshot scans the index to count keys: off the async workers.
-                            let state = shared.clone();
-                            let snapshot = tokio::task::spawn_blocking(move || {
-                                state.counters.snapshot(state.config.node_id, &state.table, &state.heap)
-                            });
-                            match snapshot.await {
-                                Ok(stats) => ServerMessage::Stats(Box::new(stats)),
-                                Err(error) => ServerMessage::Refused { reason: format!("stats failed: {error}") },
-                            }
+                            let keys = shared.counters.exact_keys(shared.clone()).await;
+                            ServerMessage::Stats(Box::new(shared.counters.snapshot(
+                                shared.config.node_id,
+                                &shared.table,
+                                &shared.heap,
+                                keys,
+                            )))
                         }
                         ClientMessage::Shutdown => {
                             tracing::info!("shutdown requested over the control plane");
