@@ -223,7 +223,11 @@ async fn a_node_that_names_another_id_is_refused() {
     let error = client.get(key.as_bytes()).await.expect_err("refused");
     let text = error.to_string();
     assert!(text.contains("says it is node 1, not node 2"), "{text}");
-    assert_eq!(server.stats().authentication_failures, 0, "no proof was sent");
+    assert_eq!(
+        server.stats().authentication_failures,
+        0,
+        "no proof was sent"
+    );
     let stats = client.cluster_stats().await;
     let node_two = stats[1].1.as_ref().expect_err("refused too");
     assert!(node_two.to_string().contains("not node 2"), "{node_two}");

@@ -239,31 +239,59 @@ impl Locator<'_> {
     }
 }
 
-/// Loads and validates a cluster file, checking sizes against this machine's memlock limit and
-/// memory (each node runs as its own process here).
+/// Loads and validates a cluster file, for a program that uses the cluster (a client, the
+/// CLI, `status`, `down`): this machine's memlock limit and memory are not checked, since it
+/// pins no table (see [`load_to_start`]).
 ///
 /// # Errors
 /// [`Error::Read`] or [`Error::Invalid`] naming the file, line and field.
 pub fn load(path: &Path) -> Result<ClusterConfig> {
-    load_with_secret(path, None)
+    let text = read(path)?;
+    parse_with_secret(path, &text, None, None)
 }
 
-/// As [`load`], with the secret given rather than taken from the file's `secret` or
-/// `secret_file` (`rdkv-server --config FILE --secret-file PATH`: a systemd credential, the
-/// copy `rdkv-cluster` leaves on a remote host).
+/// Loads and validates a cluster file to start nodes on this machine (`rdkv-server --config`,
+/// `rdkv-cluster up` and `restart`): as [`load`], and each local node among `only` (or every
+/// local node) must fit this machine's memlock limit and memory, since its process pins its
+/// table here. `secret`, when given, replaces the file's `secret` or `secret_file`
+/// (`rdkv-server --secret-file PATH`: a systemd credential, the copy `rdkv-cluster` leaves on a
+/// remote host).
 ///
 /// # Errors
-/// As [`load`].
-pub fn load_with_secret(path: &Path, secret: Option<Vec<u8>>) -> Result<ClusterConfig> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
-        file: path.to_path_buf(),
-        source,
-    })?;
+/// As [`load`], and [`Error::Invalid`] on `heap_size` when a node's table cannot be pinned.
+pub fn load_to_start(
+    path: &Path,
+    secret: Option<Vec<u8>>,
+    only: Option<u32>,
+) -> Result<ClusterConfig> {
+    let text = read(path)?;
     let (available, _) = read_meminfo();
-    parse_with_secret(path, &text, read_memlock_figures(), available, secret)
+    let machine = MachineCheck {
+        memlock: read_memlock_figures(),
+        available_memory: available,
+        only,
+    };
+    parse_with_secret(path, &text, Some(machine), secret)
 }
 
-/// Validates cluster file text with given machine figures (tests inject them).
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| Error::Read {
+        file: path.to_path_buf(),
+        source,
+    })
+}
+
+/// What to check local nodes' tables against.
+#[derive(Debug, Clone, Copy)]
+struct MachineCheck {
+    memlock: MemlockFigures,
+    available_memory: u64,
+    /// Only this node (else every local node).
+    only: Option<u32>,
+}
+
+/// Validates cluster file text with given machine figures (tests inject them); every local
+/// node must fit them.
 ///
 /// # Errors
 /// [`Error::Invalid`] naming the file, line and field.
@@ -273,14 +301,18 @@ pub fn parse(
     memlock: MemlockFigures,
     available_memory: u64,
 ) -> Result<ClusterConfig> {
-    parse_with_secret(path, text, memlock, available_memory, None)
+    let machine = MachineCheck {
+        memlock,
+        available_memory,
+        only: None,
+    };
+    parse_with_secret(path, text, Some(machine), None)
 }
 
 fn parse_with_secret(
     path: &Path,
     text: &str,
-    memlock: MemlockFigures,
-    available_memory: u64,
+    machine: Option<MachineCheck>,
     secret_override: Option<Vec<u8>>,
 ) -> Result<ClusterConfig> {
     let locator = Locator { path, text };
@@ -508,24 +540,6 @@ fn parse_with_secret(
             .max_pinned_share
             .as_ref()
             .map_or(0.5, |share| *share.get_ref());
-        let pinned = index_size + heap_size;
-        let size_span = node.heap_size.span();
-        decide_memlock(pinned, memlock).map_err(|error| {
-            locator.error(
-                size_span.clone(),
-                name("heap_size"),
-                format!("index_size + heap_size is too large for this machine: {error}"),
-            )
-        })?;
-        decide_available_memory(pinned, available_memory, PinLimits { max_pinned_share }).map_err(
-            |error| {
-                locator.error(
-                    size_span,
-                    name("heap_size"),
-                    format!("index_size + heap_size is too large for this machine: {error}"),
-                )
-            },
-        )?;
         let host = match &node.host {
             Some(host) if host.get_ref().trim().is_empty() => {
                 return Err(locator.error(
@@ -540,6 +554,32 @@ fn parse_with_secret(
                 (!(ip.is_loopback() || ip.is_unspecified())).then(|| ip.to_string())
             }
         };
+        let pinned = index_size + heap_size;
+        let size_span = node.heap_size.span();
+        // Only a node whose process starts here pins its table here.
+        let checked =
+            machine.filter(|machine| host.is_none() && machine.only.is_none_or(|only| only == id));
+        if let Some(machine) = checked {
+            decide_memlock(pinned, machine.memlock).map_err(|error| {
+                locator.error(
+                    size_span.clone(),
+                    name("heap_size"),
+                    format!("index_size + heap_size is too large for this machine: {error}"),
+                )
+            })?;
+            decide_available_memory(
+                pinned,
+                machine.available_memory,
+                PinLimits { max_pinned_share },
+            )
+            .map_err(|error| {
+                locator.error(
+                    size_span,
+                    name("heap_size"),
+                    format!("index_size + heap_size is too large for this machine: {error}"),
+                )
+            })?;
+        }
         nodes.push(NodeConfig {
             id,
             host,

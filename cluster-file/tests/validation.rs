@@ -246,3 +246,35 @@ fn the_shipped_verbs_example_is_valid() {
     assert_eq!(config.fabric, rdkv_fabric::Backend::Verbs);
     assert_eq!(config.nodes[0].device.as_deref(), Some("rxe0"));
 }
+
+#[test]
+fn only_nodes_started_here_are_checked_against_this_machine() {
+    let tight = MemlockFigures {
+        soft_limit: 8 * MIB,
+        hard_limit: 8 * MIB,
+        locked_bytes: 0,
+        has_ipc_lock_capability: false,
+    };
+    // A remote node's table is pinned on its own host.
+    let remote = file(
+        "",
+        &NODE_1
+            .replace("heap_size = \"4M\"", "heap_size = \"64M\"")
+            .replace("id = 1\n", "id = 1\nhost = \"db2.example\"\n"),
+    );
+    let config = parse(Path::new("cluster.toml"), &remote, tight, 64 * 1024 * MIB)
+        .expect("a remote node is not checked here");
+    assert_eq!(config.nodes[0].host.as_deref(), Some("db2.example"));
+
+    // A client, `status` or `down` pins no table: `load` does not check; starting does.
+    let directory = std::env::temp_dir().join(format!("rdkv-validation-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let path = directory.join("huge.toml");
+    let huge = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"1024G\""));
+    std::fs::write(&path, huge).expect("write");
+    load(&path).expect("a client may use a cluster of big nodes");
+    let error = rdkv_cluster_file::load_to_start(&path, None, Some(1))
+        .expect_err("a 1 TiB table does not fit here");
+    assert!(error.to_string().contains("node[0].heap_size"), "{error}");
+    let _ = std::fs::remove_dir_all(&directory);
+}

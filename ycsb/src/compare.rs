@@ -206,7 +206,7 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
     let directory = std::env::temp_dir().join(format!("rdkv-ycsb-compare-{}", std::process::id()));
     std::fs::create_dir_all(&directory)?;
     let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
-    let cluster = rdkv_cluster_config::load(&cluster_file)?;
+    let cluster = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
     let run_directory = directory.join("run");
     eprintln!(
         "starting rdkv ({} node(s)) and redis-server on loopback",

@@ -131,7 +131,15 @@ fn main() -> ExitCode {
 
 async fn run(arguments: Arguments) -> anyhow::Result<u8> {
     let file = arguments.command.file().to_path_buf();
-    let config = rdkv_cluster_config::load(&file)?;
+    // Starting nodes here pins their tables here: check the machine's memlock limit and
+    // memory for those (the other commands only talk to the nodes).
+    let config = match &arguments.command {
+        Action::Up { node, .. } => rdkv_cluster_config::config::load_to_start(&file, None, *node)?,
+        Action::Restart { node, .. } => {
+            rdkv_cluster_config::config::load_to_start(&file, None, Some(*node))?
+        }
+        _ => rdkv_cluster_config::load(&file)?,
+    };
     for warning in &config.warnings {
         eprintln!("warning: {warning}");
     }

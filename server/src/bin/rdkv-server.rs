@@ -128,7 +128,7 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
                 .as_deref()
                 .map(read_secret_file)
                 .transpose()?;
-            let cluster = rdkv_cluster_config::config::load_with_secret(path, secret)?;
+            let cluster = rdkv_cluster_config::config::load_to_start(path, secret, Some(node))?;
             for warning in &cluster.warnings {
                 tracing::warn!("{warning}");
             }
