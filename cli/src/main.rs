@@ -234,7 +234,7 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
         Command::Stats => {
             let mut total = ClientCounters::default();
             let mut down = 0;
-            println!(
+            rdkv_common::outln!(
                 "{:<5} {:<6} {:>9} {:>6} {:>8} {:>10} {:>14} {:>12} {:>10}",
                 "node",
                 "state",
@@ -251,7 +251,7 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                     Ok(stats) => {
                         let counters = stats.client_counters;
                         total.add(&counters);
-                        println!(
+                        rdkv_common::outln!(
                             "{:<5} {:<6} {:>8}s {:>6} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
                             id,
                             "up",
@@ -264,7 +264,7 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                             counters.round_trips_per_operation()
                         );
                         if stats.heap_low() {
-                            println!(
+                            rdkv_common::outln!(
                                 "      warning: heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
                                 rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
                                 rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
@@ -273,11 +273,11 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                     }
                     Err(error) => {
                         down += 1;
-                        println!("{id:<5} {:<6} {error}", "down");
+                        rdkv_common::outln!("{id:<5} {:<6} {error}", "down");
                     }
                 }
             }
-            println!(
+            rdkv_common::outln!(
                 "cluster: {} client operations ({} GETs, {} mutations, {} failed), {:.2} round trips per operation, {:.2} per GET, {:.2} work requests per operation, {} CAS races lost, {} checksum retries",
                 total.operations,
                 total.gets,

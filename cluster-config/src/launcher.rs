@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use rdkv_common::protocol::request_shutdown;
+use rdkv_common::protocol::{probe_node, request_shutdown, Probe};
 use rdkv_common::ControlError;
 
 use crate::config::{ClusterConfig, NodeConfig};
@@ -148,7 +148,8 @@ fn answers(address: SocketAddr) -> bool {
     TcpStream::connect_timeout(&address, Duration::from_millis(300)).is_ok()
 }
 
-/// Nodes among `nodes` that are running now: a live pid file, or a control port that answers.
+/// Nodes among `nodes` that are running now (a live pid file, or an rdkv node answering on
+/// the control port), or whose control port another program holds: one line each.
 pub fn running_nodes(nodes: &[&NodeConfig], run_directory: &Path) -> Vec<(u32, String)> {
     nodes
         .iter()
@@ -156,8 +157,21 @@ pub fn running_nodes(nodes: &[&NodeConfig], run_directory: &Path) -> Vec<(u32, S
             if let Some(pid) = node_pid(run_directory, node.id) {
                 return Some((node.id, format!("pid {pid}")));
             }
-            answers(node.control_address)
-                .then(|| (node.id, format!("{} answers", node.control_address)))
+            let address = node.control_address;
+            match probe_node(address, Duration::from_millis(500)) {
+                Probe::Nothing => None,
+                Probe::Node(id) if id == node.id => {
+                    Some((node.id, format!("answers at {address}")))
+                }
+                Probe::Node(id) => Some((
+                    node.id,
+                    format!("{address} is taken by node {id} of another cluster"),
+                )),
+                Probe::Other => Some((
+                    node.id,
+                    format!("{address} is taken by another program (not an rdkv node)"),
+                )),
+            }
         })
         .collect()
 }
@@ -213,6 +227,18 @@ pub fn start_nodes(
             .iter()
             .map(|(id, how)| format!("node {id} ({how})"))
             .collect();
+        if running.iter().all(|(_, how)| how.contains(" is taken by ")) {
+            let list: Vec<String> = running
+                .iter()
+                .map(|(id, how)| format!("node {id}: {how}"))
+                .collect();
+            return Err(Error::Refused(format!(
+                "cannot start cluster `{}`: {}; free the port, or change control_address in {}",
+                config.name,
+                list.join(", "),
+                config.path.display()
+            )));
+        }
         let fix = match only {
             Some(id) => format!(
                 "restart it with `rdkv-cluster restart {} --node {id}`",
@@ -265,7 +291,17 @@ pub fn start_nodes(
                 for node in started.iter_mut().rev() {
                     stop_started(config, node, run_directory);
                 }
-                return Err(error);
+                if started.is_empty() {
+                    return Err(error);
+                }
+                let ids: Vec<String> = started
+                    .iter()
+                    .map(|node| node.ready.id.to_string())
+                    .collect();
+                return Err(Error::Refused(format!(
+                    "{error}; the nodes started before it ({}) were stopped again",
+                    ids.join(", ")
+                )));
             }
         }
     }
@@ -358,21 +394,32 @@ fn start_local(
             let _ = child.kill();
             let _ = child.wait();
             let _ = fs::remove_file(pid_file(run_directory, node.id));
-            let detail = match forwarder {
+            // Its last line says why (`rdkv-server: error: …`): the report stays one line.
+            let last_line = match forwarder {
                 Some(forwarder) => {
                     let _ = forwarder.join();
                     let recent = recent
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner());
-                    recent.iter().cloned().collect::<Vec<_>>().join("\n  ")
+                    recent.back().cloned().unwrap_or_default()
                 }
-                None => fs::read_to_string(log_file(run_directory, node.id)).unwrap_or_default(),
+                None => fs::read_to_string(log_file(run_directory, node.id))
+                    .unwrap_or_default()
+                    .lines()
+                    .last()
+                    .unwrap_or_default()
+                    .to_string(),
+            };
+            let detail = if last_line.trim().is_empty() {
+                String::new()
+            } else {
+                format!(": {}", last_line.trim())
             };
             let why = match outcome {
                 Err(_) => format!("no ready line within {READY_TIMEOUT:?}"),
                 Ok(_) => "it exited before it was ready".to_string(),
             };
-            return Err(failure(format!("failed to start: {why}\n  {detail}")));
+            return Err(failure(format!("failed to start: {why}{detail}")));
         }
     };
     if let Err(error) = confirm_control_port(node) {
@@ -487,13 +534,14 @@ pub async fn stop_node(
         }
         Err(ControlError::Refused { reason }) => reason,
         Err(_) => {
-            return stop_by_signal(
-                config,
-                node,
-                run_directory,
-                "it did not answer on its control port",
-            )
-            .await
+            let why = match probe_node(node.control_address, Duration::from_millis(500)) {
+                Probe::Other => format!(
+                    "another program holds its control port {}",
+                    node.control_address
+                ),
+                _ => "it did not answer on its control port".to_string(),
+            };
+            return stop_by_signal(config, node, run_directory, &why).await;
         }
     };
     // It answers but refuses this file's secret: this file is not that node's (another
@@ -588,12 +636,14 @@ pub fn logs(config: &ClusterConfig, run_directory: &Path, id: u32, lines: usize)
         return remote::logs(config, node, host, lines);
     }
     let path = log_file(run_directory, id);
-    let text = fs::read_to_string(&path).map_err(|error| {
+    let bytes = fs::read(&path).map_err(|error| {
         Error::Refused(format!(
             "no log for node {id} at {} ({error}): a node started in the foreground logs to the `up` terminal; start with `--detach` to keep a log file",
             path.display()
         ))
     })?;
+    // A log may hold any bytes (a client's name is escaped, a crash's output is not).
+    let text = String::from_utf8_lossy(&bytes);
     let all: Vec<&str> = text.lines().collect();
     let first = all.len().saturating_sub(lines);
     Ok(all[first..].join("\n") + "\n")

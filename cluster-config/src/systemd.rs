@@ -14,6 +14,20 @@ use crate::config::{ClusterConfig, NodeConfig};
 /// buffers), as headroom in `LimitMEMLOCK=`.
 const MEMLOCK_HEADROOM: u64 = 16 << 20;
 
+/// A path as one word of a unit's command line: `%` doubled (systemd's specifier escape), and
+/// double-quoted with `\` and `"` escaped when it holds a space, a quote or a backslash.
+fn unit_word(path: &Path) -> String {
+    let text = path.display().to_string().replace('%', "%%");
+    if text
+        .chars()
+        .any(|character| character.is_whitespace() || "\"'\\".contains(character))
+    {
+        format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""))
+    } else {
+        text
+    }
+}
+
 /// The unit's file name for a node.
 pub fn unit_name(config: &ClusterConfig, node: &NodeConfig) -> String {
     format!("rdkv-{}-node-{}.service", config.name, node.id)
@@ -30,9 +44,9 @@ pub fn unit(
 ) -> String {
     let memlock_mebibytes = (node.index_size + node.heap_size + MEMLOCK_HEADROOM).div_ceil(1 << 20);
     format!(
-        "# rdkv node {id} of cluster `{name}`, from `rdkv-cluster systemd {file} --node {id}`.
-# Install (docs/operations.md, Running under systemd):
-#   install -m 0600 /dev/stdin {credential} <<< 'the cluster secret'
+        "# rdkv node {id} of cluster `{name}`, from `rdkv-cluster systemd --node {id}`.
+# Install (docs/operations.md, Running under systemd): put the cluster file's secret in
+# {credential} (mode 0600), then
 #   cp {unit_name} /etc/systemd/system/ && systemctl daemon-reload
 #   systemctl enable --now {unit_name}
 [Unit]
@@ -58,9 +72,9 @@ WantedBy=multi-user.target
 ",
         id = node.id,
         name = config.name,
-        file = file.display(),
-        binary = binary.display(),
-        credential = credential.display(),
+        file = unit_word(file),
+        binary = unit_word(binary),
+        credential = credential.display().to_string().replace('%', "%%"),
         unit_name = unit_name(config, node),
         table = (node.index_size + node.heap_size).div_ceil(1 << 20),
     )
@@ -158,6 +172,19 @@ mod tests {
         assert_eq!(value("Restart"), Some("on-failure"));
         assert_eq!(value("LimitMEMLOCK"), Some("21M"));
         assert_eq!(unit_name(&config, node), "rdkv-prod-node-2.service");
+    }
+
+    #[test]
+    fn odd_paths_stay_one_word_without_specifiers() {
+        assert_eq!(unit_word(Path::new("/etc/rdkv/a.toml")), "/etc/rdkv/a.toml");
+        assert_eq!(
+            unit_word(Path::new("/srv/100%/a.toml")),
+            "/srv/100%%/a.toml"
+        );
+        assert_eq!(
+            unit_word(Path::new("/srv/my dir/a \"b\".toml")),
+            "\"/srv/my dir/a \\\"b\\\".toml\""
+        );
     }
 
     #[test]

@@ -322,6 +322,21 @@ fn parse_with_secret(
     })?;
     let cluster = raw.cluster.get_ref();
     let mut warnings = Vec::new();
+    let name = cluster.name.get_ref();
+    let name_is_plain = !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|character| character.is_ascii_alphanumeric() || "._-".contains(character));
+    if !name_is_plain {
+        return Err(locator.error(
+            cluster.name.span(),
+            "cluster.name",
+            format!(
+                "{name:?}: use letters, digits, '.', '_' and '-', not starting with '.' (the name makes the run directory and the systemd unit names)"
+            ),
+        ));
+    }
 
     let fabric = match cluster.fabric.get_ref().parse::<Backend>() {
         Ok(backend) if backend.crosses_processes() => backend,

@@ -270,11 +270,28 @@ fn only_nodes_started_here_are_checked_against_this_machine() {
     let directory = std::env::temp_dir().join(format!("rdkv-validation-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
     let path = directory.join("huge.toml");
-    let huge = file("", &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"1024G\""));
+    let huge = file(
+        "",
+        &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"1024G\""),
+    );
     std::fs::write(&path, huge).expect("write");
     load(&path).expect("a client may use a cluster of big nodes");
     let error = rdkv_cluster_file::load_to_start(&path, None, Some(1))
         .expect_err("a 1 TiB table does not fit here");
     assert!(error.to_string().contains("node[0].heap_size"), "{error}");
     let _ = std::fs::remove_dir_all(&directory);
+}
+
+#[test]
+fn a_cluster_name_that_is_not_a_plain_word_is_refused() {
+    for name in ["my cluster", "../../tmp/x", "x\\n[Service]", ".hidden", ""] {
+        let text = file("", NODE_1).replace("name = \"test\"", &format!("name = \"{name}\""));
+        let (line, field, message) = invalid(&text);
+        assert_eq!(
+            (line, field.as_str()),
+            (2, "cluster.name"),
+            "{name}: {message}"
+        );
+        assert!(message.contains("letters, digits"), "{message}");
+    }
 }

@@ -67,17 +67,53 @@ pub fn exit_with(outcome: anyhow::Result<()>, program: &str) -> std::process::Ex
     }
 }
 
-/// Resolves on the first SIGINT or SIGTERM.
+/// Writes to stdout; when the reader is gone (`rdkv get k | head -c 1`, a closed pipe), ends
+/// the program quietly with exit code 0 instead of panicking: what was asked for was read.
+pub fn write_stdout(arguments: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let stdout = std::io::stdout();
+    let mut handle = stdout.lock();
+    let written = handle.write_fmt(arguments).and_then(|()| handle.flush());
+    if let Err(error) = written {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            drop(handle);
+            exit_now(0);
+        }
+        eprintln!("error: write to stdout: {error}");
+        exit_now(1);
+    }
+}
+
+/// `print!` through [`write_stdout`]: no panic on a closed pipe.
+#[macro_export]
+macro_rules! out {
+    ($($argument:tt)*) => {
+        $crate::process::write_stdout(format_args!($($argument)*))
+    };
+}
+
+/// `println!` through [`write_stdout`]: no panic on a closed pipe.
+#[macro_export]
+macro_rules! outln {
+    ($($argument:tt)*) => {
+        $crate::process::write_stdout(format_args!("{}\n", format_args!($($argument)*)))
+    };
+}
+
+/// Resolves on the first SIGINT, SIGTERM or SIGHUP (the terminal or ssh session closed: a
+/// foreground launcher must not leave its nodes behind).
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     match (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
     ) {
-        (Ok(mut terminate), Ok(mut interrupt)) => {
+        (Ok(mut terminate), Ok(mut interrupt), Ok(mut hangup)) => {
             tokio::select! {
                 _ = terminate.recv() => {}
                 _ = interrupt.recv() => {}
+                _ = hangup.recv() => {}
             }
         }
         _ => {

@@ -436,6 +436,46 @@ where
     })
 }
 
+/// What answers at a control address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// Nothing: the connection is refused or times out.
+    Nothing,
+    /// An rdkv node, which named its id in its challenge.
+    Node(u32),
+    /// Something that is not an rdkv node (no challenge within the timeout).
+    Other,
+}
+
+/// Connects to `address` and reads the first frame, without answering it (blocking, bounded
+/// by `timeout` per step): whether an rdkv node listens there, and which. The node logs such
+/// a probe at debug level only.
+pub fn probe_node(address: std::net::SocketAddr, timeout: std::time::Duration) -> Probe {
+    use std::io::Read;
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&address, timeout) else {
+        return Probe::Nothing;
+    };
+    if stream.set_read_timeout(Some(timeout)).is_err() {
+        return Probe::Other;
+    }
+    let mut length = [0u8; 4];
+    if stream.read_exact(&mut length).is_err() {
+        return Probe::Other;
+    }
+    let length = u32::from_le_bytes(length);
+    if length > MAX_FRAME_SIZE {
+        return Probe::Other;
+    }
+    let mut body = vec![0u8; length as usize];
+    if stream.read_exact(&mut body).is_err() {
+        return Probe::Other;
+    }
+    match bincode::deserialize::<ServerMessage>(&body) {
+        Ok(ServerMessage::Challenge { node_id, .. }) => Probe::Node(node_id),
+        _ => Probe::Other,
+    }
+}
+
 /// A node to monitor: where, its id when known (checked against its challenge), the secret.
 #[derive(Debug, Clone, Copy)]
 pub struct MonitoredNode<'a> {

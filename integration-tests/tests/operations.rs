@@ -484,3 +484,58 @@ fn two_nodes_on_remote_hosts_through_sshd_on_loopback() {
     drop(sshd);
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+#[test]
+fn down_never_signals_a_process_that_is_not_the_node() {
+    let cluster = Cluster::up("foreign-pid");
+    let pid_file = cluster.run_directory.join("node-3.pid");
+    let node_pid: i32 = std::fs::read_to_string(&pid_file)
+        .expect("node 3's pid file")
+        .trim()
+        .parse()
+        .expect("a pid");
+    // Node 3 crashes; its pid is reused by an unrelated process.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(node_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill node 3");
+    let mut bystander = Command::new("sleep").arg("30").spawn().expect("sleep");
+    let node_three = control_addresses(&cluster.file)[2];
+    let started = Instant::now();
+    while answers(node_three) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "node 3 still answers"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for pid in [
+        bystander.id().to_string(),
+        "-1".into(),
+        "0".into(),
+        "1".into(),
+    ] {
+        std::fs::write(&pid_file, format!("{pid}\n")).expect("write the pid file");
+        let down = rdkv_cluster(&[
+            "down",
+            text(&cluster.file),
+            "--node",
+            "3",
+            "--run-dir",
+            text(&cluster.run_directory),
+        ]);
+        assert!(down.status.success(), "{}", stderr(&down));
+        let report = stdout(&down);
+        assert!(
+            report.contains("not running") || report.contains("already stopped"),
+            "pid {pid}: {report}"
+        );
+        assert!(
+            bystander.try_wait().expect("wait").is_none(),
+            "down signalled the bystander (pid file {pid})"
+        );
+    }
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+}

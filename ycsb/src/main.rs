@@ -168,7 +168,7 @@ async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Resu
 }
 
 fn emit(report: &Report, json: Option<&Path>) -> anyhow::Result<()> {
-    print!("{}", report.to_ycsb_text());
+    rdkv_common::out!("{}", report.to_ycsb_text());
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_vec_pretty(report)?)
             .with_context(|| format!("write {}", path.display()))?;
@@ -264,7 +264,7 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
                 heap_size,
             };
             let rows = compare::compare(&options).await?;
-            println!("{}", compare::table(&rows, &options));
+            rdkv_common::outln!("{}", compare::table(&rows, &options));
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)
                     .with_context(|| format!("write {}", path.display()))?;

@@ -213,7 +213,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             let text = tokio::task::block_in_place(|| {
                 launcher::logs(&config, &run_directory, node, lines)
             })?;
-            print!("{text}");
+            rdkv_common::out!("{text}");
             Ok(0)
         }
         Action::Systemd {
@@ -232,7 +232,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             };
             let credential = credential
                 .unwrap_or_else(|| PathBuf::from(format!("/etc/rdkv/{}.secret", config.name)));
-            print!(
+            rdkv_common::out!(
                 "{}",
                 systemd::unit(
                     &config,
@@ -327,6 +327,18 @@ async fn stop_all(
         if node.child.is_some() {
             launcher::stop_child(node, run_directory);
             say(&format!("node {}: stopped", node.ready.id));
+            // A `restart --node` from another shell replaced this child: stop the new one too.
+            if let Some(node_config) = config.node(node.ready.id) {
+                if !launcher::running_nodes(&[node_config], run_directory).is_empty() {
+                    match launcher::stop_node(config, node_config, run_directory).await {
+                        Ok(_) => say(&format!(
+                            "node {}: stopped its restarted process",
+                            node.ready.id
+                        )),
+                        Err(error) => say(&format!("node {}: {error:#}", node.ready.id)),
+                    }
+                }
+            }
         } else if let Some(node_config) = config.node(node.ready.id) {
             match launcher::stop_node(config, node_config, run_directory).await {
                 Ok(_) => say(&format!("node {}: stopped", node.ready.id)),

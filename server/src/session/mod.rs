@@ -191,6 +191,18 @@ impl Session {
                 timeout: HANDSHAKE_TIMEOUT,
             }),
             Ok(None) | Ok(Some(Err(ControlError::Closed))) => Err(crate::Error::ClientDisconnected),
+            // A peer that closes with our challenge unread resets the connection: a port
+            // probe, as much as a close.
+            Ok(Some(Err(ControlError::Io(error))))
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                Err(crate::Error::ClientDisconnected)
+            }
             Ok(Some(Err(source))) => Err(crate::Error::BadFrame { source }),
             Ok(Some(Ok(message))) => Ok(message),
         }
