@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # README.md and docs/operations.md as written, the way a new user runs them: in a fresh clone,
-# as a non-root user, under the common 8 MiB memlock limit.
+# as a non-root user, under the common 8 MiB memlock limit; and the commands of the other docs
+# that are not measurements.
 #
 #   scripts/docs-walkthrough.sh            (CI runs it; about 6 minutes, most of it the two
 #                                           documented `rdkv-ycsb compare` runs)
@@ -13,7 +14,8 @@
 #   once with the error naming the fix, then where the limit is lifted (as root: CAP_IPC_LOCK).
 # - Every command runs verbatim (a `doc` line below), and its output is checked where the docs
 #   say what it prints.
-# - At the end, every command line of the `sh` blocks of both files must have been run here, or
+# - At the end, every command line of the `sh` blocks of README.md and docs/*.md must have been
+#   run here, or
 #   be listed in `covered_elsewhere` with the test or CI step that runs it, or why it cannot run
 #   on a CI machine. A new command in the docs fails this script until it is covered.
 # Exit code 0 only when every step passed.
@@ -86,6 +88,17 @@ doc_here() {
   echo "$1" >> "$ran"
   echo "docs (as $(id -un), in the checkout)\$ $1"
   bash -c "$1" || fail "failed: $1"
+}
+
+# A documented command run by the invoking user in this checkout, whose documented exit
+# status is $2 (a grep that must find nothing, a model check that must find a violation).
+doc_here_status() {
+  echo "$1" >> "$ran"
+  echo "docs (as $(id -un), in the checkout, exit $2 expected)\$ $1"
+  local status=0
+  bash -c "$1" > "$work/out" 2>&1 || status=$?
+  sed 's/^/    /' "$work/out" | tail -n 5
+  [ "$status" -eq "$2" ] || fail "exit $status, the docs say $2: $1"
 }
 
 # Starts a documented command in the background as the user. Sets $started_pid to the
@@ -230,8 +243,20 @@ grep -q "RLIMIT_MEMLOCK allows 8388608 bytes" "$work/err" || { cat "$work/err" >
 doc_raised "target/release/rdkv-ycsb compare --records 20000 --seconds 3"
 doc_raised "target/release/rdkv-ycsb compare"
 
+echo "=== docs/architecture.md: the provider seam by hand; docs/protocol.md: the model checker ==="
+doc_here_status "grep -rn \"crate::provider\" fabric/src/*.rs fabric/src/memory" 1
+doc_here_status "grep -rn 'feature = \"verbs\"' fabric/src fabric/tests fabric/benches --include=*.rs | grep -v 'fabric/src/provider/verbs/\\|fabric/src/provider/mod.rs'" 0
+[ "$(wc -l < "$work/out")" -eq 1 ] || fail "the verbs cfg appears $(wc -l < "$work/out") times, the docs say once"
+doc_here_status "cargo run -p rdkv-protocol-model -- --list" 0
+doc_here_status "cargo run -p rdkv-protocol-model -- --protocol new-draft --scenario put-then-update" 1
+
+echo "=== docs/benchmarks.md: the in-process ceiling run and its plot ==="
+doc_raised "target/release/rdkv-ycsb run --driver memory -P workloadc -p recordcount=5000 -p operationcount=3000000 --max-execution-time 3 --threads 16 --json /tmp/memc.json"
+doc_raised "target/release/rdkv-ycsb plot -o /tmp/plot.png /tmp/memc.json"
+rm -f /tmp/memc.json /tmp/plot.png
+
 echo "=== every documented command is covered ==="
-python3 - "$ran" README.md docs/operations.md <<'PYTHON'
+python3 - "$ran" README.md docs/*.md <<'PYTHON'
 import re
 import sys
 
@@ -247,6 +272,17 @@ covered_elsewhere = [
     (r"\| sudo tee ", "changes the machine's configuration (limits, hugepages, sysctl): not done on a CI machine"),
     (r"^(install -d -m 0700 /etc/rdkv|printf .* /etc/rdkv/|cp rdkv-local-3node-node-1\.service /etc/systemd/system/|systemctl |journalctl )",
      "installs a systemd unit: needs systemd as PID 1; the unit passes systemd-analyze verify in integration-tests/tests/operations.rs"),
+    (r"^cargo test -p rdkv-protocol-model$", ".ci/run's test step (cargo test --workspace)"),
+    (r"^cargo run -p rdkv-protocol-model -- --protocol (old|new)$", ".ci/run's protocol model check step runs both"),
+    # docs/benchmarks.md: the measurements behind its figures take minutes each; CI runs every
+    # tool in a short form.
+    (r"^cargo bench -p rdkv-fabric --bench fabric", "a measurement (seconds per backend): .ci/run's fabric benchmark smoke run (-- --seconds 0.05)"),
+    (r"^scripts/softroce/run\.sh --fabric-bench", "a measurement in the Soft-RoCE guest: .ci/run runs the Soft-RoCE tier without the benchmark"),
+    (r"^target/release/rdkv-ycsb compare --workloads a,f --heap-size (218|870)M$", "the 2x/8x heap measurement (870 MiB pinned, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
+    (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
+    (r"scripts/bench/callgrind-get\.sh", ".ci/run's instructions-per-GET step runs callgrind-get.sh"),
+    (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
+    (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
 ]
 missing = []
 for path in sys.argv[2:]:
@@ -279,5 +315,5 @@ for path in sys.argv[2:]:
 if missing:
     print("documented commands that nothing runs:\n  " + "\n  ".join(missing), file=sys.stderr)
     sys.exit(1)
-print(f"every command of README.md and docs/operations.md is run here ({len(ran)}) or covered elsewhere")
+print(f"every command of README.md and docs/*.md is run here ({len(ran)}) or covered elsewhere")
 PYTHON

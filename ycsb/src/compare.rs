@@ -77,6 +77,15 @@ struct ClusterGuard {
     run_directory: PathBuf,
 }
 
+/// A directory removed when dropped.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 impl Drop for ClusterGuard {
     fn drop(&mut self) {
         for node in self.nodes.iter_mut().rev() {
@@ -205,6 +214,9 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         .ok_or_else(|| anyhow::anyhow!("no workloads to compare"))?;
     let directory = std::env::temp_dir().join(format!("rdkv-ycsb-compare-{}", std::process::id()));
     std::fs::create_dir_all(&directory)?;
+    // Removed however this function ends (a refused start included); the cluster guard below
+    // is dropped first, so the nodes stop before their files go.
+    let _directory = RemovedOnDrop(directory.clone());
     let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
     let cluster = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
     let run_directory = directory.join("run");
