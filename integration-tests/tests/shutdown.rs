@@ -309,16 +309,27 @@ async fn an_authenticated_shutdown_under_client_load_exits_0() {
 async fn a_node_whose_log_pipe_is_full_still_stops() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
-    let mut child = Command::new(rdkv_integration_tests::process::server_binary())
-        .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
-        .args(SIZES)
-        .env("RDKV_SECRET", SECRET)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        // Piped and never read: 64 KiB and it is full.
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn rdkv-server");
+    /// Kills the node if the test fails before it exits.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut guard = KillOnDrop(
+        Command::new(rdkv_integration_tests::process::server_binary())
+            .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+            .args(SIZES)
+            .env("RDKV_SECRET", SECRET)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            // Piped and never read: 64 KiB and it is full.
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn rdkv-server"),
+    );
+    let child = &mut guard.0;
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("piped stdout"))
         .read_line(&mut line)
