@@ -2,6 +2,7 @@
 //! its provider (see [`crate::seam`]). Its constructors, which pick the provider, are the
 //! dispatch point in `provider/mod.rs`.
 
+use rand::RngCore;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
@@ -100,6 +101,8 @@ pub struct FabricGauges {
     pub(crate) frames_sent: AtomicI64,
     /// `write` calls the soft NIC made; frames per write shows how well posts coalesce.
     pub(crate) transport_writes: AtomicI64,
+    /// Connections the soft NIC closed unread because too many hellos were pending.
+    pub(crate) hellos_refused: AtomicI64,
 }
 
 /// A copy of a device's gauges at one instant.
@@ -119,6 +122,8 @@ pub struct GaugeSnapshot {
     pub frames_sent: i64,
     /// `write` calls the soft NIC made.
     pub transport_writes: i64,
+    /// Connections the soft NIC closed unread because too many hellos were pending.
+    pub hellos_refused: i64,
 }
 
 impl GaugeSnapshot {
@@ -158,8 +163,6 @@ pub(crate) struct DeviceInner {
     pub(crate) gauges: FabricGauges,
     /// The next protection domain id.
     next_protection_domain: AtomicU32,
-    /// The next queue pair number.
-    next_qp_number: AtomicU32,
     /// The provider: the NIC behind the model.
     pub(crate) provider: Box<dyn DeviceProvider>,
 }
@@ -169,8 +172,21 @@ impl DeviceInner {
         self.next_protection_domain.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// A queue pair number drawn from the operating system's CSPRNG (24 bits, as on a real
+    /// NIC, from 0x10), reserved in the device's map until the queue pair takes it: a dialer
+    /// cannot guess another client's queue pair from its own.
     pub(crate) fn allocate_qp_number(&self) -> u32 {
-        self.next_qp_number.fetch_add(1, Ordering::Relaxed)
+        loop {
+            let candidate = rand::rngs::OsRng.next_u32() & 0x00FF_FFFF;
+            if candidate < 0x10 {
+                continue;
+            }
+            if let dashmap::mapref::entry::Entry::Vacant(vacant) = self.queue_pairs.entry(candidate)
+            {
+                vacant.insert(std::sync::Weak::new());
+                return candidate;
+            }
+        }
     }
 
     /// The queue pair with this number, if it is alive.
@@ -179,20 +195,10 @@ impl DeviceInner {
     }
 }
 
-/// A random-enough 64-bit id from the clock, the process id and a counter.
+/// A 64-bit id from the operating system's CSPRNG (device ids travel in soft endpoints: a
+/// guessable one would help a dialer aim at another client's queue pair).
 pub(crate) fn random_id() -> u64 {
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_nanos() as u64)
-        .unwrap_or(0);
-    let mut mixed = nanos
-        ^ (u64::from(std::process::id()) << 32)
-        ^ u64::from(COUNTER.fetch_add(1, Ordering::Relaxed)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    // splitmix64 finaliser
-    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    mixed ^ (mixed >> 31)
+    rand::rngs::OsRng.next_u64()
 }
 
 /// A NIC of one backend. Cheap to clone; every child object keeps it alive.
@@ -213,7 +219,6 @@ impl Device {
             queue_pairs: DashMap::new(),
             gauges: FabricGauges::default(),
             next_protection_domain: AtomicU32::new(1),
-            next_qp_number: AtomicU32::new(((id >> 40) as u32 & 0xFFFF) | 0x10),
             provider,
         });
         inner.provider.start(&inner)?;
@@ -270,6 +275,7 @@ impl Device {
             queue_pairs,
             frames_sent: gauges.frames_sent.load(Ordering::Relaxed),
             transport_writes: gauges.transport_writes.load(Ordering::Relaxed),
+            hellos_refused: gauges.hellos_refused.load(Ordering::Relaxed),
         }
     }
 }

@@ -304,7 +304,11 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         .connect(&QueuePairEndpoint::Soft(soft))
         .await
         .expect_err("no such queue pair");
-    assert!(error.to_string().contains("no such queue pair"), "{error}");
+    assert!(error.to_string().contains("queue pair 999999"), "{error}");
+    assert!(
+        error.to_string().contains("no such device or queue pair"),
+        "{error}"
+    );
     let loopback = Device::loopback(DeviceConfig::default());
     let loopback_queue = loopback
         .create_completion_queue(256)
@@ -321,4 +325,240 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
         .await
         .expect_err("backends differ");
     assert!(mismatch.to_string().contains("Loopback"), "{mismatch}");
+}
+
+/// A hello to a listening soft NIC, as docs/fabric.md lays it out.
+fn hello_bytes(target_qp_number: u32, target_device_id: u64) -> [u8; 40] {
+    let mut bytes = [0u8; 40];
+    bytes[0..8].copy_from_slice(b"RDKVSOFT");
+    bytes[8..10].copy_from_slice(&1u16.to_le_bytes());
+    bytes[12..16].copy_from_slice(&target_qp_number.to_le_bytes());
+    bytes[16..20].copy_from_slice(&0x77u32.to_le_bytes());
+    bytes[24..32].copy_from_slice(&0x1234u64.to_le_bytes());
+    bytes[32..40].copy_from_slice(&target_device_id.to_le_bytes());
+    bytes
+}
+
+/// A listening soft NIC with one queue pair: the NIC, its address and the queue pair's
+/// endpoint (kept alive by the returned queue pair).
+fn listening_queue_pair() -> (Device, SocketAddr, SoftEndpoint, QueuePair) {
+    let device = Device::soft(
+        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+        DeviceConfig::default(),
+    )
+    .expect("soft device");
+    let address = device.listen_address().expect("listening");
+    let queue_pair = device
+        .allocate_protection_domain()
+        .create_queue_pair(
+            &device.create_completion_queue(256).expect("cq"),
+            QueuePairConfig::default(),
+        )
+        .expect("queue pair");
+    let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
+        panic!("a soft endpoint");
+    };
+    (device, address, endpoint, queue_pair)
+}
+
+#[test]
+fn a_refused_hello_does_not_say_which_field_was_wrong() {
+    let (_device, address, endpoint, _queue_pair) = listening_queue_pair();
+    let answer = |hello: [u8; 40]| {
+        let mut stream = std::net::TcpStream::connect(address).expect("connect");
+        stream.write_all(&hello).expect("hello");
+        let mut ack = [0u8; 8];
+        stream.read_exact(&mut ack).expect("an answer");
+        ack
+    };
+    let wrong_queue_pair = answer(hello_bytes(endpoint.qp_number ^ 0x5A5A, endpoint.device_id));
+    let wrong_device = answer(hello_bytes(endpoint.qp_number, endpoint.device_id ^ 1));
+    let mut bad_magic = hello_bytes(endpoint.qp_number, endpoint.device_id);
+    bad_magic[0] = b'X';
+    let bad_magic = answer(bad_magic);
+    assert_eq!(wrong_queue_pair, [1, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(wrong_device, wrong_queue_pair);
+    assert_eq!(bad_magic, wrong_queue_pair);
+}
+
+#[test]
+fn queue_pair_numbers_and_device_ids_are_not_guessable() {
+    let (device, _address, first, _queue_pair) = listening_queue_pair();
+    let (_other, _other_address, other, _other_queue_pair) = listening_queue_pair();
+    assert_ne!(first.device_id, other.device_id);
+    let domain = device.allocate_protection_domain();
+    let completion_queue = device.create_completion_queue(4096).expect("cq");
+    let queue_pairs: Vec<QueuePair> = (0..100)
+        .map(|_| {
+            domain
+                .create_queue_pair(&completion_queue, QueuePairConfig { max_send_wr: 4 })
+                .expect("queue pair")
+        })
+        .collect();
+    let numbers: Vec<u32> = queue_pairs.iter().map(QueuePair::qp_number).collect();
+    let distinct: std::collections::HashSet<u32> = numbers.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        numbers.len(),
+        "queue pair numbers are unique"
+    );
+    assert!(numbers
+        .iter()
+        .all(|number| (0x10..=0x00FF_FFFF).contains(number)));
+    // Sequential numbers would let a client guess its neighbours' from its own.
+    let neighbours = numbers
+        .windows(2)
+        .filter(|pair| pair[1].wrapping_sub(pair[0]) == 1)
+        .count();
+    assert!(
+        neighbours < 3,
+        "{neighbours} of 99 numbers follow their predecessor"
+    );
+}
+
+#[test]
+fn a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline() {
+    let (_device, address, endpoint, _queue_pair) = listening_queue_pair();
+    let hello = hello_bytes(endpoint.qp_number, endpoint.device_id);
+    let mut stream = std::net::TcpStream::connect(address).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("timeout");
+    let started = Instant::now();
+    // One byte every 300 ms: the 40-byte hello would take 12 s; the deadline is 5 s in all.
+    let mut cut_off = None;
+    for byte in hello.iter().take(39) {
+        if stream.write_all(&[*byte]).is_err() {
+            cut_off = Some(started.elapsed());
+            break;
+        }
+        let mut probe = [0u8; 8];
+        match stream.read(&mut probe) {
+            Ok(0) => {
+                cut_off = Some(started.elapsed());
+                break;
+            }
+            Ok(_) => panic!("an answer to a partial hello"),
+            Err(_) => {}
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(started.elapsed() < Duration::from_secs(9), "never cut off");
+    }
+    let cut_off = cut_off.expect("cut off before the hello was complete");
+    assert!(
+        cut_off >= Duration::from_millis(4_500) && cut_off < Duration::from_millis(7_000),
+        "cut off after {cut_off:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
+    // The responder: a 4 MiB region readable through its rkey, four times the device's
+    // 1 MiB max_message_size.
+    let device = Device::soft(
+        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+        DeviceConfig::default(),
+    )
+    .expect("soft device");
+    let address = device.listen_address().expect("listening");
+    let domain = device.allocate_protection_domain();
+    let queue_pair = domain
+        .create_queue_pair(
+            &device.create_completion_queue(256).expect("cq"),
+            QueuePairConfig::default(),
+        )
+        .expect("queue pair");
+    let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
+        panic!("a soft endpoint");
+    };
+    let region_length = 4u64 << 20;
+    let memory = Arc::new(
+        PinnedMemory::allocate(region_length, HugepagePolicy::Off, PinLimits::default())
+            .expect("pinned"),
+    );
+    let readable = domain
+        .register_all(&memory, AccessFlags::REMOTE_READ)
+        .expect("register");
+    let rkey = readable.remote_key();
+    // A raw peer that ignores its own limit: it dials, then asks for the whole region at once.
+    let peer = std::thread::spawn(move || {
+        let mut stream = std::net::TcpStream::connect(address).expect("connect");
+        stream
+            .write_all(&hello_bytes(endpoint.qp_number, endpoint.device_id))
+            .expect("hello");
+        let mut ack = [0u8; 8];
+        stream.read_exact(&mut ack).expect("ack");
+        assert_eq!(ack[0], 0, "hello accepted");
+        stream
+    });
+    let peer_endpoint = QueuePairEndpoint::Soft(SoftEndpoint {
+        device_id: 0x1234,
+        address: None,
+        qp_number: 0x77,
+    });
+    queue_pair
+        .connect(&peer_endpoint)
+        .await
+        .expect("connect the responder");
+    let mut stream = peer.join().expect("the peer");
+    let mut request = [0u8; 48];
+    request[0] = 1; // a request
+    request[1] = 0; // READ
+    request[4..8].copy_from_slice(&rkey.key.to_le_bytes());
+    request[8..16].copy_from_slice(&1u64.to_le_bytes());
+    request[16..24].copy_from_slice(&rkey.address.to_le_bytes());
+    request[24..28].copy_from_slice(&(region_length as u32).to_le_bytes());
+    stream.write_all(&request).expect("the READ");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut header = [0u8; 16];
+    stream.read_exact(&mut header).expect("a response");
+    assert_eq!(header[0], 2, "a response frame");
+    assert_eq!(header[1], 4, "REM_INV_REQ_ERR (status byte {})", header[1]);
+    assert_eq!(
+        u32::from_le_bytes([header[4], header[5], header[6], header[7]]),
+        0,
+        "no payload: nothing of the region was copied"
+    );
+    assert_eq!(
+        u64::from_le_bytes(header[8..16].try_into().expect("8 bytes")),
+        1
+    );
+}
+
+/// This process's threads reading a hello now (named `rdkv-soft-hello`), in every test of
+/// this binary.
+fn hello_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "rdkv-soft-hello")
+        .count()
+}
+
+#[test]
+fn idle_connections_to_the_fabric_port_hold_a_bounded_number_of_threads() {
+    let (device, address, _endpoint, _queue_pair) = listening_queue_pair();
+    // 500 connections that never say hello (bounded: they close when the test ends).
+    let idle: Vec<std::net::TcpStream> = (0..500)
+        .map(|_| std::net::TcpStream::connect(address).expect("connect"))
+        .collect();
+    // The accept thread takes them all within a moment; wait until it has (bounded).
+    let started = Instant::now();
+    while device.gauges().hellos_refused < 500 - 64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "refused {} of the excess",
+            device.gauges().hellos_refused
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // At most the 64 pending hellos of this NIC (another test may hold one or two more).
+    let during = hello_threads();
+    assert!(
+        during <= 64 + 2,
+        "{during} hello threads with 500 idle connections"
+    );
+    drop(idle);
 }

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 19] = [
+        let definitions: [(&str, &str, Reader); 20] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -101,6 +101,11 @@ impl Metrics {
                 "authentication_failures_total",
                 "Refused authentications",
                 |stats| stats.authentication_failures as i64,
+            ),
+            (
+                "soft_hellos_refused_total",
+                "Soft NIC connections closed unread: too many hellos pending",
+                |stats| stats.fabric_hellos_refused,
             ),
             (
                 "client_operations_total",

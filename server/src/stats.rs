@@ -130,6 +130,7 @@ impl Counters {
             control_messages: self.control_messages.load(Ordering::Relaxed),
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),
             fabric_frames_sent: gauges.frames_sent,
+            fabric_hellos_refused: gauges.hellos_refused,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
             client_counters: *self
                 .client_counters

@@ -33,6 +33,8 @@ pub(crate) struct ResponderContext {
     pub(crate) protection_domain: u32,
     /// The responder queue pair's number.
     pub(crate) qp_number: u32,
+    /// The largest READ or WRITE the responder accepts (its device's `max_message_size`).
+    pub(crate) max_message_size: u32,
 }
 
 /// Executes one incoming request for `queue_pair` (the responder) under its responder gate.
@@ -44,10 +46,12 @@ pub(crate) fn serve(
     write_payload: &[u8],
     response: &mut Vec<u8>,
 ) -> Option<WorkCompletionStatus> {
+    let max_message_size = queue_pair.max_message_size();
     queue_pair.respond(|table, protection_domain, qp_number| {
         let context = ResponderContext {
             protection_domain,
             qp_number,
+            max_message_size,
         };
         execute(table, context, request, write_payload, response)
     })
@@ -102,6 +106,13 @@ pub(crate) fn execute(
     // A zero-length READ or WRITE names no memory; like rxe, it needs no valid rkey.
     if length == 0 {
         return WorkCompletionStatus::Success;
+    }
+    // Longer than a message may be: refused before any memory is touched or any response
+    // buffer grows (a window-sized READ from a peer that ignores its own limit would otherwise
+    // make the responder hold the whole window in its response). rxe answers a length it
+    // cannot accept with a NAK-invalid-request: REM_INV_REQ_ERR at the requester.
+    if length > u64::from(context.max_message_size) {
+        return WorkCompletionStatus::RemoteInvalidRequestError;
     }
     let (entry, offset) = match table.check_remote(
         context.protection_domain,

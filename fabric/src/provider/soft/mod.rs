@@ -232,21 +232,45 @@ impl Drop for SoftListener {
     }
 }
 
+/// Hellos read at once. Each holds a thread for at most [`HELLO_TIMEOUT`]; connections
+/// beyond this are closed at once, so a flood of idle connections costs a bounded number of
+/// threads (a legitimate dialer sends its 40 bytes at once and is done in microseconds).
+pub(crate) const MAX_PENDING_HELLOS: usize = 64;
+
 fn accept_loop(listener: TcpListener, device: Weak<DeviceInner>, stopping: Arc<AtomicBool>) {
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for incoming in listener.incoming() {
         if stopping.load(Ordering::Acquire) {
             break;
         }
-        let Ok(stream) = incoming else { continue };
+        let stream = match incoming {
+            Ok(stream) => stream,
+            Err(_) => {
+                // Out of file descriptors: back off rather than spin.
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
+            pending.fetch_sub(1, Ordering::AcqRel);
+            if let Some(device) = device.upgrade() {
+                device.gauges.hellos_refused.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::debug!("soft NIC: too many hellos pending; connection closed");
+            continue;
+        }
         let device = device.clone();
+        let finished = pending.clone();
         let spawned = std::thread::Builder::new()
             .name("rdkv-soft-hello".into())
             .spawn(move || {
                 if let Err(reason) = accept_hello(stream, &device) {
                     tracing::debug!(%reason, "soft NIC refused a connection");
                 }
+                finished.fetch_sub(1, Ordering::AcqRel);
             });
         if spawned.is_err() {
+            pending.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!("soft NIC could not start a hello thread; connection dropped");
         }
     }
@@ -257,31 +281,28 @@ fn accept_hello(
     mut stream: TcpStream,
     device: &Weak<DeviceInner>,
 ) -> std::result::Result<(), String> {
-    stream
-        .set_read_timeout(Some(HELLO_TIMEOUT))
-        .map_err(|error| error.to_string())?;
     let mut bytes = [0u8; HELLO_LENGTH];
-    stream
-        .read_exact(&mut bytes)
+    read_within(&mut stream, &mut bytes, HELLO_TIMEOUT)
         .map_err(|error| format!("read hello: {error}"))?;
     let answer = |stream: &mut TcpStream, status: HelloStatus| {
         stream
             .write_all(&status.encode())
             .map_err(|error| format!("answer hello: {error}"))
     };
+    // One refusal for every wrong field: the answer must not tell a guesser which was right.
     let Some(hello) = Hello::decode(&bytes) else {
-        answer(&mut stream, HelloStatus::BadHello)?;
+        answer(&mut stream, HelloStatus::Refused)?;
         return Err("bad hello magic or version".into());
     };
     let Some(device) = device.upgrade() else {
         return Err("device is gone".into());
     };
     if hello.target_device_id != device.id {
-        answer(&mut stream, HelloStatus::WrongDevice)?;
+        answer(&mut stream, HelloStatus::Refused)?;
         return Err(format!("hello for device {:#x}", hello.target_device_id));
     }
     let Some(queue_pair) = device.queue_pair(hello.target_qp_number) else {
-        answer(&mut stream, HelloStatus::UnknownQueuePair)?;
+        answer(&mut stream, HelloStatus::Refused)?;
         return Err(format!(
             "hello for unknown queue pair {}",
             hello.target_qp_number
@@ -306,6 +327,34 @@ fn accept_hello(
             connection.attach(stream, queue_pair.clone());
         }
         _ => *pending = Some(stream),
+    }
+    Ok(())
+}
+
+/// Fills `buffer` from `stream` within `deadline` in all: a peer that trickles bytes (one
+/// every few seconds) is cut off when the deadline passes, not reprieved by each byte.
+fn read_within(
+    stream: &mut TcpStream,
+    buffer: &mut [u8],
+    deadline: Duration,
+) -> std::io::Result<()> {
+    let started = std::time::Instant::now();
+    let mut filled = 0;
+    while filled < buffer.len() {
+        let left = deadline.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!("the whole hello must arrive within {deadline:?}"),
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buffer[filled..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(read) => filled += read,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
     }
     Ok(())
 }

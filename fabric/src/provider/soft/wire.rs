@@ -97,18 +97,15 @@ impl Hello {
     }
 }
 
-/// Hello acknowledgement statuses.
+/// Hello acknowledgement statuses. A refusal says nothing about which field was wrong (device,
+/// queue pair, magic or version): a dialer cannot use the answer to guess ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub(crate) enum HelloStatus {
     /// Attached.
     Accepted = 0,
-    /// No such queue pair.
-    UnknownQueuePair = 1,
-    /// The hello names another device.
-    WrongDevice = 2,
-    /// Bad magic or version.
-    BadHello = 3,
+    /// No such device or queue pair here, or a bad hello.
+    Refused = 1,
 }
 
 impl HelloStatus {
@@ -121,18 +118,16 @@ impl HelloStatus {
     pub(crate) fn decode(bytes: &[u8; HELLO_ACK_LENGTH]) -> Self {
         match u32_at(bytes, 0) {
             0 => Self::Accepted,
-            1 => Self::UnknownQueuePair,
-            2 => Self::WrongDevice,
-            _ => Self::BadHello,
+            _ => Self::Refused,
         }
     }
 
     pub(crate) fn describe(self) -> &'static str {
         match self {
             Self::Accepted => "accepted",
-            Self::UnknownQueuePair => "the peer has no such queue pair",
-            Self::WrongDevice => "the peer is another device",
-            Self::BadHello => "the peer rejected the hello (magic or version)",
+            Self::Refused => {
+                "the peer refused the hello (no such device or queue pair there, or a bad hello)"
+            }
         }
     }
 }
@@ -422,8 +417,8 @@ mod tests {
         bytes[0] = b'X';
         assert_eq!(Hello::decode(&bytes), None);
         assert_eq!(
-            HelloStatus::decode(&HelloStatus::UnknownQueuePair.encode()),
-            HelloStatus::UnknownQueuePair
+            HelloStatus::decode(&HelloStatus::Refused.encode()),
+            HelloStatus::Refused
         );
     }
 }
