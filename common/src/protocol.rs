@@ -243,6 +243,10 @@ pub struct ServerStats {
     pub fabric_hellos_refused: i64,
     /// Authentication failures since start.
     pub authentication_failures: u64,
+    /// Unauthenticated control connections now.
+    pub pending_handshakes: u64,
+    /// Unauthenticated connections evicted by newer ones since start (too many at once).
+    pub handshakes_evicted: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
 }

@@ -33,6 +33,9 @@ pub enum Error {
         /// The timeout.
         timeout: std::time::Duration,
     },
+    /// Too many unauthenticated connections: a newer one took this one's place.
+    #[error("evicted before authenticating: too many unauthenticated connections")]
+    Evicted,
     /// The server began to shut down during the handshake.
     #[error("the server is shutting down")]
     ShuttingDown,

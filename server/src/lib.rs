@@ -9,6 +9,7 @@
 //!   heartbeats), ordered teardown.
 //! - [`server`]: start, run, shutdown.
 //! - [`gate`]: what a stopping server still waits for, named in its logs.
+//! - [`pending`]: the limits on connections that have not authenticated yet.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
 //!
@@ -23,6 +24,7 @@ pub mod error;
 pub mod gate;
 pub mod heap;
 pub mod metrics;
+pub mod pending;
 pub mod server;
 mod session;
 pub mod stats;

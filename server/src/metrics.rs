@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 20] = [
+        let definitions: [(&str, &str, Reader); 22] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -101,6 +101,16 @@ impl Metrics {
                 "authentication_failures_total",
                 "Refused authentications",
                 |stats| stats.authentication_failures as i64,
+            ),
+            (
+                "pending_handshakes",
+                "Control connections that have not authenticated yet",
+                |stats| stats.pending_handshakes as i64,
+            ),
+            (
+                "handshakes_evicted_total",
+                "Unauthenticated control connections evicted by newer ones (too many at once)",
+                |stats| stats.handshakes_evicted as i64,
             ),
             (
                 "soft_hellos_refused_total",

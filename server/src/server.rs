@@ -64,12 +64,7 @@ impl RunningServer {
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
         // Tests call this: an index scan on the caller's thread gives the exact key count.
-        self.shared.counters.snapshot(
-            self.shared.config.node_id,
-            &self.shared.table,
-            &self.shared.heap,
-            self.shared.table.count_keys(),
-        )
+        self.shared.stats(self.shared.table.count_keys())
     }
 
     /// A token that stops the server when cancelled.
@@ -180,6 +175,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         compactor: compactor::Compactor::default(),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
+        pending: crate::pending::PendingHandshakes::default(),
         config,
     });
     let shutdown = CancellationToken::new();
@@ -206,12 +202,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
                 move || {
                     // Metrics are unauthenticated: no index scan per scrape, the collector's
                     // count (at most one collector interval old).
-                    state.counters.snapshot(
-                        state.config.node_id,
-                        &state.table,
-                        &state.heap,
-                        state.counters.collector_keys.load(Ordering::Relaxed),
-                    )
+                    state.stats(state.counters.collector_keys.load(Ordering::Relaxed))
                 },
                 shutdown.clone(),
             ));

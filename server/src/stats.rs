@@ -132,6 +132,9 @@ impl Counters {
             fabric_frames_sent: gauges.frames_sent,
             fabric_hellos_refused: gauges.hellos_refused,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
+            // Filled in by `Shared::stats`, which knows the pending handshakes.
+            pending_handshakes: 0,
+            handshakes_evicted: 0,
             client_counters: *self
                 .client_counters
                 .lock()

@@ -88,6 +88,7 @@ impl Session {
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
         self.authenticated = true;
+        shared.pending.settle(self.connection_id);
         tracing::info!(%client_name, ?purpose, "client authenticated");
         Ok(purpose)
     }

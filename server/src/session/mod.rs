@@ -68,6 +68,20 @@ pub(crate) struct Shared {
     pub(crate) announcements: Announcements,
     /// What a shutdown waits for: every connection and collector pass, with its step.
     pub(crate) gate: Arc<Gate>,
+    /// Connections that have not authenticated yet.
+    pub(crate) pending: crate::pending::PendingHandshakes,
+}
+
+impl Shared {
+    /// The node's stats, with `keys` as counted by the caller.
+    pub(crate) fn stats(&self, keys: u64) -> rdkv_common::protocol::ServerStats {
+        let mut stats = self
+            .counters
+            .snapshot(self.config.node_id, &self.table, &self.heap, keys);
+        stats.pending_handshakes = self.pending.count() as u64;
+        stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
+        stats
+    }
 }
 
 /// Serves one control connection until it ends, then tears its resources down.
@@ -91,9 +105,19 @@ pub(crate) async fn serve(
             pass: shared.gate.enter_connection(connection_id, peer),
             authenticated: false,
         };
-        let reason = session.run(stream, shutdown).await;
+        // Unauthenticated until proven: a handshake that a newer connection evicts ends.
+        let evict = shutdown.child_token();
+        shared
+            .pending
+            .admit(connection_id, peer.ip(), evict.clone());
+        let reason = session.run(stream, shutdown, evict).await;
+        shared.pending.settle(connection_id);
         shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
-        if session.authenticated || reason != crate::Error::ClientDisconnected.to_string() {
+        let quiet = [
+            crate::Error::ClientDisconnected.to_string(),
+            crate::Error::Evicted.to_string(),
+        ];
+        if session.authenticated || !quiet.contains(&reason) {
             tracing::info!(%reason, "connection closed");
         } else {
             // A port probe (`rdkv-cluster up`'s readiness check, a load balancer): not news.
@@ -155,13 +179,26 @@ async fn read_messages(
 }
 
 impl Session {
-    async fn run(&mut self, stream: TcpStream, shutdown: CancellationToken) -> String {
+    async fn run(
+        &mut self,
+        stream: TcpStream,
+        shutdown: CancellationToken,
+        evict: CancellationToken,
+    ) -> String {
         let (reader, mut writer) = stream.into_split();
         let (sender, mut messages) = mpsc::channel(16);
         let reader_task = tokio::spawn(read_messages(reader, sender));
-        // A shutdown does not wait for a slow client's handshake.
+        // A shutdown does not wait for a slow client's handshake, nor does a newer
+        // unauthenticated connection (`crate::pending`); the whole handshake has a deadline.
         let handshake = tokio::select! {
-            _ = shutdown.cancelled() => Err(crate::Error::ShuttingDown),
+            _ = evict.cancelled() => Err(if shutdown.is_cancelled() {
+                crate::Error::ShuttingDown
+            } else {
+                crate::Error::Evicted
+            }),
+            _ = tokio::time::sleep(crate::pending::HANDSHAKE_DEADLINE) => {
+                Err(crate::Error::HandshakeTimedOut { timeout: crate::pending::HANDSHAKE_DEADLINE })
+            }
             outcome = self.handshake(&mut writer, &mut messages) => outcome,
         };
         let reason = match handshake {

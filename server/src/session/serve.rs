@@ -51,12 +51,7 @@ impl Session {
                         }
                         ClientMessage::Stats => {
                             let keys = shared.counters.exact_keys(shared.clone()).await;
-                            ServerMessage::Stats(Box::new(shared.counters.snapshot(
-                                shared.config.node_id,
-                                &shared.table,
-                                &shared.heap,
-                                keys,
-                            )))
+                            ServerMessage::Stats(Box::new(shared.stats(keys)))
                         }
                         ClientMessage::Shutdown => {
                             tracing::info!("shutdown requested over the control plane");

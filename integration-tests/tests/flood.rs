@@ -1,0 +1,144 @@
+//! A flood of unauthenticated control connections (issue 14): 2,000 connections that never
+//! say anything, reopened as soon as the node closes them, while 100 `rdkv put`s run one after
+//! another as separate processes. Unauthenticated connections have their own, smaller budget
+//! with oldest-first eviction (`server/src/pending.rs`), so every put succeeds; the node's
+//! counters show the flood was really evicted.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_common::protocol::{fetch_stats, MonitoredNode};
+use rdkv_integration_tests::process::{workspace_binary, ServerProcess};
+
+const SECRET: &str = "flood-secret";
+const FLOOD: usize = 2_000;
+const PUTS: usize = 100;
+
+/// Raises this process's open-files soft limit to the hard one (the flood holds 2,000).
+fn raise_open_files() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("setrlimit");
+    assert!(
+        hard >= 4_096,
+        "the test needs 4,096 open files; the hard limit is {hard}"
+    );
+}
+
+/// Holds `FLOOD` silent connections to `address`, reopening each one the node closes, until
+/// `stop` (bounded by 120 s). Returns how many it reopened.
+fn flood(address: SocketAddr, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) -> u64 {
+    let connect = || {
+        let stream = TcpStream::connect(address).ok()?;
+        stream.set_nonblocking(true).ok()?;
+        opened.fetch_add(1, Ordering::Relaxed);
+        Some(stream)
+    };
+    let mut streams: Vec<Option<TcpStream>> = (0..FLOOD).map(|_| connect()).collect();
+    let started = Instant::now();
+    let mut reopened = 0;
+    let mut buffer = [0u8; 256];
+    while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {
+        for slot in &mut streams {
+            let closed = match slot {
+                None => true,
+                Some(stream) => match stream.read(&mut buffer) {
+                    Ok(0) => true,
+                    Ok(_) => false,
+                    Err(error) => error.kind() != std::io::ErrorKind::WouldBlock,
+                },
+            };
+            if closed {
+                *slot = connect();
+                reopened += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    reopened
+}
+
+#[test]
+fn legitimate_clients_get_through_a_flood_of_unauthenticated_connections() {
+    raise_open_files();
+    let server = ServerProcess::start(SECRET, &["--heap-size", "16M", "--index-size", "1M"]);
+    let directory = std::env::temp_dir().join(format!("rdkv-flood-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let file = directory.join("one-node.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[cluster]\nname = \"flood\"\nsecret = \"{SECRET}\"\nfabric = \"soft\"\n\n[[node]]\nid = 1\ncontrol_address = \"{}\"\nfabric_address = \"{}\"\nindex_size = \"1M\"\nheap_size = \"16M\"\n",
+            server.control_address, server.fabric_address
+        ),
+    )
+    .expect("the cluster file");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let attacker = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        let address = server.control_address;
+        std::thread::spawn(move || flood(address, stop, opened))
+    };
+    // The flood is up: all of its first connections are open.
+    let started = Instant::now();
+    while opened.load(Ordering::Relaxed) < FLOOD as u64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the flood did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let mut failures = Vec::new();
+    for index in 0..PUTS {
+        let put = Command::new(workspace_binary("rdkv"))
+            .args(["--config", file.to_str().expect("utf-8")])
+            .args(["put", &format!("flood-{index}"), "value"])
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run rdkv");
+        if !put.status.success() {
+            failures.push(String::from_utf8_lossy(&put.stderr).trim().to_string());
+        }
+    }
+    let stats = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(fetch_stats(
+            MonitoredNode {
+                address: server.control_address,
+                id: Some(1),
+                secret: SECRET.as_bytes(),
+            },
+            Duration::from_secs(5),
+        ))
+        .expect("stats during the flood");
+    stop.store(true, Ordering::Relaxed);
+    let reopened = attacker.join().expect("the flood");
+    let _ = std::fs::remove_dir_all(&directory);
+
+    assert!(
+        failures.is_empty(),
+        "{} of {PUTS} puts failed during the flood; the first: {}",
+        failures.len(),
+        failures[0]
+    );
+    assert!(
+        stats.handshakes_evicted >= (FLOOD - 256) as u64,
+        "the flood was not evicted: {} evicted, {reopened} reopened",
+        stats.handshakes_evicted
+    );
+    assert!(
+        stats.pending_handshakes <= 256,
+        "{}",
+        stats.pending_handshakes
+    );
+    assert_eq!(stats.keys, PUTS as u64);
+}
