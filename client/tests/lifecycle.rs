@@ -34,6 +34,7 @@ fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
         lease_timeout: Duration::from_secs(10),
         operation_deadline: Duration::from_secs(2),
         poll_spin: Duration::ZERO,
+        limits: rdkv_cluster_file::config::ConnectionLimits::default(),
         ssh: rdkv_cluster_file::config::SshSettings {
             user: None,
             options: Vec::new(),

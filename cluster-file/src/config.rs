@@ -72,6 +72,10 @@ struct RawCluster {
     lease_timeout: Option<Spanned<String>>,
     operation_deadline: Option<Spanned<String>>,
     poll_spin: Option<Spanned<String>>,
+    max_connections: Option<Spanned<u64>>,
+    max_unauthenticated_connections: Option<Spanned<u64>>,
+    max_pending_per_address: Option<Spanned<u64>>,
+    handshake_deadline: Option<Spanned<String>>,
     ssh_user: Option<Spanned<String>>,
     ssh_options: Option<Spanned<Vec<String>>>,
     remote_binary: Option<Spanned<String>>,
@@ -116,12 +120,41 @@ pub struct ClusterConfig {
     /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
     /// every completion queue poller (clients' included).
     pub poll_spin: Duration,
+    /// What one node allows its control-plane clients.
+    pub limits: ConnectionLimits,
     /// How remote nodes are reached.
     pub ssh: SshSettings,
     /// The nodes, in file order.
     pub nodes: Vec<NodeConfig>,
     /// Things worth fixing that do not stop the cluster (an over-readable secret file).
     pub warnings: Vec<String>,
+}
+
+/// A node's control-plane limits (`docs/protocol.md`, *Control frames*): unauthenticated
+/// connections get their own, smaller budget, so that anyone who can reach the port cannot
+/// take authenticated clients' slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Control connections at once, authenticated or not.
+    pub max_connections: usize,
+    /// Unauthenticated connections at once; a new one evicts the oldest.
+    pub max_unauthenticated: usize,
+    /// Unauthenticated connections at once from one source address; a new one evicts that
+    /// address's oldest.
+    pub max_pending_per_address: usize,
+    /// From accept to the end of the whole handshake.
+    pub handshake_deadline: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            max_unauthenticated: 256,
+            max_pending_per_address: 64,
+            handshake_deadline: Duration::from_secs(10),
+        }
+    }
 }
 
 /// How `rdkv-cluster` reaches nodes on other hosts: OpenSSH in batch mode, with the user's own
@@ -420,6 +453,7 @@ fn parse_with_secret(
         Duration::from_secs(2),
     )?;
     let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
+    let limits = connection_limits(&locator, cluster)?;
     if poll_spin > MAX_POLL_SPIN {
         let span = cluster.poll_spin.as_ref().map_or(0..0, Spanned::span);
         return Err(locator.error(
@@ -618,6 +652,7 @@ fn parse_with_secret(
         lease_timeout,
         operation_deadline,
         poll_spin,
+        limits,
         ssh: SshSettings {
             user: cluster.ssh_user.as_ref().map(|user| user.get_ref().clone()),
             options: cluster
@@ -637,6 +672,78 @@ fn parse_with_secret(
         nodes,
         warnings,
     })
+}
+
+/// The `[cluster]` connection limits, defaults where absent, checked against each other.
+fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<ConnectionLimits> {
+    let defaults = ConnectionLimits::default();
+    let count = |value: &Option<Spanned<u64>>, field: &str, default: usize| -> Result<usize> {
+        match value {
+            None => Ok(default),
+            Some(value) if *value.get_ref() == 0 => Err(locator.error(
+                value.span(),
+                field,
+                "0 would refuse every client: at least 1",
+            )),
+            Some(value) => Ok(usize::try_from(*value.get_ref()).unwrap_or(usize::MAX)),
+        }
+    };
+    let limits = ConnectionLimits {
+        max_connections: count(
+            &cluster.max_connections,
+            "cluster.max_connections",
+            defaults.max_connections,
+        )?,
+        max_unauthenticated: count(
+            &cluster.max_unauthenticated_connections,
+            "cluster.max_unauthenticated_connections",
+            defaults.max_unauthenticated,
+        )?,
+        max_pending_per_address: count(
+            &cluster.max_pending_per_address,
+            "cluster.max_pending_per_address",
+            defaults.max_pending_per_address,
+        )?,
+        handshake_deadline: locator.duration(
+            &cluster.handshake_deadline,
+            "cluster.handshake_deadline",
+            defaults.handshake_deadline,
+        )?,
+    };
+    if limits.max_unauthenticated >= limits.max_connections {
+        let span = cluster
+            .max_unauthenticated_connections
+            .as_ref()
+            .map_or(0..0, Spanned::span);
+        return Err(locator.error(
+            span,
+            "cluster.max_unauthenticated_connections",
+            format!(
+                "{} must be below max_connections ({}): unauthenticated connections must never take all the slots",
+                limits.max_unauthenticated, limits.max_connections
+            ),
+        ));
+    }
+    if !(Duration::from_secs(1)..=Duration::from_secs(120)).contains(&limits.handshake_deadline) {
+        let span = cluster
+            .handshake_deadline
+            .as_ref()
+            .map_or(0..0, Spanned::span);
+        return Err(locator.error(
+            span,
+            "cluster.handshake_deadline",
+            "between 1s and 120s: a handshake takes a few round trips",
+        ));
+    }
+    Ok(limits.clamp_per_address())
+}
+
+impl ConnectionLimits {
+    /// The per-address limit is at most the overall one.
+    fn clamp_per_address(mut self) -> Self {
+        self.max_pending_per_address = self.max_pending_per_address.min(self.max_unauthenticated);
+        self
+    }
 }
 
 /// Whether a node's `host` names this machine: `localhost`, a loopback address, or this

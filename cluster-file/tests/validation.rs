@@ -295,3 +295,53 @@ fn a_cluster_name_that_is_not_a_plain_word_is_refused() {
         assert!(message.contains("letters, digits"), "{message}");
     }
 }
+
+#[test]
+fn connection_limits_have_defaults_and_are_checked_against_each_other() {
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file("", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.limits.max_connections, 1024);
+    assert_eq!(config.limits.max_unauthenticated, 256);
+    assert_eq!(config.limits.max_pending_per_address, 64);
+    assert_eq!(
+        config.limits.handshake_deadline,
+        std::time::Duration::from_secs(10)
+    );
+    let set = "max_connections = 100\nmax_unauthenticated_connections = 20\nmax_pending_per_address = 50\nhandshake_deadline = \"3s\"\n";
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file(set, NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.limits.max_connections, 100);
+    assert_eq!(config.limits.max_unauthenticated, 20);
+    assert_eq!(
+        config.limits.max_pending_per_address, 20,
+        "at most the overall limit"
+    );
+    assert_eq!(
+        config.limits.handshake_deadline,
+        std::time::Duration::from_secs(3)
+    );
+
+    let (line, field, message) = invalid(&file(
+        "max_connections = 100\nmax_unauthenticated_connections = 100\n",
+        NODE_1,
+    ));
+    assert_eq!(
+        (line, field.as_str()),
+        (6, "cluster.max_unauthenticated_connections")
+    );
+    assert!(message.contains("below max_connections"), "{message}");
+    let (_, field, _) = invalid(&file("max_pending_per_address = 0\n", NODE_1));
+    assert_eq!(field, "cluster.max_pending_per_address");
+    let (_, field, message) = invalid(&file("handshake_deadline = \"10min\"\n", NODE_1));
+    assert_eq!(field, "cluster.handshake_deadline", "{message}");
+}

@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub operation_deadline: Duration,
     /// Most control connections at once.
     pub max_connections: usize,
+    /// The budget of unauthenticated connections and the handshake deadline
+    /// (`crate::pending`); its `max_connections` is not used (the field above is).
+    pub limits: rdkv_cluster_config::config::ConnectionLimits,
     /// The hash seed; random when absent.
     pub hash_seed: Option<u64>,
     /// How often the heap collector scans the index.
@@ -82,6 +85,7 @@ impl ServerConfig {
             lease_timeout: Duration::from_secs(10),
             operation_deadline: Duration::from_secs(2),
             max_connections: 1024,
+            limits: rdkv_cluster_config::config::ConnectionLimits::default(),
             hash_seed: None,
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: None,
@@ -126,7 +130,8 @@ impl ServerConfig {
             secret: cluster.secret.clone(),
             lease_timeout: cluster.lease_timeout,
             operation_deadline: cluster.operation_deadline,
-            max_connections: 1024,
+            max_connections: cluster.limits.max_connections,
+            limits: cluster.limits,
             hash_seed: None,
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: node.metrics_address,

@@ -3,29 +3,24 @@
 //! Anyone who can reach the control port can open connections, so unauthenticated ones get a
 //! smaller budget than `max_connections` and can never take an authenticated client's slot:
 //!
-//! - at most [`MAX_UNAUTHENTICATED`] at once; a new one evicts the oldest;
-//! - at most [`MAX_PENDING_PER_ADDRESS`] from one source address; a new one evicts that
-//!   address's oldest;
-//! - each has [`HANDSHAKE_DEADLINE`] in all to authenticate (see `session`).
+//! - at most `max_unauthenticated_connections` at once (default 256); a new one evicts the
+//!   oldest;
+//! - at most `max_pending_per_address` from one source address (default 64); a new one evicts
+//!   that address's oldest;
+//! - each has `handshake_deadline` in all to authenticate (default 10 s; see `session`).
+//!
+//! The three are `[cluster]` settings of the cluster file (`ConnectionLimits`).
 //!
 //! Eviction, not refusal: a legitimate client authenticates within a round trip or two of its
 //! connect, so it is the newest pending connection while it does, and a flood of idle
 //! connections pushes out only older idle ones. An evicted connection is closed and counted.
 
+use rdkv_cluster_config::config::ConnectionLimits;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
-
 use tokio_util::sync::CancellationToken;
-
-/// Unauthenticated connections at once, per node.
-pub const MAX_UNAUTHENTICATED: usize = 256;
-/// Unauthenticated connections at once from one source address.
-pub const MAX_PENDING_PER_ADDRESS: usize = 64;
-/// The time a connection has, from accept, to complete its whole handshake.
-pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// One pending connection.
 #[derive(Debug)]
@@ -37,14 +32,24 @@ struct Pending {
 }
 
 /// The unauthenticated connections of a node, oldest first (connection ids grow).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PendingHandshakes {
+    limits: ConnectionLimits,
     pending: Mutex<BTreeMap<u64, Pending>>,
     /// Connections evicted since start.
     pub evicted: AtomicU64,
 }
 
 impl PendingHandshakes {
+    /// No connection pending yet, under `limits`.
+    pub fn new(limits: ConnectionLimits) -> Self {
+        Self {
+            limits,
+            pending: Mutex::new(BTreeMap::new()),
+            evicted: AtomicU64::new(0),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Pending>> {
         self.pending
             .lock()
@@ -62,9 +67,9 @@ impl PendingHandshakes {
             .map(|(id, _)| *id)
             .collect();
         let mut victims = Vec::new();
-        if from_source.len() > MAX_PENDING_PER_ADDRESS {
+        if from_source.len() > self.limits.max_pending_per_address {
             victims.push(from_source[0]);
-        } else if pending.len() > MAX_UNAUTHENTICATED {
+        } else if pending.len() > self.limits.max_unauthenticated {
             victims.extend(pending.keys().next().copied());
         }
         for victim in victims {
@@ -92,8 +97,9 @@ mod tests {
 
     #[test]
     fn the_oldest_is_evicted_overall_and_per_address() {
-        let pending = PendingHandshakes::default();
-        let tokens: Vec<CancellationToken> = (0..MAX_UNAUTHENTICATED as u64 + 1)
+        let limits = ConnectionLimits::default();
+        let pending = PendingHandshakes::new(limits);
+        let tokens: Vec<CancellationToken> = (0..limits.max_unauthenticated as u64 + 1)
             .map(|id| {
                 let token = CancellationToken::new();
                 // Spread over many addresses: only the global limit applies.
@@ -104,11 +110,11 @@ mod tests {
             .collect();
         assert!(tokens[0].is_cancelled(), "the oldest went");
         assert!(tokens[1..].iter().all(|token| !token.is_cancelled()));
-        assert_eq!(pending.count(), MAX_UNAUTHENTICATED);
+        assert_eq!(pending.count(), limits.max_unauthenticated);
 
-        let one_source = PendingHandshakes::default();
+        let one_source = PendingHandshakes::new(limits);
         let source = IpAddr::from([127, 0, 0, 1]);
-        let tokens: Vec<CancellationToken> = (0..MAX_PENDING_PER_ADDRESS as u64 + 1)
+        let tokens: Vec<CancellationToken> = (0..limits.max_pending_per_address as u64 + 1)
             .map(|id| {
                 let token = CancellationToken::new();
                 one_source.admit(id, source, token.clone());
@@ -116,10 +122,10 @@ mod tests {
             })
             .collect();
         assert!(tokens[0].is_cancelled());
-        assert_eq!(one_source.count(), MAX_PENDING_PER_ADDRESS);
+        assert_eq!(one_source.count(), limits.max_pending_per_address);
         assert_eq!(one_source.evicted.load(Ordering::Relaxed), 1);
         // An authenticated connection leaves the budget.
         one_source.settle(1);
-        assert_eq!(one_source.count(), MAX_PENDING_PER_ADDRESS - 1);
+        assert_eq!(one_source.count(), limits.max_pending_per_address - 1);
     }
 }

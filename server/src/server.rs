@@ -175,7 +175,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         compactor: compactor::Compactor::default(),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
-        pending: crate::pending::PendingHandshakes::default(),
+        pending: crate::pending::PendingHandshakes::new(config.limits),
         config,
     });
     let shutdown = CancellationToken::new();

@@ -222,6 +222,7 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         lease_timeout: Duration::from_millis(arguments.lease_timeout_ms),
         operation_deadline: Duration::from_millis(arguments.deadline_ms),
         max_connections: 1024,
+        limits: rdkv_cluster_config::config::ConnectionLimits::default(),
         hash_seed: None,
         collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,
         metrics_address: arguments.metrics_listen,

@@ -196,8 +196,8 @@ impl Session {
             } else {
                 crate::Error::Evicted
             }),
-            _ = tokio::time::sleep(crate::pending::HANDSHAKE_DEADLINE) => {
-                Err(crate::Error::HandshakeTimedOut { timeout: crate::pending::HANDSHAKE_DEADLINE })
+            _ = tokio::time::sleep(self.shared.config.limits.handshake_deadline) => {
+                Err(crate::Error::HandshakeTimedOut { timeout: self.shared.config.limits.handshake_deadline })
             }
             outcome = self.handshake(&mut writer, &mut messages) => outcome,
         };
