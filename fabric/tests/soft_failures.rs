@@ -451,10 +451,19 @@ fn a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
-    // The responder: a 4 MiB region readable through its rkey, four times the device's
-    // 1 MiB max_message_size.
+/// A listening soft NIC whose queue pair is connected to a raw peer (a plain TCP stream that
+/// speaks the wire format itself), and a 4 MiB region readable by that queue pair.
+struct RawPeer {
+    stream: std::net::TcpStream,
+    rkey: rdkv_fabric::RemoteKey,
+    _queue_pair: QueuePair,
+    _region: rdkv_fabric::MemoryRegion,
+    _device: Device,
+}
+
+const REGION_LENGTH: u64 = 4 << 20;
+
+async fn raw_peer() -> RawPeer {
     let device = Device::soft(
         Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
         DeviceConfig::default(),
@@ -471,16 +480,14 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
     let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
         panic!("a soft endpoint");
     };
-    let region_length = 4u64 << 20;
     let memory = Arc::new(
-        PinnedMemory::allocate(region_length, HugepagePolicy::Off, PinLimits::default())
+        PinnedMemory::allocate(REGION_LENGTH, HugepagePolicy::Off, PinLimits::default())
             .expect("pinned"),
     );
-    let readable = domain
+    let region = domain
         .register_all(&memory, AccessFlags::REMOTE_READ)
         .expect("register");
-    let rkey = readable.remote_key();
-    // A raw peer that ignores its own limit: it dials, then asks for the whole region at once.
+    let rkey = region.remote_key();
     let peer = std::thread::spawn(move || {
         let mut stream = std::net::TcpStream::connect(address).expect("connect");
         stream
@@ -500,15 +507,42 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
         .connect(&peer_endpoint)
         .await
         .expect("connect the responder");
-    let mut stream = peer.join().expect("the peer");
+    RawPeer {
+        stream: peer.join().expect("the peer"),
+        rkey,
+        _queue_pair: queue_pair,
+        _region: region,
+        _device: device,
+    }
+}
+
+/// A READ request frame (docs/fabric.md).
+fn read_request(
+    sequence: u64,
+    rkey: &rdkv_fabric::RemoteKey,
+    offset: u64,
+    length: u32,
+) -> [u8; 48] {
     let mut request = [0u8; 48];
     request[0] = 1; // a request
     request[1] = 0; // READ
     request[4..8].copy_from_slice(&rkey.key.to_le_bytes());
-    request[8..16].copy_from_slice(&1u64.to_le_bytes());
-    request[16..24].copy_from_slice(&rkey.address.to_le_bytes());
-    request[24..28].copy_from_slice(&(region_length as u32).to_le_bytes());
-    stream.write_all(&request).expect("the READ");
+    request[8..16].copy_from_slice(&sequence.to_le_bytes());
+    request[16..24].copy_from_slice(&(rkey.address + offset).to_le_bytes());
+    request[24..28].copy_from_slice(&length.to_le_bytes());
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
+    // A 4 MiB window, four times the device's 1 MiB max_message_size, read at once by a peer
+    // that ignores its own limit.
+    let mut peer = raw_peer().await;
+    let rkey = peer.rkey;
+    let stream = &mut peer.stream;
+    stream
+        .write_all(&read_request(1, &rkey, 0, REGION_LENGTH as u32))
+        .expect("the READ");
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
@@ -561,4 +595,66 @@ fn idle_connections_to_the_fabric_port_hold_a_bounded_number_of_threads() {
         "{during} hello threads with 500 idle connections"
     );
     drop(idle);
+}
+
+/// This process's resident memory, in bytes.
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .expect("/proc/self/status")
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .expect("a VmRSS line")
+        * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
+    let mut peer = raw_peer().await;
+    let rkey = peer.rkey;
+    let stream = &mut peer.stream;
+    // 512 small requests for 1 MiB each, in one write, and then not a byte read: 512 MiB of
+    // answers, which the responder must not hold.
+    const REQUESTS: u64 = 512;
+    let length = 1u32 << 20;
+    let mut batch = Vec::new();
+    for sequence in 0..REQUESTS {
+        batch.extend_from_slice(&read_request(sequence, &rkey, (sequence % 3) << 20, length));
+    }
+    let before = resident_bytes();
+    stream.write_all(&batch).expect("the requests");
+    let mut peak = before;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(1) {
+        peak = peak.max(resident_bytes());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let growth = peak.saturating_sub(before);
+    assert!(
+        growth < 128 << 20,
+        "resident memory grew {} MiB while the peer did not read",
+        growth >> 20
+    );
+    // Every answer still comes, once the peer reads.
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut payload = vec![0u8; length as usize];
+    for sequence in 0..REQUESTS {
+        let mut header = [0u8; 16];
+        stream.read_exact(&mut header).expect("a response");
+        assert_eq!((header[0], header[1]), (2, 0), "a successful response");
+        assert_eq!(
+            u64::from_le_bytes(header[8..16].try_into().expect("8 bytes")),
+            sequence
+        );
+        stream.read_exact(&mut payload).expect("the data");
+    }
 }

@@ -36,6 +36,10 @@ use wire::{Frame, Hello, HelloStatus, HELLO_ACK_LENGTH, HELLO_LENGTH};
 
 /// How long a dialer or listener waits for the other side's hello or acknowledgement.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most response bytes an engine holds before it writes them out: a peer that pipelines
+/// thousands of small requests for large READs gets its answers at the pace it reads them,
+/// not a buffer of all of them.
+const RESPONSE_BUFFER_BOUND: usize = 4 << 20;
 /// How often an idle engine thread wakes to check the retry timeout and shutdown.
 const ENGINE_TICK: Duration = Duration::from_millis(50);
 
@@ -780,22 +784,18 @@ impl Engine {
                     }
                     self.start += used;
                     self.last_batch_frames += 1;
+                    // A batch of small requests for large READs must not pile up its answers:
+                    // past the bound, send them (waiting for the peer to take them) before
+                    // serving more. Responses wait in at most this much memory.
+                    if self.responses.len() >= RESPONSE_BUFFER_BOUND {
+                        self.send_responses();
+                    }
                 }
                 Ok(None) => break,
                 Err(error) => return Err(format!("protocol violation: {error}")),
             }
         }
-        if !self.responses.is_empty() {
-            let count = self.response_count;
-            let responses = &self.responses;
-            self.connection.append(|outgoing| {
-                outgoing.extend_from_slice(responses);
-                count
-            });
-            self.responses.clear();
-            self.response_count = 0;
-            self.connection.flush();
-        }
+        self.send_responses();
         if self.responder_failed {
             // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
             // the error response is on its way.
@@ -803,6 +803,23 @@ impl Engine {
             return Err("responder error".into());
         }
         Ok(())
+    }
+
+    /// Queues the responses served so far and writes them out (blocking while the peer does
+    /// not read: backpressure, as a NIC's responder stalls when its peer stops acknowledging).
+    fn send_responses(&mut self) {
+        if self.responses.is_empty() {
+            return;
+        }
+        let count = self.response_count;
+        let responses = &self.responses;
+        self.connection.append(|outgoing| {
+            outgoing.extend_from_slice(responses);
+            count
+        });
+        self.responses.clear();
+        self.response_count = 0;
+        self.connection.flush();
     }
 
     /// Free space to read into, after compacting parsed bytes away.
