@@ -239,7 +239,7 @@ pub struct ServerStats {
     pub data_path_requests: u64,
     /// Soft NIC frames sent (responses), a measure of one-sided traffic.
     pub fabric_frames_sent: i64,
-    /// Connections the soft NIC closed unread because too many hellos were pending.
+    /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub fabric_hellos_refused: i64,
     /// Authentication failures since start.
     pub authentication_failures: u64,

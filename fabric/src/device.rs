@@ -101,7 +101,7 @@ pub struct FabricGauges {
     pub(crate) frames_sent: AtomicI64,
     /// `write` calls the soft NIC made; frames per write shows how well posts coalesce.
     pub(crate) transport_writes: AtomicI64,
-    /// Connections the soft NIC closed unread because too many hellos were pending.
+    /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub(crate) hellos_refused: AtomicI64,
 }
 
@@ -122,7 +122,7 @@ pub struct GaugeSnapshot {
     pub frames_sent: i64,
     /// `write` calls the soft NIC made.
     pub transport_writes: i64,
-    /// Connections the soft NIC closed unread because too many hellos were pending.
+    /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub hellos_refused: i64,
 }
 

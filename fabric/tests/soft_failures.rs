@@ -571,22 +571,23 @@ fn hello_threads() -> usize {
         .count()
 }
 
-#[test]
-fn idle_connections_to_the_fabric_port_hold_a_bounded_number_of_threads() {
-    let (device, address, _endpoint, _queue_pair) = listening_queue_pair();
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_to_the_fabric_port_hold_bounded_threads_and_let_dialers_in() {
+    let (device, address, _endpoint, server_queue_pair) = listening_queue_pair();
     // 500 connections that never say hello (bounded: they close when the test ends).
     let idle: Vec<std::net::TcpStream> = (0..500)
         .map(|_| std::net::TcpStream::connect(address).expect("connect"))
         .collect();
-    // The accept thread takes them all within a moment; wait until it has (bounded).
+    // The accept thread takes them all within a moment, each past the 64th evicting the
+    // oldest pending one; wait until it has (bounded).
     let started = Instant::now();
     while device.gauges().hellos_refused < 500 - 64 {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "refused {} of the excess",
+            "evicted {} of the excess",
             device.gauges().hellos_refused
         );
-        std::thread::sleep(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // At most the 64 pending hellos of this NIC (another test may hold one or two more).
     let during = hello_threads();
@@ -594,6 +595,23 @@ fn idle_connections_to_the_fabric_port_hold_a_bounded_number_of_threads() {
         during <= 64 + 2,
         "{during} hello threads with 500 idle connections"
     );
+    // A legitimate dialer still gets in: it is the newest pending hello while it says hello.
+    let dialing = Device::soft(None, DeviceConfig::default()).expect("dialing device");
+    let client_queue_pair = dialing
+        .allocate_protection_domain()
+        .create_queue_pair(
+            &dialing.create_completion_queue(256).expect("cq"),
+            QueuePairConfig::default(),
+        )
+        .expect("queue pair");
+    let (server_end, client_end) = (server_queue_pair.endpoint(), client_queue_pair.endpoint());
+    let (server, client) = tokio::join!(
+        server_queue_pair.connect(&client_end),
+        client_queue_pair.connect(&server_end)
+    );
+    server.expect("the server side connects during the flood");
+    client.expect("the client side connects during the flood");
+    assert_eq!(client_queue_pair.state(), QueuePairState::ReadyToSend);
     drop(idle);
 }
 

@@ -114,7 +114,7 @@ impl Metrics {
             ),
             (
                 "soft_hellos_refused_total",
-                "Soft NIC connections closed unread: too many hellos pending",
+                "Soft NIC connections closed before their hello: evicted by newer ones, too many pending",
                 |stats| stats.fabric_hellos_refused,
             ),
             (

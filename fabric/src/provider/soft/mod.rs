@@ -236,13 +236,50 @@ impl Drop for SoftListener {
     }
 }
 
-/// Hellos read at once. Each holds a thread for at most [`HELLO_TIMEOUT`]; connections
-/// beyond this are closed at once, so a flood of idle connections costs a bounded number of
-/// threads (a legitimate dialer sends its 40 bytes at once and is done in microseconds).
+/// Hellos read at once. Each holds a thread for at most [`HELLO_TIMEOUT`]. A connection
+/// beyond this evicts the oldest pending one (closing it), so a flood of idle connections
+/// costs a bounded number of threads and still cannot keep a legitimate dialer out: a dialer
+/// sends its 40 bytes at once and is done in microseconds, long before 64 newer connections
+/// push it out.
 pub(crate) const MAX_PENDING_HELLOS: usize = 64;
 
+/// The connections whose hello is being read, oldest first.
+#[derive(Default)]
+struct PendingHellos {
+    /// Each hello's number and a handle on its socket, to close it on eviction.
+    streams: Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+    /// The next hello's number.
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl PendingHellos {
+    /// Admits a connection, evicting (closing) the oldest pending one when full; returns its
+    /// number and how many were evicted.
+    fn admit(&self, stream: &TcpStream) -> (u64, usize) {
+        let number = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut streams = lock(&self.streams);
+        let mut evicted = 0;
+        while streams.len() >= MAX_PENDING_HELLOS {
+            if let Some((_, oldest)) = streams.pop_front() {
+                // Its thread's read fails at once and the thread ends.
+                let _ = oldest.shutdown(Shutdown::Both);
+                evicted += 1;
+            }
+        }
+        if let Ok(handle) = stream.try_clone() {
+            streams.push_back((number, handle));
+        }
+        (number, evicted)
+    }
+
+    /// A hello ended (answered, refused, evicted or timed out).
+    fn finish(&self, number: u64) {
+        lock(&self.streams).retain(|(pending, _)| *pending != number);
+    }
+}
+
 fn accept_loop(listener: TcpListener, device: Weak<DeviceInner>, stopping: Arc<AtomicBool>) {
-    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pending = Arc::new(PendingHellos::default());
     for incoming in listener.incoming() {
         if stopping.load(Ordering::Acquire) {
             break;
@@ -255,26 +292,30 @@ fn accept_loop(listener: TcpListener, device: Weak<DeviceInner>, stopping: Arc<A
                 continue;
             }
         };
-        if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
-            pending.fetch_sub(1, Ordering::AcqRel);
+        let (number, evicted) = pending.admit(&stream);
+        if evicted > 0 {
             if let Some(device) = device.upgrade() {
-                device.gauges.hellos_refused.fetch_add(1, Ordering::Relaxed);
+                device
+                    .gauges
+                    .hellos_refused
+                    .fetch_add(evicted as i64, Ordering::Relaxed);
             }
-            tracing::debug!("soft NIC: too many hellos pending; connection closed");
-            continue;
+            tracing::debug!(
+                evicted,
+                "soft NIC: too many hellos pending; the oldest closed"
+            );
         }
         let device = device.clone();
         let finished = pending.clone();
         let spawned = std::thread::Builder::new()
             .name("rdkv-soft-hello".into())
             .spawn(move || {
-                if let Err(reason) = accept_hello(stream, &device) {
+                if let Err(reason) = accept_hello(stream, &device, || finished.finish(number)) {
                     tracing::debug!(%reason, "soft NIC refused a connection");
                 }
-                finished.fetch_sub(1, Ordering::AcqRel);
             });
         if spawned.is_err() {
-            pending.fetch_sub(1, Ordering::AcqRel);
+            pending.finish(number);
             tracing::warn!("soft NIC could not start a hello thread; connection dropped");
         }
     }
@@ -284,10 +325,14 @@ fn accept_loop(listener: TcpListener, device: Weak<DeviceInner>, stopping: Arc<A
 fn accept_hello(
     mut stream: TcpStream,
     device: &Weak<DeviceInner>,
+    hello_read: impl FnOnce(),
 ) -> std::result::Result<(), String> {
     let mut bytes = [0u8; HELLO_LENGTH];
-    read_within(&mut stream, &mut bytes, HELLO_TIMEOUT)
-        .map_err(|error| format!("read hello: {error}"))?;
+    let read = read_within(&mut stream, &mut bytes, HELLO_TIMEOUT);
+    // No longer pending, before the stream can be attached: an eviction must never close a
+    // connection that serves a queue pair.
+    hello_read();
+    read.map_err(|error| format!("read hello: {error}"))?;
     let answer = |stream: &mut TcpStream, status: HelloStatus| {
         stream
             .write_all(&status.encode())
