@@ -339,6 +339,17 @@ fn hello_bytes(target_qp_number: u32, target_device_id: u64) -> [u8; 40] {
     bytes
 }
 
+/// A queue pair of its own protection domain and completion queue on `device`.
+fn new_queue_pair(device: &Device) -> QueuePair {
+    device
+        .allocate_protection_domain()
+        .create_queue_pair(
+            &device.create_completion_queue(256).expect("cq"),
+            QueuePairConfig::default(),
+        )
+        .expect("queue pair")
+}
+
 /// A listening soft NIC with one queue pair: the NIC, its address and the queue pair's
 /// endpoint (kept alive by the returned queue pair).
 fn listening_queue_pair() -> (Device, SocketAddr, SoftEndpoint, QueuePair) {
@@ -348,13 +359,7 @@ fn listening_queue_pair() -> (Device, SocketAddr, SoftEndpoint, QueuePair) {
     )
     .expect("soft device");
     let address = device.listen_address().expect("listening");
-    let queue_pair = device
-        .allocate_protection_domain()
-        .create_queue_pair(
-            &device.create_completion_queue(256).expect("cq"),
-            QueuePairConfig::default(),
-        )
-        .expect("queue pair");
+    let queue_pair = new_queue_pair(&device);
     let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
         panic!("a soft endpoint");
     };
@@ -597,13 +602,7 @@ async fn idle_connections_to_the_fabric_port_hold_bounded_threads_and_let_dialer
     );
     // A legitimate dialer still gets in: it is the newest pending hello while it says hello.
     let dialing = Device::soft(None, DeviceConfig::default()).expect("dialing device");
-    let client_queue_pair = dialing
-        .allocate_protection_domain()
-        .create_queue_pair(
-            &dialing.create_completion_queue(256).expect("cq"),
-            QueuePairConfig::default(),
-        )
-        .expect("queue pair");
+    let client_queue_pair = new_queue_pair(&dialing);
     let (server_end, client_end) = (server_queue_pair.endpoint(), client_queue_pair.endpoint());
     let (server, client) = tokio::join!(
         server_queue_pair.connect(&client_end),
