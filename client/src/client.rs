@@ -620,16 +620,23 @@ impl Client {
     /// tear the connections down at once. Dropping the client does the same without waiting
     /// (see [`Client`]). An operation after `close` connects again.
     pub async fn close(&self) {
-        for node in &self.nodes {
-            let current = node
-                .connection
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take();
-            if let Some(connection) = current {
-                connection.close().await;
-            }
+        for connection in self.take_connections() {
+            connection.close().await;
         }
+    }
+
+    /// Takes every node's open connection out of the client (the next operation connects
+    /// again).
+    fn take_connections(&self) -> Vec<Arc<NodeConnection>> {
+        self.nodes
+            .iter()
+            .filter_map(|node| {
+                node.connection
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .take()
+            })
+            .collect()
     }
 }
 
@@ -641,18 +648,11 @@ impl Drop for Client {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        for node in &self.nodes {
-            let current = node
-                .connection
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take();
-            if let Some(connection) = current {
-                runtime.spawn(async move {
-                    // Best effort: on a timeout the connection closes without the goodbye.
-                    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, connection.close()).await;
-                });
-            }
+        for connection in self.take_connections() {
+            runtime.spawn(async move {
+                // Best effort: on a timeout the connection closes without the goodbye.
+                let _ = tokio::time::timeout(GOODBYE_TIMEOUT, connection.close()).await;
+            });
         }
     }
 }
