@@ -604,23 +604,33 @@ async fn stop_by_signal(
 /// `down`: stops the nodes (`only` one, or all) in order. Returns one line per node.
 ///
 /// # Errors
-/// As [`stop_node`].
+/// [`Error::Refused`] with every node's line when any node could not be stopped (the others
+/// were stopped all the same).
 pub async fn stop(
     config: &ClusterConfig,
     run_directory: &Path,
     only: Option<u32>,
 ) -> Result<Vec<String>> {
     let mut report = Vec::new();
+    let mut failed = false;
+    // Every node is tried: one that cannot be stopped does not keep the others running.
     for node in select(config, only)? {
         let started = Instant::now();
-        let line = match stop_node(config, node, run_directory).await? {
-            Stopped::ByRequest => format!(
+        let line = match stop_node(config, node, run_directory).await {
+            Ok(Stopped::ByRequest) => format!(
                 "stopped (shutdown over the control plane, {:.1}s)",
                 started.elapsed().as_secs_f64()
             ),
-            Stopped::Otherwise(line) | Stopped::NotRunning(line) => line,
+            Ok(Stopped::Otherwise(line) | Stopped::NotRunning(line)) => line,
+            Err(error) => {
+                failed = true;
+                format!("not stopped: {error}")
+            }
         };
         report.push(format!("node {}: {line}", node.id));
+    }
+    if failed {
+        return Err(Error::Refused(report.join("; ")));
     }
     Ok(report)
 }
