@@ -76,6 +76,9 @@ struct RawCluster {
     max_unauthenticated_connections: Option<Spanned<u64>>,
     max_pending_per_address: Option<Spanned<u64>>,
     handshake_deadline: Option<Spanned<String>>,
+    fabric_engine_threads: Option<Spanned<u64>>,
+    fabric_hello_deadline: Option<Spanned<String>>,
+    fabric_max_pending_hellos: Option<Spanned<u64>>,
     ssh_user: Option<Spanned<String>>,
     ssh_options: Option<Spanned<Vec<String>>>,
     remote_binary: Option<Spanned<String>>,
@@ -130,9 +133,10 @@ pub struct ClusterConfig {
     pub warnings: Vec<String>,
 }
 
-/// A node's control-plane limits (`docs/protocol.md`, *Control frames*): unauthenticated
-/// connections get their own, smaller budget, so that anyone who can reach the port cannot
-/// take authenticated clients' slots.
+/// A node's connection limits. Control plane (`docs/protocol.md`, *Control frames*):
+/// unauthenticated connections get their own, smaller budget, so that anyone who can reach
+/// the port cannot take authenticated clients' slots. Soft fabric port (`docs/fabric.md`):
+/// a fixed engine pool, and a deadline and a bound on hellos.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
     /// Control connections at once, authenticated or not.
@@ -144,6 +148,12 @@ pub struct ConnectionLimits {
     pub max_pending_per_address: usize,
     /// From accept to the end of the whole handshake.
     pub handshake_deadline: Duration,
+    /// The soft NIC's engine threads; zero means one per core.
+    pub fabric_engine_threads: usize,
+    /// From accept to the end of a soft fabric connection's whole hello.
+    pub fabric_hello_deadline: Duration,
+    /// Soft fabric connections reading their hello at once; a new one closes the oldest.
+    pub fabric_max_pending_hellos: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -153,6 +163,9 @@ impl Default for ConnectionLimits {
             max_unauthenticated: 256,
             max_pending_per_address: 64,
             handshake_deadline: Duration::from_secs(10),
+            fabric_engine_threads: 0,
+            fabric_hello_deadline: rdkv_fabric::DEFAULT_HELLO_DEADLINE,
+            fabric_max_pending_hellos: rdkv_fabric::DEFAULT_MAX_PENDING_HELLOS,
         }
     }
 }
@@ -709,6 +722,27 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "cluster.handshake_deadline",
             defaults.handshake_deadline,
         )?,
+        fabric_engine_threads: match &cluster.fabric_engine_threads {
+            None => defaults.fabric_engine_threads,
+            Some(value) if *value.get_ref() > MAX_ENGINE_THREADS => {
+                return Err(locator.error(
+                    value.span(),
+                    "cluster.fabric_engine_threads",
+                    format!("at most {MAX_ENGINE_THREADS} (0 means one per core)"),
+                ))
+            }
+            Some(value) => *value.get_ref() as usize,
+        },
+        fabric_hello_deadline: locator.duration(
+            &cluster.fabric_hello_deadline,
+            "cluster.fabric_hello_deadline",
+            defaults.fabric_hello_deadline,
+        )?,
+        fabric_max_pending_hellos: count(
+            &cluster.fabric_max_pending_hellos,
+            "cluster.fabric_max_pending_hellos",
+            defaults.fabric_max_pending_hellos,
+        )?,
     };
     if limits.max_unauthenticated >= limits.max_connections {
         let span = cluster
@@ -735,8 +769,24 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "between 1s and 120s: a handshake takes a few round trips",
         ));
     }
+    if !(Duration::from_millis(100)..=Duration::from_secs(60))
+        .contains(&limits.fabric_hello_deadline)
+    {
+        let span = cluster
+            .fabric_hello_deadline
+            .as_ref()
+            .map_or(0..0, Spanned::span);
+        return Err(locator.error(
+            span,
+            "cluster.fabric_hello_deadline",
+            "between 100ms and 60s: a dialer sends its 40-byte hello at once",
+        ));
+    }
     Ok(limits.clamp_per_address())
 }
+
+/// The most soft engine threads a cluster file may ask for.
+const MAX_ENGINE_THREADS: u64 = 256;
 
 impl ConnectionLimits {
     /// The per-address limit is at most the overall one.

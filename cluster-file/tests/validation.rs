@@ -345,3 +345,40 @@ fn connection_limits_have_defaults_and_are_checked_against_each_other() {
     let (_, field, message) = invalid(&file("handshake_deadline = \"10min\"\n", NODE_1));
     assert_eq!(field, "cluster.handshake_deadline", "{message}");
 }
+
+#[test]
+fn fabric_port_limits_have_defaults_and_bounds() {
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file("", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.limits.fabric_engine_threads, 0, "one per core");
+    assert_eq!(
+        config.limits.fabric_hello_deadline,
+        std::time::Duration::from_secs(5)
+    );
+    assert_eq!(config.limits.fabric_max_pending_hellos, 64);
+    let set = "fabric_engine_threads = 4\nfabric_hello_deadline = \"500ms\"\nfabric_max_pending_hellos = 16\n";
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file(set, NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.limits.fabric_engine_threads, 4);
+    assert_eq!(
+        config.limits.fabric_hello_deadline,
+        std::time::Duration::from_millis(500)
+    );
+    assert_eq!(config.limits.fabric_max_pending_hellos, 16);
+    let (_, field, message) = invalid(&file("fabric_engine_threads = 1000\n", NODE_1));
+    assert_eq!(field, "cluster.fabric_engine_threads", "{message}");
+    let (_, field, message) = invalid(&file("fabric_hello_deadline = \"2min\"\n", NODE_1));
+    assert_eq!(field, "cluster.fabric_hello_deadline", "{message}");
+    let (_, field, _) = invalid(&file("fabric_max_pending_hellos = 0\n", NODE_1));
+    assert_eq!(field, "cluster.fabric_max_pending_hellos");
+}

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -241,6 +241,14 @@ pub struct ServerStats {
     pub fabric_frames_sent: i64,
     /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub fabric_hellos_refused: i64,
+    /// Connections the soft NIC closed because their whole hello missed the deadline.
+    pub fabric_hellos_timed_out: i64,
+    /// Soft NIC connections reading their hello now.
+    pub fabric_hellos_pending: i64,
+    /// Soft NIC connections being served now (one per connected client queue pair).
+    pub fabric_connections: i64,
+    /// The soft NIC's engine threads (0 on verbs: the NIC does the work).
+    pub fabric_engine_threads: i64,
     /// Authentication failures since start.
     pub authentication_failures: u64,
     /// Unauthenticated control connections now.

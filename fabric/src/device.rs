@@ -32,6 +32,14 @@ pub struct DeviceConfig {
     /// never spins (lowest CPU use); a few tens of microseconds cuts the latency of a lightly
     /// loaded queue pair by the cost of a thread wake-up.
     pub poll_spin: Duration,
+    /// A listening soft NIC's engine threads, which serve all its connections; zero means one
+    /// per core. Not used by other providers.
+    pub engine_threads: usize,
+    /// How long a connection to a listening soft NIC has for its whole hello.
+    pub hello_deadline: Duration,
+    /// The most hellos a listening soft NIC reads at once; a connection beyond this closes
+    /// the oldest pending one.
+    pub max_pending_hellos: usize,
 }
 
 /// Which RDMA device the verbs backend opens, and how it addresses peers.
@@ -73,6 +81,11 @@ impl VerbsOptions {
     }
 }
 
+/// The default deadline on a whole soft hello.
+pub const DEFAULT_HELLO_DEADLINE: Duration = Duration::from_secs(5);
+/// The default bound on soft hellos pending at once.
+pub const DEFAULT_MAX_PENDING_HELLOS: usize = 64;
+
 /// The default maximum message size: 1 MiB.
 pub const DEFAULT_MAX_MESSAGE_SIZE: u32 = 1 << 20;
 
@@ -82,6 +95,9 @@ impl Default for DeviceConfig {
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             retry_timeout: Duration::from_secs(2),
             poll_spin: Duration::ZERO,
+            engine_threads: 0,
+            hello_deadline: DEFAULT_HELLO_DEADLINE,
+            max_pending_hellos: DEFAULT_MAX_PENDING_HELLOS,
         }
     }
 }
@@ -103,6 +119,10 @@ pub struct FabricGauges {
     pub(crate) transport_writes: AtomicI64,
     /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub(crate) hellos_refused: AtomicI64,
+    /// Connections the soft NIC closed because their hello missed the deadline.
+    pub(crate) hellos_timed_out: AtomicI64,
+    /// Soft connections being served now (attached to a queue pair).
+    pub(crate) soft_connections: AtomicI64,
 }
 
 /// A copy of a device's gauges at one instant.
@@ -124,6 +144,14 @@ pub struct GaugeSnapshot {
     pub transport_writes: i64,
     /// Connections the soft NIC closed before their hello: evicted by newer ones.
     pub hellos_refused: i64,
+    /// Connections the soft NIC closed because their hello missed the deadline.
+    pub hellos_timed_out: i64,
+    /// Hellos pending on the soft NIC's listener now.
+    pub hellos_pending: i64,
+    /// Soft connections being served now.
+    pub soft_connections: i64,
+    /// The soft NIC's engine threads (zero when it does not listen).
+    pub engine_threads: i64,
 }
 
 impl GaugeSnapshot {
@@ -276,6 +304,10 @@ impl Device {
             frames_sent: gauges.frames_sent.load(Ordering::Relaxed),
             transport_writes: gauges.transport_writes.load(Ordering::Relaxed),
             hellos_refused: gauges.hellos_refused.load(Ordering::Relaxed),
+            hellos_timed_out: gauges.hellos_timed_out.load(Ordering::Relaxed),
+            hellos_pending: self.inner.provider.hellos_pending() as i64,
+            soft_connections: gauges.soft_connections.load(Ordering::Relaxed),
+            engine_threads: self.inner.provider.engine_threads() as i64,
         }
     }
 }

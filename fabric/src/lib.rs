@@ -46,7 +46,10 @@ mod seam;
 mod types;
 
 pub use completion::{CompletionQueue, PostedList};
-pub use device::{Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_MAX_MESSAGE_SIZE};
+pub use device::{
+    Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,
+    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_PENDING_HELLOS,
+};
 pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};

@@ -134,11 +134,6 @@ impl QueuePairShared {
         self.device().config.retry_timeout
     }
 
-    /// How long a poller busy-polls before it blocks.
-    pub(crate) fn poll_spin(&self) -> Duration {
-        self.device().config.poll_spin
-    }
-
     /// The device's maximum message size.
     pub(crate) fn max_message_size(&self) -> u32 {
         self.device().config.max_message_size

@@ -77,6 +77,17 @@ pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
         None
     }
 
+    /// The NIC's engine threads serving incoming connections (zero where the NIC has none of
+    /// its own, or the kernel's driver does the work).
+    fn engine_threads(&self) -> usize {
+        0
+    }
+
+    /// Incoming connections whose hello the NIC is reading now.
+    fn hellos_pending(&self) -> usize {
+        0
+    }
+
     /// The NIC's completion queue behind a model CQ of `capacity` entries, if the NIC has one.
     ///
     /// # Errors

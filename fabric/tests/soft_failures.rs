@@ -353,11 +353,14 @@ fn new_queue_pair(device: &Device) -> QueuePair {
 /// A listening soft NIC with one queue pair: the NIC, its address and the queue pair's
 /// endpoint (kept alive by the returned queue pair).
 fn listening_queue_pair() -> (Device, SocketAddr, SoftEndpoint, QueuePair) {
-    let device = Device::soft(
-        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
-        DeviceConfig::default(),
-    )
-    .expect("soft device");
+    listening_queue_pair_with(DeviceConfig::default())
+}
+
+fn listening_queue_pair_with(
+    config: DeviceConfig,
+) -> (Device, SocketAddr, SoftEndpoint, QueuePair) {
+    let device = Device::soft(Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), config)
+        .expect("soft device");
     let address = device.listen_address().expect("listening");
     let queue_pair = new_queue_pair(&device);
     let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
@@ -423,14 +426,18 @@ fn queue_pair_numbers_and_device_ids_are_not_guessable() {
 
 #[test]
 fn a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline() {
-    let (_device, address, endpoint, _queue_pair) = listening_queue_pair();
+    // The deadline is a device setting (the cluster file's `fabric_hello_deadline`).
+    let (device, address, endpoint, _queue_pair) = listening_queue_pair_with(DeviceConfig {
+        hello_deadline: Duration::from_secs(2),
+        ..DeviceConfig::default()
+    });
     let hello = hello_bytes(endpoint.qp_number, endpoint.device_id);
     let mut stream = std::net::TcpStream::connect(address).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_millis(50)))
         .expect("timeout");
     let started = Instant::now();
-    // One byte every 300 ms: the 40-byte hello would take 12 s; the deadline is 5 s in all.
+    // One byte every 250 ms: the 40-byte hello would take 10 s; the deadline is 2 s in all.
     let mut cut_off = None;
     for byte in hello.iter().take(39) {
         if stream.write_all(&[*byte]).is_err() {
@@ -451,9 +458,10 @@ fn a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline() {
     }
     let cut_off = cut_off.expect("cut off before the hello was complete");
     assert!(
-        cut_off >= Duration::from_millis(4_500) && cut_off < Duration::from_millis(7_000),
+        cut_off >= Duration::from_millis(1_900) && cut_off < Duration::from_millis(3_500),
         "cut off after {cut_off:?}"
     );
+    assert_eq!(device.gauges().hellos_timed_out, 1, "counted");
 }
 
 /// A listening soft NIC whose queue pair is connected to a raw peer (a plain TCP stream that
@@ -463,19 +471,46 @@ struct RawPeer {
     rkey: rdkv_fabric::RemoteKey,
     _queue_pair: QueuePair,
     _region: rdkv_fabric::MemoryRegion,
-    _device: Device,
+    domain: rdkv_fabric::ProtectionDomain,
+    device: Device,
 }
 
 const REGION_LENGTH: u64 = 4 << 20;
 
 async fn raw_peer() -> RawPeer {
-    let device = Device::soft(
-        Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
-        DeviceConfig::default(),
-    )
-    .expect("soft device");
-    let address = device.listen_address().expect("listening");
+    raw_peer_with(DeviceConfig::default()).await
+}
+
+async fn raw_peer_with(config: DeviceConfig) -> RawPeer {
+    let device = Device::soft(Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), config)
+        .expect("soft device");
     let domain = device.allocate_protection_domain();
+    let memory = Arc::new(
+        PinnedMemory::allocate(REGION_LENGTH, HugepagePolicy::Off, PinLimits::default())
+            .expect("pinned"),
+    );
+    let region = domain
+        .register_all(&memory, AccessFlags::REMOTE_READ)
+        .expect("register");
+    let rkey = region.remote_key();
+    let (queue_pair, stream) = raw_connection(&device, &domain).await;
+    RawPeer {
+        stream,
+        rkey,
+        _queue_pair: queue_pair,
+        _region: region,
+        domain,
+        device,
+    }
+}
+
+/// A queue pair of `domain` on `device` (a listening NIC), connected to a plain TCP stream
+/// that has said its hello.
+async fn raw_connection(
+    device: &Device,
+    domain: &rdkv_fabric::ProtectionDomain,
+) -> (QueuePair, std::net::TcpStream) {
+    let address = device.listen_address().expect("listening");
     let queue_pair = domain
         .create_queue_pair(
             &device.create_completion_queue(256).expect("cq"),
@@ -485,14 +520,6 @@ async fn raw_peer() -> RawPeer {
     let QueuePairEndpoint::Soft(endpoint) = queue_pair.endpoint() else {
         panic!("a soft endpoint");
     };
-    let memory = Arc::new(
-        PinnedMemory::allocate(REGION_LENGTH, HugepagePolicy::Off, PinLimits::default())
-            .expect("pinned"),
-    );
-    let region = domain
-        .register_all(&memory, AccessFlags::REMOTE_READ)
-        .expect("register");
-    let rkey = region.remote_key();
     let peer = std::thread::spawn(move || {
         let mut stream = std::net::TcpStream::connect(address).expect("connect");
         stream
@@ -512,13 +539,7 @@ async fn raw_peer() -> RawPeer {
         .connect(&peer_endpoint)
         .await
         .expect("connect the responder");
-    RawPeer {
-        stream: peer.join().expect("the peer"),
-        rkey,
-        _queue_pair: queue_pair,
-        _region: region,
-        _device: device,
-    }
+    (queue_pair, peer.join().expect("the peer"))
 }
 
 /// A READ request frame (docs/fabric.md).
@@ -566,39 +587,57 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
     );
 }
 
-/// This process's threads reading a hello now (named `rdkv-soft-hello`), in every test of
-/// this binary.
-fn hello_threads() -> usize {
+/// This process's threads now.
+fn process_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("/proc/self/task")
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
-        .filter(|name| name.trim() == "rdkv-soft-hello")
         .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_connections_to_the_fabric_port_hold_bounded_threads_and_let_dialers_in() {
+async fn idle_connections_to_the_fabric_port_hold_no_threads_and_let_dialers_in() {
+    const IDLE: usize = 3_000;
     let (device, address, _endpoint, server_queue_pair) = listening_queue_pair();
-    // 500 connections that never say hello (bounded: they close when the test ends).
-    let idle: Vec<std::net::TcpStream> = (0..500)
-        .map(|_| std::net::TcpStream::connect(address).expect("connect"))
-        .collect();
+    let pool = device.gauges().engine_threads;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    assert_eq!(
+        pool as usize, cores,
+        "the default pool is one engine per core"
+    );
+    let before = process_threads();
+    // 3,000 connections that never say hello (bounded: they close when the test ends).
+    let mut idle = Vec::with_capacity(IDLE);
+    let mut most_threads = before;
+    for index in 0..IDLE {
+        let stream = std::net::TcpStream::connect(address).unwrap_or_else(|error| {
+            panic!("connection {index} of {IDLE}: {error} (raise `ulimit -n` above 3,200)")
+        });
+        idle.push(stream);
+        if index % 100 == 0 {
+            most_threads = most_threads.max(process_threads());
+        }
+    }
     // The accept thread takes them all within a moment, each past the 64th evicting the
     // oldest pending one; wait until it has (bounded).
     let started = Instant::now();
-    while device.gauges().hellos_refused < 500 - 64 {
+    while device.gauges().hellos_refused < (IDLE - 64) as i64 {
         assert!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < Duration::from_secs(20),
             "evicted {} of the excess",
             device.gauges().hellos_refused
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // At most the 64 pending hellos of this NIC (another test may hold one or two more).
-    let during = hello_threads();
+    most_threads = most_threads.max(process_threads());
+    // No thread per connection: the engine pool and the accept thread existed before the
+    // flood, and nothing was added for it (tokio's two workers are in `before` too).
     assert!(
-        during <= 64 + 2,
-        "{during} hello threads with 500 idle connections"
+        most_threads <= before,
+        "{most_threads} threads with {IDLE} idle connections, {before} before (pool {pool})"
+    );
+    assert!(
+        device.gauges().hellos_pending <= 64,
+        "pending hellos are bounded"
     );
     // A legitimate dialer still gets in: it is the newest pending hello while it says hello.
     let dialing = Device::soft(None, DeviceConfig::default()).expect("dialing device");
@@ -611,6 +650,10 @@ async fn idle_connections_to_the_fabric_port_hold_bounded_threads_and_let_dialer
     server.expect("the server side connects during the flood");
     client.expect("the client side connects during the flood");
     assert_eq!(client_queue_pair.state(), QueuePairState::ReadyToSend);
+    assert!(
+        process_threads() <= before,
+        "serving the dialer took no thread"
+    );
     drop(idle);
 }
 
@@ -674,4 +717,49 @@ async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
         );
         stream.read_exact(&mut payload).expect("the data");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
+    // One engine thread, so both connections share it.
+    let mut stalled = raw_peer_with(DeviceConfig {
+        engine_threads: 1,
+        ..DeviceConfig::default()
+    })
+    .await;
+    assert_eq!(stalled.device.gauges().engine_threads, 1);
+    let rkey = stalled.rkey;
+    // 256 MiB of answers asked for, and none read: the engine stops reading this connection
+    // once its output is full, and goes on serving the others.
+    let mut batch = Vec::new();
+    for sequence in 0..256u64 {
+        batch.extend_from_slice(&read_request(
+            sequence,
+            &rkey,
+            (sequence % 3) << 20,
+            1 << 20,
+        ));
+    }
+    stalled.stream.write_all(&batch).expect("the requests");
+    let (_queue_pair, mut other) = raw_connection(&stalled.device, &stalled.domain).await;
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = Instant::now();
+    for sequence in 0..100u64 {
+        other
+            .write_all(&read_request(sequence, &rkey, sequence * 64, 64))
+            .expect("a READ");
+        let mut response = [0u8; 16 + 64];
+        other
+            .read_exact(&mut response)
+            .expect("an answer while the other peer is stalled");
+        assert_eq!((response[0], response[1]), (2, 0), "a successful response");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "100 READs took {:?} beside a stalled peer",
+        started.elapsed()
+    );
+    assert_eq!(stalled.device.gauges().soft_connections, 2);
 }

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 22] = [
+        let definitions: [(&str, &str, Reader); 26] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -111,6 +111,26 @@ impl Metrics {
                 "handshakes_evicted_total",
                 "Unauthenticated control connections evicted by newer ones (too many at once)",
                 |stats| stats.handshakes_evicted as i64,
+            ),
+            (
+                "soft_hellos_pending",
+                "Soft NIC connections reading their hello now (bounded by fabric_max_pending_hellos)",
+                |stats| stats.fabric_hellos_pending,
+            ),
+            (
+                "soft_connections",
+                "Soft NIC connections being served now",
+                |stats| stats.fabric_connections,
+            ),
+            (
+                "soft_engine_threads",
+                "The soft NIC's engine threads, which serve every connection",
+                |stats| stats.fabric_engine_threads,
+            ),
+            (
+                "soft_hellos_timed_out_total",
+                "Soft NIC connections closed because their whole hello missed fabric_hello_deadline",
+                |stats| stats.fabric_hellos_timed_out,
             ),
             (
                 "soft_hellos_refused_total",

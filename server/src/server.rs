@@ -141,6 +141,9 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         &config.verbs,
         DeviceConfig {
             poll_spin: config.poll_spin,
+            engine_threads: config.limits.fabric_engine_threads,
+            hello_deadline: config.limits.fabric_hello_deadline,
+            max_pending_hellos: config.limits.fabric_max_pending_hellos,
             ..DeviceConfig::default()
         },
     )?;

@@ -131,6 +131,10 @@ impl Counters {
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),
             fabric_frames_sent: gauges.frames_sent,
             fabric_hellos_refused: gauges.hellos_refused,
+            fabric_hellos_timed_out: gauges.hellos_timed_out,
+            fabric_hellos_pending: gauges.hellos_pending,
+            fabric_connections: gauges.soft_connections,
+            fabric_engine_threads: gauges.engine_threads,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,

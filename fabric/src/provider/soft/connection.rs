@@ -1,0 +1,211 @@
+//! One soft connection's outgoing side: the TCP stream that two connected queue pairs share,
+//! and the buffer that posts and responses append frames to.
+//!
+//! Posts from any thread append encoded frames to one buffer; whichever thread finds no write
+//! in progress writes everything queued so far, so concurrent posts coalesce into few writes,
+//! as a NIC's doorbell batching would. How a write waits for a full socket depends on who
+//! serves the connection:
+//! - on a listening NIC ([`FlushMode::Pooled`]) nothing blocks: what the socket does not take
+//!   stays queued, and the engine pool writes it on the socket's next writable event (a pool
+//!   thread serves many connections and must never wait on one);
+//! - on a dialing-only NIC ([`FlushMode::Blocking`]) the writer waits in poll(2) until the
+//!   socket takes everything.
+
+use std::io::{ErrorKind, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::device::DeviceInner;
+use crate::lock;
+
+/// How a flush waits when the socket is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FlushMode {
+    /// Leave the rest queued for the engine pool's next writable event.
+    Pooled,
+    /// Wait in poll(2) until the socket takes everything.
+    Blocking,
+}
+
+/// The outgoing side of a connection.
+#[derive(Debug, Default)]
+struct Outgoing {
+    /// Bytes queued for the next write, oldest first.
+    bytes: Vec<u8>,
+    /// A drained buffer kept to avoid reallocating.
+    spare: Vec<u8>,
+    /// Whether some thread is writing now.
+    flushing: bool,
+    /// Set by a flush that found another one writing: the writer tries again before it stops,
+    /// so a writable event that arrives mid-write is never lost.
+    again: bool,
+}
+
+/// One soft connection between two queue pairs.
+#[derive(Debug)]
+pub(crate) struct SoftConnection {
+    /// The write side, set when the TCP connection exists.
+    stream: OnceLock<TcpStream>,
+    /// Queued outgoing frames.
+    outgoing: Mutex<Outgoing>,
+    /// Set once the connection is closed.
+    closed: AtomicBool,
+    /// How a flush waits for a full socket.
+    mode: FlushMode,
+    /// The device, for its transport counters.
+    pub(crate) device: Arc<DeviceInner>,
+}
+
+impl SoftConnection {
+    pub(crate) fn new(device: Arc<DeviceInner>, mode: FlushMode) -> Self {
+        Self {
+            stream: OnceLock::new(),
+            outgoing: Mutex::new(Outgoing::default()),
+            closed: AtomicBool::new(false),
+            mode,
+            device,
+        }
+    }
+
+    /// How this connection's flushes wait.
+    pub(crate) fn mode(&self) -> FlushMode {
+        self.mode
+    }
+
+    /// Sets the write side; false when it was already set.
+    pub(crate) fn set_stream(&self, stream: TcpStream) -> bool {
+        self.stream.set(stream).is_ok()
+    }
+
+    /// Appends frames to the outgoing buffer; `encode` returns how many it wrote. Call
+    /// [`SoftConnection::flush`] after.
+    pub(crate) fn append(&self, encode: impl FnOnce(&mut Vec<u8>) -> usize) {
+        let frames = encode(&mut lock(&self.outgoing).bytes);
+        self.device
+            .gauges
+            .frames_sent
+            .fetch_add(frames as i64, Ordering::Relaxed);
+    }
+
+    /// Bytes queued and not yet taken by the socket.
+    pub(crate) fn backlog(&self) -> usize {
+        lock(&self.outgoing).bytes.len()
+    }
+
+    /// Writes queued frames unless another thread is already writing (it will take ours too).
+    /// In [`FlushMode::Pooled`] it writes what the socket takes now and leaves the rest for
+    /// the next writable event.
+    pub(crate) fn flush(&self) {
+        let Some(stream) = self.stream.get() else {
+            return;
+        };
+        let mut outgoing = lock(&self.outgoing);
+        if outgoing.flushing {
+            outgoing.again = true;
+            return;
+        }
+        outgoing.flushing = true;
+        loop {
+            outgoing.again = false;
+            if outgoing.bytes.is_empty() || self.closed.load(Ordering::Acquire) {
+                outgoing.flushing = false;
+                outgoing.bytes.clear();
+                return;
+            }
+            let spare = std::mem::take(&mut outgoing.spare);
+            let mut batch = std::mem::replace(&mut outgoing.bytes, spare);
+            drop(outgoing);
+            let written = match self.mode {
+                FlushMode::Blocking => write_all_waiting(stream, &batch).map(|()| batch.len()),
+                FlushMode::Pooled => write_available(stream, &batch),
+            };
+            self.device
+                .gauges
+                .transport_writes
+                .fetch_add(1, Ordering::Relaxed);
+            outgoing = lock(&self.outgoing);
+            match written {
+                Ok(written) if written == batch.len() => {
+                    batch.clear();
+                    outgoing.spare = batch;
+                }
+                Ok(written) => {
+                    // The socket is full: keep the rest first in line, ahead of anything
+                    // appended meanwhile.
+                    batch.drain(..written);
+                    batch.extend_from_slice(&outgoing.bytes);
+                    let appended = std::mem::replace(&mut outgoing.bytes, batch);
+                    if outgoing.spare.capacity() < appended.capacity() {
+                        outgoing.spare = appended;
+                        outgoing.spare.clear();
+                    }
+                    if !outgoing.again {
+                        outgoing.flushing = false;
+                        return;
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(%error, "soft NIC write failed; closing the connection");
+                    outgoing.flushing = false;
+                    drop(outgoing);
+                    self.close();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Whether the connection is closed (locally, or because the peer went away).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Closes the connection; the engines on both ends see end of stream.
+    pub(crate) fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(stream) = self.stream.get() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Writes as much of `bytes` as the non-blocking socket takes now; returns how much.
+fn write_available(stream: &TcpStream, bytes: &[u8]) -> std::io::Result<usize> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match (&*stream).write(&bytes[written..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(count) => written += count,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == ErrorKind::WouldBlock => break,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(written)
+}
+
+/// Writes all of `bytes`, waiting in poll(2) whenever a non-blocking socket is full.
+fn write_all_waiting(stream: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        match (&*stream).write(bytes) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(written) => bytes = &bytes[written..],
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {
+                let mut descriptor = libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(stream),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for a socket that `stream` keeps open; a timeout
+                // bounds the wait.
+                unsafe { libc::poll(&mut descriptor, 1, 1000) };
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}

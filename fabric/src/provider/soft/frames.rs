@@ -1,0 +1,263 @@
+//! The frame processing of one soft connection ([`Engine`]), shared by the engine pool of a
+//! listening NIC (see `pool.rs`) and the engine task of a dialing-only NIC
+//! ([`run_engine_task`]).
+//!
+//! Requests run through the responder engine (server application code never sees them) and
+//! their responses are queued and written once the read buffer is empty; responses complete
+//! our own requests in order. End of stream, a read error, a protocol violation, or an
+//! outstanding request older than the retry timeout ends the connection: the oldest request
+//! completes RETRY_EXC_ERR and the rest flush.
+
+use std::io::ErrorKind;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::provider::engine;
+use crate::queue_pair::QueuePairShared;
+use crate::types::WorkCompletionStatus;
+
+use super::connection::{FlushMode, SoftConnection};
+use super::wire::{self, Frame};
+
+/// The most response bytes a connection holds before it writes them out, and the most it
+/// lets queue unsent: a peer that pipelines thousands of small requests for large READs gets
+/// its answers at the pace it reads them, not a buffer of all of them.
+pub(crate) const RESPONSE_BUFFER_BOUND: usize = 4 << 20;
+/// How often an idle engine checks the retry timeout and a local close.
+pub(crate) const ENGINE_TICK: Duration = Duration::from_millis(50);
+/// The read buffer a connection starts with; it grows (up to two largest frames) only when a
+/// frame needs it, so an idle connection costs little memory.
+const INITIAL_READ_BUFFER: usize = 16 * 1024;
+
+/// The frame processing of one connection.
+pub(crate) struct Engine {
+    /// The local queue pair.
+    pub(crate) queue_pair: Arc<QueuePairShared>,
+    /// The connection's outgoing side.
+    pub(crate) connection: Arc<SoftConnection>,
+    /// Received bytes; frames are parsed from `start..end`.
+    buffer: Vec<u8>,
+    /// First unparsed byte.
+    start: usize,
+    /// End of received bytes.
+    pub(crate) end: usize,
+    /// Encoded responses not yet queued for sending.
+    responses: Vec<u8>,
+    /// How many responses `responses` holds.
+    response_count: usize,
+    /// The responder refused a request: it serves nothing more on this connection.
+    responder_failed: bool,
+    /// The largest payload accepted.
+    max_payload: u32,
+    /// Frames handled by the last call of `process`: a measure of load for adaptive spinning.
+    pub(crate) last_batch_frames: usize,
+}
+
+impl Engine {
+    pub(crate) fn new(queue_pair: Arc<QueuePairShared>, connection: Arc<SoftConnection>) -> Self {
+        let max_payload = queue_pair.max_message_size();
+        connection
+            .device
+            .gauges
+            .soft_connections
+            .fetch_add(1, Ordering::Relaxed);
+        Self {
+            queue_pair,
+            connection,
+            buffer: vec![0u8; INITIAL_READ_BUFFER],
+            start: 0,
+            end: 0,
+            responses: Vec::new(),
+            response_count: 0,
+            responder_failed: false,
+            max_payload,
+            last_batch_frames: 0,
+        }
+    }
+
+    /// Whether the peer has not taken enough of our output for us to serve more: a pooled
+    /// connection stops reading until its socket drains below the bound.
+    pub(crate) fn output_blocked(&self) -> bool {
+        self.connection.mode() == FlushMode::Pooled
+            && self.connection.backlog() >= RESPONSE_BUFFER_BOUND
+    }
+
+    /// Handles every complete frame received so far (on a pooled connection, until the output
+    /// backlog reaches its bound) and sends the responses; `Err` ends the connection with its
+    /// reason.
+    pub(crate) fn process(&mut self) -> std::result::Result<(), String> {
+        self.last_batch_frames = 0;
+        loop {
+            if self.output_blocked() {
+                break;
+            }
+            match wire::decode_frame(&self.buffer[self.start..self.end], self.max_payload) {
+                Ok(Some((frame, used))) => {
+                    match frame {
+                        Frame::Request {
+                            sequence,
+                            request,
+                            payload,
+                        } => {
+                            if !self.responder_failed {
+                                let position = wire::reserve_response_header(&mut self.responses);
+                                match engine::serve(
+                                    &self.queue_pair,
+                                    &request,
+                                    payload,
+                                    &mut self.responses,
+                                ) {
+                                    Some(status) => {
+                                        wire::finish_response_header(
+                                            &mut self.responses,
+                                            position,
+                                            sequence,
+                                            status,
+                                        );
+                                        self.response_count += 1;
+                                        self.responder_failed =
+                                            status != WorkCompletionStatus::Success;
+                                    }
+                                    None => self.responses.truncate(position),
+                                }
+                            }
+                        }
+                        Frame::Response {
+                            sequence,
+                            status,
+                            payload,
+                        } => self.queue_pair.on_response(sequence, status, payload),
+                    }
+                    self.start += used;
+                    self.last_batch_frames += 1;
+                    // A batch of small requests for large READs must not pile up its answers:
+                    // past the bound, send them before serving more.
+                    if self.responses.len() >= RESPONSE_BUFFER_BOUND {
+                        self.send_responses();
+                    }
+                }
+                Ok(None) => break,
+                Err(error) => return Err(format!("protocol violation: {error}")),
+            }
+        }
+        self.send_responses();
+        if self.responder_failed {
+            // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
+            // the error response is on its way.
+            self.queue_pair.enter_error();
+            return Err("responder error".into());
+        }
+        Ok(())
+    }
+
+    /// Queues the responses served so far and writes them out.
+    fn send_responses(&mut self) {
+        if self.responses.is_empty() {
+            return;
+        }
+        let count = self.response_count;
+        let responses = &self.responses;
+        self.connection.append(|outgoing| {
+            outgoing.extend_from_slice(responses);
+            count
+        });
+        self.responses.clear();
+        if self.responses.capacity() > RESPONSE_BUFFER_BOUND {
+            // One burst of large READs must not keep megabytes per idle connection.
+            self.responses.shrink_to(INITIAL_READ_BUFFER);
+        }
+        self.response_count = 0;
+        self.connection.flush();
+    }
+
+    /// Free space to read into, after compacting parsed bytes away, growing the buffer when
+    /// one unfinished frame fills it. Never empty.
+    pub(crate) fn space(&mut self) -> &mut [u8] {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buffer.len() {
+            if self.start > 0 {
+                self.buffer.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            } else {
+                // One frame, unfinished, fills the buffer: a frame is at most a header and
+                // `max_payload`, so doubling up to two of them always makes room.
+                let largest = self.max_payload as usize * 2 + 4096;
+                let grown = (self.buffer.len() * 2).min(largest.max(self.buffer.len() + 4096));
+                self.buffer.resize(grown, 0);
+            }
+        }
+        &mut self.buffer[self.end..]
+    }
+
+    /// Grows the read buffer towards `limit` after a read filled it: a busy connection then
+    /// takes more per read.
+    pub(crate) fn grow_read_buffer(&mut self, limit: usize) {
+        if self.buffer.len() < limit {
+            let grown = (self.buffer.len() * 2).min(limit);
+            self.buffer.resize(grown, 0);
+        }
+    }
+
+    /// Whether to give up while idle: the connection was closed locally, or the oldest
+    /// outstanding request waited past the retry timeout.
+    pub(crate) fn idle_check(&self) -> std::result::Result<(), String> {
+        if self.connection.is_closed() {
+            return Err("closed locally".into());
+        }
+        let retry_timeout = self.queue_pair.retry_timeout();
+        if self
+            .queue_pair
+            .oldest_outstanding_age()
+            .is_some_and(|age| age > retry_timeout)
+        {
+            return Err(format!(
+                "no response within the retry timeout {retry_timeout:?}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Ends the connection: outstanding requests complete RETRY_EXC_ERR, then flush.
+    pub(crate) fn finish(self, reason: &str) {
+        tracing::debug!(qp_number = self.queue_pair.qp_number, %reason, "soft connection ended");
+        self.connection.close();
+        self.queue_pair.fail_unanswered();
+        self.connection
+            .device
+            .gauges
+            .soft_connections
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The engine task of one connection on a dialing-only NIC: it runs on the caller's tokio
+/// runtime, so a response wakes the awaiting task without a hop through another thread.
+pub(crate) async fn run_engine_task(mut engine: Engine, stream: tokio::net::TcpStream) {
+    let reason = loop {
+        if let Err(reason) = engine.process() {
+            break reason;
+        }
+        match stream.try_read(engine.space()) {
+            Ok(0) => break "end of stream".to_string(),
+            Ok(read) => engine.end += read,
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {
+                match tokio::time::timeout(ENGINE_TICK, stream.readable()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => break format!("wait for readability: {error}"),
+                    Err(_) => {
+                        if let Err(reason) = engine.idle_check() {
+                            break reason;
+                        }
+                    }
+                }
+            }
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) => break format!("read: {error}"),
+        }
+    };
+    engine.finish(&reason);
+}
