@@ -53,6 +53,13 @@ impl Backend {
     pub fn crosses_processes(self) -> bool {
         !matches!(self, Self::Loopback)
     }
+
+    /// Whether a window bind or a queue pair drain waits for a NIC's completions, and so may
+    /// block its thread for up to `retry_timeout` (verbs). On the emulated providers both
+    /// finish at once, so an async caller need not move them off its worker.
+    pub fn control_calls_may_block(self) -> bool {
+        matches!(self, Self::Verbs)
+    }
 }
 
 impl std::fmt::Display for Backend {

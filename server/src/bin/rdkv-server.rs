@@ -78,6 +78,29 @@ struct Arguments {
     /// Per-operation deadline in milliseconds.
     #[arg(long, default_value_t = 2_000)]
     deadline_ms: u64,
+    /// Control connections at once, authenticated or not (the cluster file's
+    /// `max_connections`).
+    #[arg(long, default_value_t = 1024, value_parser = at_least_one)]
+    max_connections: usize,
+    /// Unauthenticated control connections at once; a new one evicts the oldest silent one
+    /// (`max_unauthenticated_connections`; below --max-connections).
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
+    max_unauthenticated_connections: usize,
+    /// Unauthenticated control connections at once from one source address
+    /// (`max_pending_per_address`).
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    max_pending_per_address: usize,
+    /// The soft NIC's engine threads; 0 means one per core (`fabric_engine_threads`).
+    #[arg(long, default_value_t = 0)]
+    fabric_engine_threads: usize,
+}
+
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("0 would refuse every client: at least 1".into()),
+        Ok(value) => Ok(value),
+        Err(error) => Err(error.to_string()),
+    }
 }
 
 /// The exit codes, for `--help` (and `docs/operations.md`).
@@ -196,6 +219,16 @@ fn read_secret_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
 }
 
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
+    anyhow::ensure!(
+        arguments.max_unauthenticated_connections < arguments.max_connections,
+        "--max-unauthenticated-connections ({}) must be below --max-connections ({}): unauthenticated connections must never take all the slots",
+        arguments.max_unauthenticated_connections,
+        arguments.max_connections
+    );
+    anyhow::ensure!(
+        arguments.fabric_engine_threads <= 256,
+        "--fabric-engine-threads is at most 256 (0 means one per core)"
+    );
     let secret = match &arguments.secret_file {
         Some(path) => read_secret_file(path)?,
         None => std::env::var("RDKV_SECRET")
@@ -221,8 +254,16 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         secret,
         lease_timeout: Duration::from_millis(arguments.lease_timeout_ms),
         operation_deadline: Duration::from_millis(arguments.deadline_ms),
-        max_connections: 1024,
-        limits: rdkv_cluster_config::config::ConnectionLimits::default(),
+        max_connections: arguments.max_connections,
+        limits: rdkv_cluster_config::config::ConnectionLimits {
+            max_connections: arguments.max_connections,
+            max_unauthenticated: arguments.max_unauthenticated_connections,
+            max_pending_per_address: arguments
+                .max_pending_per_address
+                .min(arguments.max_unauthenticated_connections),
+            fabric_engine_threads: arguments.fabric_engine_threads,
+            ..rdkv_cluster_config::config::ConnectionLimits::default()
+        },
         hash_seed: None,
         collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,
         metrics_address: arguments.metrics_listen,

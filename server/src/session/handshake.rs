@@ -133,6 +133,7 @@ impl Session {
         let shared = self.shared.clone();
         self.pass.step("handshake: waiting for ConnectQueuePair");
         let table = &shared.table;
+        let may_block = shared.config.fabric.control_calls_may_block();
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
             return Err(crate::Error::UnexpectedMessage {
@@ -175,7 +176,7 @@ impl Session {
         // the device's retry_timeout): tell tokio, so this worker's other tasks move on.
         let bind = |access: AccessFlags, address: u64, length: u64| {
             let window = table.domain.allocate_memory_window();
-            off_async_worker(|| {
+            off_async_worker(may_block, || {
                 queue_pair.bind_memory_window(&window, &table.region, address, length, access)
             })
             .map(|key| (window, key))
@@ -204,7 +205,7 @@ impl Session {
             .await);
         };
         let announce_window = shared.table.domain.allocate_memory_window();
-        let announce_key = off_async_worker(|| {
+        let announce_key = off_async_worker(may_block, || {
             queue_pair.bind_memory_window(
                 &announce_window,
                 shared.announcements.region(),
@@ -246,10 +247,14 @@ impl Session {
 /// Runs a call that may block (a verbs window bind polls for its completion) without stalling
 /// the other tasks of this async worker: on a multi-threaded runtime through
 /// `block_in_place`, which hands them to other workers; elsewhere (a current-thread runtime in
-/// a test) directly.
-fn off_async_worker<T>(call: impl FnOnce() -> T) -> T {
+/// a test) directly. A call that cannot block (`may_block` false: the soft fabric's binds
+/// finish at once) runs directly: `block_in_place` would start a replacement worker thread for
+/// every handshake, and 1,000 clients connecting would leave a node with 100 idle threads.
+fn off_async_worker<T>(may_block: bool, call: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(call),
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) if may_block => {
+            tokio::task::block_in_place(call)
+        }
         _ => call(),
     }
 }

@@ -14,7 +14,7 @@
 //! above); here, the session's loop and what every session shares.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,10 +107,15 @@ pub(crate) async fn serve(
         };
         // Unauthenticated until proven: a handshake that a newer connection evicts ends.
         let evict = shutdown.child_token();
-        shared
+        // A duplicate of the socket lets eviction see bytes that wait unread.
+        let socket = std::os::fd::AsFd::as_fd(&stream)
+            .try_clone_to_owned()
+            .ok()
+            .map(std::net::TcpStream::from);
+        let spoke = shared
             .pending
-            .admit(connection_id, peer.ip(), evict.clone());
-        let reason = session.run(stream, shutdown, evict).await;
+            .admit(connection_id, peer.ip(), evict.clone(), socket);
+        let reason = session.run(stream, shutdown, evict, spoke).await;
         shared.pending.settle(connection_id);
         shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
         let quiet = [
@@ -168,10 +173,15 @@ fn with_causes(error: &dyn std::error::Error) -> String {
 async fn read_messages(
     mut reader: OwnedReadHalf,
     messages: mpsc::Sender<Result<ClientMessage, ControlError>>,
+    spoke: Arc<AtomicBool>,
 ) {
     loop {
         let message = read_frame::<_, ClientMessage>(&mut reader).await;
         let stop = message.is_err();
+        if !stop {
+            // No longer a silent connection: eviction spares it (`crate::pending`).
+            spoke.store(true, Ordering::Release);
+        }
         if messages.send(message).await.is_err() || stop {
             return;
         }
@@ -184,10 +194,11 @@ impl Session {
         stream: TcpStream,
         shutdown: CancellationToken,
         evict: CancellationToken,
+        spoke: Arc<AtomicBool>,
     ) -> String {
         let (reader, mut writer) = stream.into_split();
         let (sender, mut messages) = mpsc::channel(16);
-        let reader_task = tokio::spawn(read_messages(reader, sender));
+        let reader_task = tokio::spawn(read_messages(reader, sender, spoke));
         // A shutdown does not wait for a slow client's handshake, nor does a newer
         // unauthenticated connection (`crate::pending`); the whole handshake has a deadline.
         let handshake = tokio::select! {

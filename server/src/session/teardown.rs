@@ -37,7 +37,10 @@ impl Session {
             // Drained: nothing of this connection is in flight any more.
             shared.announcements.release(connection_id);
         };
-        if let Err(error) = tokio::task::spawn_blocking(ordered).await {
+        if !self.shared.config.fabric.control_calls_may_block() && stall.is_zero() {
+            // The emulated fabric drains at once: no blocking thread for it.
+            ordered();
+        } else if let Err(error) = tokio::task::spawn_blocking(ordered).await {
             tracing::error!(%error, connection_id, "session teardown failed");
         }
     }
