@@ -31,14 +31,23 @@ pub fn devices(fabric: Backend) -> (Device, Device) {
 
 /// Creates the server and client devices of a backend with a device configuration.
 pub fn devices_with(fabric: Backend, config: DeviceConfig) -> (Device, Device) {
+    devices_configured(fabric, config, config)
+}
+
+/// Creates the server and client devices of a backend, each with its own configuration.
+pub fn devices_configured(
+    fabric: Backend,
+    server: DeviceConfig,
+    client: DeviceConfig,
+) -> (Device, Device) {
     // The server side listens where its provider can (soft: loopback, port 0); the client side
     // only dials. Verbs takes its device from RDKV_RDMA_DEVICE and friends.
     let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
     let options = VerbsOptions::from_environment();
     (
-        Device::open(fabric, Some(listen), &options, config)
+        Device::open(fabric, Some(listen), &options, server)
             .unwrap_or_else(|error| panic!("open the {fabric} server device: {error}")),
-        Device::open(fabric, None, &options, config)
+        Device::open(fabric, None, &options, client)
             .unwrap_or_else(|error| panic!("open the {fabric} client device: {error}")),
     )
 }
@@ -135,7 +144,12 @@ pub async fn connect_with(
     device_config: DeviceConfig,
     config: QueuePairConfig,
 ) -> Connected {
-    let (server_device, client_device) = devices_with(fabric, device_config);
+    connect_devices(devices_with(fabric, device_config), config).await
+}
+
+/// Builds a connected pair on two given devices (server, client).
+pub async fn connect_devices(devices: (Device, Device), config: QueuePairConfig) -> Connected {
+    let (server_device, client_device) = devices;
     let server_domain = server_device.allocate_protection_domain();
     let client_domain = client_device.allocate_protection_domain();
     let server_completion_queue = server_device
@@ -1067,4 +1081,78 @@ pub async fn send_queue_depth_is_enforced(fabric: Backend) {
     for list in lists {
         assert_eq!(statuses(&list.await), [WorkCompletionStatus::Success]);
     }
+}
+
+/// Longer than `max_message_size`: the requester refuses it LOC_LEN_ERR before it leaves, and
+/// a responder whose limit is below its requester's (a peer that ignores its own) answers
+/// REM_INV_REQ_ERR, as rxe NAKs a length it cannot accept, with no data read or written.
+/// Emulated providers only (`docs/fabric.md`, *Conformance*): on verbs both limits are the NIC
+/// port's `max_msg_sz`, which `DeviceConfig` cannot lower.
+pub async fn a_message_longer_than_the_limit_is_refused(fabric: Backend) {
+    let connected = connect(fabric).await;
+    let too_long = WorkRequest::read(
+        7,
+        connected.local_at(0, (MIB + 4096) as u32),
+        connected.remote_at(0),
+    );
+    expect_error_then_flush(&connected, too_long, WorkCompletionStatus::LocalLengthError).await;
+
+    let small = DeviceConfig {
+        max_message_size: 4096,
+        ..DeviceConfig::default()
+    };
+    let connected = connect_devices(
+        devices_configured(fabric, small, DeviceConfig::default()),
+        QueuePairConfig::default(),
+    )
+    .await;
+    connected
+        .remote
+        .memory()
+        .write_from(0, &pattern(8192, 3))
+        .expect("fill remote");
+    connected
+        .local
+        .memory()
+        .write_from(0, &[0u8; 8192])
+        .expect("clear local");
+    let read = WorkRequest::read(8, connected.local_at(0, 8192), connected.remote_at(0));
+    let completions = connected
+        .client_queue_pair
+        .execute(vec![read])
+        .await
+        .expect("post");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::RemoteInvalidRequestError],
+        "an 8 KiB READ from a responder whose limit is 4 KiB"
+    );
+    let mut landed = vec![0u8; 8192];
+    connected
+        .local
+        .memory()
+        .read_into(0, &mut landed)
+        .expect("read local");
+    assert!(landed.iter().all(|byte| *byte == 0), "no data was sent");
+
+    let (_server, client) = connected.another_pair().await;
+    connected
+        .local
+        .memory()
+        .write_from(0, &pattern(8192, 9))
+        .expect("fill local");
+    let write = WorkRequest::write(9, connected.local_at(0, 8192), connected.remote_at(0));
+    let completions = client.execute(vec![write]).await.expect("post");
+    assert_eq!(
+        statuses(&completions),
+        [WorkCompletionStatus::RemoteInvalidRequestError],
+        "an 8 KiB WRITE to a responder whose limit is 4 KiB"
+    );
+    let mut remote = vec![0u8; 8192];
+    connected
+        .remote
+        .memory()
+        .read_into(0, &mut remote)
+        .expect("read remote");
+    assert_eq!(remote, pattern(8192, 3), "nothing was written");
 }

@@ -6,12 +6,21 @@
 mod checks;
 
 macro_rules! conformance_suite {
+    ($module:ident, $fabric:expr, emulated) => {
+        conformance_suite!($module, $fabric, [a_message_longer_than_the_limit_is_refused]);
+    };
     ($module:ident, $fabric:expr) => {
+        conformance_suite!($module, $fabric, []);
+    };
+    ($module:ident, $fabric:expr, [$($extra:ident),*]) => {
         mod $module {
             use crate::checks;
             use rdkv_fabric::Backend;
 
             const FABRIC: Backend = $fabric;
+
+            // Checks of the emulated providers only (`docs/fabric.md`, *Conformance*).
+            conformance_suite!(@checks $($extra),*);
 
             conformance_suite!(@checks
                 queue_pair_states_and_gauges,
@@ -49,7 +58,7 @@ macro_rules! conformance_suite {
     };
 }
 
-conformance_suite!(soft, Backend::Soft);
-conformance_suite!(loopback, Backend::Loopback);
+conformance_suite!(soft, Backend::Soft, emulated);
+conformance_suite!(loopback, Backend::Loopback, emulated);
 #[cfg(feature = "verbs")]
 conformance_suite!(verbs, Backend::Verbs);

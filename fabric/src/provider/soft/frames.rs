@@ -48,6 +48,9 @@ pub(crate) struct Engine {
     response_count: usize,
     /// The responder refused a request: it serves nothing more on this connection.
     responder_failed: bool,
+    /// Payload bytes of an oversize request still to be read and dropped: the connection
+    /// closes only after them, so the error response is not lost to a reset.
+    discarding: u64,
     /// The largest payload accepted.
     max_payload: u32,
     /// Frames handled by the last call of `process`: a measure of load for adaptive spinning.
@@ -71,6 +74,7 @@ impl Engine {
             responses: Vec::new(),
             response_count: 0,
             responder_failed: false,
+            discarding: 0,
             max_payload,
             last_batch_frames: 0,
         }
@@ -91,6 +95,14 @@ impl Engine {
         loop {
             if self.output_blocked() {
                 break;
+            }
+            if self.discarding > 0 {
+                let dropped = self.discarding.min((self.end - self.start) as u64);
+                self.start += dropped as usize;
+                self.discarding -= dropped;
+                if self.discarding > 0 {
+                    break;
+                }
             }
             match wire::decode_frame(&self.buffer[self.start..self.end], self.max_payload) {
                 Ok(Some((frame, used))) => {
@@ -123,6 +135,23 @@ impl Engine {
                                 }
                             }
                         }
+                        Frame::OversizeRequest {
+                            sequence,
+                            payload_length,
+                        } => {
+                            if !self.responder_failed {
+                                let position = wire::reserve_response_header(&mut self.responses);
+                                wire::finish_response_header(
+                                    &mut self.responses,
+                                    position,
+                                    sequence,
+                                    WorkCompletionStatus::RemoteInvalidRequestError,
+                                );
+                                self.response_count += 1;
+                                self.responder_failed = true;
+                            }
+                            self.discarding = u64::from(payload_length);
+                        }
                         Frame::Response {
                             sequence,
                             status,
@@ -142,7 +171,7 @@ impl Engine {
             }
         }
         self.send_responses();
-        if self.responder_failed {
+        if self.responder_failed && self.discarding == 0 {
             // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
             // the error response is on its way.
             self.queue_pair.enter_error();

@@ -187,6 +187,15 @@ pub(crate) enum Frame<'a> {
         /// The WRITE payload.
         payload: &'a [u8],
     },
+    /// A request whose payload is longer than this side accepts: its header only. The engine
+    /// answers it REM_INV_REQ_ERR and discards the payload that follows, as rxe NAKs a length
+    /// it cannot accept.
+    OversizeRequest {
+        /// Its sequence.
+        sequence: u64,
+        /// The payload bytes that follow the header.
+        payload_length: u32,
+    },
     /// A response to one of our requests.
     Response {
         /// The sequence answered.
@@ -233,10 +242,13 @@ pub(crate) fn decode_frame(
             let opcode = Opcode::from_wire(bytes[1]).ok_or(WireError::UnknownOpcode(bytes[1]))?;
             let payload_length = u32_at(bytes, 28);
             if payload_length > max_payload {
-                return Err(WireError::Oversize {
-                    length: payload_length,
-                    max: max_payload,
-                });
+                return Ok(Some((
+                    Frame::OversizeRequest {
+                        sequence: u64_at(bytes, 8),
+                        payload_length,
+                    },
+                    REQUEST_HEADER_LENGTH,
+                )));
             }
             let total = REQUEST_HEADER_LENGTH + payload_length as usize;
             if bytes.len() < total {
@@ -341,7 +353,7 @@ mod tests {
                 assert_eq!((request.compare, request.swap_or_add), (1, 2));
                 assert!(payload.is_empty());
             }
-            Frame::Response { .. } => panic!("decoded a response"),
+            other => panic!("decoded {other:?}"),
         }
     }
 
@@ -390,8 +402,23 @@ mod tests {
         );
         let mut buffer = Vec::new();
         encode_request_header(&mut buffer, 1, &sample_request(), 4096);
+        // An oversize request is answered, not a violation: its header alone is taken.
         assert!(matches!(
             decode_frame(&buffer, 1024),
+            Ok(Some((
+                Frame::OversizeRequest {
+                    sequence: 1,
+                    payload_length: 4096
+                },
+                REQUEST_HEADER_LENGTH
+            )))
+        ));
+        let mut response = Vec::new();
+        let position = reserve_response_header(&mut response);
+        response.resize(position + RESPONSE_HEADER_LENGTH + 4096, 0);
+        finish_response_header(&mut response, position, 2, WorkCompletionStatus::Success);
+        assert!(matches!(
+            decode_frame(&response, 1024),
             Err(WireError::Oversize {
                 length: 4096,
                 max: 1024
