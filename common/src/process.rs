@@ -138,3 +138,46 @@ pub fn free_loopback_ports(count: usize) -> std::io::Result<Vec<u16>> {
         .map(|listener| listener.local_addr().map(|address| address.port()))
         .collect()
 }
+
+/// Linux reports process times in `/proc` in USER_HZ ticks, 100 per second on every
+/// architecture's user-space ABI.
+const USER_HZ: u64 = 100;
+
+/// CPU time (user + system, all threads) a process has used so far, from `/proc/PID/stat`
+/// (`None` for this process); `None` when it cannot be read (the process is gone). 10 ms
+/// resolution: measure over seconds.
+pub fn cpu_time(pid: Option<u32>) -> Option<std::time::Duration> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/stat"),
+        None => "/proc/self/stat".to_string(),
+    };
+    let text = std::fs::read_to_string(path).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let after_name = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // Fields 14 and 15 of the whole line (utime, stime) are 12 and 13 after the name.
+    let user: u64 = fields.get(11)?.parse().ok()?;
+    let system: u64 = fields.get(12)?.parse().ok()?;
+    Some(std::time::Duration::from_millis(
+        (user + system) * 1000 / USER_HZ,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpu_time_grows_with_work() {
+        let before = super::cpu_time(None).expect("this process's CPU time");
+        let started = std::time::Instant::now();
+        let mut spin = 0u64;
+        while started.elapsed() < std::time::Duration::from_millis(200) {
+            spin = std::hint::black_box(spin.wrapping_add(1));
+        }
+        let after = super::cpu_time(None).expect("this process's CPU time");
+        assert!(
+            after - before >= std::time::Duration::from_millis(100),
+            "{before:?} → {after:?} over 200 ms of spinning"
+        );
+        assert_eq!(super::cpu_time(Some(u32::MAX)), None, "no such process");
+    }
+}

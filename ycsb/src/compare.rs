@@ -224,11 +224,18 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         "starting rdkv ({} node(s)) and redis-server on loopback",
         options.nodes
     );
-    let _cluster = ClusterGuard {
+    let cluster_guard = ClusterGuard {
         nodes: rdkv_cluster_config::launcher::start(&cluster, &run_directory, true)?,
         run_directory,
     };
-    let (_redis, redis_url) = start_redis(&options.redis_server)?;
+    let (redis_guard, redis_url) = start_redis(&options.redis_server)?;
+    // The server processes whose CPU each run is charged with.
+    let rdkv_pids: Vec<u32> = cluster_guard
+        .nodes
+        .iter()
+        .filter_map(|node| node.child.as_ref().map(Child::id))
+        .collect();
+    let redis_pids = vec![redis_guard.0.id()];
     let run_options = RunOptions {
         threads: options.threads,
         target: None,
@@ -249,7 +256,10 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
     });
     let redis = Arc::new(Driver::redis(&redis_url).await?);
     let mut reports: Vec<(Report, Report)> = Vec::new();
-    for (store, driver) in [("rdkv", rdkv.clone()), ("redis", redis.clone())] {
+    for (store, driver, pids) in [
+        ("rdkv", rdkv.clone(), &rdkv_pids),
+        ("redis", redis.clone(), &redis_pids),
+    ] {
         eprintln!(
             "{store}: loading {} records of {} bytes",
             first.record_count,
@@ -265,7 +275,14 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
                 "{store}: running {} for {} s with {} tasks",
                 workload.name, options.seconds, options.threads
             );
-            let report = runner::run(workload, driver.clone(), run_options).await?;
+            let servers_before = servers_cpu_time(pids);
+            let mut report = runner::run(workload, driver.clone(), run_options).await?;
+            report.server_cpu_us_per_operation = servers_before
+                .zip(servers_cpu_time(pids))
+                .filter(|_| report.operations > 0)
+                .map(|(before, after)| {
+                    (after - before).as_secs_f64() * 1e6 / report.operations as f64
+                });
             if store == "rdkv" {
                 reports.push((report.clone(), report));
             } else {
@@ -284,6 +301,13 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
             record_size: first.record_size(),
         })
         .collect())
+}
+
+/// The CPU time the processes `pids` used so far, together; `None` if one cannot be read.
+fn servers_cpu_time(pids: &[u32]) -> Option<Duration> {
+    pids.iter()
+        .map(|pid| rdkv_common::process::cpu_time(Some(*pid)))
+        .sum()
 }
 
 /// Operations that did not return OK or NOT_FOUND.
@@ -312,8 +336,8 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
             rows.first().map_or(0, |row| row.record_size)
         ))
     );
-    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ | errors rdkv/Redis |\n");
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ | client CPU µs/op rdkv/Redis | server CPU µs/op rdkv/Redis | errors rdkv/Redis |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in rows {
         let (rdkv_p50, rdkv_p99) = read_percentiles(&row.rdkv);
         let (redis_p50, redis_p99) = read_percentiles(&row.redis);
@@ -324,8 +348,10 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
             cas_failures: 0,
             checksum_retries: 0,
         });
+        let cpu =
+            |value: Option<f64>| value.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
         out.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} | {}/{} |\n",
+            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {}/{} |\n",
             row.workload,
             row.rdkv.throughput,
             row.redis.throughput,
@@ -336,6 +362,10 @@ pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
             redis_p99,
             figures.round_trips_per_operation,
             figures.round_trips_per_read,
+            cpu(row.rdkv.client_cpu_us_per_operation),
+            cpu(row.redis.client_cpu_us_per_operation),
+            cpu(row.rdkv.server_cpu_us_per_operation),
+            cpu(row.redis.server_cpu_us_per_operation),
             errors(&row.rdkv),
             errors(&row.redis)
         ));

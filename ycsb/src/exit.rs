@@ -122,6 +122,8 @@ mod tests {
             rdkv: None,
             timeseries: vec![],
             first_error: first_error.map(str::to_string),
+            client_cpu_us_per_operation: None,
+            server_cpu_us_per_operation: None,
         }
     }
 

@@ -207,6 +207,14 @@ pub struct Report {
     /// The first failed operation's message, for the one-line summary of a failed phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_error: Option<String>,
+    /// CPU time this process (the client) used per operation over the phase, in µs, all
+    /// threads, user and system (`/proc/self/stat`, 10 ms resolution).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cpu_us_per_operation: Option<f64>,
+    /// CPU time the store's server processes used per operation over the phase, in µs
+    /// (`rdkv-ycsb compare`, which starts them, fills it in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_cpu_us_per_operation: Option<f64>,
 }
 
 impl Report {
@@ -248,6 +256,12 @@ impl Report {
             );
             let _ = writeln!(out, "[RDKV], CasRacesLost, {}", rdkv.cas_failures);
             let _ = writeln!(out, "[RDKV], ChecksumRetries, {}", rdkv.checksum_retries);
+        }
+        if let Some(cpu) = self.client_cpu_us_per_operation {
+            let _ = writeln!(out, "[CPU], ClientMicrosecondsPerOperation, {cpu:.2}");
+        }
+        if let Some(cpu) = self.server_cpu_us_per_operation {
+            let _ = writeln!(out, "[CPU], ServerMicrosecondsPerOperation, {cpu:.2}");
         }
         out
     }
@@ -296,6 +310,8 @@ mod tests {
             }),
             timeseries: vec![],
             first_error: None,
+            client_cpu_us_per_operation: None,
+            server_cpu_us_per_operation: None,
         };
         assert_eq!(report.errors(), 1);
         let text = report.to_ycsb_text();

@@ -97,6 +97,7 @@ async fn execute(
         KeyChooser::from_name(&workload.request_distribution).map_err(anyhow::Error::msg)?;
     let first_error = Arc::new(OnceLock::new());
     let counters_before = driver.rdkv_counters();
+    let cpu_before = rdkv_common::process::cpu_time(None);
     let started = Instant::now();
     let deadline = options.max_execution_time.map(|limit| started + limit);
     let per_task_rate = options.target.map(|target| target / threads as f64);
@@ -185,7 +186,13 @@ async fn execute(
         ));
     }
     let operations = merged.operations();
+    let client_cpu_us_per_operation = cpu_before
+        .zip(rdkv_common::process::cpu_time(None))
+        .filter(|_| operations > 0)
+        .map(|(before, after)| (after - before).as_secs_f64() * 1e6 / operations as f64);
     Ok(Report {
+        client_cpu_us_per_operation,
+        server_cpu_us_per_operation: None,
         phase: match phase {
             Phase::Load => "load".into(),
             Phase::Run => "run".into(),
