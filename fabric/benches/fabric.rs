@@ -22,6 +22,15 @@ use rdkv_fabric::{
     VerbsOptions, WorkCompletionStatus, WorkRequest,
 };
 
+/// `chosen`, or `default` when nothing was chosen.
+fn or_default<'a>(chosen: &'a [usize], default: &'a [usize]) -> &'a [usize] {
+    if chosen.is_empty() {
+        default
+    } else {
+        chosen
+    }
+}
+
 /// Command-line options.
 #[derive(Debug, Parser)]
 #[command(about = "rdkv fabric benchmark: soft vs loopback")]
@@ -36,6 +45,12 @@ struct Options {
     /// Busy-poll budget of the soft engine threads, in microseconds (DeviceConfig::poll_spin).
     #[arg(long, default_value_t = 0)]
     spin_us: u64,
+    /// Only these queue pair counts (default 1 and 8).
+    #[arg(long)]
+    queue_pairs: Vec<usize>,
+    /// Only these depths (default 1 and 64).
+    #[arg(long)]
+    depth: Vec<usize>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -282,8 +297,8 @@ fn main() {
         Operation::CompareAndSwap,
         Operation::ReadBatch4,
     ] {
-        for queue_pairs in [1usize, 8] {
-            for depth in [1usize, 64] {
+        for &queue_pairs in or_default(&options.queue_pairs, &[1, 8]) {
+            for &depth in or_default(&options.depth, &[1, 64]) {
                 for backend in &backends {
                     let row = runtime.block_on(scenario(
                         backend,

@@ -92,8 +92,12 @@ impl Engine {
     /// reason.
     pub(crate) fn process(&mut self) -> std::result::Result<(), String> {
         self.last_batch_frames = 0;
+        // The output bound is checked when this call starts and after each intermediate send
+        // (responses grow only by what this call serves, at most the bound in between), not
+        // per frame: it takes the outgoing lock.
+        let mut blocked = self.output_blocked();
         loop {
-            if self.output_blocked() {
+            if blocked {
                 break;
             }
             if self.discarding > 0 {
@@ -164,6 +168,7 @@ impl Engine {
                     // past the bound, send them before serving more.
                     if self.responses.len() >= RESPONSE_BUFFER_BOUND {
                         self.send_responses();
+                        blocked = self.output_blocked();
                     }
                 }
                 Ok(None) => break,

@@ -535,11 +535,24 @@ fn serve(attached: &mut AttachedSlot) -> (Turn, usize) {
         let room = space.len();
         match (&attached.stream).read(space) {
             Ok(0) => return (Turn::End("end of stream".into()), frames),
+            Ok(read) if read < room => {
+                // A short read drained the socket: anything that arrives later raises a new
+                // edge, so this turn ends here without a read that would only say EAGAIN.
+                engine.end += read;
+                if let Err(reason) = engine.process() {
+                    return (Turn::End(reason), frames);
+                }
+                frames += engine.last_batch_frames;
+                let turn = if engine.output_blocked() {
+                    Turn::Blocked
+                } else {
+                    Turn::Idle
+                };
+                return (turn, frames);
+            }
             Ok(read) => {
                 engine.end += read;
-                if read == room {
-                    engine.grow_read_buffer(BUSY_READ_BUFFER);
-                }
+                engine.grow_read_buffer(BUSY_READ_BUFFER);
             }
             Err(error) if error.kind() == ErrorKind::WouldBlock => return (Turn::Idle, frames),
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
