@@ -763,3 +763,48 @@ async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
     );
     assert_eq!(stalled.device.gauges().soft_connections, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twelve_pipelined_64_mib_reads_get_the_status_not_memory() {
+    // The measurement on main before the cap: twelve pipelined 64 MiB READs of a window grew
+    // the responder's RSS from 112 to 1,648 MiB. Now each is longer than max_message_size
+    // (1 MiB) and is refused before any memory is touched.
+    let mut peer = raw_peer().await;
+    let rkey = peer.rkey;
+    let before = resident_bytes();
+    let mut batch = Vec::new();
+    for sequence in 0..12u64 {
+        batch.extend_from_slice(&read_request(sequence, &rkey, 0, 64 << 20));
+    }
+    peer.stream.write_all(&batch).expect("the READs");
+    peer.stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut header = [0u8; 16];
+    peer.stream.read_exact(&mut header).expect("a response");
+    assert_eq!(
+        (header[0], header[1]),
+        (2, 4),
+        "REM_INV_REQ_ERR for the first READ"
+    );
+    assert_eq!(
+        u32::from_le_bytes([header[4], header[5], header[6], header[7]]),
+        0,
+        "no data"
+    );
+    // The responder's queue pair is in ERROR after a NAK, as on rxe: nothing more is served,
+    // and the connection closes.
+    let mut rest = Vec::new();
+    let _ = peer.stream.read_to_end(&mut rest);
+    assert!(
+        rest.is_empty(),
+        "{} more bytes after the refusal",
+        rest.len()
+    );
+    let growth = resident_bytes().saturating_sub(before);
+    assert!(
+        growth < 64 << 20,
+        "resident memory grew {} MiB",
+        growth >> 20
+    );
+}
