@@ -326,37 +326,46 @@ impl PinnedMemory {
     /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
     pub fn write_from(&self, offset: u64, source: &[u8]) -> Result<()> {
         self.check_range(offset, source.len() as u64)?;
-        let mut position = offset;
-        let mut read = 0usize;
-        while read < source.len() {
-            let word_start = position & !7;
-            let within = (position - word_start) as usize;
-            let take = (8 - within).min(source.len() - read);
-            let word = self.word(word_start);
-            if take == 8 {
-                let mut bytes = [0u8; 8];
-                bytes.copy_from_slice(&source[read..read + 8]);
-                word.store(u64::from_le_bytes(bytes), Ordering::Release);
-            } else {
-                let mut current = word.load(Ordering::Acquire);
-                loop {
-                    let mut bytes = current.to_le_bytes();
-                    bytes[within..within + take].copy_from_slice(&source[read..read + take]);
-                    match word.compare_exchange_weak(
-                        current,
-                        u64::from_le_bytes(bytes),
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => break,
-                        Err(observed) => current = observed,
-                    }
-                }
-            }
-            read += take;
-            position += take as u64;
+        // An unaligned head, whole words (one atomic store each), an unaligned tail.
+        let head = (((8 - (offset % 8)) % 8) as usize).min(source.len());
+        let (head_bytes, rest) = source.split_at(head);
+        self.write_partial(offset, head_bytes);
+        let mut position = offset + head as u64;
+        let mut words = rest.chunks_exact(8);
+        for chunk in &mut words {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            self.word(position)
+                .store(u64::from_le_bytes(bytes), Ordering::Release);
+            position += 8;
         }
+        self.write_partial(position, words.remainder());
         Ok(())
+    }
+
+    /// Writes fewer than 8 bytes that lie within one word (checked by the caller), keeping the
+    /// word's other bytes (a CAS loop: a concurrent writer of those bytes is not undone).
+    fn write_partial(&self, offset: u64, source: &[u8]) {
+        if source.is_empty() {
+            return;
+        }
+        let word_start = offset & !7;
+        let within = (offset - word_start) as usize;
+        let word = self.word(word_start);
+        let mut current = word.load(Ordering::Acquire);
+        loop {
+            let mut bytes = current.to_le_bytes();
+            bytes[within..within + source.len()].copy_from_slice(source);
+            match word.compare_exchange_weak(
+                current,
+                u64::from_le_bytes(bytes),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(observed) => current = observed,
+            }
+        }
     }
 
     /// Loads the aligned 8-byte word at `offset`.
@@ -480,6 +489,23 @@ mod tests {
                     &pattern[offset..offset + length],
                     "offset {offset} length {length}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn every_offset_and_short_length_writes_only_its_bytes() {
+        let memory = small();
+        for offset in 0..24usize {
+            for length in 0..=(40 - offset.min(16)) {
+                memory.write_from(0, &[0xAAu8; 64]).expect("fill");
+                let source: Vec<u8> = (0..length as u8).collect();
+                memory.write_from(offset as u64, &source).expect("write");
+                let mut back = vec![0u8; 64];
+                memory.read_into(0, &mut back).expect("read");
+                let mut expected = vec![0xAAu8; 64];
+                expected[offset..offset + length].copy_from_slice(&source);
+                assert_eq!(back, expected, "offset {offset} length {length}");
             }
         }
     }
