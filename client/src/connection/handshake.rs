@@ -31,66 +31,122 @@ async fn read_reply(stream: &mut TcpStream) -> Result<ServerMessage, ControlErro
         )))
 }
 
+/// Why authentication did not give a welcome.
+enum Evictable {
+    /// The node closed the connection before answering the proof.
+    Closed,
+    /// Anything else.
+    Failed(Error),
+}
+
+impl From<Error> for Evictable {
+    fn from(error: Error) -> Self {
+        Self::Failed(error)
+    }
+}
+
+/// Attempts at authenticating when the node closes the connection during it.
+const AUTHENTICATE_ATTEMPTS: u32 = 3;
+
+/// TCP connect, challenge, proof: the welcome, on an authenticated stream.
+async fn authenticate(
+    config: &ClientConfig,
+) -> std::result::Result<(TcpStream, rdkv_common::protocol::Welcome), Evictable> {
+    let address = config.node.control_address;
+    let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
+    let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+        .await
+        .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|error| unreachable(error.to_string()))?;
+    let _ = stream.set_nodelay(true);
+    // A close (or reset) during authentication may be an eviction (see `open`).
+    let closed_or_failed = |error: ControlError| match &error {
+        ControlError::Closed => Evictable::Closed,
+        ControlError::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ) =>
+        {
+            Evictable::Closed
+        }
+        _ => Evictable::Failed(unreachable(format!("handshake: {error}"))),
+    };
+    let ServerMessage::Challenge {
+        protocol_version,
+        nonce,
+        node_id,
+    } = read_reply(&mut stream).await.map_err(closed_or_failed)?
+    else {
+        return Err(Evictable::from(unreachable(
+            "the server did not start with a challenge".into(),
+        )));
+    };
+    check_challenge_node(config.node.id, node_id).map_err(|error| Error::AuthenticationFailed {
+        address,
+        reason: error.to_string(),
+    })?;
+    if protocol_version != PROTOCOL_VERSION {
+        return Err(Evictable::from(Error::AuthenticationFailed {
+                address,
+                reason: format!(
+                    "protocol version mismatch: the server speaks {protocol_version}, this client {PROTOCOL_VERSION}"
+                ),
+            }));
+    }
+    write_frame(
+        &mut stream,
+        &ClientMessage::Authenticate {
+            protocol_version: PROTOCOL_VERSION,
+            purpose: Purpose::Data,
+            proof: compute_proof(&config.secret, node_id, &nonce),
+            client_name: config.name.clone(),
+        },
+    )
+    .await
+    .map_err(closed_or_failed)?;
+    let welcome = match read_reply(&mut stream).await.map_err(closed_or_failed) {
+        Ok(ServerMessage::Welcome(welcome)) => *welcome,
+        Ok(ServerMessage::Refused { reason }) => {
+            return Err(Evictable::from(Error::AuthenticationFailed {
+                address,
+                reason,
+            }))
+        }
+        Ok(other) => {
+            return Err(Evictable::from(unreachable(format!(
+                "unexpected handshake reply {other:?}"
+            ))))
+        }
+        Err(error) => return Err(error),
+    };
+
+    Ok((stream, welcome))
+}
+
 impl NodeConnection {
     /// Connects, authenticates, connects the queue pair and starts the control task.
     pub(crate) async fn open(config: &ClientConfig, counters: Arc<Counters>) -> Result<Arc<Self>> {
         let address = config.node.control_address;
         let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
-        let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
-            .await
-            .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
-            .map_err(|error| unreachable(error.to_string()))?;
-        let _ = stream.set_nodelay(true);
-        let step = |message: Result<ServerMessage, ControlError>| -> Result<ServerMessage> {
-            message.map_err(|error| unreachable(format!("handshake: {error}")))
-        };
-        let ServerMessage::Challenge {
-            protocol_version,
-            nonce,
-            node_id,
-        } = step(read_reply(&mut stream).await)?
-        else {
-            return Err(unreachable(
-                "the server did not start with a challenge".into(),
-            ));
-        };
-        check_challenge_node(config.node.id, node_id).map_err(|error| {
-            Error::AuthenticationFailed {
-                address,
-                reason: error.to_string(),
+        // A node under a flood of unauthenticated connections evicts the oldest silent one;
+        // ours can be it between the challenge and our proof. That close (never a wrong
+        // secret, which is refused in words) is worth another try or two.
+        let mut attempt = 1;
+        let (mut stream, welcome) = loop {
+            match authenticate(config).await {
+                Err(Evictable::Closed) if attempt < AUTHENTICATE_ATTEMPTS => {
+                    attempt += 1;
+                    tracing::debug!(%address, attempt, "closed during authentication; connecting again");
+                }
+                Err(Evictable::Closed) => {
+                    return Err(unreachable(format!(
+                        "the node closed the connection during authentication, {AUTHENTICATE_ATTEMPTS} times: it is stopping, or a flood of unauthenticated connections evicts ours (docs/protocol.md, Control frames)"
+                    )))
+                }
+                Err(Evictable::Failed(error)) => return Err(error),
+                Ok(authenticated) => break authenticated,
             }
-        })?;
-        if protocol_version != PROTOCOL_VERSION {
-            return Err(Error::AuthenticationFailed {
-                address,
-                reason: format!(
-                    "protocol version mismatch: the server speaks {protocol_version}, this client {PROTOCOL_VERSION}"
-                ),
-            });
-        }
-        write_frame(
-            &mut stream,
-            &ClientMessage::Authenticate {
-                protocol_version: PROTOCOL_VERSION,
-                purpose: Purpose::Data,
-                proof: compute_proof(&config.secret, node_id, &nonce),
-                client_name: config.name.clone(),
-            },
-        )
-        .await?;
-        let welcome = match read_reply(&mut stream).await {
-            Ok(ServerMessage::Welcome(welcome)) => *welcome,
-            Ok(ServerMessage::Refused { reason }) => {
-                return Err(Error::AuthenticationFailed { address, reason })
-            }
-            Ok(other) => return Err(unreachable(format!("unexpected handshake reply {other:?}"))),
-            Err(ControlError::Closed) => {
-                return Err(Error::AuthenticationFailed {
-                    address,
-                    reason: "the server closed the connection during authentication".into(),
-                })
-            }
-            Err(error) => return Err(unreachable(format!("handshake: {error}"))),
         };
 
         let fabric = ClientFabric::shared(config)?;

@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::device::DeviceInner;
 use crate::lock;
 
+/// The capacity an outgoing buffer keeps between bursts.
+const KEPT_CAPACITY: usize = 64 * 1024;
+
 /// How a flush waits when the socket is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FlushMode {
@@ -71,6 +74,11 @@ impl SoftConnection {
     /// How this connection's flushes wait.
     pub(crate) fn mode(&self) -> FlushMode {
         self.mode
+    }
+
+    /// Whether the TCP stream is attached.
+    pub(crate) fn has_stream(&self) -> bool {
+        self.stream.get().is_some()
     }
 
     /// Sets the write side; false when it was already set.
@@ -128,7 +136,14 @@ impl SoftConnection {
             match written {
                 Ok(written) if written == batch.len() => {
                     batch.clear();
+                    // One burst of large answers must not keep megabytes per idle connection:
+                    // the buffers that alternate here keep at most `KEPT_CAPACITY` between
+                    // bursts.
+                    batch.shrink_to(KEPT_CAPACITY);
                     outgoing.spare = batch;
+                    if outgoing.bytes.is_empty() {
+                        outgoing.bytes.shrink_to(KEPT_CAPACITY);
+                    }
                 }
                 Ok(written) => {
                     // The socket is full: keep the rest first in line, ahead of anything

@@ -29,6 +29,9 @@ pub(crate) const ENGINE_TICK: Duration = Duration::from_millis(50);
 /// The read buffer a connection starts with; it grows (up to two largest frames) only when a
 /// frame needs it, so an idle connection costs little memory.
 const INITIAL_READ_BUFFER: usize = 16 * 1024;
+/// The most a connection keeps of a read or response buffer that a burst grew, once idle:
+/// what a busy connection reads in one go.
+pub(crate) const KEPT_READ_BUFFER: usize = 256 * 1024;
 
 /// The frame processing of one connection.
 pub(crate) struct Engine {
@@ -197,7 +200,7 @@ impl Engine {
             count
         });
         self.responses.clear();
-        if self.responses.capacity() > RESPONSE_BUFFER_BOUND {
+        if self.responses.capacity() > KEPT_READ_BUFFER {
             // One burst of large READs must not keep megabytes per idle connection.
             self.responses.shrink_to(INITIAL_READ_BUFFER);
         }
@@ -211,6 +214,11 @@ impl Engine {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
+            if self.buffer.len() > KEPT_READ_BUFFER {
+                // A large WRITE grew it; an idle connection does not keep that.
+                self.buffer.truncate(KEPT_READ_BUFFER);
+                self.buffer.shrink_to_fit();
+            }
         } else if self.end == self.buffer.len() {
             if self.start > 0 {
                 self.buffer.copy_within(self.start..self.end, 0);

@@ -21,7 +21,7 @@ use crate::lock;
 use super::frames::Engine;
 use super::pool::{Arrival, EnginePool};
 use super::wire::{Hello, HelloStatus, HELLO_LENGTH};
-use super::{prepare_engine, SoftQueuePair};
+use super::{prepare_engine, ParkedStream, SoftQueuePair};
 
 /// The NIC's listening socket and its accept thread.
 #[derive(Debug)]
@@ -72,9 +72,9 @@ impl Drop for SoftListener {
 }
 
 /// The connections whose hello is being read, oldest first. A dialer sends its 40 bytes at
-/// once and is done in microseconds, long before `limit` newer connections push it out, so
-/// evicting the oldest keeps a flood of idle connections from holding any resource for long
-/// without keeping a legitimate dialer out.
+/// once, so evicting the oldest connection whose hello has not fully arrived keeps a flood of
+/// idle connections from holding any resource for long without keeping a legitimate dialer
+/// out, even when the flood outruns the engines that read the hellos.
 #[derive(Debug)]
 pub(crate) struct PendingHellos {
     /// Each hello's number and a handle on its socket, to close it on eviction.
@@ -101,9 +101,16 @@ impl PendingHellos {
         let mut streams = lock(&self.streams);
         let mut evicted = 0;
         while streams.len() >= self.limit {
-            if let Some((_, oldest)) = streams.pop_front() {
+            // The oldest whose hello has not fully arrived; only if every one has, the oldest.
+            // A dialer whose 40 bytes wait for an engine to read them is never the victim of
+            // a flood that outruns the engines.
+            let victim = streams
+                .iter()
+                .position(|(_, pending)| !hello_waiting(pending))
+                .unwrap_or(0);
+            if let Some((_, victim)) = streams.remove(victim) {
                 // Its engine sees end of stream at once and drops it.
-                let _ = oldest.shutdown(Shutdown::Both);
+                let _ = victim.shutdown(Shutdown::Both);
                 evicted += 1;
             }
         }
@@ -122,6 +129,12 @@ impl PendingHellos {
     pub(crate) fn count(&self) -> usize {
         lock(&self.streams).len()
     }
+}
+
+/// Whether a whole hello waits unread in `stream` (non-blocking).
+fn hello_waiting(stream: &TcpStream) -> bool {
+    let mut bytes = [0u8; HELLO_LENGTH];
+    matches!(stream.peek(&mut bytes), Ok(read) if read == HELLO_LENGTH)
 }
 
 fn accept_loop(
@@ -206,9 +219,17 @@ pub(crate) fn answer_hello(
             hello.target_qp_number
         ));
     };
+    let mut pending = lock(&soft.pending_stream);
+    if !soft.accepts_hello(&pending, hello.source_device_id, hello.source_qp_number) {
+        drop(pending);
+        answer(&mut stream, HelloStatus::Refused)?;
+        return Err(format!(
+            "hello for queue pair {} from device {:#x} queue pair {}: not its peer, or already connected",
+            hello.target_qp_number, hello.source_device_id, hello.source_qp_number
+        ));
+    }
     answer(&mut stream, HelloStatus::Accepted)?;
     let _ = stream.set_nodelay(true);
-    let mut pending = lock(&soft.pending_stream);
     match soft.connection.get() {
         Some(connection) => {
             let connection = connection.clone();
@@ -216,7 +237,11 @@ pub(crate) fn answer_hello(
             Ok(prepare_engine(&connection, stream, queue_pair.clone()))
         }
         None => {
-            *pending = Some(stream);
+            *pending = Some(ParkedStream {
+                stream,
+                source_device_id: hello.source_device_id,
+                source_qp_number: hello.source_qp_number,
+            });
             Ok(None)
         }
     }
@@ -240,4 +265,46 @@ pub(crate) fn read_hello(
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    #[test]
+    fn eviction_spares_a_connection_whose_whole_hello_waits() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let pending = PendingHellos::new(2);
+        let mut dialers = Vec::new();
+        let mut accepted = Vec::new();
+        for index in 0..3 {
+            let mut dialer = TcpStream::connect(address).expect("connect");
+            let (stream, _) = listener.accept().expect("accept");
+            stream.set_nonblocking(true).expect("non-blocking");
+            if index == 0 {
+                // The oldest has sent its whole hello; no engine has read it yet.
+                dialer.write_all(&[7u8; HELLO_LENGTH]).expect("hello");
+                while !hello_waiting(&stream) {
+                    std::thread::yield_now();
+                }
+            }
+            let (_, evicted) = pending.admit(&stream);
+            assert_eq!(evicted, usize::from(index == 2));
+            dialers.push(dialer);
+            accepted.push(stream);
+        }
+        assert_eq!(pending.count(), 2);
+        let numbers: Vec<u64> = lock(&pending.streams)
+            .iter()
+            .map(|(number, _)| *number)
+            .collect();
+        assert_eq!(
+            numbers,
+            [0, 2],
+            "the silent one in the middle went, not the oldest"
+        );
+    }
 }

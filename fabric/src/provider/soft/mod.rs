@@ -45,6 +45,8 @@ use wire::{Hello, HelloStatus, HELLO_ACK_LENGTH};
 
 /// How long a dialer waits to connect and for the listener's acknowledgement.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Dials of one queue pair when the listener closes before its acknowledgement.
+const DIAL_ATTEMPTS: u32 = 3;
 
 /// A soft NIC: listens (when given an address) and serves its queue pairs' connections.
 #[derive(Debug)]
@@ -136,8 +138,46 @@ impl DeviceProvider for SoftDevice {
 pub(crate) struct SoftQueuePair {
     /// Set once when the queue pair connects.
     connection: OnceLock<Arc<SoftConnection>>,
-    /// A connection that arrived before `connect` (passive side).
-    pending_stream: Mutex<Option<TcpStream>>,
+    /// A connection that arrived before `connect` (passive side), with the source its hello
+    /// named (device id, queue pair number).
+    pending_stream: Mutex<Option<ParkedStream>>,
+    /// The peer `connect` named: a hello from any other source is refused.
+    remote: OnceLock<SoftEndpoint>,
+}
+
+/// A stream whose hello arrived before its queue pair's `connect`.
+#[derive(Debug)]
+pub(crate) struct ParkedStream {
+    /// The stream, non-blocking.
+    pub(crate) stream: TcpStream,
+    /// The device id its hello named as its source.
+    pub(crate) source_device_id: u64,
+    /// The queue pair number its hello named as its source.
+    pub(crate) source_qp_number: u32,
+}
+
+impl SoftQueuePair {
+    /// Whether a hello from (`device_id`, `qp_number`) may attach to this queue pair now:
+    /// from the peer `connect` named (when it has been called), and only while the queue
+    /// pair has no stream yet. A second hello for a live queue pair is refused like any
+    /// other wrong hello, so hellos cannot be used to find live queue pairs.
+    pub(crate) fn accepts_hello(
+        &self,
+        pending: &Option<ParkedStream>,
+        device_id: u64,
+        qp_number: u32,
+    ) -> bool {
+        let from_the_peer = self
+            .remote
+            .get()
+            .is_none_or(|remote| remote.device_id == device_id && remote.qp_number == qp_number);
+        let free = pending.is_none()
+            && self
+                .connection
+                .get()
+                .is_none_or(|connection| !connection.has_stream());
+        from_the_peer && free
+    }
 }
 
 impl QueuePairProvider for SoftQueuePair {
@@ -262,14 +302,25 @@ impl SoftQueuePair {
                 FlushMode::Blocking
             },
         ));
+        let _ = self.remote.set(*remote);
         if !local_dials(local, remote) {
             let parked = {
                 let mut pending = lock(&self.pending_stream);
                 let _ = self.connection.set(connection.clone());
                 pending.take()
             };
-            if let Some(stream) = parked {
-                attach(&connection, stream, queue_pair.clone());
+            if let Some(parked) = parked {
+                if parked.source_device_id == remote.device_id
+                    && parked.source_qp_number == remote.qp_number
+                {
+                    attach(&connection, parked.stream, queue_pair.clone());
+                } else {
+                    // It arrived first but is not the peer named here: the peer still dials.
+                    tracing::debug!(
+                        qp_number = local.qp_number,
+                        "soft NIC dropped an early connection from another source"
+                    );
+                }
             }
             return Ok(());
         }
@@ -286,27 +337,47 @@ impl SoftQueuePair {
             qp_number: local.qp_number,
             source,
         };
-        let mut stream =
-            tokio::time::timeout(DIAL_TIMEOUT, tokio::net::TcpStream::connect(address))
-                .await
-                .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
-                .map_err(connect_error)?;
-        stream.set_nodelay(true).map_err(connect_error)?;
         let hello = Hello {
             target_qp_number: remote.qp_number,
             source_qp_number: local.qp_number,
             source_device_id: local.device_id,
             target_device_id: remote.device_id,
         };
-        stream
-            .write_all(&hello.encode())
-            .await
-            .map_err(connect_error)?;
-        let mut ack = [0u8; HELLO_ACK_LENGTH];
-        tokio::time::timeout(DIAL_TIMEOUT, stream.read_exact(&mut ack))
-            .await
-            .map_err(|_| connect_error(ErrorKind::TimedOut.into()))?
-            .map_err(connect_error)?;
+        // A listener flooded with idle connections may close ours before it reads the hello
+        // (it evicts the oldest pending ones): end of stream before the acknowledgement is
+        // worth another dial or two, not a failed connect.
+        let mut attempts = 0;
+        let (stream, ack) = loop {
+            attempts += 1;
+            let dialed = async {
+                let mut stream =
+                    tokio::time::timeout(DIAL_TIMEOUT, tokio::net::TcpStream::connect(address))
+                        .await
+                        .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+                stream.set_nodelay(true)?;
+                stream.write_all(&hello.encode()).await?;
+                let mut ack = [0u8; HELLO_ACK_LENGTH];
+                tokio::time::timeout(DIAL_TIMEOUT, stream.read_exact(&mut ack))
+                    .await
+                    .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+                Ok::<_, std::io::Error>((stream, ack))
+            };
+            match dialed.await {
+                Ok(dialed) => break dialed,
+                Err(error)
+                    if attempts < DIAL_ATTEMPTS
+                        && matches!(
+                            error.kind(),
+                            ErrorKind::UnexpectedEof
+                                | ErrorKind::ConnectionReset
+                                | ErrorKind::BrokenPipe
+                        ) =>
+                {
+                    tracing::debug!(%error, attempts, "soft NIC dial closed before its acknowledgement; dialing again");
+                }
+                Err(error) => return Err(connect_error(error)),
+            }
+        };
         let status = HelloStatus::decode(&ack);
         if status != HelloStatus::Accepted {
             return Err(Error::EndpointNotFound {

@@ -30,7 +30,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 
 use crate::device::DeviceInner;
 
-use super::frames::{Engine, ENGINE_TICK};
+use super::frames::{Engine, ENGINE_TICK, KEPT_READ_BUFFER};
 use super::listener::{answer_hello, read_hello, PendingHellos};
 use super::wire::HELLO_LENGTH;
 
@@ -42,8 +42,6 @@ const READS_PER_TURN: usize = 16;
 const INBOX_CAPACITY: usize = 1024;
 /// At most this many frames per turn count as light load, when spinning pays.
 const LIGHT_LOAD_FRAMES: usize = 4;
-/// The read buffer a busy connection may grow to, for fewer reads per byte.
-const BUSY_READ_BUFFER: usize = 256 * 1024;
 
 /// Settings of one pool.
 #[derive(Debug, Clone, Copy)]
@@ -552,7 +550,7 @@ fn serve(attached: &mut AttachedSlot) -> (Turn, usize) {
             }
             Ok(read) => {
                 engine.end += read;
-                engine.grow_read_buffer(BUSY_READ_BUFFER);
+                engine.grow_read_buffer(KEPT_READ_BUFFER);
             }
             Err(error) if error.kind() == ErrorKind::WouldBlock => return (Turn::Idle, frames),
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
