@@ -79,6 +79,7 @@ struct RawCluster {
     fabric_engine_threads: Option<Spanned<u64>>,
     fabric_hello_deadline: Option<Spanned<String>>,
     fabric_max_pending_hellos: Option<Spanned<u64>>,
+    fabric_response_buffer: Option<Spanned<RawSize>>,
     ssh_user: Option<Spanned<String>>,
     ssh_options: Option<Spanned<Vec<String>>>,
     remote_binary: Option<Spanned<String>>,
@@ -154,6 +155,9 @@ pub struct ConnectionLimits {
     pub fabric_hello_deadline: Duration,
     /// Soft fabric connections reading their hello at once; a new one closes the oldest.
     pub fabric_max_pending_hellos: usize,
+    /// Response bytes one soft fabric connection holds or leaves unsent before the node stops
+    /// reading it.
+    pub fabric_response_buffer: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -166,6 +170,7 @@ impl Default for ConnectionLimits {
             fabric_engine_threads: 0,
             fabric_hello_deadline: rdkv_fabric::DEFAULT_HELLO_DEADLINE,
             fabric_max_pending_hellos: rdkv_fabric::DEFAULT_MAX_PENDING_HELLOS,
+            fabric_response_buffer: rdkv_fabric::DEFAULT_RESPONSE_BUFFER,
         }
     }
 }
@@ -743,6 +748,20 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "cluster.fabric_max_pending_hellos",
             defaults.fabric_max_pending_hellos,
         )?,
+        fabric_response_buffer: match &cluster.fabric_response_buffer {
+            None => defaults.fabric_response_buffer,
+            Some(value) => {
+                let bytes = locator.size(value, "cluster.fabric_response_buffer".into())?;
+                if !(MIN_RESPONSE_BUFFER..=MAX_RESPONSE_BUFFER).contains(&bytes) {
+                    return Err(locator.error(
+                        value.span(),
+                        "cluster.fabric_response_buffer",
+                        "between 64K and 256M: at least a few answers, at most what a connection may hold",
+                    ));
+                }
+                bytes as usize
+            }
+        },
     };
     if limits.max_unauthenticated >= limits.max_connections {
         let span = cluster
@@ -784,6 +803,10 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
     }
     Ok(limits.clamp_per_address())
 }
+
+/// The bounds of `fabric_response_buffer`.
+const MIN_RESPONSE_BUFFER: u64 = 64 * 1024;
+const MAX_RESPONSE_BUFFER: u64 = 256 << 20;
 
 /// The most soft engine threads a cluster file may ask for.
 const MAX_ENGINE_THREADS: u64 = 256;

@@ -361,7 +361,8 @@ fn fabric_port_limits_have_defaults_and_bounds() {
         std::time::Duration::from_secs(5)
     );
     assert_eq!(config.limits.fabric_max_pending_hellos, 64);
-    let set = "fabric_engine_threads = 4\nfabric_hello_deadline = \"500ms\"\nfabric_max_pending_hellos = 16\n";
+    assert_eq!(config.limits.fabric_response_buffer, 4 << 20);
+    let set = "fabric_engine_threads = 4\nfabric_hello_deadline = \"500ms\"\nfabric_max_pending_hellos = 16\nfabric_response_buffer = \"1M\"\n";
     let config = parse(
         Path::new("cluster.toml"),
         &file(set, NODE_1),
@@ -375,6 +376,9 @@ fn fabric_port_limits_have_defaults_and_bounds() {
         std::time::Duration::from_millis(500)
     );
     assert_eq!(config.limits.fabric_max_pending_hellos, 16);
+    assert_eq!(config.limits.fabric_response_buffer, 1 << 20);
+    let (_, field, message) = invalid(&file("fabric_response_buffer = \"1K\"\n", NODE_1));
+    assert_eq!(field, "cluster.fabric_response_buffer", "{message}");
     let (_, field, message) = invalid(&file("fabric_engine_threads = 1000\n", NODE_1));
     assert_eq!(field, "cluster.fabric_engine_threads", "{message}");
     let (_, field, message) = invalid(&file("fabric_hello_deadline = \"2min\"\n", NODE_1));

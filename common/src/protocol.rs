@@ -249,6 +249,9 @@ pub struct ServerStats {
     pub fabric_connections: i64,
     /// The soft NIC's engine threads (0 on verbs: the NIC does the work).
     pub fabric_engine_threads: i64,
+    /// Times a soft NIC connection stopped being read because its peer did not take its
+    /// answers (backpressure at `fabric_response_buffer`).
+    pub fabric_output_stalls: i64,
     /// Authentication failures since start.
     pub authentication_failures: u64,
     /// Unauthenticated control connections now.

@@ -40,6 +40,10 @@ pub struct DeviceConfig {
     /// The most hellos a listening soft NIC reads at once; a connection beyond this closes
     /// the oldest pending one.
     pub max_pending_hellos: usize,
+    /// The most response bytes one soft connection holds before writing them, and the most
+    /// it leaves queued unsent: a listening NIC stops reading a connection whose peer does
+    /// not take its answers until they drain (backpressure, not growth).
+    pub response_buffer: usize,
 }
 
 /// Which RDMA device the verbs backend opens, and how it addresses peers.
@@ -83,6 +87,8 @@ impl VerbsOptions {
 
 /// The default deadline on a whole soft hello.
 pub const DEFAULT_HELLO_DEADLINE: Duration = Duration::from_secs(5);
+/// The default bound on one soft connection's response bytes: 4 MiB.
+pub const DEFAULT_RESPONSE_BUFFER: usize = 4 << 20;
 /// The default bound on soft hellos pending at once.
 pub const DEFAULT_MAX_PENDING_HELLOS: usize = 64;
 
@@ -98,6 +104,7 @@ impl Default for DeviceConfig {
             engine_threads: 0,
             hello_deadline: DEFAULT_HELLO_DEADLINE,
             max_pending_hellos: DEFAULT_MAX_PENDING_HELLOS,
+            response_buffer: DEFAULT_RESPONSE_BUFFER,
         }
     }
 }
@@ -123,6 +130,8 @@ pub struct FabricGauges {
     pub(crate) hellos_timed_out: AtomicI64,
     /// Soft connections being served now (attached to a queue pair).
     pub(crate) soft_connections: AtomicI64,
+    /// Times a soft connection stopped being read because its peer did not take its answers.
+    pub(crate) output_stalls: AtomicI64,
 }
 
 /// A copy of a device's gauges at one instant.
@@ -152,6 +161,8 @@ pub struct GaugeSnapshot {
     pub soft_connections: i64,
     /// The soft NIC's engine threads (zero when it does not listen).
     pub engine_threads: i64,
+    /// Times a soft connection stopped being read because its peer did not take its answers.
+    pub output_stalls: i64,
 }
 
 impl GaugeSnapshot {
@@ -308,6 +319,7 @@ impl Device {
             hellos_pending: self.inner.provider.hellos_pending() as i64,
             soft_connections: gauges.soft_connections.load(Ordering::Relaxed),
             engine_threads: self.inner.provider.engine_threads() as i64,
+            output_stalls: gauges.output_stalls.load(Ordering::Relaxed),
         }
     }
 }

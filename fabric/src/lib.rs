@@ -48,7 +48,7 @@ mod types;
 pub use completion::{CompletionQueue, PostedList};
 pub use device::{
     Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,
-    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_PENDING_HELLOS,
+    DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_PENDING_HELLOS, DEFAULT_RESPONSE_BUFFER,
 };
 pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};

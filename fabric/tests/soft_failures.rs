@@ -721,9 +721,11 @@ async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
-    // One engine thread, so both connections share it.
+    // One engine thread, so both connections share it; a 256 KiB response bound (the
+    // cluster file's `fabric_response_buffer`).
     let mut stalled = raw_peer_with(DeviceConfig {
         engine_threads: 1,
+        response_buffer: 256 * 1024,
         ..DeviceConfig::default()
     })
     .await;
@@ -762,6 +764,10 @@ async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
         started.elapsed()
     );
     assert_eq!(stalled.device.gauges().soft_connections, 2);
+    assert!(
+        stalled.device.gauges().output_stalls >= 1,
+        "the stall is counted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 26] = [
+        let definitions: [(&str, &str, Reader); 27] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -126,6 +126,11 @@ impl Metrics {
                 "soft_engine_threads",
                 "The soft NIC's engine threads, which serve every connection",
                 |stats| stats.fabric_engine_threads,
+            ),
+            (
+                "soft_output_stalls_total",
+                "Times a soft NIC connection stopped being read because its peer did not take its answers (fabric_response_buffer)",
+                |stats| stats.fabric_output_stalls,
             ),
             (
                 "soft_hellos_timed_out_total",

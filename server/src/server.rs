@@ -144,6 +144,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             engine_threads: config.limits.fabric_engine_threads,
             hello_deadline: config.limits.fabric_hello_deadline,
             max_pending_hellos: config.limits.fabric_max_pending_hellos,
+            response_buffer: config.limits.fabric_response_buffer,
             ..DeviceConfig::default()
         },
     )?;

@@ -135,6 +135,7 @@ impl Counters {
             fabric_hellos_pending: gauges.hellos_pending,
             fabric_connections: gauges.soft_connections,
             fabric_engine_threads: gauges.engine_threads,
+            fabric_output_stalls: gauges.output_stalls,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,

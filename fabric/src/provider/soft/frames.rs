@@ -20,10 +20,6 @@ use crate::types::WorkCompletionStatus;
 use super::connection::{FlushMode, SoftConnection};
 use super::wire::{self, Frame};
 
-/// The most response bytes a connection holds before it writes them out, and the most it
-/// lets queue unsent: a peer that pipelines thousands of small requests for large READs gets
-/// its answers at the pace it reads them, not a buffer of all of them.
-pub(crate) const RESPONSE_BUFFER_BOUND: usize = 4 << 20;
 /// How often an idle engine checks the retry timeout and a local close.
 pub(crate) const ENGINE_TICK: Duration = Duration::from_millis(50);
 /// The read buffer a connection starts with; it grows (up to two largest frames) only when a
@@ -56,6 +52,9 @@ pub(crate) struct Engine {
     discarding: u64,
     /// The largest payload accepted.
     max_payload: u32,
+    /// The most response bytes held before they are written out, and the most left queued
+    /// unsent before a pooled connection stops being read (`DeviceConfig::response_buffer`).
+    response_bound: usize,
     /// Frames handled by the last call of `process`: a measure of load for adaptive spinning.
     pub(crate) last_batch_frames: usize,
 }
@@ -63,6 +62,7 @@ pub(crate) struct Engine {
 impl Engine {
     pub(crate) fn new(queue_pair: Arc<QueuePairShared>, connection: Arc<SoftConnection>) -> Self {
         let max_payload = queue_pair.max_message_size();
+        let response_bound = queue_pair.device().config.response_buffer.max(1);
         connection
             .device
             .gauges
@@ -79,6 +79,7 @@ impl Engine {
             responder_failed: false,
             discarding: 0,
             max_payload,
+            response_bound,
             last_batch_frames: 0,
         }
     }
@@ -87,7 +88,7 @@ impl Engine {
     /// connection stops reading until its socket drains below the bound.
     pub(crate) fn output_blocked(&self) -> bool {
         self.connection.mode() == FlushMode::Pooled
-            && self.connection.backlog() >= RESPONSE_BUFFER_BOUND
+            && self.connection.backlog() >= self.response_bound
     }
 
     /// Handles every complete frame received so far (on a pooled connection, until the output
@@ -169,7 +170,7 @@ impl Engine {
                     self.last_batch_frames += 1;
                     // A batch of small requests for large READs must not pile up its answers:
                     // past the bound, send them before serving more.
-                    if self.responses.len() >= RESPONSE_BUFFER_BOUND {
+                    if self.responses.len() >= self.response_bound {
                         self.send_responses();
                         blocked = self.output_blocked();
                     }

@@ -368,6 +368,9 @@ impl Worker {
             Turn::Blocked => {
                 if !self.blocked.contains(&index) {
                     self.blocked.push(index);
+                    if let Some(device) = self.device.upgrade() {
+                        device.gauges.output_stalls.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             Turn::End(reason) => self.end(index, &reason),
