@@ -706,16 +706,27 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             Some(value) => Ok(usize::try_from(*value.get_ref()).unwrap_or(usize::MAX)),
         }
     };
-    let limits = ConnectionLimits {
-        max_connections: count(
-            &cluster.max_connections,
+    let max_connections = count(
+        &cluster.max_connections,
+        "cluster.max_connections",
+        defaults.max_connections,
+    )?;
+    if max_connections < 2 {
+        let span = cluster.max_connections.as_ref().map_or(0..0, Spanned::span);
+        return Err(locator.error(
+            span,
             "cluster.max_connections",
-            defaults.max_connections,
-        )?,
+            "at least 2: unauthenticated connections must stay below it",
+        ));
+    }
+    let limits = ConnectionLimits {
+        max_connections,
+        // Unset, it follows a smaller max_connections (a quarter of it), so lowering
+        // max_connections alone never trips the check below.
         max_unauthenticated: count(
             &cluster.max_unauthenticated_connections,
             "cluster.max_unauthenticated_connections",
-            defaults.max_unauthenticated,
+            default_unauthenticated(max_connections),
         )?,
         max_pending_per_address: count(
             &cluster.max_pending_per_address,
@@ -743,11 +754,24 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "cluster.fabric_hello_deadline",
             defaults.fabric_hello_deadline,
         )?,
-        fabric_max_pending_hellos: count(
+        fabric_max_pending_hellos: match count(
             &cluster.fabric_max_pending_hellos,
             "cluster.fabric_max_pending_hellos",
             defaults.fabric_max_pending_hellos,
-        )?,
+        )? {
+            pending if pending > MAX_PENDING_HELLOS => {
+                let span = cluster
+                    .fabric_max_pending_hellos
+                    .as_ref()
+                    .map_or(0..0, Spanned::span);
+                return Err(locator.error(
+                    span,
+                    "cluster.fabric_max_pending_hellos",
+                    format!("at most {MAX_PENDING_HELLOS}: each pending hello holds a socket"),
+                ));
+            }
+            pending => pending,
+        },
         fabric_response_buffer: match &cluster.fabric_response_buffer {
             None => defaults.fabric_response_buffer,
             Some(value) => {
@@ -808,8 +832,19 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
 const MIN_RESPONSE_BUFFER: u64 = 64 * 1024;
 const MAX_RESPONSE_BUFFER: u64 = 256 << 20;
 
+/// The most soft hellos a cluster file may let be pending at once.
+const MAX_PENDING_HELLOS: usize = 65_536;
+
 /// The most soft engine threads a cluster file may ask for.
 const MAX_ENGINE_THREADS: u64 = 256;
+
+/// The default unauthenticated budget for `max_connections`: 256, or a quarter of a smaller
+/// total (at least 1).
+pub fn default_unauthenticated(max_connections: usize) -> usize {
+    ConnectionLimits::default()
+        .max_unauthenticated
+        .min((max_connections / 4).max(1))
+}
 
 impl ConnectionLimits {
     /// The per-address limit is at most the overall one.

@@ -340,6 +340,18 @@ fn connection_limits_have_defaults_and_are_checked_against_each_other() {
         (6, "cluster.max_unauthenticated_connections")
     );
     assert!(message.contains("below max_connections"), "{message}");
+    // Lowering max_connections alone is enough: the unauthenticated budget follows it.
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file("max_connections = 100\n", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.limits.max_unauthenticated, 25);
+    assert_eq!(config.limits.max_pending_per_address, 25);
+    let (_, field, _) = invalid(&file("max_connections = 1\n", NODE_1));
+    assert_eq!(field, "cluster.max_connections");
     let (_, field, _) = invalid(&file("max_pending_per_address = 0\n", NODE_1));
     assert_eq!(field, "cluster.max_pending_per_address");
     let (_, field, message) = invalid(&file("handshake_deadline = \"10min\"\n", NODE_1));
@@ -384,5 +396,7 @@ fn fabric_port_limits_have_defaults_and_bounds() {
     let (_, field, message) = invalid(&file("fabric_hello_deadline = \"2min\"\n", NODE_1));
     assert_eq!(field, "cluster.fabric_hello_deadline", "{message}");
     let (_, field, _) = invalid(&file("fabric_max_pending_hellos = 0\n", NODE_1));
+    assert_eq!(field, "cluster.fabric_max_pending_hellos");
+    let (_, field, _) = invalid(&file("fabric_max_pending_hellos = 1000000000\n", NODE_1));
     assert_eq!(field, "cluster.fabric_max_pending_hellos");
 }

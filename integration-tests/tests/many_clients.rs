@@ -167,7 +167,7 @@ async fn a_thousand_clients_on_one_node() {
         "node threads {threads_before} before, {threads_with_clients} with {CLIENTS} clients: {}",
         thread_names(pid)
     );
-    // Measured about 30–60 KiB per connection; a thread stack or an unbounded buffer per
+    // Measured about 18 KiB per connection; a thread stack or an unbounded buffer per
     // connection would be well past this bound.
     assert!(
         per_connection_kib < 256.0,

@@ -142,6 +142,53 @@ fn a_bad_size_names_the_field() {
 }
 
 #[test]
+fn connection_limit_mistakes_are_command_line_errors() {
+    let run = |arguments: &[&str]| {
+        let output = Command::new(BINARY)
+            .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+            .args(arguments)
+            .env("RDKV_SECRET", "s")
+            .output()
+            .expect("run");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    for (arguments, names) in [
+        (
+            &[
+                "--max-connections",
+                "100",
+                "--max-unauthenticated-connections",
+                "100",
+            ][..],
+            "--max-unauthenticated-connections",
+        ),
+        (
+            &["--fabric-engine-threads", "257"][..],
+            "--fabric-engine-threads",
+        ),
+        (&["--max-connections", "1"][..], "--max-connections"),
+        (
+            &[
+                "--config",
+                "nowhere.toml",
+                "--node",
+                "1",
+                "--fabric-engine-threads",
+                "2",
+            ][..],
+            "--config",
+        ),
+    ] {
+        let (code, stderr) = run(arguments);
+        assert_eq!(code, Some(2), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(names), "{arguments:?}: {stderr}");
+    }
+}
+
+#[test]
 fn it_prints_a_ready_line_and_stops_cleanly_on_sigterm() {
     let mut child = Command::new(BINARY)
         .args([

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use rdkv_fabric::memory::HugepagePolicy;
 use rdkv_fabric::{Backend, VerbsOptions};
 use rdkv_server::ServerConfig;
@@ -79,27 +79,31 @@ struct Arguments {
     #[arg(long, default_value_t = 2_000)]
     deadline_ms: u64,
     /// Control connections at once, authenticated or not (the cluster file's
-    /// `max_connections`).
-    #[arg(long, default_value_t = 1024, value_parser = at_least_one)]
-    max_connections: usize,
-    /// Unauthenticated control connections at once; a new one evicts the oldest silent one
-    /// (`max_unauthenticated_connections`; below --max-connections).
-    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
-    max_unauthenticated_connections: usize,
+    /// `max_connections`; with --config, set it there).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(2..), conflicts_with = "config")]
+    max_connections: u32,
+    /// Unauthenticated control connections at once, below --max-connections; a new one evicts
+    /// the oldest silent one (`max_unauthenticated_connections`; default 256, or a quarter of
+    /// a smaller --max-connections).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "config")]
+    max_unauthenticated_connections: Option<u32>,
     /// Unauthenticated control connections at once from one source address
     /// (`max_pending_per_address`).
-    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
-    max_pending_per_address: usize,
-    /// The soft NIC's engine threads; 0 means one per core (`fabric_engine_threads`).
-    #[arg(long, default_value_t = 0)]
-    fabric_engine_threads: usize,
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "config")]
+    max_pending_per_address: u32,
+    /// The soft NIC's engine threads, 0 to 256; 0 means one per core
+    /// (`fabric_engine_threads`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256), conflicts_with = "config")]
+    fabric_engine_threads: u32,
 }
 
-fn at_least_one(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(0) => Err("0 would refuse every client: at least 1".into()),
-        Ok(value) => Ok(value),
-        Err(error) => Err(error.to_string()),
+impl Arguments {
+    /// The unauthenticated budget: given, or the default for --max-connections.
+    fn max_unauthenticated(&self) -> usize {
+        self.max_unauthenticated_connections.map_or_else(
+            || rdkv_cluster_config::config::default_unauthenticated(self.max_connections as usize),
+            |given| given as usize,
+        )
     }
 }
 
@@ -112,6 +116,19 @@ const EXIT_CODES: &str = "Exit codes:
 fn main() -> std::process::ExitCode {
     let _logging = rdkv_common::process::init_logging("info");
     let arguments = Arguments::parse();
+    if arguments.max_unauthenticated() >= arguments.max_connections as usize {
+        // A command-line mistake: clap's error and exit code 2, like any other.
+        Arguments::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!(
+                    "--max-unauthenticated-connections ({}) must be below --max-connections ({}): unauthenticated connections must never take all the slots",
+                    arguments.max_unauthenticated(),
+                    arguments.max_connections
+                ),
+            )
+            .exit();
+    }
     let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -219,16 +236,6 @@ fn read_secret_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
 }
 
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
-    anyhow::ensure!(
-        arguments.max_unauthenticated_connections < arguments.max_connections,
-        "--max-unauthenticated-connections ({}) must be below --max-connections ({}): unauthenticated connections must never take all the slots",
-        arguments.max_unauthenticated_connections,
-        arguments.max_connections
-    );
-    anyhow::ensure!(
-        arguments.fabric_engine_threads <= 256,
-        "--fabric-engine-threads is at most 256 (0 means one per core)"
-    );
     let secret = match &arguments.secret_file {
         Some(path) => read_secret_file(path)?,
         None => std::env::var("RDKV_SECRET")
@@ -254,14 +261,13 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         secret,
         lease_timeout: Duration::from_millis(arguments.lease_timeout_ms),
         operation_deadline: Duration::from_millis(arguments.deadline_ms),
-        max_connections: arguments.max_connections,
+        max_connections: arguments.max_connections as usize,
         limits: rdkv_cluster_config::config::ConnectionLimits {
-            max_connections: arguments.max_connections,
-            max_unauthenticated: arguments.max_unauthenticated_connections,
-            max_pending_per_address: arguments
-                .max_pending_per_address
-                .min(arguments.max_unauthenticated_connections),
-            fabric_engine_threads: arguments.fabric_engine_threads,
+            max_connections: arguments.max_connections as usize,
+            max_unauthenticated: arguments.max_unauthenticated(),
+            max_pending_per_address: (arguments.max_pending_per_address as usize)
+                .min(arguments.max_unauthenticated()),
+            fabric_engine_threads: arguments.fabric_engine_threads as usize,
             ..rdkv_cluster_config::config::ConnectionLimits::default()
         },
         hash_seed: None,
