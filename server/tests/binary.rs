@@ -299,3 +299,47 @@ fn the_memlock_trap_is_reported_with_its_fix() {
         "a clean error, not a crash: {stderr}"
     );
 }
+
+#[test]
+fn an_idle_node_with_a_large_index_uses_at_most_a_fraction_of_a_core() {
+    // The collector scans the whole index every 25 ms; with a large index that used to be a
+    // whole core on an idle node (measured: a 256 MiB index, 100% of a core). A pass now rests
+    // four times its own length, so the collector takes at most about a fifth of a core.
+    let mut child = Command::new(BINARY)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--fabric-listen",
+            "127.0.0.1:0",
+            "--index-size",
+            "64M",
+            "--heap-size",
+            "4M",
+            "--hugepages",
+            "off",
+        ])
+        .env("RDKV_SECRET", "s")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("ready line");
+    assert!(line.starts_with("rdkv-server ready"), "{line}");
+    let pid = child.id();
+    let before = rdkv_common::process::cpu_time(Some(pid)).expect("the node's CPU time");
+    // Measuring over a fixed window, not waiting for readiness.
+    let window = Duration::from_secs(3);
+    std::thread::sleep(window);
+    let after = rdkv_common::process::cpu_time(Some(pid)).expect("the node's CPU time");
+    let _ = child.kill();
+    let _ = child.wait();
+    let share = (after - before).as_secs_f64() / window.as_secs_f64();
+    assert!(
+        share < 0.4,
+        "an idle node used {:.0}% of a core over {window:?}",
+        share * 100.0
+    );
+}
