@@ -473,7 +473,7 @@ fn parse_with_secret(
     let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
     let limits = connection_limits(&locator, cluster)?;
     if poll_spin > MAX_POLL_SPIN {
-        let span = cluster.poll_spin.as_ref().map_or(0..0, Spanned::span);
+        let span = span_of(&cluster.poll_spin);
         return Err(locator.error(
             span,
             "cluster.poll_spin",
@@ -531,12 +531,12 @@ fn parse_with_secret(
             ),
             (
                 fabric_address,
-                node.fabric_address.as_ref().map_or(0..0, Spanned::span),
+                span_of(&node.fabric_address),
                 "fabric_address",
             ),
             (
                 metrics_address,
-                node.metrics_address.as_ref().map_or(0..0, Spanned::span),
+                span_of(&node.metrics_address),
                 "metrics_address",
             ),
         ];
@@ -712,7 +712,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
         defaults.max_connections,
     )?;
     if max_connections < 2 {
-        let span = cluster.max_connections.as_ref().map_or(0..0, Spanned::span);
+        let span = span_of(&cluster.max_connections);
         return Err(locator.error(
             span,
             "cluster.max_connections",
@@ -760,10 +760,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             defaults.fabric_max_pending_hellos,
         )? {
             pending if pending > MAX_PENDING_HELLOS => {
-                let span = cluster
-                    .fabric_max_pending_hellos
-                    .as_ref()
-                    .map_or(0..0, Spanned::span);
+                let span = span_of(&cluster.fabric_max_pending_hellos);
                 return Err(locator.error(
                     span,
                     "cluster.fabric_max_pending_hellos",
@@ -788,10 +785,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
         },
     };
     if limits.max_unauthenticated >= limits.max_connections {
-        let span = cluster
-            .max_unauthenticated_connections
-            .as_ref()
-            .map_or(0..0, Spanned::span);
+        let span = span_of(&cluster.max_unauthenticated_connections);
         return Err(locator.error(
             span,
             "cluster.max_unauthenticated_connections",
@@ -802,10 +796,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
         ));
     }
     if !(Duration::from_secs(1)..=Duration::from_secs(120)).contains(&limits.handshake_deadline) {
-        let span = cluster
-            .handshake_deadline
-            .as_ref()
-            .map_or(0..0, Spanned::span);
+        let span = span_of(&cluster.handshake_deadline);
         return Err(locator.error(
             span,
             "cluster.handshake_deadline",
@@ -815,10 +806,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
     if !(Duration::from_millis(100)..=Duration::from_secs(60))
         .contains(&limits.fabric_hello_deadline)
     {
-        let span = cluster
-            .fabric_hello_deadline
-            .as_ref()
-            .map_or(0..0, Spanned::span);
+        let span = span_of(&cluster.fabric_hello_deadline);
         return Err(locator.error(
             span,
             "cluster.fabric_hello_deadline",
@@ -826,6 +814,12 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
         ));
     }
     Ok(limits.clamp_per_address())
+}
+
+/// Where an optional key is in the file (the file's start when it is absent: the error is
+/// then about a default).
+fn span_of<T>(value: &Option<Spanned<T>>) -> std::ops::Range<usize> {
+    value.as_ref().map_or(0..0, Spanned::span)
 }
 
 /// The bounds of `fabric_response_buffer`.

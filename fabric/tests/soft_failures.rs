@@ -542,6 +542,33 @@ async fn raw_connection(
     (queue_pair, peer.join().expect("the peer"))
 }
 
+/// `count` READ request frames of 1 MiB each, sequences from 0, over the first 3 MiB.
+fn megabyte_reads(rkey: &rdkv_fabric::RemoteKey, count: u64) -> Vec<u8> {
+    let mut batch = Vec::new();
+    for sequence in 0..count {
+        batch.extend_from_slice(&read_request(sequence, rkey, (sequence % 3) << 20, 1 << 20));
+    }
+    batch
+}
+
+/// Reads the `count` successful answers to [`megabyte_reads`], in order.
+fn read_megabyte_answers(stream: &mut std::net::TcpStream, count: u64) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut payload = vec![0u8; 1 << 20];
+    for sequence in 0..count {
+        let mut header = [0u8; 16];
+        stream.read_exact(&mut header).expect("a response");
+        assert_eq!((header[0], header[1]), (2, 0), "a successful response");
+        assert_eq!(
+            u64::from_le_bytes(header[8..16].try_into().expect("8 bytes")),
+            sequence
+        );
+        stream.read_exact(&mut payload).expect("the data");
+    }
+}
+
 /// A READ request frame (docs/fabric.md).
 fn read_request(
     sequence: u64,
@@ -689,13 +716,10 @@ async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
     // 512 small requests for 1 MiB each, in one write, and then not a byte read: 512 MiB of
     // answers, which the responder must not hold.
     const REQUESTS: u64 = 512;
-    let length = 1u32 << 20;
-    let mut batch = Vec::new();
-    for sequence in 0..REQUESTS {
-        batch.extend_from_slice(&read_request(sequence, &rkey, (sequence % 3) << 20, length));
-    }
     let before = resident_bytes();
-    stream.write_all(&batch).expect("the requests");
+    stream
+        .write_all(&megabyte_reads(&rkey, REQUESTS))
+        .expect("the requests");
     let mut peak = before;
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(1) {
@@ -709,20 +733,7 @@ async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
         growth >> 20
     );
     // Every answer still comes, once the peer reads.
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
-    let mut payload = vec![0u8; length as usize];
-    for sequence in 0..REQUESTS {
-        let mut header = [0u8; 16];
-        stream.read_exact(&mut header).expect("a response");
-        assert_eq!((header[0], header[1]), (2, 0), "a successful response");
-        assert_eq!(
-            u64::from_le_bytes(header[8..16].try_into().expect("8 bytes")),
-            sequence
-        );
-        stream.read_exact(&mut payload).expect("the data");
-    }
+    read_megabyte_answers(stream, REQUESTS);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -740,16 +751,10 @@ async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
     let rkey = stalled.rkey;
     // 256 MiB of answers asked for, and none read: the engine stops reading this connection
     // once its output is full, and goes on serving the others.
-    let mut batch = Vec::new();
-    for sequence in 0..256u64 {
-        batch.extend_from_slice(&read_request(
-            sequence,
-            &rkey,
-            (sequence % 3) << 20,
-            1 << 20,
-        ));
-    }
-    stalled.stream.write_all(&batch).expect("the requests");
+    stalled
+        .stream
+        .write_all(&megabyte_reads(&rkey, 256))
+        .expect("the requests");
     let (_queue_pair, mut other) = raw_connection(&stalled.device, &stalled.domain).await;
     other
         .set_read_timeout(Some(Duration::from_secs(5)))
@@ -860,27 +865,10 @@ async fn a_burst_of_large_reads_leaves_no_megabytes_behind() {
     }
     let before = resident_bytes();
     for peer in &mut peers {
-        let rkey = peer.rkey;
-        let mut batch = Vec::new();
-        for sequence in 0..64u64 {
-            batch.extend_from_slice(&read_request(
-                sequence,
-                &rkey,
-                (sequence % 3) << 20,
-                1 << 20,
-            ));
-        }
-        peer.stream.write_all(&batch).expect("the READs");
         peer.stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .expect("timeout");
-        let mut payload = vec![0u8; 1 << 20];
-        for _ in 0..64 {
-            let mut header = [0u8; 16];
-            peer.stream.read_exact(&mut header).expect("a response");
-            assert_eq!((header[0], header[1]), (2, 0));
-            peer.stream.read_exact(&mut payload).expect("the data");
-        }
+            .write_all(&megabyte_reads(&peer.rkey, 64))
+            .expect("the READs");
+        read_megabyte_answers(&mut peer.stream, 64);
     }
     let kept = resident_bytes().saturating_sub(before);
     assert!(

@@ -36,6 +36,18 @@ pub fn server_binary() -> PathBuf {
     workspace_binary("rdkv-server")
 }
 
+/// Raises this process's open-files soft limit to the hard one, for tests that hold
+/// thousands of sockets (a flood, a thousand clients); panics if the hard limit is under 4,096.
+pub fn raise_open_files() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("setrlimit");
+    assert!(
+        hard >= 4_096,
+        "the test needs 4,096 open files; the hard limit is {hard}"
+    );
+}
+
 /// A running server process.
 pub struct ServerProcess {
     /// The child.

@@ -12,22 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_common::protocol::{fetch_stats, MonitoredNode};
-use rdkv_integration_tests::process::{workspace_binary, ServerProcess};
+use rdkv_integration_tests::process::{raise_open_files, workspace_binary, ServerProcess};
 
 const SECRET: &str = "flood-secret";
 const FLOOD: usize = 2_000;
 const PUTS: usize = 100;
-
-/// Raises this process's open-files soft limit to the hard one (the flood holds 2,000).
-fn raise_open_files() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("setrlimit");
-    assert!(
-        hard >= 4_096,
-        "the test needs 4,096 open files; the hard limit is {hard}"
-    );
-}
 
 /// Holds `FLOOD` silent connections to `address`, reopening each one the node closes, until
 /// `stop` (bounded by 120 s). Returns how many it reopened.

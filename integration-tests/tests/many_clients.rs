@@ -7,24 +7,12 @@ use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientConfig};
 use rdkv_fabric::Backend;
-use rdkv_integration_tests::process::ServerProcess;
+use rdkv_integration_tests::process::{raise_open_files, ServerProcess};
 
 const SECRET: &str = "many-clients-secret";
 const CLIENTS: usize = 1_000;
 /// Handshakes in flight at once while the clients connect.
 const CONNECTING_AT_ONCE: usize = 50;
-
-/// Raises this process's open-files soft limit to the hard one (each client holds two
-/// sockets).
-fn raise_open_files() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("setrlimit");
-    assert!(
-        hard >= 4_096,
-        "the test needs 4,096 open files; the hard limit is {hard}"
-    );
-}
 
 /// A `/proc/PID/status` field, in its own unit (kB for memory).
 fn status_field(pid: u32, name: &str) -> u64 {

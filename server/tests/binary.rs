@@ -188,26 +188,27 @@ fn connection_limit_mistakes_are_command_line_errors() {
     }
 }
 
-#[test]
-fn it_prints_a_ready_line_and_stops_cleanly_on_sigterm() {
+/// Starts a node on loopback port 0 with `extra` arguments and returns it with its ready
+/// line, once printed.
+fn start_node(extra: &[&str], stderr: Stdio) -> (std::process::Child, String) {
     let mut child = Command::new(BINARY)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--fabric-listen",
-            "127.0.0.1:0",
-            "--heap-size",
-            "4M",
-        ])
+        .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+        .args(extra)
         .env("RDKV_SECRET", "s")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .expect("spawn");
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("stdout"))
         .read_line(&mut line)
         .expect("ready line");
+    (child, line)
+}
+
+#[test]
+fn it_prints_a_ready_line_and_stops_cleanly_on_sigterm() {
+    let (mut child, line) = start_node(&["--heap-size", "4M"], Stdio::piped());
     assert!(
         line.starts_with("rdkv-server ready node=1 control=127.0.0.1:"),
         "{line}"
@@ -305,28 +306,17 @@ fn an_idle_node_with_a_large_index_uses_at_most_a_fraction_of_a_core() {
     // The collector scans the whole index every 25 ms; with a large index that used to be a
     // whole core on an idle node (measured: a 256 MiB index, 100% of a core). A pass now rests
     // four times its own length, so the collector takes at most about a fifth of a core.
-    let mut child = Command::new(BINARY)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--fabric-listen",
-            "127.0.0.1:0",
+    let (mut child, line) = start_node(
+        &[
             "--index-size",
             "64M",
             "--heap-size",
             "4M",
             "--hugepages",
             "off",
-        ])
-        .env("RDKV_SECRET", "s")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("ready line");
+        ],
+        Stdio::null(),
+    );
     assert!(line.starts_with("rdkv-server ready"), "{line}");
     let pid = child.id();
     let before = rdkv_common::process::cpu_time(Some(pid)).expect("the node's CPU time");

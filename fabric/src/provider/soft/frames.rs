@@ -29,6 +29,41 @@ const INITIAL_READ_BUFFER: usize = 16 * 1024;
 /// what a busy connection reads in one go.
 pub(crate) const KEPT_READ_BUFFER: usize = 256 * 1024;
 
+/// Responses encoded and not yet queued for sending.
+#[derive(Default)]
+struct Answers {
+    /// The encoded responses.
+    bytes: Vec<u8>,
+    /// How many responses `bytes` holds.
+    count: usize,
+    /// The responder refused a request: it serves nothing more on this connection.
+    refused: bool,
+}
+
+impl Answers {
+    /// Answers request `sequence` with what `serve` appends and the status it returns (`None`:
+    /// no answer, as a responder that cannot receive drops a request). Nothing is served once
+    /// a request was refused; a refusal stops serving.
+    fn answer(
+        &mut self,
+        sequence: u64,
+        serve: impl FnOnce(&mut Vec<u8>) -> Option<WorkCompletionStatus>,
+    ) {
+        if self.refused {
+            return;
+        }
+        let position = wire::reserve_response_header(&mut self.bytes);
+        match serve(&mut self.bytes) {
+            Some(status) => {
+                wire::finish_response_header(&mut self.bytes, position, sequence, status);
+                self.count += 1;
+                self.refused = status != WorkCompletionStatus::Success;
+            }
+            None => self.bytes.truncate(position),
+        }
+    }
+}
+
 /// The frame processing of one connection.
 pub(crate) struct Engine {
     /// The local queue pair.
@@ -41,12 +76,8 @@ pub(crate) struct Engine {
     start: usize,
     /// End of received bytes.
     pub(crate) end: usize,
-    /// Encoded responses not yet queued for sending.
-    responses: Vec<u8>,
-    /// How many responses `responses` holds.
-    response_count: usize,
-    /// The responder refused a request: it serves nothing more on this connection.
-    responder_failed: bool,
+    /// The responses not yet queued for sending.
+    answers: Answers,
     /// Payload bytes of an oversize request still to be read and dropped: the connection
     /// closes only after them, so the error response is not lost to a reset.
     discarding: u64,
@@ -74,9 +105,7 @@ impl Engine {
             buffer: vec![0u8; INITIAL_READ_BUFFER],
             start: 0,
             end: 0,
-            responses: Vec::new(),
-            response_count: 0,
-            responder_failed: false,
+            answers: Answers::default(),
             discarding: 0,
             max_payload,
             response_bound,
@@ -119,45 +148,16 @@ impl Engine {
                             sequence,
                             request,
                             payload,
-                        } => {
-                            if !self.responder_failed {
-                                let position = wire::reserve_response_header(&mut self.responses);
-                                match engine::serve(
-                                    &self.queue_pair,
-                                    &request,
-                                    payload,
-                                    &mut self.responses,
-                                ) {
-                                    Some(status) => {
-                                        wire::finish_response_header(
-                                            &mut self.responses,
-                                            position,
-                                            sequence,
-                                            status,
-                                        );
-                                        self.response_count += 1;
-                                        self.responder_failed =
-                                            status != WorkCompletionStatus::Success;
-                                    }
-                                    None => self.responses.truncate(position),
-                                }
-                            }
-                        }
+                        } => self.answers.answer(sequence, |responses| {
+                            engine::serve(&self.queue_pair, &request, payload, responses)
+                        }),
                         Frame::OversizeRequest {
                             sequence,
                             payload_length,
                         } => {
-                            if !self.responder_failed {
-                                let position = wire::reserve_response_header(&mut self.responses);
-                                wire::finish_response_header(
-                                    &mut self.responses,
-                                    position,
-                                    sequence,
-                                    WorkCompletionStatus::RemoteInvalidRequestError,
-                                );
-                                self.response_count += 1;
-                                self.responder_failed = true;
-                            }
+                            self.answers.answer(sequence, |_| {
+                                Some(WorkCompletionStatus::RemoteInvalidRequestError)
+                            });
                             self.discarding = u64::from(payload_length);
                         }
                         Frame::Response {
@@ -170,7 +170,7 @@ impl Engine {
                     self.last_batch_frames += 1;
                     // A batch of small requests for large READs must not pile up its answers:
                     // past the bound, send them before serving more.
-                    if self.responses.len() >= self.response_bound {
+                    if self.answers.bytes.len() >= self.response_bound {
                         self.send_responses();
                         blocked = self.output_blocked();
                     }
@@ -180,7 +180,7 @@ impl Engine {
             }
         }
         self.send_responses();
-        if self.responder_failed && self.discarding == 0 {
+        if self.answers.refused && self.discarding == 0 {
             // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
             // the error response is on its way.
             self.queue_pair.enter_error();
@@ -191,21 +191,21 @@ impl Engine {
 
     /// Queues the responses served so far and writes them out.
     fn send_responses(&mut self) {
-        if self.responses.is_empty() {
+        if self.answers.bytes.is_empty() {
             return;
         }
-        let count = self.response_count;
-        let responses = &self.responses;
+        let count = self.answers.count;
+        let responses = &self.answers.bytes;
         self.connection.append(|outgoing| {
             outgoing.extend_from_slice(responses);
             count
         });
-        self.responses.clear();
-        if self.responses.capacity() > KEPT_READ_BUFFER {
+        self.answers.bytes.clear();
+        if self.answers.bytes.capacity() > KEPT_READ_BUFFER {
             // One burst of large READs must not keep megabytes per idle connection.
-            self.responses.shrink_to(INITIAL_READ_BUFFER);
+            self.answers.bytes.shrink_to(INITIAL_READ_BUFFER);
         }
-        self.response_count = 0;
+        self.answers.count = 0;
         self.connection.flush();
     }
 

@@ -196,6 +196,8 @@ struct HelloSlot {
 struct AttachedSlot {
     stream: TcpStream,
     engine: Engine,
+    /// In the worker's `blocked` list (at most once).
+    blocked: bool,
 }
 
 enum Slot {
@@ -223,7 +225,7 @@ struct Worker {
     free: Vec<usize>,
     /// Connections with data left after their last turn.
     ready: VecDeque<usize>,
-    /// Connections waiting for their output to drain.
+    /// Connections waiting for their output to drain (each flagged in its slot, listed once).
     blocked: Vec<usize>,
     device: Weak<DeviceInner>,
     pending: Arc<PendingHellos>,
@@ -319,7 +321,11 @@ impl Worker {
                 ),
                 Arrival::Engine { engine, stream } => (
                     stream.as_raw_fd(),
-                    Slot::Attached(AttachedSlot { stream, engine }),
+                    Slot::Attached(AttachedSlot {
+                        stream,
+                        engine,
+                        blocked: false,
+                    }),
                     Interest::READABLE | Interest::WRITABLE,
                 ),
             };
@@ -366,7 +372,11 @@ impl Worker {
             Turn::Idle => {}
             Turn::Ready => self.ready.push_back(index),
             Turn::Blocked => {
-                if !self.blocked.contains(&index) {
+                if let Some(Some(Slot::Attached(attached))) = self.slots.get_mut(index) {
+                    if attached.blocked {
+                        return frames;
+                    }
+                    attached.blocked = true;
                     self.blocked.push(index);
                     if let Some(device) = self.device.upgrade() {
                         device.gauges.output_stalls.fetch_add(1, Ordering::Relaxed);
@@ -398,7 +408,11 @@ impl Worker {
                     Token(index),
                     Interest::READABLE | Interest::WRITABLE,
                 );
-                self.slots[index] = Some(Slot::Attached(AttachedSlot { stream, engine }));
+                self.slots[index] = Some(Slot::Attached(AttachedSlot {
+                    stream,
+                    engine,
+                    blocked: false,
+                }));
                 if let Err(error) = registered {
                     self.end(index, &format!("register with epoll: {error}"));
                     return 0;
@@ -454,7 +468,6 @@ impl Worker {
             self.free.push(index);
             self.load.fetch_sub(1, Ordering::Relaxed);
         }
-        self.blocked.retain(|blocked| *blocked != index);
     }
 
     /// The periodic pass: hellos past their deadline end, engines check the retry timeout and
@@ -491,16 +504,20 @@ impl Worker {
         for (index, reason) in ending {
             self.end(index, &reason);
         }
+        // An index whose connection ended (or whose slot now holds another) is dropped here.
         let blocked = std::mem::take(&mut self.blocked);
         for index in blocked {
-            let drained = matches!(
-                &self.slots.get(index),
-                Some(Some(Slot::Attached(attached))) if !attached.engine.output_blocked()
-            );
-            if drained {
-                self.turn(index, false);
-            } else {
+            let Some(Some(Slot::Attached(attached))) = self.slots.get_mut(index) else {
+                continue;
+            };
+            if !attached.blocked {
+                continue;
+            }
+            if attached.engine.output_blocked() {
                 self.blocked.push(index);
+            } else {
+                attached.blocked = false;
+                self.turn(index, false);
             }
         }
     }
