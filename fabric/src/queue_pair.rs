@@ -213,16 +213,30 @@ impl QueuePairShared {
     /// Completes the oldest outstanding request with a responder's answer. Answers for requests
     /// that were already flushed are ignored.
     pub(crate) fn on_response(&self, sequence: u64, status: WorkCompletionStatus, payload: &[u8]) {
-        let entry = {
+        let entry = loop {
             let mut requester = lock(&self.requester);
-            match requester.in_flight.front() {
-                Some(front) if front.sequence == sequence && front.local.is_ok() => {}
+            let implied = match requester.in_flight.front() {
+                Some(front) if front.sequence == sequence && front.local.is_ok() => false,
+                // An answer acknowledges the WRITEs sent before the request it answers, as an
+                // RC responder's coalesced ACK does (the soft responder answers a WRITE only
+                // when no later request of its batch is answered).
+                Some(front)
+                    if front.sequence < sequence
+                        && front.local.is_ok()
+                        && !front.request.opcode.writes_local_buffer() =>
+                {
+                    true
+                }
                 _ => return,
+            };
+            let Some(entry) = requester.in_flight.pop_front() else {
+                return;
+            };
+            drop(requester);
+            if !implied {
+                break entry;
             }
-            match requester.in_flight.pop_front() {
-                Some(entry) => entry,
-                None => return,
-            }
+            self.finish(entry, WorkCompletionStatus::Success);
         };
         let mut status = status;
         if status == WorkCompletionStatus::Success && entry.request.opcode.writes_local_buffer() {

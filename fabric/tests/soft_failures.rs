@@ -31,11 +31,7 @@ impl SilentPeer {
         let address = listener.local_addr().expect("address");
         let (close, closed) = sync_channel::<()>(1);
         let thread = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().expect("accept");
-            let mut hello = [0u8; 40];
-            stream.read_exact(&mut hello).expect("hello");
-            assert_eq!(&hello[0..8], b"RDKVSOFT");
-            stream.write_all(&[0u8; 8]).expect("ack");
+            let mut stream = accept_hello(&listener);
             stream
                 .set_read_timeout(Some(Duration::from_millis(20)))
                 .expect("timeout");
@@ -61,11 +57,7 @@ impl SilentPeer {
             received
         });
         Self {
-            endpoint: QueuePairEndpoint::Soft(SoftEndpoint {
-                device_id: 0x5151,
-                address: Some(address),
-                qp_number: 1,
-            }),
+            endpoint: scripted_endpoint(address),
             close,
             thread: Some(thread),
         }
@@ -81,6 +73,25 @@ impl SilentPeer {
     }
 }
 
+/// Accepts one connection and its hello, and acknowledges it.
+fn accept_hello(listener: &TcpListener) -> std::net::TcpStream {
+    let (mut stream, _) = listener.accept().expect("accept");
+    let mut hello = [0u8; 40];
+    stream.read_exact(&mut hello).expect("hello");
+    assert_eq!(&hello[0..8], b"RDKVSOFT");
+    stream.write_all(&[0u8; 8]).expect("ack");
+    stream
+}
+
+/// The endpoint of a scripted peer listening at `address`.
+fn scripted_endpoint(address: SocketAddr) -> QueuePairEndpoint {
+    QueuePairEndpoint::Soft(SoftEndpoint {
+        device_id: 0x5151,
+        address: Some(address),
+        qp_number: 1,
+    })
+}
+
 struct Client {
     _device: Device,
     queue_pair: QueuePair,
@@ -89,6 +100,10 @@ struct Client {
 }
 
 async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {
+    client_to(&peer.endpoint, retry_timeout).await
+}
+
+async fn client_to(endpoint: &QueuePairEndpoint, retry_timeout: Duration) -> Client {
     let device = Device::soft(
         None,
         DeviceConfig {
@@ -105,7 +120,7 @@ async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {
         .create_queue_pair(&queue, QueuePairConfig::default())
         .expect("queue pair");
     queue_pair
-        .connect(&peer.endpoint)
+        .connect(endpoint)
         .await
         .expect("connect to the scripted peer");
     Client {
@@ -161,6 +176,107 @@ async fn lost_connection_completes_outstanding_with_retry_exceeded() {
     );
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(client.queue_pair.state(), QueuePairState::Error);
+}
+
+#[tokio::test]
+async fn an_answer_acknowledges_the_writes_before_it() {
+    // A responder that answers only the READ of a WRITE + READ list, as the soft responder
+    // (and an RC responder's coalesced ACK) does: the signaled WRITE completes, successfully,
+    // before the READ.
+    let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).expect("bind");
+    let endpoint = scripted_endpoint(listener.local_addr().expect("address"));
+    let responder = std::thread::spawn(move || {
+        let mut stream = accept_hello(&listener);
+        let mut requests = [0u8; 48 + 8 + 48];
+        stream
+            .read_exact(&mut requests)
+            .expect("the WRITE and the READ");
+        assert_eq!((requests[0], requests[1]), (1, 1), "a WRITE first");
+        assert_eq!((requests[56], requests[57]), (1, 0), "then a READ");
+        let mut answer = vec![2u8, 0, 0, 0, 8, 0, 0, 0];
+        answer.extend_from_slice(&requests[56 + 8..56 + 16]); // the READ's sequence
+        answer.extend_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+        stream.write_all(&answer).expect("the one answer");
+        let mut end = [0u8; 1];
+        let _ = stream.read(&mut end);
+    });
+    let client = client_to(&endpoint, Duration::from_secs(10)).await;
+    let region = client
+        .domain
+        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
+        .expect("register");
+    let completions = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.queue_pair.execute(vec![
+            WorkRequest::write(1, region.segment(0, 8), REMOTE),
+            WorkRequest::read(2, region.segment(64, 8), REMOTE),
+        ]),
+    )
+    .await
+    .expect("bounded")
+    .expect("post");
+    let seen: Vec<_> = completions
+        .iter()
+        .map(|completion| (completion.work_request_id, completion.status))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (1, WorkCompletionStatus::Success),
+            (2, WorkCompletionStatus::Success)
+        ]
+    );
+    let mut read = [0u8; 8];
+    region.memory().read_into(64, &mut read).expect("read back");
+    assert_eq!(u64::from_le_bytes(read), 0x1122_3344_5566_7788);
+    assert_eq!(client.queue_pair.state(), QueuePairState::ReadyToSend);
+    drop(client);
+    responder.join().expect("the responder");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responder_answers_a_write_only_when_nothing_later_acknowledges_it() {
+    let mut peer = raw_peer().await;
+    let memory = Arc::new(
+        PinnedMemory::allocate(4096, HugepagePolicy::Off, PinLimits::default()).expect("pinned"),
+    );
+    let region = peer
+        .domain
+        .register_all(
+            &memory,
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+        )
+        .expect("register");
+    let rkey = region.remote_key();
+    let stream = &mut peer.stream;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    // A WRITE then a READ of what it wrote, in one segment: one answer, the READ's, with the
+    // data the WRITE put there.
+    let mut batch = write_request(0, &rkey, 0, &0xABCD_u64.to_le_bytes()).to_vec();
+    batch.extend_from_slice(&read_request(1, &rkey, 0, 8));
+    stream.write_all(&batch).expect("the requests");
+    let mut answer = [0u8; 16 + 8];
+    stream.read_exact(&mut answer).expect("an answer");
+    assert_eq!((answer[0], answer[1]), (2, 0), "a successful response");
+    assert_eq!(u64::from_le_bytes(answer[8..16].try_into().expect("8")), 1);
+    assert_eq!(
+        u64::from_le_bytes(answer[16..24].try_into().expect("8")),
+        0xABCD
+    );
+    // A WRITE alone is answered, without data.
+    stream
+        .write_all(&write_request(2, &rkey, 8, &[7u8; 8]))
+        .expect("the WRITE");
+    let mut answer = [0u8; 16];
+    stream.read_exact(&mut answer).expect("an answer");
+    assert_eq!((answer[0], answer[1]), (2, 0), "a successful response");
+    assert_eq!(u32::from_le_bytes(answer[4..8].try_into().expect("4")), 0);
+    assert_eq!(u64::from_le_bytes(answer[8..16].try_into().expect("8")), 2);
+    let mut written = [0u8; 8];
+    memory.read_into(8, &mut written).expect("read back");
+    assert_eq!(written, [7u8; 8]);
 }
 
 #[tokio::test]
@@ -331,7 +447,8 @@ async fn connecting_to_a_missing_queue_pair_names_it() {
 fn hello_bytes(target_qp_number: u32, target_device_id: u64) -> [u8; 40] {
     let mut bytes = [0u8; 40];
     bytes[0..8].copy_from_slice(b"RDKVSOFT");
-    bytes[8..10].copy_from_slice(&1u16.to_le_bytes());
+    // The wire version (docs/fabric.md).
+    bytes[8..10].copy_from_slice(&2u16.to_le_bytes());
     bytes[12..16].copy_from_slice(&target_qp_number.to_le_bytes());
     bytes[16..20].copy_from_slice(&0x77u32.to_le_bytes());
     bytes[24..32].copy_from_slice(&0x1234u64.to_le_bytes());
@@ -567,6 +684,20 @@ fn read_megabyte_answers(stream: &mut std::net::TcpStream, count: u64) {
         );
         stream.read_exact(&mut payload).expect("the data");
     }
+}
+
+/// A WRITE request frame with its payload (docs/fabric.md).
+fn write_request(
+    sequence: u64,
+    rkey: &rdkv_fabric::RemoteKey,
+    offset: u64,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut request = read_request(sequence, rkey, offset, payload.len() as u32).to_vec();
+    request[1] = 1; // WRITE
+    request[28..32].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    request.extend_from_slice(payload);
+    request
 }
 
 /// A READ request frame (docs/fabric.md).

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::provider::engine;
 use crate::queue_pair::QueuePairShared;
-use crate::types::WorkCompletionStatus;
+use crate::types::{Opcode, WorkCompletionStatus};
 
 use super::connection::{FlushMode, SoftConnection};
 use super::wire::{self, Frame};
@@ -30,6 +30,11 @@ const INITIAL_READ_BUFFER: usize = 16 * 1024;
 pub(crate) const KEPT_READ_BUFFER: usize = 256 * 1024;
 
 /// Responses encoded and not yet queued for sending.
+///
+/// A successful WRITE is acknowledged implicitly, as an RC responder coalesces ACKs: the
+/// answer of any later request of the same batch acknowledges it (the requester retires every
+/// WRITE before the sequence number it is answered, `QueuePairShared::on_response`). Only a
+/// WRITE that is the last request answered in a batch gets a response of its own.
 #[derive(Default)]
 struct Answers {
     /// The encoded responses.
@@ -38,15 +43,20 @@ struct Answers {
     count: usize,
     /// The responder refused a request: it serves nothing more on this connection.
     refused: bool,
+    /// A successful WRITE not answered yet: the next answer acknowledges it, or
+    /// [`Answers::acknowledge_deferred`] does.
+    deferred: Option<u64>,
 }
 
 impl Answers {
     /// Answers request `sequence` with what `serve` appends and the status it returns (`None`:
     /// no answer, as a responder that cannot receive drops a request). Nothing is served once
-    /// a request was refused; a refusal stops serving.
+    /// a request was refused; a refusal stops serving. A success of a request that carries no
+    /// data back (`implicit`: a WRITE) is deferred, to be acknowledged by the next answer.
     fn answer(
         &mut self,
         sequence: u64,
+        implicit: bool,
         serve: impl FnOnce(&mut Vec<u8>) -> Option<WorkCompletionStatus>,
     ) {
         if self.refused {
@@ -54,12 +64,34 @@ impl Answers {
         }
         let position = wire::reserve_response_header(&mut self.bytes);
         match serve(&mut self.bytes) {
+            Some(WorkCompletionStatus::Success)
+                if implicit && self.bytes.len() == position + wire::RESPONSE_HEADER_LENGTH =>
+            {
+                self.bytes.truncate(position);
+                self.deferred = Some(sequence);
+            }
             Some(status) => {
                 wire::finish_response_header(&mut self.bytes, position, sequence, status);
                 self.count += 1;
+                self.deferred = None;
                 self.refused = status != WorkCompletionStatus::Success;
             }
             None => self.bytes.truncate(position),
+        }
+    }
+
+    /// Answers the deferred WRITE, if any, with a response of its own: no later answer of the
+    /// batch acknowledged it.
+    fn acknowledge_deferred(&mut self) {
+        if let Some(sequence) = self.deferred.take() {
+            let position = wire::reserve_response_header(&mut self.bytes);
+            wire::finish_response_header(
+                &mut self.bytes,
+                position,
+                sequence,
+                WorkCompletionStatus::Success,
+            );
+            self.count += 1;
         }
     }
 }
@@ -148,14 +180,18 @@ impl Engine {
                             sequence,
                             request,
                             payload,
-                        } => self.answers.answer(sequence, |responses| {
-                            engine::serve(&self.queue_pair, &request, payload, responses)
-                        }),
+                        } => self.answers.answer(
+                            sequence,
+                            request.opcode == Opcode::Write,
+                            |responses| {
+                                engine::serve(&self.queue_pair, &request, payload, responses)
+                            },
+                        ),
                         Frame::OversizeRequest {
                             sequence,
                             payload_length,
                         } => {
-                            self.answers.answer(sequence, |_| {
+                            self.answers.answer(sequence, false, |_| {
                                 Some(WorkCompletionStatus::RemoteInvalidRequestError)
                             });
                             self.discarding = u64::from(payload_length);
@@ -191,6 +227,7 @@ impl Engine {
 
     /// Queues the responses served so far and writes them out.
     fn send_responses(&mut self) {
+        self.answers.acknowledge_deferred();
         if self.answers.bytes.is_empty() {
             return;
         }
@@ -279,27 +316,51 @@ impl Engine {
 
 /// The engine task of one connection on a dialing-only NIC: it runs on the caller's tokio
 /// runtime, so a response wakes the awaiting task without a hop through another thread.
+///
+/// Per wait it costs no timer and no extra system call: one tick, registered once, checks the
+/// retry timeout every [`ENGINE_TICK`]; and a read that did not fill the buffer drained the
+/// socket, so it clears the readiness itself instead of reading again to see `EAGAIN`.
 pub(crate) async fn run_engine_task(mut engine: Engine, stream: tokio::net::TcpStream) {
+    let tick = tokio::time::sleep(ENGINE_TICK);
+    tokio::pin!(tick);
     let reason = loop {
         if let Err(reason) = engine.process() {
             break reason;
         }
-        match stream.try_read(engine.space()) {
-            Ok(0) => break "end of stream".to_string(),
-            Ok(read) => engine.end += read,
-            Err(error) if error.kind() == ErrorKind::WouldBlock => {
-                match tokio::time::timeout(ENGINE_TICK, stream.readable()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(error)) => break format!("wait for readability: {error}"),
-                    Err(_) => {
-                        if let Err(reason) = engine.idle_check() {
-                            break reason;
-                        }
-                    }
+        let mut read = 0;
+        let space = engine.space();
+        let room = space.len();
+        let outcome = stream.try_io(tokio::io::Interest::READABLE, || {
+            read = stream.try_read(space)?;
+            if read > 0 && read < room {
+                // Drained: the readiness is cleared, and the next edge sets it again.
+                return Err(ErrorKind::WouldBlock.into());
+            }
+            Ok(())
+        });
+        match outcome {
+            _ if read > 0 => {
+                engine.end += read;
+                continue;
+            }
+            Ok(()) => break "end of stream".to_string(),
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {}
+            Err(error) if error.kind() == ErrorKind::Interrupted => continue,
+            Err(error) => break format!("read: {error}"),
+        }
+        tokio::select! {
+            biased;
+            ready = stream.readable() => {
+                if let Err(error) = ready {
+                    break format!("wait for readability: {error}");
                 }
             }
-            Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => break format!("read: {error}"),
+            () = &mut tick => {
+                tick.as_mut().reset(tokio::time::Instant::now() + ENGINE_TICK);
+                if let Err(reason) = engine.idle_check() {
+                    break reason;
+                }
+            }
         }
     };
     engine.finish(&reason);

@@ -3,7 +3,7 @@
 //! ```text
 //! Hello (dialer → listener, once per connection), 40 bytes
 //!   0  [u8; 8]  magic "RDKVSOFT"
-//!   8  u16      wire version (1)
+//!   8  u16      wire version (2)
 //!  10  u16      reserved (0)
 //!  12  u32      target queue pair number (the listener's)
 //!  16  u32      source queue pair number (the dialer's)
@@ -12,7 +12,7 @@
 //!  32  u64      target device id
 //!
 //! Hello acknowledgement (listener → dialer), 8 bytes
-//!   0  u32      status: 0 accepted, 1 unknown queue pair, 2 wrong device, 3 bad hello
+//!   0  u32      status: 0 accepted, 1 refused (one answer whatever was wrong)
 //!   4  u32      reserved (0)
 //!
 //! Request frame, 48-byte header + payload (WRITE only)
@@ -36,6 +36,9 @@
 //!   8  u64      sequence number of the request answered
 //!  16  ...      payload
 //! ```
+//! A response also acknowledges every WRITE sent before the request it answers (version 2):
+//! the responder answers a successful WRITE only when no later request of the same batch is
+//! answered, as an RC responder coalesces its ACKs.
 //! A payload longer than the device's maximum message size is a protocol violation: the
 //! connection is closed and the requester's outstanding requests complete RETRY_EXC_ERR.
 
@@ -45,7 +48,7 @@ use crate::types::{Opcode, WorkCompletionStatus};
 /// The hello's magic.
 pub(crate) const HELLO_MAGIC: [u8; 8] = *b"RDKVSOFT";
 /// The wire version.
-pub(crate) const WIRE_VERSION: u16 = 1;
+pub(crate) const WIRE_VERSION: u16 = 2;
 /// Hello length.
 pub(crate) const HELLO_LENGTH: usize = 40;
 /// Hello acknowledgement length.
