@@ -284,6 +284,11 @@ impl Device {
         self.inner.provider.listen_address()
     }
 
+    /// The Unix-domain socket an `shm` device offers its memory on, if it does.
+    pub fn shm_socket(&self) -> Option<std::path::PathBuf> {
+        self.inner.provider.socket_path()
+    }
+
     /// Allocates a protection domain.
     pub fn allocate_protection_domain(&self) -> ProtectionDomain {
         ProtectionDomain::new(self.inner.clone())

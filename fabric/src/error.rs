@@ -71,6 +71,10 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A store into a peer's read-only mapping (the `shm` provider's key state).
+    #[error("a store into a read-only mapping of a peer's memory")]
+    ReadOnlyMemory,
+
     /// `mmap` failed.
     #[error("map {length} bytes ({backing})")]
     MapMemory {
@@ -178,6 +182,44 @@ pub enum Error {
     EndpointNotFound {
         /// What was not found.
         reason: String,
+    },
+
+    /// An `shm` device could not offer its memory on its Unix-domain socket.
+    #[error("shm socket {path}: {operation}")]
+    ShmSocket {
+        /// The socket's path.
+        path: std::path::PathBuf,
+        /// What failed, as a verb phrase.
+        operation: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// An `shm` peer refused to attach a queue pair, or answered something that is not the
+    /// `shm` protocol.
+    #[error("shm attach to {path} refused: {reason}")]
+    ShmRefused {
+        /// The peer's socket.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
+
+    /// An `shm` device's shared key table is full.
+    #[error(
+        "the shm key table is full ({capacity} keys); deregister memory or unbind windows first"
+    )]
+    ShmKeyTableFull {
+        /// Keys it holds.
+        capacity: u64,
+    },
+
+    /// Memory registered with remote rights on a listening `shm` device must be shareable.
+    #[error("memory of {length} bytes registered with remote rights on an shm device is not shareable; allocate it with PinnedMemory::allocate_shared")]
+    NotShareable {
+        /// The block's length.
+        length: u64,
     },
 
     /// The soft NIC could not bind its listener.

@@ -55,7 +55,7 @@ pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,
-    RemoteSegment, SoftEndpoint, UnknownBackend, VerbsAddress, WorkCompletion,
+    RemoteSegment, ShmEndpoint, SoftEndpoint, UnknownBackend, VerbsAddress, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
 

@@ -6,7 +6,7 @@
 //! the pinned memory it covers, so memory named by a live key is never unmapped.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use dashmap::DashMap;
 
@@ -14,7 +14,7 @@ use crate::device::DeviceInner;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::memory::PinnedMemory;
-use crate::seam::ProviderObject;
+use crate::seam::{KeyMirror, ProviderObject};
 use crate::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
 
 /// One key's entry: the memory it covers and the rights it grants.
@@ -63,6 +63,8 @@ pub(crate) struct ProtectionTable {
     entries: DashMap<u32, Arc<ProtectionEntry>>,
     /// The next key; keys are never reused while the counter does not wrap.
     next_key: AtomicU32,
+    /// A provider's copy of the keys, where its requesters read them (`shm`).
+    mirror: OnceLock<Arc<dyn KeyMirror>>,
 }
 
 impl ProtectionTable {
@@ -70,17 +72,27 @@ impl ProtectionTable {
         Self {
             entries: DashMap::new(),
             next_key: AtomicU32::new(first_key.max(1)),
+            mirror: OnceLock::new(),
         }
     }
 
-    fn insert(&self, entry: ProtectionEntry) -> u32 {
+    /// Keeps `mirror` in step with every model-chosen key from now on.
+    pub(crate) fn set_mirror(&self, mirror: Arc<dyn KeyMirror>) {
+        let _ = self.mirror.set(mirror);
+    }
+
+    fn insert(&self, entry: ProtectionEntry) -> Result<u32> {
         loop {
             let key = self.next_key.fetch_add(1, Ordering::Relaxed);
             if key == 0 || self.entries.contains_key(&key) {
                 continue;
             }
-            self.entries.insert(key, Arc::new(entry));
-            return key;
+            let entry = Arc::new(entry);
+            if let Some(mirror) = self.mirror.get() {
+                mirror.publish(key, &entry)?;
+            }
+            self.entries.insert(key, entry);
+            return Ok(key);
         }
     }
 
@@ -91,6 +103,11 @@ impl ProtectionTable {
     }
 
     fn remove(&self, key: u32) {
+        if let Some(mirror) = self.mirror.get() {
+            // First out of the mirror (which waits until no requester can still be using
+            // it), then the memory may go.
+            mirror.revoke(key);
+        }
         self.entries.remove(&key);
     }
 
@@ -157,22 +174,64 @@ impl ProtectionTable {
         let entry = self
             .lookup(remote_key)
             .ok_or(WorkCompletionStatus::RemoteAccessError)?;
-        if entry.protection_domain != protection_domain {
+        let rights = KeyRights {
+            protection_domain: entry.protection_domain,
+            bound_qp: entry.bound_qp,
+            access: entry.access,
+            address: entry.address,
+            length: entry.length,
+        };
+        rights.check(protection_domain, qp_number, address, length, opcode)?;
+        Ok((entry.clone(), address - entry.memory.base_address()))
+    }
+}
+
+/// What a key grants, as a responder checks it (the model's table and the `shm` provider's
+/// shared copy check the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyRights {
+    /// The key's protection domain.
+    pub(crate) protection_domain: u32,
+    /// For a window: the queue pair it is bound to.
+    pub(crate) bound_qp: Option<u32>,
+    /// Rights granted.
+    pub(crate) access: AccessFlags,
+    /// Virtual address of the first covered byte.
+    pub(crate) address: u64,
+    /// Covered length.
+    pub(crate) length: u64,
+}
+
+impl KeyRights {
+    /// The responder's checks of one access, in rxe's order: same PD, bound to this QP when
+    /// a window, the right for the opcode, in range, and 8-byte alignment for atomics.
+    pub(crate) fn check(
+        &self,
+        protection_domain: u32,
+        qp_number: u32,
+        address: u64,
+        length: u64,
+        opcode: Opcode,
+    ) -> std::result::Result<(), WorkCompletionStatus> {
+        if self.protection_domain != protection_domain {
             return Err(WorkCompletionStatus::RemoteAccessError);
         }
-        if entry.bound_qp.is_some_and(|bound| bound != qp_number) {
+        if self.bound_qp.is_some_and(|bound| bound != qp_number) {
             return Err(WorkCompletionStatus::RemoteAccessError);
         }
-        if !entry.access.contains(opcode.required_remote_access()) {
+        if !self.access.contains(opcode.required_remote_access()) {
             return Err(WorkCompletionStatus::RemoteAccessError);
         }
-        let offset = entry
-            .memory_offset(address, length)
-            .ok_or(WorkCompletionStatus::RemoteAccessError)?;
+        let inside = address
+            .checked_add(length)
+            .is_some_and(|end| address >= self.address && end <= self.address + self.length);
+        if !inside {
+            return Err(WorkCompletionStatus::RemoteAccessError);
+        }
         if opcode.is_atomic() && address % 8 != 0 {
             return Err(WorkCompletionStatus::RemoteInvalidRequestError);
         }
-        Ok((entry, offset))
+        Ok(())
     }
 }
 
@@ -244,7 +303,7 @@ impl ProtectionDomain {
                     )
                 }
                 None => {
-                    let key = device.table.insert(entry);
+                    let key = device.table.insert(entry)?;
                     (key, key, None)
                 }
             };
@@ -561,7 +620,7 @@ impl MemoryWindow {
             length,
             access: granted,
             bound_qp: Some(qp_number),
-        });
+        })?;
         let previous = self
             .key
             .lock()

@@ -25,7 +25,7 @@ use crate::completion::CompletionQueueInner;
 use crate::device::{DeviceConfig, DeviceInner};
 use crate::error::Result;
 use crate::memory::PinnedMemory;
-use crate::protection::{MemoryRegion, MemoryWindow};
+use crate::protection::{MemoryRegion, MemoryWindow, ProtectionEntry};
 use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
 use crate::types::{AccessFlags, Backend, QueuePairEndpoint, RemoteKey};
 
@@ -44,6 +44,19 @@ pub(crate) struct NicRegion {
     pub(crate) remote_key: u32,
     /// The registration; dropped (deregistered) before the model releases the memory.
     pub(crate) registration: ProviderObject,
+}
+
+/// A provider's copy of a device's model-chosen keys, kept in step by the protection table
+/// (the `shm` provider's shared key state, which requesters in other processes read).
+pub(crate) trait KeyMirror: Send + Sync + Debug {
+    /// A key was created.
+    ///
+    /// # Errors
+    /// The provider's, e.g. a full shared key table or memory that cannot be shared.
+    fn publish(&self, key: u32, entry: &ProtectionEntry) -> Result<()>;
+
+    /// A key is revoked: returns once no requester can still be using it.
+    fn revoke(&self, key: u32);
 }
 
 /// What a post's requests need after [`QueuePairProvider::submit`].
@@ -74,6 +87,11 @@ pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
 
     /// The address the NIC accepts connections on, if it listens.
     fn listen_address(&self) -> Option<SocketAddr> {
+        None
+    }
+
+    /// The Unix-domain socket an `shm` device offers its memory on, if it does.
+    fn socket_path(&self) -> Option<std::path::PathBuf> {
         None
     }
 

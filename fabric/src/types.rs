@@ -33,11 +33,19 @@ pub enum Backend {
     Loopback,
     /// Real ibverbs (any RDMA NIC, or Soft-RoCE), built with the cargo feature `verbs`.
     Verbs,
+    /// One-sided over shared memory, between processes of one host: the requester does the
+    /// NIC's work on the responder's memory files.
+    Shm,
 }
 
 impl Backend {
     /// Every provider, in the order the docs list them.
-    pub const ALL: [Backend; 3] = [Backend::Soft, Backend::Loopback, Backend::Verbs];
+    pub const ALL: [Backend; 4] = [
+        Backend::Soft,
+        Backend::Loopback,
+        Backend::Verbs,
+        Backend::Shm,
+    ];
 
     /// The name used in configuration files and on the command line.
     pub fn name(self) -> &'static str {
@@ -45,6 +53,7 @@ impl Backend {
             Self::Soft => "soft",
             Self::Loopback => "loopback",
             Self::Verbs => "verbs",
+            Self::Shm => "shm",
         }
     }
 
@@ -70,7 +79,7 @@ impl std::fmt::Display for Backend {
 
 /// A fabric name that is not one of [`Backend::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown fabric `{name}`: expected soft, loopback or verbs")]
+#[error("unknown fabric `{name}`: expected soft, loopback, verbs or shm")]
 pub struct UnknownBackend {
     /// The name given.
     pub name: String,
@@ -375,6 +384,8 @@ pub enum QueuePairEndpoint {
     },
     /// A queue pair of a soft NIC.
     Soft(SoftEndpoint),
+    /// A queue pair of an `shm` device on this host.
+    Shm(ShmEndpoint),
     /// An ibverbs RC queue pair.
     Verbs {
         /// The queue pair number.
@@ -395,6 +406,17 @@ pub struct SoftEndpoint {
     pub qp_number: u32,
 }
 
+/// Where an `shm` queue pair is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmEndpoint {
+    /// The device's id (random per device instance).
+    pub device_id: u64,
+    /// The device's Unix-domain socket, if it offers its memory (a listening device).
+    pub socket: Option<std::path::PathBuf>,
+    /// The queue pair number.
+    pub qp_number: u32,
+}
+
 impl QueuePairEndpoint {
     /// The provider of the queue pair.
     pub fn backend(&self) -> Backend {
@@ -402,6 +424,7 @@ impl QueuePairEndpoint {
             Self::Loopback { .. } => Backend::Loopback,
             Self::Soft(_) => Backend::Soft,
             Self::Verbs { .. } => Backend::Verbs,
+            Self::Shm(_) => Backend::Shm,
         }
     }
 
@@ -410,6 +433,7 @@ impl QueuePairEndpoint {
         match self {
             Self::Loopback { qp_number, .. } | Self::Verbs { qp_number, .. } => *qp_number,
             Self::Soft(soft) => soft.qp_number,
+            Self::Shm(shm) => shm.qp_number,
         }
     }
 }

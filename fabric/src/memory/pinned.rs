@@ -7,6 +7,7 @@
 //! can never observe half of an 8-byte word that a CAS wrote.
 
 use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -60,7 +61,26 @@ pub struct PinnedMemory {
     length: u64,
     /// How the mapping is backed, for logs and tests.
     backing: PageBacking,
+    /// Whether this process locked the mapping (and counts it in [`pinned_bytes`]); a peer's
+    /// mapping of shared memory is pinned by its owner.
+    locked: bool,
+    /// Whether stores are allowed (a peer's read-only mapping refuses them before they fault).
+    writable: bool,
+    /// The memory file behind a shareable mapping ([`PinnedMemory::allocate_shared`]).
+    shared: Option<SharedFile>,
 }
+
+/// The memory file of a shareable block: a peer process maps the same pages through it.
+#[derive(Debug)]
+struct SharedFile {
+    /// The memfd.
+    descriptor: OwnedFd,
+    /// A process-unique number, never reused: a peer tells the blocks it mapped apart by it.
+    id: u64,
+}
+
+/// The next shared block's id.
+static NEXT_SHARED_ID: AtomicU64 = AtomicU64::new(1);
 
 // SAFETY: the mapping is owned exclusively by this value (only `Drop` unmaps it) and every
 // access goes through atomic views, so moving it to or sharing it with other threads cannot
@@ -77,6 +97,102 @@ impl PinnedMemory {
     /// when a check fails (each names the fix); [`Error::MapMemory`] or [`Error::PinMemory`]
     /// when the kernel refuses. Nothing stays mapped or locked after an error.
     pub fn allocate(length: u64, policy: HugepagePolicy, limits: PinLimits) -> Result<Self> {
+        Self::allocate_backed(length, policy, limits, false)
+    }
+
+    /// As [`PinnedMemory::allocate`], but the block is a memory file (`memfd`, with
+    /// `MFD_HUGETLB` when hugetlb pages are used) mapped `MAP_SHARED`, so the `shm` provider can
+    /// hand it to a peer process on this host ([`PinnedMemory::shared_descriptor`]). The same
+    /// checks run, with the same errors.
+    ///
+    /// # Errors
+    /// As [`PinnedMemory::allocate`].
+    pub fn allocate_shared(length: u64, policy: HugepagePolicy, limits: PinLimits) -> Result<Self> {
+        Self::allocate_backed(length, policy, limits, true)
+    }
+
+    /// Maps `length` bytes of a peer's shareable block from its memory file, read-only unless
+    /// `writable`. The owner pins the pages; this mapping is not locked or counted.
+    ///
+    /// # Errors
+    /// [`Error::MapMemory`] when the kernel refuses (a length past the file's end included).
+    pub fn map_peer(descriptor: OwnedFd, length: u64, writable: bool) -> Result<Self> {
+        if length == 0 || length % PAGE_SIZE != 0 {
+            return Err(Error::InvalidMemorySize {
+                length,
+                reason: "a peer's block is a whole number of pages",
+            });
+        }
+        let file_length =
+            std::fs::File::from(descriptor.try_clone().map_err(|source| Error::MapMemory {
+                length,
+                backing: "a peer's memory file",
+                source,
+            })?)
+            .metadata()
+            .map(|metadata| metadata.len())
+            .unwrap_or(0);
+        if file_length < length {
+            return Err(Error::MapMemory {
+                length,
+                backing: "a peer's memory file",
+                source: io::Error::other(format!("the file holds only {file_length} bytes")),
+            });
+        }
+        let protection = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a new shared mapping of a file we hold, with a null hint: it touches no
+        // existing memory, and the file is at least `length` bytes long (checked above), so no
+        // access inside the mapping can fault with SIGBUS.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                length as usize,
+                protection,
+                libc::MAP_SHARED,
+                descriptor.as_raw_fd(),
+                0,
+            )
+        };
+        if address == libc::MAP_FAILED {
+            return Err(Error::MapMemory {
+                length,
+                backing: "a peer's memory file",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let base = NonNull::new(address.cast::<u8>()).ok_or_else(|| Error::MapMemory {
+            length,
+            backing: "a peer's memory file",
+            source: io::Error::other("mmap returned null"),
+        })?;
+        Ok(PinnedMemory {
+            base,
+            length,
+            backing: PageBacking::StandardPages,
+            locked: false,
+            writable,
+            shared: None,
+        })
+    }
+
+    /// The memory file of a shareable block and its id, for handing to a peer; `None` for a
+    /// private block.
+    pub fn shared_descriptor(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        self.shared
+            .as_ref()
+            .map(|shared| (shared.descriptor.as_fd(), shared.id))
+    }
+
+    fn allocate_backed(
+        length: u64,
+        policy: HugepagePolicy,
+        limits: PinLimits,
+        shared: bool,
+    ) -> Result<Self> {
         if length == 0 {
             return Err(Error::InvalidMemorySize {
                 length,
@@ -113,12 +229,12 @@ impl PinnedMemory {
             tracing::info!("raised RLIMIT_MEMLOCK soft limit to the hard limit");
         }
 
-        let (base, length, backing) = match Self::map(rounded, use_hugetlb) {
+        let (base, length, backing, file) = match Self::map(rounded, use_hugetlb, shared) {
             Ok(mapped) => mapped,
             Err(error) if use_hugetlb && policy == HugepagePolicy::Auto => {
                 tracing::info!(%error, "hugetlb mapping failed; falling back to 4 KiB pages");
                 let fallback = length.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-                Self::map(fallback, false)?
+                Self::map(fallback, false, shared)?
             }
             Err(error) => return Err(error),
         };
@@ -136,6 +252,12 @@ impl PinnedMemory {
             base,
             length,
             backing,
+            locked: false,
+            writable: true,
+            shared: file.map(|descriptor| SharedFile {
+                descriptor,
+                id: NEXT_SHARED_ID.fetch_add(1, Ordering::Relaxed),
+            }),
         };
         Self::advise(base, length, libc::MADV_DONTFORK).map_err(|source| Error::PinMemory {
             operation: "madvise MADV_DONTFORK",
@@ -163,6 +285,8 @@ impl PinnedMemory {
                 source,
             });
         }
+        let mut memory = memory;
+        memory.locked = true;
         PINNED_BYTES.fetch_add(length, Ordering::Relaxed);
         tracing::info!(
             bytes = length,
@@ -192,27 +316,46 @@ impl PinnedMemory {
         Ok(())
     }
 
-    /// Maps `length` anonymous bytes, with MAP_HUGETLB when asked.
-    fn map(length: u64, hugetlb: bool) -> Result<(NonNull<u8>, u64, PageBacking)> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        if hugetlb {
+    /// Maps `length` anonymous bytes, with MAP_HUGETLB when asked; `shared`: a memory file of
+    /// that length mapped MAP_SHARED instead, returned with the mapping.
+    fn map(
+        length: u64,
+        hugetlb: bool,
+        shared: bool,
+    ) -> Result<(NonNull<u8>, u64, PageBacking, Option<OwnedFd>)> {
+        let backing = if hugetlb {
+            PageBacking::Hugetlb
+        } else {
+            PageBacking::StandardPages
+        };
+        let map_error = |source| Error::MapMemory {
+            length,
+            backing: backing.name(),
+            source,
+        };
+        let file = if shared {
+            Some(Self::memory_file(length, hugetlb).map_err(map_error)?)
+        } else {
+            None
+        };
+        let (mut flags, descriptor) = match &file {
+            Some(file) => (libc::MAP_SHARED, file.as_raw_fd()),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+        };
+        if hugetlb && file.is_none() {
             flags |= libc::MAP_HUGETLB | libc::MAP_HUGE_2MB;
         }
-        // SAFETY: an anonymous mapping with a null hint touches no existing memory.
+        // SAFETY: a new mapping with a null hint touches no existing memory; a memory file is
+        // `length` bytes long, so no access inside the mapping can fault with SIGBUS.
         let address = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 length as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
-                -1,
+                descriptor,
                 0,
             )
-        };
-        let backing = if hugetlb {
-            PageBacking::Hugetlb
-        } else {
-            PageBacking::StandardPages
         };
         if address == libc::MAP_FAILED {
             return Err(Error::MapMemory {
@@ -226,7 +369,24 @@ impl PinnedMemory {
             backing: backing.name(),
             source: io::Error::other("mmap returned null"),
         })?;
-        Ok((base, length, backing))
+        Ok((base, length, backing, file))
+    }
+
+    /// A new memory file of `length` bytes (`MFD_HUGETLB` for hugetlb pages).
+    fn memory_file(length: u64, hugetlb: bool) -> io::Result<OwnedFd> {
+        let mut flags = libc::MFD_CLOEXEC;
+        if hugetlb {
+            flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
+        }
+        // SAFETY: the name is a NUL-terminated literal; memfd_create reads nothing else.
+        let raw = unsafe { libc::memfd_create(c"rdkv-shm".as_ptr(), flags) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create just returned this descriptor; nothing else owns it.
+        let descriptor = unsafe { OwnedFd::from_raw_fd(raw) };
+        std::fs::File::from(descriptor.try_clone()?).set_len(length)?;
+        Ok(descriptor)
     }
 
     /// Applies one madvise advice to the whole mapping.
@@ -279,6 +439,15 @@ impl PinnedMemory {
         unsafe { &*(self.base.as_ptr().add(offset as usize).cast::<AtomicU64>()) }
     }
 
+    /// Refuses a store into a read-only peer mapping (which would otherwise fault).
+    fn check_writable(&self) -> Result<()> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(Error::ReadOnlyMemory)
+        }
+    }
+
     /// Checks an 8-byte atomic target.
     fn check_atomic(&self, offset: u64) -> Result<()> {
         self.check_range(offset, 8)?;
@@ -326,6 +495,7 @@ impl PinnedMemory {
     /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
     pub fn write_from(&self, offset: u64, source: &[u8]) -> Result<()> {
         self.check_range(offset, source.len() as u64)?;
+        self.check_writable()?;
         // An unaligned head, whole words (one atomic store each), an unaligned tail.
         let head = (((8 - (offset % 8)) % 8) as usize).min(source.len());
         let (head_bytes, rest) = source.split_at(head);
@@ -383,6 +553,7 @@ impl PinnedMemory {
     /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
     pub fn store_u64(&self, offset: u64, value: u64) -> Result<()> {
         self.check_atomic(offset)?;
+        self.check_writable()?;
         self.word(offset).store(value, Ordering::Release);
         Ok(())
     }
@@ -394,6 +565,7 @@ impl PinnedMemory {
     /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
     pub fn compare_exchange_u64(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
         self.check_atomic(offset)?;
+        self.check_writable()?;
         Ok(
             match self.word(offset).compare_exchange(
                 expected,
@@ -412,6 +584,7 @@ impl PinnedMemory {
     /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
     pub fn fetch_add_u64(&self, offset: u64, addend: u64) -> Result<u64> {
         self.check_atomic(offset)?;
+        self.check_writable()?;
         Ok(self.word(offset).fetch_add(addend, Ordering::SeqCst))
     }
 }
@@ -421,10 +594,14 @@ impl Drop for PinnedMemory {
         // SAFETY: the mapping is ours; munlock and munmap release it exactly once, and no
         // reference into it outlives `self` (every view borrows `self`).
         unsafe {
-            libc::munlock(self.base.as_ptr().cast(), self.length as usize);
+            if self.locked {
+                libc::munlock(self.base.as_ptr().cast(), self.length as usize);
+            }
             libc::munmap(self.base.as_ptr().cast(), self.length as usize);
         }
-        PINNED_BYTES.fetch_sub(self.length, Ordering::Relaxed);
+        if self.locked {
+            PINNED_BYTES.fetch_sub(self.length, Ordering::Relaxed);
+        }
     }
 }
 

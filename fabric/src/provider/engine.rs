@@ -1,10 +1,12 @@
 //! The responder engine: what a NIC does with one incoming one-sided request.
 //!
 //! Both emulated providers call [`serve`]: the soft provider from its engine threads, the
-//! loopback provider inline. It checks the request against the protection table (see
+//! loopback provider inline. The `shm` requester runs the same length gate and
+//! [`perform`] on the responder's shared memory, after the same checks on its shared keys. It checks the request against the protection table (see
 //! [`ProtectionTable::check_remote`]) and carries it out with atomic accesses only. Server
 //! application code is never called.
 
+use crate::memory::PinnedMemory;
 use crate::protection::{LocalTarget, ProtectionTable};
 use crate::queue_pair::QueuePairShared;
 use crate::types::{Opcode, WorkCompletionStatus, WorkRequest};
@@ -89,6 +91,27 @@ pub(crate) fn append_write_payload(
     }
 }
 
+/// The bytes `request` touches, after the responder's length gate: `Ok(0)` for a zero-length
+/// READ or WRITE, which names no memory (like rxe, it needs no valid rkey) and succeeds;
+/// REM_INV_REQ_ERR for one longer than a message may be, refused before any memory is touched
+/// or any response buffer grows (a window-sized READ from a peer that ignores its own limit
+/// would otherwise make the responder hold the whole window in its response; rxe answers a
+/// length it cannot accept with a NAK-invalid-request).
+pub(crate) fn request_length(
+    request: &RemoteRequest,
+    max_message_size: u32,
+) -> std::result::Result<u64, WorkCompletionStatus> {
+    let length = if request.opcode.is_atomic() {
+        8
+    } else {
+        u64::from(request.length)
+    };
+    if length > u64::from(max_message_size) {
+        return Err(WorkCompletionStatus::RemoteInvalidRequestError);
+    }
+    Ok(length)
+}
+
 /// Checks and executes `request`. READ data or the original atomic value is appended to
 /// `response`; on an error nothing is appended.
 pub(crate) fn execute(
@@ -98,22 +121,11 @@ pub(crate) fn execute(
     write_payload: &[u8],
     response: &mut Vec<u8>,
 ) -> WorkCompletionStatus {
-    let length = if request.opcode.is_atomic() {
-        8
-    } else {
-        u64::from(request.length)
+    let length = match request_length(request, context.max_message_size) {
+        Ok(0) => return WorkCompletionStatus::Success,
+        Ok(length) => length,
+        Err(status) => return status,
     };
-    // A zero-length READ or WRITE names no memory; like rxe, it needs no valid rkey.
-    if length == 0 {
-        return WorkCompletionStatus::Success;
-    }
-    // Longer than a message may be: refused before any memory is touched or any response
-    // buffer grows (a window-sized READ from a peer that ignores its own limit would otherwise
-    // make the responder hold the whole window in its response). rxe answers a length it
-    // cannot accept with a NAK-invalid-request: REM_INV_REQ_ERR at the requester.
-    if length > u64::from(context.max_message_size) {
-        return WorkCompletionStatus::RemoteInvalidRequestError;
-    }
     let (entry, offset) = match table.check_remote(
         context.protection_domain,
         context.qp_number,
@@ -125,7 +137,25 @@ pub(crate) fn execute(
         Ok(found) => found,
         Err(status) => return status,
     };
-    let memory = &entry.memory;
+    perform(
+        &entry.memory,
+        offset,
+        request,
+        length,
+        write_payload,
+        response,
+    )
+}
+
+/// Carries out a checked request on `memory` at `offset` with atomic accesses only.
+pub(crate) fn perform(
+    memory: &PinnedMemory,
+    offset: u64,
+    request: &RemoteRequest,
+    length: u64,
+    write_payload: &[u8],
+    response: &mut Vec<u8>,
+) -> WorkCompletionStatus {
     let outcome = match request.opcode {
         Opcode::Read => {
             let start = response.len();
@@ -147,7 +177,7 @@ pub(crate) fn execute(
     };
     match outcome {
         Ok(()) => WorkCompletionStatus::Success,
-        // The checks above make this unreachable; report it as a responder failure, not a panic.
+        // The checks make this unreachable; report it as a responder failure, not a panic.
         Err(_) => WorkCompletionStatus::RemoteOperationError,
     }
 }

@@ -12,6 +12,7 @@
 
 pub(crate) mod engine;
 pub(crate) mod loopback;
+pub(crate) mod shm;
 pub(crate) mod soft;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
@@ -23,8 +24,9 @@ use crate::error::Result;
 use crate::types::Backend;
 
 impl Device {
-    /// Opens a device of `backend`: soft listening on `listen` (when given), loopback, or verbs
-    /// with `verbs`. The one dispatch on the backend.
+    /// Opens a device of `backend`: soft listening on `listen` (when given), loopback, verbs
+    /// with `verbs`, or shm (offering its memory on a socket in the temporary directory when
+    /// `listen` is given; [`Device::shm`] names the socket). The one dispatch on the backend.
     ///
     /// # Errors
     /// As [`Device::soft`] and [`Device::verbs`].
@@ -37,6 +39,13 @@ impl Device {
         match backend {
             Backend::Soft => Self::build(config, Box::new(soft::SoftDevice::new(listen))),
             Backend::Loopback => Self::build(config, Box::<loopback::LoopbackDevice>::default()),
+            Backend::Shm => {
+                let listen = match listen {
+                    Some(_) => shm::Listen::Automatic,
+                    None => shm::Listen::No,
+                };
+                Self::build(config, Box::new(shm::ShmDevice::new(listen)))
+            }
             #[cfg(feature = "verbs")]
             Backend::Verbs => Self::build(config, verbs::VerbsDevice::open(verbs)?),
             #[cfg(not(feature = "verbs"))]
@@ -74,6 +83,21 @@ impl Device {
             // Starting a loopback device only registers it in a map.
             Err(error) => unreachable!("a loopback device cannot fail to start: {error}"),
         }
+    }
+
+    /// A shared-memory device. With `socket`, it offers its memory to queue pairs of other
+    /// processes of this host on that Unix-domain socket (mode 0600; a stale socket file is
+    /// replaced); without it, its queue pairs can only attach to devices that offer theirs.
+    ///
+    /// # Errors
+    /// [`crate::Error::ShmSocket`] when the socket cannot be bound, or the shared key state
+    /// cannot be allocated (as [`crate::memory::PinnedMemory::allocate_shared`]).
+    pub fn shm(socket: Option<std::path::PathBuf>, config: DeviceConfig) -> Result<Self> {
+        let listen = match socket {
+            Some(path) => shm::Listen::At(path),
+            None => shm::Listen::No,
+        };
+        Self::build(config, Box::new(shm::ShmDevice::new(listen)))
     }
 
     /// A software RNIC. With `listen`, it accepts queue pair connections on that TCP address

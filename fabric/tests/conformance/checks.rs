@@ -52,10 +52,11 @@ pub fn devices_configured(
     )
 }
 
-/// Allocates and pins a block.
+/// Allocates and pins a block, shareable so that every provider can register it (an `shm`
+/// device offers only shareable memory; the others take either kind).
 pub fn pinned(length: u64) -> Arc<PinnedMemory> {
     Arc::new(
-        PinnedMemory::allocate(length, HugepagePolicy::Off, PinLimits::default())
+        PinnedMemory::allocate_shared(length, HugepagePolicy::Off, PinLimits::default())
             .expect("pin test memory"),
     )
 }

@@ -60,5 +60,6 @@ macro_rules! conformance_suite {
 
 conformance_suite!(soft, Backend::Soft, emulated);
 conformance_suite!(loopback, Backend::Loopback, emulated);
+conformance_suite!(shm, Backend::Shm, emulated);
 #[cfg(feature = "verbs")]
 conformance_suite!(verbs, Backend::Verbs);

@@ -1,0 +1,919 @@
+//! The `shm` provider: one-sided RDMA semantics between processes of one host, over shared
+//! memory, as libfabric's `shm` provider keeps RMA and atomics within a node.
+//!
+//! - **A listening device offers its memory** on a Unix-domain socket (mode 0600). Memory it
+//!   registers with remote rights must be shareable ([`PinnedMemory::allocate_shared`]: a
+//!   memory file mapped `MAP_SHARED`, still pinned and checked as any block). Its keys and
+//!   queue pairs are mirrored into a shared key state that only it writes (`state.rs`).
+//! - **A requester attaches** a queue pair with one hello on that socket (`socket.rs`); the
+//!   answer carries the key state (read-only), the epochs and the memory files (`SCM_RIGHTS`).
+//! - **The requester does the NIC's work**: a post runs each request at once, in order, on the
+//!   mapped memory, after the responder's checks in rxe's order on the shared keys, with the
+//!   same atomic accesses as the emulated responder ([`engine::perform`]). Completions are
+//!   reported before `post` returns: no system call, no thread hop.
+//! - **Revocation and teardown keep the card's rule**: a request runs between two increments of
+//!   its queue pair's epoch; a revoked key or a queue pair moved to ERROR is published first,
+//!   and the device then waits until the epochs of the requesters that might still use it have
+//!   moved on (at most `retry_timeout`, for a requester that died mid-request), before the
+//!   model releases the memory.
+//!
+//! The kernel cannot revoke a mapping: a process that holds the memory files can reach all of
+//! the device's shared memory. The keys are enforced by this library, not by hardware; see
+//! *Trust* in `docs/fabric.md`.
+
+mod socket;
+mod state;
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::completion::CompletionQueueInner;
+use crate::device::DeviceInner;
+use crate::error::{Error, Result};
+use crate::lock;
+use crate::memory::PinnedMemory;
+use crate::protection::{KeyRights, ProtectionEntry};
+use crate::provider::engine::{self, RemoteRequest};
+use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
+use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, Submission};
+use crate::types::{
+    AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletionStatus,
+};
+
+use socket::{Answer, AnswerStatus, Hello, HelloKind, HELLO_LENGTH, MAX_MEMORY_FILES};
+use state::{EpochMarker, KeyView, QueuePairStatus, SharedState, SharedView};
+
+/// How long a requester keeps trying to attach while the responder queue pair is not connected
+/// yet (both sides connect at about the same time).
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+/// An epoch slot value meaning "no requester attached".
+const NO_EPOCH_SLOT: u32 = u32::MAX;
+
+/// Where a device offers its memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Listen {
+    /// Nowhere: the device only attaches to others.
+    No,
+    /// A socket in the temporary directory, named after the process and the device.
+    Automatic,
+    /// This socket path.
+    At(PathBuf),
+}
+
+/// An `shm` device.
+#[derive(Debug)]
+pub(crate) struct ShmDevice {
+    /// Where it listens.
+    listen: Listen,
+    /// A listening device's offer, once started.
+    offer: OnceLock<Arc<Offer>>,
+    /// The peers this device's queue pairs attached to, mapped once per peer.
+    remotes: Arc<Mutex<HashMap<u64, Weak<RemoteDevice>>>>,
+}
+
+impl ShmDevice {
+    pub(crate) fn new(listen: Listen) -> Self {
+        Self {
+            listen,
+            offer: OnceLock::new(),
+            remotes: Arc::default(),
+        }
+    }
+}
+
+impl DeviceProvider for ShmDevice {
+    fn backend(&self) -> Backend {
+        Backend::Shm
+    }
+
+    fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {
+        let path = match &self.listen {
+            Listen::No => return Ok(()),
+            Listen::Automatic => std::env::temp_dir().join(format!(
+                "rdkv-shm-{}-{:016x}.sock",
+                std::process::id(),
+                device.id
+            )),
+            Listen::At(path) => path.clone(),
+        };
+        let offer = Offer::start(device, path)?;
+        device.table.set_mirror(offer.clone());
+        let _ = self.offer.set(offer);
+        Ok(())
+    }
+
+    fn socket_path(&self) -> Option<PathBuf> {
+        self.offer.get().map(|offer| offer.socket.clone())
+    }
+
+    fn create_queue_pair(
+        &self,
+        _device: &DeviceInner,
+        _completion_queue: &CompletionQueueInner,
+        _config: QueuePairConfig,
+    ) -> Result<Box<dyn QueuePairProvider>> {
+        Ok(Box::new(ShmQueuePair {
+            offer: self.offer.get().cloned(),
+            remotes: self.remotes.clone(),
+            identity: OnceLock::new(),
+            responder: Mutex::new(ResponderState::default()),
+            epoch_slot: AtomicU32::new(NO_EPOCH_SLOT),
+            attachment: OnceLock::new(),
+            order: Mutex::new(Vec::new()),
+        }))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for ShmDevice {
+    fn drop(&mut self) {
+        if let Some(offer) = self.offer.get() {
+            offer.stop();
+        }
+    }
+}
+
+/// A listening device's side: its shared state, socket and memory files.
+#[derive(Debug)]
+pub(crate) struct Offer {
+    /// The device (weak: the device owns the offer through its protection table).
+    device: Weak<DeviceInner>,
+    /// The device's id.
+    device_id: u64,
+    /// The key state and epochs.
+    state: SharedState,
+    /// A read-only descriptor of the key state, for peers.
+    keys_read_only: OwnedFd,
+    /// The socket path.
+    socket: PathBuf,
+    /// Shareable blocks with published keys, by id.
+    memories: Mutex<HashMap<u64, Weak<PinnedMemory>>>,
+    /// Set when the device is dropped.
+    closing: AtomicBool,
+    /// The accept thread.
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// How long a revocation waits for a requester that stopped inside a request.
+    retry_timeout: Duration,
+    /// How long a peer has for its hello.
+    hello_deadline: Duration,
+}
+
+impl Offer {
+    fn start(device: &Arc<DeviceInner>, socket: PathBuf) -> Result<Arc<Self>> {
+        let socket_error = |operation, source| Error::ShmSocket {
+            path: socket.clone(),
+            operation,
+            source,
+        };
+        let state = SharedState::create(device.id, device.config.max_message_size)?;
+        let (descriptor, _) = state.keys.shared_descriptor().ok_or_else(|| {
+            socket_error(
+                "share the key state",
+                std::io::Error::other("not shareable"),
+            )
+        })?;
+        // A new, read-only open of the same memory file: a peer cannot map it writable.
+        let keys_read_only = OwnedFd::from(
+            std::fs::File::open(format!("/proc/self/fd/{}", descriptor.as_raw_fd()))
+                .map_err(|source| socket_error("reopen the key state read-only", source))?,
+        );
+        remove_stale_socket(&socket)
+            .map_err(|source| socket_error("replace a stale socket", source))?;
+        let listener =
+            UnixListener::bind(&socket).map_err(|source| socket_error("bind", source))?;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+            .map_err(|source| socket_error("set mode 0600 on", source))?;
+        let offer = Arc::new(Self {
+            device: Arc::downgrade(device),
+            device_id: device.id,
+            state,
+            keys_read_only,
+            socket: socket.clone(),
+            memories: Mutex::new(HashMap::new()),
+            closing: AtomicBool::new(false),
+            thread: Mutex::new(None),
+            retry_timeout: device.config.retry_timeout,
+            hello_deadline: device.config.hello_deadline,
+        });
+        let serving = offer.clone();
+        let thread = std::thread::Builder::new()
+            .name("rdkv-shm-accept".into())
+            .spawn(move || serving.accept_loop(&listener))
+            .map_err(|source| socket_error("start the accept thread for", source))?;
+        *lock(&offer.thread) = Some(thread);
+        tracing::info!(socket = %offer.socket.display(), "shm device offers its memory");
+        Ok(offer)
+    }
+
+    /// Answers hellos, one at a time, until the device closes.
+    fn accept_loop(&self, listener: &UnixListener) {
+        for stream in listener.incoming() {
+            if self.closing.load(Ordering::Acquire) {
+                break;
+            }
+            let Ok(stream) = stream else {
+                continue;
+            };
+            if let Err(error) = self.answer(&stream) {
+                tracing::debug!(%error, "shm hello not answered");
+            }
+        }
+    }
+
+    /// Reads one hello and answers it.
+    fn answer(&self, stream: &UnixStream) -> std::io::Result<()> {
+        stream.set_read_timeout(Some(self.hello_deadline))?;
+        stream.set_write_timeout(Some(self.hello_deadline))?;
+        let mut bytes = [0u8; HELLO_LENGTH];
+        (&*stream).read_exact(&mut bytes)?;
+        let refused = || Answer::bare(AnswerStatus::Refused);
+        let Some(hello) =
+            Hello::decode(&bytes).filter(|hello| hello.target_device == self.device_id)
+        else {
+            return socket::send_answer(stream, &refused(), &[]);
+        };
+        let Some(queue_pair) = self
+            .device
+            .upgrade()
+            .and_then(|device| device.queue_pair(hello.target_qp))
+        else {
+            return socket::send_answer(stream, &refused(), &[]);
+        };
+        let Some(part) = queue_pair.provider.as_any().downcast_ref::<ShmQueuePair>() else {
+            return socket::send_answer(stream, &refused(), &[]);
+        };
+        let epoch_slot = match part.accept_hello(&queue_pair, &hello, &self.state) {
+            Ok(slot) => slot,
+            Err(status) => return socket::send_answer(stream, &Answer::bare(status), &[]),
+        };
+        let memories = self.live_memories();
+        let mut answer = Answer {
+            status: AnswerStatus::Accepted,
+            epoch_slot,
+            keys_length: self.state.keys.len(),
+            epochs_length: self.state.epochs.len(),
+            memories: Vec::with_capacity(memories.len()),
+        };
+        let mut descriptors: Vec<BorrowedFd<'_>> = vec![
+            self.keys_read_only.as_fd(),
+            match self.state.epochs.shared_descriptor() {
+                Some((descriptor, _)) => descriptor,
+                None => return socket::send_answer(stream, &refused(), &[]),
+            },
+        ];
+        for memory in &memories {
+            if let Some((descriptor, id)) = memory.shared_descriptor() {
+                answer.memories.push((id, memory.len()));
+                descriptors.push(descriptor);
+            }
+        }
+        socket::send_answer(stream, &answer, &descriptors)
+    }
+
+    /// The shareable blocks that have published keys and are still alive (at most
+    /// [`MAX_MEMORY_FILES`]).
+    fn live_memories(&self) -> Vec<Arc<PinnedMemory>> {
+        let mut memories = lock(&self.memories);
+        memories.retain(|_, memory| memory.strong_count() > 0);
+        let live: Vec<_> = memories.values().filter_map(Weak::upgrade).collect();
+        if live.len() > MAX_MEMORY_FILES {
+            tracing::warn!(
+                blocks = live.len(),
+                "more shared blocks than one shm answer carries; the rest are not reachable"
+            );
+        }
+        live.into_iter().take(MAX_MEMORY_FILES).collect()
+    }
+
+    /// Waits until no attached requester can still be inside a request that saw the state
+    /// before the caller's change.
+    fn wait_for_requesters(&self) {
+        let Some(device) = self.device.upgrade() else {
+            return;
+        };
+        let slots: Vec<u32> = device
+            .queue_pairs
+            .iter()
+            .filter_map(|entry| entry.value().upgrade())
+            .filter_map(|queue_pair| {
+                queue_pair
+                    .provider
+                    .as_any()
+                    .downcast_ref::<ShmQueuePair>()
+                    .map(|part| part.epoch_slot.load(Ordering::Acquire))
+            })
+            .filter(|slot| *slot != NO_EPOCH_SLOT)
+            .collect();
+        for slot in slots {
+            self.wait_quiet(slot);
+        }
+    }
+
+    /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout.
+    fn wait_quiet(&self, slot: u32) {
+        if !self.state.wait_quiet(slot, self.retry_timeout) {
+            tracing::warn!(
+                epoch_slot = slot,
+                waited = ?self.retry_timeout,
+                "an shm requester stayed inside a request past the retry timeout (stopped or dead); going on"
+            );
+        }
+    }
+
+    /// Closes the device: requesters see it closed, the accept thread ends, the socket goes.
+    fn stop(&self) {
+        self.state.close();
+        self.closing.store(true, Ordering::Release);
+        // Wakes the accept thread, which then sees `closing`.
+        let _ = UnixStream::connect(&self.socket);
+        if let Some(thread) = lock(&self.thread).take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+impl KeyMirror for Offer {
+    fn publish(&self, key: u32, entry: &ProtectionEntry) -> Result<()> {
+        let remote =
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        if !entry.access.intersects(remote) {
+            // A local buffer: no peer reaches it.
+            return Ok(());
+        }
+        let Some((_, memory_id)) = entry.memory.shared_descriptor() else {
+            return Err(Error::NotShareable {
+                length: entry.memory.len(),
+            });
+        };
+        lock(&self.memories).insert(memory_id, Arc::downgrade(&entry.memory));
+        self.state.publish_key(
+            key,
+            &KeyView {
+                rights: KeyRights {
+                    protection_domain: entry.protection_domain,
+                    bound_qp: entry.bound_qp,
+                    access: entry.access,
+                    address: entry.address,
+                    length: entry.length,
+                },
+                memory_id,
+                memory_base: entry.memory.base_address(),
+            },
+        )
+    }
+
+    fn revoke(&self, key: u32) {
+        if self.state.revoke_key(key) {
+            self.wait_for_requesters();
+        }
+    }
+}
+
+/// Removes a socket file left by a process that is gone (nobody accepts on it); refuses one
+/// that is in use, and anything that is not a socket.
+fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(error),
+        Ok(metadata) if !metadata.file_type().is_socket() => Err(std::io::Error::other(
+            "the path exists and is not a socket; choose another shm_socket",
+        )),
+        Ok(_) if UnixStream::connect(path).is_ok() => Err(std::io::Error::other(
+            "another process accepts on this socket; choose another shm_socket or stop it",
+        )),
+        Ok(_) => std::fs::remove_file(path),
+    }
+}
+
+/// A peer device this process attached to: its key state, epochs and memory files, mapped.
+#[derive(Debug)]
+struct RemoteDevice {
+    /// Its id.
+    device_id: u64,
+    /// Its socket.
+    socket: PathBuf,
+    /// Its key state (read-only).
+    keys: SharedView,
+    /// Its epochs.
+    epochs: PinnedMemory,
+    /// Its shareable blocks, by id.
+    memories: RwLock<HashMap<u64, Arc<PinnedMemory>>>,
+}
+
+impl RemoteDevice {
+    /// Maps the memory files of an answer that are not mapped yet; with `complete`, forgets
+    /// the blocks the answer no longer lists (the peer freed them).
+    fn add_memories(
+        &self,
+        listed: &[(u64, u64)],
+        descriptors: Vec<OwnedFd>,
+        complete: bool,
+    ) -> std::result::Result<(), String> {
+        let mut memories = self
+            .memories
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if complete {
+            memories.retain(|id, _| listed.iter().any(|(listed_id, _)| listed_id == id));
+        }
+        for ((id, length), descriptor) in listed.iter().zip(descriptors) {
+            if memories.contains_key(id) {
+                continue;
+            }
+            let memory = PinnedMemory::map_peer(descriptor, *length, true)
+                .map_err(|error| format!("map a memory file: {error}"))?;
+            memories.insert(*id, Arc::new(memory));
+        }
+        Ok(())
+    }
+
+    fn memory(&self, id: u64) -> Option<Arc<PinnedMemory>> {
+        self.memories
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&id)
+            .cloned()
+    }
+}
+
+/// One hello and its answer over a new connection to `socket` (blocking, bounded).
+fn exchange(socket: &Path, hello: &Hello) -> Result<(Answer, Vec<OwnedFd>)> {
+    let socket_error = |operation, source| Error::ShmSocket {
+        path: socket.to_path_buf(),
+        operation,
+        source,
+    };
+    let mut stream =
+        UnixStream::connect(socket).map_err(|source| socket_error("connect to", source))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .and_then(|()| stream.set_write_timeout(Some(Duration::from_secs(5))))
+        .map_err(|source| socket_error("set timeouts on", source))?;
+    stream
+        .write_all(&hello.encode())
+        .map_err(|source| socket_error("send the hello to", source))?;
+    socket::receive_answer(&stream).map_err(|reason| Error::ShmRefused {
+        path: socket.to_path_buf(),
+        reason,
+    })
+}
+
+/// A requester queue pair's attachment to its responder.
+#[derive(Debug)]
+struct Attachment {
+    /// The responder's device.
+    remote: Arc<RemoteDevice>,
+    /// The responder queue pair.
+    responder_qp: u32,
+    /// The epoch slot the responder gave this queue pair.
+    epoch_slot: u32,
+}
+
+/// What a request needs before it can run.
+enum Outcome {
+    /// It ran, or failed with this status.
+    Answered(WorkCompletionStatus),
+    /// The responder does not answer (its queue pair or device is gone).
+    Unanswered,
+    /// Its key names a block this process has not mapped yet.
+    Unmapped,
+}
+
+impl Attachment {
+    /// Runs one request on the responder's memory, as the responder's NIC would.
+    fn execute(
+        &self,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        request: &RemoteRequest,
+        write_payload: &[u8],
+        response: &mut Vec<u8>,
+    ) -> Outcome {
+        let remote = &self.remote;
+        let _inside = EpochMarker::enter(&remote.epochs, self.epoch_slot);
+        if !remote.keys.is_open() {
+            return Outcome::Unanswered;
+        }
+        let Some(responder) = remote.keys.queue_pair(self.responder_qp) else {
+            return Outcome::Unanswered;
+        };
+        if responder.status != QueuePairStatus::Receiving || responder.epoch_slot != self.epoch_slot
+        {
+            return Outcome::Unanswered;
+        }
+        let length = match engine::request_length(request, remote.keys.max_message_size()) {
+            Ok(0) => return Outcome::Answered(WorkCompletionStatus::Success),
+            Ok(length) => length,
+            Err(status) => return Outcome::Answered(status),
+        };
+        let Some(key) = remote.keys.key(request.remote_key) else {
+            return Outcome::Answered(WorkCompletionStatus::RemoteAccessError);
+        };
+        if let Err(status) = key.rights.check(
+            responder.protection_domain,
+            self.responder_qp,
+            request.remote_address,
+            length,
+            request.opcode,
+        ) {
+            return Outcome::Answered(status);
+        }
+        let memory = match cache.iter().find(|(id, _)| *id == key.memory_id) {
+            Some((_, memory)) => memory.clone(),
+            None => match remote.memory(key.memory_id) {
+                Some(memory) => {
+                    cache.push((key.memory_id, memory.clone()));
+                    memory
+                }
+                None => return Outcome::Unmapped,
+            },
+        };
+        let Some(offset) = request.remote_address.checked_sub(key.memory_base) else {
+            return Outcome::Answered(WorkCompletionStatus::RemoteOperationError);
+        };
+        Outcome::Answered(engine::perform(
+            &memory,
+            offset,
+            request,
+            length,
+            write_payload,
+            response,
+        ))
+    }
+
+    /// Fetches the responder's current memory files (a key named a block registered after the
+    /// attach). Blocking: one local exchange.
+    fn refresh(&self, own_qp: u32) -> std::result::Result<(), String> {
+        let hello = Hello {
+            kind: HelloKind::Refresh,
+            target_qp: self.responder_qp,
+            source_qp: own_qp,
+            target_device: self.remote.device_id,
+        };
+        let (answer, descriptors) =
+            exchange(&self.remote.socket, &hello).map_err(|error| error.to_string())?;
+        if answer.status != AnswerStatus::Accepted || descriptors.len() < 2 {
+            return Err("the responder refused to refresh".into());
+        }
+        let memories = descriptors.into_iter().skip(2).collect();
+        self.remote.add_memories(&answer.memories, memories, true)
+    }
+}
+
+/// A listening device's queue pair as a responder.
+#[derive(Debug, Default)]
+struct ResponderState {
+    /// Connected (RTR or later) and not in ERROR.
+    receiving: bool,
+    /// The requester queue pair `connect` named.
+    peer_qp: Option<u32>,
+}
+
+/// An `shm` queue pair: a responder on a listening device, a requester once attached.
+#[derive(Debug)]
+pub(crate) struct ShmQueuePair {
+    /// The device's offer (a listening device).
+    offer: Option<Arc<Offer>>,
+    /// The device's mapped peers.
+    remotes: Arc<Mutex<HashMap<u64, Weak<RemoteDevice>>>>,
+    /// Its number and protection domain, once the model's queue pair exists.
+    identity: OnceLock<(u32, u32)>,
+    /// As a responder.
+    responder: Mutex<ResponderState>,
+    /// As a responder: the epoch slot of the attached requester.
+    epoch_slot: AtomicU32,
+    /// As a requester: the attachment, once connected to a listening peer.
+    attachment: OnceLock<Attachment>,
+    /// As a requester: serialises posts (requests run in posting order) and caches the blocks
+    /// used.
+    order: Mutex<Vec<(u64, Arc<PinnedMemory>)>>,
+}
+
+impl ShmQueuePair {
+    /// As a responder, answers an attach or refresh hello; returns the epoch slot.
+    fn accept_hello(
+        &self,
+        queue_pair: &QueuePairShared,
+        hello: &Hello,
+        state: &SharedState,
+    ) -> std::result::Result<u32, AnswerStatus> {
+        let responder = lock(&self.responder);
+        let current = self.epoch_slot.load(Ordering::Acquire);
+        match hello.kind {
+            HelloKind::Refresh => {
+                if current == NO_EPOCH_SLOT || responder.peer_qp != Some(hello.source_qp) {
+                    return Err(AnswerStatus::Refused);
+                }
+                Ok(current)
+            }
+            HelloKind::Attach => {
+                if current != NO_EPOCH_SLOT {
+                    // One requester per queue pair, as an RC connection.
+                    return Err(AnswerStatus::Refused);
+                }
+                if !responder.receiving {
+                    return Err(AnswerStatus::NotReady);
+                }
+                if responder.peer_qp != Some(hello.source_qp) {
+                    return Err(AnswerStatus::Refused);
+                }
+                let slot = state.take_epoch_slot().ok_or(AnswerStatus::Refused)?;
+                if state
+                    .publish_queue_pair(
+                        queue_pair.qp_number,
+                        QueuePairStatus::Receiving,
+                        queue_pair.protection_domain.inner.id,
+                        slot,
+                    )
+                    .is_err()
+                {
+                    state.give_back_epoch_slot(slot);
+                    return Err(AnswerStatus::Refused);
+                }
+                self.epoch_slot.store(slot, Ordering::Release);
+                Ok(slot)
+            }
+        }
+    }
+
+    /// Publishes this responder queue pair's status.
+    fn publish(&self, status: QueuePairStatus) {
+        let (Some(offer), Some((qp_number, protection_domain))) =
+            (&self.offer, self.identity.get().copied())
+        else {
+            return;
+        };
+        if let Err(error) = offer.state.publish_queue_pair(
+            qp_number,
+            status,
+            protection_domain,
+            self.epoch_slot.load(Ordering::Acquire),
+        ) {
+            tracing::warn!(%error, qp_number, "shm queue pair not published");
+        }
+    }
+
+    /// As a requester, attaches to the responder at `remote`.
+    async fn attach(
+        &self,
+        queue_pair: &Arc<QueuePairShared>,
+        remote: &ShmEndpoint,
+        socket: &Path,
+    ) -> Result<()> {
+        let hello = Hello {
+            kind: HelloKind::Attach,
+            target_qp: remote.qp_number,
+            source_qp: queue_pair.qp_number,
+            target_device: remote.device_id,
+        };
+        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        let mut pause = Duration::from_micros(200);
+        let (answer, descriptors) = loop {
+            let path = socket.to_path_buf();
+            let attempt = tokio::task::spawn_blocking(move || exchange(&path, &hello))
+                .await
+                .map_err(|error| Error::ShmRefused {
+                    path: socket.to_path_buf(),
+                    reason: format!("the attach task failed: {error}"),
+                })??;
+            match attempt.0.status {
+                AnswerStatus::Accepted => break attempt,
+                AnswerStatus::NotReady if Instant::now() < deadline => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+                AnswerStatus::NotReady => {
+                    return Err(Error::ShmRefused {
+                        path: socket.to_path_buf(),
+                        reason: format!(
+                            "queue pair {} was not connected within {ATTACH_TIMEOUT:?}",
+                            remote.qp_number
+                        ),
+                    })
+                }
+                AnswerStatus::Refused => {
+                    return Err(Error::EndpointNotFound {
+                        reason: format!(
+                            "shm queue pair {} on device {:#x} at {} (refused)",
+                            remote.qp_number,
+                            remote.device_id,
+                            socket.display()
+                        ),
+                    })
+                }
+            }
+        };
+        let refused = |reason: String| Error::ShmRefused {
+            path: socket.to_path_buf(),
+            reason,
+        };
+        let mut descriptors = descriptors.into_iter();
+        let (Some(keys), Some(epochs)) = (descriptors.next(), descriptors.next()) else {
+            return Err(refused("the answer carries no key state".into()));
+        };
+        let remote_device = self.remote_device(remote, socket, &answer, keys, epochs)?;
+        remote_device
+            .add_memories(&answer.memories, descriptors.collect(), false)
+            .map_err(refused)?;
+        let _ = self.attachment.set(Attachment {
+            remote: remote_device,
+            responder_qp: remote.qp_number,
+            epoch_slot: answer.epoch_slot,
+        });
+        Ok(())
+    }
+
+    /// The mapped peer `remote`, mapping its key state and epochs on first use.
+    fn remote_device(
+        &self,
+        remote: &ShmEndpoint,
+        socket: &Path,
+        answer: &Answer,
+        keys: OwnedFd,
+        epochs: OwnedFd,
+    ) -> Result<Arc<RemoteDevice>> {
+        let mut remotes = lock(&self.remotes);
+        remotes.retain(|_, device| device.strong_count() > 0);
+        if let Some(device) = remotes.get(&remote.device_id).and_then(Weak::upgrade) {
+            return Ok(device);
+        }
+        let refused = |reason: String| Error::ShmRefused {
+            path: socket.to_path_buf(),
+            reason,
+        };
+        let keys = PinnedMemory::map_peer(keys, answer.keys_length, false)
+            .map_err(|error| refused(format!("map the key state: {error}")))?;
+        let epochs = PinnedMemory::map_peer(epochs, answer.epochs_length, true)
+            .map_err(|error| refused(format!("map the epochs: {error}")))?;
+        let device = Arc::new(RemoteDevice {
+            device_id: remote.device_id,
+            socket: socket.to_path_buf(),
+            keys: SharedView::new(keys).map_err(refused)?,
+            epochs,
+            memories: RwLock::new(HashMap::new()),
+        });
+        remotes.insert(remote.device_id, Arc::downgrade(&device));
+        Ok(device)
+    }
+}
+
+/// One request to run: its sequence, its engine form and its local buffer.
+type Execution = (
+    u64,
+    RemoteRequest,
+    std::result::Result<Option<crate::protection::LocalTarget>, WorkCompletionStatus>,
+);
+
+impl QueuePairProvider for ShmQueuePair {
+    fn attach(&self, queue_pair: &Arc<QueuePairShared>) {
+        let _ = self
+            .identity
+            .set((queue_pair.qp_number, queue_pair.protection_domain.inner.id));
+        self.publish(QueuePairStatus::NotReceiving);
+    }
+
+    fn detach(&self, _queue_pair: &QueuePairShared) {
+        self.publish(QueuePairStatus::Removed);
+        let slot = self.epoch_slot.swap(NO_EPOCH_SLOT, Ordering::AcqRel);
+        if let (Some(offer), true) = (&self.offer, slot != NO_EPOCH_SLOT) {
+            offer.state.give_back_epoch_slot(slot);
+        }
+    }
+
+    fn endpoint(&self, queue_pair: &QueuePairShared) -> QueuePairEndpoint {
+        QueuePairEndpoint::Shm(ShmEndpoint {
+            device_id: queue_pair.device().id,
+            socket: self.offer.as_ref().map(|offer| offer.socket.clone()),
+            qp_number: queue_pair.qp_number,
+        })
+    }
+
+    fn connect<'a>(
+        &'a self,
+        queue_pair: &'a Arc<QueuePairShared>,
+        local: &'a QueuePairEndpoint,
+        remote: &'a QueuePairEndpoint,
+    ) -> ProviderFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let QueuePairEndpoint::Shm(remote) = remote else {
+                return Err(Error::BackendMismatch {
+                    local: local.backend(),
+                    remote: remote.backend(),
+                });
+            };
+            if self.offer.is_some() {
+                // As a responder: the named peer may attach from now on.
+                {
+                    let mut responder = lock(&self.responder);
+                    responder.receiving = true;
+                    responder.peer_qp = Some(remote.qp_number);
+                }
+                self.publish(QueuePairStatus::Receiving);
+            }
+            if let Some(socket) = &remote.socket {
+                self.attach(queue_pair, remote, socket).await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn submit(
+        &self,
+        queue_pair: &QueuePairShared,
+        entries: &mut dyn Iterator<Item = InFlight>,
+    ) -> Submission {
+        let Some(attachment) = self.attachment.get() else {
+            return Submission::NotConnected;
+        };
+        let mut cache = lock(&self.order);
+        let mut to_execute: Vec<Execution> = Vec::new();
+        let sendable = {
+            let mut enqueuer = queue_pair.enqueuer();
+            for entry in entries {
+                if let Some(entry) = enqueuer.push(entry) {
+                    to_execute.push((
+                        entry.sequence,
+                        engine::remote_request(&entry.request),
+                        entry.local.clone(),
+                    ));
+                }
+            }
+            enqueuer.sendable
+        };
+        if !sendable {
+            drop(cache);
+            queue_pair.enter_error();
+            return Submission::Complete;
+        }
+        let mut payload = Vec::new();
+        let mut response = Vec::new();
+        for (sequence, request, local) in to_execute {
+            payload.clear();
+            if request.opcode == Opcode::Write {
+                engine::append_write_payload(&mut payload, &local);
+            }
+            let mut refreshed = false;
+            let outcome = loop {
+                response.clear();
+                match attachment.execute(&mut cache, &request, &payload, &mut response) {
+                    Outcome::Unmapped if !refreshed => {
+                        refreshed = true;
+                        if let Err(error) = attachment.refresh(queue_pair.qp_number) {
+                            tracing::warn!(%error, "shm memory files not refreshed");
+                        }
+                    }
+                    Outcome::Unmapped => {
+                        break Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
+                    }
+                    outcome => break outcome,
+                }
+            };
+            match outcome {
+                Outcome::Answered(status) => {
+                    queue_pair.on_response(sequence, status, &response);
+                    if status != WorkCompletionStatus::Success {
+                        return Submission::Complete;
+                    }
+                }
+                Outcome::Unanswered | Outcome::Unmapped => {
+                    drop(cache);
+                    queue_pair.fail_unanswered();
+                    return Submission::Complete;
+                }
+            }
+        }
+        drop(cache);
+        queue_pair.settle_local_failures();
+        Submission::Complete
+    }
+
+    fn modify_to_error(&self) {
+        lock(&self.responder).receiving = false;
+        // The requester's next request sees it.
+        self.publish(QueuePairStatus::NotReceiving);
+    }
+
+    fn drain(&self, _queue_pair: &QueuePairShared) {
+        let slot = self.epoch_slot.load(Ordering::Acquire);
+        if let (Some(offer), true) = (&self.offer, slot != NO_EPOCH_SLOT) {
+            offer.wait_quiet(slot);
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
