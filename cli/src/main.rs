@@ -47,6 +47,10 @@ struct Arguments {
     /// The cluster file.
     #[arg(long, short = 'c', env = "RDKV_CONFIG")]
     config: PathBuf,
+    /// The fabric: auto (a node's shm fabric when this host is the node's and it offers one,
+    /// else the cluster's), shm (required), or the cluster's (soft, verbs).
+    #[arg(long, default_value = "auto", env = "RDKV_FABRIC")]
+    fabric: rdkv_client::FabricChoice,
     #[command(subcommand)]
     command: Command,
 }
@@ -126,7 +130,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
-    let client = Client::from_file(&arguments.config)?;
+    let client = Client::from_file_with(&arguments.config, arguments.fabric)?;
     let outcome = execute(&client, arguments.command).await;
     // Also after an error: the nodes hear a goodbye instead of a dropped connection.
     client.close().await;
@@ -235,11 +239,12 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
             let mut total = ClientCounters::default();
             let mut down = 0;
             rdkv_common::outln!(
-                "{:<5} {:<6} {:>9} {:>6} {:>8} {:>10} {:>14} {:>12} {:>10}",
+                "{:<5} {:<6} {:>9} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10}",
                 "node",
                 "state",
                 "uptime",
                 "conns",
+                "data conns",
                 "keys",
                 "heap used",
                 "client ops",
@@ -252,11 +257,12 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                         let counters = stats.client_counters;
                         total.add(&counters);
                         rdkv_common::outln!(
-                            "{:<5} {:<6} {:>8}s {:>6} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
+                            "{:<5} {:<6} {:>8}s {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
                             id,
                             "up",
                             stats.uptime_seconds,
                             stats.connections,
+                            output::data_connections(&stats),
                             stats.keys,
                             rdkv_cluster_file::units::format_bytes(stats.heap_used_bytes),
                             counters.operations,

@@ -42,6 +42,19 @@ pub fn describe_value(value: &[u8], as_hex: bool) -> String {
     }
 }
 
+/// A node's data connections by fabric, for `rdkv stats`: `soft 2, shm 1` (the main fabric,
+/// then the node's `shm` fabric when any client uses it).
+pub fn data_connections(stats: &rdkv_common::protocol::ServerStats) -> String {
+    let main = stats
+        .fabric
+        .map_or_else(|| "fabric".to_string(), |fabric| fabric.to_string());
+    let mut text = format!("{main} {}", stats.data_connections);
+    if stats.shm_data_connections > 0 {
+        text.push_str(&format!(", shm {}", stats.shm_data_connections));
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -124,6 +124,16 @@ impl Client {
     /// Each holds a 64 KiB registered scratch buffer while it runs, from the process's shared
     /// pool, which grows with the operations in flight and shrinks back (`docs/memory.md`).
     pub fn for_cluster_with_concurrency(cluster: &ClusterConfig, concurrency: usize) -> Self {
+        Self::for_cluster_with(cluster, concurrency, crate::SharedMemory::Auto)
+    }
+
+    /// As [`Client::for_cluster_with_concurrency`], with `shared_memory` for every node whose
+    /// cluster-file entry allows `shm` (`Off` there wins).
+    pub fn for_cluster_with(
+        cluster: &ClusterConfig,
+        concurrency: usize,
+        shared_memory: crate::SharedMemory,
+    ) -> Self {
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()
@@ -131,6 +141,11 @@ impl Client {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
                 config.node.id = Some(node.id);
+                config.node.shared_memory = if node.shm == rdkv_cluster_file::ShmMode::Off {
+                    crate::SharedMemory::Off
+                } else {
+                    shared_memory
+                };
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
@@ -150,6 +165,15 @@ impl Client {
     /// # Errors
     /// [`Error::Config`] when the file is invalid.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        Self::from_file_with(path, crate::FabricChoice::Auto)
+    }
+
+    /// A client of the cluster in a cluster file, on the fabric `choice` names.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the file is invalid or the choice names a fabric the cluster
+    /// does not run.
+    pub fn from_file_with(path: &std::path::Path, choice: crate::FabricChoice) -> Result<Self> {
         let cluster = rdkv_cluster_file::load(path).map_err(|error| {
             // The reason keeps the causes ("cannot read the cluster file: No such file ...").
             let mut reason = error.to_string();
@@ -161,7 +185,14 @@ impl Client {
             }
             Error::Config { reason }
         })?;
-        Ok(Self::for_cluster(&cluster))
+        let shared_memory = choice
+            .shared_memory(cluster.fabric)
+            .map_err(|reason| Error::Config { reason })?;
+        Ok(Self::for_cluster_with(
+            &cluster,
+            DEFAULT_CONCURRENCY,
+            shared_memory,
+        ))
     }
 
     /// The node that owns `key`.

@@ -36,13 +36,13 @@ mod operations;
 mod progress;
 
 pub use client::Client;
-pub use connection::{ClientConfig, NodeAddress};
+pub use connection::{ClientConfig, FabricChoice, NodeAddress, SharedMemory};
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};
 pub use operations::{CasOutcome, InsertOutcome};
 /// What an application needs besides the client, so that one dependency is enough: the
 /// fabric's name and the cluster file.
-pub use rdkv_cluster_file::{load as load_cluster_file, ClusterConfig};
+pub use rdkv_cluster_file::{load as load_cluster_file, ClusterConfig, ShmMode};
 pub use rdkv_fabric::Backend;
 
 /// The README's code examples, compiled as doctests so they stay true.

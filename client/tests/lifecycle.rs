@@ -57,6 +57,8 @@ fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
                 chunk_size: 64 * 1024,
                 hugepages: HugepagePolicy::Auto,
                 max_pinned_share: 0.5,
+                shm: rdkv_client::ShmMode::Auto,
+                shm_socket: None,
             })
             .collect(),
         warnings: Vec::new(),

@@ -5,7 +5,7 @@
 //! [cluster]
 //! name = "local"
 //! secret = "change-me"            # or secret_file = "path" (should be mode 0600)
-//! fabric = "soft"                 # soft | verbs
+//! fabric = "soft"                 # soft | verbs (| shm: same-host clients only)
 //! lease_timeout = "10s"
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
@@ -25,6 +25,8 @@
 //! heap_size = "4M"
 //! chunk_size = "256K"
 //! hugepages = "auto"                  # auto | require | off
+//! shm = "auto"                        # auto | off: clients on this host use shared memory
+//! shm_socket = "/run/rdkv/node-1.sock" # optional (default: in rdkv-cluster's run directory)
 //! ```
 
 use std::collections::HashMap;
@@ -101,6 +103,8 @@ struct RawNode {
     chunk_size: Option<Spanned<RawSize>>,
     hugepages: Option<Spanned<String>>,
     max_pinned_share: Option<Spanned<f64>>,
+    shm: Option<Spanned<String>>,
+    shm_socket: Option<Spanned<String>>,
 }
 
 /// The longest `poll_spin` a cluster file may ask for.
@@ -216,6 +220,34 @@ pub struct NodeConfig {
     pub hugepages: HugepagePolicy,
     /// Largest share of MemAvailable to pin.
     pub max_pinned_share: f64,
+    /// Whether clients on the node's host use its `shm` fabric.
+    pub shm: ShmMode,
+    /// The node's `shm` socket, when the file names one.
+    pub shm_socket: Option<PathBuf>,
+}
+
+/// Whether a node offers its `shm` fabric to clients on its host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShmMode {
+    /// It does, and such clients use it (the default).
+    Auto,
+    /// It does not: every client uses the cluster's fabric.
+    Off,
+}
+
+impl NodeConfig {
+    /// Where the node offers its `shm` fabric: `shm_socket`, or by default
+    /// `rdkv-<cluster>-node-<id>.sock` in the temporary directory (`rdkv-cluster` passes a
+    /// path in its run directory instead); `None` with `shm = "off"`, or when the cluster's
+    /// fabric is `shm` itself.
+    pub fn offered_shm_socket(&self, cluster: &ClusterConfig) -> Option<PathBuf> {
+        if self.shm == ShmMode::Off || cluster.fabric == Backend::Shm {
+            return None;
+        }
+        Some(self.shm_socket.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("rdkv-{}-node-{}.sock", cluster.name, self.id))
+        }))
+    }
 }
 
 impl ClusterConfig {
@@ -607,6 +639,31 @@ fn parse_with_secret(
             .max_pinned_share
             .as_ref()
             .map_or(0.5, |share| *share.get_ref());
+        let shm = match &node.shm {
+            None => ShmMode::Auto,
+            Some(mode) => match mode.get_ref().as_str() {
+                "auto" => ShmMode::Auto,
+                "off" => ShmMode::Off,
+                other => {
+                    return Err(locator.error(
+                        mode.span(),
+                        name("shm"),
+                        format!("`{other}`: expected \"auto\" (clients on the node's host use shared memory) or \"off\""),
+                    ))
+                }
+            },
+        };
+        let shm_socket = match &node.shm_socket {
+            Some(path) if path.get_ref().trim().is_empty() => {
+                return Err(locator.error(
+                    path.span(),
+                    name("shm_socket"),
+                    "empty: give a path for the node's Unix-domain socket, or leave it out",
+                ))
+            }
+            Some(path) => Some(PathBuf::from(path.get_ref())),
+            None => None,
+        };
         let host = match &node.host {
             Some(host) if host.get_ref().trim().is_empty() => {
                 return Err(locator.error(
@@ -660,6 +717,8 @@ fn parse_with_secret(
             chunk_size,
             hugepages,
             max_pinned_share,
+            shm,
+            shm_socket,
         });
     }
     Ok(ClusterConfig {

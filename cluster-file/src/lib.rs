@@ -13,5 +13,5 @@ pub mod error;
 pub mod sizing;
 pub mod units;
 
-pub use config::{load, load_to_start, ClusterConfig, NodeConfig};
+pub use config::{load, load_to_start, ClusterConfig, NodeConfig, ShmMode};
 pub use error::{Error, Result};

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -33,6 +33,9 @@ pub enum ClientMessage {
         proof: [u8; PROOF_LENGTH],
         /// A name for logs.
         client_name: String,
+        /// The client is on the node's host and asks for its `shm` fabric (which the node
+        /// advertised in its challenge); otherwise the node's main fabric.
+        shared_memory: bool,
     },
     /// The client's queue pair, to connect the server's to it.
     ConnectQueuePair {
@@ -120,6 +123,9 @@ pub enum ServerMessage {
         nonce: [u8; PROOF_LENGTH],
         /// The node's id.
         node_id: u32,
+        /// The Unix-domain socket of the node's `shm` fabric, when it offers one (a client on
+        /// the same host may ask for it).
+        shm_socket: Option<std::path::PathBuf>,
     },
     /// Authentication passed: the table and the server's queue pair.
     Welcome(Box<Welcome>),
@@ -252,6 +258,12 @@ pub struct ServerStats {
     /// Times a soft NIC connection stopped being read because its peer did not take its
     /// answers (backpressure at `fabric_response_buffer`).
     pub fabric_output_stalls: i64,
+    /// The node's main fabric (its clients on other hosts use it).
+    pub fabric: Option<rdkv_fabric::Backend>,
+    /// Data connections (with a queue pair) on the main fabric now.
+    pub data_connections: u64,
+    /// Data connections on the node's `shm` fabric now (clients on its host).
+    pub shm_data_connections: u64,
     /// Authentication failures since start.
     pub authentication_failures: u64,
     /// Unauthenticated control connections now.
@@ -527,6 +539,7 @@ async fn monitor_connection(
             purpose: Purpose::Monitor,
             proof: compute_proof(secret, node_id, &nonce),
             client_name: "rdkv-monitor".into(),
+            shared_memory: false,
         },
     )
     .await?;

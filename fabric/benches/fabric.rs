@@ -1,6 +1,8 @@
-//! Fabric micro-benchmark: the `soft` backend over loopback TCP against the in-process
-//! `loopback` backend (the ceiling), in one run; with `--features verbs`, also the `verbs`
-//! backend on the RDMA device named by `RDKV_RDMA_DEVICE` (the first one by default).
+//! Fabric micro-benchmark: the `soft` backend over loopback TCP and the `shm` backend (the
+//! requester on the responder's shared memory) against the in-process `loopback` backend (the
+//! ceiling), in one run; with `--features verbs`, also the `verbs` backend on the RDMA device
+//! named by `RDKV_RDMA_DEVICE` (the first one by default). The memory is shareable
+//! (`PinnedMemory::allocate_shared`) for every backend, as `shm` needs it.
 //!
 //! Scenarios: READ 64 B, READ 1 KiB, CAS, and lists of 4 READs of 64 B (one doorbell, last one
 //! signaled); at queue depth 1 and 64 (lists outstanding per queue pair); over 1 and 8 queue
@@ -33,13 +35,13 @@ fn or_default<'a>(chosen: &'a [usize], default: &'a [usize]) -> &'a [usize] {
 
 /// Command-line options.
 #[derive(Debug, Parser)]
-#[command(about = "rdkv fabric benchmark: soft vs loopback")]
+#[command(about = "rdkv fabric benchmark: soft and shm vs loopback")]
 struct Options {
     /// Measured seconds per scenario.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
-    /// Only these backends (loopback, soft, verbs); default loopback and soft, plus verbs in a
-    /// build with the feature.
+    /// Only these backends (loopback, shm, soft, verbs); default loopback, shm and soft, plus
+    /// verbs in a build with the feature.
     #[arg(long)]
     backend: Vec<Backend>,
     /// Busy-poll budget of the soft engine threads, in microseconds (DeviceConfig::poll_spin).
@@ -151,7 +153,7 @@ async fn setup(backend: &str, queue_pairs: usize, slots: usize, spin: Duration) 
         .expect("create completion queue");
     let pin = |length| {
         Arc::new(
-            PinnedMemory::allocate(length, HugepagePolicy::Auto, PinLimits::default())
+            PinnedMemory::allocate_shared(length, HugepagePolicy::Auto, PinLimits::default())
                 .expect("pin"),
         )
     };
@@ -264,17 +266,22 @@ async fn scenario(
 
 fn main() {
     let options = Options::parse();
-    let backends: Vec<&'static str> = [Backend::Loopback, Backend::Soft, Backend::Verbs]
-        .into_iter()
-        .filter(|backend| {
-            if options.backend.is_empty() {
-                *backend != Backend::Verbs || Device::verbs_built()
-            } else {
-                options.backend.contains(backend)
-            }
-        })
-        .map(Backend::name)
-        .collect();
+    let backends: Vec<&'static str> = [
+        Backend::Loopback,
+        Backend::Shm,
+        Backend::Soft,
+        Backend::Verbs,
+    ]
+    .into_iter()
+    .filter(|backend| {
+        if options.backend.is_empty() {
+            *backend != Backend::Verbs || Device::verbs_built()
+        } else {
+            options.backend.contains(backend)
+        }
+    })
+    .map(Backend::name)
+    .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

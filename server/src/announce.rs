@@ -50,13 +50,23 @@ struct Slots {
 
 impl Announcements {
     /// Words for `connections` connections, pinned and registered in `domain` (so windows of
-    /// the connections' queue pairs can be bound over them).
+    /// the connections' queue pairs can be bound over them); `shareable`: as a memory file, for
+    /// the node's `shm` fabric.
     ///
     /// # Errors
     /// The memory layer's errors (memlock), and registration errors.
-    pub fn allocate(domain: &ProtectionDomain, connections: usize) -> Result<Self> {
+    pub fn allocate(
+        domain: &ProtectionDomain,
+        connections: usize,
+        shareable: bool,
+    ) -> Result<Self> {
         let count = connections.max(1) as u64;
-        let memory = Arc::new(PinnedMemory::allocate(
+        let allocate = if shareable {
+            PinnedMemory::allocate_shared
+        } else {
+            PinnedMemory::allocate
+        };
+        let memory = Arc::new(allocate(
             count * ANNOUNCE_SIZE,
             HugepagePolicy::Off,
             PinLimits::default(),
@@ -75,6 +85,18 @@ impl Announcements {
     /// The region (windows are bound over parts of it).
     pub fn region(&self) -> &MemoryRegion {
         &self.region
+    }
+
+    /// The same words registered in another domain (the node's `shm` fabric), for windows
+    /// bound there.
+    ///
+    /// # Errors
+    /// Registration errors.
+    pub fn register_in(&self, domain: &ProtectionDomain) -> Result<MemoryRegion> {
+        Ok(domain.register_all(
+            self.region.memory(),
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+        )?)
     }
 
     /// Gives `connection` a zeroed word; returns its virtual address, or `None` when every
@@ -150,7 +172,7 @@ mod tests {
 
     fn announcements(connections: usize) -> Announcements {
         let device = Device::loopback(DeviceConfig::default());
-        Announcements::allocate(&device.allocate_protection_domain(), connections)
+        Announcements::allocate(&device.allocate_protection_domain(), connections, false)
             .expect("allocate announce words")
     }
 

@@ -246,11 +246,17 @@ mod tests {
             chunk_size: 4 * EXTENT_SIZE,
             hash_seed: 0,
         };
-        let table =
-            TableRegion::allocate(&device, geometry, HugepagePolicy::Off, PinLimits::default())
-                .expect("a table");
+        let table = TableRegion::allocate(
+            &device,
+            geometry,
+            HugepagePolicy::Off,
+            PinLimits::default(),
+            false,
+        )
+        .expect("a table");
         let heap = Heap::new(&geometry, Duration::from_secs(1));
-        let announcements = Announcements::allocate(&table.domain, 4).expect("announce words");
+        let announcements =
+            Announcements::allocate(&table.domain, 4, false).expect("announce words");
         let grant = heap.allocate(1, 0, 2 * EXTENT_SIZE).expect("a grant");
         assert_eq!(grant.extents, 2);
         // A block from the middle of extent 0 into extent 1: half of extent 0 is live, under

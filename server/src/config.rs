@@ -1,6 +1,7 @@
 //! The server's configuration and its validation.
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use rdkv_common::layout::{
@@ -24,6 +25,9 @@ pub struct ServerConfig {
     pub fabric_address: SocketAddr,
     /// The RDMA device, port and GID index (verbs only).
     pub verbs: VerbsOptions,
+    /// Where the node also offers its memory to clients on its host over the `shm` fabric (a
+    /// Unix-domain socket, mode 0600); `None`: it does not.
+    pub shm_socket: Option<PathBuf>,
     /// How long the NIC's completion side busy-polls before it sleeps (soft: the engine
     /// threads; verbs: the CQ poller); zero never spins.
     pub poll_spin: Duration,
@@ -75,6 +79,7 @@ impl ServerConfig {
             fabric: Backend::Soft,
             fabric_address: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             verbs: VerbsOptions::default(),
+            shm_socket: None,
             poll_spin: Duration::ZERO,
             index_size: 256 * 1024,
             heap_size: 4 * 1024 * 1024,
@@ -121,6 +126,7 @@ impl ServerConfig {
                 port: None,
                 gid_index: node.gid_index,
             },
+            shm_socket: node.offered_shm_socket(cluster),
             poll_spin: cluster.poll_spin,
             index_size: node.index_size,
             heap_size: node.heap_size,

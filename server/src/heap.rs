@@ -691,7 +691,8 @@ mod tests {
         fn new() -> Self {
             let device = Device::loopback(DeviceConfig::default());
             let announcements =
-                Announcements::allocate(&device.allocate_protection_domain(), 4).expect("words");
+                Announcements::allocate(&device.allocate_protection_domain(), 4, false)
+                    .expect("words");
             let addresses = [1u64, 2]
                 .into_iter()
                 .map(|connection| (connection, announcements.claim(connection).expect("a word")))

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 27] = [
+        let definitions: [(&str, &str, Reader); 29] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -111,6 +111,16 @@ impl Metrics {
                 "handshakes_evicted_total",
                 "Unauthenticated control connections evicted by newer ones (too many at once)",
                 |stats| stats.handshakes_evicted as i64,
+            ),
+            (
+                "data_connections",
+                "Data connections (with a queue pair) on the node's main fabric now",
+                |stats| stats.data_connections as i64,
+            ),
+            (
+                "shm_data_connections",
+                "Data connections on the node's shm fabric now (clients on its host)",
+                |stats| stats.shm_data_connections as i64,
             ),
             (
                 "soft_hellos_pending",

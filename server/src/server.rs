@@ -11,7 +11,7 @@ use rand::RngCore;
 use rdkv_common::layout::Slot;
 use rdkv_common::protocol::ServerStats;
 use rdkv_fabric::memory::PinLimits;
-use rdkv_fabric::{Device, DeviceConfig};
+use rdkv_fabric::{Backend, Device, DeviceConfig};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +23,7 @@ use crate::config::ServerConfig;
 use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::metrics;
-use crate::session::{self, Shared};
+use crate::session::{self, Shared, ShmFabric};
 use crate::stats::Counters;
 use crate::table::TableRegion;
 
@@ -135,19 +135,37 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         .hash_seed
         .unwrap_or_else(|| rand::thread_rng().next_u64());
     let geometry = config.geometry(hash_seed)?;
-    let device = Device::open(
-        config.fabric,
-        Some(config.fabric_address),
-        &config.verbs,
-        DeviceConfig {
-            poll_spin: config.poll_spin,
-            engine_threads: config.limits.fabric_engine_threads,
-            hello_deadline: config.limits.fabric_hello_deadline,
-            max_pending_hellos: config.limits.fabric_max_pending_hellos,
-            response_buffer: config.limits.fabric_response_buffer,
-            ..DeviceConfig::default()
-        },
-    )?;
+    let device_config = DeviceConfig {
+        poll_spin: config.poll_spin,
+        engine_threads: config.limits.fabric_engine_threads,
+        hello_deadline: config.limits.fabric_hello_deadline,
+        max_pending_hellos: config.limits.fabric_max_pending_hellos,
+        response_buffer: config.limits.fabric_response_buffer,
+        ..DeviceConfig::default()
+    };
+    let device = match (&config.shm_socket, config.fabric) {
+        // A node whose main fabric is shm offers it on its socket.
+        (Some(socket), Backend::Shm) => Device::shm(Some(socket.clone()), device_config)?,
+        _ => Device::open(
+            config.fabric,
+            Some(config.fabric_address),
+            &config.verbs,
+            device_config,
+        )?,
+    };
+    // The node's shm fabric (when it offers one next to a main fabric that is not shm): the
+    // table and the announce words are then memory files, registered on both devices.
+    let shm_device = match (&config.shm_socket, config.fabric) {
+        (Some(socket), main) if main != Backend::Shm => Some(Device::shm(
+            Some(socket.clone()),
+            DeviceConfig {
+                hello_deadline: config.limits.fabric_hello_deadline,
+                ..DeviceConfig::default()
+            },
+        )?),
+        _ => None,
+    };
+    let shareable = shm_device.is_some() || config.fabric == Backend::Shm;
     let table = TableRegion::allocate(
         &device,
         geometry,
@@ -155,6 +173,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         PinLimits {
             max_pinned_share: config.max_pinned_share,
         },
+        shareable,
     )?;
     let listener = TcpListener::bind(config.control_address)
         .await
@@ -166,20 +185,32 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         address: config.control_address,
         source,
     })?;
-    let announcements = Announcements::allocate(&table.domain, config.max_connections)?;
+    let announcements = Announcements::allocate(&table.domain, config.max_connections, shareable)?;
+    let completion_queue_size =
+        (config.max_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024);
+    let shm = match shm_device {
+        None => None,
+        Some(shm_device) => {
+            let shm_table = table.also_on(&shm_device)?;
+            Some(ShmFabric {
+                announce_region: announcements.register_in(&shm_table.domain)?,
+                completion_queue: shm_device.create_completion_queue(completion_queue_size)?,
+                table: shm_table,
+            })
+        }
+    };
     let shared = Arc::new(Shared {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
         announcements,
         // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
-        completion_queue: device.create_completion_queue(
-            (config.max_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024),
-        )?,
+        completion_queue: device.create_completion_queue(completion_queue_size)?,
         table,
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
         pending: crate::pending::PendingHandshakes::new(config.limits),
+        shm,
         config,
     });
     let shutdown = CancellationToken::new();
@@ -217,6 +248,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         node = shared.config.node_id,
         control = %control_address,
         fabric = ?device.listen_address(),
+        shm_socket = ?shared.shm.as_ref().and_then(|shm| shm.table.device.shm_socket()),
         "server ready"
     );
     Ok(RunningServer {

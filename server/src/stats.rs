@@ -26,6 +26,10 @@ pub struct Counters {
     pub data_path_requests: AtomicU64,
     /// The sum of what clients reported about their one-sided work.
     pub client_counters: Mutex<ClientCounters>,
+    /// Data connections (with a queue pair) on the main fabric now.
+    pub data_connections: AtomicU64,
+    /// Data connections on the `shm` fabric now.
+    pub shm_data_connections: AtomicU64,
     /// Committed keys found by the collector's last pass (every `collector_interval`).
     pub collector_keys: AtomicU64,
     /// One exact key count at a time, shared by the requests that wait for it.
@@ -53,6 +57,8 @@ impl Counters {
             control_messages: AtomicU64::new(0),
             authentication_failures: AtomicU64::new(0),
             data_path_requests: AtomicU64::new(0),
+            data_connections: AtomicU64::new(0),
+            shm_data_connections: AtomicU64::new(0),
             client_counters: Mutex::new(ClientCounters::default()),
             collector_keys: AtomicU64::new(0),
             key_scans: KeyScans {
@@ -136,6 +142,9 @@ impl Counters {
             fabric_connections: gauges.soft_connections,
             fabric_engine_threads: gauges.engine_threads,
             fabric_output_stalls: gauges.output_stalls,
+            fabric: Some(table.device.backend()),
+            data_connections: self.data_connections.load(Ordering::Relaxed),
+            shm_data_connections: self.shm_data_connections.load(Ordering::Relaxed),
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,

@@ -27,7 +27,8 @@ pub struct TableRegion {
 }
 
 impl TableRegion {
-    /// Allocates, pins and registers the region.
+    /// Allocates, pins and registers the region; `shareable`: as a memory file, so an `shm`
+    /// device can offer it to processes on this host.
     ///
     /// # Errors
     /// The memory layer's errors (memlock, RAM share, hugepages), each naming its fix.
@@ -36,12 +37,33 @@ impl TableRegion {
         geometry: TableGeometry,
         hugepages: HugepagePolicy,
         limits: PinLimits,
+        shareable: bool,
     ) -> Result<Self> {
-        let memory = Arc::new(PinnedMemory::allocate(
-            geometry.region_size(),
-            hugepages,
-            limits,
-        )?);
+        let allocate = if shareable {
+            PinnedMemory::allocate_shared
+        } else {
+            PinnedMemory::allocate
+        };
+        let memory = Arc::new(allocate(geometry.region_size(), hugepages, limits)?);
+        Self::register(device, geometry, &memory)
+    }
+
+    /// The same table registered on another device too (the node's `shm` fabric next to its
+    /// main one): one memory, one registration per device, windows bound on either.
+    ///
+    /// # Errors
+    /// Registration errors ([`rdkv_fabric::Error::NotShareable`] unless the table was
+    /// allocated shareable).
+    pub fn also_on(&self, device: &Device) -> Result<Self> {
+        Self::register(device, self.geometry, self.region.memory())
+    }
+
+    fn register(
+        device: &Device,
+        geometry: TableGeometry,
+        memory: &Arc<PinnedMemory>,
+    ) -> Result<Self> {
+        let memory = memory.clone();
         let domain = device.allocate_protection_domain();
         let region = domain.register(
             &memory,

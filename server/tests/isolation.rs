@@ -44,6 +44,7 @@ impl RawClient {
                 purpose: Purpose::Data,
                 proof: compute_proof(SECRET, node_id, &nonce),
                 client_name: "raw".into(),
+                shared_memory: false,
             },
         )
         .await
@@ -238,6 +239,7 @@ async fn a_wrong_secret_gets_no_keys() {
             purpose: Purpose::Data,
             proof: compute_proof(b"not the secret", node_id, &nonce),
             client_name: "intruder".into(),
+            shared_memory: false,
         },
     )
     .await

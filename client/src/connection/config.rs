@@ -21,6 +21,22 @@ pub struct NodeAddress {
     /// The node's id, when known (from the cluster file): the client refuses a node whose
     /// challenge names another id (a wrong address, or a relay to another node).
     pub id: Option<u32>,
+    /// Whether to use the node's `shm` fabric when it offers one on this host.
+    pub shared_memory: SharedMemory,
+}
+
+/// Whether a client uses a node's `shm` fabric (one-sided over shared memory, for clients on the
+/// node's host) instead of the cluster's fabric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SharedMemory {
+    /// When the node advertises an `shm` socket that this process can reach on this host (the
+    /// default).
+    #[default]
+    Auto,
+    /// Never: the cluster's fabric (the node's `shm = "off"`, or `--fabric soft`).
+    Off,
+    /// Always: connecting fails when the node offers no `shm` fabric here (`--fabric shm`).
+    Require,
 }
 
 /// Settings of a client.
@@ -59,6 +75,7 @@ impl ClientConfig {
                 control_address,
                 fabric,
                 id: None,
+                shared_memory: SharedMemory::Auto,
             },
             secret: secret.to_vec(),
             verbs: VerbsOptions::from_environment(),
@@ -67,6 +84,54 @@ impl ClientConfig {
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
             fault_injector: None,
+        }
+    }
+}
+
+/// Which fabric a program's clients use, as `--fabric` says it: `auto` (each node's `shm`
+/// fabric where it offers one on this host, else the cluster's), `shm` (required), or the
+/// cluster's fabric by name (`soft`, `verbs`: never `shm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FabricChoice {
+    /// `auto`.
+    #[default]
+    Auto,
+    /// `shm`.
+    Shm,
+    /// The cluster's fabric.
+    Cluster(Backend),
+}
+
+impl std::str::FromStr for FabricChoice {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, Self::Err> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            other => other.parse::<Backend>().map(Self::Cluster).map_err(|_| {
+                format!("unknown fabric `{other}`: expected auto, shm, soft or verbs")
+            }),
+        }
+    }
+}
+
+impl FabricChoice {
+    /// What the choice means for the nodes of a cluster whose fabric is `cluster_fabric`.
+    ///
+    /// # Errors
+    /// The reason, when the choice names a fabric the cluster does not run.
+    pub fn shared_memory(
+        self,
+        cluster_fabric: Backend,
+    ) -> std::result::Result<SharedMemory, String> {
+        match self {
+            Self::Auto => Ok(SharedMemory::Auto),
+            Self::Shm => Ok(SharedMemory::Require),
+            Self::Cluster(fabric) if fabric == cluster_fabric => Ok(SharedMemory::Off),
+            Self::Cluster(fabric) => Err(format!(
+                "--fabric {fabric}: the cluster runs {cluster_fabric} (choose auto, shm or {cluster_fabric})"
+            )),
         }
     }
 }

@@ -10,7 +10,7 @@ use rdkv_common::protocol::{
     ServerMessage, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
-use rdkv_fabric::QueuePairConfig;
+use rdkv_fabric::{Backend, QueuePairConfig};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -76,6 +76,7 @@ async fn authenticate(
         protocol_version,
         nonce,
         node_id,
+        shm_socket,
     } = read_reply(&mut stream).await.map_err(closed_or_failed)?
     else {
         return Err(Evictable::from(unreachable(
@@ -94,6 +95,25 @@ async fn authenticate(
                 ),
             }));
     }
+    let shared_memory = match (config.node.shared_memory, shm_socket.as_deref()) {
+        (SharedMemory::Off, _) => false,
+        (SharedMemory::Auto, Some(socket)) => reachable_here(socket),
+        (SharedMemory::Auto, None) => false,
+        (SharedMemory::Require, Some(socket)) if reachable_here(socket) => true,
+        (SharedMemory::Require, offered) => {
+            return Err(Evictable::from(Error::Refused {
+                reason: match offered {
+                    None => format!(
+                        "node {node_id} at {address} offers no shm fabric (its cluster file sets shm = \"off\", or rdkv-server runs without --shm-socket); use --fabric soft"
+                    ),
+                    Some(socket) => format!(
+                        "node {node_id}'s shm socket {} is not reachable from this process (another host, or another user: the socket is mode 0600); use --fabric soft",
+                        socket.display()
+                    ),
+                },
+            }))
+        }
+    };
     write_frame(
         &mut stream,
         &ClientMessage::Authenticate {
@@ -101,6 +121,7 @@ async fn authenticate(
             purpose: Purpose::Data,
             proof: compute_proof(&config.secret, node_id, &nonce),
             client_name: config.name.clone(),
+            shared_memory,
         },
     )
     .await
@@ -122,6 +143,15 @@ async fn authenticate(
     };
 
     Ok((stream, welcome))
+}
+
+/// Whether a node's advertised `shm` socket is on this host and this process may use it: a
+/// socket that accepts a connection from here (the node's, mode 0600: same user). The probe
+/// connection closes at once; the node's accept thread reads its end and moves on.
+fn reachable_here(socket: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(socket).is_ok_and(|metadata| metadata.file_type().is_socket())
+        && std::os::unix::net::UnixStream::connect(socket).is_ok()
 }
 
 impl NodeConnection {
@@ -149,7 +179,17 @@ impl NodeConnection {
             }
         };
 
-        let fabric = ClientFabric::shared(config)?;
+        // The welcome's endpoint says which fabric the node gave this connection: its shm
+        // fabric when asked for and offered, else the cluster's.
+        let backend = welcome.server_endpoint.backend();
+        if config.node.shared_memory == SharedMemory::Require && backend != Backend::Shm {
+            return Err(Error::Refused {
+                reason: format!(
+                    "the node at {address} answered with its {backend} fabric, not shm; use --fabric soft"
+                ),
+            });
+        }
+        let fabric = ClientFabric::shared(config, backend)?;
         let completion_queue = fabric.device.create_completion_queue(1024)?;
         let queue_pair = fabric
             .domain
@@ -157,14 +197,18 @@ impl NodeConnection {
         let slots = config.concurrency.max(1);
         // The announce word's source bytes; scratch buffers come from the pool per operation.
         let announce_region = fabric.announce_block()?;
-        queue_pair.connect(&welcome.server_endpoint).await?;
-        write_frame(
-            &mut stream,
-            &ClientMessage::ConnectQueuePair {
-                endpoint: queue_pair.endpoint(),
-            },
-        )
-        .await?;
+        let connect_queue_pair = ClientMessage::ConnectQueuePair {
+            endpoint: queue_pair.endpoint(),
+        };
+        if backend == Backend::Shm {
+            // An shm responder takes an attach only once its queue pair is connected to ours:
+            // name ours first.
+            write_frame(&mut stream, &connect_queue_pair).await?;
+            queue_pair.connect(&welcome.server_endpoint).await?;
+        } else {
+            queue_pair.connect(&welcome.server_endpoint).await?;
+            write_frame(&mut stream, &connect_queue_pair).await?;
+        }
         let keys = match read_reply(&mut stream).await {
             Ok(ServerMessage::QueuePairReady(keys)) => keys,
             Ok(ServerMessage::Refused { reason }) => return Err(Error::Refused { reason }),

@@ -32,7 +32,7 @@ mod scratch;
 mod writer_stripes;
 
 use announce::Announcer;
-pub use config::{ClientConfig, NodeAddress, DEFAULT_CONCURRENCY};
+pub use config::{ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY};
 use control::{control_task, ControlRequest};
 use handshake::CONNECT_TIMEOUT;
 use pool::ClientFabric;

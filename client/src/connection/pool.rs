@@ -88,10 +88,13 @@ pub(crate) struct ScratchBuffer {
 }
 
 impl ClientFabric {
-    /// The process's fabric for `config`'s backend and device, opened on first use.
-    pub(crate) fn shared(config: &ClientConfig) -> rdkv_fabric::Result<Arc<Self>> {
+    /// The process's fabric of `backend` with `config`'s device settings, opened on first use.
+    pub(crate) fn shared(
+        config: &ClientConfig,
+        backend: Backend,
+    ) -> rdkv_fabric::Result<Arc<Self>> {
         let key = FabricKey {
-            backend: config.node.fabric,
+            backend,
             verbs: config.verbs.clone(),
             poll_spin: config.poll_spin,
         };
@@ -259,12 +262,12 @@ mod tests {
 
     #[test]
     fn connections_of_one_process_share_one_fabric() {
-        let first = ClientFabric::shared(&config()).expect("open");
-        let second = ClientFabric::shared(&config()).expect("open");
+        let first = ClientFabric::shared(&config(), Backend::Loopback).expect("open");
+        let second = ClientFabric::shared(&config(), Backend::Loopback).expect("open");
         assert!(Arc::ptr_eq(&first, &second));
         let mut other = config();
         other.poll_spin = Duration::from_micros(5);
-        let third = ClientFabric::shared(&other).expect("open");
+        let third = ClientFabric::shared(&other, Backend::Loopback).expect("open");
         assert!(!Arc::ptr_eq(&first, &third), "another device configuration");
     }
 
@@ -273,7 +276,7 @@ mod tests {
         let mut own = config();
         // A configuration no other test uses: this pool is this test's alone.
         own.poll_spin = Duration::from_micros(77);
-        let fabric = ClientFabric::shared(&own).expect("open");
+        let fabric = ClientFabric::shared(&own, Backend::Loopback).expect("open");
         let pinned_before = rdkv_fabric::memory::pinned_bytes();
         let mut taken = Vec::new();
         for _ in 0..40 {

@@ -34,8 +34,8 @@ struct Arguments {
     /// Control-plane listen address.
     #[arg(long, default_value = "127.0.0.1:7400")]
     listen: SocketAddr,
-    /// The fabric: `soft` (the software RNIC over TCP) or `verbs` (an RDMA NIC; needs a build
-    /// with `--features verbs`).
+    /// The fabric: `soft` (the software RNIC over TCP), `verbs` (an RDMA NIC; needs a build
+    /// with `--features verbs`) or `shm` (clients on this host only).
     #[arg(long, default_value = "soft", value_parser = parse_fabric)]
     fabric: Backend,
     /// Soft NIC listen address (one-sided requests arrive here).
@@ -91,6 +91,11 @@ struct Arguments {
     /// (`max_pending_per_address`).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "config")]
     max_pending_per_address: u32,
+    /// Also offer the node's memory to clients on this host over the `shm` fabric, on this
+    /// Unix-domain socket (created mode 0600). With --config it replaces the file's
+    /// `shm_socket` (`rdkv-cluster` passes one in its run directory); without it, no `shm`.
+    #[arg(long)]
+    shm_socket: Option<PathBuf>,
     /// The soft NIC's engine threads, 0 to 256; 0 means one per core
     /// (`fabric_engine_threads`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256), conflicts_with = "config")]
@@ -172,7 +177,14 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
             for warning in &cluster.warnings {
                 tracing::warn!("{warning}");
             }
-            ServerConfig::from_cluster(&cluster, node)?
+            let mut config = ServerConfig::from_cluster(&cluster, node)?;
+            if config.shm_socket.is_some() {
+                // The file offers shm (not "off"): the command line says where.
+                if let Some(socket) = &arguments.shm_socket {
+                    config.shm_socket = Some(socket.clone());
+                }
+            }
+            config
         }
         _ => config_from_flags(arguments)?,
     };
@@ -252,6 +264,7 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
             port: arguments.rdma_port,
             gid_index: arguments.gid_index,
         },
+        shm_socket: arguments.shm_socket.clone(),
         poll_spin: Duration::from_micros(arguments.poll_spin_us),
         index_size: arguments.index_size,
         heap_size: arguments.heap_size,

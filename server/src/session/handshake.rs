@@ -56,6 +56,10 @@ impl Session {
                 protocol_version: PROTOCOL_VERSION,
                 nonce,
                 node_id: shared.config.node_id,
+                shm_socket: shared
+                    .shm
+                    .as_ref()
+                    .and_then(|shm| shm.table.device.shm_socket()),
             },
         )
         .await?;
@@ -64,6 +68,7 @@ impl Session {
             purpose,
             proof,
             client_name,
+            shared_memory,
         } = Self::next_message(messages).await?
         else {
             return Err(crate::Error::UnexpectedMessage {
@@ -88,8 +93,12 @@ impl Session {
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
         self.authenticated = true;
+        // A client that asks for shared memory where none is offered gets the main fabric:
+        // the welcome's endpoint says which.
+        self.over_shm = shared_memory && shared.shm.is_some();
         shared.pending.settle(self.connection_id);
-        tracing::info!(%client_name, ?purpose, "client authenticated");
+        let fabric = shared.table_for(self.over_shm).device.backend();
+        tracing::info!(%client_name, ?purpose, %fabric, "client authenticated");
         Ok(purpose)
     }
 
@@ -98,11 +107,11 @@ impl Session {
     async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
         self.pass.step("handshake: creating the queue pair");
-        let table = &shared.table;
+        let table = shared.table_for(self.over_shm);
         let queue_pair = table
             .domain
             .create_queue_pair(
-                &shared.completion_queue,
+                shared.completion_queue_for(self.over_shm),
                 QueuePairConfig {
                     max_send_wr: SEND_QUEUE_DEPTH,
                 },
@@ -119,6 +128,9 @@ impl Session {
             operation_deadline_ms: shared.config.operation_deadline.as_millis() as u64,
         };
         self.queue_pair = Some(queue_pair);
+        shared
+            .data_connections_for(self.over_shm)
+            .fetch_add(1, Ordering::Relaxed);
         Self::send(writer, &ServerMessage::Welcome(Box::new(welcome))).await
     }
 
@@ -132,7 +144,7 @@ impl Session {
     ) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
         self.pass.step("handshake: waiting for ConnectQueuePair");
-        let table = &shared.table;
+        let table = shared.table_for(self.over_shm);
         let may_block = shared.config.fabric.control_calls_may_block();
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
@@ -204,11 +216,11 @@ impl Session {
             )
             .await);
         };
-        let announce_window = shared.table.domain.allocate_memory_window();
+        let announce_window = table.domain.allocate_memory_window();
         let announce_key = off_async_worker(may_block, || {
             queue_pair.bind_memory_window(
                 &announce_window,
-                shared.announcements.region(),
+                shared.announce_region_for(self.over_shm),
                 announce_address,
                 ANNOUNCE_SIZE,
                 AccessFlags::REMOTE_WRITE,

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use rdkv_common::protocol::{read_frame, write_frame, ClientMessage, ServerMessage};
 use rdkv_common::ControlError;
-use rdkv_fabric::{CompletionQueue, MemoryWindow, QueuePair};
+use rdkv_fabric::{CompletionQueue, MemoryRegion, MemoryWindow, QueuePair};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -47,6 +47,18 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a connection checks its lease and its queue pair.
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The node's `shm` fabric, next to its main one: the same table and announce words registered
+/// on the `shm` device, and that device's completion queue.
+#[derive(Debug)]
+pub(crate) struct ShmFabric {
+    /// The table, registered on the `shm` device.
+    pub(crate) table: TableRegion,
+    /// The announce words, registered in that table's domain.
+    pub(crate) announce_region: MemoryRegion,
+    /// The completion queue of the `shm` clients' queue pairs.
+    pub(crate) completion_queue: CompletionQueue,
+}
+
 /// What every connection shares.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -70,9 +82,44 @@ pub(crate) struct Shared {
     pub(crate) gate: Arc<Gate>,
     /// Connections that have not authenticated yet.
     pub(crate) pending: crate::pending::PendingHandshakes,
+    /// The `shm` fabric, when the node offers one.
+    pub(crate) shm: Option<ShmFabric>,
 }
 
 impl Shared {
+    /// The gauge of data connections on a session's fabric.
+    pub(crate) fn data_connections_for(&self, over_shm: bool) -> &AtomicU64 {
+        if over_shm && self.shm.is_some() {
+            &self.counters.shm_data_connections
+        } else {
+            &self.counters.data_connections
+        }
+    }
+
+    /// The table as registered on a session's fabric (`over_shm`: the `shm` one).
+    pub(crate) fn table_for(&self, over_shm: bool) -> &TableRegion {
+        match (&self.shm, over_shm) {
+            (Some(shm), true) => &shm.table,
+            _ => &self.table,
+        }
+    }
+
+    /// The announce words as registered on a session's fabric.
+    pub(crate) fn announce_region_for(&self, over_shm: bool) -> &MemoryRegion {
+        match (&self.shm, over_shm) {
+            (Some(shm), true) => &shm.announce_region,
+            _ => self.announcements.region(),
+        }
+    }
+
+    /// The completion queue of a session's fabric.
+    pub(crate) fn completion_queue_for(&self, over_shm: bool) -> &CompletionQueue {
+        match (&self.shm, over_shm) {
+            (Some(shm), true) => &shm.completion_queue,
+            _ => &self.completion_queue,
+        }
+    }
+
     /// The node's stats, with `keys` as counted by the caller.
     pub(crate) fn stats(&self, keys: u64) -> rdkv_common::protocol::ServerStats {
         let mut stats = self
@@ -104,6 +151,7 @@ pub(crate) async fn serve(
             chunk_window: None,
             pass: shared.gate.enter_connection(connection_id, peer),
             authenticated: false,
+            over_shm: false,
         };
         // Unauthenticated until proven: a handshake that a newer connection evicts ends.
         let evict = shutdown.child_token();
@@ -151,6 +199,8 @@ struct Session {
     pass: Pass,
     /// Whether the client proved the secret.
     authenticated: bool,
+    /// Whether the client's queue pair is on the node's `shm` fabric.
+    over_shm: bool,
 }
 
 /// An error and its causes on one line, for the session's end reason.

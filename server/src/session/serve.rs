@@ -107,11 +107,12 @@ impl Session {
         if let Some((sealed, window)) = self.chunk_window.take() {
             shared.heap.keep_window(sealed, window);
         }
-        let window = shared.table.domain.allocate_memory_window();
+        let table = shared.table_for(self.over_shm);
+        let window = table.domain.allocate_memory_window();
         match queue_pair.bind_memory_window(
             &window,
-            &shared.table.region,
-            shared.table.heap_address() + grant.heap_offset(),
+            &table.region,
+            table.heap_address() + grant.heap_offset(),
             grant.length(),
             AccessFlags::REMOTE_WRITE,
         ) {

@@ -15,6 +15,11 @@ impl Session {
     /// every window, destroy the queue pair, seal the chunks.
     pub(super) async fn teardown(&mut self) {
         let queue_pair = self.queue_pair.take();
+        if queue_pair.is_some() {
+            self.shared
+                .data_connections_for(self.over_shm)
+                .fetch_sub(1, Ordering::Relaxed);
+        }
         let mut windows: Vec<MemoryWindow> = self.windows.drain(..).collect();
         windows.extend(self.chunk_window.take().map(|(_, window)| window));
         let shared = self.shared.clone();
@@ -37,7 +42,10 @@ impl Session {
             // Drained: nothing of this connection is in flight any more.
             shared.announcements.release(connection_id);
         };
-        if !self.shared.config.fabric.control_calls_may_block() && stall.is_zero() {
+        // An shm drain and window revocation wait until the client is outside its requests
+        // (at most retry_timeout, for one that stopped inside one): off the async workers.
+        let may_block = self.over_shm || self.shared.config.fabric.control_calls_may_block();
+        if !may_block && stall.is_zero() {
             // The emulated fabric drains at once: no blocking thread for it.
             ordered();
         } else if let Err(error) = tokio::task::spawn_blocking(ordered).await {
