@@ -110,8 +110,9 @@ enum Command {
         #[arg(long)]
         hex: bool,
     },
-    /// Cluster-wide counters: per node, and the clients' one-sided work (round trips per
-    /// operation).
+    /// Cluster-wide counters: per node (with `via`, the fabric this host's clients get from
+    /// it: `shm` on the node's host, else the cluster's; and its data connections per fabric),
+    /// and the clients' one-sided work (round trips per operation).
     Stats,
 }
 
@@ -238,11 +239,16 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
         Command::Stats => {
             let mut total = ClientCounters::default();
             let mut down = 0;
+            // Data connections first, as every other command opens them: the table then shows
+            // the fabric this host's clients get from each node (a node that is down shows so
+            // below).
+            let _ = client.connect_all().await;
             rdkv_common::outln!(
-                "{:<5} {:<6} {:>9} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10}",
+                "{:<5} {:<6} {:>9} {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10}",
                 "node",
                 "state",
                 "uptime",
+                "via",
                 "conns",
                 "data conns",
                 "keys",
@@ -257,10 +263,13 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                         let counters = stats.client_counters;
                         total.add(&counters);
                         rdkv_common::outln!(
-                            "{:<5} {:<6} {:>8}s {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
+                            "{:<5} {:<6} {:>8}s {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
                             id,
                             "up",
                             stats.uptime_seconds,
+                            client
+                                .connection_fabric(id)
+                                .map_or_else(|| "-".to_string(), |fabric| fabric.to_string()),
                             stats.connections,
                             output::data_connections(&stats),
                             stats.keys,

@@ -636,6 +636,16 @@ impl Client {
         stats
     }
 
+    /// The fabric of this client's live connection to node `node_id` (`shm` when it uses the
+    /// node's shared-memory fabric); `None` when it has none.
+    pub fn connection_fabric(&self, node_id: u32) -> Option<rdkv_fabric::Backend> {
+        self.nodes
+            .iter()
+            .find(|node| node.id == node_id)?
+            .healthy_connection()
+            .map(|connection| connection.welcome.server_endpoint.backend())
+    }
+
     /// The counters of the first node (the only one for a client made with
     /// [`Client::connect`]); [`Client::cluster_stats`] asks every node.
     ///

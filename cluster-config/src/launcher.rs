@@ -88,6 +88,11 @@ fn pid_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.pid"))
 }
 
+/// The node's `shm` socket when the cluster file names none.
+pub fn shm_socket_file(run_directory: &Path, node: u32) -> PathBuf {
+    run_directory.join(format!("node-{node}.sock"))
+}
+
 /// Where a detached local node logs.
 pub fn log_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.log"))
@@ -343,6 +348,13 @@ fn start_local(
         .stdout(Stdio::piped())
         // Its own process group: Ctrl-C reaches only the launcher, which stops nodes in order.
         .process_group(0);
+    if node.shm == rdkv_cluster_file::ShmMode::Auto && node.shm_socket.is_none() {
+        // The node's shm socket lives in the run directory, next to its pid and log files
+        // (the node ignores it when its file sets shm = "off").
+        command
+            .arg("--shm-socket")
+            .arg(shm_socket_file(run_directory, node.id));
+    }
     if detach {
         let log = fs::File::create(log_file(run_directory, node.id))
             .map_err(|error| failure(format!("create its log file: {error}")))?;

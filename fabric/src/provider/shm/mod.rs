@@ -172,6 +172,8 @@ pub(crate) struct Offer {
 
 impl Offer {
     fn start(device: &Arc<DeviceInner>, socket: PathBuf) -> Result<Arc<Self>> {
+        // Absolute: peers in other directories reach it by the path the endpoint carries.
+        let socket = std::path::absolute(&socket).unwrap_or(socket);
         let socket_error = |operation, source| Error::ShmSocket {
             path: socket.clone(),
             operation,
