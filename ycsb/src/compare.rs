@@ -1,9 +1,12 @@
 //! `rdkv-ycsb compare`: rdkv and Redis side by side in one run, on this machine.
 //!
 //! It starts a local rdkv cluster (a generated cluster file on free loopback ports, through the
-//! same launcher as `rdkv-cluster`) and `redis-server` (loopback, persistence off), loads the
-//! same records into both, runs the chosen workloads against each in turn at equal concurrency,
-//! prints one table with the ratios, and stops what it started.
+//! same launcher as `rdkv-cluster`) and `redis-server` (loopback TCP and a Unix socket,
+//! persistence off), loads the same records into each store, runs the chosen workloads against
+//! each in turn at equal concurrency, prints one table with the ratios, and stops what it
+//! started. The stores (`--stores`, all by default): rdkv over its `shm` fabric (this process is
+//! on the nodes' host), rdkv over `soft`, Redis over TCP, Redis over its Unix socket (the same
+//! multiplexed client), and the `memory` ceiling (an in-process rdkv server on `loopback`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -39,25 +42,121 @@ pub struct CompareOptions {
     pub progress: bool,
     /// Each node's heap, in bytes; `None` sizes it by the rule (`docs/operations.md`).
     pub heap_size: Option<u64>,
+    /// The stores, in the order they run.
+    pub stores: Vec<Store>,
 }
 
-/// One row of the comparison.
+/// A store of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Store {
+    /// rdkv over the nodes' `shm` fabric.
+    RdkvShm,
+    /// rdkv over `soft` (loopback TCP).
+    RdkvSoft,
+    /// Redis over loopback TCP.
+    RedisTcp,
+    /// Redis over its Unix socket.
+    RedisUnix,
+    /// An in-process rdkv server on the `loopback` fabric: the ceiling.
+    Memory,
+}
+
+impl Store {
+    /// Every store, in the default order.
+    pub const ALL: [Store; 5] = [
+        Store::RdkvShm,
+        Store::RdkvSoft,
+        Store::RedisTcp,
+        Store::RedisUnix,
+        Store::Memory,
+    ];
+
+    /// The name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Store::RdkvShm => "rdkv shm",
+            Store::RdkvSoft => "rdkv soft",
+            Store::RedisTcp => "Redis TCP",
+            Store::RedisUnix => "Redis unix",
+            Store::Memory => "memory (ceiling)",
+        }
+    }
+
+    fn is_redis(self) -> bool {
+        matches!(self, Store::RedisTcp | Store::RedisUnix)
+    }
+}
+
+/// One workload's reports. `rdkv` and `redis` keep the names of the two-store comparison
+/// (rdkv over `soft`, Redis over TCP), so scripts that read them (`before-after.sh`) go on
+/// working.
 #[derive(Debug, Clone, Serialize)]
 pub struct ComparisonRow {
     /// The workload letter.
     pub workload: String,
-    /// rdkv's report.
-    pub rdkv: Report,
-    /// Redis's report.
-    pub redis: Report,
+    /// rdkv over `soft`.
+    pub rdkv: Option<Report>,
+    /// Redis over TCP.
+    pub redis: Option<Report>,
+    /// rdkv over `shm`.
+    pub rdkv_shm: Option<Report>,
+    /// Redis over its Unix socket.
+    pub redis_unix: Option<Report>,
+    /// The in-process ceiling.
+    pub memory: Option<Report>,
     /// Bytes of each record's value.
     pub record_size: usize,
 }
 
 impl ComparisonRow {
-    /// rdkv throughput / Redis throughput.
-    pub fn ratio(&self) -> f64 {
-        self.rdkv.throughput / self.redis.throughput.max(1e-9)
+    fn new(workload: String, record_size: usize) -> Self {
+        Self {
+            workload,
+            rdkv: None,
+            redis: None,
+            rdkv_shm: None,
+            redis_unix: None,
+            memory: None,
+            record_size,
+        }
+    }
+
+    /// The report of `store`.
+    pub fn report(&self, store: Store) -> Option<&Report> {
+        match store {
+            Store::RdkvShm => self.rdkv_shm.as_ref(),
+            Store::RdkvSoft => self.rdkv.as_ref(),
+            Store::RedisTcp => self.redis.as_ref(),
+            Store::RedisUnix => self.redis_unix.as_ref(),
+            Store::Memory => self.memory.as_ref(),
+        }
+    }
+
+    fn slot(&mut self, store: Store) -> &mut Option<Report> {
+        match store {
+            Store::RdkvShm => &mut self.rdkv_shm,
+            Store::RdkvSoft => &mut self.rdkv,
+            Store::RedisTcp => &mut self.redis,
+            Store::RedisUnix => &mut self.redis_unix,
+            Store::Memory => &mut self.memory,
+        }
+    }
+
+    /// The better Redis throughput (TCP or Unix socket), if either ran.
+    pub fn best_redis(&self) -> Option<f64> {
+        [Store::RedisTcp, Store::RedisUnix]
+            .into_iter()
+            .filter_map(|store| self.report(store))
+            .map(|report| report.throughput)
+            .reduce(f64::max)
+    }
+
+    /// Every report that ran.
+    pub fn reports(&self) -> impl Iterator<Item = &Report> {
+        Store::ALL
+            .into_iter()
+            .filter_map(|store| self.report(store))
     }
 }
 
@@ -144,8 +243,11 @@ fn write_cluster_file(
     Ok(path)
 }
 
-fn start_redis(program: &Path) -> anyhow::Result<(ChildGuard, String)> {
+/// Starts `redis-server` on a free loopback port and on a Unix socket in `directory`; returns
+/// its TCP and Unix-socket URLs.
+fn start_redis(program: &Path, directory: &Path) -> anyhow::Result<(ChildGuard, String, String)> {
     let port = rdkv_common::process::free_loopback_ports(1)?[0];
+    let socket = directory.join("redis.sock");
     let mut child = Command::new(program)
         .args([
             "--port",
@@ -156,7 +258,11 @@ fn start_redis(program: &Path) -> anyhow::Result<(ChildGuard, String)> {
             "",
             "--appendonly",
             "no",
+            "--unixsocketperm",
+            "700",
         ])
+        .arg("--unixsocket")
+        .arg(&socket)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -186,7 +292,11 @@ fn start_redis(program: &Path) -> anyhow::Result<(ChildGuard, String)> {
         .map_err(|_| {
             anyhow::anyhow!("redis-server did not report `Ready to accept connections` within 15 s")
         })?;
-    Ok((guard, format!("redis://127.0.0.1:{port}")))
+    Ok((
+        guard,
+        format!("redis://127.0.0.1:{port}"),
+        format!("unix://{}", socket.display()),
+    ))
 }
 
 fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> {
@@ -202,7 +312,7 @@ fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> 
 /// Runs the comparison and returns one row per workload.
 ///
 /// # Errors
-/// Starting either store, a refused workload (E), or a load with errors ([`OperationsFailed`]).
+/// Starting a store, a refused workload (E), or a load with errors ([`OperationsFailed`]).
 pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonRow>> {
     let workloads: Vec<Workload> = options
         .workloads
@@ -212,30 +322,50 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
     let first = workloads
         .first()
         .ok_or_else(|| anyhow::anyhow!("no workloads to compare"))?;
+    anyhow::ensure!(!options.stores.is_empty(), "no stores to compare");
     let directory = std::env::temp_dir().join(format!("rdkv-ycsb-compare-{}", std::process::id()));
     std::fs::create_dir_all(&directory)?;
-    // Removed however this function ends (a refused start included); the cluster guard below
-    // is dropped first, so the nodes stop before their files go.
+    // Removed however this function ends (a refused start included); the guards below are
+    // dropped first, so the servers stop before their files go.
     let _directory = RemovedOnDrop(directory.clone());
-    let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
-    let cluster = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
-    let run_directory = directory.join("run");
+    let wants = |store: Store| options.stores.contains(&store);
+    let rdkv_wanted = wants(Store::RdkvShm) || wants(Store::RdkvSoft);
+    let redis_wanted = wants(Store::RedisTcp) || wants(Store::RedisUnix);
     eprintln!(
-        "starting rdkv ({} node(s)) and redis-server on loopback",
-        options.nodes
+        "starting {} on loopback",
+        [
+            rdkv_wanted.then(|| format!("rdkv ({} node(s))", options.nodes)),
+            redis_wanted.then(|| "redis-server".to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(" and ")
     );
-    let cluster_guard = ClusterGuard {
-        nodes: rdkv_cluster_config::launcher::start(&cluster, &run_directory, true)?,
-        run_directory,
+    let mut cluster = None;
+    let mut cluster_guard = None;
+    if rdkv_wanted {
+        let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
+        let loaded = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
+        let run_directory = directory.join("run");
+        cluster_guard = Some(ClusterGuard {
+            nodes: rdkv_cluster_config::launcher::start(&loaded, &run_directory, true)?,
+            run_directory,
+        });
+        cluster = Some(loaded);
+    }
+    let redis = if redis_wanted {
+        Some(start_redis(&options.redis_server, &directory)?)
+    } else {
+        None
     };
-    let (redis_guard, redis_url) = start_redis(&options.redis_server)?;
     // The server processes whose CPU each run is charged with.
     let rdkv_pids: Vec<u32> = cluster_guard
-        .nodes
         .iter()
+        .flat_map(|guard| guard.nodes.iter())
         .filter_map(|node| node.child.as_ref().map(Child::id))
         .collect();
-    let redis_pids = vec![redis_guard.0.id()];
+    let redis_pids: Vec<u32> = redis.iter().map(|(guard, ..)| guard.0.id()).collect();
     let run_options = RunOptions {
         threads: options.threads,
         target: None,
@@ -246,61 +376,89 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         max_execution_time: None,
         ..run_options
     };
-    let rdkv = Arc::new(Driver::Rdkv {
-        client: Arc::new(rdkv_client::Client::for_cluster_with_concurrency(
-            &cluster,
-            options.threads,
-        )),
-        _server: None,
-        name: "rdkv",
-    });
-    let redis = Arc::new(Driver::redis(&redis_url).await?);
-    let mut reports: Vec<(Report, Report)> = Vec::new();
-    for (store, driver, pids) in [
-        ("rdkv", rdkv.clone(), &rdkv_pids),
-        ("redis", redis.clone(), &redis_pids),
-    ] {
-        eprintln!(
-            "{store}: loading {} records of {} bytes",
-            first.record_count,
-            first.record_size()
-        );
-        let loaded = runner::load(first, driver.clone(), load_options).await?;
-        // Missing records would make the comparison unfair: stop, whatever --allow-errors says.
-        if let Some(failed) = OperationsFailed::from_reports(&format!("{store} load"), &[&loaded]) {
-            return Err(failed.into());
-        }
-        for (index, workload) in workloads.iter().enumerate() {
+    let mut rows: Vec<ComparisonRow> = options
+        .workloads
+        .iter()
+        .map(|letter| ComparisonRow::new(letter.to_uppercase(), first.record_size()))
+        .collect();
+    // The rdkv stores share one cluster: the records are loaded once.
+    let mut rdkv_loaded = false;
+    for &store in &options.stores {
+        let (driver, pids): (Arc<Driver>, &[u32]) = match store {
+            Store::RdkvShm | Store::RdkvSoft => {
+                let Some(cluster) = &cluster else {
+                    continue;
+                };
+                let shared_memory = if store == Store::RdkvShm {
+                    rdkv_client::SharedMemory::Require
+                } else {
+                    rdkv_client::SharedMemory::Off
+                };
+                let client =
+                    rdkv_client::Client::for_cluster_with(cluster, options.threads, shared_memory);
+                let driver = Arc::new(Driver::Rdkv {
+                    client: Arc::new(client),
+                    _server: None,
+                    name: store.name(),
+                });
+                (driver, &rdkv_pids)
+            }
+            Store::RedisTcp | Store::RedisUnix => {
+                let Some((_, tcp, unix)) = &redis else {
+                    continue;
+                };
+                let url = if store == Store::RedisTcp { tcp } else { unix };
+                (Arc::new(Driver::redis(url).await?), &redis_pids)
+            }
+            Store::Memory => {
+                let driver =
+                    Driver::memory(options.records, first.record_size(), options.threads).await?;
+                // In-process: its server's CPU is the client's.
+                (Arc::new(driver), &[])
+            }
+        };
+        let load = match store {
+            Store::RdkvShm | Store::RdkvSoft => !std::mem::replace(&mut rdkv_loaded, true),
+            // Both Redis stores are one server: TCP loads, Unix reads the same records.
+            Store::RedisUnix => !wants(Store::RedisTcp),
+            Store::RedisTcp | Store::Memory => true,
+        };
+        let name = store.name();
+        if load {
             eprintln!(
-                "{store}: running {} for {} s with {} tasks",
+                "{name}: loading {} records of {} bytes",
+                first.record_count,
+                first.record_size()
+            );
+            let loaded = runner::load(first, driver.clone(), load_options).await?;
+            // Missing records would make the comparison unfair: stop, whatever
+            // --allow-errors says.
+            if let Some(failed) =
+                OperationsFailed::from_reports(&format!("{name} load"), &[&loaded])
+            {
+                return Err(failed.into());
+            }
+        }
+        for (workload, row) in workloads.iter().zip(rows.iter_mut()) {
+            eprintln!(
+                "{name}: running {} for {} s with {} tasks",
                 workload.name, options.seconds, options.threads
             );
             let servers_before = servers_cpu_time(pids);
             let mut report = runner::run(workload, driver.clone(), run_options).await?;
             report.server_cpu_us_per_operation = servers_before
                 .zip(servers_cpu_time(pids))
-                .filter(|_| report.operations > 0)
+                .filter(|_| report.operations > 0 && !pids.is_empty())
                 .map(|(before, after)| {
                     (after - before).as_secs_f64() * 1e6 / report.operations as f64
                 });
-            if store == "rdkv" {
-                reports.push((report.clone(), report));
-            } else {
-                reports[index].1 = report;
-            }
+            *row.slot(store) = Some(report);
         }
+        driver.close().await;
     }
-    rdkv.close().await;
-    Ok(reports
-        .into_iter()
-        .zip(&options.workloads)
-        .map(|((rdkv, redis), letter)| ComparisonRow {
-            workload: letter.to_uppercase(),
-            rdkv,
-            redis,
-            record_size: first.record_size(),
-        })
-        .collect())
+    drop(redis);
+    drop(cluster_guard);
+    Ok(rows)
 }
 
 /// The CPU time the processes `pids` used so far, together; `None` if one cannot be read.
@@ -322,53 +480,60 @@ fn read_percentiles(report: &Report) -> (u64, u64) {
         .map_or((0, 0), |kind| (kind.p50_us, kind.p99_us))
 }
 
-/// The comparison table.
+/// The comparison table: one line per workload and store, each against the better Redis.
 pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
+    let record_size = rows.first().map_or(0, |row| row.record_size);
     let mut out = format!(
-        "{} records of {} bytes, {} tasks per store, {} s per workload, rdkv on {} node(s) (soft fabric, {} heap each), Redis with one multiplexed connection\n\n",
+        "{} records of {} bytes, {} tasks per store, {} s per workload; rdkv on {} node(s) ({} heap each; shm: this process is on the nodes' host), Redis with one multiplexed connection\n\n",
         options.records,
-        rows.first().map_or(0, |row| row.record_size),
+        record_size,
         options.threads,
         options.seconds,
         options.nodes,
-        rdkv_cluster_file::units::format_bytes(node_heap_size(
-            options,
-            rows.first().map_or(0, |row| row.record_size)
-        ))
+        rdkv_cluster_file::units::format_bytes(node_heap_size(options, record_size))
     );
-    out.push_str("| workload | rdkv ops/s | Redis ops/s | rdkv/Redis | rdkv READ p50 µs | Redis READ p50 µs | rdkv READ p99 µs | Redis READ p99 µs | rdkv round trips/op | rdkv round trips/READ | client CPU µs/op rdkv/Redis | server CPU µs/op rdkv/Redis | errors rdkv/Redis |\n");
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| workload | store | ops/s | vs better Redis | READ p50 µs | READ p99 µs | round trips/op | round trips/READ | client CPU µs/op | server CPU µs/op | server CPU % of a core | errors |\n");
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for row in rows {
-        let (rdkv_p50, rdkv_p99) = read_percentiles(&row.rdkv);
-        let (redis_p50, redis_p99) = read_percentiles(&row.redis);
-        let figures = row.rdkv.rdkv.unwrap_or(crate::measurement::RdkvFigures {
-            round_trips_per_operation: 0.0,
-            round_trips_per_read: 0.0,
-            verbs_per_operation: 0.0,
-            cas_failures: 0,
-            checksum_retries: 0,
-        });
-        let cpu =
-            |value: Option<f64>| value.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
-        out.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2}× | {} | {} | {} | {} | {:.2} | {:.2} | {} / {} | {} / {} | {}/{} |\n",
-            row.workload,
-            row.rdkv.throughput,
-            row.redis.throughput,
-            row.ratio(),
-            rdkv_p50,
-            redis_p50,
-            rdkv_p99,
-            redis_p99,
-            figures.round_trips_per_operation,
-            figures.round_trips_per_read,
-            cpu(row.rdkv.client_cpu_us_per_operation),
-            cpu(row.redis.client_cpu_us_per_operation),
-            cpu(row.rdkv.server_cpu_us_per_operation),
-            cpu(row.redis.server_cpu_us_per_operation),
-            errors(&row.rdkv),
-            errors(&row.redis)
-        ));
+        let best_redis = row.best_redis();
+        for store in &options.stores {
+            let Some(report) = row.report(*store) else {
+                continue;
+            };
+            let (p50, p99) = read_percentiles(report);
+            let cpu =
+                |value: Option<f64>| value.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
+            let server_share = report.server_cpu_us_per_operation.map_or_else(
+                || "-".to_string(),
+                |us| format!("{:.1}", us * report.throughput / 1e6 * 100.0),
+            );
+            let (round_trips, round_trips_per_read) = match (&report.rdkv, store.is_redis()) {
+                (Some(figures), false) => (
+                    format!("{:.2}", figures.round_trips_per_operation),
+                    format!("{:.2}", figures.round_trips_per_read),
+                ),
+                _ => ("-".to_string(), "-".to_string()),
+            };
+            let ratio = best_redis.map_or_else(
+                || "-".to_string(),
+                |best| format!("{:.2}×", report.throughput / best.max(1e-9)),
+            );
+            out.push_str(&format!(
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                row.workload,
+                store.name(),
+                report.throughput,
+                ratio,
+                p50,
+                p99,
+                round_trips,
+                round_trips_per_read,
+                cpu(report.client_cpu_us_per_operation),
+                cpu(report.server_cpu_us_per_operation),
+                server_share,
+                errors(report),
+            ));
+        }
     }
     out
 }

@@ -21,7 +21,7 @@ pub enum Driver {
         client: Arc<Client>,
         /// The in-process server of the `memory` driver.
         _server: Option<RunningServer>,
-        /// `rdkv` or `memory`.
+        /// `rdkv`, a comparison's store name, or `memory`.
         name: &'static str,
     },
     /// Redis through the `redis` crate.
@@ -39,9 +39,12 @@ impl Driver {
     ///
     /// # Errors
     /// An invalid cluster file.
-    pub fn rdkv(cluster_file: &std::path::Path) -> anyhow::Result<Self> {
+    pub fn rdkv(
+        cluster_file: &std::path::Path,
+        fabric: rdkv_client::FabricChoice,
+    ) -> anyhow::Result<Self> {
         Ok(Self::Rdkv {
-            client: Arc::new(Client::from_file(cluster_file)?),
+            client: Arc::new(Client::from_file_with(cluster_file, fabric)?),
             _server: None,
             name: "rdkv",
         })

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rdkv_ycsb::compare::{self, CompareOptions};
+use rdkv_ycsb::compare::{self, CompareOptions, ComparisonRow};
 use rdkv_ycsb::driver::Driver;
 use rdkv_ycsb::exit::{self, ExitStatus, OperationsFailed};
 use rdkv_ycsb::measurement::Report;
@@ -74,6 +74,15 @@ enum Action {
         /// table). A load with errors stops the comparison regardless.
         #[arg(long)]
         allow_errors: bool,
+        /// The stores, run in this order: rdkv over shm and over soft, Redis over TCP and over
+        /// its Unix socket, and the in-process ceiling (memory).
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "rdkv-shm,rdkv-soft,redis-tcp,redis-unix,memory"
+        )]
+        stores: Vec<compare::Store>,
     },
 }
 
@@ -95,7 +104,11 @@ struct PhaseArguments {
     /// The cluster file (rdkv driver).
     #[arg(long, short = 'c', default_value = "examples/local-3node.toml")]
     config: PathBuf,
-    /// The Redis URL (redis driver).
+    /// The rdkv driver's fabric: auto (a node's shm fabric when this host is the node's, else
+    /// the cluster's), shm (required), or the cluster's (soft, verbs).
+    #[arg(long, default_value = "auto")]
+    fabric: rdkv_client::FabricChoice,
+    /// The Redis URL (redis driver; `unix:///path/to/redis.sock` for a Unix socket).
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
     /// A workload property file, or a shipped one by name (workloada … workloadf).
@@ -152,7 +165,7 @@ fn load_workload(arguments: &PhaseArguments) -> anyhow::Result<Workload> {
 
 async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Result<Driver> {
     Ok(match arguments.driver {
-        DriverName::Rdkv => Driver::rdkv(&arguments.config)?,
+        DriverName::Rdkv => Driver::rdkv(&arguments.config, arguments.fabric)?,
         DriverName::Redis => Driver::redis(&arguments.redis_url)
             .await
             .with_context(|| format!("connect to Redis at {}", arguments.redis_url))?,
@@ -252,8 +265,10 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
             heap_size,
             json,
             allow_errors,
+            stores,
         } => {
             let options = CompareOptions {
+                stores,
                 records,
                 seconds,
                 threads,
@@ -269,10 +284,7 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
                 std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)
                     .with_context(|| format!("write {}", path.display()))?;
             }
-            let reports: Vec<&Report> = rows
-                .iter()
-                .flat_map(|row| [&row.rdkv, &row.redis])
-                .collect();
+            let reports: Vec<&Report> = rows.iter().flat_map(ComparisonRow::reports).collect();
             conclude(
                 OperationsFailed::from_reports("compare", &reports),
                 allow_errors,

@@ -111,6 +111,29 @@ impl PinnedMemory {
         Self::allocate_backed(length, policy, limits, true)
     }
 
+    /// A shareable block that no NIC registers (the `shm` provider's key state and epochs):
+    /// checked against RAM as any block, but not locked, so it costs no memlock allowance.
+    ///
+    /// # Errors
+    /// As [`PinnedMemory::allocate`], except the memlock checks.
+    pub(crate) fn allocate_shared_unlocked(length: u64) -> Result<Self> {
+        let rounded = length.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let (available, _) = read_meminfo();
+        decide_available_memory(rounded, available, PinLimits::default())?;
+        let (base, length, backing, file) = Self::map(rounded, false, true)?;
+        Ok(PinnedMemory {
+            base,
+            length,
+            backing,
+            locked: false,
+            writable: true,
+            shared: file.map(|descriptor| SharedFile {
+                descriptor,
+                id: NEXT_SHARED_ID.fetch_add(1, Ordering::Relaxed),
+            }),
+        })
+    }
+
     /// Maps `length` bytes of a peer's shareable block from its memory file, read-only unless
     /// `writable`. The owner pins the pages; this mapping is not locked or counted.
     ///

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::lock;
-use crate::memory::{HugepagePolicy, PinLimits, PinnedMemory};
+use crate::memory::PinnedMemory;
 use crate::protection::KeyRights;
 use crate::types::AccessFlags;
 
@@ -159,22 +159,15 @@ impl SharedState {
     /// Creates the key state and epochs of a device.
     ///
     /// # Errors
-    /// As [`PinnedMemory::allocate_shared`].
+    /// When the machine lacks the RAM (as [`PinnedMemory::allocate`]) or the kernel refuses.
     pub(crate) fn create(device_id: u64, max_message_size: u32) -> Result<Self> {
         let layout = Layout {
             key_slots: KEY_SLOTS,
             queue_pair_slots: QUEUE_PAIR_SLOTS,
         };
-        let keys = PinnedMemory::allocate_shared(
-            layout.length(),
-            HugepagePolicy::Off,
-            PinLimits::default(),
-        )?;
-        let epochs = PinnedMemory::allocate_shared(
-            SLOT * QUEUE_PAIR_SLOTS,
-            HugepagePolicy::Off,
-            PinLimits::default(),
-        )?;
+        // Not registered with anything: not locked either (no memlock allowance spent).
+        let keys = PinnedMemory::allocate_shared_unlocked(layout.length())?;
+        let epochs = PinnedMemory::allocate_shared_unlocked(SLOT * QUEUE_PAIR_SLOTS)?;
         for (index, word) in [
             MAGIC,
             layout.key_slots,
