@@ -213,6 +213,19 @@ impl QueuePairShared {
     /// Completes the oldest outstanding request with a responder's answer. Answers for requests
     /// that were already flushed are ignored.
     pub(crate) fn on_response(&self, sequence: u64, status: WorkCompletionStatus, payload: &[u8]) {
+        self.answer(sequence, status, Some(payload));
+    }
+
+    /// As [`QueuePairShared::on_response`] for a responder that placed a READ's data in the
+    /// local buffer itself (the `shm` requester copies from the responder's memory straight
+    /// into it).
+    pub(crate) fn on_response_placed(&self, sequence: u64, status: WorkCompletionStatus) {
+        self.answer(sequence, status, None);
+    }
+
+    /// Completes the oldest outstanding request; `payload`: the data to write into its local
+    /// buffer, `None` when it is there already.
+    fn answer(&self, sequence: u64, status: WorkCompletionStatus, payload: Option<&[u8]>) {
         let entry = loop {
             let mut requester = lock(&self.requester);
             let implied = match requester.in_flight.front() {
@@ -240,7 +253,7 @@ impl QueuePairShared {
         };
         let mut status = status;
         if status == WorkCompletionStatus::Success && entry.request.opcode.writes_local_buffer() {
-            if let Ok(Some(target)) = &entry.local {
+            if let (Ok(Some(target)), Some(payload)) = (&entry.local, payload) {
                 if payload.len() != target.length as usize
                     || target
                         .entry
@@ -475,10 +488,21 @@ impl QueuePairShared {
             Submission::Complete => {}
             Submission::RingAfterYield => {
                 // Ring after letting the other ready tasks of this worker post too, so one
-                // doorbell carries all of them. The guard rings even if this future is dropped
-                // during the yield.
-                let doorbell = Doorbell(self);
-                tokio::task::yield_now().await;
+                // doorbell carries all of them. A provider whose doorbell is busy on another
+                // thread (shm: an executor running this queue pair's requests) gets another
+                // yield instead of a wait. The guard rings even if this future is dropped
+                // during a yield.
+                let mut doorbell = Doorbell {
+                    queue_pair: self,
+                    rung: false,
+                };
+                loop {
+                    tokio::task::yield_now().await;
+                    if self.provider.try_ring(self) {
+                        doorbell.rung = true;
+                        break;
+                    }
+                }
                 drop(doorbell);
                 self.provider.after_ring(self);
             }
@@ -495,13 +519,19 @@ impl QueuePairShared {
     }
 }
 
-/// Rings the provider's doorbell when dropped: after the yield of the post that queued it, or
-/// when that post's future is dropped during the yield.
-struct Doorbell<'a>(&'a QueuePairShared);
+/// Rings the provider's doorbell when dropped unless the post rang it: when that post's future
+/// is dropped during its yield.
+struct Doorbell<'a> {
+    queue_pair: &'a QueuePairShared,
+    /// The post rang it.
+    rung: bool,
+}
 
 impl Drop for Doorbell<'_> {
     fn drop(&mut self) {
-        self.0.provider.ring(self.0);
+        if !self.rung {
+            self.queue_pair.provider.ring(self.queue_pair);
+        }
     }
 }
 

@@ -221,6 +221,14 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// Rings the doorbell: hands what [`QueuePairProvider::submit`] queued to the transport.
     fn ring(&self, _queue_pair: &QueuePairShared) {}
 
+    /// Rings the doorbell unless that would wait for another thread; `false`: not rung, the
+    /// post yields once more and tries again (what it queued may have been handed on by that
+    /// other thread meanwhile).
+    fn try_ring(&self, queue_pair: &QueuePairShared) -> bool {
+        self.ring(queue_pair);
+        true
+    }
+
     /// After the doorbell of a post rang.
     fn after_ring(&self, _queue_pair: &QueuePairShared) {}
 

@@ -485,7 +485,7 @@ mod tests {
         }
         assert_eq!(
             "rdma".parse::<Backend>().map_err(|error| error.to_string()),
-            Err("unknown fabric `rdma`: expected soft, loopback or verbs".to_string())
+            Err("unknown fabric `rdma`: expected soft, loopback, verbs or shm".to_string())
         );
         assert!(!Backend::Loopback.crosses_processes());
     }

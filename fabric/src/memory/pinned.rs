@@ -501,6 +501,46 @@ impl PinnedMemory {
         Ok(())
     }
 
+    /// Copies `length` bytes at `offset` of this block to `destination_offset` of another
+    /// block (a READ placed straight into the requester's buffer by the `shm` provider): one
+    /// atomic load and store per word when both ranges are word-aligned, else through a small
+    /// bounce buffer.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when either range leaves its block;
+    /// [`Error::ReadOnlyMemory`] when the destination is a read-only mapping.
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        destination: &PinnedMemory,
+        destination_offset: u64,
+        length: u64,
+    ) -> Result<()> {
+        self.check_range(offset, length)?;
+        destination.check_range(destination_offset, length)?;
+        destination.check_writable()?;
+        if offset % 8 == 0 && destination_offset % 8 == 0 && length % 8 == 0 {
+            let mut position = 0;
+            while position < length {
+                let value = self.word(offset + position).load(Ordering::Acquire);
+                destination
+                    .word(destination_offset + position)
+                    .store(value, Ordering::Release);
+                position += 8;
+            }
+            return Ok(());
+        }
+        let mut bounce = [0u8; 512];
+        let mut position = 0;
+        while position < length {
+            let piece = (length - position).min(bounce.len() as u64) as usize;
+            self.read_into(offset + position, &mut bounce[..piece])?;
+            destination.write_from(destination_offset + position, &bounce[..piece])?;
+            position += piece as u64;
+        }
+        Ok(())
+    }
+
     /// Copies fewer than 8 bytes that lie within one word (checked by the caller).
     fn read_partial(&self, offset: u64, destination: &mut [u8]) {
         if destination.is_empty() {

@@ -25,7 +25,7 @@ mod socket;
 mod state;
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
@@ -128,7 +128,8 @@ impl DeviceProvider for ShmDevice {
             responder: Mutex::new(ResponderState::default()),
             epoch_slot: AtomicU32::new(NO_EPOCH_SLOT),
             attachment: OnceLock::new(),
-            order: Mutex::new(Vec::new()),
+            pending: Mutex::new(VecDeque::new()),
+            cache: Mutex::new(Vec::new()),
         }))
     }
 
@@ -489,6 +490,8 @@ struct Attachment {
 enum Outcome {
     /// It ran, or failed with this status.
     Answered(WorkCompletionStatus),
+    /// A READ that ran, its data copied straight into the local buffer.
+    Placed(WorkCompletionStatus),
     /// The responder does not answer (its queue pair or device is gone).
     Unanswered,
     /// Its key names a block this process has not mapped yet.
@@ -501,6 +504,7 @@ impl Attachment {
         &self,
         cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
         request: &RemoteRequest,
+        local: &LocalBuffer,
         write_payload: &[u8],
         response: &mut Vec<u8>,
     ) -> Outcome {
@@ -546,6 +550,15 @@ impl Attachment {
         let Some(offset) = request.remote_address.checked_sub(key.memory_base) else {
             return Outcome::Answered(WorkCompletionStatus::RemoteOperationError);
         };
+        if let (Opcode::Read, Ok(Some(target))) = (request.opcode, local) {
+            // Straight from the responder's memory into the requester's buffer: one copy.
+            let copied =
+                memory.copy_to(offset, &target.entry.memory, target.memory_offset, length);
+            return Outcome::Placed(match copied {
+                Ok(()) => WorkCompletionStatus::Success,
+                Err(_) => WorkCompletionStatus::RemoteOperationError,
+            });
+        }
         Outcome::Answered(engine::perform(
             &memory,
             offset,
@@ -599,12 +612,99 @@ pub(crate) struct ShmQueuePair {
     epoch_slot: AtomicU32,
     /// As a requester: the attachment, once connected to a listening peer.
     attachment: OnceLock<Attachment>,
-    /// As a requester: serialises posts (requests run in posting order) and caches the blocks
-    /// used.
-    order: Mutex<Vec<(u64, Arc<PinnedMemory>)>>,
+    /// As a requester: requests posted and not yet run, in sequence order.
+    pending: Mutex<VecDeque<Execution>>,
+    /// As a requester: held by the thread running this queue pair's requests (the executor),
+    /// with the blocks it used.
+    cache: Mutex<Vec<(u64, Arc<PinnedMemory>)>>,
 }
 
 impl ShmQueuePair {
+    /// Runs every queued request, in order: this post's, and those other tasks queued
+    /// meanwhile (one executor per doorbell, as a NIC's engine drains its send queue), with the
+    /// executor's lock held (`cache`). A post that finds another thread executing yields and
+    /// tries again (`try_ring`) rather than wait; when its doorbell has rung, its requests have
+    /// run, so its task needs no wake-up from another thread.
+    fn run_pending(
+        &self,
+        queue_pair: &QueuePairShared,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        attachment: &Attachment,
+    ) {
+        let mut payload = Vec::new();
+        let mut response = Vec::new();
+        loop {
+            let batch = std::mem::take(&mut *lock(&self.pending));
+            if batch.is_empty() {
+                break;
+            }
+            if !self.run_batch(
+                queue_pair,
+                attachment,
+                cache,
+                batch,
+                &mut payload,
+                &mut response,
+            ) {
+                // The queue pair is in ERROR: what is still queued was flushed.
+                lock(&self.pending).clear();
+                break;
+            }
+        }
+    }
+
+    /// Runs one batch in order; `false` once a request failed (the queue pair is in ERROR).
+    fn run_batch(
+        &self,
+        queue_pair: &QueuePairShared,
+        attachment: &Attachment,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        batch: VecDeque<Execution>,
+        payload: &mut Vec<u8>,
+        response: &mut Vec<u8>,
+    ) -> bool {
+        for (sequence, request, local) in batch {
+            payload.clear();
+            if request.opcode == Opcode::Write {
+                engine::append_write_payload(payload, &local);
+            }
+            let mut refreshed = false;
+            let outcome = loop {
+                response.clear();
+                match attachment.execute(cache, &request, &local, payload, response) {
+                    Outcome::Unmapped if !refreshed => {
+                        refreshed = true;
+                        if let Err(error) = attachment.refresh(queue_pair.qp_number) {
+                            tracing::warn!(%error, "shm memory files not refreshed");
+                        }
+                    }
+                    Outcome::Unmapped => {
+                        break Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
+                    }
+                    outcome => break outcome,
+                }
+            };
+            let status = match outcome {
+                Outcome::Answered(status) => {
+                    queue_pair.on_response(sequence, status, response);
+                    status
+                }
+                Outcome::Placed(status) => {
+                    queue_pair.on_response_placed(sequence, status);
+                    status
+                }
+                Outcome::Unanswered | Outcome::Unmapped => {
+                    queue_pair.fail_unanswered();
+                    return false;
+                }
+            };
+            if status != WorkCompletionStatus::Success {
+                return false;
+            }
+        }
+        true
+    }
+
     /// As a responder, answers an attach or refresh hello; returns the epoch slot.
     fn accept_hello(
         &self,
@@ -772,12 +872,12 @@ impl ShmQueuePair {
     }
 }
 
+/// A request's local buffer, as the requester resolved it.
+type LocalBuffer =
+    std::result::Result<Option<crate::protection::LocalTarget>, WorkCompletionStatus>;
+
 /// One request to run: its sequence, its engine form and its local buffer.
-type Execution = (
-    u64,
-    RemoteRequest,
-    std::result::Result<Option<crate::protection::LocalTarget>, WorkCompletionStatus>,
-);
+type Execution = (u64, RemoteRequest, LocalBuffer);
 
 impl QueuePairProvider for ShmQueuePair {
     fn attach(&self, queue_pair: &Arc<QueuePairShared>) {
@@ -837,16 +937,16 @@ impl QueuePairProvider for ShmQueuePair {
         queue_pair: &QueuePairShared,
         entries: &mut dyn Iterator<Item = InFlight>,
     ) -> Submission {
-        let Some(attachment) = self.attachment.get() else {
+        if self.attachment.get().is_none() {
             return Submission::NotConnected;
-        };
-        let mut cache = lock(&self.order);
-        let mut to_execute: Vec<Execution> = Vec::new();
+        }
         let sendable = {
+            // Queued under the requester lock: `pending` is in sequence order.
             let mut enqueuer = queue_pair.enqueuer();
+            let mut pending = lock(&self.pending);
             for entry in entries {
                 if let Some(entry) = enqueuer.push(entry) {
-                    to_execute.push((
+                    pending.push_back((
                         entry.sequence,
                         engine::remote_request(&entry.request),
                         entry.local.clone(),
@@ -856,50 +956,40 @@ impl QueuePairProvider for ShmQueuePair {
             enqueuer.sendable
         };
         if !sendable {
-            drop(cache);
             queue_pair.enter_error();
             return Submission::Complete;
         }
-        let mut payload = Vec::new();
-        let mut response = Vec::new();
-        for (sequence, request, local) in to_execute {
-            payload.clear();
-            if request.opcode == Opcode::Write {
-                engine::append_write_payload(&mut payload, &local);
-            }
-            let mut refreshed = false;
-            let outcome = loop {
-                response.clear();
-                match attachment.execute(&mut cache, &request, &payload, &mut response) {
-                    Outcome::Unmapped if !refreshed => {
-                        refreshed = true;
-                        if let Err(error) = attachment.refresh(queue_pair.qp_number) {
-                            tracing::warn!(%error, "shm memory files not refreshed");
-                        }
-                    }
-                    Outcome::Unmapped => {
-                        break Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
-                    }
-                    outcome => break outcome,
-                }
-            };
-            match outcome {
-                Outcome::Answered(status) => {
-                    queue_pair.on_response(sequence, status, &response);
-                    if status != WorkCompletionStatus::Success {
-                        return Submission::Complete;
-                    }
-                }
-                Outcome::Unanswered | Outcome::Unmapped => {
-                    drop(cache);
-                    queue_pair.fail_unanswered();
-                    return Submission::Complete;
-                }
-            }
+        // Run at the doorbell, after one yield: the other ready tasks of this worker queue
+        // theirs meanwhile and one executor runs them all, and a task that does nothing but
+        // one-sided operations still lets the others run between its posts.
+        Submission::RingAfterYield
+    }
+
+    fn ring(&self, queue_pair: &QueuePairShared) {
+        if let Some(attachment) = self.attachment.get() {
+            self.run_pending(queue_pair, &mut lock(&self.cache), attachment);
         }
-        drop(cache);
+    }
+
+    fn try_ring(&self, queue_pair: &QueuePairShared) -> bool {
+        let Some(attachment) = self.attachment.get() else {
+            return true;
+        };
+        let mut cache = match self.cache.try_lock() {
+            Ok(cache) => cache,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            // Another thread runs this queue pair's requests, ours included if they are queued
+            // by now: come back after a yield rather than wait.
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        self.run_pending(queue_pair, &mut cache, attachment);
+        true
+    }
+
+    fn after_ring(&self, queue_pair: &QueuePairShared) {
+        // A local failure of this post is never queued for the executor: it completes here
+        // once it reaches the head (an executor may have finished before it was queued).
         queue_pair.settle_local_failures();
-        Submission::Complete
     }
 
     fn modify_to_error(&self) {
