@@ -58,6 +58,17 @@ pub struct ServerProcess {
     pub fabric_address: SocketAddr,
 }
 
+/// A Unix-socket path for a test's shm fabric, unique in this process (in the temporary
+/// directory; a stale file from an earlier run is replaced by the node).
+pub fn shm_socket_path(name: &str) -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "rdkv-test-{name}-{}-{}.sock",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ))
+}
+
 impl ServerProcess {
     /// Starts `rdkv-server` on loopback with port 0 and `extra` arguments, and waits for its
     /// ready line.

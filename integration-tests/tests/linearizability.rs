@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rdkv_client::fault::{FaultInjector, Injection, Step};
-use rdkv_client::{CasOutcome, Client, ClientConfig};
+use rdkv_client::{CasOutcome, Client, ClientConfig, SharedMemory};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
 use rdkv_integration_tests::process::ServerProcess;
@@ -36,7 +36,26 @@ async fn concurrent_history_against_a_server_process_is_linearizable() {
         "linearizability",
         &["--heap-size", "32M", "--chunk-size", "256K"],
     );
-    concurrent_history(&server).await;
+    concurrent_history(&server, SharedMemory::Off).await;
+}
+
+/// The same over the node's shm fabric: the clients (this process) run every request on the
+/// server process's memory themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_history_over_shm_against_a_server_process_is_linearizable() {
+    let socket = rdkv_integration_tests::process::shm_socket_path("linearizability");
+    let server = ServerProcess::start(
+        "linearizability",
+        &[
+            "--heap-size",
+            "32M",
+            "--chunk-size",
+            "256K",
+            "--shm-socket",
+            socket.to_str().expect("a UTF-8 temporary path"),
+        ],
+    );
+    concurrent_history(&server, SharedMemory::Require).await;
 }
 
 /// Blocks die and their chunks come back within milliseconds (docs/protocol.md, *Heap space*):
@@ -63,7 +82,7 @@ async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
         }
     };
     let before = reclaimed().await;
-    concurrent_history(&server).await;
+    concurrent_history(&server, SharedMemory::Off).await;
     let reused = reclaimed().await - before;
     assert!(
         reused >= 32,
@@ -72,13 +91,15 @@ async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
     eprintln!("{reused} extents reclaimed and reused during the checked history");
 }
 
-/// 16 clients, 8 keys, 20,000 operations of every kind against `server`; checks the history.
-async fn concurrent_history(server: &ServerProcess) {
+/// 16 clients, 8 keys, 20,000 operations of every kind against `server` (over its shm fabric
+/// when `shared_memory` requires it); checks the history.
+async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory) {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for client_index in 0..CLIENTS {
         let mut config =
             ClientConfig::new(server.control_address, Backend::Soft, b"linearizability");
+        config.node.shared_memory = shared_memory;
         config.concurrency = 1;
         let client = Arc::new(Client::connect(config).await.expect("connect"));
         tasks.push(tokio::spawn(async move {

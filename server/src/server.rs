@@ -61,6 +61,19 @@ impl RunningServer {
         self.metrics_address
     }
 
+    /// Whether the node offers an `shm` fabric next to its main one.
+    pub fn offers_shm(&self) -> bool {
+        self.shared.shm.is_some()
+    }
+
+    /// The node's `shm` socket, when it offers one.
+    pub fn shm_socket(&self) -> Option<std::path::PathBuf> {
+        self.shared
+            .shm
+            .as_ref()
+            .and_then(|shm| shm.table.device.shm_socket())
+    }
+
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
         // Tests call this: an index scan on the caller's thread gives the exact key count.

@@ -28,7 +28,12 @@ struct RawClient {
 }
 
 impl RawClient {
+    /// A raw client over the server's main fabric (soft), or over its shm fabric.
     async fn connect(server: &RunningServer) -> Self {
+        Self::connect_over(server, server.offers_shm()).await
+    }
+
+    async fn connect_over(server: &RunningServer, over_shm: bool) -> Self {
         let mut stream = TcpStream::connect(server.control_address())
             .await
             .expect("connect");
@@ -44,7 +49,7 @@ impl RawClient {
                 purpose: Purpose::Data,
                 proof: compute_proof(SECRET, node_id, &nonce),
                 client_name: "raw".into(),
-                shared_memory: false,
+                shared_memory: over_shm,
             },
         )
         .await
@@ -53,7 +58,19 @@ impl RawClient {
         else {
             panic!("no welcome");
         };
-        let device = Device::soft(None, DeviceConfig::default()).expect("device");
+        let backend = welcome.server_endpoint.backend();
+        assert_eq!(
+            backend == Backend::Shm,
+            over_shm,
+            "the node's fabric for this client"
+        );
+        let device = Device::open(
+            backend,
+            None,
+            &rdkv_fabric::VerbsOptions::default(),
+            DeviceConfig::default(),
+        )
+        .expect("device");
         let domain = device.allocate_protection_domain();
         let completion_queue = device
             .create_completion_queue(256)
@@ -67,10 +84,8 @@ impl RawClient {
         let local = domain
             .register_all(&memory, AccessFlags::LOCAL_WRITE)
             .expect("register");
-        queue_pair
-            .connect(&welcome.server_endpoint)
-            .await
-            .expect("connect queue pair");
+        // An shm responder takes the attach only once its queue pair knows ours: name it first
+        // (as the client library does).
         write_frame(
             &mut stream,
             &ClientMessage::ConnectQueuePair {
@@ -79,6 +94,10 @@ impl RawClient {
         )
         .await
         .expect("send endpoint");
+        queue_pair
+            .connect(&welcome.server_endpoint)
+            .await
+            .expect("connect queue pair");
         let keys = match read_frame::<_, ServerMessage>(&mut stream)
             .await
             .expect("ready")
@@ -156,9 +175,30 @@ async fn server() -> RunningServer {
     rdkv_server::start(config).await.expect("start")
 }
 
+/// A server that also offers its shm fabric, on a socket of its own.
+async fn shm_server() -> RunningServer {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let mut config = ServerConfig::local(SECRET);
+    config.fabric = Backend::Soft;
+    config.shm_socket = Some(std::env::temp_dir().join(format!(
+        "rdkv-isolation-{}-{}.sock",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )));
+    rdkv_server::start(config).await.expect("start")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_clients_chunk_cannot_be_written() {
-    let server = server().await;
+    another_clients_chunk_cannot_be_written_on(server().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_chunk_cannot_be_written_over_shm() {
+    another_clients_chunk_cannot_be_written_on(shm_server().await).await;
+}
+
+async fn another_clients_chunk_cannot_be_written_on(server: RunningServer) {
     let mut owner = RawClient::connect(&server).await;
     let intruder = RawClient::connect(&server).await;
     let owner_chunk = owner.chunk().await;
@@ -181,7 +221,15 @@ async fn another_clients_chunk_cannot_be_written() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_die_with_their_connection() {
-    let server = server().await;
+    keys_die_with_their_connection_on(server().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_die_with_their_connection_over_shm() {
+    keys_die_with_their_connection_on(shm_server().await).await;
+}
+
+async fn keys_die_with_their_connection_on(server: RunningServer) {
     let mut leaving = RawClient::connect(&server).await;
     let chunk = leaving.chunk().await;
     assert_eq!(

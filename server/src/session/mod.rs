@@ -125,6 +125,15 @@ impl Shared {
         let mut stats = self
             .counters
             .snapshot(self.config.node_id, &self.table, &self.heap, keys);
+        if let Some(shm) = &self.shm {
+            // The shm device's queue pairs, regions and windows count too.
+            let gauges = shm.table.device.gauges();
+            for (total, shm_count) in stats.queue_pairs.iter_mut().zip(gauges.queue_pairs) {
+                *total += shm_count;
+            }
+            stats.live_memory_regions += gauges.live_memory_regions;
+            stats.live_memory_windows += gauges.live_memory_windows;
+        }
         stats.pending_handshakes = self.pending.count() as u64;
         stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
         stats

@@ -552,8 +552,7 @@ impl Attachment {
         };
         if let (Opcode::Read, Ok(Some(target))) = (request.opcode, local) {
             // Straight from the responder's memory into the requester's buffer: one copy.
-            let copied =
-                memory.copy_to(offset, &target.entry.memory, target.memory_offset, length);
+            let copied = memory.copy_to(offset, &target.entry.memory, target.memory_offset, length);
             return Outcome::Placed(match copied {
                 Ok(()) => WorkCompletionStatus::Success,
                 Err(_) => WorkCompletionStatus::RemoteOperationError,

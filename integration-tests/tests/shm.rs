@@ -1,0 +1,182 @@
+//! The `shm` fabric with real processes: a local cluster started as the README says serves the
+//! CLI over shared memory by default (and `rdkv stats` says so), and a client killed with
+//! SIGKILL in the middle of a load over shm leaves every node's gauges at their baseline and
+//! every record readable.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkv_client::{Client, FabricChoice};
+use rdkv_common::protocol::ServerStats;
+use rdkv_integration_tests::cluster::Cluster;
+use rdkv_integration_tests::process::workspace_binary;
+
+fn text(path: &Path) -> &str {
+    path.to_str().expect("a UTF-8 path")
+}
+
+fn rdkv(file: &Path, arguments: &[&str]) -> std::process::Output {
+    Command::new(workspace_binary("rdkv"))
+        .args(["--config", text(file)])
+        .args(arguments)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run rdkv")
+}
+
+fn stdout(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The `via` column of `rdkv stats` for each node line (`node state uptime via ...`).
+fn via_column(stats: &str) -> Vec<String> {
+    stats
+        .lines()
+        .filter(|line| line.split_whitespace().nth(1) == Some("up"))
+        .filter_map(|line| line.split_whitespace().nth(3).map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn a_local_cluster_serves_the_cli_over_shm_by_default_and_stats_says_so() {
+    let cluster = Cluster::up("shm-cli");
+    let put = rdkv(&cluster.file, &["put", "shm-key", "shm-value"]);
+    assert!(put.status.success(), "{put:?}");
+    let get = rdkv(&cluster.file, &["get", "shm-key"]);
+    assert_eq!(stdout(&get), "shm-value");
+
+    let stats = rdkv(&cluster.file, &["stats"]);
+    assert!(stats.status.success(), "{stats:?}");
+    let report = stdout(&stats);
+    assert_eq!(via_column(&report), ["shm", "shm", "shm"], "{report}");
+    assert_eq!(report.matches("shm 1").count(), 3, "{report}");
+
+    let over_soft = rdkv(&cluster.file, &["--fabric", "soft", "stats"]);
+    assert_eq!(
+        via_column(&stdout(&over_soft)),
+        ["soft", "soft", "soft"],
+        "{}",
+        stdout(&over_soft)
+    );
+    let soft_get = rdkv(&cluster.file, &["--fabric", "soft", "get", "shm-key"]);
+    assert_eq!(stdout(&soft_get), "shm-value", "one store, either fabric");
+}
+
+/// What must come back once a client is gone.
+#[derive(Debug, PartialEq, Eq)]
+struct Baseline {
+    data_connections: u64,
+    shm_data_connections: u64,
+    queue_pairs: i64,
+    live_memory_windows: i64,
+}
+
+impl From<&ServerStats> for Baseline {
+    fn from(stats: &ServerStats) -> Self {
+        Self {
+            data_connections: stats.data_connections,
+            shm_data_connections: stats.shm_data_connections,
+            queue_pairs: stats.queue_pairs.iter().sum(),
+            live_memory_windows: stats.live_memory_windows,
+        }
+    }
+}
+
+async fn baselines(monitor: &Client) -> Vec<Baseline> {
+    monitor
+        .cluster_stats()
+        .await
+        .iter()
+        .map(|(node, stats)| match stats {
+            Ok(stats) => Baseline::from(stats),
+            Err(error) => panic!("node {node}: {error}"),
+        })
+        .collect()
+}
+
+async fn keys(monitor: &Client) -> u64 {
+    monitor
+        .cluster_stats()
+        .await
+        .iter()
+        .filter_map(|(_, stats)| stats.as_ref().ok().map(|stats| stats.keys))
+        .sum()
+}
+
+const RECORDS: u64 = 20_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_every_record_valid() {
+    let cluster = Cluster::up("shm-kill");
+    let monitor = Client::from_file_with(&cluster.file, FabricChoice::Auto).expect("the file");
+    let before = baselines(&monitor).await;
+    assert!(before.iter().all(|node| node.shm_data_connections == 0));
+
+    // A load over shm, 16 tasks, in its own process.
+    let mut load = Command::new(workspace_binary("rdkv-ycsb"))
+        .args(["load", "--config", text(&cluster.file), "--fabric", "shm"])
+        .args(["-P", "workloada", "--threads", "16"])
+        .args(["-p", &format!("recordcount={RECORDS}")])
+        .args(["-p", "insertorder=ordered", "-p", "fieldlength=50"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start rdkv-ycsb load");
+    // Mid-load: some records are in, the load is still running.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let loaded = keys(&monitor).await;
+        assert!(
+            load.try_wait().expect("wait").is_none(),
+            "the load ended before it was killed ({loaded} keys): raise RECORDS"
+        );
+        if loaded >= 2_000 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {loaded} keys after 60 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let during = monitor.cluster_stats().await;
+    assert!(
+        during.iter().any(|(_, stats)| stats
+            .as_ref()
+            .is_ok_and(|stats| stats.shm_data_connections > 0)),
+        "the load runs over shm: {during:?}"
+    );
+    load.kill().expect("SIGKILL the load");
+    load.wait().expect("reap the load");
+
+    // The nodes see the control connections close, drain the queue pairs (waiting for a
+    // request the kill cut short at most retry_timeout) and revoke the windows.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = baselines(&monitor).await;
+        if now == before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gauges not back at baseline after 30 s: {now:?}, baseline {before:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Every record the load wrote reads back whole (checksummed) over shm; none is corrupt.
+    let reader = Client::from_file_with(&cluster.file, FabricChoice::Shm).expect("the file");
+    let mut found = 0;
+    for number in 0..RECORDS {
+        let key = format!("user{number}");
+        match reader.get(key.as_bytes()).await {
+            Ok(Some(value)) => {
+                assert_eq!(value.len(), 10 * 50, "{key}: a whole record");
+                found += 1;
+            }
+            Ok(None) => {}
+            Err(error) => panic!("{key}: {error}"),
+        }
+    }
+    assert!(found >= 2_000, "only {found} records found");
+    eprintln!("{found} of {RECORDS} records loaded before the kill, all valid");
+    reader.close().await;
+}
