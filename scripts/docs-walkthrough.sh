@@ -171,6 +171,12 @@ doc "target/release/rdkv --config examples/local-3node.toml cas user:1 ada grace
 doc "target/release/rdkv --config examples/local-3node.toml insert user:2 linus"
 doc "target/release/rdkv --config examples/local-3node.toml del user:1"
 doc "target/release/rdkv --config examples/local-3node.toml stats"
+# This user runs the nodes: its CLI reaches every node over shm (docs/operations.md, Same-host
+# clients), and stats says so.
+[ "$(awk '$2 == "up" { print $4 }' "$work/out" | sort -u)" = "shm" ] \
+  || { cat "$work/out" >&2; fail "stats does not show every node via shm"; }
+doc "target/release/rdkv --config examples/local-3node.toml --fabric soft get user:2"
+[ "$(cat "$work/out")" = "linus" ] || fail "get over soft printed $(cat "$work/out"), not linus"
 
 echo "--- README, Use it from Rust: the Cargo.toml lines and the main, as an application ---"
 mkdir -p "$work/app/src"
@@ -209,6 +215,8 @@ doc "target/release/rdkv-cluster up examples/local-3node.toml --node 3 --detach"
 echo "=== docs/operations.md: Load tests (YCSB), on the running cluster ==="
 doc "target/release/rdkv-ycsb load -c examples/local-3node.toml -P workloada -p recordcount=3000 --threads 16"
 doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml -P workloada -p recordcount=3000 -p operationcount=100000 --threads 16 --json a.json"
+expect_output "\[OVERALL\], Throughput"
+doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml --fabric soft -P workloadc -p recordcount=3000 --threads 16"
 expect_output "\[OVERALL\], Throughput"
 as_user "redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes" >/dev/null
 doc "target/release/rdkv-ycsb run  --driver redis --redis-url redis://127.0.0.1:6379 -P workloadb --load --threads 16"

@@ -190,20 +190,41 @@ impl Drop for ClusterGuard {
         for node in self.nodes.iter_mut().rev() {
             rdkv_cluster_config::launcher::stop_child(node, &self.run_directory);
         }
-        if let Some(parent) = self.run_directory.parent() {
-            let _ = std::fs::remove_dir_all(parent);
-        }
+        // Only this cluster's run directory: the cluster file next to it serves the next
+        // store's cluster (the comparison's directory goes with `RemovedOnDrop`).
+        let _ = std::fs::remove_dir_all(&self.run_directory);
     }
 }
 
 /// Each node's chunk size.
 const CHUNK_SIZE: u64 = 1 << 20;
 
-/// Each node's heap: `--heap-size`, or the sizing rule for its share of the records.
+/// Records the workloads may insert during their runs (D inserts 5% of its operations), at the
+/// highest rate one store reaches here: the heap must hold them too, or the faster store's
+/// inserts fill it and a later workload fails where a slower store's would not.
+pub fn inserted_records(options: &CompareOptions) -> u64 {
+    options
+        .workloads
+        .iter()
+        .filter_map(|letter| workload(letter, options).ok())
+        .map(|workload| {
+            (workload.proportions.insert * options.seconds * ASSUMED_OPERATIONS_PER_SECOND as f64)
+                .ceil() as u64
+        })
+        .sum()
+}
+
+/// The highest rate, in operations per second, one store is assumed to reach (rdkv over `shm`
+/// and Redis reach about 250,000 on this 2-core machine).
+const ASSUMED_OPERATIONS_PER_SECOND: u64 = 300_000;
+
+/// Each node's heap: `--heap-size`, or the sizing rule for its share of the records and of
+/// those the workloads may insert.
 pub fn node_heap_size(options: &CompareOptions, record_size: usize) -> u64 {
     // YCSB keys ("user" and up to 20 digits) and values.
     let block = rdkv_cluster_file::sizing::block_size(24, record_size as u64);
-    let per_node = options.records.div_ceil(u64::from(options.nodes.max(1)));
+    let per_node =
+        (options.records + inserted_records(options)).div_ceil(u64::from(options.nodes.max(1)));
     options.heap_size.unwrap_or_else(|| {
         rdkv_cluster_file::sizing::heap_size(&rdkv_cluster_file::sizing::HeapDemand {
             live_bytes: per_node * block,
@@ -342,30 +363,26 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         .collect::<Vec<_>>()
         .join(" and ")
     );
-    let mut cluster = None;
-    let mut cluster_guard = None;
-    if rdkv_wanted {
+    let cluster = if rdkv_wanted {
         let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
-        let loaded = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
-        let run_directory = directory.join("run");
-        cluster_guard = Some(ClusterGuard {
-            nodes: rdkv_cluster_config::launcher::start(&loaded, &run_directory, true)?,
-            run_directory,
-        });
-        cluster = Some(loaded);
-    }
+        Some(rdkv_cluster_config::config::load_to_start(
+            &cluster_file,
+            None,
+            None,
+        )?)
+    } else {
+        None
+    };
     let redis = if redis_wanted {
         Some(start_redis(&options.redis_server, &directory)?)
     } else {
         None
     };
-    // The server processes whose CPU each run is charged with.
-    let rdkv_pids: Vec<u32> = cluster_guard
-        .iter()
-        .flat_map(|guard| guard.nodes.iter())
-        .filter_map(|node| node.child.as_ref().map(Child::id))
-        .collect();
     let redis_pids: Vec<u32> = redis.iter().map(|(guard, ..)| guard.0.id()).collect();
+    // Each rdkv store gets a fresh cluster (started when its turn comes): the heap a store left
+    // behind (a write-heavy run's dead blocks) must not slow the next one.
+    let mut cluster_guard: Option<ClusterGuard> = None;
+    let mut rdkv_pids: Vec<u32>;
     let run_options = RunOptions {
         threads: options.threads,
         target: None,
@@ -381,14 +398,27 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         .iter()
         .map(|letter| ComparisonRow::new(letter.to_uppercase(), first.record_size()))
         .collect();
-    // The rdkv stores share one cluster: the records are loaded once.
-    let mut rdkv_loaded = false;
     for &store in &options.stores {
         let (driver, pids): (Arc<Driver>, &[u32]) = match store {
             Store::RdkvShm | Store::RdkvSoft => {
                 let Some(cluster) = &cluster else {
                     continue;
                 };
+                // Stop the previous rdkv store's nodes before starting fresh ones.
+                drop(cluster_guard.take());
+                let run_directory =
+                    directory.join(format!("run-{}", store.name().replace(' ', "-")));
+                let guard = ClusterGuard {
+                    nodes: rdkv_cluster_config::launcher::start(cluster, &run_directory, true)?,
+                    run_directory,
+                };
+                // The server processes whose CPU each run is charged with.
+                rdkv_pids = guard
+                    .nodes
+                    .iter()
+                    .filter_map(|node| node.child.as_ref().map(Child::id))
+                    .collect();
+                cluster_guard = Some(guard);
                 let shared_memory = if store == Store::RdkvShm {
                     rdkv_client::SharedMemory::Require
                 } else {
@@ -418,7 +448,7 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
             }
         };
         let load = match store {
-            Store::RdkvShm | Store::RdkvSoft => !std::mem::replace(&mut rdkv_loaded, true),
+            Store::RdkvShm | Store::RdkvSoft => true,
             // Both Redis stores are one server: TCP loads, Unix reads the same records.
             Store::RedisUnix => !wants(Store::RedisTcp),
             Store::RedisTcp | Store::Memory => true,

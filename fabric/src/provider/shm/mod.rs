@@ -339,10 +339,14 @@ impl Offer {
     fn stop(&self) {
         self.state.close();
         self.closing.store(true, Ordering::Release);
-        // Wakes the accept thread, which then sees `closing`.
-        let _ = UnixStream::connect(&self.socket);
+        // Wakes the accept thread, which then sees `closing`. If the socket cannot be reached
+        // (its file was removed), the thread is left to end with the process: no join that
+        // could wait forever.
+        let woken = UnixStream::connect(&self.socket).is_ok();
         if let Some(thread) = lock(&self.thread).take() {
-            let _ = thread.join();
+            if woken {
+                let _ = thread.join();
+            }
         }
         let _ = std::fs::remove_file(&self.socket);
     }
