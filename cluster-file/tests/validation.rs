@@ -132,7 +132,7 @@ fn an_unknown_fabric_is_refused() {
     let (line, field, message) = invalid(&text);
     assert_eq!((line, field.as_str()), (4, "cluster.fabric"));
     assert!(
-        message.contains("unknown fabric `carrier-pigeon`: expected soft, loopback or verbs"),
+        message.contains("unknown fabric `carrier-pigeon`: expected soft, loopback, verbs or shm"),
         "{message}"
     );
 }

@@ -142,6 +142,7 @@ const REMOTE: RemoteSegment = RemoteSegment {
 
 #[tokio::test]
 async fn lost_connection_completes_outstanding_with_retry_exceeded() {
+    let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let client = client_of(&peer, Duration::from_secs(30)).await;
     let region = client
@@ -180,6 +181,7 @@ async fn lost_connection_completes_outstanding_with_retry_exceeded() {
 
 #[tokio::test]
 async fn an_answer_acknowledges_the_writes_before_it() {
+    let _measuring = MEASURING.lock().await;
     // A responder that answers only the READ of a WRITE + READ list, as the soft responder
     // (and an RC responder's coalesced ACK) does: the signaled WRITE completes, successfully,
     // before the READ.
@@ -236,6 +238,7 @@ async fn an_answer_acknowledges_the_writes_before_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_responder_answers_a_write_only_when_nothing_later_acknowledges_it() {
+    let _measuring = MEASURING.lock().await;
     let mut peer = raw_peer().await;
     let memory = Arc::new(
         PinnedMemory::allocate(4096, HugepagePolicy::Off, PinLimits::default()).expect("pinned"),
@@ -281,6 +284,7 @@ async fn the_responder_answers_a_write_only_when_nothing_later_acknowledges_it()
 
 #[tokio::test]
 async fn silent_peer_times_out_with_retry_exceeded() {
+    let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let retry_timeout = Duration::from_millis(300);
     let client = client_of(&peer, retry_timeout).await;
@@ -313,6 +317,7 @@ async fn silent_peer_times_out_with_retry_exceeded() {
 
 #[tokio::test]
 async fn buffer_outlives_a_dropped_future_until_its_completion() {
+    let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let client = client_of(&peer, Duration::from_secs(30)).await;
     let memory = pinned();
@@ -364,6 +369,7 @@ async fn buffer_outlives_a_dropped_future_until_its_completion() {
 
 #[tokio::test]
 async fn send_queue_never_exceeds_its_depth() {
+    let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let device = Device::soft(None, DeviceConfig::default()).expect("device");
     let domain = device.allocate_protection_domain();
@@ -398,6 +404,7 @@ async fn send_queue_never_exceeds_its_depth() {
 
 #[tokio::test]
 async fn connecting_to_a_missing_queue_pair_names_it() {
+    let _measuring = MEASURING.lock().await;
     let listening = Device::soft(
         Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
         DeviceConfig::default(),
@@ -488,6 +495,7 @@ fn listening_queue_pair_with(
 
 #[test]
 fn a_refused_hello_does_not_say_which_field_was_wrong() {
+    let _measuring = MEASURING.blocking_lock();
     let (_device, address, endpoint, _queue_pair) = listening_queue_pair();
     let answer = |hello: [u8; 40]| {
         let mut stream = std::net::TcpStream::connect(address).expect("connect");
@@ -508,6 +516,7 @@ fn a_refused_hello_does_not_say_which_field_was_wrong() {
 
 #[test]
 fn queue_pair_numbers_and_device_ids_are_not_guessable() {
+    let _measuring = MEASURING.blocking_lock();
     let (device, _address, first, _queue_pair) = listening_queue_pair();
     let (_other, _other_address, other, _other_queue_pair) = listening_queue_pair();
     assert_ne!(first.device_id, other.device_id);
@@ -543,6 +552,7 @@ fn queue_pair_numbers_and_device_ids_are_not_guessable() {
 
 #[test]
 fn a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_deadline() {
+    let _measuring = MEASURING.blocking_lock();
     // The deadline is a device setting (the cluster file's `fabric_hello_deadline`).
     let (device, address, endpoint, _queue_pair) = listening_queue_pair_with(DeviceConfig {
         hello_deadline: Duration::from_secs(2),
@@ -719,6 +729,7 @@ fn read_request(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
+    let _measuring = MEASURING.lock().await;
     // A 4 MiB window, four times the device's 1 MiB max_message_size, read at once by a peer
     // that ignores its own limit.
     let mut peer = raw_peer().await;
@@ -745,15 +756,22 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
     );
 }
 
-/// This process's threads now.
+/// This process's threads that the fabric or tokio started, now: named `rdkv-…` (the NIC's
+/// accept and engine threads, and any thread they spawn unnamed, which inherits the name) or
+/// `tokio-…` (workers and the blocking pool). The test harness's own threads (one per running
+/// test, started as tests begin and end) are left out.
 fn process_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("/proc/self/task")
+        .filter_map(|task| task.ok())
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|name| name.starts_with("rdkv") || name.starts_with("tokio"))
         .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_to_the_fabric_port_hold_no_threads_and_let_dialers_in() {
+    let _measuring = MEASURING.lock().await;
     const IDLE: usize = 3_000;
     let (device, address, _endpoint, server_queue_pair) = listening_queue_pair();
     let pool = device.gauges().engine_threads;
@@ -815,10 +833,11 @@ async fn idle_connections_to_the_fabric_port_hold_no_threads_and_let_dialers_in(
     drop(idle);
 }
 
-/// Held by each test that measures this process's resident memory: `cargo test` runs a
-/// binary's tests as threads of one process, and one test's answers in flight would count
-/// against another's bound.
-static MEASURING_MEMORY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Held by every test of this file: some measure this process's resident memory or threads,
+/// and the others start threads (a scripted peer, a listening device's engine pool) and hold
+/// answers in flight; `cargo test` runs a binary's tests as threads of one process, so they take
+/// turns.
+static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// This process's resident memory, in bytes.
 fn resident_bytes() -> u64 {
@@ -840,7 +859,7 @@ fn resident_bytes() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
-    let _measuring = MEASURING_MEMORY.lock().await;
+    let _measuring = MEASURING.lock().await;
     let mut peer = raw_peer().await;
     let rkey = peer.rkey;
     let stream = &mut peer.stream;
@@ -869,7 +888,7 @@ async fn answers_wait_for_a_peer_that_does_not_read_in_bounded_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
-    let _measuring = MEASURING_MEMORY.lock().await;
+    let _measuring = MEASURING.lock().await;
     // One engine thread, so both connections share it; a 256 KiB response bound (the
     // cluster file's `fabric_response_buffer`).
     let mut stalled = raw_peer_with(DeviceConfig {
@@ -915,7 +934,7 @@ async fn a_peer_that_does_not_read_does_not_stall_the_others_on_its_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twelve_pipelined_64_mib_reads_get_the_status_not_memory() {
-    let _measuring = MEASURING_MEMORY.lock().await;
+    let _measuring = MEASURING.lock().await;
     // The measurement on main before the cap: twelve pipelined 64 MiB READs of a window grew
     // the responder's RSS from 112 to 1,648 MiB. Now each is longer than max_message_size
     // (1 MiB) and is refused before any memory is touched.
@@ -961,6 +980,7 @@ async fn twelve_pipelined_64_mib_reads_get_the_status_not_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_hello_for_a_connected_queue_pair_is_refused_like_any_other() {
+    let _measuring = MEASURING.lock().await;
     let peer = raw_peer().await;
     let QueuePairEndpoint::Soft(endpoint) = peer._queue_pair.endpoint() else {
         panic!("a soft endpoint");
@@ -986,7 +1006,7 @@ async fn a_second_hello_for_a_connected_queue_pair_is_refused_like_any_other() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_large_reads_leaves_no_megabytes_behind() {
-    let _measuring = MEASURING_MEMORY.lock().await;
+    let _measuring = MEASURING.lock().await;
     // Four connections each read 64 × 1 MiB and then sit idle: the buffers a burst grew
     // (responses, outgoing) go back to their kept size. Measured before: about 11 MiB kept
     // per idle connection until it closed.

@@ -177,6 +177,31 @@ async fn a_three_node_cluster_from_the_example_file() {
         .status()
         .expect("kill");
     assert!(killed.success());
+    // Until the kernel has torn the process down, its memory is still mapped by clients over
+    // shm (as a NIC keeps answering READs of a killed process's regions until they are
+    // deregistered), and its sockets close only when its last thread is gone: wait for that
+    // (the process reaped, or a zombie leader with no thread left), bounded.
+    let gone_by = Instant::now() + Duration::from_secs(10);
+    let proc_directory = format!("/proc/{}", pid.trim());
+    let torn_down = || {
+        let zombie = std::fs::read_to_string(format!("{proc_directory}/stat")).map(|stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+        });
+        let threads = std::fs::read_dir(format!("{proc_directory}/task")).map(Iterator::count);
+        match (zombie, threads) {
+            (Err(_), _) | (_, Err(_)) => true,
+            (Ok(zombie), Ok(threads)) => zombie && threads <= 1,
+        }
+    };
+    while !torn_down() {
+        assert!(
+            Instant::now() < gone_by,
+            "node 2 still runs 10 s after SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let deadline = cluster.operation_deadline;
     for index in per_node[&2].iter().take(20) {
         let started = Instant::now();

@@ -180,3 +180,36 @@ async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_eve
     eprintln!("{found} of {RECORDS} records loaded before the kill, all valid");
     reader.close().await;
 }
+
+/// A node killed with SIGKILL answers nothing more over shm, although its memory files stay
+/// mapped in the client: the client finds the attach connection closed at its next doorbell
+/// and fails fast, as over soft.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_answers_nothing_over_shm() {
+    let socket = rdkv_integration_tests::process::shm_socket_path("killed");
+    let mut server = rdkv_integration_tests::process::ServerProcess::start(
+        "killed-node",
+        &["--shm-socket", text(&socket)],
+    );
+    let mut config = rdkv_client::ClientConfig::new(
+        server.control_address,
+        rdkv_client::Backend::Soft,
+        b"killed-node",
+    );
+    config.node.shared_memory = rdkv_client::SharedMemory::Require;
+    let client = Client::connect(config).await.expect("connect over shm");
+    client.put(b"key", b"value").await.expect("put");
+    assert_eq!(
+        client.get(b"key").await.expect("get").as_deref(),
+        Some(&b"value"[..])
+    );
+    server.kill();
+    let started = Instant::now();
+    let error = client.get(b"key").await.expect_err("the node is dead");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(error.is_retryable(), "{error}");
+}

@@ -127,6 +127,7 @@ impl DeviceProvider for ShmDevice {
             identity: OnceLock::new(),
             responder: Mutex::new(ResponderState::default()),
             epoch_slot: AtomicU32::new(NO_EPOCH_SLOT),
+            requester: Mutex::new(None),
             attachment: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
             cache: Mutex::new(Vec::new()),
@@ -282,7 +283,11 @@ impl Offer {
                 descriptors.push(descriptor);
             }
         }
-        socket::send_answer(stream, &answer, &descriptors)
+        socket::send_answer(stream, &answer, &descriptors)?;
+        if hello.kind == HelloKind::Attach {
+            *lock(&part.requester) = Some(stream.try_clone()?);
+        }
+        Ok(())
     }
 
     /// The shareable blocks that have published keys and are still alive (at most
@@ -458,7 +463,12 @@ impl RemoteDevice {
 }
 
 /// One hello and its answer over a new connection to `socket` (blocking, bounded).
-fn exchange(socket: &Path, hello: &Hello) -> Result<(Answer, Vec<OwnedFd>)> {
+/// One exchange's outcome: the answer, its descriptors, and the connection (an attached
+/// requester keeps it: the responder holds its end while its queue pair lives, so its closing
+/// says the responder is gone).
+type Exchanged = (Answer, Vec<OwnedFd>, UnixStream);
+
+fn exchange(socket: &Path, hello: &Hello) -> Result<Exchanged> {
     let socket_error = |operation, source| Error::ShmSocket {
         path: socket.to_path_buf(),
         operation,
@@ -473,10 +483,12 @@ fn exchange(socket: &Path, hello: &Hello) -> Result<(Answer, Vec<OwnedFd>)> {
     stream
         .write_all(&hello.encode())
         .map_err(|source| socket_error("send the hello to", source))?;
-    socket::receive_answer(&stream).map_err(|reason| Error::ShmRefused {
-        path: socket.to_path_buf(),
-        reason,
-    })
+    let (answer, descriptors) =
+        socket::receive_answer(&stream).map_err(|reason| Error::ShmRefused {
+            path: socket.to_path_buf(),
+            reason,
+        })?;
+    Ok((answer, descriptors, stream))
 }
 
 /// A requester queue pair's attachment to its responder.
@@ -488,6 +500,11 @@ struct Attachment {
     responder_qp: u32,
     /// The epoch slot the responder gave this queue pair.
     epoch_slot: u32,
+    /// The attach connection, which the responder keeps open while its queue pair lives (a
+    /// dead responder process closes it).
+    peer: UnixStream,
+    /// The responder was found gone.
+    peer_gone: AtomicBool,
 }
 
 /// What a request needs before it can run.
@@ -503,6 +520,31 @@ enum Outcome {
 }
 
 impl Attachment {
+    /// Whether the responder still holds its end of the attach connection: a responder whose
+    /// process died (its memory files stay mapped here) or whose queue pair was destroyed
+    /// answers nothing more. One non-blocking peek per doorbell.
+    fn peer_alive(&self) -> bool {
+        if self.peer_gone.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut byte = [0u8; 1];
+        let alive = match nix::sys::socket::recv(
+            self.peer.as_raw_fd(),
+            &mut byte,
+            nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+        ) {
+            // End of stream: the responder closed it.
+            Ok(0) => false,
+            Ok(_) => true,
+            Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => true,
+            Err(_) => false,
+        };
+        if !alive {
+            self.peer_gone.store(true, Ordering::Release);
+        }
+        alive
+    }
+
     /// Runs one request on the responder's memory, as the responder's NIC would.
     fn execute(
         &self,
@@ -581,7 +623,7 @@ impl Attachment {
             source_qp: own_qp,
             target_device: self.remote.device_id,
         };
-        let (answer, descriptors) =
+        let (answer, descriptors, _) =
             exchange(&self.remote.socket, &hello).map_err(|error| error.to_string())?;
         if answer.status != AnswerStatus::Accepted || descriptors.len() < 2 {
             return Err("the responder refused to refresh".into());
@@ -613,6 +655,9 @@ pub(crate) struct ShmQueuePair {
     responder: Mutex<ResponderState>,
     /// As a responder: the epoch slot of the attached requester.
     epoch_slot: AtomicU32,
+    /// As a responder: its end of the attach connection, held while the queue pair lives (its
+    /// closing tells the requester that nothing answers any more).
+    requester: Mutex<Option<UnixStream>>,
     /// As a requester: the attachment, once connected to a listening peer.
     attachment: OnceLock<Attachment>,
     /// As a requester: requests posted and not yet run, in sequence order.
@@ -634,6 +679,15 @@ impl ShmQueuePair {
         cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
         attachment: &Attachment,
     ) {
+        if lock(&self.pending).is_empty() {
+            return;
+        }
+        if !attachment.peer_alive() {
+            // Nothing will answer: the oldest request completes RETRY_EXC_ERR, the rest flush.
+            lock(&self.pending).clear();
+            queue_pair.fail_unanswered();
+            return;
+        }
         let mut payload = Vec::new();
         let mut response = Vec::new();
         loop {
@@ -786,7 +840,7 @@ impl ShmQueuePair {
         };
         let deadline = Instant::now() + ATTACH_TIMEOUT;
         let mut pause = Duration::from_micros(200);
-        let (answer, descriptors) = loop {
+        let (answer, descriptors, peer) = loop {
             let path = socket.to_path_buf();
             let attempt = tokio::task::spawn_blocking(move || exchange(&path, &hello))
                 .await
@@ -837,6 +891,8 @@ impl ShmQueuePair {
             remote: remote_device,
             responder_qp: remote.qp_number,
             epoch_slot: answer.epoch_slot,
+            peer,
+            peer_gone: AtomicBool::new(false),
         });
         Ok(())
     }
@@ -892,6 +948,8 @@ impl QueuePairProvider for ShmQueuePair {
 
     fn detach(&self, _queue_pair: &QueuePairShared) {
         self.publish(QueuePairStatus::Removed);
+        // The requester's next doorbell finds the connection closed.
+        drop(lock(&self.requester).take());
         let slot = self.epoch_slot.swap(NO_EPOCH_SLOT, Ordering::AcqRel);
         if let (Some(offer), true) = (&self.offer, slot != NO_EPOCH_SLOT) {
             offer.state.give_back_epoch_slot(slot);
