@@ -141,10 +141,13 @@ impl Client {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
                 config.node.id = Some(node.id);
-                config.node.shared_memory = if node.shm == rdkv_cluster_file::ShmMode::Off {
-                    crate::SharedMemory::Off
-                } else {
-                    shared_memory
+                // A node's shm = "off" turns auto off; a required shm stays required (and
+                // fails at connect, naming the node's setting).
+                config.node.shared_memory = match (node.shm, shared_memory) {
+                    (rdkv_cluster_file::ShmMode::Off, crate::SharedMemory::Auto) => {
+                        crate::SharedMemory::Off
+                    }
+                    (_, choice) => choice,
                 };
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;

@@ -213,3 +213,49 @@ async fn a_killed_node_answers_nothing_over_shm() {
     );
     assert!(error.is_retryable(), "{error}");
 }
+
+/// Connections to a node's shm socket that never say hello (a same-user process can open them)
+/// hold its accept thread 500 ms each: a client in `auto` mode still gets through, over shm
+/// once they are cut off or over the cluster's fabric when its attach times out first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_to_the_shm_socket_never_keep_a_client_out() {
+    let socket = rdkv_integration_tests::process::shm_socket_path("silent");
+    let server = rdkv_integration_tests::process::ServerProcess::start(
+        "silent-shm",
+        &["--shm-socket", text(&socket)],
+    );
+    // Six silent connections: three seconds of stalls, one after another.
+    let silent: Vec<std::os::unix::net::UnixStream> = (0..6)
+        .map(|_| std::os::unix::net::UnixStream::connect(&socket).expect("connect"))
+        .collect();
+    let started = Instant::now();
+    let config = rdkv_client::ClientConfig::new(
+        server.control_address,
+        rdkv_client::Backend::Soft,
+        b"silent-shm",
+    );
+    let client = Client::connect(config).await.expect("connect in auto mode");
+    client.put(b"key", b"value").await.expect("put");
+    assert_eq!(
+        client.get(b"key").await.expect("get").as_deref(),
+        Some(&b"value"[..])
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    drop(silent);
+    // Once they are gone, a new client gets shm again.
+    let mut config = rdkv_client::ClientConfig::new(
+        server.control_address,
+        rdkv_client::Backend::Soft,
+        b"silent-shm",
+    );
+    config.node.shared_memory = rdkv_client::SharedMemory::Require;
+    let over_shm = Client::connect(config).await.expect("connect over shm");
+    assert_eq!(
+        over_shm.get(b"key").await.expect("get").as_deref(),
+        Some(&b"value"[..])
+    );
+}

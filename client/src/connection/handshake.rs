@@ -204,7 +204,17 @@ impl NodeConnection {
             // An shm responder takes an attach only once its queue pair is connected to ours:
             // name ours first.
             write_frame(&mut stream, &connect_queue_pair).await?;
-            queue_pair.connect(&welcome.server_endpoint).await?;
+            if let Err(error) = queue_pair.connect(&welcome.server_endpoint).await {
+                if config.node.shared_memory != SharedMemory::Auto {
+                    return Err(error.into());
+                }
+                // The node's socket did not take the attach (busy, or not the node we
+                // reached): this connection goes over the cluster's fabric instead.
+                tracing::warn!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
+                let mut fallback = config.clone();
+                fallback.node.shared_memory = SharedMemory::Off;
+                return Box::pin(Self::open(&fallback, counters)).await;
+            }
         } else {
             queue_pair.connect(&welcome.server_endpoint).await?;
             write_frame(&mut stream, &connect_queue_pair).await?;

@@ -55,6 +55,12 @@ use state::{EpochMarker, KeyView, QueuePairStatus, SharedState, SharedView};
 /// How long a requester keeps trying to attach while the responder queue pair is not connected
 /// yet (both sides connect at about the same time).
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a connection to a device's socket may take for its whole 32-byte hello (at most
+/// the device's `hello_deadline`): the accept thread serves one connection at a time, and a
+/// requester on this host sends its hello at once.
+const SHM_HELLO_DEADLINE: Duration = Duration::from_millis(500);
+/// The longest Unix-domain socket path (`sun_path` holds 108 bytes with the terminating NUL).
+const MAX_SOCKET_PATH: usize = 107;
 /// An epoch slot value meaning "no requester attached".
 const NO_EPOCH_SLOT: u32 = u32::MAX;
 
@@ -193,12 +199,35 @@ impl Offer {
             std::fs::File::open(format!("/proc/self/fd/{}", descriptor.as_raw_fd()))
                 .map_err(|source| socket_error("reopen the key state read-only", source))?,
         );
-        remove_stale_socket(&socket)
-            .map_err(|source| socket_error("replace a stale socket", source))?;
-        let listener =
-            UnixListener::bind(&socket).map_err(|source| socket_error("bind", source))?;
-        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
-            .map_err(|source| socket_error("set mode 0600 on", source))?;
+        let length = socket.as_os_str().len();
+        if length > MAX_SOCKET_PATH {
+            return Err(socket_error(
+                "bind",
+                std::io::Error::other(format!(
+                    "the path is {length} bytes; a Unix-domain socket path holds at most {MAX_SOCKET_PATH}: choose a shorter shm_socket (or --shm-socket)"
+                )),
+            ));
+        }
+        remove_stale_socket(&socket).map_err(|source| socket_error("check the path of", source))?;
+        // Bound under a random name, made 0600, then renamed into place: the socket is never
+        // reachable by its path with another mode.
+        let staging = socket.with_file_name(format!(
+            ".{}.{:016x}",
+            socket
+                .file_name()
+                .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
+            crate::device::random_id()
+        ));
+        let staged = (|| {
+            let listener = UnixListener::bind(&staging)?;
+            std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))?;
+            std::fs::rename(&staging, &socket)?;
+            Ok(listener)
+        })();
+        let listener = staged.map_err(|source| {
+            let _ = std::fs::remove_file(&staging);
+            socket_error("bind (mode 0600)", source)
+        })?;
         let offer = Arc::new(Self {
             device: Arc::downgrade(device),
             device_id: device.id,
@@ -238,10 +267,25 @@ impl Offer {
 
     /// Reads one hello and answers it.
     fn answer(&self, stream: &UnixStream) -> std::io::Result<()> {
-        stream.set_read_timeout(Some(self.hello_deadline))?;
-        stream.set_write_timeout(Some(self.hello_deadline))?;
+        // One deadline for the whole hello, however it trickles in: a requester on this host
+        // sends its 32 bytes at once, and the accept thread answers one connection at a time.
+        let deadline = Instant::now() + self.hello_deadline.min(SHM_HELLO_DEADLINE);
+        stream.set_write_timeout(Some(SHM_HELLO_DEADLINE))?;
         let mut bytes = [0u8; HELLO_LENGTH];
-        (&*stream).read_exact(&mut bytes)?;
+        let mut received = 0;
+        while received < HELLO_LENGTH {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            stream.set_read_timeout(Some(left))?;
+            match (&*stream).read(&mut bytes[received..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(read) => received += read,
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error),
+            }
+        }
         let refused = || Answer::bare(AnswerStatus::Refused);
         let Some(hello) =
             Hello::decode(&bytes).filter(|hello| hello.target_device == self.device_id)
@@ -344,15 +388,10 @@ impl Offer {
     fn stop(&self) {
         self.state.close();
         self.closing.store(true, Ordering::Release);
-        // Wakes the accept thread, which then sees `closing`. If the socket cannot be reached
-        // (its file was removed), the thread is left to end with the process: no join that
-        // could wait forever.
-        let woken = UnixStream::connect(&self.socket).is_ok();
-        if let Some(thread) = lock(&self.thread).take() {
-            if woken {
-                let _ = thread.join();
-            }
-        }
+        // Wakes the accept thread, which then sees `closing` and ends; not joined: it may be
+        // reading a hello (at most SHM_HELLO_DEADLINE), and a stop never waits for a peer.
+        let _ = UnixStream::connect(&self.socket);
+        drop(lock(&self.thread).take());
         let _ = std::fs::remove_file(&self.socket);
     }
 }
@@ -476,9 +515,11 @@ fn exchange(socket: &Path, hello: &Hello) -> Result<Exchanged> {
     };
     let mut stream =
         UnixStream::connect(socket).map_err(|source| socket_error("connect to", source))?;
+    // The device answers at once unless its accept thread is busy with another connection's
+    // hello (at most SHM_HELLO_DEADLINE each).
     stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .and_then(|()| stream.set_write_timeout(Some(Duration::from_secs(5))))
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .and_then(|()| stream.set_write_timeout(Some(Duration::from_secs(1))))
         .map_err(|source| socket_error("set timeouts on", source))?;
     stream
         .write_all(&hello.encode())
