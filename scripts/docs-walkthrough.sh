@@ -56,7 +56,7 @@ as_user() {
 }
 
 # A command that the docs say needs more than the 8 MiB memlock default (the comparisons pin
-# about 75 and 250 MiB per node): run where that holds. Raising a non-root user's hard limit
+# about 70 and 550 MiB per node, plus the in-process ceiling store's table): run where that holds. Raising a non-root user's hard limit
 # needs CAP_SYS_RESOURCE, which a container's root may lack, so as root it runs as root, whose
 # CAP_IPC_LOCK lifts the limit (docs/memory.md); otherwise under `ulimit -l unlimited`.
 as_user_raised() {
@@ -243,7 +243,7 @@ doc "ulimit -l"
 doc "grep -E 'HugePages_(Total|Free)' /proc/meminfo"
 
 echo "=== the YCSB comparisons with Redis (README, then docs/operations.md's full default run) ==="
-# Both say they need more than the 8 MiB default (each node pins about 75 MiB, then 250 MiB);
+# Both say they need more than the 8 MiB default (each node pins about 70 MiB, then 550 MiB);
 # at 8 MiB they must refuse with the error that names the fix.
 as_user "target/release/rdkv-ycsb compare --records 20000 --seconds 3" > "$work/out" 2> "$work/err" \
   && fail "compare ran under 8 MiB of memlock: the docs' warning is stale"

@@ -441,8 +441,13 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
                 (Arc::new(Driver::redis(url).await?), &redis_pids)
             }
             Store::Memory => {
-                let driver =
-                    Driver::memory(options.records, first.record_size(), options.threads).await?;
+                // Sized, as the nodes, for the records and the inserts the workloads may make.
+                let driver = Driver::memory(
+                    options.records + inserted_records(options),
+                    first.record_size(),
+                    options.threads,
+                )
+                .await?;
                 // In-process: its server's CPU is the client's.
                 (Arc::new(driver), &[])
             }
