@@ -705,3 +705,77 @@ async fn stats_do_not_count_the_asking_connection() {
     };
     assert_eq!(stats.connections, 1, "the client's one data connection");
 }
+
+/// Polls the node's stats until `done` holds, for at most 10 s.
+async fn wait_for_stats(
+    server: &RunningServer,
+    what: &str,
+    done: impl Fn(&rdkv_common::protocol::ServerStats) -> bool,
+) {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = server.stats();
+        if done(&stats) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{what}: not within 10 s (collector interval {} ms, {} passes)",
+            stats.collector_interval_ms,
+            stats.collector_passes
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A node whose index does not change (it serves only GETs, which it never sees, or nothing)
+/// stretches its collector's interval to 8 times the base; GETs leave it stretched, and a write
+/// that needs no new heap space (the digest of the scan changes) brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_collector_stretches_its_interval_and_a_write_brings_it_back() {
+    let mut config = ServerConfig::local(SECRET);
+    // Long enough that each step of the interval is seen by polling on a loaded machine.
+    config.collector_interval = Duration::from_millis(100);
+    let base = config.collector_interval.as_millis() as u64;
+    let stretched = base * u64::from(rdkv_server::collector::IDLE_STRETCH);
+    let (server, client) = start(config).await;
+    client.put(b"key", b"first").await.expect("put");
+    wait_for_stats(
+        &server,
+        "the idle collector stretches its interval",
+        |stats| stats.collector_interval_ms == stretched,
+    )
+    .await;
+    let passes = server.stats().collector_passes;
+    for _ in 0..500 {
+        assert_eq!(
+            client.get(b"key").await.expect("get").as_deref(),
+            Some(&b"first"[..])
+        );
+    }
+    let stats = server.stats();
+    assert_eq!(
+        stats.collector_interval_ms, stretched,
+        "GETs do not wake the collector"
+    );
+    assert!(
+        stats.collector_passes >= passes,
+        "{} passes, then {passes}",
+        stats.collector_passes
+    );
+    let allocations = stats.chunk_allocations;
+    client.put(b"key", b"second").await.expect("update");
+    assert_eq!(
+        server.stats().chunk_allocations,
+        allocations,
+        "the update fit its grant: no heap request woke the collector"
+    );
+    wait_for_stats(&server, "a write brings the interval back", |stats| {
+        stats.collector_interval_ms < stretched
+    })
+    .await;
+    wait_for_stats(&server, "and it stretches again once idle", |stats| {
+        stats.collector_interval_ms == stretched
+    })
+    .await;
+}

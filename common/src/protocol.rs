@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -238,6 +238,11 @@ pub struct ServerStats {
     pub blocks_relocated: u64,
     /// Abandoned tentative slots cleared by the collector since start.
     pub tentatives_cleared: u64,
+    /// Heap collector passes since start.
+    pub collector_passes: u64,
+    /// The collector's interval now, in milliseconds: `collector_interval` while it has work,
+    /// stretched up to 8 times that while the index does not change.
+    pub collector_interval_ms: u64,
     /// Control messages handled since start.
     pub control_messages: u64,
     /// One-sided requests handled by server application code: always 0 by construction (the

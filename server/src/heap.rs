@@ -102,6 +102,9 @@ pub struct CollectionReport {
     pub keys: u64,
     /// Extents returned to the free list.
     pub reclaimed: u64,
+    /// Extents wait for a later pass: sealed (their writers may still be running) or
+    /// candidates (unreferenced, waiting for the operations that might read them).
+    pub awaiting: bool,
 }
 
 /// Every extent's state, the free count and each connection's current grant.
@@ -606,6 +609,7 @@ impl Heap {
         }
         *lock(&self.live_bytes) = live;
         let mut freed = Vec::new();
+        let mut awaiting = false;
         // Candidates of one scan share their snapshot: check each snapshot once per pass.
         let mut quiescent: HashMap<*const Vec<(u64, u64)>, bool> = HashMap::new();
         let mut snapshot_done = |snapshot: &Snapshot| {
@@ -636,6 +640,10 @@ impl Heap {
                 if let Some(next) = next {
                     *state = next;
                 }
+                awaiting |= matches!(
+                    state,
+                    ExtentState::Sealed { .. } | ExtentState::Candidate { .. }
+                );
             }
             extents.free += freed.len() as u64;
         }
@@ -650,7 +658,11 @@ impl Heap {
             }
         }
         self.reclaimed.fetch_add(reclaimed, Ordering::Relaxed);
-        CollectionReport { keys, reclaimed }
+        CollectionReport {
+            keys,
+            reclaimed,
+            awaiting,
+        }
     }
 }
 
@@ -826,7 +838,8 @@ mod tests {
             report,
             CollectionReport {
                 keys: 1,
-                reclaimed: 0
+                reclaimed: 0,
+                awaiting: false
             },
             "referenced again (a slot the scan had not reached): settled"
         );

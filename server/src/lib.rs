@@ -4,6 +4,7 @@
 //! - [`config`]: settings and their validation.
 //! - [`table`]: the registered region (index + heap).
 //! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
+//! - [`collector`]: the task that reclaims and compacts the heap, at a pace that follows its work.
 //! - [`compactor`]: moves the few live blocks out of sparse chunks so they can be reclaimed.
 //! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
 //!   heartbeats), ordered teardown.
@@ -18,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod announce;
+pub mod collector;
 pub mod compactor;
 pub mod config;
 pub mod error;

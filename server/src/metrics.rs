@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 29] = [
+        let definitions: [(&str, &str, Reader); 31] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -66,7 +66,7 @@ impl Metrics {
                 "Over the last 1,024 heap extents reclaimed: 99th percentile of the milliseconds from the scan that found an extent unreferenced to its reuse",
                 |stats| stats.heap_reuse_delay_ms[1] as i64,
             ),
-            ("keys", "Committed keys at the collector's last pass (every 25 ms)", |stats| {
+            ("keys", "Committed keys at the collector's last pass (every 25 ms, up to 200 ms while the index does not change)", |stats| {
                 stats.keys as i64
             }),
             (
@@ -86,6 +86,16 @@ impl Metrics {
                 "tentatives_cleared_total",
                 "Abandoned tentative slots cleared by the collector",
                 |stats| stats.tentatives_cleared as i64,
+            ),
+            (
+                "collector_passes_total",
+                "Heap collector passes (index scans)",
+                |stats| stats.collector_passes as i64,
+            ),
+            (
+                "collector_interval_milliseconds",
+                "The collector's interval now: collector_interval while it has work, up to 8 times that while the index does not change",
+                |stats| stats.collector_interval_ms as i64,
             ),
             (
                 "control_messages_total",

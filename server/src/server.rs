@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::RngCore;
-use rdkv_common::layout::Slot;
 use rdkv_common::protocol::ServerStats;
 use rdkv_fabric::memory::PinLimits;
 use rdkv_fabric::{Backend, Device, DeviceConfig};
@@ -220,6 +219,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         table,
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),
+        collector: crate::collector::Pace::new(config.collector_interval),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
         pending: crate::pending::PendingHandshakes::new(config.limits),
@@ -234,7 +234,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         shutdown.clone(),
         tasks.clone(),
     ));
-    tasks.spawn(collect_loop(shared.clone(), shutdown.clone()));
+    tasks.spawn(crate::collector::collect_loop(
+        shared.clone(),
+        shutdown.clone(),
+    ));
     let metrics_address = match shared.config.metrics_address {
         None => None,
         Some(address) => {
@@ -340,127 +343,6 @@ async fn accept_loop(
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
                 }
-            }
-        }
-    }
-}
-
-/// Clears tentative slots whose block lies in a chunk sealed a quarantine ago: their inserter
-/// failed or passed its deadline and can never commit them (`docs/protocol.md`, *Abandoned
-/// tentative slots*). The CAS expects the exact tentative word, so a slot committed or changed
-/// meanwhile is left alone. Cleared slots no longer reference their chunk.
-fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>) {
-    slots.retain(|(index_offset, slot)| {
-        if !slot.is_tentative() || !shared.heap.writer_gone(slot.offset()) {
-            return true;
-        }
-        match shared
-            .table
-            .region
-            .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
-        {
-            Ok(original) if original == slot.0 => {
-                shared
-                    .heap
-                    .tentatives_cleared
-                    .fetch_add(1, Ordering::Relaxed);
-                false
-            }
-            _ => true,
-        }
-    });
-}
-
-/// How often, at most, the collector warns that the heap is low.
-const LOW_HEAP_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// How long the collector rests after a pass, in multiples of the pass's own time.
-const COLLECTOR_REST_FACTOR: u32 = 4;
-
-async fn collect_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
-    let mut ticks = tokio::time::interval(shared.config.collector_interval);
-    // A pass longer than the interval delays the next one; it never causes a burst.
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_low_warning = None;
-    // The slots of the last pass, kept so that each pass reuses the allocation (a fresh
-    // 100,000-slot vector 40 times a second cost more in page faults than the scan itself).
-    let mut kept_slots: Vec<(u64, Slot)> = Vec::new();
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticks.tick() => {}
-        }
-        let pass = shared.clone();
-        let pass_started = Instant::now();
-        let mut slots = std::mem::take(&mut kept_slots);
-        let gate_pass = shared.gate.enter("collector".into());
-        gate_pass.step("collection pass: index scan, reclaim, compaction");
-        let scanned = tokio::task::spawn_blocking(move || {
-            let _gate_pass = gate_pass;
-            // Settle first: a chunk whose writers are done becomes a candidate in this scan.
-            pass.heap.settle(&pass.announcements, Instant::now());
-            slots.clear();
-            pass.table
-                .for_each_slot(|index_offset, slot| slots.push((index_offset, slot)));
-            // After the scan: every operation that read a slot the scan found changed had
-            // announced its start by now (docs/protocol.md, Heap space).
-            let snapshot = pass.announcements.snapshot();
-            let now = Instant::now();
-            clear_abandoned_tentatives(&pass, &mut slots);
-            let report = pass.heap.collect(
-                slots
-                    .iter()
-                    .map(|(_, slot)| (slot.offset(), slot.block_length(), slot.is_committed())),
-                &snapshot,
-                &pass.announcements,
-                now,
-            );
-            pass.compactor
-                .compact(&pass.table, &pass.heap, &slots, Instant::now());
-            (report, slots)
-        })
-        .await
-        .map(|(report, slots)| {
-            kept_slots = slots;
-            report
-        });
-        if shared.heap.free_bytes() * 10 < shared.heap.size_bytes()
-            && last_low_warning
-                .is_none_or(|warned: Instant| warned.elapsed() >= LOW_HEAP_WARNING_EVERY)
-        {
-            last_low_warning = Some(Instant::now());
-            tracing::warn!(
-                free_bytes = shared.heap.free_bytes(),
-                heap_bytes = shared.heap.size_bytes(),
-                "heap under 10% free: writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)"
-            );
-        }
-        if let Ok(report) = &scanned {
-            shared
-                .counters
-                .collector_keys
-                .store(report.keys, Ordering::Relaxed);
-        }
-        if let Ok(report) = scanned {
-            if report.reclaimed > 0 {
-                tracing::debug!(
-                    reclaimed = report.reclaimed,
-                    keys = report.keys,
-                    "heap extents reclaimed"
-                );
-            }
-        }
-        // At most a fifth of a core, however large the index: a pass that took `elapsed`
-        // rests 4 × `elapsed` before the next. Small indexes are unaffected (a 1 MiB index
-        // scans in well under a millisecond); a 256 MiB one used a whole core while idle.
-        let rest = pass_started
-            .elapsed()
-            .saturating_mul(COLLECTOR_REST_FACTOR)
-            .saturating_sub(shared.config.collector_interval);
-        if !rest.is_zero() {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(rest) => {}
             }
         }
     }

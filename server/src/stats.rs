@@ -30,7 +30,8 @@ pub struct Counters {
     pub data_connections: AtomicU64,
     /// Data connections on the `shm` fabric now.
     pub shm_data_connections: AtomicU64,
-    /// Committed keys found by the collector's last pass (every `collector_interval`).
+    /// Committed keys found by the collector's last pass (every `collector_interval`, up to
+    /// 8 times that while the index does not change).
     pub collector_keys: AtomicU64,
     /// One exact key count at a time, shared by the requests that wait for it.
     key_scans: KeyScans,
@@ -133,6 +134,9 @@ impl Counters {
             extents_reclaimed: heap.reclaimed.load(Ordering::Relaxed),
             blocks_relocated: heap.blocks_relocated.load(Ordering::Relaxed),
             tentatives_cleared: heap.tentatives_cleared.load(Ordering::Relaxed),
+            // Filled in by `Shared::stats`, which knows the collector.
+            collector_passes: 0,
+            collector_interval_ms: 0,
             control_messages: self.control_messages.load(Ordering::Relaxed),
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),
             fabric_frames_sent: gauges.frames_sent,

@@ -76,6 +76,8 @@ pub(crate) struct Shared {
     pub(crate) next_connection: AtomicU64,
     /// Moves live blocks out of sparse chunks.
     pub(crate) compactor: crate::compactor::Compactor,
+    /// The collector's pace (and what wakes it).
+    pub(crate) collector: crate::collector::Pace,
     /// Each data connection's announce word (what it has in flight).
     pub(crate) announcements: Announcements,
     /// What a shutdown waits for: every connection and collector pass, with its step.
@@ -134,6 +136,8 @@ impl Shared {
             stats.live_memory_regions += gauges.live_memory_regions;
             stats.live_memory_windows += gauges.live_memory_windows;
         }
+        stats.collector_passes = self.collector.passes();
+        stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
         stats

@@ -77,6 +77,8 @@ impl Session {
     /// and hands it a new one with room for `needed` bytes (`heap.rs` sizes it).
     fn allocate_chunk(&mut self, started: u64, needed: u64) -> ServerMessage {
         let shared = &self.shared;
+        // A writer: its old grant is sealed, or it waits for reclamation.
+        shared.collector.wake();
         let Some(queue_pair) = &self.queue_pair else {
             return ServerMessage::Refused {
                 reason: "no queue pair".into(),

@@ -41,6 +41,8 @@ impl Session {
             shared.heap.seal_owned_by(connection_id);
             // Drained: nothing of this connection is in flight any more.
             shared.announcements.release(connection_id);
+            // Its extents and any tentative slot it left are the collector's now.
+            shared.collector.wake();
         };
         // An shm drain and window revocation wait until the client is outside its requests
         // (at most retry_timeout, for one that stopped inside one): off the async workers.
