@@ -639,6 +639,11 @@ impl Client {
         stats
     }
 
+    /// The ids of the cluster's nodes, in the cluster file's order.
+    pub fn node_ids(&self) -> &[u32] {
+        &self.node_ids
+    }
+
     /// The fabric of this client's live connection to node `node_id` (`shm` when it uses the
     /// node's shared-memory fabric); `None` when it has none.
     pub fn connection_fabric(&self, node_id: u32) -> Option<rdkv_fabric::Backend> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::ServerStats;
 use rdkv_integration_tests::cluster::Cluster;
-use rdkv_integration_tests::process::workspace_binary;
+use rdkv_integration_tests::process::{workspace_binary, ServerProcess};
 
 fn text(path: &Path) -> &str {
     path.to_str().expect("a UTF-8 path")
@@ -258,4 +258,68 @@ async fn silent_connections_to_the_shm_socket_never_keep_a_client_out() {
         over_shm.get(b"key").await.expect("get").as_deref(),
         Some(&b"value"[..])
     );
+}
+
+/// `rdkv-ycsb` measures nothing and exits 2 when the fabric asked for is not offered (`--fabric
+/// shm` against a node started without an shm socket), and says why on one line, naming the
+/// fix. (A node that does not answer at all is measured as failed operations, exit 1:
+/// `ycsb/tests/exit_codes.rs`.)
+#[test]
+fn rdkv_ycsb_exits_2_when_a_node_refuses_the_fabric_asked_for() {
+    let secret = "ycsb-exit-secret";
+    let node = ServerProcess::start(secret, &[]);
+    let directory = std::env::temp_dir().join(format!("rdkv-ycsb-exit-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let cluster_file = |name: &str, control: String, fabric: String| {
+        let path = directory.join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[cluster]\nname = \"ycsb-exit\"\nsecret = \"{secret}\"\nfabric = \"soft\"\n\n\
+                 [[node]]\nid = 1\ncontrol_address = \"{control}\"\nfabric_address = \"{fabric}\"\n\
+                 index_size = \"1M\"\nheap_size = \"4M\"\nchunk_size = \"256K\"\n"
+            ),
+        )
+        .expect("write the cluster file");
+        path
+    };
+    let run = |file: &Path, fabric: &str| {
+        Command::new(workspace_binary("rdkv-ycsb"))
+            .args(["run", "--config", text(file), "--fabric", fabric])
+            .args([
+                "-P",
+                "workloadc",
+                "-p",
+                "recordcount=100",
+                "-p",
+                "operationcount=100",
+            ])
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run rdkv-ycsb")
+    };
+    let reachable = cluster_file(
+        "node.toml",
+        node.control_address.to_string(),
+        node.fabric_address.to_string(),
+    );
+    let over_soft = run(&reachable, "soft");
+    assert_eq!(
+        over_soft.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&over_soft.stderr)
+    );
+
+    let refused = run(&reachable, "shm");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("nothing measured: the server refused: node 1"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--fabric soft"), "names the fix: {stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+
+    let _ = std::fs::remove_dir_all(&directory);
 }

@@ -78,28 +78,42 @@ python3 - "$results" "$commit" <<'SUMMARY'
 import json, pathlib, statistics, sys
 
 results, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+# Every rdkv store the comparison ran (--stores), each against the better Redis of its run.
+stores = [("rdkv", "rdkv soft"), ("rdkv_shm", "rdkv shm"), ("memory", "memory (ceiling)")]
 rows = {}
 for path in sorted(results.glob("*.json")):
     side = path.stem.split("-")[0]
     for entry in json.loads(path.read_text()):
         workload = entry["workload"].upper()
-        rdkv, redis = entry["rdkv"], entry["redis"]
-        figures = rows.setdefault(workload, {}).setdefault(side, {"ops": [], "ratio": [], "round_trips": [], "errors": 0})
-        figures["ops"].append(rdkv["throughput"])
-        figures["ratio"].append(rdkv["throughput"] / redis["throughput"])
-        figures["round_trips"].append(rdkv["rdkv"]["round_trips_per_operation"])
-        figures["errors"] += sum(
-            count for kind in rdkv["kinds"] for outcome, count in kind["outcomes"].items() if outcome != "OK"
-        )
-print(f"| workload | before ({commit}) rdkv ops/s | after rdkv ops/s | after/before | before rdkv/Redis | after rdkv/Redis | before round trips/op | after round trips/op | errors before/after |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-for workload, sides in sorted(rows.items()):
+        redis = max((entry.get(key) or {}).get("throughput", 0) for key in ("redis", "redis_unix"))
+        for key, name in stores:
+            report = entry.get(key)
+            if not report:
+                continue
+            figures = rows.setdefault((workload, name), {}).setdefault(
+                side, {"ops": [], "ratio": [], "round_trips": [], "cpu": [], "errors": 0}
+            )
+            figures["ops"].append(report["throughput"])
+            if redis:
+                figures["ratio"].append(report["throughput"] / redis)
+            figures["round_trips"].append(report["rdkv"]["round_trips_per_operation"])
+            figures["cpu"].append(report.get("client_cpu_us_per_operation") or 0)
+            figures["errors"] += sum(
+                count for kind in report["kinds"] for outcome, count in kind["outcomes"].items() if outcome != "OK"
+            )
+median = statistics.median
+def ratio(figures):
+    return f"{median(figures['ratio']):.2f}×" if figures["ratio"] else "-"
+print(f"| workload | store | before ({commit}) ops/s | after ops/s | after/before | before vs Redis | after vs Redis | before client CPU µs/op | after client CPU µs/op | before round trips/op | after round trips/op | errors before/after |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for (workload, name), sides in sorted(rows.items()):
+    if "before" not in sides or "after" not in sides:
+        continue
     b, a = sides["before"], sides["after"]
-    median = statistics.median
     print(
-        f"| {workload} | {median(b['ops']):,.0f} | {median(a['ops']):,.0f} | {median(a['ops']) / median(b['ops']):.2f}× "
-        f"| {median(b['ratio']):.2f}× | {median(a['ratio']):.2f}× | {median(b['round_trips']):.2f} | {median(a['round_trips']):.2f} "
-        f"| {b['errors']}/{a['errors']} |"
+        f"| {workload} | {name} | {median(b['ops']):,.0f} | {median(a['ops']):,.0f} | {median(a['ops']) / median(b['ops']):.2f}× "
+        f"| {ratio(b)} | {ratio(a)} | {median(b['cpu']):.1f} | {median(a['cpu']):.1f} "
+        f"| {median(b['round_trips']):.2f} | {median(a['round_trips']):.2f} | {b['errors']}/{a['errors']} |"
     )
 print(f"(medians of {len(next(iter(rows.values()))['before']['ops'])} runs per build)")
 SUMMARY

@@ -50,6 +50,29 @@ impl Driver {
         })
     }
 
+    /// Connects an rdkv client to every node before anything is measured. Fails (nothing
+    /// measured, exit code 2) when a node answers and refuses this client: it does not offer the
+    /// fabric asked for (`--fabric shm`), or the secret is wrong. Nodes that do not answer are
+    /// measured as they are: their keys' operations fail (exit code 1, or 0 with
+    /// `--allow-errors`).
+    ///
+    /// # Errors
+    /// The refusal, naming the node and the fix.
+    pub async fn reach(&self) -> anyhow::Result<()> {
+        let Self::Rdkv { client, .. } = self else {
+            return Ok(());
+        };
+        match client.connect_all().await {
+            Err(rdkv_client::Error::ConnectFailed { source, .. })
+                if matches!(*source, rdkv_client::Error::Refused { .. }) =>
+            {
+                // The refusal names the node, its address and the fix.
+                anyhow::bail!("nothing measured: {source}")
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// An in-process rdkv server on the loopback fabric, sized for `records` of `record_size`.
     ///
     /// # Errors

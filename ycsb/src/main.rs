@@ -165,7 +165,11 @@ fn load_workload(arguments: &PhaseArguments) -> anyhow::Result<Workload> {
 
 async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Result<Driver> {
     Ok(match arguments.driver {
-        DriverName::Rdkv => Driver::rdkv(&arguments.config, arguments.fabric)?,
+        DriverName::Rdkv => {
+            let driver = Driver::rdkv(&arguments.config, arguments.fabric)?;
+            driver.reach().await?;
+            driver
+        }
         DriverName::Redis => Driver::redis(&arguments.redis_url)
             .await
             .with_context(|| format!("connect to Redis at {}", arguments.redis_url))?,
