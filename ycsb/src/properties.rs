@@ -143,6 +143,8 @@ const KNOWN_KEYS: &[&str] = &[
     "readmodifywriteproportion",
     "requestdistribution",
     "insertorder",
+    "insertstart",
+    "insertcount",
     "readallfields",
     "writeallfields",
     "maxscanlength",
@@ -185,6 +187,11 @@ pub struct Workload {
     pub request_distribution: String,
     /// `insertorder=hashed` (the default) scrambles key numbers with FNV.
     pub hashed_insert_order: bool,
+    /// `insertstart`: the first record number this load inserts (0), so that several loaders
+    /// can each insert their own part of `recordcount`, as YCSB's.
+    pub insert_start: u64,
+    /// `insertcount`: records this load inserts (`recordcount` − `insertstart`).
+    pub insert_count: u64,
     /// `maxexecutiontime` (whole seconds; YCSB's 0, the default, means none): a phase stops
     /// after this long even if operations remain.
     pub max_execution_time: Option<Duration>,
@@ -249,9 +256,32 @@ impl Workload {
                 message: format!("insertorder = `{insert_order}`: use hashed or ordered"),
             });
         }
+        let record_count: u64 = properties.parsed("recordcount", 1000, "a whole number")?;
+        let insert_start: u64 = properties.parsed("insertstart", 0, "a whole number")?;
+        let insert_count: u64 = properties.parsed(
+            "insertcount",
+            record_count.saturating_sub(insert_start),
+            "a whole number",
+        )?;
+        if insert_start.saturating_add(insert_count) > record_count {
+            let (_, source_name, line) = properties
+                .raw("insertcount")
+                .or_else(|| properties.raw("insertstart"))
+                .cloned()
+                .unwrap_or_default();
+            return Err(PropertyError {
+                source_name,
+                line,
+                message: format!(
+                    "insertstart = {insert_start} and insertcount = {insert_count} go past recordcount = {record_count}: each loader inserts its part of recordcount"
+                ),
+            });
+        }
         Ok(Self {
             name: name.to_string(),
-            record_count: properties.parsed("recordcount", 1000, "a whole number")?,
+            record_count,
+            insert_start,
+            insert_count,
             operation_count: properties.parsed("operationcount", 1000, "a whole number")?,
             field_count: properties.parsed("fieldcount", 10, "a whole number")?,
             field_length: properties.parsed("fieldlength", 100, "a whole number")?,

@@ -44,7 +44,8 @@ enum Phase {
     Run,
 }
 
-/// Inserts `recordcount` records.
+/// Inserts the records `insertstart` .. `insertstart + insertcount` (by default all
+/// `recordcount` of them).
 ///
 /// # Errors
 /// Workload E's scans, which no driver supports.
@@ -81,7 +82,7 @@ async fn execute(
 ) -> anyhow::Result<Report> {
     let threads = options.threads.max(1);
     let total = match phase {
-        Phase::Load => workload.record_count,
+        Phase::Load => workload.insert_count,
         Phase::Run => workload.operation_count,
     };
     let value = record_value(workload);
@@ -128,7 +129,8 @@ async fn execute(
                 }
                 let (kind, outcome, latency) = match phase {
                     Phase::Load => {
-                        let key = workload.key(task + sequence * threads as u64);
+                        let key =
+                            workload.key(workload.insert_start + task + sequence * threads as u64);
                         let begun = Instant::now();
                         let outcome = driver.insert(&key, &value).await;
                         (

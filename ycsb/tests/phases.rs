@@ -201,3 +201,59 @@ async fn plots_are_drawn_as_svg_and_png() {
     let _ = std::fs::remove_dir_all(&directory);
     driver.close().await;
 }
+
+/// `insertstart` and `insertcount` split a load between loaders, as YCSB's: two loads of half
+/// each insert their own records (600 keys in all), and a run over `recordcount` finds every
+/// key. A part past `recordcount` is refused, naming the properties.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_loaders_each_insert_their_part_of_recordcount() {
+    let (server, driver) = in_process_driver().await;
+    for start in ["0", "300"] {
+        let part = shipped(
+            "workloadc",
+            &[
+                "recordcount=600",
+                &format!("insertstart={start}"),
+                "insertcount=300",
+            ],
+        );
+        let loaded = runner::load(&part, driver.clone(), OPTIONS)
+            .await
+            .expect("load");
+        let inserts = loaded.kind(OperationKind::Insert).expect("inserts");
+        assert_eq!(
+            inserts.outcomes.get("OK"),
+            Some(&300),
+            "loader from {start}"
+        );
+    }
+    assert_eq!(server.stats().keys, 600, "two disjoint parts of 300");
+    let whole = shipped("workloadc", &["recordcount=600", "operationcount=3000"]);
+    let ran = runner::run(&whole, driver.clone(), OPTIONS)
+        .await
+        .expect("run");
+    let reads = ran.kind(OperationKind::Read).expect("reads");
+    assert_eq!(reads.operations, 3000);
+    assert_eq!(
+        reads.outcomes.get("OK"),
+        Some(&3000),
+        "every record of both parts is found: {:?}",
+        reads.outcomes
+    );
+
+    let mut properties = Properties::parse(
+        "workloadc",
+        workloads::builtin("workloadc").expect("shipped"),
+    )
+    .expect("parses");
+    for assignment in ["recordcount=600", "insertstart=400", "insertcount=300"] {
+        properties.set_override(assignment).expect("override");
+    }
+    let refused = Workload::from_properties("workloadc", &properties).expect_err("past the end");
+    assert!(
+        refused
+            .to_string()
+            .contains("insertstart = 400 and insertcount = 300 go past recordcount = 600"),
+        "{refused}"
+    );
+}
