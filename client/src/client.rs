@@ -363,10 +363,12 @@ impl Client {
         let outcome = tokio::time::timeout(deadline, work)
             .await
             .unwrap_or_else(|_| {
-                // Out of heap for the whole deadline (the node said chunks were on their way
-                // back, and none came): the heap is too small for this write rate, which is
-                // TableFull, not a timeout. Nothing was published: a block is placed first.
-                if progress.waiting_for() == Waiting::HeapChunk && !progress.may_have_applied() {
+                // Out of heap for the whole deadline (the node answered that chunks were on
+                // their way back, and none came): the heap is too small for this write rate,
+                // which is TableFull, not a timeout. Nothing was published: a block is placed
+                // first. A node that never answered the request (stopped, or this process
+                // stopped past its deadline) is a timeout that says so.
+                if progress.waiting_for() == Waiting::HeapReclaim && !progress.may_have_applied() {
                     return Err(Error::TableFull {
                         reason: format!(
                             "heap full: no heap chunk came back within the {deadline:?} deadline; \

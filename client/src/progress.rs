@@ -44,19 +44,22 @@ pub(crate) enum Waiting {
     WriterTurn,
     /// A free scratch buffer (all are in use by other operations).
     ScratchBuffer,
-    /// Heap space: a chunk from the server.
+    /// Heap space: the server's answer to a request for a chunk.
     HeapChunk,
+    /// Heap space the server said it is reclaiming (it answered that none is free now).
+    HeapReclaim,
     /// The completions of a posted list of this kind.
     Step(StepKind),
 }
 
 impl Waiting {
     /// Every value, in encoding order.
-    const ALL: [Waiting; 12] = [
+    const ALL: [Waiting; 13] = [
         Waiting::Connection,
         Waiting::WriterTurn,
         Waiting::ScratchBuffer,
         Waiting::HeapChunk,
+        Waiting::HeapReclaim,
         Waiting::Step(StepKind::ReadBuckets),
         Waiting::Step(StepKind::ReadBlocks),
         Waiting::Step(StepKind::PlaceTentative),
@@ -73,7 +76,8 @@ impl Waiting {
             Waiting::Connection => "the connection to the node",
             Waiting::WriterTurn => "this process's turn to write the key",
             Waiting::ScratchBuffer => "a free scratch buffer",
-            Waiting::HeapChunk => "heap space from the server",
+            Waiting::HeapChunk => "the server's answer to a request for heap space",
+            Waiting::HeapReclaim => "heap space the server is reclaiming",
             Waiting::Step(StepKind::ReadBuckets) => "the READ of the key's buckets",
             Waiting::Step(StepKind::ReadBlocks) => "the READ of candidate blocks",
             Waiting::Step(StepKind::PlaceTentative) => "the CAS that places a tentative slot",
@@ -117,14 +121,15 @@ impl Progress {
 
     /// The operation now waits for `what`.
     pub(crate) fn wait_for(&self, what: Waiting) {
-        // The index of `what` in `Waiting::ALL`: the four waits, then the steps in
+        // The index of `what` in `Waiting::ALL`: the five waits, then the steps in
         // `StepKind` declaration order (the order of `StepKind::ALL`).
         let code = match what {
             Waiting::Connection => 0,
             Waiting::WriterTurn => 1,
             Waiting::ScratchBuffer => 2,
             Waiting::HeapChunk => 3,
-            Waiting::Step(kind) => 4 + kind as u8,
+            Waiting::HeapReclaim => 4,
+            Waiting::Step(kind) => 5 + kind as u8,
         };
         self.waiting.store(code, Ordering::Release);
     }

@@ -78,3 +78,36 @@ async fn a_restarted_node_is_reconnected_automatically() {
         "the client reconnected"
     );
 }
+
+/// A node that stops answering (SIGSTOP) while a write waits for its heap space makes the write
+/// time out, naming what it waited for; it is not reported as a full heap (which needs the node
+/// to have answered that no space is free).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_node_is_a_timeout_not_a_full_heap() {
+    let server = ServerProcess::start(SECRET, &["--heap-size", "4M"]);
+    let mut config = ClientConfig::new(server.control_address, Backend::Soft, SECRET.as_bytes());
+    config.operation_deadline = Some(Duration::from_millis(500));
+    let client = Client::connect(config).await.expect("connect");
+    let pid = nix::unistd::Pid::from_raw(server.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // The connection's first write asks the node for heap space.
+    let outcome = client.put(b"key", b"value").await;
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    let error = outcome.expect_err("the node is stopped");
+    assert!(
+        matches!(error, Error::TimedOut { .. }),
+        "a timeout, not {error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("the server's answer to a request for heap space"),
+        "{error}"
+    );
+    assert!(!error.may_have_applied(), "{error}");
+    // Resumed, the node serves the write.
+    client
+        .put(b"key", b"value")
+        .await
+        .expect("put after SIGCONT");
+}

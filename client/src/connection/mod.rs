@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, Semaphore};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::fault::FaultInjector;
+use crate::progress::{Progress, Waiting};
 
 mod announce;
 mod config;
@@ -145,9 +146,14 @@ impl NodeConnection {
     /// server for a new chunk when it is full. Returns the place and the operation's new number
     /// in the announce word, given under the chunk lock with the reservation (see
     /// [`Scratch::place_block`], which parks the operation's old number first).
-    pub(crate) async fn place_block(&self, length: u64) -> Result<(BlockPlace, u64)> {
+    pub(crate) async fn place_block(
+        &self,
+        length: u64,
+        progress: &Progress,
+    ) -> Result<(BlockPlace, u64)> {
         let mut confirmed_full = false;
         loop {
+            progress.wait_for(Waiting::HeapChunk);
             if let Some(place) = self.take_from_chunk(length) {
                 return Ok(place);
             }
@@ -207,11 +213,13 @@ impl NodeConnection {
                         confirmed_full = true;
                         // Others may ask meanwhile (each confirms for itself, in parallel).
                         drop(refilling);
+                        progress.wait_for(Waiting::HeapReclaim);
                         tokio::time::sleep(TABLE_FULL_CONFIRM_DELAY).await;
                         continue;
                     }
                     // Chunks are on their way back; wait for the collector (the operation's
                     // deadline bounds the wait).
+                    progress.wait_for(Waiting::HeapReclaim);
                     tokio::time::sleep(CHUNK_RETRY_INTERVAL).await;
                 }
                 ServerMessage::Refused { reason } => return Err(Error::Refused { reason }),

@@ -158,7 +158,7 @@ impl Scratch {
     pub(crate) async fn place_block(&mut self, length: u64) -> Result<BlockPlace> {
         debug_assert!(!self.announced, "a block is placed before the first list");
         self.connection.announcer.finish(self.operation);
-        let (place, operation) = self.connection.place_block(length).await?;
+        let (place, operation) = self.connection.place_block(length, &self.progress).await?;
         self.operation = operation;
         Ok(place)
     }
