@@ -241,7 +241,8 @@ async fn lookup(
             Some(first) => (first.kind, first.before),
             None => (StepKind::ReadBuckets, Vec::new()),
         };
-        list.reserve_exact(2);
+        // The two bucket READs, and the announce WRITE the operation's first list starts with.
+        list.reserve_exact(3);
         push_bucket_reads(scratch, location, &mut list);
         scratch
             .execute(operation, kind, list)
@@ -327,24 +328,28 @@ async fn read_candidates(
     let mut tentative = Vec::new();
     let heap_key = scratch.connection().keys.heap_key;
     let mut remaining = wanted.as_slice();
+    // One buffer for every block of the lookup; a match's value is copied out of it.
+    let mut bytes = Vec::new();
     while !remaining.is_empty() {
         // As many candidates as fit the read area go in one list.
         let mut used = 0u64;
-        let mut round = Vec::new();
-        for (position, slot) in remaining {
+        let mut count = 0;
+        for (_, slot) in remaining {
             let length = slot.block_length();
-            if used + length > READ_BLOCKS_SIZE && !round.is_empty() {
+            if used + length > READ_BLOCKS_SIZE && count > 0 {
                 break;
             }
-            round.push((*position, *slot, used));
             used += length;
+            count += 1;
         }
-        remaining = &remaining[round.len()..];
+        let (round, rest) = remaining.split_at(count);
+        remaining = rest;
+        let mut at = 0u64;
         let list: Vec<WorkRequest> = round
             .iter()
             .enumerate()
-            .map(|(index, (_, slot, at))| {
-                WorkRequest::read(
+            .map(|(index, (_, slot))| {
+                let request = WorkRequest::read(
                     index as u64,
                     scratch.region().segment(
                         scratch.base + READ_BLOCKS_AT + at,
@@ -352,27 +357,29 @@ async fn read_candidates(
                     ),
                     heap_key.at(slot.offset()),
                 )
-                .with_signaled(index + 1 == round.len())
+                .with_signaled(index + 1 == round.len());
+                at += slot.block_length();
+                request
             })
             .collect();
         scratch
             .execute(operation, StepKind::ReadBlocks, list)
             .await
             .map_err(step_failure(operation))?;
-        for (position, slot, at) in round {
-            let mut bytes = vec![0u8; slot.block_length() as usize];
+        let mut at = 0u64;
+        for (position, slot) in round.iter().copied() {
+            bytes.clear();
+            bytes.resize(slot.block_length() as usize, 0);
             scratch
                 .region()
                 .read(scratch.base + READ_BLOCKS_AT + at, &mut bytes)?;
+            at += slot.block_length();
             match decode_block(&bytes) {
                 Ok(block) if block.key == key => {
-                    // The value is a slice of the block just read: no further copy.
-                    let start = block.value.as_ptr() as usize - bytes.as_ptr() as usize;
-                    let end = start + block.value.len();
                     let found = Match {
                         position,
                         slot,
-                        value: Bytes::from(bytes).slice(start..end),
+                        value: Bytes::copy_from_slice(block.value),
                     };
                     if slot.is_tentative() {
                         tentative.push(found);

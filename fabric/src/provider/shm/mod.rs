@@ -136,7 +136,7 @@ impl DeviceProvider for ShmDevice {
             requester: Mutex::new(None),
             attachment: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
-            cache: Mutex::new(Vec::new()),
+            executor: Mutex::new(Executor::default()),
         }))
     }
 
@@ -722,8 +722,23 @@ pub(crate) struct ShmQueuePair {
     /// As a requester: requests posted and not yet run, in sequence order.
     pending: Mutex<VecDeque<Execution>>,
     /// As a requester: held by the thread running this queue pair's requests (the executor),
-    /// with the blocks it used.
-    cache: Mutex<Vec<(u64, Arc<PinnedMemory>)>>,
+    /// with the blocks it used and its buffers.
+    executor: Mutex<Executor>,
+}
+
+/// What the thread running a queue pair's requests keeps between doorbells: the blocks it
+/// mapped, and buffers reused by every batch (a fresh batch queue, payload and response per
+/// doorbell were three allocations per doorbell).
+#[derive(Debug, Default)]
+struct Executor {
+    /// The responder's memory blocks this requester has mapped, by their offset.
+    cache: Vec<(u64, Arc<PinnedMemory>)>,
+    /// The batch being run, swapped with the queue pair's pending requests.
+    batch: VecDeque<Execution>,
+    /// A WRITE's payload.
+    payload: Vec<u8>,
+    /// A request's response.
+    response: Vec<u8>,
 }
 
 impl ShmQueuePair {
@@ -735,7 +750,7 @@ impl ShmQueuePair {
     fn run_pending(
         &self,
         queue_pair: &QueuePairShared,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        executor: &mut Executor,
         attachment: &Attachment,
     ) {
         if lock(&self.pending).is_empty() {
@@ -747,21 +762,21 @@ impl ShmQueuePair {
             queue_pair.fail_unanswered();
             return;
         }
-        let mut payload = Vec::new();
-        let mut response = Vec::new();
+        let Executor {
+            cache,
+            batch,
+            payload,
+            response,
+        } = executor;
         loop {
-            let batch = std::mem::take(&mut *lock(&self.pending));
+            std::mem::swap(batch, &mut *lock(&self.pending));
             if batch.is_empty() {
                 break;
             }
-            if !self.run_batch(
-                queue_pair,
-                attachment,
-                cache,
-                batch,
-                &mut payload,
-                &mut response,
-            ) {
+            let ran = self.run_batch(queue_pair, attachment, cache, batch, payload, response);
+            // A batch that stopped early leaves requests that were flushed with the queue pair.
+            batch.clear();
+            if !ran {
                 // The queue pair is in ERROR: what is still queued was flushed.
                 lock(&self.pending).clear();
                 break;
@@ -775,11 +790,11 @@ impl ShmQueuePair {
         queue_pair: &QueuePairShared,
         attachment: &Attachment,
         cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
-        batch: VecDeque<Execution>,
+        batch: &mut VecDeque<Execution>,
         payload: &mut Vec<u8>,
         response: &mut Vec<u8>,
     ) -> bool {
-        for (sequence, request, local) in batch {
+        while let Some((sequence, request, local)) = batch.pop_front() {
             payload.clear();
             if request.opcode == Opcode::Write {
                 engine::append_write_payload(payload, &local);
@@ -1089,7 +1104,7 @@ impl QueuePairProvider for ShmQueuePair {
 
     fn ring(&self, queue_pair: &QueuePairShared) {
         if let Some(attachment) = self.attachment.get() {
-            self.run_pending(queue_pair, &mut lock(&self.cache), attachment);
+            self.run_pending(queue_pair, &mut lock(&self.executor), attachment);
         }
     }
 
@@ -1097,14 +1112,14 @@ impl QueuePairProvider for ShmQueuePair {
         let Some(attachment) = self.attachment.get() else {
             return true;
         };
-        let mut cache = match self.cache.try_lock() {
-            Ok(cache) => cache,
+        let mut executor = match self.executor.try_lock() {
+            Ok(executor) => executor,
             Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             // Another thread runs this queue pair's requests, ours included if they are queued
             // by now: come back after a yield rather than wait.
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        self.run_pending(queue_pair, &mut cache, attachment);
+        self.run_pending(queue_pair, &mut executor, attachment);
         true
     }
 
