@@ -16,6 +16,7 @@ use rdkv_common::sharding;
 use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
+use crate::fairness::yield_if_never_waited;
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
 
@@ -360,7 +361,7 @@ impl Client {
                 }
             }
         };
-        let outcome = tokio::time::timeout(deadline, work)
+        let outcome = yield_if_never_waited(tokio::time::timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
                 // Out of heap for the whole deadline (the node answered that chunks were on

@@ -24,6 +24,7 @@
 //! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
+//! - `fairness`: an operation that never waited yields once before it returns.
 //! - [`fault`]: fault injection between the steps of an operation (tests).
 #![forbid(unsafe_code)]
 
@@ -31,6 +32,7 @@ pub mod client;
 mod connection;
 pub mod counters;
 pub mod error;
+mod fairness;
 pub mod fault;
 mod operations;
 mod progress;

@@ -486,6 +486,7 @@ impl QueuePairShared {
             });
         match self.provider.submit(self, &mut entries) {
             Submission::Complete => {}
+            Submission::Rang => self.provider.after_ring(self),
             Submission::RingAfterYield => {
                 // Ring after letting the other ready tasks of this worker post too, so one
                 // doorbell carries all of them. A provider whose doorbell is busy on another

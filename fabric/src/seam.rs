@@ -68,6 +68,9 @@ pub(crate) enum Submission {
     /// queue theirs, then calls [`QueuePairProvider::ring`] (also when the post's future is
     /// dropped during the yield) and [`QueuePairProvider::after_ring`].
     RingAfterYield,
+    /// The doorbell rang inside `submit` (the provider ran the requests on the posting thread):
+    /// the model calls [`QueuePairProvider::after_ring`] and does not yield.
+    Rang,
     /// The queue pair has no connection: nothing was taken from the iterator.
     NotConnected,
 }

@@ -1096,10 +1096,17 @@ impl QueuePairProvider for ShmQueuePair {
             queue_pair.enter_error();
             return Submission::Complete;
         }
-        // Run at the doorbell, after one yield: the other ready tasks of this worker queue
-        // theirs meanwhile and one executor runs them all, and a task that does nothing but
-        // one-sided operations still lets the others run between its posts.
-        Submission::RingAfterYield
+        // Run now, on the posting thread, when no other thread runs this queue pair's requests:
+        // the list has completed when `post` returns, and its task neither yields nor waits
+        // for a wake-up (a yield per list was two trips through the scheduler per GET). A task
+        // that does nothing but one-sided operations still lets the others run: the send
+        // queue's permits and the list's completion count against tokio's cooperative budget.
+        // When another thread is executing, ring after a yield (`try_ring`).
+        if self.try_ring(queue_pair) {
+            Submission::Rang
+        } else {
+            Submission::RingAfterYield
+        }
     }
 
     fn ring(&self, queue_pair: &QueuePairShared) {
