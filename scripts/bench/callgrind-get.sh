@@ -54,11 +54,15 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 grep -q "ready" "$work/server.log" || { echo "callgrind-get: the node did not start" >&2; exit 1; }
+# The soft fabric, always: a build that knows shm would otherwise pick it, the node being on
+# this host (builds before shm have no --fabric and use soft anyway).
+fabric=()
+if "$binaries/rdkv-ycsb" run --help 2>/dev/null | grep -- '--fabric' >/dev/null; then fabric=(--fabric soft); fi
 "$binaries/rdkv-ycsb" load -c "$work/cluster.toml" -P workloadc -p recordcount=2000 --threads 4 >/dev/null
 echo "counting instructions of $operations GETs (valgrind is about 50x slower)"
 valgrind --tool=callgrind --callgrind-out-file="$work/callgrind.out" \
   "$binaries/rdkv-ycsb" run -c "$work/cluster.toml" -P workloadc -p recordcount=2000 \
-  -p operationcount="$operations" --threads 4 >"$work/run.log" 2>"$work/valgrind.log"
+  -p operationcount="$operations" --threads 4 "${fabric[@]}" >"$work/run.log" 2>"$work/valgrind.log"
 grep -q "\[READ\], Operations, $operations" "$work/run.log" || {
   echo "callgrind-get: the run did not complete $operations GETs" >&2
   cat "$work/run.log" >&2
