@@ -289,7 +289,7 @@ impl Client {
                 || node.retired.swap(false, Ordering::AcqRel);
             let fresh = NodeConnection::open(&node.config, counters.clone()).await?;
             if had_one {
-                counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                counters.reconnects.add(1);
             }
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
@@ -387,11 +387,11 @@ impl Client {
         drop(guard);
         // Every operation ends counted, under its kind too (a GET counts itself only once it
         // has looked: a failed one is counted here; mutations count themselves either way).
-        self.counters.operations.fetch_add(1, Ordering::Relaxed);
+        self.counters.operations.add(1);
         if outcome.is_err() {
-            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            self.counters.failures.add(1);
             if operation == "get" {
-                self.counters.gets.fetch_add(1, Ordering::Relaxed);
+                self.counters.gets.add(1);
             }
         }
         outcome
@@ -428,7 +428,7 @@ impl Client {
                 operations::mutate(&connection, progress, operation, key, value, mutation).await
             })
             .await;
-        self.counters.mutations.fetch_add(1, Ordering::Relaxed);
+        self.counters.mutations.add(1);
         outcome
     }
 
@@ -468,7 +468,7 @@ impl Client {
             }
             Ok::<_, Error>(values)
         };
-        let gets_before = self.counters.gets.load(Ordering::Relaxed);
+        let gets_before = self.counters.gets.total();
         let values = tokio::time::timeout(self.deadline, work)
             .await
             .unwrap_or(Err(Error::TimedOut {
@@ -478,7 +478,7 @@ impl Client {
                 may_have_applied: false,
             }));
         let count = keys.len() as u64;
-        self.counters.operations.fetch_add(count, Ordering::Relaxed);
+        self.counters.operations.add(count);
         if values.is_err() {
             // Each key that did not complete its GET failed with the batch. (Another task's
             // GETs may land in between: the split is approximate under concurrency, the total
@@ -486,15 +486,11 @@ impl Client {
             let looked = self
                 .counters
                 .gets
-                .load(Ordering::Relaxed)
+                .total()
                 .saturating_sub(gets_before)
                 .min(count);
-            self.counters
-                .gets
-                .fetch_add(count - looked, Ordering::Relaxed);
-            self.counters
-                .failures
-                .fetch_add(count - looked, Ordering::Relaxed);
+            self.counters.gets.add(count - looked);
+            self.counters.failures.add(count - looked);
         }
         values
     }
@@ -611,7 +607,7 @@ impl Client {
                 operations::delete(&connection, progress, key).await
             })
             .await;
-        self.counters.mutations.fetch_add(1, Ordering::Relaxed);
+        self.counters.mutations.add(1);
         outcome
     }
 

@@ -1,34 +1,77 @@
 //! Per-client counters: operations, round trips and verbs per operation, CAS failures and
 //! checksum retries.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use rdkv_common::protocol::ClientCounters;
+
+/// Shards per counter. Each thread adds to its own shard (threads take shards in turn), so the
+/// workers of a runtime do not meet on one cache line at every operation: seven shared atomic
+/// adds per GET were part of what two workers cost each other (`docs/benchmarks.md`, *Two
+/// workers on one queue pair*).
+const SHARDS: usize = 8;
+
+/// One shard, alone on its cache lines (128 bytes: adjacent-line prefetch pairs 64-byte lines).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Shard(AtomicU64);
+
+/// A counter that threads add to without sharing a cache line; read as the sum of its shards.
+#[derive(Debug, Default)]
+pub struct ShardedCounter {
+    shards: [Shard; SHARDS],
+}
+
+impl ShardedCounter {
+    /// Adds `amount` to the calling thread's shard.
+    pub fn add(&self, amount: u64) {
+        self.shards[shard_index()]
+            .0
+            .fetch_add(amount, Ordering::Relaxed);
+    }
+
+    /// The total. Each shard only grows, so a total read after another is never smaller.
+    pub fn total(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| shard.0.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+/// The calling thread's shard, given in turn on its first use.
+fn shard_index() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    INDEX.with(|index| *index)
+}
 
 /// Live counters, shared by every connection of one client.
 #[derive(Debug, Default)]
 pub struct Counters {
     /// Operations ended, with any outcome (errors included).
-    pub operations: AtomicU64,
+    pub operations: ShardedCounter,
     /// GETs (each key of a batch counts one; failed ones included).
-    pub gets: AtomicU64,
+    pub gets: ShardedCounter,
     /// Mutations (put, insert, update, delete, compare-and-swap; failed ones included).
-    pub mutations: AtomicU64,
+    pub mutations: ShardedCounter,
     /// Operations that ended with an error.
-    pub failures: AtomicU64,
+    pub failures: ShardedCounter,
     /// Posted lists that waited for completions: network round trips.
-    pub round_trips: AtomicU64,
+    pub round_trips: ShardedCounter,
     /// Round trips spent by GETs.
-    pub get_round_trips: AtomicU64,
+    pub get_round_trips: ShardedCounter,
     /// Work requests posted.
-    pub verbs: AtomicU64,
+    pub verbs: ShardedCounter,
     /// Slot CASes that lost a race.
-    pub cas_failures: AtomicU64,
+    pub cas_failures: ShardedCounter,
     /// Block reads retried after a checksum mismatch.
-    pub checksum_retries: AtomicU64,
+    pub checksum_retries: ShardedCounter,
     /// Connections re-established after a failure.
-    pub reconnects: AtomicU64,
+    pub reconnects: ShardedCounter,
     /// What was last reported to a server (each increment is reported once).
     reported: Mutex<ClientCounters>,
 }
@@ -76,7 +119,7 @@ impl Counters {
 
     /// A snapshot.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let load = ShardedCounter::total;
         CounterSnapshot {
             work: ClientCounters {
                 operations: load(&self.operations),
@@ -91,5 +134,25 @@ impl Counters {
             },
             reconnects: load(&self.reconnects),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ShardedCounter, SHARDS};
+
+    #[test]
+    fn adds_from_many_threads_sum_exactly() {
+        let counter = ShardedCounter::default();
+        std::thread::scope(|scope| {
+            for _ in 0..SHARDS + 3 {
+                scope.spawn(|| {
+                    for _ in 0..1_000 {
+                        counter.add(2);
+                    }
+                });
+            }
+        });
+        assert_eq!(counter.total(), (SHARDS as u64 + 3) * 2_000);
     }
 }

@@ -21,7 +21,6 @@
 //! [`Progress`] what was posted: the client never retries an operation once a CAS of it was
 //! posted, and a failure after a publishing CAS is reported as "may have applied".
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -264,11 +263,7 @@ async fn lookup(
                 })
             }
             Err(Reread) => {
-                scratch
-                    .connection()
-                    .counters
-                    .checksum_retries
-                    .fetch_add(1, Ordering::Relaxed);
+                scratch.connection().counters.checksum_retries.add(1);
             }
         }
     }
@@ -475,10 +470,8 @@ pub(crate) async fn get(
     let mut scratch = connection.scratch(progress).await?;
     let view = lookup_committed(&mut scratch, "get", key, &location).await?;
     let counters = &connection.counters;
-    counters.gets.fetch_add(1, Ordering::Relaxed);
-    counters
-        .get_round_trips
-        .fetch_add(scratch.round_trips, Ordering::Relaxed);
+    counters.gets.add(1);
+    counters.get_round_trips.add(scratch.round_trips);
     Ok(view.committed.into_iter().next().map(|found| found.value))
 }
 

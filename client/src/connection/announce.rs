@@ -169,7 +169,7 @@ pub(crate) async fn flusher(connection: Weak<NodeConnection>, wakeups: Arc<Notif
         if connection.is_broken() || !announcer.dirty.swap(false, Ordering::AcqRel) {
             continue;
         }
-        connection.counters.verbs.fetch_add(1, Ordering::Relaxed);
+        connection.counters.verbs.add(1);
         let write = announcer.request().with_signaled(true);
         if let Ok(posted) = connection.queue_pair.post(vec![write]).await {
             posted.await;

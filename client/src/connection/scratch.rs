@@ -4,7 +4,6 @@
 //! that returns the buffer afterwards. Every list of an operation is posted through
 //! [`Scratch::execute`].
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rdkv_fabric::lock;
@@ -116,11 +115,9 @@ impl Scratch {
             self.announced = true;
         }
         let counters = &self.connection.counters;
-        counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        counters.round_trips.add(1);
         self.round_trips += 1;
-        counters
-            .verbs
-            .fetch_add(list.len() as u64, Ordering::Relaxed);
+        counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
         self.posting = true;
         let posted = self.connection.queue_pair.post(list).await;
@@ -171,10 +168,7 @@ impl Scratch {
     /// A CAS of `kind` completed without swapping: count the lost race, and if it was a
     /// publishing CAS, record that it had no effect.
     pub(crate) fn lost_race(&self, kind: StepKind) {
-        self.connection
-            .counters
-            .cas_failures
-            .fetch_add(1, Ordering::Relaxed);
+        self.connection.counters.cas_failures.add(1);
         if kind.publishes() {
             self.progress.lost();
         }
