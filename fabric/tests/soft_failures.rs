@@ -812,9 +812,13 @@ async fn idle_connections_to_the_fabric_port_hold_no_threads_and_let_dialers_in(
     }
     most_threads = most_threads.max(process_threads());
     // No thread per connection: the engine pool and the accept thread existed before the
-    // flood, and nothing was added for it.
+    // flood, and nothing was added for it. Under `cargo test` the other tests of this binary run
+    // as threads of the same process and start soft devices of their own meanwhile (their
+    // engines carry the same truncated name, so they cannot be told apart), so the bound is
+    // the "pool + a small constant": a few threads, never one per connection.
+    const OTHER_TESTS: usize = 8;
     assert!(
-        most_threads <= before,
+        most_threads <= before + OTHER_TESTS,
         "{most_threads} threads with {IDLE} idle connections, {before} before (pool {pool})"
     );
     assert!(
