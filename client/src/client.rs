@@ -1,10 +1,10 @@
-//! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens one
-//! connection per node on first use (or all at once, [`Client::connect_all`]) and re-establishes
-//! it after a failure, applies the per-operation deadline, retries an operation on a fresh
+//! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens a
+//! connection to the node per runtime worker that uses it (a lane, [`crate::lanes`]) on first use
+//! (or all at once, [`Client::connect_all`]) and re-establishes it after a failure, applies the per-operation deadline, retries an operation on a fresh
 //! connection only when the failure came before any compare-and-swap of it was posted, and says
 //! goodbye to every node when closed or dropped.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,10 +13,11 @@ use rdkv_cluster_file::ClusterConfig;
 use rdkv_common::protocol::{fetch_stats, MonitoredNode, ServerStats};
 use rdkv_common::sharding;
 
-use crate::connection::{ClientConfig, NodeConnection, DEFAULT_CONCURRENCY};
+use crate::connection::{ClientConfig, NodeConnection, WriterStripes, DEFAULT_CONCURRENCY};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
+use crate::lanes::{current_lane, default_lanes, Lane};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
 
@@ -27,43 +28,46 @@ struct Node {
     id: u32,
     /// How to reach it.
     config: ClientConfig,
-    /// The live connection, opened lazily and replaced when it breaks. The task that opens a
-    /// connection holds the node and stores it even if the operation that asked is cancelled.
-    connection: Mutex<Option<Arc<NodeConnection>>>,
-    /// One connection attempt at a time: concurrent operations wait for it instead of each
-    /// opening (and pinning buffers for) a connection of their own.
-    connecting: Arc<tokio::sync::Semaphore>,
-    /// Set when a connection was retired: the next one counts as a reconnect.
-    retired: std::sync::atomic::AtomicBool,
+    /// Its lanes: a connection per runtime worker, each opened on the first operation that
+    /// runs on its worker (`lanes`).
+    lanes: Box<[Lane]>,
+    /// How many of the lanes are used: all, until a connection comes back over `soft`, which
+    /// the node then gets one of (`lanes`).
+    lanes_in_use: AtomicUsize,
+    /// This process's writer turns on the node, shared by its lanes.
+    writer_stripes: Arc<WriterStripes>,
     /// The node's own operation deadline (from its welcome; 0 until the first connection):
     /// operations on it never run longer, whatever the client's deadline.
     server_deadline_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Node {
-    fn new(id: u32, config: ClientConfig, connection: Option<Arc<NodeConnection>>) -> Self {
-        let server_deadline_ms = connection
-            .as_ref()
-            .map_or(0, |connection| connection.welcome.operation_deadline_ms);
+    /// A node with `lanes` lanes, none connected.
+    fn new(id: u32, config: ClientConfig, lanes: usize) -> Self {
         Self {
             id,
             config,
-            connection: Mutex::new(connection),
-            connecting: Arc::new(tokio::sync::Semaphore::new(1)),
-            retired: std::sync::atomic::AtomicBool::new(false),
-            server_deadline_ms: std::sync::atomic::AtomicU64::new(server_deadline_ms),
+            lanes: (0..lanes.max(1)).map(|_| Lane::new(None)).collect(),
+            lanes_in_use: AtomicUsize::new(lanes.max(1)),
+            writer_stripes: Arc::new(WriterStripes::default()),
+            server_deadline_ms: std::sync::atomic::AtomicU64::new(0),
         }
     }
-}
 
-impl Node {
-    /// The node's live connection, if it has one that has not failed.
+    /// The lane of the calling thread.
+    fn lane(&self) -> usize {
+        current_lane(self.lanes_in_use.load(Ordering::Relaxed))
+    }
+
+    /// The live connection of the calling thread's lane, if it has one that has not failed.
     fn healthy_connection(&self) -> Option<Arc<NodeConnection>> {
-        self.connection
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
-            .filter(|connection| !connection.is_broken())
+        self.lanes[self.lane()].healthy_connection()
+    }
+
+    /// A live connection of any lane (the calling thread's first).
+    fn any_healthy_connection(&self) -> Option<Arc<NodeConnection>> {
+        self.healthy_connection()
+            .or_else(|| self.lanes.iter().find_map(|lane| lane.healthy_connection()))
     }
 }
 
@@ -71,8 +75,9 @@ impl Node {
 /// (which then finishes it on its own): a full control channel never holds the task for long.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// An rdkv client: one connection per node, opened on first use (or up front with
-/// [`Client::connect_all`]); keys map to nodes by rendezvous hashing. Share it behind an `Arc`;
+/// An rdkv client: a connection per node and runtime worker ([`crate::lanes`]), opened on
+/// first use (or up front with [`Client::connect_all`]); keys map to nodes by rendezvous
+/// hashing. On a current-thread runtime that is one connection per node. Share it behind an `Arc`;
 /// every method takes `&self`.
 ///
 /// [`Client::close`] says goodbye to every node and waits until each goodbye is written.
@@ -99,16 +104,28 @@ impl Client {
     /// (for example a memlock limit too low for even one scratch buffer).
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
-        let connection = NodeConnection::open(&config, counters.clone()).await?;
+        let node = Node::new(1, config, default_lanes());
+        let connection =
+            NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
+                .await?;
         // Never longer than the server's: it reuses heap space and clears abandoned tentative
         // slots on the assumption that no operation outlives its deadline.
         let server_deadline = Duration::from_millis(connection.welcome.operation_deadline_ms);
-        let deadline = config
+        let deadline = node
+            .config
             .operation_deadline
             .map_or(server_deadline, |deadline| deadline.min(server_deadline));
+        node.server_deadline_ms
+            .store(connection.welcome.operation_deadline_ms, Ordering::Relaxed);
+        // The calling thread's lane; the others open on their workers' first operations. Over
+        // soft, the node's one lane.
+        if connection.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
+            node.lanes_in_use.store(1, Ordering::Relaxed);
+        }
+        *rdkv_fabric::lock(&node.lanes[node.lane()].connection) = Some(connection);
         Ok(Self {
             node_ids: vec![1],
-            nodes: vec![Arc::new(Node::new(1, config, Some(connection)))],
+            nodes: vec![Arc::new(node)],
             counters,
             deadline,
         })
@@ -121,7 +138,8 @@ impl Client {
         Self::for_cluster_with_concurrency(cluster, DEFAULT_CONCURRENCY)
     }
 
-    /// As [`Client::for_cluster`], with at most `concurrency` operations in flight per node.
+    /// As [`Client::for_cluster`], with at most `concurrency` operations in flight per connection
+    /// (each lane has its own).
     /// Each holds a 64 KiB registered scratch buffer while it runs, from the process's shared
     /// pool, which grows with the operations in flight and shrinks back (`docs/memory.md`).
     pub fn for_cluster_with_concurrency(cluster: &ClusterConfig, concurrency: usize) -> Self {
@@ -135,6 +153,7 @@ impl Client {
         concurrency: usize,
         shared_memory: crate::SharedMemory,
     ) -> Self {
+        let lanes = default_lanes();
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()
@@ -153,7 +172,7 @@ impl Client {
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
-                Arc::new(Node::new(node.id, config, None))
+                Arc::new(Node::new(node.id, config, lanes))
             })
             .collect();
         Self {
@@ -210,8 +229,8 @@ impl Client {
         self.node_for(key).id
     }
 
-    /// Connects to every node that has no live connection, concurrently, and waits for all
-    /// of them: afterwards no operation pays a handshake inside its deadline (until a
+    /// Connects every lane of every node that has no live connection, concurrently, and waits
+    /// for all of them: afterwards no operation pays a handshake inside its deadline (until a
     /// connection fails and is re-established). Each handshake step is bounded by the
     /// connection timeout (5 s), not by the operation deadline.
     ///
@@ -221,12 +240,23 @@ impl Client {
     pub async fn connect_all(&self) -> Result<()> {
         let mut tasks = tokio::task::JoinSet::new();
         for (index, node) in self.nodes.iter().enumerate() {
-            if node.healthy_connection().is_some() {
-                continue;
-            }
             let node = node.clone();
             let counters = self.counters.clone();
-            tasks.spawn(async move { (index, Self::establish(node, counters).await) });
+            // Lane 0 first: its fabric says how many lanes the node gets.
+            tasks.spawn(async move {
+                let mut lane = 0;
+                while lane < node.lanes_in_use.load(Ordering::Relaxed) {
+                    if node.lanes[lane].healthy_connection().is_none() {
+                        if let Err(error) =
+                            Self::establish(node.clone(), lane, counters.clone()).await
+                        {
+                            return (index, Err(error));
+                        }
+                    }
+                    lane += 1;
+                }
+                (index, Ok(()))
+            });
         }
         let mut first_failure: Option<(usize, Error)> = None;
         while let Some(joined) = tasks.join_next().await {
@@ -255,48 +285,58 @@ impl Client {
         }
     }
 
-    /// The live connection to `node`, (re-)established if needed.
+    /// The live connection of the calling thread's lane to `node`, (re-)established if needed.
     async fn connection(&self, node: &Arc<Node>) -> Result<Arc<NodeConnection>> {
-        if let Some(connection) = node.healthy_connection() {
+        let lane = node.lane();
+        if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
-        Self::establish(node.clone(), self.counters.clone()).await
+        Self::establish(node.clone(), lane, self.counters.clone()).await
     }
 
-    /// (Re-)establishes the connection to `node`, unless another caller did meanwhile. The
-    /// connection is opened by a task of its own (bounded by the handshake's timeout), which
-    /// stores it even if the operation that asked is cancelled by its deadline: a client with a
-    /// deadline shorter than a handshake still gets connected (found by attacking it with 1 ms
-    /// deadlines).
-    async fn establish(node: Arc<Node>, counters: Arc<Counters>) -> Result<Arc<NodeConnection>> {
-        let connecting = node
+    /// (Re-)establishes the connection of `node`'s lane `lane`, unless another caller did
+    /// meanwhile. The connection is opened by a task of its own (bounded by the handshake's
+    /// timeout), which stores it even if the operation that asked is cancelled by its
+    /// deadline: a client with a deadline shorter than a handshake still gets connected (found
+    /// by attacking it with 1 ms deadlines).
+    async fn establish(
+        node: Arc<Node>,
+        lane: usize,
+        counters: Arc<Counters>,
+    ) -> Result<Arc<NodeConnection>> {
+        let connecting = node.lanes[lane]
             .connecting
             .clone()
             .acquire_owned()
             .await
             .expect("the connection gate is never closed");
         // Another operation may have connected while this one waited.
-        if let Some(connection) = node.healthy_connection() {
+        if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
         let address = node.config.node.control_address;
         let opening = tokio::spawn(async move {
-            let had_one = node
-                .connection
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .is_some()
-                || node.retired.swap(false, Ordering::AcqRel);
-            let fresh = NodeConnection::open(&node.config, counters.clone()).await?;
+            let slot = &node.lanes[lane];
+            let had_one = rdkv_fabric::lock(&slot.connection).is_some()
+                || slot.retired.swap(false, Ordering::AcqRel);
+            let fresh =
+                NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
+                    .await?;
             if had_one {
                 counters.reconnects.add(1);
             }
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
-            *node
-                .connection
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(fresh.clone());
+            if fresh.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
+                // A soft node's engine batches each connection's frames: two connections from
+                // one client halve its batches and raise the node's CPU per operation by 40%
+                // (docs/benchmarks.md, Lanes). One lane, then.
+                node.lanes_in_use.store(1, Ordering::Relaxed);
+                if lane != 0 {
+                    return Ok(Self::keep_in_first_lane(&node, fresh));
+                }
+            }
+            *rdkv_fabric::lock(&slot.connection) = Some(fresh.clone());
             drop(connecting);
             Ok::<_, Error>(fresh)
         });
@@ -304,6 +344,24 @@ impl Client {
             address,
             reason: format!("the connecting task failed: {error}"),
         })?
+    }
+
+    /// Puts `fresh`, a soft connection opened for another lane, into the node's first lane,
+    /// unless that lane is connected already: then `fresh` says goodbye (in a task of its own)
+    /// and the first lane's connection serves.
+    fn keep_in_first_lane(node: &Node, fresh: Arc<NodeConnection>) -> Arc<NodeConnection> {
+        let mut first = rdkv_fabric::lock(&node.lanes[0].connection);
+        if let Some(live) = first.as_ref().filter(|live| !live.is_broken()) {
+            let live = live.clone();
+            drop(first);
+            tokio::spawn(async move {
+                // Best effort: on a timeout the connection closes without the goodbye.
+                let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
+            });
+            return live;
+        }
+        *first = Some(fresh.clone());
+        fresh
     }
 
     /// Runs one operation under the deadline. A failure is retried once on a fresh connection
@@ -403,16 +461,10 @@ impl Client {
     /// still in the index: the server's collector clears it a quarantine after the seal.
     fn retire(&self, node: &Node, connection: &Arc<NodeConnection>) {
         connection.mark_broken();
-        node.retired.store(true, Ordering::Release);
-        let mut current = node
-            .connection
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if current
-            .as_ref()
-            .is_some_and(|live| Arc::ptr_eq(live, connection))
-        {
-            *current = None;
+        for lane in &node.lanes {
+            if lane.remove(connection) {
+                lane.retired.store(true, Ordering::Release);
+            }
         }
     }
 
@@ -649,7 +701,7 @@ impl Client {
         self.nodes
             .iter()
             .find(|node| node.id == node_id)?
-            .healthy_connection()
+            .any_healthy_connection()
             .map(|connection| connection.welcome.server_endpoint.backend())
     }
 
@@ -673,17 +725,12 @@ impl Client {
         }
     }
 
-    /// Takes every node's open connection out of the client (the next operation connects
-    /// again).
+    /// Takes every node's open connections, of every lane, out of the client (the next
+    /// operation connects again).
     fn take_connections(&self) -> Vec<Arc<NodeConnection>> {
         self.nodes
             .iter()
-            .filter_map(|node| {
-                node.connection
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .take()
-            })
+            .flat_map(|node| node.lanes.iter().filter_map(Lane::take))
             .collect()
     }
 }

@@ -25,6 +25,7 @@
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
 //! - `fairness`: an operation that never waited yields once before it returns.
+//! - [`lanes`]: a connection per runtime worker to each node.
 //! - [`fault`]: fault injection between the steps of an operation (tests).
 #![forbid(unsafe_code)]
 
@@ -34,6 +35,7 @@ pub mod counters;
 pub mod error;
 mod fairness;
 pub mod fault;
+pub mod lanes;
 mod operations;
 mod progress;
 

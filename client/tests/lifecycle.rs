@@ -235,3 +235,59 @@ async fn a_node_that_names_another_id_is_refused() {
     let node_two = stats[1].1.as_ref().expect_err("refused too");
     assert!(node_two.to_string().contains("not node 2"), "{node_two}");
 }
+
+/// Puts and reads back 256 keys from 32 tasks spread over the runtime's workers.
+async fn put_and_get_from_many_tasks(client: &std::sync::Arc<Client>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..32u32 {
+        let client = client.clone();
+        tasks.spawn(async move {
+            for index in 0..8u32 {
+                let key = format!("lane-{task}-{index}");
+                client
+                    .put(key.as_bytes(), key.as_bytes())
+                    .await
+                    .expect("put");
+                let value = client.get(key.as_bytes()).await.expect("get");
+                assert_eq!(value.as_deref(), Some(key.as_bytes()));
+            }
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.expect("a task ran to its end");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_opens_a_lane_per_worker_and_one_over_soft() {
+    // A one-sided fabric that costs the node no CPU per operation (loopback here; shm and
+    // verbs alike): a connection per worker.
+    let mut config = ServerConfig::local(SECRET);
+    config.fabric = Backend::Loopback;
+    let node = rdkv_server::start(config).await.expect("start server");
+    let mut loopback_cluster = cluster(&[node.control_address()]);
+    loopback_cluster.fabric = Backend::Loopback;
+    let client = std::sync::Arc::new(Client::for_cluster(&loopback_cluster));
+    client.connect_all().await.expect("connect every lane");
+    assert_eq!(node.stats().connections, 2, "a lane per tokio worker");
+    put_and_get_from_many_tasks(&client).await;
+    assert_eq!(
+        node.stats().connections,
+        2,
+        "the operations used those lanes"
+    );
+    assert_eq!(client.counters().reconnects, 0);
+    client.close().await;
+
+    // Over soft, one connection: the node's engine batches each connection's frames.
+    let soft = start_server().await;
+    let client = std::sync::Arc::new(Client::for_cluster(&cluster(&[soft.control_address()])));
+    put_and_get_from_many_tasks(&client).await;
+    client.connect_all().await.expect("connect");
+    eventually("a soft node keeps one connection from the client", || {
+        soft.stats().connections == 1
+    })
+    .await;
+    assert_eq!(client.counters().reconnects, 0);
+    client.close().await;
+}

@@ -155,8 +155,13 @@ fn reachable_here(socket: &std::path::Path) -> bool {
 }
 
 impl NodeConnection {
-    /// Connects, authenticates, connects the queue pair and starts the control task.
-    pub(crate) async fn open(config: &ClientConfig, counters: Arc<Counters>) -> Result<Arc<Self>> {
+    /// Connects, authenticates, connects the queue pair and starts the control task; writers
+    /// take their turns in `writer_stripes`, the node's.
+    pub(crate) async fn open(
+        config: &ClientConfig,
+        counters: Arc<Counters>,
+        writer_stripes: Arc<WriterStripes>,
+    ) -> Result<Arc<Self>> {
         let address = config.node.control_address;
         let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
         // A node under a flood of unauthenticated connections evicts the oldest silent one;
@@ -213,7 +218,7 @@ impl NodeConnection {
                 tracing::warn!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
                 let mut fallback = config.clone();
                 fallback.node.shared_memory = SharedMemory::Off;
-                return Box::pin(Self::open(&fallback, counters)).await;
+                return Box::pin(Self::open(&fallback, counters, writer_stripes)).await;
             }
         } else {
             queue_pair.connect(&welcome.server_endpoint).await?;
@@ -241,9 +246,7 @@ impl NodeConnection {
             chunk: Mutex::new(None),
             refill: Semaphore::new(1),
             heap_full: Mutex::new(None),
-            writer_stripes: (0..WRITER_STRIPES)
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
+            writer_stripes,
             control,
             broken: AtomicBool::new(false),
             counters,

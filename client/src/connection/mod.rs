@@ -41,7 +41,7 @@ pub(crate) use scratch::{
     ExecuteError, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT, READ_BLOCKS_SIZE,
     WRITE_BLOCK_AT,
 };
-use writer_stripes::WRITER_STRIPES;
+pub(crate) use writer_stripes::WriterStripes;
 
 /// How long to wait before asking again for a chunk when the heap's free chunks are all
 /// waiting to be reclaimed.
@@ -101,7 +101,8 @@ pub(crate) struct NodeConnection {
     heap_full: Mutex<Option<(std::time::Instant, String)>>,
     /// Writers of one key (by stripe) in this process take turns: they would otherwise only
     /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
-    writer_stripes: Box<[tokio::sync::Mutex<()>]>,
+    /// Shared by every lane's connection to the node.
+    writer_stripes: Arc<WriterStripes>,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,
     /// Set when the connection failed; the client then reconnects.

@@ -1,23 +1,40 @@
-//! Writer turns: writers of one key in one process go one at a time (`docs/protocol.md`).
+//! Writer turns: writers of one key in one process go one at a time (`docs/protocol.md`). The
+//! stripes belong to the node, shared by the connections of all its lanes.
 
 use super::*;
 
 /// Stripes of the per-key writer turns (see `NodeConnection::writer_turn`).
-pub(super) const WRITER_STRIPES: usize = 1024;
+const WRITER_STRIPES: usize = 1024;
+
+/// The writer turns of one node in this process: a mutex per stripe of keys.
+#[derive(Debug)]
+pub(crate) struct WriterStripes(Box<[tokio::sync::Mutex<()>]>);
+
+impl Default for WriterStripes {
+    fn default() -> Self {
+        Self(
+            (0..WRITER_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+        )
+    }
+}
 
 impl NodeConnection {
     /// Waits for this process's turn to write the key at `location`: writers of one key (and
-    /// of the few keys sharing its stripe) go one at a time, so a hot key's writers do not
-    /// spend their round trips losing CAS races to each other. Writers in other processes
-    /// still race, and lose with a back-off. Take it before [`NodeConnection::scratch`].
+    /// of the few keys sharing its stripe) go one at a time, whichever lane they use, so a hot
+    /// key's writers do not spend their round trips losing CAS races to each other. Writers in
+    /// other processes still race, and lose with a back-off. Take it before
+    /// [`NodeConnection::scratch`].
     pub(crate) async fn writer_turn(
         &self,
         location: &rdkv_common::layout::KeyLocation,
     ) -> tokio::sync::MutexGuard<'_, ()> {
+        let stripes = &self.writer_stripes.0;
         let stripe = (location.combined_buckets[0]
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(u64::from(location.fingerprint))
-            % self.writer_stripes.len() as u64) as usize;
-        self.writer_stripes[stripe].lock().await
+            % stripes.len() as u64) as usize;
+        stripes[stripe].lock().await
     }
 }

@@ -1,0 +1,127 @@
+//! Lanes: a client keeps up to one connection per runtime worker thread to each node, and an
+//! operation uses the lane of the thread it runs on. Two workers posting to one queue pair
+//! meet on its requester lock, its pending queue, its completion queue and its announce word,
+//! and READ data lands in one worker's buffers from the other core: with two tokio workers
+//! that doubled the client's CPU per GET over `shm` (`docs/benchmarks.md`, *Two workers on one
+//! queue pair*). A lane opens on its first operation, so a thread that never uses the client
+//! costs the node nothing.
+//!
+//! A node reached over `soft` gets one lane: its engine batches each connection's frames, and
+//! two connections from one client raised the node's CPU per operation by 40% and cut YCSB-A by
+//! 13% on two cores (`docs/benchmarks.md`, *Lanes*). `shm` and `verbs` connections cost the
+//! node no CPU per operation, and get a lane per worker.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::connection::NodeConnection;
+
+/// The most lanes per node, whatever the runtime's worker count: each is a connection, with
+/// its queue pair, keys and heap chunk on the node, counted by its `max_connections`.
+pub const MAX_LANES: usize = 8;
+
+/// The lanes for a client made on this thread: the current tokio runtime's worker count (one
+/// on a current-thread runtime), else the machine's parallelism; at most [`MAX_LANES`].
+pub(crate) fn default_lanes() -> usize {
+    let workers = match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.metrics().num_workers(),
+        Err(_) => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+    };
+    workers.clamp(1, MAX_LANES)
+}
+
+/// The lane this thread uses out of `lanes`: threads are numbered in the order they first use
+/// any client, so the workers of one runtime get different lanes (until there are more
+/// threads than lanes).
+pub(crate) fn current_lane(lanes: usize) -> usize {
+    /// The next thread's number.
+    static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static THREAD_NUMBER: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+    }
+    THREAD_NUMBER.with(|number| number % lanes.max(1))
+}
+
+/// One lane to a node: its connection, opened lazily and replaced when it breaks.
+#[derive(Debug)]
+pub(crate) struct Lane {
+    /// The live connection. The task that opens a connection stores it even if the operation
+    /// that asked is cancelled.
+    pub(crate) connection: Mutex<Option<Arc<NodeConnection>>>,
+    /// One connection attempt at a time: concurrent operations on the lane wait for it instead
+    /// of each opening (and pinning buffers for) a connection of their own.
+    pub(crate) connecting: Arc<tokio::sync::Semaphore>,
+    /// Set when the lane's connection was retired: the next one counts as a reconnect.
+    pub(crate) retired: AtomicBool,
+}
+
+impl Lane {
+    /// A lane holding `connection`, if any.
+    pub(crate) fn new(connection: Option<Arc<NodeConnection>>) -> Self {
+        Self {
+            connection: Mutex::new(connection),
+            connecting: Arc::new(tokio::sync::Semaphore::new(1)),
+            retired: AtomicBool::new(false),
+        }
+    }
+
+    /// The lane's live connection, if it has one that has not failed.
+    pub(crate) fn healthy_connection(&self) -> Option<Arc<NodeConnection>> {
+        rdkv_fabric::lock(&self.connection)
+            .clone()
+            .filter(|connection| !connection.is_broken())
+    }
+
+    /// Takes the lane's connection out (the next operation on the lane connects again).
+    pub(crate) fn take(&self) -> Option<Arc<NodeConnection>> {
+        rdkv_fabric::lock(&self.connection).take()
+    }
+
+    /// Empties the lane if it holds `connection`; whether it did.
+    pub(crate) fn remove(&self, connection: &Arc<NodeConnection>) -> bool {
+        let mut current = rdkv_fabric::lock(&self.connection);
+        if current
+            .as_ref()
+            .is_some_and(|live| Arc::ptr_eq(live, connection))
+        {
+            *current = None;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_keeps_its_lane_and_threads_spread_over_the_lanes() {
+        let here = current_lane(2);
+        assert_eq!(current_lane(2), here, "a thread's lane is stable");
+        assert_eq!(current_lane(1), 0);
+        // Threads are numbered in turn as they first ask: sixteen threads in a row use both
+        // lanes (other tests' threads may take numbers in between, never all the odd ones).
+        let lanes: std::collections::BTreeSet<usize> = (0..16)
+            .map(|_| {
+                std::thread::spawn(|| current_lane(2))
+                    .join()
+                    .expect("the thread ran")
+            })
+            .collect();
+        assert_eq!(lanes, [0, 1].into_iter().collect());
+    }
+
+    #[test]
+    fn lanes_follow_the_runtime_workers() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(3)
+            .build()
+            .expect("a runtime");
+        assert_eq!(runtime.block_on(async { default_lanes() }), 3);
+        let single = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        assert_eq!(single.block_on(async { default_lanes() }), 1);
+    }
+}
