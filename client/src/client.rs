@@ -291,7 +291,12 @@ impl Client {
         if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
-        Self::establish(node.clone(), lane, self.counters.clone()).await
+        match Self::establish(node.clone(), lane, self.counters.clone()).await {
+            Ok(connection) => Ok(connection),
+            // This lane could not connect (the node at max_connections, say); another lane's
+            // connection serves rather than the operation failing.
+            Err(error) => node.any_healthy_connection().ok_or(error),
+        }
     }
 
     /// (Re-)establishes the connection of `node`'s lane `lane`, unless another caller did
@@ -310,58 +315,61 @@ impl Client {
             .acquire_owned()
             .await
             .expect("the connection gate is never closed");
-        // Another operation may have connected while this one waited.
+        // Another operation may have connected while this one waited, or found the node
+        // reached over soft, which gets one lane: then the first lane serves.
+        if lane >= node.lanes_in_use.load(Ordering::Relaxed) {
+            drop(connecting);
+            return Box::pin(Self::establish(node, 0, counters)).await;
+        }
         if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
         let address = node.config.node.control_address;
         let opening = tokio::spawn(async move {
-            let slot = &node.lanes[lane];
-            let had_one = rdkv_fabric::lock(&slot.connection).is_some()
-                || slot.retired.swap(false, Ordering::AcqRel);
             let fresh =
                 NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
                     .await?;
-            if had_one {
-                counters.reconnects.add(1);
-            }
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
+            let mut lane = lane;
+            let mut gates = vec![connecting];
             if fresh.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
                 // A soft node's engine batches each connection's frames: two connections from
                 // one client halve its batches and raise the node's CPU per operation by 40%
-                // (docs/benchmarks.md, Lanes). One lane, then.
+                // (docs/benchmarks.md, Lanes). One lane, then: the first.
                 node.lanes_in_use.store(1, Ordering::Relaxed);
                 if lane != 0 {
-                    return Ok(Self::keep_in_first_lane(&node, fresh));
+                    let first = node.lanes[0]
+                        .connecting
+                        .clone()
+                        .acquire_owned()
+                        .await
+                        .expect("the connection gate is never closed");
+                    if let Some(live) = node.lanes[0].healthy_connection() {
+                        tokio::spawn(async move {
+                            // Best effort: on a timeout it closes without the goodbye.
+                            let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
+                        });
+                        return Ok(live);
+                    }
+                    lane = 0;
+                    gates.push(first);
                 }
             }
-            *rdkv_fabric::lock(&slot.connection) = Some(fresh.clone());
-            drop(connecting);
+            let slot = &node.lanes[lane];
+            let mut current = rdkv_fabric::lock(&slot.connection);
+            if current.is_some() || slot.retired.swap(false, Ordering::AcqRel) {
+                counters.reconnects.add(1);
+            }
+            *current = Some(fresh.clone());
+            drop(current);
+            drop(gates);
             Ok::<_, Error>(fresh)
         });
         opening.await.map_err(|error| Error::NodeUnreachable {
             address,
             reason: format!("the connecting task failed: {error}"),
         })?
-    }
-
-    /// Puts `fresh`, a soft connection opened for another lane, into the node's first lane,
-    /// unless that lane is connected already: then `fresh` says goodbye (in a task of its own)
-    /// and the first lane's connection serves.
-    fn keep_in_first_lane(node: &Node, fresh: Arc<NodeConnection>) -> Arc<NodeConnection> {
-        let mut first = rdkv_fabric::lock(&node.lanes[0].connection);
-        if let Some(live) = first.as_ref().filter(|live| !live.is_broken()) {
-            let live = live.clone();
-            drop(first);
-            tokio::spawn(async move {
-                // Best effort: on a timeout the connection closes without the goodbye.
-                let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
-            });
-            return live;
-        }
-        *first = Some(fresh.clone());
-        fresh
     }
 
     /// Runs one operation under the deadline. A failure is retried once on a fresh connection
@@ -720,9 +728,11 @@ impl Client {
     /// tear the connections down at once. Dropping the client does the same without waiting
     /// (see [`Client`]). An operation after `close` connects again.
     pub async fn close(&self) {
+        let mut closing = tokio::task::JoinSet::new();
         for connection in self.take_connections() {
-            connection.close().await;
+            closing.spawn(async move { connection.close().await });
         }
+        while closing.join_next().await.is_some() {}
     }
 
     /// Takes every node's open connections, of every lane, out of the client (the next

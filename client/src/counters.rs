@@ -70,7 +70,7 @@ pub struct Counters {
     pub cas_failures: ShardedCounter,
     /// Block reads retried after a checksum mismatch.
     pub checksum_retries: ShardedCounter,
-    /// Connections re-established after a failure.
+    /// Connections re-established after a failure (each lane's counts: `crate::lanes`).
     pub reconnects: ShardedCounter,
     /// What was last reported to a server (each increment is reported once).
     reported: Mutex<ClientCounters>,
@@ -82,7 +82,7 @@ pub struct Counters {
 pub struct CounterSnapshot {
     /// Operations, round trips, work requests, lost races, checksum retries.
     pub work: ClientCounters,
-    /// Connections re-established after a failure.
+    /// Connections re-established after a failure (each lane's counts: `crate::lanes`).
     pub reconnects: u64,
 }
 

@@ -18,7 +18,8 @@ pub struct HeapDemand {
     /// Bytes of live blocks (records × block size; a block is the value, the key and a 16-byte
     /// header, rounded up to 64 bytes).
     pub live_bytes: u64,
-    /// Connections that write to the node at once (one per client process and node).
+    /// Connections that write to the node at once (one per client process and node over
+    /// `soft`; over `shm` and `verbs`, one per tokio worker of each client process).
     pub writers: u64,
     /// The node's chunk size.
     pub chunk_size: u64,
