@@ -17,6 +17,12 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// The replication protocol name is not one of `replication::ReplicationProtocol::ALL`.
+    #[error("unknown replication protocol {name:?}: expected intent, commit-first, empty-deletes or read-intent-new")]
+    UnknownReplicationProtocol {
+        /// The name asked for.
+        name: String,
+    },
     /// The scenario does not fit the model's limits or conventions.
     #[error("scenario {scenario}: {reason}")]
     InvalidScenario {

@@ -24,6 +24,10 @@
 //! and `new_protocol` (what differs), [`model`] (the stateright model and properties),
 //! [`scenario`] (the built-in scripts), [`mod@check`] (running and reporting).
 //!
+//! [`replication`] is a second, separate model: the replication protocol designed for issue 16
+//! (intents on the primary, helping, tombstones, a failover that fences the old view), checked
+//! before it is built, with three broken variants the checker catches.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -36,6 +40,7 @@ pub mod key_value;
 pub mod model;
 mod new_protocol;
 mod old_protocol;
+pub mod replication;
 pub mod scenario;
 pub mod step;
 

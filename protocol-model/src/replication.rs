@@ -1,0 +1,724 @@
+//! An exhaustive model check of the replication protocol designed for issue 16
+//! (`docs/protocol.md`, *Replication*), before it is built.
+//!
+//! One key, two nodes, a view that names the key's replicas in order (the first is the
+//! primary), clients running short scripts, and a failover: the checker may kill the first node
+//! at any moment, once, and commit the next view, in which the second node is the key's only
+//! replica. Each slot access is one atomic step. The properties:
+//!
+//! - [`LINEARIZABLE`]: the history, across the failover, is linearizable against a sequential
+//!   map. An acknowledged write that the surviving replica lacks breaks it (a later read returns
+//!   an older value), so this is also "no acknowledged write lost";
+//! - [`REPLICAS_AGREE_AT_REST`]: under the first view, whenever the primary holds no intent, the
+//!   backup holds the primary's word: the replicas never diverge.
+//!
+//! # The protocol ([`ReplicationProtocol::Intent`])
+//!
+//! A write reads the primary's slot, then swaps it for an **intent** that names the old word
+//! (still what readers return) and the new one; then it swaps every backup's slot from the old
+//! word to the new one; then it **commits**, swapping the primary's intent for the new word. A
+//! reader that finds an intent returns its old word. A writer that finds another's intent
+//! **helps**: it swaps the backups and commits for it, then starts its own write again, so a
+//! writer that stalls or dies after its intent never blocks the key. A delete writes a
+//! **tombstone** (a word of its own, invisible to readers) rather than an empty slot, so a slot
+//! never returns to a word it held before: a helper that stalled with an old intent cannot swap
+//! a backup back to it.
+//!
+//! The view change fences the old view: once the next view is committed, every access made
+//! under the old one fails (the nodes revoked its windows), and the operation starts again under
+//! the new view, unless it had placed its intent, in which case it ends unresolved (pending in
+//! the history: it may or may not have taken effect), as the client reports a failure after a
+//! CAS was posted.
+//!
+//! Three variants show what the checker catches: [`ReplicationProtocol::CommitFirst`] (swap the
+//! primary first, then write the backups) loses acknowledged writes at a failover,
+//! [`ReplicationProtocol::EmptyDeletes`] (a delete empties the slot) lets a stalled helper
+//! resurrect a deleted value on the backup, and [`ReplicationProtocol::ReadIntentNew`] (a
+//! reader returns an intent's new word) shows a value that a failover then takes back.
+//!
+//! # What the model leaves out
+//!
+//! The index's buckets and the insert's tentative slots (checked by [`crate::model`]; here a key
+//! has one slot per node), the heap and its reclamation, refilling a returning node, and a
+//! partitioned (not dead) primary, which the design handles with leases (`docs/protocol.md`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
+use stateright::{Checker, Model, Property};
+
+use crate::client::OperationId;
+use crate::error::{Error, Result};
+use crate::key_value::{Key, KeyValueSpec, Operation, Outcome, Value};
+use crate::scenario::{compare_and_swap, delete, get, insert, put};
+
+/// Property: the history is linearizable across the failover.
+pub const LINEARIZABLE: &str = "linearizable across the failover";
+/// Property: with no write in progress on the primary, the backup holds the primary's word.
+pub const REPLICAS_AGREE_AT_REST: &str = "the replicas agree at rest";
+
+/// The nodes of the model.
+const NODES: usize = 2;
+
+/// How a write reaches the replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReplicationProtocol {
+    /// The design: intent on the primary, the backups, commit on the primary; helping;
+    /// tombstones for deletes.
+    Intent,
+    /// Swap the primary's word first (the write is visible), then write the backups.
+    CommitFirst,
+    /// As [`ReplicationProtocol::Intent`], but a delete empties the slot.
+    EmptyDeletes,
+    /// As [`ReplicationProtocol::Intent`], but a reader that finds an intent returns its new
+    /// word.
+    ReadIntentNew,
+}
+
+impl ReplicationProtocol {
+    /// Every variant.
+    pub const ALL: [ReplicationProtocol; 4] = [
+        ReplicationProtocol::Intent,
+        ReplicationProtocol::CommitFirst,
+        ReplicationProtocol::EmptyDeletes,
+        ReplicationProtocol::ReadIntentNew,
+    ];
+}
+
+impl fmt::Display for ReplicationProtocol {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(match self {
+            ReplicationProtocol::Intent => "intent",
+            ReplicationProtocol::CommitFirst => "commit-first",
+            ReplicationProtocol::EmptyDeletes => "empty-deletes",
+            ReplicationProtocol::ReadIntentNew => "read-intent-new",
+        })
+    }
+}
+
+impl FromStr for ReplicationProtocol {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|protocol| protocol.to_string() == name)
+            .ok_or_else(|| Error::UnknownReplicationProtocol {
+                name: name.to_string(),
+            })
+    }
+}
+
+/// A node's slot word for the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Word {
+    /// No value, never written.
+    Empty,
+    /// A value.
+    Committed(Value),
+    /// Deleted: the tombstone of the delete that wrote it (unique, like a value).
+    Tombstone(Value),
+    /// A write in progress (primary only): readers see `old`.
+    Intent {
+        /// The word before the write.
+        old: Stored,
+        /// The word the write puts in place.
+        new: Stored,
+    },
+}
+
+/// What a slot holds when no write is in progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stored {
+    /// Never written (or emptied by a delete, in [`ReplicationProtocol::EmptyDeletes`]).
+    Empty,
+    /// A value.
+    Committed(Value),
+    /// A tombstone.
+    Tombstone(Value),
+}
+
+impl Stored {
+    /// The slot word holding this.
+    fn word(self) -> Word {
+        match self {
+            Stored::Empty => Word::Empty,
+            Stored::Committed(value) => Word::Committed(value),
+            Stored::Tombstone(value) => Word::Tombstone(value),
+        }
+    }
+
+    /// The value a reader returns.
+    fn visible(self) -> Option<Value> {
+        match self {
+            Stored::Committed(value) => Some(value),
+            Stored::Empty | Stored::Tombstone(_) => None,
+        }
+    }
+}
+
+impl Word {
+    /// What a reader of this word returns.
+    fn visible(self) -> Option<Value> {
+        match self {
+            Word::Empty | Word::Tombstone(_) => None,
+            Word::Committed(value) => Some(value),
+            Word::Intent { old, .. } => old.visible(),
+        }
+    }
+
+    /// The stored word, for a word that is not an intent.
+    fn stored(self) -> Option<Stored> {
+        match self {
+            Word::Empty => Some(Stored::Empty),
+            Word::Committed(value) => Some(Stored::Committed(value)),
+            Word::Tombstone(value) => Some(Stored::Tombstone(value)),
+            Word::Intent { .. } => None,
+        }
+    }
+}
+
+/// Where a client is in its current operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// Between operations: the next step invokes the next one (or finishes the script).
+    Idle,
+    /// Reading the primary's word.
+    ReadPrimary,
+    /// Swapping the primary's word `seen` for the write's intent (or, commit-first, its word).
+    Place {
+        /// The word read.
+        seen: Word,
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+    },
+    /// Swapping the backup at position `next` of the view's replicas from `old` to `new`.
+    Backup {
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+        /// The position in the replica list.
+        next: u8,
+        /// Whether the write is the client's own (else it helps another's intent).
+        own: bool,
+    },
+    /// Swapping the primary's intent for `new`.
+    Commit {
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+        /// Whether the write is the client's own.
+        own: bool,
+    },
+    /// The script is done.
+    Finished,
+}
+
+/// One client.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Client {
+    /// The operation in progress or next (index into the script).
+    operation: u8,
+    /// What it does next.
+    stage: Stage,
+    /// The view its operation runs under.
+    epoch: u8,
+    /// Restarts of the operation so far.
+    restarts: u8,
+    /// Whether the operation placed its intent (a CAS was posted): a fenced operation then
+    /// ends unresolved instead of starting again.
+    placed: bool,
+}
+
+/// The model's state.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ReplicationState {
+    /// Each node's word for the key.
+    words: [Word; NODES],
+    /// The view: 0 names nodes 0 and 1 (0 primary); 1, after the failover, node 1 alone.
+    epoch: u8,
+    /// The clients.
+    clients: Vec<Client>,
+    /// The history so far.
+    history: LinearizabilityTester<OperationId, KeyValueSpec>,
+    /// Whether the history is still linearizable.
+    linearizable: bool,
+}
+
+/// A step of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReplicationAction {
+    /// Client `n` (from 0) takes its next step.
+    Step(u8),
+    /// Node 0 dies and the next view, without it, is committed.
+    Failover,
+}
+
+/// A replication scenario: initial value, scripts, protocol.
+#[derive(Clone, Debug)]
+pub struct ReplicationModel {
+    /// A short name.
+    pub name: &'static str,
+    /// The protocol the clients run.
+    pub protocol: ReplicationProtocol,
+    /// The key's value on both nodes before any client starts.
+    pub initial: Option<Value>,
+    /// Each client's operations (on key 1).
+    pub scripts: Vec<Vec<Operation>>,
+    /// Restarts allowed per operation before it gives up (pending forever).
+    pub retry_budget: u8,
+}
+
+/// The replicas of the key under view `epoch`, primary first.
+fn replicas(epoch: u8) -> &'static [usize] {
+    if epoch == 0 {
+        &[0, 1]
+    } else {
+        &[1]
+    }
+}
+
+impl ReplicationModel {
+    /// The built-in scenarios for `protocol`.
+    pub fn scenarios(protocol: ReplicationProtocol) -> Vec<ReplicationModel> {
+        let scenario = |name, initial: Option<u8>, scripts| ReplicationModel {
+            name,
+            protocol,
+            initial: initial.map(Value),
+            scripts,
+            retry_budget: 2,
+        };
+        vec![
+            scenario(
+                "write-then-read",
+                Some(1),
+                vec![vec![put(1, 11)], vec![get(1), get(1)]],
+            ),
+            scenario(
+                "two-writers",
+                Some(1),
+                vec![vec![put(1, 11)], vec![put(1, 21)], vec![get(1), get(1)]],
+            ),
+            scenario(
+                "delete-and-stalled-helper",
+                None,
+                vec![vec![insert(1, 11), delete(1)], vec![put(1, 21), get(1)]],
+            ),
+            scenario(
+                "compare-and-swap",
+                Some(1),
+                vec![
+                    vec![compare_and_swap(1, 1, 11)],
+                    vec![compare_and_swap(1, 1, 21)],
+                    vec![get(1), get(1)],
+                ],
+            ),
+        ]
+    }
+
+    /// The model's properties' names.
+    pub fn property_names(&self) -> Vec<&'static str> {
+        self.properties()
+            .iter()
+            .map(|property| property.name)
+            .collect()
+    }
+
+    /// Explores every reachable state; the names of the properties with a counterexample.
+    pub fn violations(&self) -> Vec<&'static str> {
+        let checker = self.clone().checker().spawn_bfs().join();
+        let discoveries = checker.discoveries();
+        self.property_names()
+            .into_iter()
+            .filter(|name| discoveries.contains_key(name))
+            .collect()
+    }
+
+    /// The tombstone a delete writes: unique per operation.
+    fn tombstone(operation: OperationId) -> Value {
+        Value(100 + operation.client * 10 + operation.index)
+    }
+
+    /// Ends the client's operation with `outcome` (or unresolved, `None`).
+    fn finish(state: &mut ReplicationState, client: usize, outcome: Option<Outcome>) {
+        let id = OperationId {
+            client: client as u8,
+            index: state.clients[client].operation,
+        };
+        if let Some(outcome) = outcome {
+            if state.history.on_return(id, outcome).is_err() {
+                state.linearizable = false;
+            }
+            state.linearizable &= state.history.is_consistent();
+        }
+        let current = &mut state.clients[client];
+        current.operation += 1;
+        current.stage = Stage::Idle;
+    }
+
+    /// Starts the client's operation again (under the current view), or gives it up.
+    fn restart(&self, state: &mut ReplicationState, client: usize) {
+        if state.clients[client].restarts >= self.retry_budget {
+            Self::finish(state, client, None);
+            return;
+        }
+        let epoch = state.epoch;
+        let current = &mut state.clients[client];
+        current.restarts += 1;
+        current.epoch = epoch;
+        current.stage = Stage::ReadPrimary;
+    }
+
+    /// What the own write reports once applied.
+    fn applied(operation: Operation) -> Outcome {
+        match operation {
+            Operation::Delete { .. } => Outcome::Deleted { existed: true },
+            _ => Outcome::Applied,
+        }
+    }
+
+    /// One step of client `client`.
+    fn step(&self, state: &mut ReplicationState, client: usize) {
+        let script = &self.scripts[client];
+        let current = state.clients[client].clone();
+        let id = OperationId {
+            client: client as u8,
+            index: current.operation,
+        };
+        if current.stage == Stage::Idle {
+            let Some(&operation) = script.get(usize::from(current.operation)) else {
+                state.clients[client].stage = Stage::Finished;
+                return;
+            };
+            if state.history.on_invoke(id, operation).is_err() {
+                state.linearizable = false;
+            }
+            state.clients[client] = Client {
+                operation: current.operation,
+                stage: Stage::ReadPrimary,
+                epoch: state.epoch,
+                restarts: 0,
+                placed: false,
+            };
+            return;
+        }
+        let operation = script[usize::from(current.operation)];
+        // Fencing: an access under an old view fails.
+        if current.epoch != state.epoch {
+            if current.placed {
+                Self::finish(state, client, None);
+            } else {
+                self.restart(state, client);
+            }
+            return;
+        }
+        let view = replicas(state.epoch);
+        let primary = view[0];
+        match current.stage {
+            Stage::Idle | Stage::Finished => {}
+            Stage::ReadPrimary => {
+                let word = state.words[primary];
+                if let Operation::Get { .. } = operation {
+                    let visible = match word {
+                        Word::Intent { new, .. }
+                            if self.protocol == ReplicationProtocol::ReadIntentNew =>
+                        {
+                            new.visible()
+                        }
+                        word => word.visible(),
+                    };
+                    return Self::finish(state, client, Some(Outcome::Found(visible)));
+                }
+                if let Word::Intent { old, new } = word {
+                    // Help the write in progress, then start again.
+                    state.clients[client].stage = if view.len() > 1 {
+                        Stage::Backup {
+                            old,
+                            new,
+                            next: 1,
+                            own: false,
+                        }
+                    } else {
+                        Stage::Commit {
+                            old,
+                            new,
+                            own: false,
+                        }
+                    };
+                    return;
+                }
+                let old = word.stored().expect("not an intent");
+                let present = old.visible();
+                let new = match operation {
+                    Operation::Get { .. } => unreachable!("handled above"),
+                    Operation::Insert { .. } if present.is_some() => {
+                        return Self::finish(state, client, Some(Outcome::Exists));
+                    }
+                    Operation::Update { .. } if present.is_none() => {
+                        return Self::finish(state, client, Some(Outcome::Absent));
+                    }
+                    Operation::Delete { .. } if present.is_none() => {
+                        return Self::finish(
+                            state,
+                            client,
+                            Some(Outcome::Deleted { existed: false }),
+                        );
+                    }
+                    Operation::CompareAndSwap { expected, .. } if present != Some(expected) => {
+                        return Self::finish(state, client, Some(Outcome::Mismatch(present)));
+                    }
+                    Operation::Delete { .. } => match self.protocol {
+                        ReplicationProtocol::EmptyDeletes => Stored::Empty,
+                        _ => Stored::Tombstone(Self::tombstone(id)),
+                    },
+                    other => Stored::Committed(other.written_value().expect("a write")),
+                };
+                state.clients[client].stage = Stage::Place {
+                    seen: word,
+                    old,
+                    new,
+                };
+            }
+            Stage::Place { seen, old, new } => {
+                if state.words[primary] != seen {
+                    return self.restart(state, client);
+                }
+                state.clients[client].placed = true;
+                if self.protocol == ReplicationProtocol::CommitFirst {
+                    state.words[primary] = new.word();
+                } else {
+                    state.words[primary] = Word::Intent { old, new };
+                }
+                state.clients[client].stage = if view.len() > 1 {
+                    Stage::Backup {
+                        old,
+                        new,
+                        next: 1,
+                        own: true,
+                    }
+                } else if self.protocol == ReplicationProtocol::CommitFirst {
+                    return Self::finish(state, client, Some(Self::applied(operation)));
+                } else {
+                    Stage::Commit {
+                        old,
+                        new,
+                        own: true,
+                    }
+                };
+            }
+            Stage::Backup {
+                old,
+                new,
+                next,
+                own,
+            } => {
+                let backup = view[usize::from(next)];
+                if self.protocol == ReplicationProtocol::CommitFirst {
+                    // A plain WRITE of the backup's slot.
+                    state.words[backup] = new.word();
+                } else if state.words[backup] == old.word() {
+                    // A CAS from the old word; one that finds anything else changes nothing
+                    // (another helper, or this one stalled while the key moved on).
+                    state.words[backup] = new.word();
+                }
+                state.clients[client].stage = if usize::from(next) + 1 < view.len() {
+                    Stage::Backup {
+                        old,
+                        new,
+                        next: next + 1,
+                        own,
+                    }
+                } else if self.protocol == ReplicationProtocol::CommitFirst {
+                    return Self::finish(state, client, Some(Self::applied(operation)));
+                } else {
+                    Stage::Commit { old, new, own }
+                };
+            }
+            Stage::Commit { old, new, own } => {
+                // Fails only when a helper committed it already: applied either way.
+                if state.words[primary] == (Word::Intent { old, new }) {
+                    state.words[primary] = new.word();
+                }
+                if own {
+                    Self::finish(state, client, Some(Self::applied(operation)));
+                } else {
+                    self.restart(state, client);
+                }
+            }
+        }
+    }
+}
+
+impl Model for ReplicationModel {
+    type State = ReplicationState;
+    type Action = ReplicationAction;
+
+    fn init_states(&self) -> Vec<ReplicationState> {
+        let word = self.initial.map_or(Word::Empty, Word::Committed);
+        vec![ReplicationState {
+            words: [word; NODES],
+            epoch: 0,
+            clients: self
+                .scripts
+                .iter()
+                .map(|_| Client {
+                    operation: 0,
+                    stage: Stage::Idle,
+                    epoch: 0,
+                    restarts: 0,
+                    placed: false,
+                })
+                .collect(),
+            history: LinearizabilityTester::new(KeyValueSpec::new(
+                self.initial.map(|value| (Key(1), value)),
+            )),
+            linearizable: true,
+        }]
+    }
+
+    fn actions(&self, state: &ReplicationState, actions: &mut Vec<ReplicationAction>) {
+        for (index, client) in state.clients.iter().enumerate() {
+            if client.stage != Stage::Finished {
+                actions.push(ReplicationAction::Step(index as u8));
+            }
+        }
+        if state.epoch == 0 {
+            actions.push(ReplicationAction::Failover);
+        }
+    }
+
+    fn next_state(
+        &self,
+        state: &ReplicationState,
+        action: ReplicationAction,
+    ) -> Option<ReplicationState> {
+        let mut next = state.clone();
+        match action {
+            ReplicationAction::Step(client) => self.step(&mut next, usize::from(client)),
+            ReplicationAction::Failover => next.epoch = 1,
+        }
+        Some(next)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(LINEARIZABLE, |_, state: &ReplicationState| {
+                state.linearizable
+            }),
+            Property::always(REPLICAS_AGREE_AT_REST, |_, state: &ReplicationState| {
+                state.epoch != 0
+                    || matches!(state.words[0], Word::Intent { .. })
+                    || state.words[0] == state.words[1]
+            }),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scenarios of `protocol` with a violation, and the properties violated.
+    fn violations(protocol: ReplicationProtocol) -> Vec<(&'static str, Vec<&'static str>)> {
+        ReplicationModel::scenarios(protocol)
+            .into_iter()
+            .map(|model| (model.name, model.violations()))
+            .filter(|(_, violated)| !violated.is_empty())
+            .collect()
+    }
+
+    #[test]
+    fn the_intent_protocol_holds_in_every_scenario_across_a_failover() {
+        assert_eq!(violations(ReplicationProtocol::Intent), Vec::new());
+    }
+
+    #[test]
+    fn committing_the_primary_first_loses_an_acknowledged_write_at_a_failover() {
+        let found = violations(ReplicationProtocol::CommitFirst);
+        assert!(
+            found
+                .iter()
+                .any(|(name, violated)| *name == "write-then-read"
+                    && violated.contains(&LINEARIZABLE)),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn deletes_that_empty_the_slot_let_a_stalled_helper_resurrect_a_value() {
+        let found = violations(ReplicationProtocol::EmptyDeletes);
+        assert!(
+            found
+                .iter()
+                .any(|(name, violated)| *name == "delete-and-stalled-helper"
+                    && violated.contains(&REPLICAS_AGREE_AT_REST)),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn reading_an_intent_as_its_new_word_shows_a_value_a_failover_takes_back() {
+        let found = violations(ReplicationProtocol::ReadIntentNew);
+        assert!(
+            found
+                .iter()
+                .any(|(name, violated)| *name == "write-then-read"
+                    && violated == &vec![LINEARIZABLE]),
+            "{found:?}"
+        );
+    }
+
+    /// Whether some state reachable in `model` satisfies `condition`.
+    fn reaches(model: &ReplicationModel, condition: impl Fn(&ReplicationState) -> bool) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        let mut frontier = model.init_states();
+        while let Some(state) = frontier.pop() {
+            if condition(&state) {
+                return true;
+            }
+            let mut actions = Vec::new();
+            model.actions(&state, &mut actions);
+            for action in actions {
+                if let Some(next) = model.next_state(&state, action) {
+                    if seen.insert(next.clone()) {
+                        frontier.push(next);
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn the_check_covers_helping_fencing_and_writes_after_the_failover() {
+        let model = ReplicationModel::scenarios(ReplicationProtocol::Intent)
+            .into_iter()
+            .find(|model| model.name == "two-writers")
+            .expect("the scenario exists");
+        assert!(reaches(&model, |state| state.clients.iter().any(
+            |client| { matches!(client.stage, Stage::Backup { own: false, .. }) }
+        )));
+        assert!(reaches(&model, |state| state.epoch == 1
+            && state
+                .clients
+                .iter()
+                .any(|client| client.epoch == 0 && client.placed)));
+        assert!(reaches(&model, |state| state.epoch == 1
+            && matches!(state.words[1], Word::Intent { .. })));
+    }
+
+    #[test]
+    fn protocol_names_round_trip() {
+        for protocol in ReplicationProtocol::ALL {
+            assert_eq!(
+                protocol.to_string().parse::<ReplicationProtocol>().ok(),
+                Some(protocol)
+            );
+        }
+    }
+}
