@@ -280,7 +280,7 @@ covered_elsewhere = [
     (r"\| sudo tee ", "changes the machine's configuration (limits, hugepages, sysctl): not done on a CI machine"),
     (r"^(install -d -m 0700 /etc/rdkv|printf .* /etc/rdkv/|cp rdkv-local-3node-node-1\.service /etc/systemd/system/|systemctl |journalctl )",
      "installs a systemd unit: needs systemd as PID 1; the unit passes systemd-analyze verify in integration-tests/tests/operations.rs"),
-    (r"^cargo test -p rdkv-protocol-model$", ".ci/run's test step (cargo test --workspace)"),
+    (r"^cargo test -p rdkv-protocol-model( replication)?$", ".ci/run's test step (cargo test --workspace)"),
     (r"^cargo run -p rdkv-protocol-model -- --protocol (old|new)$", ".ci/run's protocol model check step runs both"),
     # docs/benchmarks.md: the measurements behind its figures take minutes each; CI runs every
     # tool in a short form.
@@ -288,6 +288,7 @@ covered_elsewhere = [
     (r"^scripts/softroce/run\.sh --fabric-bench", "a measurement in the Soft-RoCE guest: .ci/run runs the Soft-RoCE tier without the benchmark"),
     (r"^target/release/rdkv-ycsb compare --workloads a,f --heap-size (218|870)M$", "the 2x/8x heap measurement (870 MiB pinned, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^(TOKIO_WORKER_THREADS=\d+ )?target/release/rdkv-ycsb compare --workloads [a-f,]+ --seconds \d+ --stores [a-z,-]+$", "a measurement (seconds per store and workload, memlock raised): the compare runs above and .ci/run's smoke comparison run the same tool"),
+    (r"^target/release/rdkv-ycsb compare --seconds \d+$", "a measurement (every workload and store, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
     (r"scripts/bench/callgrind-get\.sh", ".ci/run's instructions-per-GET step runs callgrind-get.sh"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
