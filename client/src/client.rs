@@ -117,12 +117,12 @@ impl Client {
             .map_or(server_deadline, |deadline| deadline.min(server_deadline));
         node.server_deadline_ms
             .store(connection.welcome.operation_deadline_ms, Ordering::Relaxed);
-        // The calling thread's lane; the others open on their workers' first operations. Over
-        // soft, the node's one lane.
+        // The first lane; the others open in the background as workers use them. Over soft,
+        // the node's one lane.
         if connection.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
             node.lanes_in_use.store(1, Ordering::Relaxed);
         }
-        *rdkv_fabric::lock(&node.lanes[node.lane()].connection) = Some(connection);
+        *rdkv_fabric::lock(&node.lanes[0].connection) = Some(connection);
         Ok(Self {
             node_ids: vec![1],
             nodes: vec![Arc::new(node)],
@@ -229,28 +229,34 @@ impl Client {
         self.node_for(key).id
     }
 
-    /// Connects every lane of every node that has no live connection, concurrently, and waits
-    /// for all of them: afterwards no operation pays a handshake inside its deadline (until a
-    /// connection fails and is re-established). Each handshake step is bounded by the
-    /// connection timeout (5 s), not by the operation deadline.
+    /// Connects every lane of every node that has no live connection (the nodes concurrently,
+    /// each node's lanes in turn), and waits for all of them: afterwards no operation pays a
+    /// handshake inside its deadline (until a connection fails and is re-established). Each
+    /// handshake step is bounded by the connection timeout (5 s), not by the operation
+    /// deadline. A node's lanes after the first that cannot connect (the node at
+    /// `max_connections`) fail nothing: the first serves their operations.
     ///
     /// # Errors
-    /// [`Error::ConnectFailed`] naming the first node, in cluster-file order, that could not be
-    /// connected, with the cause as its source; the other nodes stay connected.
+    /// [`Error::ConnectFailed`] naming the first node, in cluster-file order, whose first lane
+    /// could not be connected, with the cause as its source; the other nodes stay connected.
     pub async fn connect_all(&self) -> Result<()> {
         let mut tasks = tokio::task::JoinSet::new();
         for (index, node) in self.nodes.iter().enumerate() {
             let node = node.clone();
             let counters = self.counters.clone();
-            // Lane 0 first: its fabric says how many lanes the node gets.
+            // Lane 0 first: its fabric says how many lanes the node gets. Another lane that
+            // cannot open (the node at max_connections) fails nothing: lane 0 serves its
+            // operations meanwhile.
             tasks.spawn(async move {
                 let mut lane = 0;
                 while lane < node.lanes_in_use.load(Ordering::Relaxed) {
                     if node.lanes[lane].healthy_connection().is_none() {
-                        if let Err(error) =
-                            Self::establish(node.clone(), lane, counters.clone()).await
-                        {
-                            return (index, Err(error));
+                        match Self::establish(node.clone(), lane, counters.clone()).await {
+                            Err(error) if lane == 0 => return (index, Err(error)),
+                            Err(error) => {
+                                tracing::debug!(%error, node = node.id, lane, "a lane did not open; another serves");
+                            }
+                            Ok(_) => {}
                         }
                     }
                     lane += 1;
@@ -291,12 +297,30 @@ impl Client {
         if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
-        match Self::establish(node.clone(), lane, self.counters.clone()).await {
-            Ok(connection) => Ok(connection),
-            // This lane could not connect (the node at max_connections, say); another lane's
-            // connection serves rather than the operation failing.
-            Err(error) => node.any_healthy_connection().ok_or(error),
+        // Another lane serves while this one opens in the background (`lanes`).
+        if let Some(connection) = node.any_healthy_connection() {
+            self.open_in_background(node, lane);
+            return Ok(connection);
         }
+        // None is connected: the first lane opens on the operation's path.
+        Self::establish(node.clone(), 0, self.counters.clone()).await
+    }
+
+    /// Opens `node`'s lane `lane` in a task of its own, unless an attempt is in flight or
+    /// failed within the retry interval.
+    fn open_in_background(&self, node: &Arc<Node>, lane: usize) {
+        if !node.lanes[lane].claim_background_attempt() {
+            return;
+        }
+        let node = node.clone();
+        let counters = self.counters.clone();
+        tokio::spawn(async move {
+            let outcome = Self::establish(node.clone(), lane, counters).await;
+            if let Err(error) = &outcome {
+                tracing::debug!(%error, node = node.id, lane, "a lane did not open; another serves");
+            }
+            node.lanes[lane].end_background_attempt(outcome.is_ok());
+        });
     }
 
     /// (Re-)establishes the connection of `node`'s lane `lane`, unless another caller did

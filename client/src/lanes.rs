@@ -6,6 +6,11 @@
 //! queue pair*). A lane opens on its first operation, so a thread that never uses the client
 //! costs the node nothing.
 //!
+//! Only the first lane opens on an operation's path. An operation whose lane is not connected
+//! while another is uses that one, and its own lane opens in the background: a node at
+//! `max_connections` holds a new connection for the whole handshake timeout, and an operation
+//! must not wait for that (a failed attempt is retried after [`LANE_RETRY_INTERVAL`]).
+//!
 //! A node reached over `soft` gets one lane: its engine batches each connection's frames, and
 //! two connections from one client raised the node's CPU per operation by 40% and cut YCSB-A by
 //! 13% on two cores (`docs/benchmarks.md`, *Lanes*). `shm` and `verbs` connections cost the
@@ -13,8 +18,12 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::connection::NodeConnection;
+
+/// How long a lane that failed to open in the background waits before the next attempt.
+pub const LANE_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The most lanes per node, whatever the runtime's worker count: each is a connection, with
 /// its queue pair, keys and heap chunk on the node, counted by its `max_connections`.
@@ -53,6 +62,10 @@ pub(crate) struct Lane {
     pub(crate) connecting: Arc<tokio::sync::Semaphore>,
     /// Set when the lane's connection was retired: the next one counts as a reconnect.
     pub(crate) retired: AtomicBool,
+    /// A background attempt to open the lane is in flight.
+    opening: AtomicBool,
+    /// When the last background attempt failed: the next waits [`LANE_RETRY_INTERVAL`].
+    failed_at: Mutex<Option<Instant>>,
 }
 
 impl Lane {
@@ -62,7 +75,26 @@ impl Lane {
             connection: Mutex::new(connection),
             connecting: Arc::new(tokio::sync::Semaphore::new(1)),
             retired: AtomicBool::new(false),
+            opening: AtomicBool::new(false),
+            failed_at: Mutex::new(None),
         }
+    }
+
+    /// Claims the lane's background opening: false while one is in flight, or within
+    /// [`LANE_RETRY_INTERVAL`] of a failed one.
+    pub(crate) fn claim_background_attempt(&self) -> bool {
+        if rdkv_fabric::lock(&self.failed_at)
+            .is_some_and(|failed| failed.elapsed() < LANE_RETRY_INTERVAL)
+        {
+            return false;
+        }
+        !self.opening.swap(true, Ordering::AcqRel)
+    }
+
+    /// Ends the background opening claimed with [`Lane::claim_background_attempt`].
+    pub(crate) fn end_background_attempt(&self, succeeded: bool) {
+        *rdkv_fabric::lock(&self.failed_at) = (!succeeded).then(Instant::now);
+        self.opening.store(false, Ordering::Release);
     }
 
     /// The lane's live connection, if it has one that has not failed.
