@@ -36,6 +36,9 @@ struct Node {
     lanes_in_use: AtomicUsize,
     /// This process's writer turns on the node, shared by its lanes.
     writer_stripes: Arc<WriterStripes>,
+    /// Bumped when the client takes its connections out (close, drop): a connection that an
+    /// opening begun before then brings back says goodbye instead of being stored.
+    generation: std::sync::atomic::AtomicU64,
     /// The node's own operation deadline (from its welcome; 0 until the first connection):
     /// operations on it never run longer, whatever the client's deadline.
     server_deadline_ms: std::sync::atomic::AtomicU64,
@@ -50,6 +53,7 @@ impl Node {
             lanes: (0..lanes.max(1)).map(|_| Lane::new(None)).collect(),
             lanes_in_use: AtomicUsize::new(lanes.max(1)),
             writer_stripes: Arc::new(WriterStripes::default()),
+            generation: std::sync::atomic::AtomicU64::new(0),
             server_deadline_ms: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -244,24 +248,12 @@ impl Client {
         for (index, node) in self.nodes.iter().enumerate() {
             let node = node.clone();
             let counters = self.counters.clone();
-            // Lane 0 first: its fabric says how many lanes the node gets. Another lane that
-            // cannot open (the node at max_connections) fails nothing: lane 0 serves its
-            // operations meanwhile.
+            // The first lane; its fabric says how many lanes the node gets.
             tasks.spawn(async move {
-                let mut lane = 0;
-                while lane < node.lanes_in_use.load(Ordering::Relaxed) {
-                    if node.lanes[lane].healthy_connection().is_none() {
-                        match Self::establish(node.clone(), lane, counters.clone()).await {
-                            Err(error) if lane == 0 => return (index, Err(error)),
-                            Err(error) => {
-                                tracing::debug!(%error, node = node.id, lane, "a lane did not open; another serves");
-                            }
-                            Ok(_) => {}
-                        }
-                    }
-                    lane += 1;
+                if node.lanes[0].healthy_connection().is_some() {
+                    return (index, Ok(()));
                 }
-                (index, Ok(()))
+                (index, Self::establish(node, 0, counters).await.map(drop))
             });
         }
         let mut first_failure: Option<(usize, Error)> = None;
@@ -275,6 +267,18 @@ impl Client {
                     .is_none_or(|(first, _)| index < *first)
                 {
                     first_failure = Some((index, error));
+                }
+            }
+        }
+        // The other lanes open in the background: a node at max_connections would hold each
+        // for the 5 s handshake timeout, and the first lane serves their operations meanwhile.
+        for node in &self.nodes {
+            if node.lanes[0].healthy_connection().is_none() {
+                continue;
+            }
+            for lane in 1..node.lanes_in_use.load(Ordering::Relaxed) {
+                if node.lanes[lane].healthy_connection().is_none() {
+                    self.open_in_background(node, lane);
                 }
             }
         }
@@ -349,6 +353,7 @@ impl Client {
             return Ok(connection);
         }
         let address = node.config.node.control_address;
+        let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
             let fresh =
                 NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
@@ -382,6 +387,18 @@ impl Client {
             }
             let slot = &node.lanes[lane];
             let mut current = rdkv_fabric::lock(&slot.connection);
+            if node.generation.load(Ordering::Acquire) != generation {
+                // The client was closed (or dropped) while this connection opened.
+                drop(current);
+                tokio::spawn(async move {
+                    // Best effort: on a timeout it closes without the goodbye.
+                    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
+                });
+                return Err(Error::NodeUnreachable {
+                    address,
+                    reason: "the client was closed while this connection opened".to_string(),
+                });
+            }
             if current.is_some() || slot.retired.swap(false, Ordering::AcqRel) {
                 counters.reconnects.add(1);
             }
@@ -764,7 +781,15 @@ impl Client {
     fn take_connections(&self) -> Vec<Arc<NodeConnection>> {
         self.nodes
             .iter()
-            .flat_map(|node| node.lanes.iter().filter_map(Lane::take))
+            .flat_map(|node| {
+                // Under each lane's lock, so an opening either stored its connection before
+                // (taken here) or sees the new generation (and says goodbye itself).
+                node.lanes.iter().filter_map(|lane| {
+                    let mut connection = rdkv_fabric::lock(&lane.connection);
+                    node.generation.fetch_add(1, Ordering::AcqRel);
+                    connection.take()
+                })
+            })
             .collect()
     }
 }

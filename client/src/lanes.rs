@@ -104,11 +104,6 @@ impl Lane {
             .filter(|connection| !connection.is_broken())
     }
 
-    /// Takes the lane's connection out (the next operation on the lane connects again).
-    pub(crate) fn take(&self) -> Option<Arc<NodeConnection>> {
-        rdkv_fabric::lock(&self.connection).take()
-    }
-
     /// Empties the lane if it holds `connection`; whether it did.
     pub(crate) fn remove(&self, connection: &Arc<NodeConnection>) -> bool {
         let mut current = rdkv_fabric::lock(&self.connection);
