@@ -233,12 +233,12 @@ impl Client {
         self.node_for(key).id
     }
 
-    /// Connects every lane of every node that has no live connection (the nodes concurrently,
-    /// each node's lanes in turn), and waits for all of them: afterwards no operation pays a
-    /// handshake inside its deadline (until a connection fails and is re-established). Each
-    /// handshake step is bounded by the connection timeout (5 s), not by the operation
-    /// deadline. A node's lanes after the first that cannot connect (the node at
-    /// `max_connections`) fail nothing: the first serves their operations.
+    /// Connects the first lane of every node that has none, concurrently, waits for them, and
+    /// starts opening the other lanes in the background: afterwards no operation pays a
+    /// handshake inside its deadline (until a connection fails and is re-established; an
+    /// operation whose lane is still opening uses the first). Each handshake step is bounded
+    /// by the connection timeout (5 s), not by the operation deadline. A lane after the first
+    /// that cannot connect (the node at `max_connections`) fails nothing.
     ///
     /// # Errors
     /// [`Error::ConnectFailed`] naming the first node, in cluster-file order, whose first lane
