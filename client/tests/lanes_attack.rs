@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod support;
+use support::eventually;
+
 use rdkv_client::{CasOutcome, Client, ClusterConfig};
-use rdkv_cluster_file::NodeConfig;
-use rdkv_fabric::memory::HugepagePolicy;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
@@ -33,48 +34,7 @@ async fn start_loopback(address: Option<SocketAddr>, max_connections: usize) -> 
 
 /// A loopback cluster of one node at `address`.
 fn cluster(address: SocketAddr) -> ClusterConfig {
-    ClusterConfig {
-        path: "lanes-attack.toml".into(),
-        name: "lanes-attack".into(),
-        secret: SECRET.to_vec(),
-        fabric: Backend::Loopback,
-        lease_timeout: Duration::from_secs(10),
-        operation_deadline: DEADLINE,
-        poll_spin: Duration::ZERO,
-        limits: rdkv_cluster_file::config::ConnectionLimits::default(),
-        ssh: rdkv_cluster_file::config::SshSettings {
-            user: None,
-            options: Vec::new(),
-            remote_binary: "rdkv-server".into(),
-            remote_run_dir: ".rdkv/lanes-attack".into(),
-        },
-        nodes: vec![NodeConfig {
-            id: 1,
-            host: None,
-            control_address: address,
-            fabric_address: None,
-            device: None,
-            gid_index: None,
-            metrics_address: None,
-            index_size: 256 * 1024,
-            heap_size: 4 * 1024 * 1024,
-            chunk_size: 64 * 1024,
-            hugepages: HugepagePolicy::Auto,
-            max_pinned_share: 0.5,
-            shm: rdkv_client::ShmMode::Auto,
-            shm_socket: None,
-        }],
-        warnings: Vec::new(),
-    }
-}
-
-/// Waits, up to 10 s, for `condition`.
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !condition() {
-        assert!(started.elapsed() < Duration::from_secs(10), "{what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    support::cluster("lanes-attack", SECRET, Backend::Loopback, &[address])
 }
 
 /// Checks, for `window`, that `condition` holds throughout (polled every 10 ms).

@@ -5,9 +5,10 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+mod support;
+use support::eventually;
+
 use rdkv_client::{Client, ClientConfig, ClusterConfig, Error};
-use rdkv_cluster_file::NodeConfig;
-use rdkv_fabric::memory::HugepagePolicy;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
@@ -24,45 +25,9 @@ async fn start_node(id: u32) -> RunningServer {
     rdkv_server::start(config).await.expect("start server")
 }
 
-/// A cluster of nodes at these control addresses (ids from 1, in order).
+/// A cluster of nodes at these control addresses (ids from 1, in order), on `soft`.
 fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
-    ClusterConfig {
-        path: "lifecycle-test.toml".into(),
-        name: "lifecycle-test".into(),
-        secret: SECRET.to_vec(),
-        fabric: Backend::Soft,
-        lease_timeout: Duration::from_secs(10),
-        operation_deadline: Duration::from_secs(2),
-        poll_spin: Duration::ZERO,
-        limits: rdkv_cluster_file::config::ConnectionLimits::default(),
-        ssh: rdkv_cluster_file::config::SshSettings {
-            user: None,
-            options: Vec::new(),
-            remote_binary: "rdkv-server".into(),
-            remote_run_dir: ".rdkv/lifecycle-test".into(),
-        },
-        nodes: control_addresses
-            .iter()
-            .zip(1..)
-            .map(|(&control_address, id)| NodeConfig {
-                id,
-                host: None,
-                control_address,
-                fabric_address: None,
-                device: None,
-                gid_index: None,
-                metrics_address: None,
-                index_size: 256 * 1024,
-                heap_size: 4 * 1024 * 1024,
-                chunk_size: 64 * 1024,
-                hugepages: HugepagePolicy::Auto,
-                max_pinned_share: 0.5,
-                shm: rdkv_client::ShmMode::Auto,
-                shm_socket: None,
-            })
-            .collect(),
-        warnings: Vec::new(),
-    }
+    support::cluster("lifecycle-test", SECRET, Backend::Soft, control_addresses)
 }
 
 /// An address where nothing listens (a port just released).
@@ -70,15 +35,6 @@ fn closed_address() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .expect("a free port")
-}
-
-/// Waits, up to 10 s, for `condition` (a server-side effect of something already done).
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !condition() {
-        assert!(started.elapsed() < Duration::from_secs(10), "{what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -90,6 +90,9 @@ async fn a_stopped_node_is_a_timeout_not_a_full_heap() {
     let client = Client::connect(config).await.expect("connect");
     let pid = nix::unistd::Pid::from_raw(server.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // Stopped for certain before the write (under load a signal can take a while: CI once saw
+    // the write complete first).
+    wait_until_stopped(server.id());
     // The connection's first write asks the node for heap space.
     let outcome = client.put(b"key", b"value").await;
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
@@ -105,9 +108,35 @@ async fn a_stopped_node_is_a_timeout_not_a_full_heap() {
         "{error}"
     );
     assert!(!error.may_have_applied(), "{error}");
-    // Resumed, the node serves the write.
-    client
-        .put(b"key", b"value")
-        .await
-        .expect("put after SIGCONT");
+    // Resumed, the node serves the write. With a 500 ms deadline on a loaded machine the
+    // first try can time out while the node catches up (CI saw it): a few tries, bounded.
+    let mut last = None;
+    for _ in 0..10 {
+        match client.put(b"key", b"value").await {
+            Ok(()) => return,
+            Err(error @ Error::TimedOut { .. }) => last = Some(error),
+            Err(error) => panic!("put after SIGCONT: {error}"),
+        }
+    }
+    panic!("put after SIGCONT timed out 10 times: {last:?}");
+}
+
+/// Waits, up to 5 s, until process `pid` is stopped (state `T` in `/proc/PID/stat`).
+fn wait_until_stopped(pid: u32) {
+    let started = std::time::Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command name, which is in parentheses.
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next());
+        if state == Some('T') {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "process {pid} did not stop: {stat}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
