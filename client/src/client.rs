@@ -1,7 +1,7 @@
 //! [`Client`]: the public handle. It maps each key to its node by rendezvous hashing, opens a
-//! connection to the node per runtime worker that uses it (a lane, [`crate::lanes`]) on first use
-//! (or all at once, [`Client::connect_all`]) and re-establishes it after a failure, applies the per-operation deadline, retries an operation on a fresh
-//! connection only when the failure came before any compare-and-swap of it was posted, and says
+//! connection to the node per runtime worker that uses it (a lane, [`crate::lanes`]) on first
+//! use (or all at once, [`Client::connect_all`]) and re-establishes it after a failure, applies
+//! the per-operation deadline, retries an operation on a fresh connection only when the failure came before any compare-and-swap of it was posted, and says
 //! goodbye to every node when closed or dropped.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,7 +50,7 @@ impl Node {
         Self {
             id,
             config,
-            lanes: (0..lanes.max(1)).map(|_| Lane::new(None)).collect(),
+            lanes: (0..lanes.max(1)).map(|_| Lane::new()).collect(),
             lanes_in_use: AtomicUsize::new(lanes.max(1)),
             writer_stripes: Arc::new(WriterStripes::default()),
             generation: std::sync::atomic::AtomicU64::new(0),
@@ -63,21 +63,24 @@ impl Node {
         current_lane(self.lanes_in_use.load(Ordering::Relaxed))
     }
 
-    /// The live connection of the calling thread's lane, if it has one that has not failed.
-    fn healthy_connection(&self) -> Option<Arc<NodeConnection>> {
-        self.lanes[self.lane()].healthy_connection()
-    }
-
-    /// A live connection of any lane (the calling thread's first).
+    /// A live connection of any lane.
     fn any_healthy_connection(&self) -> Option<Arc<NodeConnection>> {
-        self.healthy_connection()
-            .or_else(|| self.lanes.iter().find_map(|lane| lane.healthy_connection()))
+        self.lanes.iter().find_map(Lane::healthy_connection)
     }
 }
 
 /// How long a dropped client's goodbye may take to be handed to a connection's control task
 /// (which then finishes it on its own): a full control channel never holds the task for long.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Says goodbye on `connection` in a task of its own, bounded by `GOODBYE_TIMEOUT` (best
+/// effort: on a timeout it closes without the goodbye): a connection an opening brought back
+/// that nothing will use.
+fn say_goodbye_later(connection: Arc<NodeConnection>) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(GOODBYE_TIMEOUT, connection.close()).await;
+    });
+}
 
 /// An rdkv client: a connection per node and runtime worker ([`crate::lanes`]), opened on
 /// first use (or up front with [`Client::connect_all`]); keys map to nodes by rendezvous
@@ -375,10 +378,7 @@ impl Client {
                         .await
                         .expect("the connection gate is never closed");
                     if let Some(live) = node.lanes[0].healthy_connection() {
-                        tokio::spawn(async move {
-                            // Best effort: on a timeout it closes without the goodbye.
-                            let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
-                        });
+                        say_goodbye_later(fresh);
                         return Ok(live);
                     }
                     lane = 0;
@@ -390,10 +390,7 @@ impl Client {
             if node.generation.load(Ordering::Acquire) != generation {
                 // The client was closed (or dropped) while this connection opened.
                 drop(current);
-                tokio::spawn(async move {
-                    // Best effort: on a timeout it closes without the goodbye.
-                    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, fresh.close()).await;
-                });
+                say_goodbye_later(fresh);
                 return Err(Error::NodeUnreachable {
                     address,
                     reason: "the client was closed while this connection opened".to_string(),

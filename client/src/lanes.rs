@@ -69,10 +69,10 @@ pub(crate) struct Lane {
 }
 
 impl Lane {
-    /// A lane holding `connection`, if any.
-    pub(crate) fn new(connection: Option<Arc<NodeConnection>>) -> Self {
+    /// An empty lane.
+    pub(crate) fn new() -> Self {
         Self {
-            connection: Mutex::new(connection),
+            connection: Mutex::new(None),
             connecting: Arc::new(tokio::sync::Semaphore::new(1)),
             retired: AtomicBool::new(false),
             opening: AtomicBool::new(false),
