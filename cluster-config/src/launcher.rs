@@ -93,6 +93,12 @@ pub fn shm_socket_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.sock"))
 }
 
+/// Where a local node keeps its part of the cluster view's consensus (vote and log) across
+/// restarts.
+pub fn view_state_file(run_directory: &Path, node: u32) -> PathBuf {
+    run_directory.join(format!("node-{node}.view"))
+}
+
 /// Where a detached local node logs.
 pub fn log_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.log"))
@@ -344,6 +350,8 @@ fn start_local(
         .args(["--config"])
         .arg(config_path)
         .args(["--node", &node.id.to_string()])
+        .arg("--view-state")
+        .arg(view_state_file(run_directory, node.id))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         // Its own process group: Ctrl-C reaches only the launcher, which stops nodes in order.

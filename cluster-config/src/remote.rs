@@ -126,7 +126,7 @@ cat > "$dir/cluster.toml"
 chmod 600 "$dir/cluster.toml"
 : > "$dir/node-{id}.out"
 setsid nohup {binary} --config "$dir/cluster.toml" --node {id} --secret-file "$dir/secret" \
-  > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
+  --view-state "$dir/node-{id}.view" > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
 pid=$!
 echo "$pid" > "$pidfile"
 tries=0

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rdkv_common::protocol::{fetch_stats, MonitoredNode, ServerStats};
+use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::ControlError;
 
 use crate::config::ClusterConfig;
@@ -74,6 +74,36 @@ pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
     statuses
 }
 
+/// The cluster view, from the leader when a node that answered names one, else from the first
+/// node that answers; `None` when no node answers.
+pub async fn view(config: &ClusterConfig, statuses: &[NodeStatus]) -> Option<ClusterView> {
+    let leader = statuses.iter().find_map(|status| match &status.state {
+        NodeState::Up(stats) if stats.view_leader != 0 => Some(stats.view_leader),
+        _ => None,
+    });
+    let mut order: Vec<&crate::config::NodeConfig> = config.nodes.iter().collect();
+    order.sort_by_key(|node| Some(node.id) != leader);
+    for node in order {
+        let monitored = MonitoredNode {
+            address: node.control_address,
+            id: Some(node.id),
+            secret: &config.secret,
+        };
+        if let Ok(view) = fetch_view(monitored, Duration::from_secs(2)).await {
+            return Some(view);
+        }
+    }
+    None
+}
+
+/// The `view:` line under the table.
+pub fn view_line(view: Option<&ClusterView>) -> String {
+    match view {
+        Some(view) => format!("view: {}", view.summary()),
+        None => "view: no node answered".to_string(),
+    }
+}
+
 /// Renders rows as a table with aligned columns.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|title| title.len()).collect();
@@ -125,6 +155,11 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
                     format_bytes(stats.heap_size_bytes)
                 ),
                 stats.keys.to_string(),
+                if stats.view_leader == status.id {
+                    format!("{} (leader)", stats.view_epoch)
+                } else {
+                    stats.view_epoch.to_string()
+                },
             ],
             NodeState::Refused(reason) | NodeState::Down(reason) => {
                 let state = match &status.state {
@@ -139,7 +174,7 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
                     state.into(),
                     status.address.to_string(),
                 ];
-                row.extend(std::iter::repeat_n("-".to_string(), 7));
+                row.extend(std::iter::repeat_n("-".to_string(), 8));
                 row.push(reason.clone());
                 row
             }
@@ -158,6 +193,7 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
             "pinned",
             "heap used",
             "keys",
+            "view epoch",
         ],
         &rows,
     ) + &heap_warnings(statuses)

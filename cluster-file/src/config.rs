@@ -7,6 +7,7 @@
 //! secret = "change-me"            # or secret_file = "path" (should be mode 0600)
 //! fabric = "soft"                 # soft | verbs (| shm: same-host clients only)
 //! lease_timeout = "10s"
+//! failure_timeout = "2s"          # a node silent this long leaves the cluster view (1s to 60s)
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
 //! ssh_user = "rdkv"               # remote nodes only: ssh as this user (default: your ssh config)
@@ -72,6 +73,7 @@ struct RawCluster {
     secret_file: Option<Spanned<String>>,
     fabric: Spanned<String>,
     lease_timeout: Option<Spanned<String>>,
+    failure_timeout: Option<Spanned<String>>,
     operation_deadline: Option<Spanned<String>>,
     poll_spin: Option<Spanned<String>>,
     max_connections: Option<Spanned<u64>>,
@@ -107,6 +109,13 @@ struct RawNode {
     shm_socket: Option<Spanned<String>>,
 }
 
+/// The failure timeout when the file gives none.
+pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The shortest failure timeout: above Raft's election timeout (400-800 ms).
+pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The longest failure timeout.
+pub const MAX_FAILURE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The longest `poll_spin` a cluster file may ask for.
 const MAX_POLL_SPIN: Duration = Duration::from_millis(10);
 
@@ -123,6 +132,9 @@ pub struct ClusterConfig {
     pub fabric: Backend,
     /// Lease timeout.
     pub lease_timeout: Duration,
+    /// A node that misses its peers' heartbeats this long is committed down in the cluster
+    /// view.
+    pub failure_timeout: Duration,
     /// Per-operation deadline.
     pub operation_deadline: Duration,
     /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
@@ -497,6 +509,20 @@ fn parse_with_secret(
         "cluster.lease_timeout",
         Duration::from_secs(10),
     )?;
+    let failure_timeout = locator.duration(
+        &cluster.failure_timeout,
+        "cluster.failure_timeout",
+        DEFAULT_FAILURE_TIMEOUT,
+    )?;
+    if !(MIN_FAILURE_TIMEOUT..=MAX_FAILURE_TIMEOUT).contains(&failure_timeout) {
+        return Err(locator.error(
+            span_of(&cluster.failure_timeout),
+            "cluster.failure_timeout",
+            format!(
+                "{failure_timeout:?} is outside {MIN_FAILURE_TIMEOUT:?} to {MAX_FAILURE_TIMEOUT:?}: shorter would mark nodes down during a leader election (400-800 ms), longer leaves a dead node's keys unserved for that long"
+            ),
+        ));
+    }
     let operation_deadline = locator.duration(
         &cluster.operation_deadline,
         "cluster.operation_deadline",
@@ -727,6 +753,7 @@ fn parse_with_secret(
         secret,
         fabric,
         lease_timeout,
+        failure_timeout,
         operation_deadline,
         poll_spin,
         limits,

@@ -240,6 +240,34 @@ fn poll_spin_is_parsed_and_bounded() {
 }
 
 #[test]
+fn failure_timeout_is_parsed_and_bounded() {
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file("failure_timeout = \"5s\"\n", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(config.failure_timeout, std::time::Duration::from_secs(5));
+    let default = parse(
+        Path::new("cluster.toml"),
+        &file("", NODE_1),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(default.failure_timeout, std::time::Duration::from_secs(2));
+    for too_short_or_long in ["500ms", "2m"] {
+        let (line, field, message) = invalid(&file(
+            &format!("failure_timeout = \"{too_short_or_long}\"\n"),
+            NODE_1,
+        ));
+        assert_eq!((line, field.as_str()), (5, "cluster.failure_timeout"));
+        assert!(message.contains("election"), "{message}");
+    }
+}
+
+#[test]
 fn the_shipped_verbs_example_is_valid() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/verbs-1node.toml");
     let config = load(&example).expect("examples/verbs-1node.toml is valid on this machine");

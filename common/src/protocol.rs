@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -67,6 +67,15 @@ pub enum ClientMessage {
     Shutdown,
     /// A clean goodbye.
     Goodbye,
+    /// The cluster view as this node knows it (`docs/architecture.md`, *Cluster view*).
+    FetchView,
+    /// A message of the nodes' consensus on the view, from a peer node: opaque to the control
+    /// plane, answered with [`ServerMessage::Peer`]. The secret is the authority, as for
+    /// `Shutdown`.
+    Peer {
+        /// The encoded consensus request.
+        payload: Vec<u8>,
+    },
 }
 
 impl ClientMessage {
@@ -80,6 +89,8 @@ impl ClientMessage {
             ClientMessage::Stats => "Stats",
             ClientMessage::Shutdown => "Shutdown",
             ClientMessage::Goodbye => "Goodbye",
+            ClientMessage::FetchView => "FetchView",
+            ClientMessage::Peer { .. } => "Peer",
         }
     }
 }
@@ -168,6 +179,79 @@ pub enum ServerMessage {
         /// Why.
         reason: String,
     },
+    /// The cluster view, as the answering node knows it.
+    View(ClusterView),
+    /// The answer to a [`ClientMessage::Peer`].
+    Peer {
+        /// The encoded consensus reply.
+        payload: Vec<u8>,
+    },
+}
+
+/// The cluster view: which nodes serve, agreed by the nodes' consensus (`docs/architecture.md`,
+/// *Cluster view*). Every change of a member's state makes a new epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// Bumped by every committed change; 0 before the first (a node that has not joined a
+    /// consensus yet, or a one-node cluster: its own view, epoch 1).
+    pub epoch: u64,
+    /// The consensus leader the answering node knows of.
+    pub leader: Option<u32>,
+    /// Every node of the cluster file, in id order, with its state.
+    pub members: Vec<ViewMember>,
+}
+
+impl ClusterView {
+    /// The ids of the serving members, in id order: the ranking's candidates.
+    pub fn serving(&self) -> Vec<u32> {
+        self.members
+            .iter()
+            .filter(|member| member.state == MemberState::Serving)
+            .map(|member| member.node_id)
+            .collect()
+    }
+
+    /// `epoch 3, leader 1: 1 serving, 2 serving, 3 down` (for `rdkv-cluster status` and logs).
+    pub fn summary(&self) -> String {
+        let members: Vec<String> = self
+            .members
+            .iter()
+            .map(|member| format!("{} {}", member.node_id, member.state))
+            .collect();
+        let leader = self.leader.map_or_else(
+            || "no leader".to_string(),
+            |leader| format!("leader {leader}"),
+        );
+        format!("epoch {}, {leader}: {}", self.epoch, members.join(", "))
+    }
+}
+
+/// One member of a [`ClusterView`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewMember {
+    /// The node's id.
+    pub node_id: u32,
+    /// Its state in this view.
+    pub state: MemberState,
+}
+
+/// A member's state in a view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemberState {
+    /// Answering its peers; its keys are served by it.
+    Serving,
+    /// Missed its peers' heartbeats for `failure_timeout`: out of the ranking until it comes
+    /// back.
+    Down,
+}
+
+impl std::fmt::Display for MemberState {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            MemberState::Serving => "serving",
+            MemberState::Down => "down",
+        })
+    }
 }
 
 /// What an authenticated client needs to run one-sided operations.
@@ -275,6 +359,14 @@ pub struct ServerStats {
     pub pending_handshakes: u64,
     /// Unauthenticated connections evicted by newer ones since start (too many at once).
     pub handshakes_evicted: u64,
+    /// The epoch of the cluster view this node knows.
+    pub view_epoch: u64,
+    /// The consensus leader this node knows of (0: none).
+    pub view_leader: u32,
+    /// Members the node's view has down.
+    pub view_members_down: u64,
+    /// Views this node committed as the consensus leader since start.
+    pub views_committed: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
 }
@@ -610,6 +702,72 @@ pub async fn request_shutdown(
         }
     })
     .await
+}
+
+/// Fetches the cluster view a node knows, over a monitoring connection.
+///
+/// # Errors
+/// As [`fetch_stats`].
+pub async fn fetch_view(
+    node: MonitoredNode<'_>,
+    timeout: std::time::Duration,
+) -> Result<ClusterView, ControlError> {
+    within(timeout, async {
+        let mut stream = monitor_connection(node).await?;
+        write_frame(&mut stream, &ClientMessage::FetchView).await?;
+        let reply = read_frame(&mut stream).await?;
+        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
+        match reply {
+            ServerMessage::View(view) => Ok(view),
+            ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+            other => Err(ControlError::Unexpected(format!("{other:?}"))),
+        }
+    })
+    .await
+}
+
+/// A node's authenticated connection to a peer node, for the consensus on the view: one
+/// request at a time, each answered in order.
+#[derive(Debug)]
+pub struct PeerConnection {
+    /// The authenticated monitoring connection.
+    stream: tokio::net::TcpStream,
+}
+
+impl PeerConnection {
+    /// Connects and authenticates within `timeout`.
+    ///
+    /// # Errors
+    /// As [`fetch_stats`].
+    pub async fn open(
+        node: MonitoredNode<'_>,
+        timeout: std::time::Duration,
+    ) -> Result<Self, ControlError> {
+        let stream = within(timeout, monitor_connection(node)).await?;
+        Ok(Self { stream })
+    }
+
+    /// Sends `payload` and returns the peer's answer, within `timeout`. After an error the
+    /// connection is out of step: drop it.
+    ///
+    /// # Errors
+    /// As [`fetch_stats`].
+    pub async fn request(
+        &mut self,
+        payload: Vec<u8>,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<u8>, ControlError> {
+        let stream = &mut self.stream;
+        within(timeout, async move {
+            write_frame(stream, &ClientMessage::Peer { payload }).await?;
+            match read_frame(stream).await? {
+                ServerMessage::Peer { payload } => Ok(payload),
+                ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+                other => Err(ControlError::Unexpected(format!("{other:?}"))),
+            }
+        })
+        .await
+    }
 }
 
 #[cfg(test)]

@@ -56,9 +56,16 @@ impl Cluster {
     /// starts the cluster detached (`rdkv-cluster up --detach`); panics with its stderr if it
     /// does not start.
     pub fn up(tag: &str) -> Self {
+        Self::up_with(tag, |text| text)
+    }
+
+    /// As [`Cluster::up`], with the generated file's text changed by `edit` first.
+    pub fn up_with(tag: &str, edit: impl FnOnce(String) -> String) -> Self {
         let directory = std::env::temp_dir().join(format!("rdkv-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&directory).expect("directory");
         let file = generate_cluster_file(&directory);
+        let text = std::fs::read_to_string(&file).expect("read the generated file");
+        std::fs::write(&file, edit(text)).expect("write the edited file");
         let run_directory = directory.join("run");
         let up = rdkv_cluster(&[
             "up",

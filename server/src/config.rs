@@ -64,11 +64,21 @@ pub struct ServerConfig {
     /// Zero, the default, everywhere else; neither the command line nor the cluster file sets
     /// it.
     pub teardown_stall: Duration,
+    /// Every node of the cluster with its control address, this one included; fewer than two:
+    /// no consensus, the node's view is itself (`crate::view`).
+    pub members: Vec<(u32, SocketAddr)>,
+    /// A member silent this long is committed down by the view's leader.
+    pub failure_timeout: Duration,
+    /// Where the view's consensus keeps its vote and log across restarts.
+    pub view_state_file: Option<PathBuf>,
 }
 
 /// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
 /// about two intervals after its last block dies, once no operation that saw it is running.
 pub const DEFAULT_COLLECTOR_INTERVAL: Duration = Duration::from_millis(25);
+
+/// The failure timeout of a node started without a cluster file.
+pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl ServerConfig {
     /// A configuration for tests and examples: loopback addresses with port 0, a small table.
@@ -95,6 +105,9 @@ impl ServerConfig {
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: None,
             teardown_stall: Duration::ZERO,
+            members: Vec::new(),
+            failure_timeout: DEFAULT_FAILURE_TIMEOUT,
+            view_state_file: None,
         }
     }
 
@@ -142,6 +155,13 @@ impl ServerConfig {
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: node.metrics_address,
             teardown_stall: Duration::ZERO,
+            members: cluster
+                .nodes
+                .iter()
+                .map(|node| (node.id, node.control_address))
+                .collect(),
+            failure_timeout: cluster.failure_timeout,
+            view_state_file: None,
         })
     }
 

@@ -48,6 +48,22 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// The view's state file cannot be read.
+    #[error("the view state file {path}: {reason}")]
+    ViewState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong, and the fix.
+        reason: String,
+    },
+
+    /// The view's consensus did not start.
+    #[error("the cluster view's consensus: {reason}")]
+    Consensus {
+        /// What failed.
+        reason: String,
+    },
+
     /// The client closed the connection during the handshake.
     #[error("client disconnected during the handshake")]
     ClientDisconnected,

@@ -13,6 +13,7 @@
 //! - [`pending`]: the limits on connections that have not authenticated yet.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
+//! - [`view`]: the cluster view, agreed by the nodes with Raft (`openraft`).
 //!
 //! The server never handles a GET, PUT, DELETE or CAS: the fabric's NIC engine serves clients'
 //! one-sided requests against the registered table, and gives server code no callback for them.
@@ -31,6 +32,7 @@ pub mod server;
 mod session;
 pub mod stats;
 pub mod table;
+pub mod view;
 
 pub use config::ServerConfig;
 pub use error::{Error, Result};

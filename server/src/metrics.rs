@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 31] = [
+        let definitions: [(&str, &str, Reader); 35] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -121,6 +121,26 @@ impl Metrics {
                 "handshakes_evicted_total",
                 "Unauthenticated control connections evicted by newer ones (too many at once)",
                 |stats| stats.handshakes_evicted as i64,
+            ),
+            (
+                "view_epoch",
+                "The epoch of the cluster view this node knows",
+                |stats| stats.view_epoch as i64,
+            ),
+            (
+                "view_leader",
+                "The cluster view's consensus leader this node knows of (0: none)",
+                |stats| i64::from(stats.view_leader),
+            ),
+            (
+                "view_members_down",
+                "Members this node's cluster view has down",
+                |stats| stats.view_members_down as i64,
+            ),
+            (
+                "views_committed_total",
+                "Views this node committed as the consensus leader (members down and joins)",
+                |stats| stats.views_committed as i64,
             ),
             (
                 "data_connections",

@@ -211,6 +211,20 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             })
         }
     };
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let view = crate::view::ViewService::start(
+        crate::view::ViewSettings {
+            node_id: config.node_id,
+            members: config.members.clone(),
+            secret: config.secret.clone(),
+            failure_timeout: config.failure_timeout,
+            state_file: config.view_state_file.clone(),
+        },
+        &tasks,
+        shutdown.clone(),
+    )
+    .await?;
     let shared = Arc::new(Shared {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
         announcements,
@@ -224,10 +238,9 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         gate: Arc::default(),
         pending: crate::pending::PendingHandshakes::new(config.limits),
         shm,
+        view,
         config,
     });
-    let shutdown = CancellationToken::new();
-    let tasks = TaskTracker::new();
     tasks.spawn(accept_loop(
         listener,
         shared.clone(),

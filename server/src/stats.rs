@@ -153,6 +153,11 @@ impl Counters {
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,
             handshakes_evicted: 0,
+            // Filled in by `Shared::stats`, which knows the view.
+            view_epoch: 0,
+            view_leader: 0,
+            view_members_down: 0,
+            views_committed: 0,
             client_counters: *self
                 .client_counters
                 .lock()

@@ -23,6 +23,7 @@ pub fn cluster(
         secret: secret.to_vec(),
         fabric,
         lease_timeout: Duration::from_secs(10),
+        failure_timeout: Duration::from_secs(2),
         operation_deadline: Duration::from_secs(2),
         poll_spin: Duration::ZERO,
         limits: rdkv_cluster_file::config::ConnectionLimits::default(),

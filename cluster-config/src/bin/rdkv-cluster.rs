@@ -207,6 +207,8 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         Action::Status { .. } => {
             let statuses = status::status(&config).await;
             say(&status::status_table(&statuses));
+            let view = status::view(&config, &statuses).await;
+            say(&status::view_line(view.as_ref()));
             Ok(status::exit_code(&statuses))
         }
         Action::Logs { node, lines, .. } => {

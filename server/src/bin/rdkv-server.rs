@@ -100,6 +100,11 @@ struct Arguments {
     /// (`fabric_engine_threads`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256), conflicts_with = "config")]
     fabric_engine_threads: u32,
+    /// With --config: where the cluster view's consensus keeps this node's vote and log
+    /// across restarts (`rdkv-cluster` passes one in its run directory). Without it they are
+    /// kept in memory, which is safe only for a node that never rejoins a running cluster.
+    #[arg(long, requires = "config")]
+    view_state: Option<PathBuf>,
 }
 
 impl Arguments {
@@ -178,6 +183,7 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
                 tracing::warn!("{warning}");
             }
             let mut config = ServerConfig::from_cluster(&cluster, node)?;
+            config.view_state_file = arguments.view_state.clone();
             if config.shm_socket.is_some() {
                 // The file offers shm (not "off"): the command line says where.
                 if let Some(socket) = &arguments.shm_socket {
@@ -287,5 +293,9 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,
         metrics_address: arguments.metrics_listen,
         teardown_stall: Duration::ZERO,
+        // A node started from flags is a cluster of one.
+        members: Vec::new(),
+        failure_timeout: rdkv_server::config::DEFAULT_FAILURE_TIMEOUT,
+        view_state_file: None,
     })
 }

@@ -86,6 +86,8 @@ pub(crate) struct Shared {
     pub(crate) pending: crate::pending::PendingHandshakes,
     /// The `shm` fabric, when the node offers one.
     pub(crate) shm: Option<ShmFabric>,
+    /// The node's part in the cluster view.
+    pub(crate) view: Arc<crate::view::ViewService>,
 }
 
 impl Shared {
@@ -140,6 +142,12 @@ impl Shared {
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
+        (
+            stats.view_epoch,
+            stats.view_leader,
+            stats.view_members_down,
+            stats.views_committed,
+        ) = self.view.figures();
         stats
     }
 }

@@ -60,6 +60,8 @@ impl Session {
                             return "it asked the node to shut down".into();
                         }
                         ClientMessage::Goodbye => return "client said goodbye".into(),
+                        ClientMessage::FetchView => ServerMessage::View(shared.view.current()),
+                        ClientMessage::Peer { payload } => ServerMessage::Peer { payload: shared.view.handle_peer(&payload).await },
                         other => {
                             let reason = format!("unexpected message after the handshake: {}", other.kind());
                             return Self::refuse(writer, reason).await.to_string();

@@ -1,0 +1,419 @@
+//! The cluster view (`docs/architecture.md`, *Cluster view*): which nodes serve, agreed by the
+//! nodes with Raft (`openraft`, embedded: nothing else to run).
+//!
+//! - `types.rs`: the Raft type configuration, the view's commands and state, peer messages.
+//! - `storage.rs`: the vote, log and view, persisted to the node's state file.
+//! - `network.rs`: Raft's messages over authenticated control connections, and who answered
+//!   when ([`network::Liveness`]).
+//!
+//! Two tasks run beside Raft on every node of a cluster of two or more:
+//! - **the failure detector**, active on the leader: a member that has not answered the
+//!   leader's heartbeats (every 100 ms) for `failure_timeout` is committed `down`, a new epoch;
+//! - **the join loop**: a node whose record in the view is not `serving` under its own
+//!   incarnation (it started, restarted, or was marked down while cut off) asks the leader to
+//!   commit its join, a new epoch.
+//!
+//! A one-node cluster runs no consensus: its view is itself, serving, at epoch 1.
+
+mod network;
+mod storage;
+mod types;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::storage::Adaptor;
+use openraft::{BasicNode, Raft, SnapshotPolicy};
+use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::{Error, Result};
+use network::{ask_leader, Liveness, Network};
+use storage::Store;
+use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};
+
+/// Raft's heartbeat interval, and the failure detector's and join loop's tick.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+/// Raft's election timeout range, in milliseconds: a dead leader is replaced within about
+/// this long, before the detector's `failure_timeout` starts on the new leader.
+const ELECTION_TIMEOUT_MILLISECONDS: (u64, u64) = (400, 800);
+/// The shortest `failure_timeout`: well above the election timeout, so that a leader change
+/// alone never marks anyone down.
+pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the view service needs from the node's configuration.
+#[derive(Debug, Clone)]
+pub struct ViewSettings {
+    /// This node.
+    pub node_id: u32,
+    /// Every node of the cluster with its control address, this one included.
+    pub members: Vec<(u32, SocketAddr)>,
+    /// The cluster secret (peer connections authenticate like clients).
+    pub secret: Vec<u8>,
+    /// A member silent this long is committed down.
+    pub failure_timeout: Duration,
+    /// Where the vote, log and view are kept across restarts (`None`: in memory only, which
+    /// is safe only for a node that never restarts into a running cluster).
+    pub state_file: Option<std::path::PathBuf>,
+}
+
+/// The node's part in the cluster view.
+pub struct ViewService {
+    /// This node.
+    node_id: u32,
+    /// This process's incarnation (random per start).
+    incarnation: u64,
+    /// Raft; `None` in a one-node cluster.
+    raft: Option<Raft<TypeConfig>>,
+    /// The applied view.
+    view: tokio::sync::watch::Receiver<types::ViewState>,
+    /// The members' control addresses.
+    addresses: BTreeMap<u32, SocketAddr>,
+    /// The cluster secret.
+    secret: Arc<[u8]>,
+    /// A member silent this long is committed down.
+    failure_timeout: Duration,
+    /// Views this node committed as leader (downs and joins).
+    committed: AtomicU64,
+    /// When each peer was last heard from: answers to this node's Raft messages (the leader's
+    /// heartbeats), the leader's heartbeats to this node, and joins.
+    liveness: Arc<Liveness>,
+}
+
+impl std::fmt::Debug for ViewService {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ViewService")
+            .field("node_id", &self.node_id)
+            .field("consensus", &self.raft.is_some())
+            .field("view", &self.current().summary())
+            .finish()
+    }
+}
+
+impl ViewService {
+    /// Starts the view service: Raft (initialized on first start with every node as a voter),
+    /// the failure detector and the join loop, as tasks of `tasks` that end at `shutdown`.
+    ///
+    /// # Errors
+    /// [`Error::ViewState`] when the state file cannot be read; [`Error::Consensus`] when Raft
+    /// does not start.
+    pub async fn start(
+        settings: ViewSettings,
+        tasks: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Arc<Self>> {
+        let node_ids: Vec<u32> = settings.members.iter().map(|(id, _)| *id).collect();
+        let store = Store::open(settings.state_file.clone(), &node_ids)?;
+        let view = store.view();
+        let addresses: BTreeMap<u32, SocketAddr> = settings.members.iter().copied().collect();
+        let secret: Arc<[u8]> = settings.secret.clone().into();
+        let liveness = Arc::new(Liveness::default());
+        let raft = if settings.members.len() < 2 {
+            None
+        } else {
+            Some(start_raft(&settings, store, secret.clone(), liveness.clone()).await?)
+        };
+        let service = Arc::new(Self {
+            node_id: settings.node_id,
+            incarnation: rand::random::<u64>() | 1,
+            raft,
+            view,
+            addresses,
+            secret,
+            failure_timeout: settings.failure_timeout,
+            committed: AtomicU64::new(0),
+            liveness,
+        });
+        if service.raft.is_some() {
+            tasks.spawn(service.clone().detect_failures(shutdown.clone()));
+            tasks.spawn(service.clone().keep_joined(shutdown.clone()));
+            let stopping = service.clone();
+            tasks.spawn(async move {
+                shutdown.cancelled().await;
+                if let Some(raft) = &stopping.raft {
+                    let _ = raft.shutdown().await;
+                }
+            });
+        }
+        Ok(service)
+    }
+
+    /// The leader this node knows of.
+    fn leader(&self) -> Option<u32> {
+        match &self.raft {
+            None => Some(self.node_id),
+            Some(raft) => raft
+                .metrics()
+                .borrow()
+                .current_leader
+                .and_then(|leader| u32::try_from(leader).ok()),
+        }
+    }
+
+    /// The view as this node knows it.
+    pub fn current(&self) -> ClusterView {
+        if self.raft.is_none() {
+            return ClusterView {
+                epoch: 1,
+                leader: Some(self.node_id),
+                members: vec![ViewMember {
+                    node_id: self.node_id,
+                    state: MemberState::Serving,
+                }],
+            };
+        }
+        let leader = self.leader();
+        self.view.borrow().public(leader)
+    }
+
+    /// The view's figures for the node's stats: epoch, leader (0: none), members down, views
+    /// this node committed as leader.
+    pub fn figures(&self) -> (u64, u32, u64, u64) {
+        let view = self.current();
+        let down = view
+            .members
+            .iter()
+            .filter(|member| member.state == MemberState::Down)
+            .count() as u64;
+        (
+            view.epoch,
+            view.leader.unwrap_or(0),
+            down,
+            self.committed.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Serves one message from a peer node; the answer is encoded for its `Peer` reply.
+    pub async fn handle_peer(&self, payload: &[u8]) -> Vec<u8> {
+        let reply = match (bincode::deserialize::<PeerRequest>(payload), &self.raft) {
+            (Err(error), _) => PeerReply::Malformed(error.to_string()),
+            (Ok(_), None) => PeerReply::Malformed("a one-node cluster runs no consensus".into()),
+            (Ok(PeerRequest::AppendEntries(request)), Some(raft)) => {
+                let outcome = raft.append_entries(request).await;
+                if outcome.as_ref().is_ok_and(|response| response.is_success()) {
+                    // Only the leader sends entries: it is alive.
+                    if let Some(leader) = self.leader() {
+                        self.liveness.heard(leader);
+                    }
+                }
+                PeerReply::AppendEntries(outcome)
+            }
+            (Ok(PeerRequest::Vote(request)), Some(raft)) => {
+                PeerReply::Vote(raft.vote(request).await)
+            }
+            (Ok(PeerRequest::InstallSnapshot(request)), Some(raft)) => {
+                PeerReply::InstallSnapshot(raft.install_snapshot(request).await)
+            }
+            (
+                Ok(PeerRequest::Join {
+                    node_id,
+                    incarnation,
+                }),
+                Some(_),
+            ) => {
+                // A node asking to join is alive, whatever the heartbeats' last answer says.
+                self.liveness.heard(node_id);
+                PeerReply::Join(
+                    self.commit(ViewCommand::Join {
+                        node_id,
+                        incarnation,
+                    })
+                    .await,
+                )
+            }
+        };
+        bincode::serialize(&reply).unwrap_or_default()
+    }
+
+    /// Commits `command` through Raft on this node (the leader), within the failure timeout.
+    async fn commit(&self, command: ViewCommand) -> std::result::Result<u64, String> {
+        let Some(raft) = &self.raft else {
+            return Err("a one-node cluster runs no consensus".into());
+        };
+        let timeout = self.failure_timeout.max(MIN_FAILURE_TIMEOUT);
+        match tokio::time::timeout(timeout, raft.client_write(command.clone())).await {
+            Err(_) => Err(format!(
+                "not committed within {timeout:?} (no quorum of nodes answering?)"
+            )),
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(forward)))) => {
+                Err(format!(
+                    "node {} is not the leader ({:?} is)",
+                    self.node_id, forward.leader_id
+                ))
+            }
+            Ok(Err(error)) => Err(error.to_string()),
+            Ok(Ok(written)) => {
+                self.committed.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    node = self.node_id,
+                    ?command,
+                    epoch = written.data.epoch,
+                    "view committed"
+                );
+                Ok(written.data.epoch)
+            }
+        }
+    }
+
+    /// On the leader: commits `down` for every serving member not heard from for the
+    /// failure timeout. A follower hears only the leader, so a new leader counts the others'
+    /// silence from its election, and the old leader's from its last heartbeat: a dead
+    /// leader is marked down `failure_timeout` after it died, when the election (400-800 ms)
+    /// fits in that time.
+    async fn detect_failures(self: Arc<Self>, shutdown: CancellationToken) {
+        let liveness = self.liveness.clone();
+        let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
+        let mut leader_since: Option<Instant> = None;
+        let mut previous_leader: Option<u32> = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let leader = self.leader();
+            if leader != Some(self.node_id) {
+                leader_since = None;
+                if leader.is_some() {
+                    previous_leader = leader;
+                }
+                continue;
+            }
+            let since = *leader_since.get_or_insert_with(Instant::now);
+            let silent: Vec<u32> = self
+                .view
+                .borrow()
+                .members
+                .iter()
+                .filter(|(id, record)| **id != self.node_id && record.state == MemberState::Serving)
+                .map(|(id, _)| *id)
+                .filter(|id| {
+                    let heard = match liveness.last_heard(*id) {
+                        Some(heard) if Some(*id) == previous_leader => heard,
+                        heard => heard.map_or(since, |heard| heard.max(since)),
+                    };
+                    heard.elapsed() > self.failure_timeout
+                })
+                .collect();
+            for node_id in silent {
+                tracing::warn!(
+                    node = self.node_id,
+                    down = node_id,
+                    failure_timeout = ?self.failure_timeout,
+                    "a member missed its heartbeats: committing a view without it"
+                );
+                if let Err(reason) = self.commit(ViewCommand::MarkDown { node_id }).await {
+                    tracing::warn!(node = self.node_id, down = node_id, %reason, "view not committed");
+                }
+            }
+        }
+    }
+
+    /// On every node: while the view does not have this node serving as this incarnation, asks
+    /// the leader to commit its join.
+    async fn keep_joined(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL * 2);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let joined = self
+                .view
+                .borrow()
+                .members
+                .get(&self.node_id)
+                .is_some_and(|record| {
+                    record.state == MemberState::Serving && record.incarnation == self.incarnation
+                });
+            if joined {
+                continue;
+            }
+            let Some(leader) = self.leader() else {
+                continue;
+            };
+            let command = ViewCommand::Join {
+                node_id: self.node_id,
+                incarnation: self.incarnation,
+            };
+            let outcome = if leader == self.node_id {
+                self.commit(command).await
+            } else {
+                let Some(address) = self.addresses.get(&leader).copied() else {
+                    continue;
+                };
+                let request = PeerRequest::Join {
+                    node_id: self.node_id,
+                    incarnation: self.incarnation,
+                };
+                match ask_leader(
+                    leader,
+                    address,
+                    self.secret.clone(),
+                    &request,
+                    self.failure_timeout,
+                )
+                .await
+                {
+                    Ok(PeerReply::Join(outcome)) => outcome,
+                    Ok(other) => Err(format!("unexpected answer {other:?}")),
+                    Err(reason) => Err(reason),
+                }
+            };
+            if let Err(reason) = outcome {
+                tracing::debug!(node = self.node_id, leader, %reason, "join not committed yet");
+            }
+        }
+    }
+}
+
+/// Creates this node's Raft and, on a first start (no vote, no log), initializes it with every
+/// node as a voter. Every node does the same with the same membership, which Raft allows.
+async fn start_raft(
+    settings: &ViewSettings,
+    store: Store,
+    secret: Arc<[u8]>,
+    liveness: Arc<Liveness>,
+) -> Result<Raft<TypeConfig>> {
+    let consensus = |reason: String| Error::Consensus { reason };
+    let config = openraft::Config {
+        cluster_name: "rdkv".into(),
+        heartbeat_interval: HEARTBEAT_INTERVAL.as_millis() as u64,
+        election_timeout_min: ELECTION_TIMEOUT_MILLISECONDS.0,
+        election_timeout_max: ELECTION_TIMEOUT_MILLISECONDS.1,
+        // The log is a handful of entries per failure: never compacted.
+        snapshot_policy: SnapshotPolicy::Never,
+        ..openraft::Config::default()
+    }
+    .validate()
+    .map_err(|error| consensus(error.to_string()))?;
+    let first_start = !store.has_history();
+    let (log_store, state_machine) = Adaptor::new(store);
+    let network = Network { secret, liveness };
+    let raft = Raft::new(
+        PeerId::from(settings.node_id),
+        Arc::new(config),
+        network,
+        log_store,
+        state_machine,
+    )
+    .await
+    .map_err(|error| consensus(error.to_string()))?;
+    if first_start {
+        let members: BTreeMap<PeerId, BasicNode> = settings
+            .members
+            .iter()
+            .map(|(id, address)| (PeerId::from(*id), BasicNode::new(address.to_string())))
+            .collect();
+        if let Err(error) = raft.initialize(members).await {
+            // Another node's log reached this one first: it is initialized already.
+            tracing::debug!(node = settings.node_id, %error, "raft initialize");
+        }
+    }
+    Ok(raft)
+}

@@ -1,0 +1,253 @@
+//! The consensus's network: Raft's messages to a peer node ride on an authenticated control
+//! connection to that node (`ClientMessage::Peer`), opened on first use and reopened after any
+//! failure. Every answer is recorded in [`Liveness`], which is what the leader's failure
+//! detector reads.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use rdkv_common::protocol::{MonitoredNode, PeerConnection};
+use rdkv_common::ControlError;
+
+use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
+
+/// When each peer last answered this node.
+#[derive(Debug, Default)]
+pub struct Liveness {
+    /// The last answer's time, by node id.
+    heard: Mutex<HashMap<u32, Instant>>,
+}
+
+impl Liveness {
+    /// Records an answer from `node_id`.
+    pub fn heard(&self, node_id: u32) {
+        self.heard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(node_id, Instant::now());
+    }
+
+    /// When `node_id` last answered, if ever.
+    pub fn last_heard(&self, node_id: u32) -> Option<Instant> {
+        self.heard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&node_id)
+            .copied()
+    }
+}
+
+/// Makes a [`PeerClient`] per peer.
+#[derive(Debug, Clone)]
+pub struct Network {
+    /// The cluster secret.
+    pub secret: Arc<[u8]>,
+    /// Answers seen.
+    pub liveness: Arc<Liveness>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: PeerId, node: &BasicNode) -> PeerClient {
+        PeerClient {
+            target: target as u32,
+            address: node.addr.parse().ok(),
+            secret: self.secret.clone(),
+            liveness: self.liveness.clone(),
+            connection: None,
+        }
+    }
+}
+
+/// Raft's messages to one peer.
+#[derive(Debug)]
+pub struct PeerClient {
+    /// The peer's id.
+    target: u32,
+    /// Its control address (`None`: the membership named one that does not parse).
+    address: Option<SocketAddr>,
+    /// The cluster secret.
+    secret: Arc<[u8]>,
+    /// Answers seen.
+    liveness: Arc<Liveness>,
+    /// The open connection, if any.
+    connection: Option<PeerConnection>,
+}
+
+/// Why a peer call failed before the peer's Raft answered.
+#[derive(Debug, thiserror::Error)]
+#[error("peer node {node}: {reason}")]
+struct PeerFailure {
+    /// The peer.
+    node: u32,
+    /// What went wrong.
+    reason: String,
+}
+
+impl PeerClient {
+    /// Sends `request` and returns the answer within `timeout`; any failure drops the
+    /// connection (the next call reopens it).
+    async fn call(
+        &mut self,
+        request: &PeerRequest,
+        timeout: Duration,
+    ) -> Result<PeerReply, PeerFailure> {
+        let failure = |reason: String| PeerFailure {
+            node: self.target,
+            reason,
+        };
+        let address = self
+            .address
+            .ok_or_else(|| failure("no valid control address in the membership".into()))?;
+        let payload = bincode::serialize(request).map_err(|error| failure(error.to_string()))?;
+        let started = Instant::now();
+        if self.connection.is_none() {
+            let node = MonitoredNode {
+                address,
+                id: Some(self.target),
+                secret: &self.secret,
+            };
+            let connection = PeerConnection::open(node, timeout)
+                .await
+                .map_err(|error| failure(error.to_string()))?;
+            self.connection = Some(connection);
+        }
+        let remaining = timeout
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        let Some(connection) = self.connection.as_mut() else {
+            return Err(failure("no connection".into()));
+        };
+        let answer = connection.request(payload, remaining).await;
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                self.connection = None;
+                return Err(failure(describe(&error)));
+            }
+        };
+        let reply: PeerReply = bincode::deserialize(&answer).map_err(|error| {
+            self.connection = None;
+            PeerFailure {
+                node: self.target,
+                reason: format!("undecodable answer: {error}"),
+            }
+        })?;
+        self.liveness.heard(self.target);
+        Ok(reply)
+    }
+}
+
+fn describe(error: &ControlError) -> String {
+    error.to_string()
+}
+
+fn unreachable<E: std::error::Error>(failure: PeerFailure) -> RPCError<PeerId, BasicNode, E> {
+    RPCError::Unreachable(Unreachable::new(&failure))
+}
+
+fn unexpected<E: std::error::Error>(node: u32, reply: PeerReply) -> RPCError<PeerId, BasicNode, E> {
+    let failure = PeerFailure {
+        node,
+        reason: format!("unexpected answer {reply:?}"),
+    };
+    RPCError::Network(NetworkError::new(&failure))
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<PeerId>, RPCError<PeerId, BasicNode, RaftError<PeerId>>> {
+        match self
+            .call(&PeerRequest::AppendEntries(rpc), option.hard_ttl())
+            .await
+            .map_err(unreachable)?
+        {
+            PeerReply::AppendEntries(Ok(response)) => Ok(response),
+            PeerReply::AppendEntries(Err(error)) => Err(RPCError::RemoteError(RemoteError::new(
+                PeerId::from(self.target),
+                error,
+            ))),
+            other => Err(unexpected(self.target, other)),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<PeerId>,
+        RPCError<PeerId, BasicNode, RaftError<PeerId, InstallSnapshotError>>,
+    > {
+        match self
+            .call(&PeerRequest::InstallSnapshot(rpc), option.hard_ttl())
+            .await
+            .map_err(unreachable)?
+        {
+            PeerReply::InstallSnapshot(Ok(response)) => Ok(response),
+            PeerReply::InstallSnapshot(Err(error)) => Err(RPCError::RemoteError(RemoteError::new(
+                PeerId::from(self.target),
+                error,
+            ))),
+            other => Err(unexpected(self.target, other)),
+        }
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<PeerId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<PeerId>, RPCError<PeerId, BasicNode, RaftError<PeerId>>> {
+        match self
+            .call(&PeerRequest::Vote(rpc), option.hard_ttl())
+            .await
+            .map_err(unreachable)?
+        {
+            PeerReply::Vote(Ok(response)) => Ok(response),
+            PeerReply::Vote(Err(error)) => Err(RPCError::RemoteError(RemoteError::new(
+                PeerId::from(self.target),
+                error,
+            ))),
+            other => Err(unexpected(self.target, other)),
+        }
+    }
+}
+
+/// Asks the node at `address` (the leader) to commit `request` (a join), within `timeout`.
+///
+/// # Errors
+/// The call failed, or the leader refused.
+pub async fn ask_leader(
+    target: u32,
+    address: SocketAddr,
+    secret: Arc<[u8]>,
+    request: &PeerRequest,
+    timeout: Duration,
+) -> Result<PeerReply, String> {
+    let mut client = PeerClient {
+        target,
+        address: Some(address),
+        secret,
+        liveness: Arc::default(),
+        connection: None,
+    };
+    client
+        .call(request, timeout)
+        .await
+        .map_err(|failure| failure.to_string())
+}

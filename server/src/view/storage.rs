@@ -1,0 +1,422 @@
+//! The consensus's storage: the vote, the log and the applied view, in memory and, when the
+//! node has a state file, written to it (atomically: a temporary file, fsync, rename) before
+//! any call that changes them returns. Raft is safe across restarts only if a node remembers
+//! its vote and its log; `rdkv-cluster` gives every node a state file in its run directory.
+//! The state is a few hundred bytes (views change rarely), so it is rewritten whole.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::io::Cursor;
+use std::ops::RangeBounds;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use openraft::storage::{LogState, RaftLogReader, RaftSnapshotBuilder, Snapshot, SnapshotMeta};
+use openraft::{
+    AnyError, BasicNode, Entry, EntryPayload, LogId, RaftStorage, StorageError, StorageIOError,
+    StoredMembership, Vote,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::types::{PeerId, TypeConfig, ViewReply, ViewState};
+
+/// Everything the node must remember.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Persisted {
+    /// The last vote.
+    vote: Option<Vote<PeerId>>,
+    /// The last committed log id known.
+    committed: Option<LogId<PeerId>>,
+    /// The log, by index.
+    log: BTreeMap<u64, Entry<TypeConfig>>,
+    /// The last log id purged (the log is never purged: views change rarely).
+    last_purged: Option<LogId<PeerId>>,
+    /// The last log id applied to the view.
+    last_applied: Option<LogId<PeerId>>,
+    /// The last membership applied.
+    membership: StoredMembership<PeerId, BasicNode>,
+    /// The view.
+    view: ViewState,
+    /// The last snapshot installed or built: its meta and its bytes (the view).
+    snapshot: Option<(SnapshotMeta<PeerId, BasicNode>, Vec<u8>)>,
+}
+
+/// The storage shared by Raft's log store, state machine, log readers and snapshot builders.
+#[derive(Debug, Clone)]
+pub struct Store {
+    /// The state.
+    state: Arc<Mutex<Persisted>>,
+    /// Where it is written, if anywhere.
+    file: Option<Arc<PathBuf>>,
+    /// The applied view, for readers that must not wait for Raft.
+    view: Arc<watch::Sender<ViewState>>,
+}
+
+fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
+    StorageError::IO {
+        source: StorageIOError::write(AnyError::new(&error)),
+    }
+}
+
+impl Store {
+    /// Opens the store: the state file's contents when it has some for these `node_ids`, else
+    /// a fresh state whose view has every node serving. A state file written for another set
+    /// of nodes (the cluster file changed) is set aside as `FILE.old`, with a warning.
+    ///
+    /// # Errors
+    /// The state file exists but cannot be read or decoded.
+    pub fn open(file: Option<PathBuf>, node_ids: &[u32]) -> Result<Self, crate::Error> {
+        let fresh = Persisted {
+            view: ViewState::initial(node_ids),
+            ..Persisted::default()
+        };
+        let state = match &file {
+            Some(path) if path.exists() => {
+                let bytes = std::fs::read(path).map_err(|source| crate::Error::ViewState {
+                    path: path.clone(),
+                    reason: source.to_string(),
+                })?;
+                let persisted: Persisted =
+                    bincode::deserialize(&bytes).map_err(|error| crate::Error::ViewState {
+                        path: path.clone(),
+                        reason: format!(
+                            "{error}; delete the file to start this node's view afresh"
+                        ),
+                    })?;
+                let known: Vec<u32> = persisted.view.members.keys().copied().collect();
+                let mut wanted = node_ids.to_vec();
+                wanted.sort_unstable();
+                if known == wanted {
+                    persisted
+                } else {
+                    let aside = path.with_extension("old");
+                    tracing::warn!(
+                        file = %path.display(),
+                        ?known,
+                        ?wanted,
+                        "the view state was written for other nodes; set aside as {}",
+                        aside.display()
+                    );
+                    let _ = std::fs::rename(path, &aside);
+                    fresh
+                }
+            }
+            _ => fresh,
+        };
+        let (view, _) = watch::channel(state.view.clone());
+        Ok(Self {
+            state: Arc::new(Mutex::new(state)),
+            file: file.map(Arc::new),
+            view: Arc::new(view),
+        })
+    }
+
+    /// Whether the store has ever held a log entry or a vote (Raft was initialized here).
+    pub fn has_history(&self) -> bool {
+        let state = self.lock();
+        state.vote.is_some() || !state.log.is_empty()
+    }
+
+    /// The applied view, changing as commands apply.
+    pub fn view(&self) -> watch::Receiver<ViewState> {
+        self.view.subscribe()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Persisted> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Writes the state to the file (if any) before returning.
+    #[allow(clippy::result_large_err)] // openraft's error type: its traits return it
+    fn persist(&self, state: &Persisted) -> Result<(), StorageError<PeerId>> {
+        let Some(path) = &self.file else {
+            return Ok(());
+        };
+        let bytes = bincode::serialize(state).map_err(io_error)?;
+        let temporary = path.with_extension("tmp");
+        {
+            use std::io::Write;
+            let mut file = std::fs::File::create(&temporary).map_err(io_error)?;
+            file.write_all(&bytes).map_err(io_error)?;
+            file.sync_all().map_err(io_error)?;
+        }
+        std::fs::rename(&temporary, path.as_ref()).map_err(io_error)?;
+        Ok(())
+    }
+
+    /// Changes the state with `change`, persists it, and returns what `change` returned.
+    #[allow(clippy::result_large_err)] // openraft's error type: its traits return it
+    fn change<T>(
+        &self,
+        change: impl FnOnce(&mut Persisted) -> T,
+    ) -> Result<T, StorageError<PeerId>> {
+        let mut state = self.lock();
+        let outcome = change(&mut state);
+        self.persist(&state)?;
+        Ok(outcome)
+    }
+
+    #[allow(clippy::result_large_err)] // openraft's error type: its traits return it
+    fn snapshot_of(state: &Persisted) -> Result<Snapshot<TypeConfig>, StorageError<PeerId>> {
+        let bytes = bincode::serialize(&state.view).map_err(io_error)?;
+        let meta = SnapshotMeta {
+            last_log_id: state.last_applied,
+            last_membership: state.membership.clone(),
+            snapshot_id: format!(
+                "{}-{}",
+                state.last_applied.map_or(0, |log_id| log_id.index),
+                state.view.epoch
+            ),
+        };
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
+    }
+}
+
+impl RaftLogReader<TypeConfig> for Store {
+    async fn try_get_log_entries<Range: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: Range,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<PeerId>> {
+        let state = self.lock();
+        Ok(state
+            .log
+            .range(range)
+            .map(|(_, entry)| entry.clone())
+            .collect())
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for Store {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<PeerId>> {
+        let snapshot = {
+            let state = self.lock();
+            Self::snapshot_of(&state)?
+        };
+        let bytes = snapshot.snapshot.get_ref().clone();
+        let meta = snapshot.meta.clone();
+        self.change(|state| state.snapshot = Some((meta, bytes)))?;
+        Ok(snapshot)
+    }
+}
+
+impl RaftStorage<TypeConfig> for Store {
+    type LogReader = Store;
+    type SnapshotBuilder = Store;
+
+    async fn save_vote(&mut self, vote: &Vote<PeerId>) -> Result<(), StorageError<PeerId>> {
+        self.change(|state| state.vote = Some(*vote))
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<PeerId>>, StorageError<PeerId>> {
+        Ok(self.lock().vote)
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<PeerId>>,
+    ) -> Result<(), StorageError<PeerId>> {
+        self.change(|state| state.committed = committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<PeerId>>, StorageError<PeerId>> {
+        Ok(self.lock().committed)
+    }
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<PeerId>> {
+        let state = self.lock();
+        let last = state
+            .log
+            .values()
+            .next_back()
+            .map(|entry| entry.log_id)
+            .or(state.last_purged);
+        Ok(LogState {
+            last_purged_log_id: state.last_purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn append_to_log<Entries>(&mut self, entries: Entries) -> Result<(), StorageError<PeerId>>
+    where
+        Entries: IntoIterator<Item = Entry<TypeConfig>> + Send,
+    {
+        self.change(|state| {
+            for entry in entries {
+                state.log.insert(entry.log_id.index, entry);
+            }
+        })
+    }
+
+    async fn delete_conflict_logs_since(
+        &mut self,
+        log_id: LogId<PeerId>,
+    ) -> Result<(), StorageError<PeerId>> {
+        self.change(|state| {
+            state.log.split_off(&log_id.index);
+        })
+    }
+
+    async fn purge_logs_upto(&mut self, log_id: LogId<PeerId>) -> Result<(), StorageError<PeerId>> {
+        self.change(|state| {
+            state.log = state.log.split_off(&(log_id.index + 1));
+            state.last_purged = Some(log_id);
+        })
+    }
+
+    async fn last_applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<PeerId>>, StoredMembership<PeerId, BasicNode>), StorageError<PeerId>>
+    {
+        let state = self.lock();
+        Ok((state.last_applied, state.membership.clone()))
+    }
+
+    async fn apply_to_state_machine(
+        &mut self,
+        entries: &[Entry<TypeConfig>],
+    ) -> Result<Vec<ViewReply>, StorageError<PeerId>> {
+        let (replies, view) = self.change(|state| {
+            let mut replies = Vec::with_capacity(entries.len());
+            for entry in entries {
+                state.last_applied = Some(entry.log_id);
+                match &entry.payload {
+                    EntryPayload::Blank => {}
+                    EntryPayload::Normal(command) => {
+                        state.view.apply(command);
+                    }
+                    EntryPayload::Membership(membership) => {
+                        state.membership =
+                            StoredMembership::new(Some(entry.log_id), membership.clone());
+                    }
+                }
+                replies.push(ViewReply {
+                    epoch: state.view.epoch,
+                });
+            }
+            (replies, state.view.clone())
+        })?;
+        self.view.send_replace(view);
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<PeerId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<PeerId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<PeerId>> {
+        let bytes = snapshot.into_inner();
+        let view: ViewState = bincode::deserialize(&bytes).map_err(io_error)?;
+        let meta = meta.clone();
+        self.change(|state| {
+            state.view = view.clone();
+            state.last_applied = meta.last_log_id;
+            state.membership = meta.last_membership.clone();
+            state.snapshot = Some((meta, bytes));
+        })?;
+        self.view.send_replace(view);
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<PeerId>> {
+        let state = self.lock();
+        Ok(state.snapshot.as_ref().map(|(meta, bytes)| Snapshot {
+            meta: meta.clone(),
+            snapshot: Box::new(Cursor::new(bytes.clone())),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    use super::*;
+    use crate::view::types::ViewCommand;
+
+    fn entry(index: u64, command: ViewCommand) -> Entry<TypeConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(command),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_vote_log_and_view_survive_a_restart_and_another_cluster_s_state_is_set_aside() {
+        let directory =
+            std::env::temp_dir().join(format!("rdkv-view-store-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("directory");
+        let file = directory.join("node-1.view");
+        let _ = std::fs::remove_file(&file);
+        let mut store = Store::open(Some(file.clone()), &[1, 2, 3]).expect("open");
+        assert!(!store.has_history());
+        store.save_vote(&Vote::new(3, 2)).await.expect("vote");
+        let entries = vec![
+            entry(
+                1,
+                ViewCommand::Join {
+                    node_id: 1,
+                    incarnation: 5,
+                },
+            ),
+            entry(2, ViewCommand::MarkDown { node_id: 3 }),
+        ];
+        store.append_to_log(entries.clone()).await.expect("append");
+        store.apply_to_state_machine(&entries).await.expect("apply");
+        drop(store);
+
+        let mut reopened = Store::open(Some(file.clone()), &[3, 2, 1]).expect("reopen");
+        assert!(reopened.has_history());
+        assert_eq!(
+            reopened.read_vote().await.expect("vote"),
+            Some(Vote::new(3, 2))
+        );
+        let log = reopened.try_get_log_entries(0..10).await.expect("log");
+        assert_eq!(log.len(), 2);
+        let view = reopened.view().borrow().clone();
+        assert_eq!(view.epoch, 2);
+        assert_eq!(view.public(None).serving(), vec![1, 2]);
+        drop(reopened);
+
+        // The cluster file now names other nodes: a fresh start, the old state kept aside.
+        let other = Store::open(Some(file.clone()), &[1, 2]).expect("open for other nodes");
+        assert!(!other.has_history());
+        assert!(file.with_extension("old").exists());
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
+    #[test]
+    fn a_corrupt_state_file_is_a_one_line_error_naming_the_fix() {
+        let directory =
+            std::env::temp_dir().join(format!("rdkv-view-corrupt-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("directory");
+        let file = directory.join("node-1.view");
+        std::fs::write(&file, b"\xff\xff\xff\xff\xff\xff\xff\xff\xff").expect("write");
+        let error = Store::open(Some(file), &[1, 2]).expect_err("corrupt");
+        let message = error.to_string();
+        assert!(message.contains("delete the file"), "{message}");
+        assert!(!message.contains('\n'));
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+}

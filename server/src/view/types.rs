@@ -1,0 +1,195 @@
+//! The consensus's types: the Raft type configuration, the commands that change the view, the
+//! view state they change, and the messages between peer nodes.
+
+use std::collections::BTreeMap;
+use std::io::Cursor;
+
+use openraft::error::{InstallSnapshotError, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
+use serde::{Deserialize, Serialize};
+
+openraft::declare_raft_types!(
+    /// rdkv's Raft: node ids are the cluster file's (as `u64`), a node's address is its
+    /// control address, and the replicated state is the [`ViewState`].
+    pub TypeConfig:
+        D = ViewCommand,
+        R = ViewReply,
+);
+
+/// A node id in the consensus (the cluster file's id).
+pub type PeerId = u64;
+
+/// A change to the view, committed through the log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ViewCommand {
+    /// The member missed its peers' heartbeats for `failure_timeout`.
+    MarkDown {
+        /// The member.
+        node_id: u32,
+    },
+    /// The member runs (started, restarted or reachable again) as `incarnation`, and serves.
+    Join {
+        /// The member.
+        node_id: u32,
+        /// Random per process start: a restart is a new incarnation, and a new epoch.
+        incarnation: u64,
+    },
+}
+
+/// What applying a command gives back: the epoch after it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewReply {
+    /// The view's epoch once the command is applied.
+    pub epoch: u64,
+}
+
+/// One member's record in the view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// Serving or down.
+    pub state: MemberState,
+    /// The incarnation that last joined (0: none yet).
+    pub incarnation: u64,
+}
+
+/// The replicated state: the epoch and every member's record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewState {
+    /// Bumped by every command that changes a record.
+    pub epoch: u64,
+    /// Every node of the cluster file.
+    pub members: BTreeMap<u32, MemberRecord>,
+}
+
+impl ViewState {
+    /// The view before any command: every node serving, epoch 0.
+    pub fn initial(node_ids: &[u32]) -> Self {
+        Self {
+            epoch: 0,
+            members: node_ids
+                .iter()
+                .map(|id| {
+                    (
+                        *id,
+                        MemberRecord {
+                            state: MemberState::Serving,
+                            incarnation: 0,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// Applies `command`; returns the epoch after it. A command that changes nothing (a node
+    /// marked down twice, a join of the incarnation already serving, an unknown node) keeps
+    /// the epoch.
+    pub fn apply(&mut self, command: &ViewCommand) -> u64 {
+        let changed = match *command {
+            ViewCommand::MarkDown { node_id } => match self.members.get_mut(&node_id) {
+                Some(record) if record.state != MemberState::Down => {
+                    record.state = MemberState::Down;
+                    true
+                }
+                _ => false,
+            },
+            ViewCommand::Join {
+                node_id,
+                incarnation,
+            } => match self.members.get_mut(&node_id) {
+                Some(record)
+                    if record.state != MemberState::Serving
+                        || record.incarnation != incarnation =>
+                {
+                    record.state = MemberState::Serving;
+                    record.incarnation = incarnation;
+                    true
+                }
+                _ => false,
+            },
+        };
+        if changed {
+            self.epoch += 1;
+        }
+        self.epoch
+    }
+
+    /// The view as clients see it.
+    pub fn public(&self, leader: Option<u32>) -> ClusterView {
+        ClusterView {
+            epoch: self.epoch,
+            leader,
+            members: self
+                .members
+                .iter()
+                .map(|(node_id, record)| ViewMember {
+                    node_id: *node_id,
+                    state: record.state,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A request from a peer node.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum PeerRequest {
+    /// Raft's log replication and heartbeat.
+    AppendEntries(AppendEntriesRequest<TypeConfig>),
+    /// Raft's election.
+    Vote(VoteRequest<PeerId>),
+    /// Raft's snapshot transfer.
+    InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
+    /// A node asks the leader to commit its join.
+    Join {
+        /// The joining node.
+        node_id: u32,
+        /// Its incarnation.
+        incarnation: u64,
+    },
+}
+
+/// A peer's answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum PeerReply {
+    /// To [`PeerRequest::AppendEntries`].
+    AppendEntries(Result<AppendEntriesResponse<PeerId>, RaftError<PeerId>>),
+    /// To [`PeerRequest::Vote`].
+    Vote(Result<VoteResponse<PeerId>, RaftError<PeerId>>),
+    /// To [`PeerRequest::InstallSnapshot`].
+    InstallSnapshot(
+        Result<InstallSnapshotResponse<PeerId>, RaftError<PeerId, InstallSnapshotError>>,
+    ),
+    /// To [`PeerRequest::Join`]: the epoch with the join committed, or why not.
+    Join(Result<u64, String>),
+    /// The request did not decode.
+    Malformed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_change_is_an_epoch_and_a_repeat_is_not() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        assert_eq!(view.epoch, 0);
+        let join = |node_id, incarnation| ViewCommand::Join {
+            node_id,
+            incarnation,
+        };
+        assert_eq!(view.apply(&join(1, 7)), 1);
+        assert_eq!(view.apply(&join(1, 7)), 1, "the same incarnation again");
+        assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 2 }), 2);
+        assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 2 }), 2);
+        assert_eq!(view.public(Some(1)).serving(), vec![1, 3]);
+        assert_eq!(view.apply(&join(2, 9)), 3, "back, as a new incarnation");
+        assert_eq!(view.apply(&join(1, 8)), 4, "a restart is a new epoch");
+        assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 42 }), 4);
+        assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
+    }
+}
