@@ -56,8 +56,10 @@ Wants=network-online.target
 
 [Service]
 Type=exec
-ExecStart={binary} --config {file} --node {id} --secret-file %d/rdkv-secret
+ExecStart={binary} --config {file} --node {id} --secret-file %d/rdkv-secret --view-state %S/rdkv/{name}/node-{id}.view
 LoadCredential=rdkv-secret:{credential}
+# The cluster view's vote and log (/var/lib/rdkv/NAME): kept across restarts.
+StateDirectory=rdkv/{name}
 Environment=RUST_LOG=info
 Restart=on-failure
 RestartSec=2s
@@ -163,8 +165,9 @@ mod tests {
         };
         assert_eq!(
             value("ExecStart"),
-            Some("/usr/local/bin/rdkv-server --config /etc/rdkv/prod.toml --node 2 --secret-file %d/rdkv-secret")
+            Some("/usr/local/bin/rdkv-server --config /etc/rdkv/prod.toml --node 2 --secret-file %d/rdkv-secret --view-state %S/rdkv/prod/node-2.view")
         );
+        assert_eq!(value("StateDirectory"), Some("rdkv/prod"));
         assert_eq!(
             value("LoadCredential"),
             Some("rdkv-secret:/etc/rdkv/prod.secret")

@@ -83,6 +83,8 @@ pub struct ViewService {
     /// When each peer was last heard from: answers to this node's Raft messages (the leader's
     /// heartbeats), the leader's heartbeats to this node, and joins.
     liveness: Arc<Liveness>,
+    /// Cancelled when the node stops: a commit or a join in flight gives up at once.
+    shutdown: CancellationToken,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -129,6 +131,7 @@ impl ViewService {
             failure_timeout: settings.failure_timeout,
             committed: AtomicU64::new(0),
             liveness,
+            shutdown: shutdown.clone(),
         });
         if service.raft.is_some() {
             tasks.spawn(service.clone().detect_failures(shutdown.clone()));
@@ -219,6 +222,21 @@ impl ViewService {
             ) => {
                 // A node asking to join is alive, whatever the heartbeats' last answer says.
                 self.liveness.heard(node_id);
+                let applied = {
+                    let view = self.view.borrow();
+                    view.members
+                        .get(&node_id)
+                        .is_some_and(|record| {
+                            record.state == MemberState::Serving
+                                && record.incarnation == incarnation
+                        })
+                        .then_some(view.epoch)
+                };
+                if let Some(epoch) = applied {
+                    // Already in the view (the joiner has not applied it yet): nothing to
+                    // log, so a node that keeps asking never grows the log.
+                    return bincode::serialize(&PeerReply::Join(Ok(epoch))).unwrap_or_default();
+                }
                 PeerReply::Join(
                     self.commit(ViewCommand::Join {
                         node_id,
@@ -237,7 +255,11 @@ impl ViewService {
             return Err("a one-node cluster runs no consensus".into());
         };
         let timeout = self.failure_timeout.max(MIN_FAILURE_TIMEOUT);
-        match tokio::time::timeout(timeout, raft.client_write(command.clone())).await {
+        let written = tokio::select! {
+            _ = self.shutdown.cancelled() => return Err("the node is stopping".into()),
+            written = tokio::time::timeout(timeout, raft.client_write(command.clone())) => written,
+        };
+        match written {
             Err(_) => Err(format!(
                 "not committed within {timeout:?} (no quorum of nodes answering?)"
             )),
@@ -351,15 +373,11 @@ impl ViewService {
                     node_id: self.node_id,
                     incarnation: self.incarnation,
                 };
-                match ask_leader(
-                    leader,
-                    address,
-                    self.secret.clone(),
-                    &request,
-                    self.failure_timeout,
-                )
-                .await
-                {
+                let asked = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    asked = ask_leader(leader, address, self.secret.clone(), &request, self.failure_timeout) => asked,
+                };
+                match asked {
                     Ok(PeerReply::Join(outcome)) => outcome,
                     Ok(other) => Err(format!("unexpected answer {other:?}")),
                     Err(reason) => Err(reason),
