@@ -112,7 +112,8 @@ enum Command {
     },
     /// Cluster-wide counters: per node (with `via`, the fabric this host's clients get from
     /// it: `shm` on the node's host, else the cluster's; and its data connections per fabric),
-    /// and the clients' one-sided work (round trips per operation).
+    /// and the clients' one-sided work (round trips per operation), then the cluster view
+    /// (epoch, leader, each node serving or down).
     Stats,
 }
 
@@ -304,6 +305,10 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                 total.cas_failures,
                 total.checksum_retries
             );
+            match client.view().await {
+                Ok(view) => rdkv_common::outln!("view: {}", view.summary()),
+                Err(error) => rdkv_common::outln!("view: {error}"),
+            }
             if down > 0 {
                 ExitCode::from(2)
             } else {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rdkv_cluster_file::ClusterConfig;
-use rdkv_common::protocol::{fetch_stats, MonitoredNode, ServerStats};
+use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::sharding;
 
 use crate::connection::{ClientConfig, NodeConnection, WriterStripes, DEFAULT_CONCURRENCY};
@@ -736,6 +736,63 @@ impl Client {
         stats
     }
 
+    /// The cluster view (`docs/architecture.md`, *Cluster view*): the epoch, the consensus
+    /// leader and each node's state, as the leader knows it when the first node that answers
+    /// names one that answers too, else as that first node knows it. Over monitoring
+    /// connections, each bounded by the operation deadline.
+    ///
+    /// # Errors
+    /// [`Error::NodeUnreachable`] naming the last node tried, when none answers.
+    pub async fn view(&self) -> Result<ClusterView> {
+        let mut last_error = None;
+        let mut first: Option<ClusterView> = None;
+        for node in &self.nodes {
+            let address = node.config.node.control_address;
+            let monitored = MonitoredNode {
+                address,
+                id: node.config.node.id,
+                secret: &node.config.secret,
+            };
+            match fetch_view(monitored, self.deadline).await {
+                Ok(view) if view.leader == Some(node.id) => return Ok(view),
+                Ok(view) => {
+                    let leader = view.leader;
+                    first.get_or_insert(view);
+                    // Ask the leader next, if it is a node of this client's.
+                    if let Some(leader) = leader.and_then(|leader| self.node_by_id(leader)) {
+                        let monitored = MonitoredNode {
+                            address: leader.config.node.control_address,
+                            id: leader.config.node.id,
+                            secret: &leader.config.secret,
+                        };
+                        if let Ok(view) = fetch_view(monitored, self.deadline).await {
+                            return Ok(view);
+                        }
+                    }
+                    break;
+                }
+                Err(error) => {
+                    last_error = Some(Error::NodeUnreachable {
+                        address,
+                        reason: error.to_string(),
+                    })
+                }
+            }
+        }
+        match (first, last_error) {
+            (Some(view), _) => Ok(view),
+            (None, Some(error)) => Err(error),
+            (None, None) => Err(Error::Config {
+                reason: "the client has no nodes".into(),
+            }),
+        }
+    }
+
+    /// This client's node with id `node_id`.
+    fn node_by_id(&self, node_id: u32) -> Option<&Arc<Node>> {
+        self.nodes.iter().find(|node| node.id == node_id)
+    }
+
     /// The ids of the cluster's nodes, in the cluster file's order.
     pub fn node_ids(&self) -> &[u32] {
         &self.node_ids
@@ -744,9 +801,7 @@ impl Client {
     /// The fabric of this client's live connection to node `node_id` (`shm` when it uses the
     /// node's shared-memory fabric); `None` when it has none.
     pub fn connection_fabric(&self, node_id: u32) -> Option<rdkv_fabric::Backend> {
-        self.nodes
-            .iter()
-            .find(|node| node.id == node_id)?
+        self.node_by_id(node_id)?
             .any_healthy_connection()
             .map(|connection| connection.welcome.server_endpoint.backend())
     }

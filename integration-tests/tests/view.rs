@@ -109,6 +109,23 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
         .await;
     }
 
+    // Clients fetch the view (the leader's), and `rdkv stats` prints it.
+    let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
+    let client = rdkv_client::Client::for_cluster(&config);
+    let fetched = client.view().await.expect("the client fetches the view");
+    assert_eq!((fetched.epoch, fetched.leader), (view.epoch, view.leader));
+    client.close().await;
+    let stats =
+        std::process::Command::new(rdkv_integration_tests::process::workspace_binary("rdkv"))
+            .args(["--config", cluster.file.to_str().expect("utf-8"), "stats"])
+            .output()
+            .expect("run rdkv stats");
+    let printed = String::from_utf8_lossy(&stats.stdout);
+    assert!(
+        stats.status.success() && printed.contains(&format!("view: {}", view.summary())),
+        "{printed}"
+    );
+
     // A follower dies: the leader commits a view without it.
     let follower = nodes
         .iter()
