@@ -14,9 +14,14 @@
 //!
 //! # The protocol ([`ReplicationProtocol::Intent`])
 //!
-//! A write reads the primary's slot, then swaps it for an **intent** that names the old word
-//! (still what readers return) and the new one; then it swaps every backup's slot from the old
-//! word to the new one; then it **commits**, swapping the primary's intent for the new word. A
+//! A write reads the primary's slot and the backup's, then swaps the primary's for an
+//! **intent** that names the old word (still what readers return) and the new one; then it
+//! swaps every backup's slot from exactly the word it read there (value and block location) to
+//! its own copy of the new value; then it **commits**, swapping the primary's intent for the new
+//! word. A backup swap that fails (the compactor moved the backup's block, or a helper got there
+//! first) reads the backup again, then checks that the primary still holds the intent: only
+//! then does it swap again, from what it just read if that is still the old value, and it is
+//! done if that is the new value. A
 //! reader that finds an intent returns its old word. A writer that finds another's intent
 //! **helps**: it swaps the backups and commits for it, then starts its own write again, so a
 //! writer that stalls or dies after its intent never blocks the key. A delete writes a
@@ -30,17 +35,23 @@
 //! the history: it may or may not have taken effect), as the client reports a failure after a
 //! CAS was posted.
 //!
-//! Three variants show what the checker catches: [`ReplicationProtocol::CommitFirst`] (swap the
+//! The nodes' compactors may move the key's block once per node (scenarios `*-compacting`):
+//! the slot word changes, the value does not, and every CAS expects the exact word.
+//!
+//! Four variants show what the checker catches: [`ReplicationProtocol::CommitFirst`] (swap the
 //! primary first, then write the backups) loses acknowledged writes at a failover,
 //! [`ReplicationProtocol::EmptyDeletes`] (a delete empties the slot) lets a stalled helper
-//! resurrect a deleted value on the backup, and [`ReplicationProtocol::ReadIntentNew`] (a
-//! reader returns an intent's new word) shows a value that a failover then takes back.
+//! resurrect a deleted value on the backup, [`ReplicationProtocol::ReadIntentNew`] (a
+//! reader returns an intent's new word) shows a value that a failover then takes back, and
+//! [`ReplicationProtocol::ExactOnly`] (a failed backup swap is taken for a helper's) leaves a
+//! backup that the compactor moved with the old value: the write is acknowledged on one replica.
 //!
 //! # What the model leaves out
 //!
 //! The index's buckets and the insert's tentative slots (checked by [`crate::model`]; here a key
-//! has one slot per node), the heap and its reclamation, refilling a returning node, and a
-//! partitioned (not dead) primary, which the design handles with leases (`docs/protocol.md`).
+//! has one slot per node), the heap's reclamation (a block location is never reused within an
+//! operation's deadline), refilling a returning node, and a partitioned (not dead) primary,
+//! which the design handles with leases (`docs/protocol.md`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -74,15 +85,19 @@ pub enum ReplicationProtocol {
     /// As [`ReplicationProtocol::Intent`], but a reader that finds an intent returns its new
     /// word.
     ReadIntentNew,
+    /// As [`ReplicationProtocol::Intent`], but a backup swap that fails is not tried again
+    /// from a fresh read of the backup: it takes a compactor's move for another writer's work.
+    ExactOnly,
 }
 
 impl ReplicationProtocol {
     /// Every variant.
-    pub const ALL: [ReplicationProtocol; 4] = [
+    pub const ALL: [ReplicationProtocol; 5] = [
         ReplicationProtocol::Intent,
         ReplicationProtocol::CommitFirst,
         ReplicationProtocol::EmptyDeletes,
         ReplicationProtocol::ReadIntentNew,
+        ReplicationProtocol::ExactOnly,
     ];
 }
 
@@ -93,6 +108,7 @@ impl fmt::Display for ReplicationProtocol {
             ReplicationProtocol::CommitFirst => "commit-first",
             ReplicationProtocol::EmptyDeletes => "empty-deletes",
             ReplicationProtocol::ReadIntentNew => "read-intent-new",
+            ReplicationProtocol::ExactOnly => "exact-only",
         })
     }
 }
@@ -125,6 +141,8 @@ pub enum Word {
         old: Stored,
         /// The word the write puts in place.
         new: Stored,
+        /// Where the write's new block lies on the primary (the intent names it).
+        location: u8,
     },
 }
 
@@ -186,24 +204,68 @@ pub enum Stage {
     Idle,
     /// Reading the primary's word.
     ReadPrimary,
-    /// Swapping the primary's word `seen` for the write's intent (or, commit-first, its word).
-    Place {
-        /// The word read.
+    /// Reading the backup's word (and its block's location) before placing the intent: the
+    /// backup CAS expects exactly what this read.
+    ReadBackup {
+        /// The primary's word read.
         seen: Word,
+        /// Where its block lay.
+        seen_location: u8,
         /// The write's old word.
         old: Stored,
         /// The write's new word.
         new: Stored,
     },
-    /// Swapping the backup at position `next` of the view's replicas from `old` to `new`.
-    Backup {
+    /// Swapping the primary's word `seen` for the write's intent (or, commit-first, its word).
+    Place {
+        /// The word read.
+        seen: Word,
+        /// Where its block lay: the CAS expects the exact slot word, block location included.
+        seen_location: u8,
         /// The write's old word.
         old: Stored,
         /// The write's new word.
         new: Stored,
-        /// The position in the replica list.
-        next: u8,
+        /// The backup's word and location as read (none with one replica).
+        backup: Option<(Word, u8)>,
+    },
+    /// Swapping the backup's slot from exactly `expected` (word and location) to a copy of
+    /// `new` in this client's own heap.
+    BackupSwap {
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+        /// Where the intent's new block lies on the primary.
+        location: u8,
+        /// The backup slot's word and location the CAS expects.
+        expected: (Word, u8),
         /// Whether the write is the client's own (else it helps another's intent).
+        own: bool,
+    },
+    /// Reading the backup's word again (after a failed swap, or to help).
+    BackupRead {
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+        /// Where the intent's new block lies on the primary.
+        location: u8,
+        /// Whether the write is the client's own.
+        own: bool,
+    },
+    /// Reading the primary to see whether the intent is still there, having read the backup:
+    /// only while it is may the backup be swapped.
+    IntentCheck {
+        /// The write's old word.
+        old: Stored,
+        /// The write's new word.
+        new: Stored,
+        /// Where the intent's new block lies on the primary.
+        location: u8,
+        /// The backup's word and location as just read.
+        backup: (Word, u8),
+        /// Whether the write is the client's own.
         own: bool,
     },
     /// Swapping the primary's intent for `new`.
@@ -212,6 +274,8 @@ pub enum Stage {
         old: Stored,
         /// The write's new word.
         new: Stored,
+        /// Where the intent's new block lies on the primary.
+        location: u8,
         /// Whether the write is the client's own.
         own: bool,
     },
@@ -240,6 +304,11 @@ pub struct Client {
 pub struct ReplicationState {
     /// Each node's word for the key.
     words: [Word; NODES],
+    /// Where each node's slot word points (its block's location): a write's own copy, or
+    /// where the compactor moved it. Part of the slot word a CAS expects.
+    locations: [u8; NODES],
+    /// Blocks the compactor moved on each node (at most once per node per run).
+    compactions: [u8; NODES],
     /// The view: 0 names nodes 0 and 1 (0 primary); 1, after the failover, node 1 alone.
     epoch: u8,
     /// The clients.
@@ -257,6 +326,9 @@ pub enum ReplicationAction {
     Step(u8),
     /// Node 0 dies and the next view, without it, is committed.
     Failover,
+    /// The compactor of node `n` moves the key's committed block (not an intent's): the slot
+    /// word changes, the value does not.
+    Compact(u8),
 }
 
 /// A replication scenario: initial value, scripts, protocol.
@@ -272,6 +344,8 @@ pub struct ReplicationModel {
     pub scripts: Vec<Vec<Operation>>,
     /// Restarts allowed per operation before it gives up (pending forever).
     pub retry_budget: u8,
+    /// Whether the nodes' compactors may move the key's block (once per node).
+    pub compaction: bool,
 }
 
 /// The replicas of the key under view `epoch`, primary first.
@@ -292,6 +366,11 @@ impl ReplicationModel {
             initial: initial.map(Value),
             scripts,
             retry_budget: 2,
+            compaction: false,
+        };
+        let compacting = |name, initial: Option<u8>, scripts| ReplicationModel {
+            compaction: true,
+            ..scenario(name, initial, scripts)
         };
         vec![
             scenario(
@@ -317,6 +396,16 @@ impl ReplicationModel {
                     vec![compare_and_swap(1, 1, 21)],
                     vec![get(1), get(1)],
                 ],
+            ),
+            compacting(
+                "write-then-read-compacting",
+                Some(1),
+                vec![vec![put(1, 11)], vec![get(1), get(1)]],
+            ),
+            compacting(
+                "two-writers-compacting",
+                Some(1),
+                vec![vec![put(1, 11)], vec![put(1, 21), get(1)]],
             ),
         ]
     }
@@ -382,6 +471,38 @@ impl ReplicationModel {
         }
     }
 
+    /// Where client `client` writes its blocks (its own heap chunk): unique per client, and a
+    /// value is written by one operation only, so a (value, location) pair names one block.
+    fn own_location(client: usize) -> u8 {
+        10 + client as u8
+    }
+
+    /// Sets `node`'s slot to `stored`, its block at `location` (an empty slot is the word 0:
+    /// no location).
+    fn set(state: &mut ReplicationState, node: usize, stored: Stored, location: u8) {
+        state.words[node] = stored.word();
+        state.locations[node] = if stored == Stored::Empty { 0 } else { location };
+    }
+
+    /// What a client does once it has found (helping) or placed an intent.
+    fn after_intent(view: &[usize], old: Stored, new: Stored, location: u8, own: bool) -> Stage {
+        if view.len() > 1 {
+            Stage::BackupRead {
+                old,
+                new,
+                location,
+                own,
+            }
+        } else {
+            Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            }
+        }
+    }
+
     /// One step of client `client`.
     fn step(&self, state: &mut ReplicationState, client: usize) {
         let script = &self.scripts[client];
@@ -434,22 +555,10 @@ impl ReplicationModel {
                     };
                     return Self::finish(state, client, Some(Outcome::Found(visible)));
                 }
-                if let Word::Intent { old, new } = word {
+                if let Word::Intent { old, new, location } = word {
                     // Help the write in progress, then start again.
-                    state.clients[client].stage = if view.len() > 1 {
-                        Stage::Backup {
-                            old,
-                            new,
-                            next: 1,
-                            own: false,
-                        }
-                    } else {
-                        Stage::Commit {
-                            old,
-                            new,
-                            own: false,
-                        }
-                    };
+                    state.clients[client].stage =
+                        Self::after_intent(view, old, new, location, false);
                     return;
                 }
                 let old = word.stored().expect("not an intent");
@@ -478,71 +587,184 @@ impl ReplicationModel {
                     },
                     other => Stored::Committed(other.written_value().expect("a write")),
                 };
-                state.clients[client].stage = Stage::Place {
-                    seen: word,
-                    old,
-                    new,
+                let seen_location = state.locations[primary];
+                state.clients[client].stage = if view.len() > 1 {
+                    Stage::ReadBackup {
+                        seen: word,
+                        seen_location,
+                        old,
+                        new,
+                    }
+                } else {
+                    Stage::Place {
+                        seen: word,
+                        seen_location,
+                        old,
+                        new,
+                        backup: None,
+                    }
                 };
             }
-            Stage::Place { seen, old, new } => {
-                if state.words[primary] != seen {
+            Stage::ReadBackup {
+                seen,
+                seen_location,
+                old,
+                new,
+            } => {
+                let backup = view[1];
+                state.clients[client].stage = Stage::Place {
+                    seen,
+                    seen_location,
+                    old,
+                    new,
+                    backup: Some((state.words[backup], state.locations[backup])),
+                };
+            }
+            Stage::Place {
+                seen,
+                seen_location,
+                old,
+                new,
+                backup,
+            } => {
+                if state.words[primary] != seen || state.locations[primary] != seen_location {
                     return self.restart(state, client);
                 }
                 state.clients[client].placed = true;
+                let location = Self::own_location(client);
                 if self.protocol == ReplicationProtocol::CommitFirst {
-                    state.words[primary] = new.word();
-                } else {
-                    state.words[primary] = Word::Intent { old, new };
-                }
-                state.clients[client].stage = if view.len() > 1 {
-                    Stage::Backup {
+                    Self::set(state, primary, new, location);
+                    if view.len() == 1 {
+                        return Self::finish(state, client, Some(Self::applied(operation)));
+                    }
+                    state.clients[client].stage = Stage::BackupSwap {
                         old,
                         new,
-                        next: 1,
+                        location,
+                        expected: backup.unwrap_or((Word::Empty, 0)),
                         own: true,
-                    }
-                } else if self.protocol == ReplicationProtocol::CommitFirst {
+                    };
+                    return;
+                }
+                state.words[primary] = Word::Intent { old, new, location };
+                state.clients[client].stage = match backup {
+                    Some(expected) => Stage::BackupSwap {
+                        old,
+                        new,
+                        location,
+                        expected,
+                        own: true,
+                    },
+                    None => Stage::Commit {
+                        old,
+                        new,
+                        location,
+                        own: true,
+                    },
+                };
+            }
+            Stage::BackupSwap {
+                old,
+                new,
+                location,
+                expected,
+                own,
+            } => {
+                let backup = view[1];
+                if self.protocol == ReplicationProtocol::CommitFirst {
+                    // A plain WRITE of the backup's slot.
+                    Self::set(state, backup, new, Self::own_location(client));
                     return Self::finish(state, client, Some(Self::applied(operation)));
+                }
+                if (state.words[backup], state.locations[backup]) == expected {
+                    // The CAS swapped: the backup points at this client's copy of `new`.
+                    Self::set(state, backup, new, Self::own_location(client));
+                    state.clients[client].stage = Stage::Commit {
+                        old,
+                        new,
+                        location,
+                        own,
+                    };
+                } else if self.protocol == ReplicationProtocol::ExactOnly {
+                    state.clients[client].stage = Stage::Commit {
+                        old,
+                        new,
+                        location,
+                        own,
+                    };
                 } else {
+                    state.clients[client].stage = Stage::BackupRead {
+                        old,
+                        new,
+                        location,
+                        own,
+                    };
+                }
+            }
+            Stage::BackupRead {
+                old,
+                new,
+                location,
+                own,
+            } => {
+                let backup = view[1];
+                state.clients[client].stage = Stage::IntentCheck {
+                    old,
+                    new,
+                    location,
+                    backup: (state.words[backup], state.locations[backup]),
+                    own,
+                };
+            }
+            Stage::IntentCheck {
+                old,
+                new,
+                location,
+                backup,
+                own,
+            } => {
+                let intent = Word::Intent { old, new, location };
+                let next = if state.words[primary] != intent {
+                    // Committed by someone else meanwhile: the backup is not this write's to
+                    // touch any more.
                     Stage::Commit {
                         old,
                         new,
-                        own: true,
-                    }
-                };
-            }
-            Stage::Backup {
-                old,
-                new,
-                next,
-                own,
-            } => {
-                let backup = view[usize::from(next)];
-                if self.protocol == ReplicationProtocol::CommitFirst {
-                    // A plain WRITE of the backup's slot.
-                    state.words[backup] = new.word();
-                } else if state.words[backup] == old.word() {
-                    // A CAS from the old word; one that finds anything else changes nothing
-                    // (another helper, or this one stalled while the key moved on).
-                    state.words[backup] = new.word();
-                }
-                state.clients[client].stage = if usize::from(next) + 1 < view.len() {
-                    Stage::Backup {
-                        old,
-                        new,
-                        next: next + 1,
+                        location,
                         own,
                     }
-                } else if self.protocol == ReplicationProtocol::CommitFirst {
-                    return Self::finish(state, client, Some(Self::applied(operation)));
+                } else if backup.0 == new.word() {
+                    // Another helper swapped it (its copy, maybe since moved): done.
+                    Stage::Commit {
+                        old,
+                        new,
+                        location,
+                        own,
+                    }
+                } else if backup.0 == old.word() {
+                    // Still the old value (maybe moved by the compactor): swap what was read.
+                    Stage::BackupSwap {
+                        old,
+                        new,
+                        location,
+                        expected: backup,
+                        own,
+                    }
                 } else {
-                    Stage::Commit { old, new, own }
+                    // Under a live intent only its helpers change the backup's value.
+                    unreachable!("the backup holds {backup:?} under the intent {intent:?}")
                 };
+                state.clients[client].stage = next;
             }
-            Stage::Commit { old, new, own } => {
+            Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            } => {
                 // Fails only when a helper committed it already: applied either way.
-                if state.words[primary] == (Word::Intent { old, new }) {
-                    state.words[primary] = new.word();
+                if state.words[primary] == (Word::Intent { old, new, location }) {
+                    Self::set(state, primary, new, location);
                 }
                 if own {
                     Self::finish(state, client, Some(Self::applied(operation)));
@@ -562,6 +784,8 @@ impl Model for ReplicationModel {
         let word = self.initial.map_or(Word::Empty, Word::Committed);
         vec![ReplicationState {
             words: [word; NODES],
+            locations: [0; NODES],
+            compactions: [0; NODES],
             epoch: 0,
             clients: self
                 .scripts
@@ -590,6 +814,14 @@ impl Model for ReplicationModel {
         if state.epoch == 0 {
             actions.push(ReplicationAction::Failover);
         }
+        if self.compaction {
+            for node in 0..NODES {
+                let movable = matches!(state.words[node], Word::Committed(_) | Word::Tombstone(_));
+                if movable && state.compactions[node] == 0 {
+                    actions.push(ReplicationAction::Compact(node as u8));
+                }
+            }
+        }
     }
 
     fn next_state(
@@ -601,6 +833,11 @@ impl Model for ReplicationModel {
         match action {
             ReplicationAction::Step(client) => self.step(&mut next, usize::from(client)),
             ReplicationAction::Failover => next.epoch = 1,
+            ReplicationAction::Compact(node) => {
+                let node = usize::from(node);
+                next.locations[node] += 50;
+                next.compactions[node] += 1;
+            }
         }
         Some(next)
     }
@@ -708,7 +945,7 @@ mod tests {
             .find(|model| model.name == "two-writers")
             .expect("the scenario exists");
         assert!(reaches(&model, |state| state.clients.iter().any(
-            |client| { matches!(client.stage, Stage::Backup { own: false, .. }) }
+            |client| { matches!(client.stage, Stage::BackupSwap { own: false, .. }) }
         )));
         assert!(reaches(&model, |state| state.epoch == 1
             && state
@@ -717,6 +954,30 @@ mod tests {
                 .any(|client| client.epoch == 0 && client.placed)));
         assert!(reaches(&model, |state| state.epoch == 1
             && matches!(state.words[1], Word::Intent { .. })));
+    }
+
+    #[test]
+    fn a_backup_swap_defeated_by_a_compactor_move_must_read_again_and_retry() {
+        assert_violates(
+            ReplicationProtocol::ExactOnly,
+            "write-then-read-compacting",
+            &[LINEARIZABLE, REPLICAS_AGREE_AT_REST],
+        );
+    }
+
+    #[test]
+    fn the_check_covers_a_backup_moved_under_a_live_intent() {
+        let model = ReplicationModel::scenarios(ReplicationProtocol::Intent)
+            .into_iter()
+            .find(|model| model.name == "two-writers-compacting")
+            .expect("the scenario exists");
+        // A swap retried after the compactor moved the backup's block under a live intent.
+        assert!(reaches(&model, |state| state.compactions[1] == 1
+            && matches!(state.words[0], Word::Intent { .. })
+            && state.clients.iter().any(|client| matches!(
+                client.stage,
+                Stage::BackupSwap { expected: (_, location), .. } if location >= 50
+            ))));
     }
 
     #[test]
