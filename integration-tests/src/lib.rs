@@ -3,8 +3,10 @@
 //! - [`cluster`]: a three-node cluster from the example file, through `rdkv-cluster`.
 //! - [`linearizability`]: a linearizability checker for key-value histories.
 //! - [`process`]: real `rdkv-server` processes for tests, stopped on drop.
+//! - [`view`]: the cluster view seen by tests: views fetched, nodes signalled.
 #![forbid(unsafe_code)]
 
 pub mod cluster;
 pub mod linearizability;
 pub mod process;
+pub mod view;

@@ -3,93 +3,18 @@
 //! are each committed down within `failure_timeout` plus a bound, a restarted node rejoins as a
 //! new epoch, and `rdkv-cluster status` prints the view.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use rdkv_common::protocol::{fetch_view, ClusterView, MemberState, MonitoredNode};
-use rdkv_integration_tests::cluster::{rdkv_cluster, Cluster};
-
-/// The failure timeout the test's cluster file sets.
-const FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Every node's id and control address, from the cluster file.
-fn nodes(cluster: &Cluster) -> (Vec<(u32, std::net::SocketAddr)>, Vec<u8>) {
-    let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
-    (
-        config
-            .nodes
-            .iter()
-            .map(|node| (node.id, node.control_address))
-            .collect(),
-        config.secret,
-    )
-}
-
-/// The view node `id` knows, if it answers.
-async fn view_of(
-    nodes: &[(u32, std::net::SocketAddr)],
-    secret: &[u8],
-    id: u32,
-) -> Option<ClusterView> {
-    let address = nodes.iter().find(|(node, _)| *node == id)?.1;
-    let node = MonitoredNode {
-        address,
-        id: Some(id),
-        secret,
-    };
-    fetch_view(node, Duration::from_secs(1)).await.ok()
-}
-
-/// Polls node `id` every 20 ms until its view satisfies `wanted`, for at most `limit`; returns
-/// the view and when it was first seen.
-async fn wait_for_view(
-    nodes: &[(u32, std::net::SocketAddr)],
-    secret: &[u8],
-    id: u32,
-    limit: Duration,
-    wanted: impl Fn(&ClusterView) -> bool,
-) -> (ClusterView, Instant) {
-    let started = Instant::now();
-    let mut last = None;
-    while started.elapsed() < limit {
-        if let Some(view) = view_of(nodes, secret, id).await {
-            if wanted(&view) {
-                return (view, Instant::now());
-            }
-            last = Some(view);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("node {id}'s view never got there within {limit:?}; last: {last:?}");
-}
-
-fn state_of(view: &ClusterView, id: u32) -> Option<MemberState> {
-    view.members
-        .iter()
-        .find(|member| member.node_id == id)
-        .map(|member| member.state)
-}
-
-fn kill(cluster: &Cluster, id: u32) -> Instant {
-    let pid_file = cluster.run_directory.join(format!("node-{id}.pid"));
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("a pid");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL");
-    Instant::now()
-}
+use nix::sys::signal::Signal;
+use rdkv_common::protocol::{ClusterView, MemberState};
+use rdkv_integration_tests::cluster::rdkv_cluster;
+use rdkv_integration_tests::view::{
+    signal, state_of, up, view_of, wait_for_state, wait_for_view, FAILURE_TIMEOUT,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_new_epochs() {
-    let cluster = Cluster::up_with("view", |text| {
-        text.replace("failure_timeout = \"2s\"", "failure_timeout = \"1s\"")
-    });
-    let (nodes, secret) = nodes(&cluster);
+    let (cluster, nodes, secret) = up("view", 3);
     let all_serving = |view: &ClusterView| {
         view.leader.is_some()
             && view.members.len() == 3
@@ -100,13 +25,16 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
             && view.epoch >= 3
     };
     // Every node has joined (one epoch each) and a leader is elected.
-    let (view, _) = wait_for_view(&nodes, &secret, 1, Duration::from_secs(20), all_serving).await;
+    let (view, _) = wait_for_view(&nodes, &secret, 1, Duration::from_secs(20), all_serving)
+        .await
+        .expect("the view gets there");
     let leader = view.leader.expect("a leader");
     for (id, _) in &nodes {
         wait_for_view(&nodes, &secret, *id, Duration::from_secs(10), |seen| {
             seen.epoch == view.epoch && seen.leader == Some(leader)
         })
-        .await;
+        .await
+        .expect("the view gets there");
     }
 
     // Clients fetch the view (the leader's), and `rdkv stats` prints it.
@@ -132,11 +60,8 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
         .map(|(id, _)| *id)
         .find(|id| *id != leader)
         .expect("a follower");
-    let killed = kill(&cluster, follower);
-    let (down, seen) = wait_for_view(&nodes, &secret, leader, Duration::from_secs(10), |seen| {
-        state_of(seen, follower) == Some(MemberState::Down)
-    })
-    .await;
+    let killed = signal(&cluster, follower, Signal::SIGKILL);
+    let (down, seen) = wait_for_state(&nodes, &secret, leader, follower, MemberState::Down).await;
     let detection = seen - killed;
     eprintln!("follower {follower} down after {detection:?} (failure_timeout {FAILURE_TIMEOUT:?})");
     assert!(
@@ -174,10 +99,7 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
         "{}",
         String::from_utf8_lossy(&restart.stderr)
     );
-    let (back, _) = wait_for_view(&nodes, &secret, leader, Duration::from_secs(10), |seen| {
-        state_of(seen, follower) == Some(MemberState::Serving)
-    })
-    .await;
+    let (back, _) = wait_for_state(&nodes, &secret, leader, follower, MemberState::Serving).await;
     assert!(back.epoch > down.epoch);
     // It stays: no flapping between down and serving once it has rejoined.
     tokio::time::sleep(FAILURE_TIMEOUT * 2).await;
@@ -200,11 +122,8 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
         .map(|(id, _)| *id)
         .find(|id| *id != leader)
         .expect("a survivor");
-    let killed = kill(&cluster, leader);
-    let (after, seen) = wait_for_view(&nodes, &secret, survivor, Duration::from_secs(10), |seen| {
-        state_of(seen, leader) == Some(MemberState::Down)
-    })
-    .await;
+    let killed = signal(&cluster, leader, Signal::SIGKILL);
+    let (after, seen) = wait_for_state(&nodes, &secret, survivor, leader, MemberState::Down).await;
     let failover = seen - killed;
     eprintln!(
         "leader {leader} down after {failover:?}, new leader {:?}",

@@ -124,7 +124,9 @@ const EXIT_CODES: &str = "Exit codes:
   2  invalid command line";
 
 fn main() -> std::process::ExitCode {
-    let _logging = rdkv_common::process::init_logging("info");
+    // openraft logs every failed heartbeat to a dead peer (1-2 KB/s while a node is down); the
+    // view's own lines say what matters (`RUST_LOG=info,openraft=warn` shows them).
+    let _logging = rdkv_common::process::init_logging("info,openraft=off");
     let arguments = Arguments::parse();
     if arguments.max_unauthenticated() >= arguments.max_connections as usize {
         // A command-line mistake: clap's error and exit code 2, like any other.

@@ -42,6 +42,9 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
 /// Raft's election timeout range, in milliseconds: a dead leader is replaced within about
 /// this long, before the detector's `failure_timeout` starts on the new leader.
 const ELECTION_TIMEOUT_MILLISECONDS: (u64, u64) = (400, 800);
+/// How far ahead of a node's own term a peer's message may be. Elections raise the term by one
+/// each; a million is decades of failed elections.
+const MAX_TERM_JUMP: u64 = 1 << 20;
 /// The shortest `failure_timeout`: well above the election timeout, so that a leader change
 /// alone never marks anyone down.
 pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -151,12 +154,45 @@ impl ViewService {
     fn leader(&self) -> Option<u32> {
         match &self.raft {
             None => Some(self.node_id),
-            Some(raft) => raft
-                .metrics()
-                .borrow()
-                .current_leader
-                .and_then(|leader| u32::try_from(leader).ok()),
+            Some(raft) => {
+                let metrics = raft.metrics();
+                let metrics = metrics.borrow();
+                // A Raft that stopped on a fatal error knows no leader.
+                if metrics.running_state.is_err() {
+                    return None;
+                }
+                metrics
+                    .current_leader
+                    .and_then(|leader| u32::try_from(leader).ok())
+            }
         }
+    }
+
+    /// Why a peer's Raft message is refused before Raft sees it, if it is: its sender is not a
+    /// member, or its term is implausibly far ahead of this node's. Raft trusts terms; a
+    /// message with term 2^64 - 1 would leave no term to elect a leader in, for good (found by
+    /// attack: the term is persisted).
+    fn refuse_vote(
+        &self,
+        raft: &Raft<TypeConfig>,
+        vote: &openraft::Vote<PeerId>,
+        terms: &[u64],
+    ) -> Option<String> {
+        let sender = vote.leader_id.node_id;
+        if !u32::try_from(sender).is_ok_and(|sender| self.addresses.contains_key(&sender)) {
+            return Some(format!("node {sender} is not a member of this cluster"));
+        }
+        let current = raft.metrics().borrow().current_term;
+        let term = vote.leader_id.term;
+        if term > current.saturating_add(MAX_TERM_JUMP) {
+            return Some(format!(
+                "term {term} is more than {MAX_TERM_JUMP} ahead of this node's ({current})"
+            ));
+        }
+        if terms.iter().any(|log_term| *log_term > term) {
+            return Some("a log entry's term is ahead of the message's".into());
+        }
+        None
     }
 
     /// The view as this node knows it.
@@ -198,6 +234,15 @@ impl ViewService {
             (Err(error), _) => PeerReply::Malformed(error.to_string()),
             (Ok(_), None) => PeerReply::Malformed("a one-node cluster runs no consensus".into()),
             (Ok(PeerRequest::AppendEntries(request)), Some(raft)) => {
+                let terms: Vec<u64> = request
+                    .entries
+                    .iter()
+                    .map(|entry| entry.log_id.leader_id.term)
+                    .chain(request.prev_log_id.map(|log_id| log_id.leader_id.term))
+                    .collect();
+                if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
+                    return Self::encode(&PeerReply::Malformed(reason));
+                }
                 let outcome = raft.append_entries(request).await;
                 if outcome.as_ref().is_ok_and(|response| response.is_success()) {
                     // Only the leader sends entries: it is alive.
@@ -208,9 +253,20 @@ impl ViewService {
                 PeerReply::AppendEntries(outcome)
             }
             (Ok(PeerRequest::Vote(request)), Some(raft)) => {
+                let terms: Vec<u64> = request
+                    .last_log_id
+                    .map(|log_id| log_id.leader_id.term)
+                    .into_iter()
+                    .collect();
+                if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
+                    return Self::encode(&PeerReply::Malformed(reason));
+                }
                 PeerReply::Vote(raft.vote(request).await)
             }
             (Ok(PeerRequest::InstallSnapshot(request)), Some(raft)) => {
+                if let Some(reason) = self.refuse_vote(raft, &request.vote, &[]) {
+                    return Self::encode(&PeerReply::Malformed(reason));
+                }
                 PeerReply::InstallSnapshot(raft.install_snapshot(request).await)
             }
             (
@@ -220,6 +276,11 @@ impl ViewService {
                 }),
                 Some(_),
             ) => {
+                if !self.addresses.contains_key(&node_id) {
+                    return Self::encode(&PeerReply::Join(Err(format!(
+                        "node {node_id} is not a member of this cluster"
+                    ))));
+                }
                 // A node asking to join is alive, whatever the heartbeats' last answer says.
                 self.liveness.heard(node_id);
                 let applied = {
@@ -235,7 +296,7 @@ impl ViewService {
                 if let Some(epoch) = applied {
                     // Already in the view (the joiner has not applied it yet): nothing to
                     // log, so a node that keeps asking never grows the log.
-                    return bincode::serialize(&PeerReply::Join(Ok(epoch))).unwrap_or_default();
+                    return Self::encode(&PeerReply::Join(Ok(epoch)));
                 }
                 PeerReply::Join(
                     self.commit(ViewCommand::Join {
@@ -246,7 +307,12 @@ impl ViewService {
                 )
             }
         };
-        bincode::serialize(&reply).unwrap_or_default()
+        Self::encode(&reply)
+    }
+
+    /// A reply, encoded for its `Peer` frame.
+    fn encode(reply: &PeerReply) -> Vec<u8> {
+        bincode::serialize(reply).unwrap_or_default()
     }
 
     /// Commits `command` through Raft on this node (the leader), within the failure timeout.
@@ -293,10 +359,32 @@ impl ViewService {
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
         let mut leader_since: Option<Instant> = None;
         let mut previous_leader: Option<u32> = None;
+        let mut last_tick = Instant::now();
+        let mut proposed: BTreeMap<u32, Instant> = BTreeMap::new();
+        let mut reported_fatal = false;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
+            }
+            if last_tick.elapsed() > HEARTBEAT_INTERVAL * 3 {
+                // This process was paused (SIGSTOP, a stalled machine): what it knew of its
+                // peers is stale, and so may its leadership be. Count afresh.
+                leader_since = None;
+            }
+            last_tick = Instant::now();
+            if let Some(raft) = &self.raft {
+                if let Err(fatal) = &raft.metrics().borrow().running_state {
+                    if !reported_fatal {
+                        tracing::error!(
+                            node = self.node_id,
+                            %fatal,
+                            "the cluster view's consensus stopped on this node: it knows no leader and commits nothing; restart the node"
+                        );
+                        reported_fatal = true;
+                    }
+                    continue;
+                }
             }
             let leader = self.leader();
             if leader != Some(self.node_id) {
@@ -307,22 +395,46 @@ impl ViewService {
                 continue;
             }
             let since = *leader_since.get_or_insert_with(Instant::now);
-            let silent: Vec<u32> = self
-                .view
-                .borrow()
-                .members
-                .iter()
-                .filter(|(id, record)| **id != self.node_id && record.state == MemberState::Serving)
-                .map(|(id, _)| *id)
-                .filter(|id| {
-                    let heard = match liveness.last_heard(*id) {
-                        Some(heard) if Some(*id) == previous_leader => heard,
-                        heard => heard.map_or(since, |heard| heard.max(since)),
-                    };
-                    heard.elapsed() > self.failure_timeout
-                })
-                .collect();
+            let heard_within = |id: u32| {
+                let heard = match liveness.last_heard(id) {
+                    Some(heard) if Some(id) == previous_leader => heard,
+                    heard => heard.map_or(since, |heard| heard.max(since)),
+                };
+                heard.elapsed() <= self.failure_timeout
+            };
+            let (silent, members): (Vec<u32>, usize) = {
+                let view = self.view.borrow();
+                let silent = view
+                    .members
+                    .iter()
+                    .filter(|(id, record)| {
+                        **id != self.node_id && record.state == MemberState::Serving
+                    })
+                    .map(|(id, _)| *id)
+                    .filter(|id| !heard_within(*id))
+                    .collect();
+                (silent, view.members.len())
+            };
+            // Only a leader that hears a majority (itself included) can commit anything: without
+            // one, a proposal would sit in its log, be retried, and commit late, after the
+            // member came back (found by attack: a two-node cluster's leader grew its log
+            // every failure_timeout).
+            let heard = 1 + self
+                .addresses
+                .keys()
+                .filter(|id| **id != self.node_id && heard_within(**id))
+                .count();
+            if heard * 2 <= members {
+                continue;
+            }
             for node_id in silent {
+                if proposed
+                    .get(&node_id)
+                    .is_some_and(|at| at.elapsed() < self.failure_timeout * 4)
+                {
+                    continue;
+                }
+                proposed.insert(node_id, Instant::now());
                 tracing::warn!(
                     node = self.node_id,
                     down = node_id,

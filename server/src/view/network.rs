@@ -145,7 +145,18 @@ impl PeerClient {
                 reason: format!("undecodable answer: {error}"),
             }
         })?;
-        self.liveness.heard(self.target);
+        // Alive means its Raft answered: an error (a Raft stopped on a fatal error, a refusal)
+        // is no sign of life.
+        let answered = matches!(
+            &reply,
+            PeerReply::AppendEntries(Ok(_))
+                | PeerReply::Vote(Ok(_))
+                | PeerReply::InstallSnapshot(Ok(_))
+                | PeerReply::Join(Ok(_))
+        );
+        if answered {
+            self.liveness.heard(self.target);
+        }
         Ok(reply)
     }
 }
