@@ -788,6 +788,15 @@ impl Client {
         }
     }
 
+    /// The newest cluster-view epoch any node reported to this client, in the answers to its
+    /// heartbeats (every `lease_timeout` / 3 on each connection; 0 before the first). When it
+    /// grows, the view changed: [`Client::view`] fetches it.
+    pub fn view_epoch(&self) -> u64 {
+        self.counters
+            .view_epoch
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// This client's node with id `node_id`.
     fn node_by_id(&self, node_id: u32) -> Option<&Arc<Node>> {
         self.nodes.iter().find(|node| node.id == node_id)

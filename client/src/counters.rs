@@ -72,6 +72,8 @@ pub struct Counters {
     pub checksum_retries: ShardedCounter,
     /// Connections re-established after a failure (each lane's counts: `crate::lanes`).
     pub reconnects: ShardedCounter,
+    /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
+    pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
     reported: Mutex<ClientCounters>,
 }

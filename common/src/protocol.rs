@@ -166,7 +166,10 @@ pub enum ServerMessage {
         reason: String,
     },
     /// The lease was renewed.
-    HeartbeatAck,
+    HeartbeatAck {
+        /// The epoch of the cluster view the node knows: a client learns of new views here.
+        epoch: u64,
+    },
     /// The server's counters.
     Stats(Box<ServerStats>),
     /// The node is shutting down, as asked.

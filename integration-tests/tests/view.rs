@@ -1,7 +1,8 @@
 //! The cluster view (`docs/architecture.md`, *Cluster view*): three real nodes started by
 //! `rdkv-cluster` agree on a view with Raft; a SIGKILLed follower and then a SIGKILLed leader
 //! are each committed down within `failure_timeout` plus a bound, a restarted node rejoins as a
-//! new epoch, and `rdkv-cluster status` prints the view.
+//! new epoch, `rdkv-cluster status` and `rdkv stats` print the view, and a client fetches it and
+//! learns of new epochs.
 
 use std::time::Duration;
 
@@ -42,7 +43,8 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
     let client = rdkv_client::Client::for_cluster(&config);
     let fetched = client.view().await.expect("the client fetches the view");
     assert_eq!((fetched.epoch, fetched.leader), (view.epoch, view.leader));
-    client.close().await;
+    // Connected, it hears of new epochs in its heartbeats' answers.
+    client.connect_all().await.expect("the client connects");
     let stats =
         std::process::Command::new(rdkv_integration_tests::process::workspace_binary("rdkv"))
             .args(["--config", cluster.file.to_str().expect("utf-8"), "stats"])
@@ -70,6 +72,17 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
     );
     assert!(down.epoch > view.epoch);
     assert_eq!(down.serving().len(), 2, "{down:?}");
+    // The connected client learns of the new epoch within a heartbeat (lease_timeout / 3).
+    let learning = std::time::Instant::now();
+    while client.view_epoch() < down.epoch {
+        assert!(
+            learning.elapsed() < Duration::from_secs(10),
+            "the client knows epoch {} only",
+            client.view_epoch()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    client.close().await;
 
     // `status` prints the view, with the dead node down (exit code 1: a node is down).
     let status = rdkv_cluster(&[

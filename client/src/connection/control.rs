@@ -118,7 +118,7 @@ pub(super) async fn control_task(
         let outcome = match write_frame(&mut stream, &message).await {
             Ok(()) if goodbye => {
                 if let Some(reply) = reply {
-                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck));
+                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck { epoch: 0 }));
                 }
                 return;
             }
@@ -131,6 +131,11 @@ pub(super) async fn control_task(
             }
             Err(error) => Err(error),
         };
+        if let Ok(ServerMessage::HeartbeatAck { epoch }) = &outcome {
+            counters
+                .view_epoch
+                .fetch_max(*epoch, std::sync::atomic::Ordering::Relaxed);
+        }
         let failed = outcome.is_err();
         if let Some(reply) = reply {
             let _ = reply.send(outcome);

@@ -47,7 +47,7 @@ impl Session {
                         ClientMessage::AllocateChunk { started, needed } if self.queue_pair.is_some() => self.allocate_chunk(started, needed),
                         ClientMessage::Heartbeat { counters } => {
                             shared.counters.add_client_report(&counters);
-                            ServerMessage::HeartbeatAck
+                            ServerMessage::HeartbeatAck { epoch: shared.view.epoch() }
                         }
                         ClientMessage::Stats => {
                             let keys = shared.counters.exact_keys(shared.clone()).await;

@@ -211,6 +211,14 @@ impl ViewService {
         self.view.borrow().public(leader)
     }
 
+    /// The epoch of the view this node knows.
+    pub fn epoch(&self) -> u64 {
+        match &self.raft {
+            None => 1,
+            Some(_) => self.view.borrow().epoch,
+        }
+    }
+
     /// The view's figures for the node's stats: epoch, leader (0: none), members down, views
     /// this node committed as leader.
     pub fn figures(&self) -> (u64, u32, u64, u64) {
