@@ -63,6 +63,15 @@ impl Node {
         current_lane(self.lanes_in_use.load(Ordering::Relaxed))
     }
 
+    /// The node as a monitoring connection reaches it (no queue pair, no keys).
+    fn monitored(&self) -> MonitoredNode<'_> {
+        MonitoredNode {
+            address: self.config.node.control_address,
+            id: self.config.node.id,
+            secret: &self.config.secret,
+        }
+    }
+
     /// A live connection of any lane.
     fn any_healthy_connection(&self) -> Option<Arc<NodeConnection>> {
         self.lanes.iter().find_map(Lane::healthy_connection)
@@ -720,12 +729,7 @@ impl Client {
         let mut stats = Vec::new();
         for node in &self.nodes {
             let address = node.config.node.control_address;
-            let monitored = MonitoredNode {
-                address,
-                id: node.config.node.id,
-                secret: &node.config.secret,
-            };
-            let fetched = fetch_stats(monitored, self.deadline)
+            let fetched = fetch_stats(node.monitored(), self.deadline)
                 .await
                 .map_err(|error| Error::NodeUnreachable {
                     address,
@@ -748,24 +752,14 @@ impl Client {
         let mut first: Option<ClusterView> = None;
         for node in &self.nodes {
             let address = node.config.node.control_address;
-            let monitored = MonitoredNode {
-                address,
-                id: node.config.node.id,
-                secret: &node.config.secret,
-            };
-            match fetch_view(monitored, self.deadline).await {
+            match fetch_view(node.monitored(), self.deadline).await {
                 Ok(view) if view.leader == Some(node.id) => return Ok(view),
                 Ok(view) => {
                     let leader = view.leader;
                     first.get_or_insert(view);
                     // Ask the leader next, if it is a node of this client's.
                     if let Some(leader) = leader.and_then(|leader| self.node_by_id(leader)) {
-                        let monitored = MonitoredNode {
-                            address: leader.config.node.control_address,
-                            id: leader.config.node.id,
-                            secret: &leader.config.secret,
-                        };
-                        if let Ok(view) = fetch_view(monitored, self.deadline).await {
+                        if let Ok(view) = fetch_view(leader.monitored(), self.deadline).await {
                             return Ok(view);
                         }
                     }

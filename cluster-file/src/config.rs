@@ -747,6 +747,12 @@ fn parse_with_secret(
             shm_socket,
         });
     }
+    if nodes.len() == 2 {
+        warnings.push(format!(
+            "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",
+            path.display()
+        ));
+    }
     Ok(ClusterConfig {
         path: path.to_path_buf(),
         name: cluster.name.get_ref().clone(),

@@ -240,6 +240,26 @@ fn poll_spin_is_parsed_and_bounded() {
 }
 
 #[test]
+fn a_two_node_cluster_is_warned_that_it_cannot_fail_over() {
+    let second = NODE_1.replace("id = 1", "id = 2").replace(":740", ":741");
+    let two = parse(
+        Path::new("cluster.toml"),
+        &file("", &format!("{NODE_1}{second}")),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert_eq!(two.nodes.len(), 2);
+    assert!(
+        two.warnings
+            .iter()
+            .any(|warning| warning.contains("majority")),
+        "{:?}",
+        two.warnings
+    );
+}
+
+#[test]
 fn failure_timeout_is_parsed_and_bounded() {
     let config = parse(
         Path::new("cluster.toml"),

@@ -670,17 +670,30 @@ pub async fn fetch_stats(
     node: MonitoredNode<'_>,
     timeout: std::time::Duration,
 ) -> Result<ServerStats, ControlError> {
+    match ask(node, timeout, ClientMessage::Stats).await? {
+        ServerMessage::Stats(mut stats) => {
+            stats.connections = stats.connections.saturating_sub(1);
+            Ok(*stats)
+        }
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// One question on a fresh monitoring connection, within `timeout`: the answer (a refusal is
+/// [`ControlError::Refused`]), then a goodbye.
+async fn ask(
+    node: MonitoredNode<'_>,
+    timeout: std::time::Duration,
+    question: ClientMessage,
+) -> Result<ServerMessage, ControlError> {
     within(timeout, async {
         let mut stream = monitor_connection(node).await?;
-        write_frame(&mut stream, &ClientMessage::Stats).await?;
+        write_frame(&mut stream, &question).await?;
         let reply = read_frame(&mut stream).await?;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
         match reply {
-            ServerMessage::Stats(mut stats) => {
-                stats.connections = stats.connections.saturating_sub(1);
-                Ok(*stats)
-            }
-            other => Err(ControlError::Unexpected(format!("{other:?}"))),
+            ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+            reply => Ok(reply),
         }
     })
     .await
@@ -715,18 +728,10 @@ pub async fn fetch_view(
     node: MonitoredNode<'_>,
     timeout: std::time::Duration,
 ) -> Result<ClusterView, ControlError> {
-    within(timeout, async {
-        let mut stream = monitor_connection(node).await?;
-        write_frame(&mut stream, &ClientMessage::FetchView).await?;
-        let reply = read_frame(&mut stream).await?;
-        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
-        match reply {
-            ServerMessage::View(view) => Ok(view),
-            ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
-            other => Err(ControlError::Unexpected(format!("{other:?}"))),
-        }
-    })
-    .await
+    match ask(node, timeout, ClientMessage::FetchView).await? {
+        ServerMessage::View(view) => Ok(view),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
 }
 
 /// A node's authenticated connection to a peer node, for the consensus on the view: one
