@@ -368,7 +368,9 @@ impl ViewService {
         let mut leader_since: Option<Instant> = None;
         let mut previous_leader: Option<u32> = None;
         let mut last_tick = Instant::now();
-        let mut proposed: BTreeMap<u32, Instant> = BTreeMap::new();
+        // The last down proposed per member, with the epoch it was proposed under: not again
+        // until the view changes (it applied, or the member rejoined) or 4 timeouts pass.
+        let mut proposed: BTreeMap<u32, (Instant, u64)> = BTreeMap::new();
         let mut reported_fatal = false;
         loop {
             tokio::select! {
@@ -410,7 +412,7 @@ impl ViewService {
                 };
                 heard.elapsed() <= self.failure_timeout
             };
-            let (silent, members): (Vec<u32>, usize) = {
+            let (silent, members, epoch): (Vec<u32>, usize, u64) = {
                 let view = self.view.borrow();
                 let silent = view
                     .members
@@ -421,7 +423,7 @@ impl ViewService {
                     .map(|(id, _)| *id)
                     .filter(|id| !heard_within(*id))
                     .collect();
-                (silent, view.members.len())
+                (silent, view.members.len(), view.epoch)
             };
             // Only a leader that hears a majority (itself included) can commit anything: without
             // one, a proposal would sit in its log, be retried, and commit late, after the
@@ -436,13 +438,12 @@ impl ViewService {
                 continue;
             }
             for node_id in silent {
-                if proposed
-                    .get(&node_id)
-                    .is_some_and(|at| at.elapsed() < self.failure_timeout * 4)
-                {
+                if proposed.get(&node_id).is_some_and(|(at, under)| {
+                    *under == epoch && at.elapsed() < self.failure_timeout * 4
+                }) {
                     continue;
                 }
-                proposed.insert(node_id, Instant::now());
+                proposed.insert(node_id, (Instant::now(), epoch));
                 tracing::warn!(
                     node = self.node_id,
                     down = node_id,

@@ -18,7 +18,6 @@ use openraft::raft::{
 };
 use openraft::BasicNode;
 use rdkv_common::protocol::{MonitoredNode, PeerConnection};
-use rdkv_common::ControlError;
 
 use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
 
@@ -135,7 +134,7 @@ impl PeerClient {
             Ok(answer) => answer,
             Err(error) => {
                 self.connection = None;
-                return Err(failure(describe(&error)));
+                return Err(failure(error.to_string()));
             }
         };
         let reply: PeerReply = bincode::deserialize(&answer).map_err(|error| {
@@ -159,10 +158,6 @@ impl PeerClient {
         }
         Ok(reply)
     }
-}
-
-fn describe(error: &ControlError) -> String {
-    error.to_string()
 }
 
 fn unreachable<E: std::error::Error>(failure: PeerFailure) -> RPCError<PeerId, BasicNode, E> {
