@@ -18,7 +18,7 @@ pub enum Error {
         name: String,
     },
     /// The replication protocol name is not one of `replication::ReplicationProtocol::ALL`.
-    #[error("unknown replication protocol {name:?}: expected intent, commit-first, empty-deletes or read-intent-new")]
+    #[error("unknown replication protocol {name:?}: expected lock, unchecked-rollback, unfenced, intent, commit-first, empty-deletes, read-intent-new or exact-only")]
     UnknownReplicationProtocol {
         /// The name asked for.
         name: String,

@@ -12,22 +12,34 @@
 //! - [`REPLICAS_AGREE_AT_REST`]: under the first view, whenever the primary holds no intent, the
 //!   backup holds the primary's word: the replicas never diverge.
 //!
-//! # The protocol ([`ReplicationProtocol::Intent`])
+//! # The protocol ([`ReplicationProtocol::Lock`])
 //!
-//! A write reads the primary's slot and the backup's, then swaps the primary's for an
-//! **intent** that names the old word (still what readers return) and the new one; then it
-//! swaps every backup's slot from exactly the word it read there (value and block location) to
-//! its own copy of the new value; then it **commits**, swapping the primary's intent for the new
-//! word. A backup swap that fails (the compactor moved the backup's block, or a helper got there
-//! first) reads the backup again, then checks that the primary still holds the intent: only
-//! then does it swap again, from what it just read if that is still the old value, and it is
-//! done if that is the new value. A
-//! reader that finds an intent returns its old word. A writer that finds another's intent
-//! **helps**: it swaps the backups and commits for it, then starts its own write again, so a
-//! writer that stalls or dies after its intent never blocks the key. A delete writes a
-//! **tombstone** (a word of its own, invisible to readers) rather than an empty slot, so a slot
-//! never returns to a word it held before: a helper that stalled with an old intent cannot swap
-//! a backup back to it.
+//! A write reads the primary's slot and the backup's, then swaps the primary's word for a
+//! **lock**: a word in the locked state that points at a fresh copy of the old value (readers
+//! return it), so no two locks are ever the same word. Then it swaps every backup's slot from
+//! exactly the word it read there (value and block location) to its own copy of the new value,
+//! then it **commits**, swapping its lock for the new word. A backup swap that fails (the
+//! compactor moved the backup's block, or a stalled earlier lock holder got there) reads the
+//! backup again, then checks that the primary still holds its lock, and only then swaps again,
+//! from what it just read. A writer that finds another's lock **steals** it: it swaps the lock
+//! for a lock of its own (another fresh copy of the old value), rolls every backup back to a
+//! copy of the old value by the same read, check, swap, and unlocks, then starts its own write
+//! again. The stolen writer's commit, or its next lock check, fails, and it starts again. A
+//! writer that stalls or dies holding a lock therefore never blocks the key. A delete writes a
+//! **tombstone** (a word of its own, invisible to readers) rather than an empty slot, and a
+//! rollback of an absent value writes a fresh tombstone, so a slot never returns to a word it
+//! held before: a stalled lock holder's swap, which expects a word it read, cannot succeed
+//! after anyone else changed the slot.
+//!
+//! # The first design ([`ReplicationProtocol::Intent`])
+//!
+//! The primary's word is swapped for an **intent** naming the old word (what readers return)
+//! and the new one; helpers roll the write forward (swap the backups to the new value and
+//! commit). It holds here, where each slot access is atomic, but not on a NIC that tears READs
+//! of a word against a CAS (rxe does): the intent's word points at the new block, and a torn
+//! READ can combine the committed state bits of the old word with it, showing the new value
+//! before the commit. The lock's word points at the old value throughout, so every tear of it
+//! reads the old value, or the new one during the commit CAS itself.
 //!
 //! The view change fences the old view: once the next view is committed, every access made
 //! under the old one fails (the nodes revoked its windows), and the operation starts again under
@@ -38,7 +50,12 @@
 //! The nodes' compactors may move the key's block once per node (scenarios `*-compacting`):
 //! the slot word changes, the value does not, and every CAS expects the exact word.
 //!
-//! Four variants show what the checker catches: [`ReplicationProtocol::CommitFirst`] (swap the
+//! Six variants show what the checker catches: [`ReplicationProtocol::UncheckedRollback`]
+//! (a lock holder swaps a backup without checking that it still holds the lock) lets a
+//! stalled thief undo the next writer's value on the backup, [`ReplicationProtocol::Unfenced`]
+//! (the view change leaves the old view's connections to the survivor open) lets a thief of
+//! the old view undo a value that the new primary's readers saw,
+//! [`ReplicationProtocol::CommitFirst`] (swap the
 //! primary first, then write the backups) loses acknowledged writes at a failover,
 //! [`ReplicationProtocol::EmptyDeletes`] (a delete empties the slot) lets a stalled helper
 //! resurrect a deleted value on the backup, [`ReplicationProtocol::ReadIntentNew`] (a
@@ -75,8 +92,21 @@ const NODES: usize = 2;
 /// How a write reaches the replicas.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReplicationProtocol {
-    /// The design: intent on the primary, the backups, commit on the primary; helping;
+    /// The design: a lock on the primary (a fresh copy of the old value), the backups, commit
+    /// on the primary; a writer that finds a lock steals it and rolls the write back;
     /// tombstones for deletes.
+    Lock,
+    /// As [`ReplicationProtocol::Lock`], but a lock holder swaps a backup it read again without
+    /// first checking that it still holds the lock.
+    UncheckedRollback,
+    /// As [`ReplicationProtocol::Lock`], but a view change does not fence the survivor: an
+    /// operation of the old view may still swap the old backup's slot, which the new view has
+    /// made the primary. (Accesses to the dead node fail, as they must.)
+    Unfenced,
+    /// The first design: intent on the primary, the backups, commit on the primary; helping
+    /// rolls the write forward; tombstones for deletes. Superseded by
+    /// [`ReplicationProtocol::Lock`]: a torn READ of its intent word can show the new value
+    /// before the commit (not modelled here: each slot access is atomic).
     Intent,
     /// Swap the primary's word first (the write is visible), then write the backups.
     CommitFirst,
@@ -92,7 +122,10 @@ pub enum ReplicationProtocol {
 
 impl ReplicationProtocol {
     /// Every variant.
-    pub const ALL: [ReplicationProtocol; 5] = [
+    pub const ALL: [ReplicationProtocol; 8] = [
+        ReplicationProtocol::Lock,
+        ReplicationProtocol::UncheckedRollback,
+        ReplicationProtocol::Unfenced,
         ReplicationProtocol::Intent,
         ReplicationProtocol::CommitFirst,
         ReplicationProtocol::EmptyDeletes,
@@ -101,9 +134,24 @@ impl ReplicationProtocol {
     ];
 }
 
+impl ReplicationProtocol {
+    /// Whether the protocol locks the primary's slot (else it places an intent).
+    fn locks(self) -> bool {
+        matches!(
+            self,
+            ReplicationProtocol::Lock
+                | ReplicationProtocol::UncheckedRollback
+                | ReplicationProtocol::Unfenced
+        )
+    }
+}
+
 impl fmt::Display for ReplicationProtocol {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
+            ReplicationProtocol::Lock => "lock",
+            ReplicationProtocol::UncheckedRollback => "unchecked-rollback",
+            ReplicationProtocol::Unfenced => "unfenced",
             ReplicationProtocol::Intent => "intent",
             ReplicationProtocol::CommitFirst => "commit-first",
             ReplicationProtocol::EmptyDeletes => "empty-deletes",
@@ -144,6 +192,12 @@ pub enum Word {
         /// Where the write's new block lies on the primary (the intent names it).
         location: u8,
     },
+    /// A write in progress under [`ReplicationProtocol::Lock`] (primary only): the word points
+    /// at the lock holder's fresh copy of `stored`, which readers return.
+    Locked {
+        /// The value before the write.
+        stored: Stored,
+    },
 }
 
 /// What a slot holds when no write is in progress.
@@ -183,6 +237,7 @@ impl Word {
             Word::Empty | Word::Tombstone(_) => None,
             Word::Committed(value) => Some(value),
             Word::Intent { old, .. } => old.visible(),
+            Word::Locked { stored } => stored.visible(),
         }
     }
 
@@ -192,7 +247,7 @@ impl Word {
             Word::Empty => Some(Stored::Empty),
             Word::Committed(value) => Some(Stored::Committed(value)),
             Word::Tombstone(value) => Some(Stored::Tombstone(value)),
-            Word::Intent { .. } => None,
+            Word::Intent { .. } | Word::Locked { .. } => None,
         }
     }
 }
@@ -279,6 +334,76 @@ pub enum Stage {
         /// Whether the write is the client's own.
         own: bool,
     },
+    /// Lock protocol: swapping the primary's locked word `seen` for a lock of this client's
+    /// own (a fresh copy of the old value), to roll the locked write back.
+    Steal {
+        /// The locked word read.
+        seen: Word,
+        /// Where its block lay.
+        seen_location: u8,
+        /// The value under the lock.
+        old: Stored,
+    },
+    /// Lock protocol: the client holds the primary's lock (`lock` at `lock_location`) and swaps
+    /// the backup's slot from exactly `expected` to `target` at `target_location`.
+    Swap {
+        /// The lock word the client placed.
+        lock: Word,
+        /// Where the lock's block lies.
+        lock_location: u8,
+        /// What the backups and then the primary get: the new value (own write) or a copy of
+        /// the old one (a rollback).
+        target: Stored,
+        /// Where the target's blocks lie.
+        target_location: u8,
+        /// The backup slot's word and location the CAS expects.
+        expected: (Word, u8),
+        /// Whether the write is the client's own (else it rolls back a stolen one).
+        own: bool,
+    },
+    /// Lock protocol: reading the backup again (after a failed swap, or before a rollback).
+    Reread {
+        /// The lock word the client placed.
+        lock: Word,
+        /// Where the lock's block lies.
+        lock_location: u8,
+        /// What the backups get.
+        target: Stored,
+        /// Where the target's blocks lie.
+        target_location: u8,
+        /// Whether the write is the client's own.
+        own: bool,
+    },
+    /// Lock protocol: reading the primary to check that the lock is still this client's,
+    /// having read the backup: only then may it swap the backup.
+    LockCheck {
+        /// The lock word the client placed.
+        lock: Word,
+        /// Where the lock's block lies.
+        lock_location: u8,
+        /// What the backups get.
+        target: Stored,
+        /// Where the target's blocks lie.
+        target_location: u8,
+        /// The backup's word and location as just read.
+        backup: (Word, u8),
+        /// Whether the write is the client's own.
+        own: bool,
+    },
+    /// Lock protocol: swapping the primary's lock for the target (a commit, or an unlock
+    /// after a rollback).
+    Release {
+        /// The lock word the client placed.
+        lock: Word,
+        /// Where the lock's block lies.
+        lock_location: u8,
+        /// What the primary gets.
+        target: Stored,
+        /// Where the target's block lies.
+        target_location: u8,
+        /// Whether the write is the client's own.
+        own: bool,
+    },
     /// The script is done.
     Finished,
 }
@@ -297,6 +422,8 @@ pub struct Client {
     /// Whether the operation placed its intent (a CAS was posted): a fenced operation then
     /// ends unresolved instead of starting again.
     placed: bool,
+    /// Blocks written so far (lock protocol): every block gets a fresh location.
+    writes: u8,
 }
 
 /// The model's state.
@@ -484,6 +611,282 @@ impl ReplicationModel {
         state.locations[node] = if stored == Stored::Empty { 0 } else { location };
     }
 
+    /// The word a write puts in place of `old`, or `None` when the operation ends without
+    /// writing (it is finished with its outcome). A delete writes `tombstone`.
+    fn plan(
+        state: &mut ReplicationState,
+        client: usize,
+        operation: Operation,
+        old: Stored,
+        tombstone: Stored,
+    ) -> Option<Stored> {
+        let present = old.visible();
+        let outcome = match operation {
+            Operation::Insert { .. } if present.is_some() => Outcome::Exists,
+            Operation::Update { .. } if present.is_none() => Outcome::Absent,
+            Operation::Delete { .. } if present.is_none() => Outcome::Deleted { existed: false },
+            Operation::CompareAndSwap { expected, .. } if present != Some(expected) => {
+                Outcome::Mismatch(present)
+            }
+            Operation::Get { .. } => Outcome::Found(present),
+            Operation::Delete { .. } => return Some(tombstone),
+            other => return Some(Stored::Committed(other.written_value()?)),
+        };
+        Self::finish(state, client, Some(outcome));
+        None
+    }
+
+    /// A fresh block location for client `client` (lock protocol): no two blocks share one.
+    fn fresh(state: &mut ReplicationState, client: usize) -> u8 {
+        let current = &mut state.clients[client];
+        current.writes += 1;
+        100 + 40 * client as u8 + current.writes
+    }
+
+    /// A fresh copy of `old` at `location`, as a rollback writes it: a tombstone of its own
+    /// when `old` is no value, so that no slot returns to a word it held before.
+    fn copy_of(old: Stored, location: u8) -> Stored {
+        match old.visible() {
+            Some(value) => Stored::Committed(value),
+            None => Stored::Tombstone(Value(location)),
+        }
+    }
+
+    /// One step of client `client` under [`ReplicationProtocol::Lock`] (and its variant).
+    fn step_lock(
+        &self,
+        state: &mut ReplicationState,
+        client: usize,
+        operation: Operation,
+        stage: Stage,
+    ) {
+        // The client's own view: an unfenced client of the old one still uses it.
+        let view = replicas(state.clients[client].epoch);
+        let primary = view[0];
+        let holds = |state: &ReplicationState, lock: Word, lock_location: u8| {
+            (state.words[primary], state.locations[primary]) == (lock, lock_location)
+        };
+        match stage {
+            Stage::ReadPrimary => {
+                let word = state.words[primary];
+                let seen_location = state.locations[primary];
+                if let Word::Locked { stored } = word {
+                    if let Operation::Get { .. } = operation {
+                        return Self::finish(state, client, Some(Outcome::Found(stored.visible())));
+                    }
+                    // Another write holds the key: take its lock and roll it back.
+                    state.clients[client].stage = Stage::Steal {
+                        seen: word,
+                        seen_location,
+                        old: stored,
+                    };
+                    return;
+                }
+                let old = word.stored().expect("no intents under the lock protocol");
+                // The delete's tombstone gets its own value when its block is placed.
+                let Some(new) =
+                    Self::plan(state, client, operation, old, Stored::Tombstone(Value(0)))
+                else {
+                    return;
+                };
+                state.clients[client].stage = if view.len() > 1 {
+                    Stage::ReadBackup {
+                        seen: word,
+                        seen_location,
+                        old,
+                        new,
+                    }
+                } else {
+                    Stage::Place {
+                        seen: word,
+                        seen_location,
+                        old,
+                        new,
+                        backup: None,
+                    }
+                };
+            }
+            Stage::ReadBackup {
+                seen,
+                seen_location,
+                old,
+                new,
+            } => {
+                let backup = view[1];
+                state.clients[client].stage = Stage::Place {
+                    seen,
+                    seen_location,
+                    old,
+                    new,
+                    backup: Some((state.words[backup], state.locations[backup])),
+                };
+            }
+            Stage::Place {
+                seen,
+                seen_location,
+                old,
+                new,
+                backup,
+            } => {
+                if (state.words[primary], state.locations[primary]) != (seen, seen_location) {
+                    return self.restart(state, client);
+                }
+                state.clients[client].placed = true;
+                // The lock points at a fresh copy of the old value, so that every lock word is
+                // unique to its holder.
+                let lock_location = Self::fresh(state, client);
+                let target_location = Self::fresh(state, client);
+                let target = match new {
+                    Stored::Tombstone(_) => Stored::Tombstone(Value(target_location)),
+                    other => other,
+                };
+                let lock = Word::Locked { stored: old };
+                state.words[primary] = lock;
+                state.locations[primary] = lock_location;
+                state.clients[client].stage = match backup {
+                    Some(expected) => Stage::Swap {
+                        lock,
+                        lock_location,
+                        target,
+                        target_location,
+                        expected,
+                        own: true,
+                    },
+                    None => Stage::Release {
+                        lock,
+                        lock_location,
+                        target,
+                        target_location,
+                        own: true,
+                    },
+                };
+            }
+            Stage::Steal {
+                seen,
+                seen_location,
+                old,
+            } => {
+                if (state.words[primary], state.locations[primary]) != (seen, seen_location) {
+                    return self.restart(state, client);
+                }
+                let location = Self::fresh(state, client);
+                let lock = Word::Locked { stored: old };
+                state.words[primary] = lock;
+                state.locations[primary] = location;
+                let target = Self::copy_of(old, location);
+                state.clients[client].stage = if view.len() > 1 {
+                    Stage::Reread {
+                        lock,
+                        lock_location: location,
+                        target,
+                        target_location: location,
+                        own: false,
+                    }
+                } else {
+                    Stage::Release {
+                        lock,
+                        lock_location: location,
+                        target,
+                        target_location: location,
+                        own: false,
+                    }
+                };
+            }
+            Stage::Swap {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                expected,
+                own,
+            } => {
+                let backup = view[1];
+                state.clients[client].stage =
+                    if (state.words[backup], state.locations[backup]) == expected {
+                        Self::set(state, backup, target, target_location);
+                        Stage::Release {
+                            lock,
+                            lock_location,
+                            target,
+                            target_location,
+                            own,
+                        }
+                    } else {
+                        Stage::Reread {
+                            lock,
+                            lock_location,
+                            target,
+                            target_location,
+                            own,
+                        }
+                    };
+            }
+            Stage::Reread {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                own,
+            } => {
+                let backup = view[1];
+                state.clients[client].stage = Stage::LockCheck {
+                    lock,
+                    lock_location,
+                    target,
+                    target_location,
+                    backup: (state.words[backup], state.locations[backup]),
+                    own,
+                };
+            }
+            Stage::LockCheck {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                backup,
+                own,
+            } => {
+                let checked = self.protocol != ReplicationProtocol::UncheckedRollback;
+                if checked && !holds(state, lock, lock_location) {
+                    // The lock was stolen: this write is rolled back by its thief.
+                    return self.restart(state, client);
+                }
+                state.clients[client].stage = Stage::Swap {
+                    lock,
+                    lock_location,
+                    target,
+                    target_location,
+                    expected: backup,
+                    own,
+                };
+            }
+            Stage::Release {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                own,
+            } => {
+                if !holds(state, lock, lock_location) {
+                    // Stolen and rolled back: the write did not happen.
+                    return self.restart(state, client);
+                }
+                Self::set(state, primary, target, target_location);
+                if own {
+                    Self::finish(state, client, Some(Self::applied(operation)));
+                } else {
+                    self.restart(state, client);
+                }
+            }
+            Stage::Idle
+            | Stage::Finished
+            | Stage::IntentCheck { .. }
+            | Stage::BackupSwap { .. }
+            | Stage::BackupRead { .. }
+            | Stage::Commit { .. } => unreachable!("not a stage of the lock protocol"),
+        }
+    }
+
     /// What a client does once it has found (helping) or placed an intent.
     fn after_intent(view: &[usize], old: Stored, new: Stored, location: u8, own: bool) -> Stage {
         if view.len() > 1 {
@@ -525,12 +928,18 @@ impl ReplicationModel {
                 epoch: state.epoch,
                 restarts: 0,
                 placed: false,
+                writes: current.writes,
             };
             return;
         }
         let operation = script[usize::from(current.operation)];
-        // Fencing: an access under an old view fails.
-        if current.epoch != state.epoch {
+        // Fencing: an access under an old view fails (unfenced: only one to the dead node).
+        let backup_access = matches!(
+            current.stage,
+            Stage::ReadBackup { .. } | Stage::Swap { .. } | Stage::Reread { .. }
+        );
+        let unfenced = self.protocol == ReplicationProtocol::Unfenced && backup_access;
+        if current.epoch != state.epoch && !unfenced {
             if current.placed {
                 Self::finish(state, client, None);
             } else {
@@ -538,10 +947,18 @@ impl ReplicationModel {
             }
             return;
         }
+        if self.protocol.locks() {
+            return self.step_lock(state, client, operation, current.stage);
+        }
         let view = replicas(state.epoch);
         let primary = view[0];
         match current.stage {
             Stage::Idle | Stage::Finished => {}
+            Stage::Steal { .. }
+            | Stage::Swap { .. }
+            | Stage::Reread { .. }
+            | Stage::LockCheck { .. }
+            | Stage::Release { .. } => unreachable!("a stage of the lock protocol"),
             Stage::ReadPrimary => {
                 let word = state.words[primary];
                 if let Operation::Get { .. } = operation {
@@ -562,30 +979,12 @@ impl ReplicationModel {
                     return;
                 }
                 let old = word.stored().expect("not an intent");
-                let present = old.visible();
-                let new = match operation {
-                    Operation::Get { .. } => unreachable!("handled above"),
-                    Operation::Insert { .. } if present.is_some() => {
-                        return Self::finish(state, client, Some(Outcome::Exists));
-                    }
-                    Operation::Update { .. } if present.is_none() => {
-                        return Self::finish(state, client, Some(Outcome::Absent));
-                    }
-                    Operation::Delete { .. } if present.is_none() => {
-                        return Self::finish(
-                            state,
-                            client,
-                            Some(Outcome::Deleted { existed: false }),
-                        );
-                    }
-                    Operation::CompareAndSwap { expected, .. } if present != Some(expected) => {
-                        return Self::finish(state, client, Some(Outcome::Mismatch(present)));
-                    }
-                    Operation::Delete { .. } => match self.protocol {
-                        ReplicationProtocol::EmptyDeletes => Stored::Empty,
-                        _ => Stored::Tombstone(Self::tombstone(id)),
-                    },
-                    other => Stored::Committed(other.written_value().expect("a write")),
+                let tombstone = match self.protocol {
+                    ReplicationProtocol::EmptyDeletes => Stored::Empty,
+                    _ => Stored::Tombstone(Self::tombstone(id)),
+                };
+                let Some(new) = Self::plan(state, client, operation, old, tombstone) else {
+                    return;
                 };
                 let seen_location = state.locations[primary];
                 state.clients[client].stage = if view.len() > 1 {
@@ -796,6 +1195,7 @@ impl Model for ReplicationModel {
                     epoch: 0,
                     restarts: 0,
                     placed: false,
+                    writes: 0,
                 })
                 .collect(),
             history: LinearizabilityTester::new(KeyValueSpec::new(
@@ -816,6 +1216,7 @@ impl Model for ReplicationModel {
         }
         if self.compaction {
             for node in 0..NODES {
+                // Only committed words move: an intent or a lock belongs to its writer.
                 let movable = matches!(state.words[node], Word::Committed(_) | Word::Tombstone(_));
                 if movable && state.compactions[node] == 0 {
                     actions.push(ReplicationAction::Compact(node as u8));
@@ -835,7 +1236,8 @@ impl Model for ReplicationModel {
             ReplicationAction::Failover => next.epoch = 1,
             ReplicationAction::Compact(node) => {
                 let node = usize::from(node);
-                next.locations[node] += 50;
+                // A location no write uses.
+                next.locations[node] = 240 + node as u8;
                 next.compactions[node] += 1;
             }
         }
@@ -849,7 +1251,7 @@ impl Model for ReplicationModel {
             }),
             Property::always(REPLICAS_AGREE_AT_REST, |_, state: &ReplicationState| {
                 state.epoch != 0
-                    || matches!(state.words[0], Word::Intent { .. })
+                    || matches!(state.words[0], Word::Intent { .. } | Word::Locked { .. })
                     || state.words[0] == state.words[1]
             }),
         ]
@@ -867,6 +1269,51 @@ mod tests {
             .map(|model| (model.name, model.violations()))
             .filter(|(_, violated)| !violated.is_empty())
             .collect()
+    }
+
+    #[test]
+    fn the_lock_protocol_holds_in_every_scenario_across_a_failover() {
+        assert_eq!(violations(ReplicationProtocol::Lock), Vec::new());
+    }
+
+    #[test]
+    fn the_check_covers_steals_rollbacks_and_stolen_writers() {
+        let model = ReplicationModel::scenarios(ReplicationProtocol::Lock)
+            .into_iter()
+            .find(|model| model.name == "two-writers")
+            .expect("the scenario exists");
+        // A thief rolling a backup back.
+        assert!(reaches(&model, |state| state.clients.iter().any(
+            |client| matches!(client.stage, Stage::Swap { own: false, .. })
+        )));
+        // A writer about to commit whose lock was stolen.
+        assert!(reaches(&model, |state| state.clients.iter().any(
+            |client| {
+                matches!(client.stage, Stage::Release { lock, lock_location, own: true, .. }
+                if (state.words[0], state.locations[0]) != (lock, lock_location))
+            }
+        )));
+        // A lock under the second view.
+        assert!(reaches(&model, |state| state.epoch == 1
+            && matches!(state.words[1], Word::Locked { .. })));
+    }
+
+    #[test]
+    fn a_rollback_that_does_not_check_its_lock_undoes_the_next_write_on_a_backup() {
+        assert_violates(
+            ReplicationProtocol::UncheckedRollback,
+            "two-writers",
+            &[LINEARIZABLE, REPLICAS_AGREE_AT_REST],
+        );
+    }
+
+    #[test]
+    fn without_fencing_a_stalled_thief_undoes_a_value_the_new_primary_showed() {
+        assert_violates(
+            ReplicationProtocol::Unfenced,
+            "two-writers",
+            &[LINEARIZABLE],
+        );
     }
 
     #[test]
