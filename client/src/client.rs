@@ -20,6 +20,7 @@ use crate::fairness::yield_if_never_waited;
 use crate::lanes::{current_lane, default_lanes, Lane};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
+use crate::replicated::{self, Attempt, Patience, Write};
 
 /// One node of the client's cluster.
 #[derive(Debug)]
@@ -78,6 +79,20 @@ impl Node {
     }
 }
 
+/// The cluster view as a client knows it: the epoch and the serving members, whose ranking
+/// places each key (`docs/protocol.md`, *Placement*).
+#[derive(Debug, Clone)]
+struct Membership {
+    /// The view's epoch (0: the cluster file's nodes, all serving, before any fetch).
+    epoch: u64,
+    /// The serving members' ids, in id order.
+    serving: Vec<u32>,
+}
+
+/// How long a client waits before it asks for the view again while a node it needs does not
+/// answer and the view still names it (the failure detector has not committed it down yet).
+const VIEW_POLL_INTERVAL: Duration = Duration::from_millis(50);
+
 /// How long a dropped client's goodbye may take to be handed to a connection's control task
 /// (which then finishes it on its own): a full control channel never holds the task for long.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -106,6 +121,11 @@ pub struct Client {
     nodes: Vec<Arc<Node>>,
     /// Node ids, in the same order, for rendezvous hashing.
     node_ids: Vec<u32>,
+    /// Copies of each key (the cluster file's `replicas`): with more than one, operations
+    /// route by the cluster view and writes go through [`crate::replicated`].
+    replicas: usize,
+    /// The cluster view as this client last learned it.
+    membership: Mutex<Membership>,
     /// Counters.
     counters: Arc<Counters>,
     /// The per-operation deadline.
@@ -142,6 +162,11 @@ impl Client {
         Ok(Self {
             node_ids: vec![1],
             nodes: vec![Arc::new(node)],
+            replicas: 1,
+            membership: Mutex::new(Membership {
+                epoch: 0,
+                serving: vec![1],
+            }),
             counters,
             deadline,
         })
@@ -191,9 +216,13 @@ impl Client {
                 Arc::new(Node::new(node.id, config, lanes))
             })
             .collect();
+        let mut serving: Vec<u32> = nodes.iter().map(|node| node.id).collect();
+        serving.sort_unstable();
         Self {
             node_ids: nodes.iter().map(|node| node.id).collect(),
             nodes,
+            replicas: cluster.replicas.max(1),
+            membership: Mutex::new(Membership { epoch: 0, serving }),
             counters: Arc::new(Counters::default()),
             deadline: cluster.operation_deadline,
         }
@@ -232,6 +261,22 @@ impl Client {
             DEFAULT_CONCURRENCY,
             shared_memory,
         ))
+    }
+
+    /// Gives every node's connections `injector` (tests of failures at chosen steps:
+    /// [`crate::fault`]). Call it before the first operation.
+    ///
+    /// # Panics
+    /// When a connection is open already.
+    #[doc(hidden)]
+    pub fn with_fault_injector(mut self, injector: Arc<dyn crate::fault::FaultInjector>) -> Self {
+        for node in &mut self.nodes {
+            Arc::get_mut(node)
+                .expect("with_fault_injector before any connection")
+                .config
+                .fault_injector = Some(injector.clone());
+        }
+        self
     }
 
     /// The node that owns `key`.
@@ -510,6 +555,234 @@ impl Client {
         outcome
     }
 
+    /// The nodes holding `key`'s first `count` copies under the client's view, primary first.
+    fn replica_nodes(&self, key: &[u8], count: usize) -> Vec<Arc<Node>> {
+        let membership = self
+            .membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let ranked = sharding::replicas(key, &membership.serving, count);
+        let nodes: Vec<Arc<Node>> = ranked
+            .into_iter()
+            .filter_map(|index| self.node_by_id(membership.serving[index]).cloned())
+            .collect();
+        if nodes.is_empty() {
+            // No member serving (the view says the whole cluster is down): try the file's.
+            vec![self.node_for(key).clone()]
+        } else {
+            nodes
+        }
+    }
+
+    /// The view's epoch the client routes by.
+    fn membership_epoch(&self) -> u64 {
+        self.membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .epoch
+    }
+
+    /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
+    /// client has. Whether it was newer.
+    async fn refresh_membership(&self) -> bool {
+        self.counters.view_refreshes.add(1);
+        let Ok(view) = self.view().await else {
+            return false;
+        };
+        let mut membership = self
+            .membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if view.epoch <= membership.epoch {
+            return false;
+        }
+        let mut members: Vec<u32> = view.members.iter().map(|member| member.node_id).collect();
+        let mut known = self.node_ids.clone();
+        members.sort_unstable();
+        known.sort_unstable();
+        if members != known {
+            // Nodes that are not one cluster (each its own one-node view, as in-process test
+            // nodes are): keep routing by the cluster file.
+            return false;
+        }
+        let serving = view.serving();
+        tracing::debug!(epoch = view.epoch, ?serving, "routing by a new cluster view");
+        *membership = Membership {
+            epoch: view.epoch,
+            serving,
+        };
+        true
+    }
+
+    /// After an operation met a node that failed: fetch the view; if it did not change, wait a
+    /// little (the failure detector commits a dead node down within `failure_timeout`). The
+    /// operation's deadline bounds the waiting.
+    async fn await_new_view(&self) {
+        if !self.refresh_membership().await {
+            tokio::time::sleep(VIEW_POLL_INTERVAL).await;
+        }
+    }
+
+    /// The live connections of the calling thread's lanes to `nodes`, in order.
+    async fn connections_to(&self, nodes: &[Arc<Node>]) -> Result<Vec<Arc<NodeConnection>>> {
+        let mut connections = Vec::with_capacity(nodes.len());
+        for node in nodes {
+            connections.push(self.connection(node).await?);
+        }
+        Ok(connections)
+    }
+
+    /// The deadline of an operation on a replicated cluster: the client's, never longer than
+    /// any node's.
+    fn replicated_deadline(&self) -> Duration {
+        self.nodes
+            .iter()
+            .map(|node| node.server_deadline_ms.load(Ordering::Relaxed))
+            .filter(|server| *server > 0)
+            .map(Duration::from_millis)
+            .fold(self.deadline, Duration::min)
+    }
+
+    /// A GET on a replicated cluster: from the key's primary under the view. A node that fails
+    /// (before the view shows it down) is retried under the next view, within the deadline.
+    async fn get_replicated(&self, key: &[u8]) -> Result<Option<Bytes>> {
+        let progress = Arc::new(Progress::default());
+        let deadline = self.replicated_deadline();
+        let work = async {
+            loop {
+                self.follow_reported_epoch().await;
+                let primary = self.replica_nodes(key, 1);
+                progress.wait_for(Waiting::Connection);
+                let attempt = match self.connections_to(&primary).await {
+                    Ok(connections) => {
+                        operations::get(&connections[0], progress.clone(), key).await
+                    }
+                    Err(error) => Err(error),
+                };
+                match attempt {
+                    Err(error) if error.is_retryable() => self.await_new_view().await,
+                    outcome => return outcome,
+                }
+            }
+        };
+        let outcome = self.within_deadline("get", deadline, &progress, work).await;
+        self.counters.operations.add(1);
+        if outcome.is_err() {
+            self.counters.failures.add(1);
+            self.counters.gets.add(1);
+        }
+        outcome
+    }
+
+    /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
+    async fn follow_reported_epoch(&self) {
+        if self.view_epoch() > self.membership_epoch() {
+            self.refresh_membership().await;
+        }
+    }
+
+    /// A mutation on a replicated cluster ([`crate::replicated`]): on the key's replicas
+    /// under the view. A failure before any CAS that could show the write, or a stolen lock,
+    /// starts it again (under the next view after a node failure); a failure after one is
+    /// [`Error::Unresolved`].
+    async fn mutate_replicated(
+        &self,
+        operation: &'static str,
+        key: &[u8],
+        write: Write<'_>,
+    ) -> Result<MutationOutcome> {
+        let progress = Arc::new(Progress::default());
+        let deadline = self.replicated_deadline();
+        let work = async {
+            let mut patience = Patience::default();
+            for again in 0..operations::RACE_ATTEMPTS {
+                self.follow_reported_epoch().await;
+                let nodes = self.replica_nodes(key, self.replicas);
+                progress.wait_for(Waiting::Connection);
+                let connections = match self.connections_to(&nodes).await {
+                    Ok(connections) => connections,
+                    Err(error) if error.is_retryable() => {
+                        self.await_new_view().await;
+                        continue;
+                    }
+                    Err(error) => return Err(error),
+                };
+                let attempt = replicated::mutate(
+                    &connections,
+                    progress.clone(),
+                    operation,
+                    key,
+                    write,
+                    &mut patience,
+                )
+                .await;
+                match attempt {
+                    Ok(Attempt::Done(outcome)) => return Ok(outcome),
+                    Ok(Attempt::Steal(locked)) => {
+                        // The takeover has a progress of its own: none of it is this write.
+                        let takeover = Arc::new(Progress::default());
+                        if let Err(error) =
+                            replicated::steal(&connections, takeover, operation, key, &locked)
+                                .await
+                        {
+                            if !error.is_retryable() {
+                                return Err(error);
+                            }
+                            self.await_new_view().await;
+                        }
+                        patience = Patience::default();
+                    }
+                    Ok(Attempt::Again) => operations::back_off(again).await,
+                    Err(error) if error.is_retryable() && !progress.may_have_applied() => {
+                        // Nothing of the write can be visible: its lock, if placed, is taken
+                        // over after the patience.
+                        self.await_new_view().await;
+                    }
+                    Err(error) if progress.may_have_applied() && !error.may_have_applied() => {
+                        return Err(Error::Unresolved {
+                            operation,
+                            source: Box::new(error),
+                        })
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            Err(Error::Contention {
+                operation,
+                attempts: operations::RACE_ATTEMPTS,
+            })
+        };
+        let outcome = self
+            .within_deadline(operation, deadline, &progress, work)
+            .await;
+        self.counters.operations.add(1);
+        if outcome.is_err() {
+            self.counters.failures.add(1);
+        }
+        outcome
+    }
+
+    /// Runs `work` under `deadline`; past it, the error says what the operation waited for and
+    /// whether it may have applied.
+    async fn within_deadline<T>(
+        &self,
+        operation: &'static str,
+        deadline: Duration,
+        progress: &Progress,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        yield_if_never_waited(tokio::time::timeout(deadline, work))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::TimedOut {
+                    operation,
+                    deadline,
+                    waiting_for: progress.waiting_for().describe(),
+                    may_have_applied: progress.may_have_applied(),
+                })
+            })
+    }
+
     /// Takes `connection` out of service: the next operation opens a new one, and once the
     /// operations still using it finish, its control connection closes, so the server tears it
     /// down and seals its chunk. Used after an operation failed with a tentative slot of its own
@@ -530,6 +803,13 @@ impl Client {
         value: &[u8],
         mutation: Mutation<'_>,
     ) -> Result<MutationOutcome> {
+        if self.replicas > 1 {
+            let outcome = self
+                .mutate_replicated(operation, key, Write::Value(value, mutation))
+                .await;
+            self.counters.mutations.add(1);
+            return outcome;
+        }
         let outcome = self
             .run(operation, key, |connection, progress| async move {
                 operations::mutate(&connection, progress, operation, key, value, mutation).await
@@ -545,6 +825,9 @@ impl Client {
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
     /// [`Error::Corrupt`], or a typed work-completion failure.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
+        if self.replicas > 1 {
+            return self.get_replicated(key).await;
+        }
         self.run("get", key, |connection, progress| async move {
             operations::get(&connection, progress, key).await
         })
@@ -559,7 +842,11 @@ impl Client {
         let work = async {
             let mut tasks = tokio::task::JoinSet::new();
             for (index, key) in keys.iter().enumerate() {
-                let connection = self.connection(self.node_for(key)).await?;
+                let node = match self.replicas {
+                    1 => self.node_for(key).clone(),
+                    _ => self.replica_nodes(key, 1).swap_remove(0),
+                };
+                let connection = self.connection(&node).await?;
                 let key = key.to_vec();
                 tasks.spawn(async move {
                     let progress = Arc::new(Progress::default());
@@ -709,6 +996,14 @@ impl Client {
     /// # Errors
     /// As [`Client::get`], plus [`Error::Unresolved`].
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
+        if self.replicas > 1 {
+            let outcome = self
+                .mutate_replicated("delete", key, Write::Delete)
+                .await
+                .map(|outcome| outcome == MutationOutcome::Applied);
+            self.counters.mutations.add(1);
+            return outcome;
+        }
         let outcome = self
             .run("delete", key, |connection, progress| async move {
                 operations::delete(&connection, progress, key).await

@@ -72,6 +72,14 @@ pub struct Counters {
     pub checksum_retries: ShardedCounter,
     /// Connections re-established after a failure (each lane's counts: `crate::lanes`).
     pub reconnects: ShardedCounter,
+    /// Round trips of replicated operations that ran alongside another of the same operation
+    /// (the replicas' lookups, the backups' first CASes): `round_trips` less these is what the
+    /// operations waited for in sequence.
+    pub overlapped_round_trips: ShardedCounter,
+    /// Other writers' locks taken over after they outlived the patience (replicated writes).
+    pub locks_stolen: ShardedCounter,
+    /// Times the client fetched the cluster view after a failure or a newer epoch.
+    pub view_refreshes: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -86,6 +94,12 @@ pub struct CounterSnapshot {
     pub work: ClientCounters,
     /// Connections re-established after a failure (each lane's counts: `crate::lanes`).
     pub reconnects: u64,
+    /// Round trips that overlapped others of the same replicated operation.
+    pub overlapped_round_trips: u64,
+    /// Stalled writers' locks taken over.
+    pub locks_stolen: u64,
+    /// Cluster-view fetches after a failure or a newer epoch.
+    pub view_refreshes: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -135,6 +149,9 @@ impl Counters {
                 checksum_retries: load(&self.checksum_retries),
             },
             reconnects: load(&self.reconnects),
+            overlapped_round_trips: load(&self.overlapped_round_trips),
+            locks_stolen: load(&self.locks_stolen),
+            view_refreshes: load(&self.view_refreshes),
         }
     }
 }

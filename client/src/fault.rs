@@ -41,11 +41,42 @@ pub enum StepKind {
     Replace,
     /// CAS the key's committed slot to empty: a delete's linearization point.
     Remove,
+    /// Replicated write: CAS the primary's committed slot to locked (same block).
+    Lock,
+    /// Replicated write: CAS a backup's slot to the new block (visible there only after a
+    /// failover).
+    Backup,
+    /// Replicated write: READ the primary's slot, to check that a lock is still the
+    /// operation's own before it swaps a backup again.
+    CheckLock,
+    /// Replicated write: WRITE two copies of the old block on the primary and CAS another
+    /// writer's lock to a lock on the first copy.
+    Steal,
+    /// Replicated write: CAS a stolen lock to the second copy, committed, once every backup
+    /// was rolled back.
+    Unlock,
 }
 
 impl StepKind {
-    /// Every kind, for tests that walk them all.
-    pub const ALL: [StepKind; 8] = [
+    /// Every kind, in declaration order.
+    pub const ALL: [StepKind; 13] = [
+        StepKind::ReadBuckets,
+        StepKind::ReadBlocks,
+        StepKind::PlaceTentative,
+        StepKind::KillTentatives,
+        StepKind::AbortTentative,
+        StepKind::Commit,
+        StepKind::Replace,
+        StepKind::Remove,
+        StepKind::Lock,
+        StepKind::Backup,
+        StepKind::CheckLock,
+        StepKind::Steal,
+        StepKind::Unlock,
+    ];
+
+    /// The kinds of the single-copy operations (`replicas = 1`), for tests that walk them.
+    pub const SINGLE_COPY: [StepKind; 8] = [
         StepKind::ReadBuckets,
         StepKind::ReadBlocks,
         StepKind::PlaceTentative,
@@ -60,7 +91,7 @@ impl StepKind {
     pub fn publishes(self) -> bool {
         matches!(
             self,
-            StepKind::Commit | StepKind::Replace | StepKind::Remove
+            StepKind::Commit | StepKind::Replace | StepKind::Remove | StepKind::Backup
         )
     }
 }

@@ -38,6 +38,7 @@ pub mod fault;
 pub mod lanes;
 mod operations;
 mod progress;
+mod replicated;
 
 pub use client::Client;
 pub use connection::{ClientConfig, FabricChoice, NodeAddress, SharedMemory};

@@ -39,7 +39,7 @@ use crate::fault::StepKind;
 use crate::progress::{Progress, Waiting};
 
 /// Attempts after lost CAS races before giving up.
-const RACE_ATTEMPTS: u32 = 64;
+pub(crate) const RACE_ATTEMPTS: u32 = 64;
 
 /// Reads of the buckets in one lookup that may meet a torn slot or a block that fails its
 /// checksum before the lookup gives up with [`Error::Corrupt`].
@@ -48,7 +48,7 @@ const LOOKUP_ATTEMPTS: u32 = 4;
 /// Waits before the next attempt after a lost race: a few yields at first (the winner is often a
 /// task of this process), then a random pause of up to 50 µs × 2^(attempt − 4), capped at 3.2 ms,
 /// so writers of one hot key spread out. The operation deadline bounds the whole loop.
-async fn back_off(attempt: u32) {
+pub(crate) async fn back_off(attempt: u32) {
     if attempt < 4 {
         for _ in 0..(1u32 << attempt) {
             tokio::task::yield_now().await;
@@ -110,45 +110,49 @@ pub(crate) enum MutationOutcome {
 
 /// A slot holding the key.
 #[derive(Debug, Clone)]
-struct Match {
+pub(crate) struct Match {
     /// Where.
-    position: SlotPosition,
+    pub(crate) position: SlotPosition,
     /// Its value in the index.
-    slot: Slot,
+    pub(crate) slot: Slot,
     /// The value in its block.
-    value: Bytes,
+    pub(crate) value: Bytes,
+    /// Whether the block is a tombstone (a replicated delete: the key is absent).
+    pub(crate) tombstone: bool,
 }
 
 /// What one lookup of a key found.
 #[derive(Debug)]
-struct View {
+pub(crate) struct View {
     /// Every slot read, with its position, in position order.
-    slots: Vec<(SlotPosition, Slot)>,
-    /// Committed slots holding the key, in position order. At most one is committed at any
-    /// instant; a lookup that reads the buckets while the key moves can see two.
-    committed: Vec<Match>,
+    pub(crate) slots: Vec<(SlotPosition, Slot)>,
+    /// Committed (or locked) slots holding the key, in position order. At most one is
+    /// committed at any instant; a lookup that reads the buckets while the key moves can see
+    /// two.
+    pub(crate) committed: Vec<Match>,
     /// Other writers' tentative slots holding the key (only when asked for).
-    tentative: Vec<Match>,
+    pub(crate) tentative: Vec<Match>,
 }
 
 /// Which slots a lookup reads blocks for.
 #[derive(Debug, Clone, Copy)]
-enum Candidates {
-    /// Committed slots only (readers, and writers before they place a tentative slot).
+pub(crate) enum Candidates {
+    /// Committed (and locked) slots only (readers, and writers before they place a tentative
+    /// slot).
     Committed,
     /// Committed and tentative slots, except the caller's own tentative slot.
     AllBut(SlotPosition),
 }
 
 /// The next list of a lookup: its kind, and requests that go before the bucket READs.
-struct FirstList {
+pub(crate) struct FirstList {
     /// The step's kind.
-    kind: StepKind,
+    pub(crate) kind: StepKind,
     /// Requests posted ahead of the bucket READs in the same list.
-    before: Vec<WorkRequest>,
+    pub(crate) before: Vec<WorkRequest>,
 }
 
-fn layout_error(error: LayoutError) -> Error {
+pub(crate) fn layout_error(error: LayoutError) -> Error {
     match error {
         LayoutError::KeyLength { length } => Error::InvalidKey {
             length,
@@ -163,7 +167,7 @@ fn layout_error(error: LayoutError) -> Error {
 
 /// Maps a failed list. Whether the operation may have applied is the client's call (from the
 /// operation's [`Progress`]), not this error's.
-fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
+pub(crate) fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
     move |error| match error {
         ExecuteError::Post(error) => Error::Fabric(error),
         ExecuteError::Completion(status) => Error::WorkCompletion { operation, status },
@@ -226,7 +230,7 @@ struct Reread;
 /// into committed and tentative. A torn slot word (no valid state bits), a slot pointing at a
 /// block of a key that cannot live there, or a block that fails its checksum reads the buckets
 /// again, at most [`LOOKUP_ATTEMPTS`] times in all, then fails [`Error::Corrupt`].
-async fn lookup(
+pub(crate) async fn lookup(
     scratch: &mut Scratch,
     operation: &'static str,
     key: &[u8],
@@ -314,7 +318,7 @@ async fn read_candidates(
             !slot.is_empty()
                 && slot.fingerprint() == location.fingerprint
                 && match candidates {
-                    Candidates::Committed => slot.is_committed(),
+                    Candidates::Committed => slot.is_readable(),
                     Candidates::AllBut(mine) => *position != mine,
                 }
         })
@@ -375,6 +379,7 @@ async fn read_candidates(
                         position,
                         slot,
                         value: Bytes::copy_from_slice(block.value),
+                        tombstone: block.tombstone,
                     };
                     if slot.is_tentative() {
                         tentative.push(found);
@@ -405,7 +410,7 @@ async fn read_candidates(
 
 /// The CAS of one slot from `expected` to `new`, as a request whose result lands in CAS result
 /// `index` of the scratch buffer.
-fn slot_cas(
+pub(crate) fn slot_cas(
     scratch: &Scratch,
     index: u64,
     position: SlotPosition,
@@ -428,7 +433,7 @@ fn slot_cas(
 }
 
 /// The original value returned by CAS `index` of the last list.
-fn cas_original(scratch: &Scratch, index: u64) -> Result<Slot> {
+pub(crate) fn cas_original(scratch: &Scratch, index: u64) -> Result<Slot> {
     Ok(Slot(
         scratch
             .region()
@@ -438,7 +443,7 @@ fn cas_original(scratch: &Scratch, index: u64) -> Result<Slot> {
 
 /// One CAS of one slot as its own step; `Ok(true)` when it swapped. A publishing CAS that lost
 /// is recorded as having had no effect.
-async fn cas_step(
+pub(crate) async fn cas_step(
     scratch: &mut Scratch,
     operation: &'static str,
     kind: StepKind,
@@ -472,7 +477,13 @@ pub(crate) async fn get(
     let counters = &connection.counters;
     counters.gets.add(1);
     counters.get_round_trips.add(scratch.round_trips);
-    Ok(view.committed.into_iter().next().map(|found| found.value))
+    // A tombstone (replicated delete) is an absent key.
+    Ok(view
+        .committed
+        .into_iter()
+        .next()
+        .filter(|found| !found.tombstone)
+        .map(|found| found.value))
 }
 
 /// Every mutation but delete.
@@ -554,28 +565,21 @@ pub(crate) async fn mutate(
                 }
             }
             (Mutation::Upsert | Mutation::Insert, None) => {
-                let Some((empty, _)) = view.slots.iter().find(|(_, slot)| slot.is_empty()) else {
-                    let tentative = view
-                        .slots
-                        .iter()
-                        .filter(|(_, slot)| slot.is_tentative())
-                        .count();
-                    if tentative > 0 && attempt + 1 < RACE_ATTEMPTS {
-                        // Inserts in progress, or abandoned ones the collector clears within a
-                        // quarantine: wait for a slot, within the deadline.
-                        back_off(attempt).await;
-                        continue;
-                    }
-                    return Err(Error::TableFull {
-                        reason: format!(
-                            "all {} candidate slots of this key are taken ({tentative} of them by inserts in progress or abandoned, cleared within a quarantine); the index has {} buckets: raise index_size",
-                            view.slots.len(),
-                            connection.welcome.geometry.bucket_count
-                        ),
-                    });
+                let Some(empty) = empty_slot(&view, connection, attempt)? else {
+                    // Inserts in progress hold every candidate slot: wait for one.
+                    back_off(attempt).await;
+                    continue;
                 };
-                match insert_absent(&mut scratch, operation, key, &location, *empty, new_slot)
-                    .await?
+                match insert_absent(
+                    &mut scratch,
+                    operation,
+                    key,
+                    &location,
+                    empty,
+                    new_slot,
+                    Vec::new(),
+                )
+                .await?
                 {
                     Inserted::Committed => return Ok(MutationOutcome::Applied),
                     Inserted::Present(present) if matches!(mutation, Mutation::Insert) => {
@@ -594,9 +598,41 @@ pub(crate) async fn mutate(
     })
 }
 
+/// The first empty candidate slot of the key in `view`; `None` when every one is taken but
+/// some by inserts in progress (or abandoned ones the collector clears within a quarantine):
+/// the caller waits for one, within its deadline.
+///
+/// # Errors
+/// [`Error::TableFull`] when every candidate slot is taken and none is tentative, or on the
+/// last attempt.
+pub(crate) fn empty_slot(
+    view: &View,
+    connection: &NodeConnection,
+    attempt: u32,
+) -> Result<Option<SlotPosition>> {
+    if let Some((empty, _)) = view.slots.iter().find(|(_, slot)| slot.is_empty()) {
+        return Ok(Some(*empty));
+    }
+    let tentative = view
+        .slots
+        .iter()
+        .filter(|(_, slot)| slot.is_tentative())
+        .count();
+    if tentative > 0 && attempt + 1 < RACE_ATTEMPTS {
+        return Ok(None);
+    }
+    Err(Error::TableFull {
+        reason: format!(
+            "all {} candidate slots of this key are taken ({tentative} of them by inserts in progress or abandoned, cleared within a quarantine); the index has {} buckets: raise index_size",
+            view.slots.len(),
+            connection.welcome.geometry.bucket_count
+        ),
+    })
+}
+
 /// How an insert of an absent key ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Inserted {
+pub(crate) enum Inserted {
     /// The tentative slot was committed: the insert happened.
     Committed,
     /// Another slot holds the key, committed, with this value; the tentative slot was
@@ -610,19 +646,22 @@ enum Inserted {
 /// Inserts `new_slot` into the empty slot at `empty`: place it tentative (readers ignore it) and
 /// re-read the buckets in one list; withdraw if the key is committed elsewhere; withdraw the
 /// other inserters' tentative slots of the key; commit. Why this never leaves two committed
-/// slots of one key: `docs/protocol.md`, *Insert (key absent)*.
-async fn insert_absent(
+/// slots of one key: `docs/protocol.md`, *Insert (key absent)*. `before` goes ahead of the
+/// place CAS in its list (a WRITE of the block, when it is not written yet).
+pub(crate) async fn insert_absent(
     scratch: &mut Scratch,
     operation: &'static str,
     key: &[u8],
     location: &KeyLocation,
     empty: SlotPosition,
     new_slot: Slot,
+    mut before: Vec<WorkRequest>,
 ) -> Result<Inserted> {
     let tentative = new_slot.tentative();
+    before.push(slot_cas(scratch, 0, empty, Slot::EMPTY, tentative));
     let mut next = FirstList {
         kind: StepKind::PlaceTentative,
-        before: vec![slot_cas(scratch, 0, empty, Slot::EMPTY, tentative)],
+        before,
     };
     for round in 0..RACE_ATTEMPTS {
         let placing = round == 0;

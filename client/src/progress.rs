@@ -54,7 +54,7 @@ pub(crate) enum Waiting {
 
 impl Waiting {
     /// Every value, in encoding order.
-    const ALL: [Waiting; 13] = [
+    const ALL: [Waiting; 18] = [
         Waiting::Connection,
         Waiting::WriterTurn,
         Waiting::ScratchBuffer,
@@ -68,6 +68,11 @@ impl Waiting {
         Waiting::Step(StepKind::Commit),
         Waiting::Step(StepKind::Replace),
         Waiting::Step(StepKind::Remove),
+        Waiting::Step(StepKind::Lock),
+        Waiting::Step(StepKind::Backup),
+        Waiting::Step(StepKind::CheckLock),
+        Waiting::Step(StepKind::Steal),
+        Waiting::Step(StepKind::Unlock),
     ];
 
     /// What a deadline's error says.
@@ -88,6 +93,11 @@ impl Waiting {
             Waiting::Step(StepKind::Commit) => "the commit CAS",
             Waiting::Step(StepKind::Replace) => "the CAS that replaces the value",
             Waiting::Step(StepKind::Remove) => "the CAS that removes the key",
+            Waiting::Step(StepKind::Lock) => "the CAS that locks the key on its primary",
+            Waiting::Step(StepKind::Backup) => "the CAS that writes the key on a backup",
+            Waiting::Step(StepKind::CheckLock) => "the READ that checks the primary's lock",
+            Waiting::Step(StepKind::Steal) => "the CAS that takes over a stalled writer's lock",
+            Waiting::Step(StepKind::Unlock) => "the CAS that releases a taken-over lock",
         }
     }
 }
@@ -95,7 +105,10 @@ impl Waiting {
 impl Progress {
     /// A list of `kind` is about to be posted.
     pub(crate) fn posting(&self, kind: StepKind) {
-        if !matches!(kind, StepKind::ReadBuckets | StepKind::ReadBlocks) {
+        if !matches!(
+            kind,
+            StepKind::ReadBuckets | StepKind::ReadBlocks | StepKind::CheckLock
+        ) {
             self.cas_posted.store(true, Ordering::Release);
         }
         if kind.publishes() {

@@ -8,6 +8,7 @@
 //! fabric = "soft"                 # soft | verbs (| shm: same-host clients only)
 //! lease_timeout = "10s"
 //! failure_timeout = "2s"          # a node silent this long leaves the cluster view (1s to 60s)
+//! replicas = 2                    # copies of each key, 1 to 3 and at most the nodes (default 1)
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
 //! ssh_user = "rdkv"               # remote nodes only: ssh as this user (default: your ssh config)
@@ -74,6 +75,7 @@ struct RawCluster {
     fabric: Spanned<String>,
     lease_timeout: Option<Spanned<String>>,
     failure_timeout: Option<Spanned<String>>,
+    replicas: Option<Spanned<u64>>,
     operation_deadline: Option<Spanned<String>>,
     poll_spin: Option<Spanned<String>>,
     max_connections: Option<Spanned<u64>>,
@@ -116,6 +118,9 @@ pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest failure timeout.
 pub const MAX_FAILURE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The most copies of a key a cluster file may ask for.
+pub const MAX_REPLICAS: usize = 3;
+
 /// The longest `poll_spin` a cluster file may ask for.
 const MAX_POLL_SPIN: Duration = Duration::from_millis(10);
 
@@ -135,6 +140,9 @@ pub struct ClusterConfig {
     /// A node that misses its peers' heartbeats this long is committed down in the cluster
     /// view.
     pub failure_timeout: Duration,
+    /// Copies of each key (1 to [`MAX_REPLICAS`], at most the nodes): the first nodes of the
+    /// key's rendezvous ranking over the serving members of the cluster view.
+    pub replicas: usize,
     /// Per-operation deadline.
     pub operation_deadline: Duration,
     /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
@@ -747,6 +755,29 @@ fn parse_with_secret(
             shm_socket,
         });
     }
+    let replicas = match &cluster.replicas {
+        None => 1,
+        Some(replicas) => {
+            let count = *replicas.get_ref();
+            let limit = MAX_REPLICAS.min(nodes.len());
+            if count == 0 || count > limit as u64 {
+                let why = if count > MAX_REPLICAS as u64 || count == 0 {
+                    format!("rdkv keeps 1 to {MAX_REPLICAS} copies of a key")
+                } else {
+                    format!(
+                        "the file has {} node(s), and each copy of a key lives on a different node",
+                        nodes.len()
+                    )
+                };
+                return Err(locator.error(
+                    replicas.span(),
+                    "cluster.replicas",
+                    format!("{count} is not between 1 and {limit}: {why}"),
+                ));
+            }
+            count as usize
+        }
+    };
     if nodes.len() == 2 {
         warnings.push(format!(
             "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",
@@ -760,6 +791,7 @@ fn parse_with_secret(
         fabric,
         lease_timeout,
         failure_timeout,
+        replicas,
         operation_deadline,
         poll_spin,
         limits,

@@ -48,6 +48,7 @@ fn the_shipped_example_is_valid() {
     let config = load(&example).expect("examples/local-3node.toml is valid on this machine");
     assert_eq!(config.nodes.len(), 3);
     assert_eq!(config.name, "local-3node");
+    assert_eq!(config.replicas, 2);
     assert!(config.warnings.is_empty());
 }
 
@@ -284,6 +285,34 @@ fn failure_timeout_is_parsed_and_bounded() {
         ));
         assert_eq!((line, field.as_str()), (5, "cluster.failure_timeout"));
         assert!(message.contains("election"), "{message}");
+    }
+}
+
+#[test]
+fn replicas_are_parsed_and_bounded_by_three_and_the_nodes() {
+    let parsed = |extra: &str, nodes: &str| {
+        parse(
+            Path::new("cluster.toml"),
+            &file(extra, nodes),
+            roomy(),
+            64 * 1024 * MIB,
+        )
+    };
+    let second = NODE_1
+        .replace("id = 1", "id = 2")
+        .replace("7400", "7500")
+        .replace("7401", "7501");
+    let two = format!("{NODE_1}{second}");
+    assert_eq!(parsed("", NODE_1).expect("valid").replicas, 1);
+    assert_eq!(parsed("replicas = 2\n", &two).expect("valid").replicas, 2);
+    let (line, field, message) = invalid(&file("replicas = 3\n", &two));
+    assert_eq!((line, field.as_str()), (5, "cluster.replicas"));
+    assert!(message.contains("between 1 and 2"), "{message}");
+    assert!(message.contains("2 node(s)"), "{message}");
+    for out_of_range in ["0", "4"] {
+        let (_, field, message) = invalid(&file(&format!("replicas = {out_of_range}\n"), &two));
+        assert_eq!(field, "cluster.replicas");
+        assert!(message.contains("1 to 3 copies"), "{message}");
     }
 }
 

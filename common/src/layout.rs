@@ -6,9 +6,10 @@
 //! bucket = 8 slots × 8 B
 //! combined bucket c = buckets 2c and 2c+1 (128 B, one READ)
 //! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (6..48)
-//!          | committed (bit 1) | tentative (bit 0); offsets are multiples of 64, so bits 0..6
-//!          are free
-//! block  = key_length u16 | reserved u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
+//!          | committed (bit 1) | tentative (bit 0); both bits: locked (a replicated write in
+//!          progress); offsets are multiples of 64, so bits 0..6 are free
+//! block  = key_length u16 | flags u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
+//!          (flags bit 0: a tombstone, a replicated delete)
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -141,8 +142,10 @@ pub struct SlotPosition {
 /// Heap offsets are multiples of 64, so the offset field's low six bits are free for the state:
 /// bit 1 marks a **committed** slot (visible to readers), bit 0 a **tentative** one (an insert's
 /// reservation, published before its re-read, invisible until the inserter CASes it to
-/// committed). A non-empty word with neither or both bits, or with a zero length, is no word
-/// anyone wrote: it is a **torn** read (a NIC may READ an 8-byte word byte by byte against a
+/// committed), and both bits a **locked** one: a committed slot that a replicated write holds
+/// while it writes the backups (readers still read its block; `docs/protocol.md`,
+/// *Replication*). A non-empty word with neither bit, or with a zero length, is no word anyone
+/// wrote: it is a **torn** read (a NIC may READ an 8-byte word byte by byte against a
 /// concurrent CAS), and the reader reads again. Two bits, not one, so that a READ tearing the low
 /// byte of a tentative word it races (placed or withdrawn) can never look committed. See
 /// `docs/protocol.md`.
@@ -188,9 +191,25 @@ impl Slot {
         self.0 & Self::STATE_BITS == Self::COMMITTED_BIT && self.units() > 0
     }
 
-    /// Whether the word is none of empty, tentative or committed: a torn read.
+    /// Whether the slot is a committed block that a replicated write has locked: readers read
+    /// its block as committed.
+    pub fn is_locked(self) -> bool {
+        self.0 & Self::STATE_BITS == Self::STATE_BITS && self.units() > 0
+    }
+
+    /// Whether readers read the slot's block: committed or locked.
+    pub fn is_readable(self) -> bool {
+        self.is_committed() || self.is_locked()
+    }
+
+    /// Whether the word is none of empty, tentative, committed or locked: a torn read.
     pub fn is_torn(self) -> bool {
-        !self.is_empty() && !self.is_tentative() && !self.is_committed()
+        !self.is_empty() && !self.is_tentative() && !self.is_readable()
+    }
+
+    /// The same block, locked.
+    pub fn locked(self) -> Slot {
+        Slot(self.0 | Self::STATE_BITS)
     }
 
     /// The same block, marked tentative.
@@ -287,12 +306,23 @@ fn checksum(header: &[u8], key: &[u8], value: &[u8]) -> u64 {
     hasher.digest()
 }
 
+/// The block flag of a tombstone: a replicated delete's block, which readers take for absence.
+const TOMBSTONE_FLAG: u16 = 1;
+
 /// Encodes a block into `out` (cleared first); returns its length in units. The caller checked
 /// the limits with [`check_key_value`].
 pub fn encode_block(key: &[u8], value: &[u8], out: &mut Vec<u8>) -> u8 {
+    encode_block_with(key, value, false, out)
+}
+
+/// Encodes a block, a tombstone if `tombstone` (then `value` should be empty), into `out`;
+/// returns its length in units.
+pub fn encode_block_with(key: &[u8], value: &[u8], tombstone: bool, out: &mut Vec<u8>) -> u8 {
     out.clear();
     let mut header = [0u8; 8];
     header[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
+    let flags = if tombstone { TOMBSTONE_FLAG } else { 0 };
+    header[2..4].copy_from_slice(&flags.to_le_bytes());
     header[4..8].copy_from_slice(&(value.len() as u32).to_le_bytes());
     out.extend_from_slice(&header);
     out.extend_from_slice(&checksum(&header, key, value).to_le_bytes());
@@ -324,6 +354,8 @@ pub struct Block<'a> {
     pub key: &'a [u8],
     /// The value.
     pub value: &'a [u8],
+    /// Whether the block is a tombstone (a replicated delete): the key is absent.
+    pub tombstone: bool,
 }
 
 /// Decodes and verifies a block.
@@ -351,7 +383,12 @@ pub fn decode_block(bytes: &[u8]) -> Result<Block<'_>, BlockError> {
     if checksum(&bytes[0..8], key, value) != u64::from_le_bytes(stored) {
         return Err(BlockError::Checksum);
     }
-    Ok(Block { key, value })
+    let flags = u16::from_le_bytes([bytes[2], bytes[3]]);
+    Ok(Block {
+        key,
+        value,
+        tombstone: flags & TOMBSTONE_FLAG != 0,
+    })
 }
 
 #[cfg(test)]
@@ -397,6 +434,14 @@ mod tests {
         }
         assert!(Slot(slot.0 & !0xFF).is_torn());
         assert!(Slot(slot.0 & 0xFF).is_torn());
+        // Locking sets both state bits and keeps the block: readers read it; a tear of the
+        // lock (or of its commit) reads the same block committed or locked, never torn.
+        let locked = slot.locked();
+        assert!(locked.is_locked() && locked.is_readable() && !locked.is_committed());
+        assert!(!locked.is_tentative() && !locked.is_torn());
+        assert_eq!((locked.offset(), locked.units()), (slot.offset(), slot.units()));
+        assert_eq!(locked.committed(), slot);
+        assert!(Slot(locked.0 & !0xFF).is_torn());
     }
 
     #[test]
@@ -408,6 +453,14 @@ mod tests {
         let block = decode_block(&bytes).expect("valid");
         assert_eq!(block.key, b"user42");
         assert_eq!(block.value, b"hello world");
+        assert!(!block.tombstone);
+        let mut tombstone = Vec::new();
+        encode_block_with(b"user42", b"", true, &mut tombstone);
+        let decoded = decode_block(&tombstone).expect("valid");
+        assert!(decoded.tombstone && decoded.value.is_empty() && decoded.key == b"user42");
+        // The flag is under the checksum.
+        tombstone[2] ^= 1;
+        assert_eq!(decode_block(&tombstone), Err(BlockError::Checksum));
         bytes[20] ^= 1;
         assert_eq!(decode_block(&bytes), Err(BlockError::Checksum));
         assert!(matches!(

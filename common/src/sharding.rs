@@ -21,9 +21,51 @@ pub fn owner(key: &[u8], node_ids: &[u32]) -> Option<usize> {
         .map(|(index, _)| index)
 }
 
+/// The indexes (into `node_ids`) of the first `count` nodes of `key`'s ranking, highest weight
+/// first (ties to the lower id): its replicas, primary first. Fewer when the list is shorter.
+/// Removing a node keeps the others in order, so a dead primary's first backup becomes the
+/// primary.
+pub fn replicas(key: &[u8], node_ids: &[u32], count: usize) -> Vec<usize> {
+    let mut ranked: Vec<(u64, std::cmp::Reverse<u32>, usize)> = node_ids
+        .iter()
+        .enumerate()
+        .map(|(index, id)| (weight(key, *id), std::cmp::Reverse(*id), index))
+        .collect();
+    ranked.sort_unstable_by(|left, right| right.cmp(left));
+    ranked
+        .into_iter()
+        .take(count)
+        .map(|(_, _, index)| index)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_are_the_ranking_and_a_removed_node_shifts_the_rest_up() {
+        let nodes = [1u32, 2, 3, 4];
+        for index in 0..5_000u32 {
+            let key = index.to_le_bytes();
+            let ranked = replicas(&key, &nodes, 4);
+            assert_eq!(ranked.len(), 4);
+            assert_eq!(Some(ranked[0]), owner(&key, &nodes), "the primary is the owner");
+            let two = replicas(&key, &nodes, 2);
+            assert_eq!(two, ranked[..2]);
+            // Without the primary, the backups move up in order.
+            let dead = nodes[ranked[0]];
+            let survivors: Vec<u32> = nodes.iter().copied().filter(|id| *id != dead).collect();
+            let after: Vec<u32> = replicas(&key, &survivors, 3)
+                .into_iter()
+                .map(|index| survivors[index])
+                .collect();
+            let expected: Vec<u32> = ranked[1..].iter().map(|index| nodes[*index]).collect();
+            assert_eq!(after, expected);
+        }
+        assert!(replicas(b"k", &[], 2).is_empty());
+        assert_eq!(replicas(b"k", &[7], 3).len(), 1);
+    }
 
     #[test]
     fn keys_spread_over_nodes_and_removal_moves_only_the_removed_nodes_keys() {

@@ -106,7 +106,7 @@ impl TableRegion {
     /// Committed keys now, by a scan of the index: exact when no write is in flight.
     pub fn count_keys(&self) -> u64 {
         let mut keys = 0;
-        self.visit_slots(&mut |_, slot: Slot| keys += u64::from(slot.is_committed()));
+        self.visit_slots(&mut |_, slot: Slot| keys += u64::from(slot.is_readable()));
         keys
     }
 

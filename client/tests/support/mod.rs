@@ -24,6 +24,7 @@ pub fn cluster(
         fabric,
         lease_timeout: Duration::from_secs(10),
         failure_timeout: Duration::from_secs(2),
+        replicas: 1,
         operation_deadline: Duration::from_secs(2),
         poll_spin: Duration::ZERO,
         limits: rdkv_cluster_file::config::ConnectionLimits::default(),
@@ -58,6 +59,7 @@ pub fn cluster(
 }
 
 /// Waits, up to 10 s, for `condition` (a server-side effect of something already done).
+#[allow(dead_code)] // not every test binary waits for a server-side effect
 pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     let started = Instant::now();
     while !condition() {

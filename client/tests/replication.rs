@@ -1,0 +1,224 @@
+//! Replicated writes (`replicas` ≥ 2) against in-process nodes: every write reaches each of the
+//! key's replicas and no other node, deletes leave tombstones that read as absence, a GET
+//! stays at 2 round trips and an update takes 5, and a writer stalled while it holds its lock
+//! is taken over: the key is never blocked for long, and the replicas agree afterwards.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod support;
+
+use bytes::Bytes;
+use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
+use rdkv_client::{CasOutcome, Client, ClientConfig, ClusterConfig, InsertOutcome};
+use rdkv_common::sharding;
+use rdkv_fabric::Backend;
+use rdkv_server::{RunningServer, ServerConfig};
+use tokio::sync::{Notify, Semaphore};
+
+const SECRET: &[u8] = b"replication-test-secret";
+
+/// Three in-process nodes, ids 1 to 3.
+async fn start_nodes() -> Vec<RunningServer> {
+    let mut nodes = Vec::new();
+    for id in 1..=3 {
+        let mut config = ServerConfig::local(SECRET);
+        config.node_id = id;
+        nodes.push(rdkv_server::start(config).await.expect("start a node"));
+    }
+    nodes
+}
+
+/// The cluster of `nodes` with `replicas` copies of each key.
+fn cluster(nodes: &[RunningServer], replicas: usize) -> ClusterConfig {
+    let addresses: Vec<SocketAddr> = nodes.iter().map(RunningServer::control_address).collect();
+    let mut cluster = support::cluster("replication-test", SECRET, Backend::Soft, &addresses);
+    cluster.replicas = replicas;
+    cluster
+}
+
+/// A client of node `id` alone (ids from 1): what that node's table holds for a key.
+async fn node_client(nodes: &[RunningServer], id: u32) -> Client {
+    let mut config = ClientConfig::new(
+        nodes[id as usize - 1].control_address(),
+        Backend::Soft,
+        SECRET,
+    );
+    config.node.id = Some(id);
+    Client::connect(config).await.expect("connect to one node")
+}
+
+/// Which nodes hold `key` (a committed value or a tombstone, read as absence by a GET; so this
+/// asks for values) and with what value.
+async fn holders(direct: &[Client], key: &[u8]) -> Vec<(u32, Option<Bytes>)> {
+    let mut found = Vec::new();
+    for (index, client) in direct.iter().enumerate() {
+        found.push((index as u32 + 1, client.get(key).await.expect("direct get")));
+    }
+    found
+}
+
+/// The ids of `key`'s replicas, primary first.
+fn replica_ids(key: &[u8], count: usize) -> Vec<u32> {
+    let ids = [1u32, 2, 3];
+    sharding::replicas(key, &ids, count)
+        .into_iter()
+        .map(|index| ids[index])
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_write_reaches_each_replica_and_no_other_node() {
+    let nodes = start_nodes().await;
+    for replicas in [2usize, 3] {
+        let client = Client::for_cluster(&cluster(&nodes, replicas));
+        let direct = [
+            node_client(&nodes, 1).await,
+            node_client(&nodes, 2).await,
+            node_client(&nodes, 3).await,
+        ];
+        for index in 0..60u32 {
+            let key = format!("r{replicas}-key-{index}");
+            let key = key.as_bytes();
+            let expected = replica_ids(key, replicas);
+            // Insert (absent), update, compare-and-swap, insert of a present key, delete.
+            assert!(client.insert(key, b"one").await.expect("insert"));
+            assert!(client.update(key, b"two").await.expect("update"));
+            assert_eq!(
+                client
+                    .compare_and_swap(key, b"two", b"three")
+                    .await
+                    .expect("cas"),
+                CasOutcome::Swapped
+            );
+            assert_eq!(
+                client.compare_and_swap(key, b"two", b"x").await.expect("cas"),
+                CasOutcome::Mismatch(Some(Bytes::from_static(b"three")))
+            );
+            assert_eq!(
+                client.insert_or_get(key, b"x").await.expect("insert"),
+                InsertOutcome::Present(Bytes::from_static(b"three"))
+            );
+            assert_eq!(
+                client.get(key).await.expect("get"),
+                Some(Bytes::from_static(b"three"))
+            );
+            for (id, value) in holders(&direct, key).await {
+                let wanted = expected
+                    .contains(&id)
+                    .then(|| Bytes::from_static(b"three"));
+                assert_eq!(value, wanted, "node {id} for {expected:?}");
+            }
+            // A delete leaves tombstones: absent everywhere, and a second delete finds nothing.
+            assert!(client.delete(key).await.expect("delete"));
+            assert!(!client.delete(key).await.expect("delete again"));
+            assert!(!client.update(key, b"y").await.expect("update absent"));
+            assert_eq!(client.get(key).await.expect("get"), None);
+            for (id, value) in holders(&direct, key).await {
+                assert_eq!(value, None, "node {id} after the delete");
+            }
+            // And the key comes back on its replicas.
+            client.put(key, b"four").await.expect("put over the tombstone");
+            for (id, value) in holders(&direct, key).await {
+                let wanted = expected.contains(&id).then(|| Bytes::from_static(b"four"));
+                assert_eq!(value, wanted, "node {id} after the put");
+            }
+        }
+        client.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_takes_two_round_trips_and_an_update_five() {
+    let nodes = start_nodes().await;
+    let client = Client::for_cluster(&cluster(&nodes, 2));
+    client.connect_all().await.expect("connect");
+    client.put(b"counted", b"v1").await.expect("put");
+    let before = client.counters();
+    client.get(b"counted").await.expect("get");
+    let after = client.counters();
+    assert_eq!(after.round_trips - before.round_trips, 2, "a GET");
+    let before = client.counters();
+    client.put(b"counted", b"v2").await.expect("update");
+    let after = client.counters();
+    let in_sequence = (after.round_trips - before.round_trips)
+        - (after.overlapped_round_trips - before.overlapped_round_trips);
+    assert_eq!(in_sequence, 5, "an update of a present key, replicas = 2");
+}
+
+/// Holds the first writer of `key` right after its lock until the test releases it.
+#[derive(Debug)]
+struct HoldAfterLock {
+    /// Released by the test.
+    gate: Arc<Semaphore>,
+    /// Set once a writer is held.
+    held: Mutex<bool>,
+    /// Told when it holds one.
+    reached: Arc<Notify>,
+}
+
+impl FaultInjector for HoldAfterLock {
+    fn inject(&self, step: &Step) -> Injection {
+        if step.kind != StepKind::Lock || step.moment != Moment::After {
+            return Injection::Proceed;
+        }
+        let mut held = self.held.lock().expect("held");
+        if *held {
+            return Injection::Proceed;
+        }
+        *held = true;
+        self.reached.notify_one();
+        Injection::WaitFor(self.gate.clone())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree() {
+    let nodes = start_nodes().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let reached = Arc::new(Notify::new());
+    let stalled = Arc::new(
+        Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(HoldAfterLock {
+            gate: gate.clone(),
+            held: Mutex::new(false),
+            reached: reached.clone(),
+        })),
+    );
+    let other = Client::for_cluster(&cluster(&nodes, 2));
+    let key = b"contended";
+    other.put(key, b"before").await.expect("put");
+    let writer = {
+        let stalled = stalled.clone();
+        tokio::spawn(async move { stalled.put(key, b"stalled").await })
+    };
+    // Wait until the stalled writer holds its lock: the other writer then has to take it over.
+    tokio::time::timeout(Duration::from_secs(5), reached.notified())
+        .await
+        .expect("the writer locked");
+    let taking_over = Instant::now();
+    other.put(key, b"after").await.expect("a put over a stalled lock");
+    let took = taking_over.elapsed();
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    assert_eq!(other.counters().locks_stolen, 1);
+    assert_eq!(
+        other.get(key).await.expect("get"),
+        Some(Bytes::from_static(b"after"))
+    );
+    // The stalled writer goes on: its lock is gone, so it starts again, and its write lands
+    // after the other one.
+    gate.add_permits(1);
+    writer.await.expect("join").expect("the stalled put completes");
+    let direct = [
+        node_client(&nodes, 1).await,
+        node_client(&nodes, 2).await,
+        node_client(&nodes, 3).await,
+    ];
+    let expected = replica_ids(key, 2);
+    for (id, value) in holders(&direct, key).await {
+        let wanted = expected
+            .contains(&id)
+            .then(|| Bytes::from_static(b"stalled"));
+        assert_eq!(value, wanted, "node {id}");
+    }
+}
