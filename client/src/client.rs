@@ -1091,6 +1091,11 @@ impl Client {
         self.nodes.iter().find(|node| node.id == node_id)
     }
 
+    /// Copies of each key: the cluster file's `replicas` (1 for a client of one node).
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     /// The ids of the cluster's nodes, in the cluster file's order.
     pub fn node_ids(&self) -> &[u32] {
         &self.node_ids

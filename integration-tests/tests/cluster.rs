@@ -202,19 +202,26 @@ async fn a_three_node_cluster_from_the_example_file() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let deadline = cluster.operation_deadline;
-    for index in per_node[&2].iter().take(20) {
+    // Node 2's keys have a second copy (replicas = 2 in the example): once the view shows node
+    // 2 down (failure_timeout = 1 s), they are read from it; until then a read waits, within
+    // its deadline. Every one is still there.
+    let failover_bound = cluster.failure_timeout + Duration::from_secs(1);
+    for (read, index) in per_node[&2].iter().take(500).enumerate() {
         let started = Instant::now();
-        let error = reader
+        let value = reader
             .get(format!("key-{index}").as_bytes())
             .await
-            .expect_err("node 2 is dead");
-        assert!(
-            started.elapsed() <= deadline + Duration::from_millis(500),
-            "took {:?}",
-            started.elapsed()
+            .expect("node 2's keys outlive it");
+        assert_eq!(
+            value.as_deref(),
+            Some(format!("value-{index}").as_bytes()),
+            "key-{index}"
         );
-        assert!(matches!(error, Error::NodeUnreachable { .. }), "{error}");
+        if read == 0 {
+            let failover = started.elapsed();
+            eprintln!("the first read of a dead node's key took {failover:?} (failover)");
+            assert!(failover <= failover_bound, "took {failover:?}");
+        }
     }
     for node in [1u32, 3] {
         for index in per_node[&node].iter().take(500) {

@@ -101,7 +101,8 @@ async fn keys(monitor: &Client) -> u64 {
         .await
         .iter()
         .filter_map(|(_, stats)| stats.as_ref().ok().map(|stats| stats.keys))
-        .sum()
+        .sum::<u64>()
+        / monitor.replicas() as u64
 }
 
 const RECORDS: u64 = 20_000;

@@ -137,6 +137,10 @@ async fn five_quick_restarts_are_five_epochs_and_the_cluster_settles() {
     let follower = *ids.iter().find(|id| **id != leader).expect("another node");
     let size_before = state_file_size(&cluster, leader);
     for _ in 0..5 {
+        // The epoch before the restart: the node may join before the command returns.
+        let epoch = view_of(&nodes, &secret, leader)
+            .await
+            .map_or(0, |seen| seen.epoch);
         let restart = cluster_command(&cluster, "restart", Some(follower));
         assert!(
             restart.status.success(),
@@ -144,9 +148,6 @@ async fn five_quick_restarts_are_five_epochs_and_the_cluster_settles() {
             String::from_utf8_lossy(&restart.stderr)
         );
         // Until it has joined as the new incarnation (else two restarts are one epoch).
-        let epoch = view_of(&nodes, &secret, leader)
-            .await
-            .map_or(0, |seen| seen.epoch);
         wait_for_view(&nodes, &secret, leader, Duration::from_secs(10), |seen| {
             seen.epoch > epoch && state_of(seen, follower) == Some(MemberState::Serving)
         })
