@@ -87,6 +87,32 @@ struct Membership {
     epoch: u64,
     /// The serving members' ids, in id order.
     serving: Vec<u32>,
+    /// The filling members' ids (back after a restart or an absence), in id order.
+    filling: Vec<u32>,
+}
+
+impl Membership {
+    /// `key`'s copies under this view, primary first: the first `count` of its ranking over
+    /// the serving members; while members fill, also those of the ranking over serving and
+    /// filling members, which the view is heading for (so a filling node gets every write of
+    /// the keys it will hold). A filling node is never the primary.
+    fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
+        let mut replicas: Vec<u32> = sharding::replicas(key, &self.serving, count)
+            .into_iter()
+            .map(|index| self.serving[index])
+            .collect();
+        if !self.filling.is_empty() {
+            let mut heading: Vec<u32> = self.serving.clone();
+            heading.extend(&self.filling);
+            heading.sort_unstable();
+            for index in sharding::replicas(key, &heading, count) {
+                if !replicas.contains(&heading[index]) {
+                    replicas.push(heading[index]);
+                }
+            }
+        }
+        replicas
+    }
 }
 
 /// How long a client waits before it asks for the view again while a node it needs does not
@@ -166,6 +192,7 @@ impl Client {
             membership: Mutex::new(Membership {
                 epoch: 0,
                 serving: vec![1],
+                filling: Vec::new(),
             }),
             counters,
             deadline,
@@ -222,7 +249,11 @@ impl Client {
             node_ids: nodes.iter().map(|node| node.id).collect(),
             nodes,
             replicas: cluster.replicas.max(1),
-            membership: Mutex::new(Membership { epoch: 0, serving }),
+            membership: Mutex::new(Membership {
+                epoch: 0,
+                serving,
+                filling: Vec::new(),
+            }),
             counters: Arc::new(Counters::default()),
             deadline: cluster.operation_deadline,
         }
@@ -555,16 +586,21 @@ impl Client {
         outcome
     }
 
-    /// The nodes holding `key`'s first `count` copies under the client's view, primary first.
+    /// The nodes holding `key`'s copies under the client's view, primary first: `count` of
+    /// them, and while members fill, those too ([`Membership::write_replicas`]); a GET asks for
+    /// one, the primary.
     fn replica_nodes(&self, key: &[u8], count: usize) -> Vec<Arc<Node>> {
         let membership = self
             .membership
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let ranked = sharding::replicas(key, &membership.serving, count);
-        let nodes: Vec<Arc<Node>> = ranked
+        let mut ids = membership.write_replicas(key, count);
+        if count == 1 {
+            ids.truncate(1);
+        }
+        let nodes: Vec<Arc<Node>> = ids
             .into_iter()
-            .filter_map(|index| self.node_by_id(membership.serving[index]).cloned())
+            .filter_map(|id| self.node_by_id(id).cloned())
             .collect();
         if nodes.is_empty() {
             // No member serving (the view says the whole cluster is down): try the file's.
@@ -606,10 +642,22 @@ impl Client {
             return false;
         }
         let serving = view.serving();
-        tracing::debug!(epoch = view.epoch, ?serving, "routing by a new cluster view");
+        let filling: Vec<u32> = view
+            .members
+            .iter()
+            .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
+            .map(|member| member.node_id)
+            .collect();
+        tracing::debug!(
+            epoch = view.epoch,
+            ?serving,
+            ?filling,
+            "routing by a new cluster view"
+        );
         *membership = Membership {
             epoch: view.epoch,
             serving,
+            filling,
         };
         true
     }
@@ -722,8 +770,7 @@ impl Client {
                         // The takeover has a progress of its own: none of it is this write.
                         let takeover = Arc::new(Progress::default());
                         if let Err(error) =
-                            replicated::steal(&connections, takeover, operation, key, &locked)
-                                .await
+                            replicated::steal(&connections, takeover, operation, key, &locked).await
                         {
                             if !error.is_retryable() {
                                 return Err(error);
@@ -760,6 +807,88 @@ impl Client {
             self.counters.failures.add(1);
         }
         outcome
+    }
+
+    /// Fetches the cluster view and routes by it from now on (a node refilling itself uses
+    /// this to include itself as filling). The view, or why none could be fetched.
+    ///
+    /// # Errors
+    /// As [`Client::view`].
+    #[doc(hidden)]
+    pub async fn follow_view(&self) -> Result<ClusterView> {
+        self.refresh_membership().await;
+        self.view().await
+    }
+
+    /// The combined buckets of node `node_id`'s index (connecting to it if needed).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a node not in the cluster; connection errors.
+    #[doc(hidden)]
+    pub async fn combined_buckets_of(&self, node_id: u32) -> Result<u64> {
+        let node = self.node_by_id(node_id).ok_or_else(|| Error::Config {
+            reason: format!("node {node_id} is not in the cluster"),
+        })?;
+        let connection = self.connection(node).await?;
+        Ok(connection.welcome.geometry.combined_bucket_count())
+    }
+
+    /// The keys and values in combined buckets `first ..` (at most [`crate::SCAN_BUCKETS`])
+    /// of node `node_id`'s index, read one-sided (refill, `docs/protocol.md`).
+    ///
+    /// # Errors
+    /// As [`Client::get`].
+    #[doc(hidden)]
+    pub async fn scan_node(
+        &self,
+        node_id: u32,
+        first: u64,
+        count: u64,
+    ) -> Result<Vec<(Bytes, Bytes)>> {
+        let node = self
+            .node_by_id(node_id)
+            .ok_or_else(|| Error::Config {
+                reason: format!("node {node_id} is not in the cluster"),
+            })?
+            .clone();
+        let progress = Arc::new(Progress::default());
+        let deadline = self.replicated_deadline();
+        let work = async {
+            let connection = self.connection(&node).await?;
+            crate::scan::scan_buckets(&connection, progress.clone(), first, count).await
+        };
+        self.within_deadline("scan", deadline, &progress, work)
+            .await
+    }
+
+    /// Whether node `me` must copy `key` from node `source` while it fills: `source` is the
+    /// key's primary and `me` one of the copies the view is heading for.
+    #[doc(hidden)]
+    pub fn refill_target(&self, key: &[u8], source: u32, me: u32) -> bool {
+        let membership = self
+            .membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let replicas = membership.write_replicas(key, self.replicas);
+        replicas.first() == Some(&source) && replicas.contains(&me)
+    }
+
+    /// Copies `key`'s `value` to every replica the view is heading for, through the primary's
+    /// lock (a compare-and-swap of the value with itself): `Ok(false)` when the value changed
+    /// meanwhile (its writer wrote every replica already).
+    ///
+    /// # Errors
+    /// As [`Client::compare_and_swap`].
+    #[doc(hidden)]
+    pub async fn refill_copy(&self, key: &[u8], value: &[u8]) -> Result<bool> {
+        let outcome = self
+            .mutate_replicated(
+                "refill",
+                key,
+                Write::Value(value, Mutation::CompareAndSwap { expected: value }),
+            )
+            .await?;
+        Ok(outcome == MutationOutcome::Applied)
     }
 
     /// Runs `work` under `deadline`; past it, the error says what the operation waited for and

@@ -39,6 +39,8 @@ pub mod lanes;
 mod operations;
 mod progress;
 mod replicated;
+mod scan;
+pub use scan::SCAN_BUCKETS;
 
 pub use client::Client;
 pub use connection::{ClientConfig, FabricChoice, NodeAddress, SharedMemory};

@@ -28,8 +28,7 @@ use crate::error::{Error, Result};
 use crate::fault::StepKind;
 use crate::operations::{
     back_off, cas_original, cas_step, empty_slot, insert_absent, layout_error, lookup, slot_cas,
-    step_failure, Candidates, FirstList, Inserted, Mutation, MutationOutcome, View,
-    RACE_ATTEMPTS,
+    step_failure, Candidates, FirstList, Inserted, Mutation, MutationOutcome, View, RACE_ATTEMPTS,
 };
 use crate::progress::{Progress, Waiting};
 
@@ -130,7 +129,9 @@ async fn prepare(
         let connection = &replicas[index];
         progress.wait_for(Waiting::ScratchBuffer);
         let mut scratch = connection.scratch(progress.clone()).await?;
-        scratch.region().write(scratch.base + WRITE_BLOCK_AT, block)?;
+        scratch
+            .region()
+            .write(scratch.base + WRITE_BLOCK_AT, block)?;
         let extra_length = if index == 0 {
             u64::from(extra_units) * BLOCK_UNIT
         } else {
@@ -170,7 +171,11 @@ async fn prepare(
 
 /// Looks the key up on every replica at once; each replica's first list carries its block's
 /// WRITE.
-async fn lookup_all(copies: &mut [Replica], operation: &'static str, key: &[u8]) -> Result<Vec<View>> {
+async fn lookup_all(
+    copies: &mut [Replica],
+    operation: &'static str,
+    key: &[u8],
+) -> Result<Vec<View>> {
     let before = round_trips(copies);
     let views = try_join_all(copies.iter_mut().map(|copy| {
         let Replica {
@@ -441,7 +446,8 @@ pub(crate) async fn mutate(
             Some(current) => (current.position, current.slot),
             None if tombstone_used => return Ok(Attempt::Again),
             None => {
-                let Some(empty) = empty_slot(primary_view, primary_copy.scratch.connection(), attempt)?
+                let Some(empty) =
+                    empty_slot(primary_view, primary_copy.scratch.connection(), attempt)?
                 else {
                     back_off(attempt).await;
                     continue;

@@ -93,7 +93,10 @@ async fn every_write_reaches_each_replica_and_no_other_node() {
                 CasOutcome::Swapped
             );
             assert_eq!(
-                client.compare_and_swap(key, b"two", b"x").await.expect("cas"),
+                client
+                    .compare_and_swap(key, b"two", b"x")
+                    .await
+                    .expect("cas"),
                 CasOutcome::Mismatch(Some(Bytes::from_static(b"three")))
             );
             assert_eq!(
@@ -105,9 +108,7 @@ async fn every_write_reaches_each_replica_and_no_other_node() {
                 Some(Bytes::from_static(b"three"))
             );
             for (id, value) in holders(&direct, key).await {
-                let wanted = expected
-                    .contains(&id)
-                    .then(|| Bytes::from_static(b"three"));
+                let wanted = expected.contains(&id).then(|| Bytes::from_static(b"three"));
                 assert_eq!(value, wanted, "node {id} for {expected:?}");
             }
             // A delete leaves tombstones: absent everywhere, and a second delete finds nothing.
@@ -119,7 +120,10 @@ async fn every_write_reaches_each_replica_and_no_other_node() {
                 assert_eq!(value, None, "node {id} after the delete");
             }
             // And the key comes back on its replicas.
-            client.put(key, b"four").await.expect("put over the tombstone");
+            client
+                .put(key, b"four")
+                .await
+                .expect("put over the tombstone");
             for (id, value) in holders(&direct, key).await {
                 let wanted = expected.contains(&id).then(|| Bytes::from_static(b"four"));
                 assert_eq!(value, wanted, "node {id} after the put");
@@ -197,7 +201,10 @@ async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree(
         .await
         .expect("the writer locked");
     let taking_over = Instant::now();
-    other.put(key, b"after").await.expect("a put over a stalled lock");
+    other
+        .put(key, b"after")
+        .await
+        .expect("a put over a stalled lock");
     let took = taking_over.elapsed();
     assert!(took < Duration::from_secs(1), "took {took:?}");
     assert_eq!(other.counters().locks_stolen, 1);
@@ -208,7 +215,10 @@ async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree(
     // The stalled writer goes on: its lock is gone, so it starts again, and its write lands
     // after the other one.
     gate.add_permits(1);
-    writer.await.expect("join").expect("the stalled put completes");
+    writer
+        .await
+        .expect("join")
+        .expect("the stalled put completes");
     let direct = [
         node_client(&nodes, 1).await,
         node_client(&nodes, 2).await,

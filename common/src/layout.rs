@@ -439,7 +439,10 @@ mod tests {
         let locked = slot.locked();
         assert!(locked.is_locked() && locked.is_readable() && !locked.is_committed());
         assert!(!locked.is_tentative() && !locked.is_torn());
-        assert_eq!((locked.offset(), locked.units()), (slot.offset(), slot.units()));
+        assert_eq!(
+            (locked.offset(), locked.units()),
+            (slot.offset(), slot.units())
+        );
         assert_eq!(locked.committed(), slot);
         assert!(Slot(locked.0 & !0xFF).is_torn());
     }

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -246,6 +246,9 @@ pub enum MemberState {
     /// Missed its peers' heartbeats for `failure_timeout`: out of the ranking until it comes
     /// back.
     Down,
+    /// Back after a restart or an absence: it gets every write of the keys it is a replica
+    /// of, and copies the rest from their primaries; it serves once promoted.
+    Filling,
 }
 
 impl std::fmt::Display for MemberState {
@@ -253,6 +256,7 @@ impl std::fmt::Display for MemberState {
         formatter.write_str(match self {
             MemberState::Serving => "serving",
             MemberState::Down => "down",
+            MemberState::Filling => "filling",
         })
     }
 }
@@ -370,6 +374,16 @@ pub struct ServerStats {
     pub view_members_down: u64,
     /// Views this node committed as the consensus leader since start.
     pub views_committed: u64,
+    /// Data connections ended because the view moved keys (`docs/protocol.md`, *Views and
+    /// fencing*).
+    pub connections_fenced: u64,
+    /// Refill (a node filling after a restart): index buckets of the peers scanned so far, of
+    /// `refill_buckets_total` (0 of 0: no refill since start).
+    pub refill_buckets_scanned: u64,
+    /// Refill: the peers' index buckets to scan in all.
+    pub refill_buckets_total: u64,
+    /// Refill: keys copied from their primaries.
+    pub refill_keys_copied: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
 }

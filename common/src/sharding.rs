@@ -50,7 +50,11 @@ mod tests {
             let key = index.to_le_bytes();
             let ranked = replicas(&key, &nodes, 4);
             assert_eq!(ranked.len(), 4);
-            assert_eq!(Some(ranked[0]), owner(&key, &nodes), "the primary is the owner");
+            assert_eq!(
+                Some(ranked[0]),
+                owner(&key, &nodes),
+                "the primary is the owner"
+            );
             let two = replicas(&key, &nodes, 2);
             assert_eq!(two, ranked[..2]);
             // Without the primary, the backups move up in order.

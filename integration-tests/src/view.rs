@@ -142,6 +142,33 @@ pub fn signal(cluster: &Cluster, id: u32, signal: Signal) -> Instant {
     Instant::now()
 }
 
+/// Waits (at most `bound`) until a killed process is torn down: reaped, or a zombie with no
+/// thread left. Until then its memory is still mapped by clients over shm (as a NIC answers
+/// READs of a killed process's regions until they are deregistered) and its sockets are open.
+pub fn wait_torn_down(pid: nix::unistd::Pid, bound: Duration) {
+    let gone_by = Instant::now() + bound;
+    let directory = format!("/proc/{pid}");
+    let torn_down = || {
+        let zombie = std::fs::read_to_string(format!("{directory}/stat")).map(|stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+        });
+        let threads = std::fs::read_dir(format!("{directory}/task")).map(Iterator::count);
+        match (zombie, threads) {
+            (Err(_), _) | (_, Err(_)) => true,
+            (Ok(zombie), Ok(threads)) => zombie && threads <= 1,
+        }
+    };
+    while !torn_down() {
+        assert!(
+            Instant::now() < gone_by,
+            "{pid} still runs {bound:?} after SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Sends SIGCONT to a stopped node when dropped (a failing test must not leave it stopped:
 /// `rdkv-cluster down` would wait 15 s for it).
 pub struct Resume(pub nix::unistd::Pid);

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, Error};
+use rdkv_client::Client;
 use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster};
 use rdkv_integration_tests::process::workspace_binary;
 
@@ -178,30 +178,9 @@ async fn a_three_node_cluster_from_the_example_file() {
         .expect("kill");
     assert!(killed.success());
     // Until the kernel has torn the process down, its memory is still mapped by clients over
-    // shm (as a NIC keeps answering READs of a killed process's regions until they are
-    // deregistered), and its sockets close only when its last thread is gone: wait for that
-    // (the process reaped, or a zombie leader with no thread left), bounded.
-    let gone_by = Instant::now() + Duration::from_secs(10);
-    let proc_directory = format!("/proc/{}", pid.trim());
-    let torn_down = || {
-        let zombie = std::fs::read_to_string(format!("{proc_directory}/stat")).map(|stat| {
-            stat.rsplit(')')
-                .next()
-                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
-        });
-        let threads = std::fs::read_dir(format!("{proc_directory}/task")).map(Iterator::count);
-        match (zombie, threads) {
-            (Err(_), _) | (_, Err(_)) => true,
-            (Ok(zombie), Ok(threads)) => zombie && threads <= 1,
-        }
-    };
-    while !torn_down() {
-        assert!(
-            Instant::now() < gone_by,
-            "node 2 still runs 10 s after SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    // shm and its sockets are open: wait for that, bounded.
+    let pid = nix::unistd::Pid::from_raw(pid.trim().parse().expect("a pid"));
+    rdkv_integration_tests::view::wait_torn_down(pid, Duration::from_secs(10));
     // Node 2's keys have a second copy (replicas = 2 in the example): once the view shows node
     // 2 down (failure_timeout = 1 s), they are read from it; until then a read waits, within
     // its deadline. Every one is still there.

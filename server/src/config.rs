@@ -71,6 +71,10 @@ pub struct ServerConfig {
     pub failure_timeout: Duration,
     /// Where the view's consensus keeps its vote and log across restarts.
     pub view_state_file: Option<PathBuf>,
+    /// The cluster file the node was started from: a node filling after a restart copies
+    /// its keys from its peers through a client of this cluster (`crate::refill`). `None`
+    /// for a node started without one.
+    pub cluster: Option<std::sync::Arc<rdkv_cluster_config::ClusterConfig>>,
 }
 
 /// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
@@ -108,6 +112,7 @@ impl ServerConfig {
             members: Vec::new(),
             failure_timeout: DEFAULT_FAILURE_TIMEOUT,
             view_state_file: None,
+            cluster: None,
         }
     }
 
@@ -162,6 +167,7 @@ impl ServerConfig {
                 .collect(),
             failure_timeout: cluster.failure_timeout,
             view_state_file: None,
+            cluster: Some(std::sync::Arc::new(cluster.clone())),
         })
     }
 

@@ -28,6 +28,7 @@ pub mod gate;
 pub mod heap;
 pub mod metrics;
 pub mod pending;
+mod refill;
 pub mod server;
 mod session;
 pub mod stats;

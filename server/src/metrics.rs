@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 35] = [
+        let definitions: [(&str, &str, Reader); 39] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -136,6 +136,26 @@ impl Metrics {
                 "view_members_down",
                 "Members this node's cluster view has down",
                 |stats| stats.view_members_down as i64,
+            ),
+            (
+                "connections_fenced_total",
+                "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
+                |stats| stats.connections_fenced as i64,
+            ),
+            (
+                "refill_buckets_scanned",
+                "Refill after a restart: peers' index buckets scanned so far (of rdkv_refill_buckets_total)",
+                |stats| stats.refill_buckets_scanned as i64,
+            ),
+            (
+                "refill_buckets_total",
+                "Refill after a restart: peers' index buckets to scan (0: no refill since start)",
+                |stats| stats.refill_buckets_total as i64,
+            ),
+            (
+                "refill_keys_copied_total",
+                "Refill after a restart: keys copied from their primaries",
+                |stats| stats.refill_keys_copied as i64,
             ),
             (
                 "views_committed_total",

@@ -251,6 +251,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         shared.clone(),
         shutdown.clone(),
     ));
+    tasks.spawn(crate::refill::refill_loop(shared.clone(), shutdown.clone()));
     let metrics_address = match shared.config.metrics_address {
         None => None,
         Some(address) => {

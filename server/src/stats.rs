@@ -30,6 +30,14 @@ pub struct Counters {
     pub data_connections: AtomicU64,
     /// Data connections on the `shm` fabric now.
     pub shm_data_connections: AtomicU64,
+    /// Data connections fenced by a view change.
+    pub connections_fenced: AtomicU64,
+    /// Refill: peers' index buckets scanned, of `refill_buckets_total`.
+    pub refill_buckets_scanned: AtomicU64,
+    /// Refill: peers' index buckets to scan.
+    pub refill_buckets_total: AtomicU64,
+    /// Refill: keys copied.
+    pub refill_keys_copied: AtomicU64,
     /// Committed keys found by the collector's last pass (every `collector_interval`, up to
     /// 8 times that while the index does not change).
     pub collector_keys: AtomicU64,
@@ -62,6 +70,10 @@ impl Counters {
             shm_data_connections: AtomicU64::new(0),
             client_counters: Mutex::new(ClientCounters::default()),
             collector_keys: AtomicU64::new(0),
+            connections_fenced: AtomicU64::new(0),
+            refill_buckets_scanned: AtomicU64::new(0),
+            refill_buckets_total: AtomicU64::new(0),
+            refill_keys_copied: AtomicU64::new(0),
             key_scans: KeyScans {
                 scanning: tokio::sync::Semaphore::new(1),
                 last: Mutex::new(None),
@@ -158,6 +170,10 @@ impl Counters {
             view_leader: 0,
             view_members_down: 0,
             views_committed: 0,
+            connections_fenced: self.connections_fenced.load(Ordering::Relaxed),
+            refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
+            refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
+            refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
             client_counters: *self
                 .client_counters
                 .lock()

@@ -299,5 +299,6 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         members: Vec::new(),
         failure_timeout: rdkv_server::config::DEFAULT_FAILURE_TIMEOUT,
         view_state_file: None,
+        cluster: None,
     })
 }

@@ -24,9 +24,39 @@ impl Session {
         let lease = shared.config.lease_timeout;
         let mut last_heard = Instant::now();
         let mut checks = tokio::time::interval(CHECK_INTERVAL);
+        // A data connection is fenced when the view moves keys (a member down, filling or
+        // promoted): every access made under the old view then fails, and its client fetches
+        // the view (`docs/protocol.md`, *Views and fencing*).
+        let mut view_changes = shared
+            .view
+            .subscribe()
+            .filter(|_| self.queue_pair.is_some());
+        let connected_under = view_changes
+            .as_ref()
+            .map(|changes| changes.borrow().clone());
         loop {
+            let view_changed = async {
+                match view_changes.as_mut() {
+                    Some(changes) => changes.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return "server shutting down".into(),
+                alive = view_changed => {
+                    let (Some(changes), Some(before)) = (view_changes.as_ref(), connected_under.as_ref()) else {
+                        continue;
+                    };
+                    if !alive {
+                        view_changes = None;
+                        continue;
+                    }
+                    let now = changes.borrow().clone();
+                    if now.placement_differs(before) {
+                        shared.counters.connections_fenced.fetch_add(1, Ordering::Relaxed);
+                        return format!("fenced: the cluster view moved keys (epoch {})", now.epoch);
+                    }
+                }
                 _ = checks.tick() => {
                     if last_heard.elapsed() > lease {
                         return format!("lease expired (nothing heard for {lease:?})");

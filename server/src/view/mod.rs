@@ -296,8 +296,7 @@ impl ViewService {
                     view.members
                         .get(&node_id)
                         .is_some_and(|record| {
-                            record.state == MemberState::Serving
-                                && record.incarnation == incarnation
+                            record.state != MemberState::Down && record.incarnation == incarnation
                         })
                         .then_some(view.epoch)
                 };
@@ -313,6 +312,39 @@ impl ViewService {
                     })
                     .await,
                 )
+            }
+            (
+                Ok(PeerRequest::Promote {
+                    node_id,
+                    incarnation,
+                }),
+                Some(_),
+            ) => {
+                if !self.addresses.contains_key(&node_id) {
+                    return Self::encode(&PeerReply::Join(Err(format!(
+                        "node {node_id} is not a member of this cluster"
+                    ))));
+                }
+                let applied = {
+                    let view = self.view.borrow();
+                    view.members
+                        .get(&node_id)
+                        .is_some_and(|record| {
+                            record.state == MemberState::Serving
+                                && record.incarnation == incarnation
+                        })
+                        .then_some(view.epoch)
+                };
+                match applied {
+                    Some(epoch) => PeerReply::Join(Ok(epoch)),
+                    None => PeerReply::Join(
+                        self.commit(ViewCommand::Promote {
+                            node_id,
+                            incarnation,
+                        })
+                        .await,
+                    ),
+                }
             }
         };
         Self::encode(&reply)
@@ -418,7 +450,7 @@ impl ViewService {
                     .members
                     .iter()
                     .filter(|(id, record)| {
-                        **id != self.node_id && record.state == MemberState::Serving
+                        **id != self.node_id && record.state != MemberState::Down
                     })
                     .map(|(id, _)| *id)
                     .filter(|id| !heard_within(*id))
@@ -457,8 +489,8 @@ impl ViewService {
         }
     }
 
-    /// On every node: while the view does not have this node serving as this incarnation, asks
-    /// the leader to commit its join.
+    /// On every node: while the view does not have this node as this incarnation (serving, or
+    /// filling after a restart or an absence), asks the leader to commit its join.
     async fn keep_joined(self: Arc<Self>, shutdown: CancellationToken) {
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL * 2);
         loop {
@@ -466,48 +498,81 @@ impl ViewService {
                 _ = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
             }
-            let joined = self
-                .view
-                .borrow()
-                .members
-                .get(&self.node_id)
-                .is_some_and(|record| {
-                    record.state == MemberState::Serving && record.incarnation == self.incarnation
-                });
+            let joined = self.own_record().is_some_and(|record| {
+                record.state != MemberState::Down && record.incarnation == self.incarnation
+            });
             if joined {
                 continue;
             }
-            let Some(leader) = self.leader() else {
-                continue;
-            };
             let command = ViewCommand::Join {
                 node_id: self.node_id,
                 incarnation: self.incarnation,
             };
-            let outcome = if leader == self.node_id {
-                self.commit(command).await
-            } else {
-                let Some(address) = self.addresses.get(&leader).copied() else {
-                    continue;
-                };
-                let request = PeerRequest::Join {
-                    node_id: self.node_id,
-                    incarnation: self.incarnation,
-                };
-                let asked = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    asked = ask_leader(leader, address, self.secret.clone(), &request, self.failure_timeout) => asked,
-                };
-                match asked {
-                    Ok(PeerReply::Join(outcome)) => outcome,
-                    Ok(other) => Err(format!("unexpected answer {other:?}")),
-                    Err(reason) => Err(reason),
-                }
+            let request = PeerRequest::Join {
+                node_id: self.node_id,
+                incarnation: self.incarnation,
             };
-            if let Err(reason) = outcome {
-                tracing::debug!(node = self.node_id, leader, %reason, "join not committed yet");
+            if let Err(reason) = self.ask_leader_to_commit(command, &request).await {
+                tracing::debug!(node = self.node_id, %reason, "join not committed yet");
             }
         }
+    }
+
+    /// This node's record in the view it knows.
+    fn own_record(&self) -> Option<types::MemberRecord> {
+        self.view.borrow().members.get(&self.node_id).copied()
+    }
+
+    /// Whether this node is filling as this incarnation (its refill's turn).
+    pub fn filling(&self) -> bool {
+        self.own_record().is_some_and(|record| {
+            record.state == MemberState::Filling && record.incarnation == self.incarnation
+        })
+    }
+
+    /// Asks the leader to commit this node's promotion (filling → serving): the refill is
+    /// complete. The epoch with it committed, or why not yet.
+    pub async fn promote(&self) -> std::result::Result<u64, String> {
+        let command = ViewCommand::Promote {
+            node_id: self.node_id,
+            incarnation: self.incarnation,
+        };
+        let request = PeerRequest::Promote {
+            node_id: self.node_id,
+            incarnation: self.incarnation,
+        };
+        self.ask_leader_to_commit(command, &request).await
+    }
+
+    /// Commits `command` if this node leads, else sends `request` to the leader.
+    async fn ask_leader_to_commit(
+        &self,
+        command: ViewCommand,
+        request: &PeerRequest,
+    ) -> std::result::Result<u64, String> {
+        let Some(leader) = self.leader() else {
+            return Err("no leader".into());
+        };
+        if leader == self.node_id {
+            return self.commit(command).await;
+        }
+        let Some(address) = self.addresses.get(&leader).copied() else {
+            return Err(format!("the leader {leader} is not a member"));
+        };
+        let asked = tokio::select! {
+            _ = self.shutdown.cancelled() => return Err("the node is stopping".into()),
+            asked = ask_leader(leader, address, self.secret.clone(), request, self.failure_timeout) => asked,
+        };
+        match asked {
+            Ok(PeerReply::Join(outcome)) => outcome,
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(reason) => Err(reason),
+        }
+    }
+
+    /// The applied view as it changes; `None` in a one-node cluster (its view never changes).
+    pub fn subscribe(&self) -> Option<tokio::sync::watch::Receiver<types::ViewState>> {
+        self.raft.as_ref().map(|_| self.view.clone())
     }
 }
 

@@ -31,11 +31,21 @@ pub enum ViewCommand {
         /// The member.
         node_id: u32,
     },
-    /// The member runs (started, restarted or reachable again) as `incarnation`, and serves.
+    /// The member runs (started, restarted or reachable again) as `incarnation`: it serves
+    /// at its first start, and is `filling` after a restart or an absence (its memory may
+    /// lack writes), until it is promoted.
     Join {
         /// The member.
         node_id: u32,
         /// Random per process start: a restart is a new incarnation, and a new epoch.
+        incarnation: u64,
+    },
+    /// The member, filling as `incarnation`, holds a copy of every key it is a replica of:
+    /// it serves.
+    Promote {
+        /// The member.
+        node_id: u32,
+        /// Its incarnation (a promotion of an earlier one changes nothing).
         incarnation: u64,
     },
 }
@@ -102,11 +112,31 @@ impl ViewState {
                 incarnation,
             } => match self.members.get_mut(&node_id) {
                 Some(record)
-                    if record.state != MemberState::Serving
-                        || record.incarnation != incarnation =>
+                    if record.state == MemberState::Down || record.incarnation != incarnation =>
+                {
+                    // A node's first start (never joined, serving in the initial view) serves;
+                    // after a restart or an absence its memory may lack writes: it fills.
+                    let first_start =
+                        record.incarnation == 0 && record.state == MemberState::Serving;
+                    record.state = if first_start {
+                        MemberState::Serving
+                    } else {
+                        MemberState::Filling
+                    };
+                    record.incarnation = incarnation;
+                    true
+                }
+                _ => false,
+            },
+            ViewCommand::Promote {
+                node_id,
+                incarnation,
+            } => match self.members.get_mut(&node_id) {
+                Some(record)
+                    if record.state == MemberState::Filling
+                        && record.incarnation == incarnation =>
                 {
                     record.state = MemberState::Serving;
-                    record.incarnation = incarnation;
                     true
                 }
                 _ => false,
@@ -116,6 +146,18 @@ impl ViewState {
             self.epoch += 1;
         }
         self.epoch
+    }
+
+    /// Whether some member's state differs from `earlier`'s: the keys' replicas changed, and
+    /// connections made under `earlier` are fenced (`docs/protocol.md`, *Views and fencing*).
+    pub fn placement_differs(&self, earlier: &ViewState) -> bool {
+        self.members.len() != earlier.members.len()
+            || self.members.iter().any(|(node_id, record)| {
+                earlier
+                    .members
+                    .get(node_id)
+                    .is_none_or(|before| before.state != record.state)
+            })
     }
 
     /// The view as clients see it.
@@ -151,6 +193,13 @@ pub enum PeerRequest {
         /// Its incarnation.
         incarnation: u64,
     },
+    /// A filling node, refilled, asks the leader to commit its promotion.
+    Promote {
+        /// The node.
+        node_id: u32,
+        /// Its incarnation.
+        incarnation: u64,
+    },
 }
 
 /// A peer's answer.
@@ -164,7 +213,8 @@ pub enum PeerReply {
     InstallSnapshot(
         Result<InstallSnapshotResponse<PeerId>, RaftError<PeerId, InstallSnapshotError>>,
     ),
-    /// To [`PeerRequest::Join`]: the epoch with the join committed, or why not.
+    /// To [`PeerRequest::Join`] and [`PeerRequest::Promote`]: the epoch with the change
+    /// committed, or why not.
     Join(Result<u64, String>),
     /// The request did not decode.
     Malformed(String),
@@ -182,14 +232,49 @@ mod tests {
             node_id,
             incarnation,
         };
+        let promote = |node_id, incarnation| ViewCommand::Promote {
+            node_id,
+            incarnation,
+        };
+        let state = |view: &ViewState, node_id| view.members[&node_id].state;
+        let before = view.clone();
         assert_eq!(view.apply(&join(1, 7)), 1);
+        assert_eq!(
+            state(&view, 1),
+            MemberState::Serving,
+            "a first start serves"
+        );
+        assert!(
+            !view.placement_differs(&before),
+            "a first join moves no key"
+        );
         assert_eq!(view.apply(&join(1, 7)), 1, "the same incarnation again");
         assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 2 }), 2);
         assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 2 }), 2);
+        assert!(view.placement_differs(&before));
         assert_eq!(view.public(Some(1)).serving(), vec![1, 3]);
         assert_eq!(view.apply(&join(2, 9)), 3, "back, as a new incarnation");
-        assert_eq!(view.apply(&join(1, 8)), 4, "a restart is a new epoch");
-        assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 42 }), 4);
+        assert_eq!(
+            state(&view, 2),
+            MemberState::Filling,
+            "back from down: it fills"
+        );
+        assert_eq!(view.apply(&join(2, 9)), 3, "filling already");
+        assert_eq!(
+            view.apply(&promote(2, 8)),
+            3,
+            "an earlier incarnation's promotion"
+        );
+        assert_eq!(view.apply(&promote(2, 9)), 4);
+        assert_eq!(state(&view, 2), MemberState::Serving);
+        assert_eq!(view.apply(&join(1, 8)), 5, "a restart is a new epoch");
+        assert_eq!(
+            state(&view, 1),
+            MemberState::Filling,
+            "a restarted node fills"
+        );
+        assert_eq!(view.apply(&promote(1, 8)), 6);
+        assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 42 }), 6);
         assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
     }
 }

@@ -1,0 +1,207 @@
+//! Refill: a node back after a restart or an absence joins the view as `filling`
+//! (`crate::view`), empty or stale. From then on every write of a key it is heading to hold
+//! reaches it too (clients route writes to the copies of the view the cluster is heading for),
+//! and this task copies the rest: it reads each serving peer's table with one-sided READs (no
+//! peer CPU), and for every key whose primary is that peer and whose copies will include this
+//! node, it rewrites the value through the primary's lock (a compare-and-swap of the value
+//! with itself), which puts a copy here without ever crossing a concurrent write. Then it asks
+//! the leader to promote the node: a new view, in which it serves again. Progress is in the
+//! stats (`refill_*`) and the metrics. `docs/protocol.md`, *Refill*.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_client::{Client, SharedMemory, SCAN_BUCKETS};
+use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
+use tokio_util::sync::CancellationToken;
+
+use crate::session::Shared;
+
+/// How often the task looks at the view for this node filling, and waits between tries.
+const REFILL_POLL: Duration = Duration::from_millis(200);
+
+/// Client connections per peer the refill uses (one operation in flight each).
+const REFILL_CONCURRENCY: usize = 4;
+
+/// How long the refill waits for every serving peer to apply the view that has this node
+/// filling.
+const PEERS_APPLY_WITHIN: Duration = Duration::from_secs(10);
+
+/// Tries of one key's copy before the refill starts over.
+const COPY_ATTEMPTS: u32 = 5;
+
+/// Runs until `shutdown`: whenever the view has this node filling as this incarnation, refills
+/// it and asks for its promotion.
+pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
+    let Some(cluster) = shared.config.cluster.clone() else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(REFILL_POLL) => {}
+        }
+        if !shared.view.filling() {
+            continue;
+        }
+        let started = Instant::now();
+        let client = Client::for_cluster_with(&cluster, REFILL_CONCURRENCY, SharedMemory::Off);
+        let outcome = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            outcome = refill(&shared, &client) => outcome,
+        };
+        client.close().await;
+        match outcome {
+            Ok(copied) => {
+                tracing::info!(
+                    node = shared.config.node_id,
+                    copied,
+                    elapsed = ?started.elapsed(),
+                    "refill complete: asking for promotion"
+                );
+                while shared.view.filling() {
+                    match shared.view.promote().await {
+                        Ok(epoch) => {
+                            tracing::info!(
+                                node = shared.config.node_id,
+                                epoch,
+                                "promoted: serving"
+                            );
+                            break;
+                        }
+                        Err(reason) => {
+                            tracing::debug!(%reason, "promotion not committed yet");
+                            tokio::select! {
+                                _ = shutdown.cancelled() => return,
+                                _ = tokio::time::sleep(REFILL_POLL) => {}
+                            }
+                        }
+                    }
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(node = shared.config.node_id, %reason, "refill failed; starting over");
+            }
+        }
+    }
+}
+
+/// One refill: every serving peer's table scanned, the keys this node will hold copied.
+/// Returns the keys copied.
+async fn refill(shared: &Shared, client: &Client) -> Result<u64, String> {
+    let me = shared.config.node_id;
+    let counters = &shared.counters;
+    // Route by the view that has this node filling, and wait until every serving peer knows
+    // it too: each then fenced the connections of older views, so every write from here on
+    // reaches this node, and every write before is in the peers' tables.
+    let view = client
+        .follow_view()
+        .await
+        .map_err(|error| format!("cannot fetch the view: {error}"))?;
+    let filling = view
+        .members
+        .iter()
+        .any(|member| member.node_id == me && member.state == MemberState::Filling);
+    if !filling {
+        return Err(format!(
+            "the view (epoch {}) does not have this node filling",
+            view.epoch
+        ));
+    }
+    let peers: Vec<u32> = view.serving();
+    wait_for_peers(shared, &peers, view.epoch).await?;
+    let mut totals = Vec::with_capacity(peers.len());
+    for peer in &peers {
+        let buckets = client
+            .combined_buckets_of(*peer)
+            .await
+            .map_err(|error| format!("node {peer}: {error}"))?;
+        totals.push(buckets);
+    }
+    counters
+        .refill_buckets_total
+        .store(totals.iter().sum(), Ordering::Relaxed);
+    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
+    tracing::info!(
+        node = me,
+        epoch = view.epoch,
+        ?peers,
+        buckets = totals.iter().sum::<u64>(),
+        "refilling from the serving peers"
+    );
+    let mut copied = 0u64;
+    for (peer, total) in peers.iter().zip(totals) {
+        let mut first = 0;
+        while first < total {
+            let count = SCAN_BUCKETS.min(total - first);
+            let entries = client
+                .scan_node(*peer, first, count)
+                .await
+                .map_err(|error| format!("scanning node {peer}: {error}"))?;
+            for (key, value) in entries {
+                if !client.refill_target(&key, *peer, me) {
+                    continue;
+                }
+                copy(client, &key, &value).await?;
+                copied += 1;
+                counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
+            }
+            first += count;
+            counters
+                .refill_buckets_scanned
+                .fetch_add(count, Ordering::Relaxed);
+        }
+    }
+    Ok(copied)
+}
+
+/// Waits until every one of `peers` has applied the view of `epoch` (its data connections
+/// of older views are fenced then).
+async fn wait_for_peers(shared: &Shared, peers: &[u32], epoch: u64) -> Result<(), String> {
+    let Some(cluster) = shared.config.cluster.as_ref() else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    for peer in peers {
+        let Some(node) = cluster.nodes.iter().find(|node| node.id == *peer) else {
+            continue;
+        };
+        loop {
+            let monitored = MonitoredNode {
+                address: node.control_address,
+                id: Some(node.id),
+                secret: &cluster.secret,
+            };
+            let seen = fetch_view(monitored, cluster.operation_deadline)
+                .await
+                .map(|view| view.epoch)
+                .unwrap_or(0);
+            if seen >= epoch {
+                break;
+            }
+            if started.elapsed() > PEERS_APPLY_WITHIN {
+                return Err(format!(
+                    "node {peer} did not apply epoch {epoch} within {PEERS_APPLY_WITHIN:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Copies one key (a rewrite of its value through its primary's lock). A value that changed
+/// meanwhile was written to this node by its writer: nothing to copy.
+async fn copy(client: &Client, key: &[u8], value: &[u8]) -> Result<(), String> {
+    let mut last_error = String::new();
+    for _ in 0..COPY_ATTEMPTS {
+        match client.refill_copy(key, value).await {
+            Ok(_) => return Ok(()),
+            Err(error) => last_error = error.to_string(),
+        }
+    }
+    Err(format!(
+        "copying a key failed {COPY_ATTEMPTS} times: {last_error}"
+    ))
+}
