@@ -110,16 +110,38 @@ struct Replica {
     extra: Option<(Slot, RemoteSegment)>,
 }
 
+/// What a block placed for an operation is: its length in units, and whether it is a
+/// tombstone (its slot word says so too).
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// 64-byte units.
+    units: u8,
+    /// A tombstone.
+    tombstone: bool,
+}
+
+impl Shape {
+    /// The committed slot word of a block of this shape at `offset`.
+    fn slot(self, fingerprint: u8, offset: u64) -> Slot {
+        let slot = Slot::new(fingerprint, self.units, offset);
+        if self.tombstone {
+            slot.tombstone()
+        } else {
+            slot
+        }
+    }
+}
+
 /// Takes a scratch buffer on every replica, in control-address order (so two operations never
 /// each hold a buffer the other waits for), writes `block` into each, and places it in each
-/// replica's heap; on the primary, `extra_units` more follow it.
+/// replica's heap; on the primary, a block of shape `extra` follows it.
 async fn prepare(
     replicas: &[Arc<NodeConnection>],
     progress: &Arc<Progress>,
     key: &[u8],
     block: &[u8],
-    units: u8,
-    extra_units: u8,
+    shape: Shape,
+    extra: Shape,
 ) -> Result<Vec<Replica>> {
     let mut order: Vec<usize> = (0..replicas.len()).collect();
     order.sort_by_key(|index| replicas[*index].address);
@@ -133,7 +155,7 @@ async fn prepare(
             .region()
             .write(scratch.base + WRITE_BLOCK_AT, block)?;
         let extra_length = if index == 0 {
-            u64::from(extra_units) * BLOCK_UNIT
+            u64::from(extra.units) * BLOCK_UNIT
         } else {
             0
         };
@@ -150,17 +172,13 @@ async fn prepare(
         .with_signaled(false);
         let extra = (index == 0).then(|| {
             (
-                Slot::new(
-                    location.fingerprint,
-                    extra_units,
-                    place.heap_offset + length,
-                ),
+                extra.slot(location.fingerprint, place.heap_offset + length),
                 place.remote.at(place.offset_in_chunk + length),
             )
         });
         copies[index] = Some(Replica {
             scratch,
-            slot: Slot::new(location.fingerprint, units, place.heap_offset),
+            slot: shape.slot(location.fingerprint, place.heap_offset),
             location,
             write: Some(write),
             extra,
@@ -406,7 +424,15 @@ pub(crate) async fn mutate(
     let units = encode_block_with(key, value, matches!(write, Write::Delete), &mut block);
     let mut tombstone = Vec::with_capacity(key.len() + 64);
     let tombstone_units = encode_block_with(key, &[], true, &mut tombstone);
-    let mut copies = prepare(replicas, &progress, key, &block, units, tombstone_units).await?;
+    let shape = Shape {
+        units,
+        tombstone: matches!(write, Write::Delete),
+    };
+    let extra = Shape {
+        units: tombstone_units,
+        tombstone: true,
+    };
+    let mut copies = prepare(replicas, &progress, key, &block, shape, extra).await?;
     let mut tombstone_used = false;
     for attempt in 0..RACE_ATTEMPTS {
         let views = lookup_all(&mut copies, operation, key).await?;
@@ -552,7 +578,11 @@ pub(crate) async fn steal(
 ) -> Result<()> {
     let mut block = Vec::with_capacity(locked.value.len() + key.len() + 64);
     let units = encode_block_with(key, &locked.value, locked.tombstone, &mut block);
-    let mut copies = prepare(replicas, &progress, key, &block, units, units).await?;
+    let shape = Shape {
+        units,
+        tombstone: locked.tombstone,
+    };
+    let mut copies = prepare(replicas, &progress, key, &block, shape, shape).await?;
     let (primary_copy, backups) = copies
         .split_first_mut()
         .expect("a replicated write has replicas");

@@ -134,6 +134,56 @@ async fn every_write_reaches_each_replica_and_no_other_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_keys_leave_tombstones_that_the_collectors_clear_after_a_quarantine() {
+    let nodes = start_nodes().await;
+    let client = Client::for_cluster(&cluster(&nodes, 2));
+    for index in 0..100u32 {
+        client
+            .put(format!("gone-{index}").as_bytes(), b"value")
+            .await
+            .expect("put");
+    }
+    for index in 0..100u32 {
+        assert!(client
+            .delete(format!("gone-{index}").as_bytes())
+            .await
+            .expect("delete"));
+    }
+    // Each delete left a tombstone on both replicas: 200 slots, gone a quarantine (1.25 × the
+    // 2 s deadline) later, with every key still absent.
+    let started = Instant::now();
+    loop {
+        let stats: Vec<_> = nodes.iter().map(RunningServer::stats).collect();
+        let cleared: u64 = stats.iter().map(|stats| stats.tombstones_cleared).sum();
+        let keys: u64 = stats.iter().map(|stats| stats.keys).sum();
+        if cleared >= 200 && keys == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{cleared} tombstones cleared, {keys} slots left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("tombstones cleared after {:?}", started.elapsed());
+    for index in 0..100u32 {
+        assert_eq!(
+            client
+                .get(format!("gone-{index}").as_bytes())
+                .await
+                .expect("get"),
+            None
+        );
+    }
+    // A key put again after its tombstone went is there.
+    client.put(b"gone-0", b"back").await.expect("put again");
+    assert_eq!(
+        client.get(b"gone-0").await.expect("get"),
+        Some(Bytes::from_static(b"back"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_takes_two_round_trips_and_an_update_five() {
     let nodes = start_nodes().await;
     let client = Client::for_cluster(&cluster(&nodes, 2));

@@ -6,8 +6,8 @@
 //! bucket = 8 slots × 8 B
 //! combined bucket c = buckets 2c and 2c+1 (128 B, one READ)
 //! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (6..48)
-//!          | committed (bit 1) | tentative (bit 0); both bits: locked (a replicated write in
-//!          progress); offsets are multiples of 64, so bits 0..6 are free
+//!          | tombstone (bit 2) | committed (bit 1) | tentative (bit 0); both state bits: locked
+//!          (a replicated write in progress); offsets are multiples of 64, so bits 0..6 are free
 //! block  = key_length u16 | flags u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
 //!          (flags bit 0: a tombstone, a replicated delete)
 //! ```
@@ -165,6 +165,11 @@ impl Slot {
     /// The two state bits.
     const STATE_BITS: u64 = Self::TENTATIVE_BIT | Self::COMMITTED_BIT;
 
+    /// The bit that marks a tombstone's slot (a replicated delete; its block is flagged too),
+    /// so the collector finds tombstones to clear without reading blocks. It lives in the low
+    /// byte with the state bits: a torn read takes both from the same word.
+    pub const TOMBSTONE_BIT: u64 = 4;
+
     /// A committed slot pointing at a block of `units` 64-byte units at heap offset `offset`.
     pub fn new(fingerprint: u8, units: u8, offset: u64) -> Self {
         debug_assert!(units > 0 && offset < MAX_HEAP_SIZE && offset % BLOCK_UNIT == 0);
@@ -210,6 +215,16 @@ impl Slot {
     /// The same block, locked.
     pub fn locked(self) -> Slot {
         Slot(self.0 | Self::STATE_BITS)
+    }
+
+    /// The same word, marked as a tombstone's.
+    pub fn tombstone(self) -> Slot {
+        Slot(self.0 | Self::TOMBSTONE_BIT)
+    }
+
+    /// Whether the word is a tombstone's.
+    pub fn is_tombstone(self) -> bool {
+        self.0 & Self::TOMBSTONE_BIT != 0
     }
 
     /// The same block, marked tentative.
@@ -445,6 +460,11 @@ mod tests {
         );
         assert_eq!(locked.committed(), slot);
         assert!(Slot(locked.0 & !0xFF).is_torn());
+        // The tombstone bit changes neither the block nor the state.
+        let tombstone = slot.tombstone();
+        assert!(tombstone.is_tombstone() && tombstone.is_committed() && !slot.is_tombstone());
+        assert_eq!(tombstone.offset(), slot.offset());
+        assert!(tombstone.locked().is_tombstone() && tombstone.tentative().is_tombstone());
     }
 
     #[test]

@@ -331,6 +331,9 @@ pub struct ServerStats {
     pub tentatives_cleared: u64,
     /// Heap collector passes since start.
     pub collector_passes: u64,
+    /// Tombstone slots (replicated deletes) the collector cleared a quarantine after they
+    /// were written.
+    pub tombstones_cleared: u64,
     /// The collector's interval now, in milliseconds: `collector_interval` while it has work,
     /// stretched up to 8 times that while the index does not change.
     pub collector_interval_ms: u64,

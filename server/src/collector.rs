@@ -12,6 +12,7 @@
 //! interval at once; a write that needs no new space is found by the next pass, at most the
 //! stretched interval later.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +46,11 @@ pub struct Pace {
     passes: AtomicU64,
     /// Brings the interval back to the base.
     wake: Notify,
+    /// Committed tombstone slots (replicated deletes), by index offset and word, with when a
+    /// pass first saw each: cleared once older than the quarantine.
+    tombstones: std::sync::Mutex<HashMap<(u64, u64), Instant>>,
+    /// Tombstone slots cleared since start.
+    tombstones_cleared: AtomicU64,
 }
 
 impl Pace {
@@ -56,6 +62,8 @@ impl Pace {
             interval_micros: AtomicU64::new(base.as_micros() as u64),
             passes: AtomicU64::new(0),
             wake: Notify::new(),
+            tombstones: std::sync::Mutex::new(HashMap::new()),
+            tombstones_cleared: AtomicU64::new(0),
         }
     }
 
@@ -73,6 +81,11 @@ impl Pace {
     /// Passes made since start.
     pub fn passes(&self) -> u64 {
         self.passes.load(Ordering::Relaxed)
+    }
+
+    /// Tombstone slots cleared since start.
+    pub fn tombstones_cleared(&self) -> u64 {
+        self.tombstones_cleared.load(Ordering::Relaxed)
     }
 
     fn set_interval(&self, interval: Duration) {
@@ -132,6 +145,46 @@ fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>) {
     });
 }
 
+/// Clears committed tombstone slots (a replicated delete's; `docs/protocol.md`, *Replication*)
+/// that every pass has seen for longer than the quarantine: no operation that read the key
+/// before the tombstone was there can still run, so none can take the empty slot for the
+/// absence it saw then. Their blocks are then unreferenced and come back. The CAS expects the
+/// exact word, so a tombstone replaced or locked meanwhile is left alone. Returns whether some
+/// tombstone waits for a later pass.
+fn clear_old_tombstones(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Instant) -> bool {
+    let pace = &shared.collector;
+    let quarantine = shared.heap.quarantine();
+    let mut seen = pace
+        .tombstones
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut current = HashMap::new();
+    slots.retain(|(index_offset, slot)| {
+        if !(slot.is_committed() && slot.is_tombstone()) {
+            return true;
+        }
+        let since = seen.get(&(*index_offset, slot.0)).copied().unwrap_or(now);
+        if now.duration_since(since) < quarantine {
+            current.insert((*index_offset, slot.0), since);
+            return true;
+        }
+        match shared
+            .table
+            .region
+            .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
+        {
+            Ok(original) if original == slot.0 => {
+                pace.tombstones_cleared.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+            _ => true,
+        }
+    });
+    let waiting = !current.is_empty();
+    *seen = current;
+    waiting
+}
+
 /// One pass: settle, scan, clear abandoned tentatives, collect, compact. Returns the slots
 /// (kept for the next pass's allocation), the keys counted and what the pass saw.
 fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, PassActivity) {
@@ -150,6 +203,7 @@ fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64,
     let snapshot = shared.announcements.snapshot();
     let now = Instant::now();
     clear_abandoned_tentatives(shared, &mut slots);
+    let tombstones_waiting = clear_old_tombstones(shared, &mut slots, now);
     let report = shared.heap.collect(
         slots
             .iter()
@@ -163,7 +217,11 @@ fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64,
         .compact(&shared.table, &shared.heap, &slots, Instant::now());
     let activity = PassActivity {
         digest,
-        waiting: tentative || report.awaiting || report.reclaimed > 0 || moved > 0,
+        waiting: tentative
+            || tombstones_waiting
+            || report.awaiting
+            || report.reclaimed > 0
+            || moved > 0,
     };
     (slots, report.keys, activity)
 }

@@ -184,6 +184,12 @@ fn find_free_run(states: &[ExtentState], from: usize, needed: u64, desired: u64)
 }
 
 impl Heap {
+    /// How long after an operation's start nothing of it can touch the table any more (1.25 ×
+    /// the operation deadline).
+    pub fn quarantine(&self) -> Duration {
+        self.quarantine
+    }
+
     /// A heap of `geometry.heap_size / EXTENT_SIZE` free extents, granted at most
     /// `geometry.chunk_size` at a time.
     pub fn new(geometry: &TableGeometry, quarantine: Duration) -> Self {

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 39] = [
+        let definitions: [(&str, &str, Reader); 40] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -86,6 +86,11 @@ impl Metrics {
                 "tentatives_cleared_total",
                 "Abandoned tentative slots cleared by the collector",
                 |stats| stats.tentatives_cleared as i64,
+            ),
+            (
+                "tombstones_cleared_total",
+                "Tombstone slots of replicated deletes cleared by the collector a quarantine after they were written",
+                |stats| stats.tombstones_cleared as i64,
             ),
             (
                 "collector_passes_total",

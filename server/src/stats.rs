@@ -148,6 +148,7 @@ impl Counters {
             tentatives_cleared: heap.tentatives_cleared.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the collector.
             collector_passes: 0,
+            tombstones_cleared: 0,
             collector_interval_ms: 0,
             control_messages: self.control_messages.load(Ordering::Relaxed),
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),

@@ -139,6 +139,7 @@ impl Shared {
             stats.live_memory_windows += gauges.live_memory_windows;
         }
         stats.collector_passes = self.collector.passes();
+        stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
