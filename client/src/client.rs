@@ -20,7 +20,7 @@ use crate::fairness::yield_if_never_waited;
 use crate::lanes::{current_lane, default_lanes, Lane};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
-use crate::replicated::{self, Attempt, Patience, Write};
+use crate::replicated::{self, Attempt, Held, Patience, Resumed, Write};
 
 /// One node of the client's cluster.
 #[derive(Debug)]
@@ -743,6 +743,7 @@ impl Client {
         let deadline = self.replicated_deadline();
         let work = async {
             let mut patience = Patience::default();
+            let mut held: Option<Held> = None;
             for again in 0..operations::RACE_ATTEMPTS {
                 self.follow_reported_epoch().await;
                 let nodes = self.replica_nodes(key, self.replicas);
@@ -755,6 +756,51 @@ impl Client {
                     }
                     Err(error) => return Err(error),
                 };
+                if let Some(lock) = held.take() {
+                    // The last attempt's connections failed while it held its lock: go on from
+                    // there if the key's primary is still that node.
+                    if connections[0].address != lock.primary {
+                        if progress.may_have_applied() {
+                            return Err(Error::Unresolved {
+                                operation,
+                                source: Box::new(Error::NodeUnreachable {
+                                    address: lock.primary,
+                                    reason:
+                                        "the key's primary failed while the write held its lock"
+                                            .into(),
+                                }),
+                            });
+                        }
+                        continue;
+                    }
+                    match replicated::resume(
+                        &connections,
+                        progress.clone(),
+                        operation,
+                        key,
+                        write,
+                        lock,
+                    )
+                    .await
+                    {
+                        Ok(Resumed::Applied) => return Ok(MutationOutcome::Applied),
+                        Ok(Resumed::Again) => continue,
+                        Ok(Resumed::Unknown) => return Err(Error::Unresolved {
+                            operation,
+                            source: Box::new(Error::Refused {
+                                reason:
+                                    "the write's lock was taken over while its connections failed"
+                                        .into(),
+                            }),
+                        }),
+                        Err(error) if error.is_retryable() => {
+                            held = Some(lock);
+                            self.await_new_view().await;
+                            continue;
+                        }
+                        Err(error) => return Err(error),
+                    }
+                }
                 let attempt = replicated::mutate(
                     &connections,
                     progress.clone(),
@@ -762,6 +808,7 @@ impl Client {
                     key,
                     write,
                     &mut patience,
+                    &mut held,
                 )
                 .await;
                 match attempt {
@@ -780,6 +827,10 @@ impl Client {
                         patience = Patience::default();
                     }
                     Ok(Attempt::Again) => operations::back_off(again).await,
+                    Err(error) if error.is_retryable() && held.is_some() => {
+                        // Cut while it held (or placed) its lock: resumed on the next pass.
+                        self.await_new_view().await;
+                    }
                     Err(error) if error.is_retryable() && !progress.may_have_applied() => {
                         // Nothing of the write can be visible: its lock, if placed, is taken
                         // over after the patience.

@@ -74,6 +74,32 @@ pub(crate) struct Locked {
     tombstone: bool,
 }
 
+/// The lock an operation placed on the primary, kept across a failure of its connections (a
+/// fence at a view change) so that it can go on from where it was ([`resume`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    /// The primary's control address.
+    pub(crate) primary: std::net::SocketAddr,
+    /// The key's slot there.
+    position: SlotPosition,
+    /// The lock word (unique to this operation).
+    lock: Slot,
+    /// The committed word of the operation's block there.
+    new: Slot,
+}
+
+/// How [`resume`] ended.
+#[derive(Debug)]
+pub(crate) enum Resumed {
+    /// The write is done (committed now or before the failure).
+    Applied,
+    /// The lock is gone and the write never showed: start it again.
+    Again,
+    /// The slot holds neither the lock nor the write: it was taken over, or committed and then
+    /// overwritten. Which, nobody can tell.
+    Unknown,
+}
+
 /// The lock a writer keeps finding on the primary, and since when (across its attempts).
 #[derive(Debug, Default)]
 pub(crate) struct Patience {
@@ -410,6 +436,7 @@ pub(crate) async fn mutate(
     key: &[u8],
     write: Write<'_>,
     patience: &mut Patience,
+    held: &mut Option<Held>,
 ) -> Result<Attempt> {
     let value = match write {
         Write::Value(value, _) => value,
@@ -509,8 +536,14 @@ pub(crate) async fn mutate(
                 }
             }
         };
-        // Lock (RT 3).
+        // Lock (RT 3). Recorded first: a failure while it is posted leaves it unknown.
         let lock = seen.locked();
+        *held = Some(Held {
+            primary: primary.address,
+            position,
+            lock,
+            new: primary_copy.slot,
+        });
         if !cas_step(
             &mut primary_copy.scratch,
             operation,
@@ -521,6 +554,7 @@ pub(crate) async fn mutate(
         )
         .await?
         {
+            *held = None;
             back_off(attempt).await;
             continue;
         }
@@ -537,6 +571,7 @@ pub(crate) async fn mutate(
         )
         .await?
         {
+            *held = None;
             progress.lost();
             return Ok(Attempt::Again);
         }
@@ -551,6 +586,7 @@ pub(crate) async fn mutate(
             new,
         )
         .await?;
+        *held = None;
         return Ok(if committed {
             Attempt::Done(MutationOutcome::Applied)
         } else {
@@ -560,6 +596,64 @@ pub(crate) async fn mutate(
     Err(Error::Contention {
         operation,
         attempts: RACE_ATTEMPTS,
+    })
+}
+
+/// Goes on with a write whose connections failed while it held (or was placing) its lock
+/// `held`, on `replicas` under the view now (the same primary): READ the slot; the write's own
+/// word means it committed; its lock means it still holds the key, so it puts its value in
+/// every backup of the view now (READ, check, CAS) and commits. A fence at a view change cuts
+/// operations on keys it does not move, and this lets them finish.
+pub(crate) async fn resume(
+    replicas: &[Arc<NodeConnection>],
+    progress: Arc<Progress>,
+    operation: &'static str,
+    key: &[u8],
+    write: Write<'_>,
+    held: Held,
+) -> Result<Resumed> {
+    let value = match write {
+        Write::Value(value, _) => value,
+        Write::Delete => &[],
+    };
+    let mut block = Vec::with_capacity(value.len() + key.len() + 64);
+    let tombstone = matches!(write, Write::Delete);
+    let units = encode_block_with(key, value, tombstone, &mut block);
+    let shape = Shape { units, tombstone };
+    let mut copies = prepare(replicas, &progress, key, &block, shape, shape).await?;
+    let (primary_copy, backups) = copies
+        .split_first_mut()
+        .expect("a replicated write has replicas");
+    let scratch = &mut primary_copy.scratch;
+    if !holds_lock(scratch, operation, held.position, held.lock).await? {
+        let word = Slot(scratch.region().load_u64(scratch.base + CHECK_AT)?);
+        return Ok(if word == held.new {
+            Resumed::Applied
+        } else if progress.may_have_applied() {
+            Resumed::Unknown
+        } else {
+            Resumed::Again
+        });
+    }
+    for copy in backups.iter_mut() {
+        if !settle(scratch, copy, operation, key, held.position, held.lock).await? {
+            progress.lost();
+            return Ok(Resumed::Again);
+        }
+    }
+    let committed = cas_step(
+        scratch,
+        operation,
+        StepKind::Commit,
+        held.position,
+        held.lock,
+        held.new,
+    )
+    .await?;
+    Ok(if committed {
+        Resumed::Applied
+    } else {
+        Resumed::Again
     })
 }
 

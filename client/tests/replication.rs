@@ -13,7 +13,7 @@ use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
 use rdkv_client::{CasOutcome, Client, ClientConfig, ClusterConfig, InsertOutcome};
 use rdkv_common::sharding;
-use rdkv_fabric::Backend;
+use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::sync::{Notify, Semaphore};
 
@@ -280,5 +280,72 @@ async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree(
             .contains(&id)
             .then(|| Bytes::from_static(b"stalled"));
         assert_eq!(value, wanted, "node {id}");
+    }
+}
+
+/// Fails the first step of `kind` after it ran (its completion lost, the connection broken),
+/// as a fence at a view change does to an operation in flight.
+#[derive(Debug)]
+struct FailOnceAfter {
+    /// The step to fail.
+    kind: StepKind,
+    /// Whether it failed one already.
+    done: Mutex<bool>,
+}
+
+impl FaultInjector for FailOnceAfter {
+    fn inject(&self, step: &Step) -> Injection {
+        if step.kind != self.kind || step.moment != Moment::After {
+            return Injection::Proceed;
+        }
+        let mut done = self.done.lock().expect("done");
+        if *done {
+            return Injection::Proceed;
+        }
+        *done = true;
+        Injection::Fail(WorkCompletionStatus::RetryExceededError)
+    }
+}
+
+/// A write whose connection fails after it locked the key, after a backup took its value, or
+/// after its commit ran, goes on from its lock on a fresh connection and succeeds: a fence at
+/// a view change that does not move the key costs it nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_cut_while_it_holds_its_lock_resumes_and_succeeds() {
+    let nodes = start_nodes().await;
+    let direct = [
+        node_client(&nodes, 1).await,
+        node_client(&nodes, 2).await,
+        node_client(&nodes, 3).await,
+    ];
+    for (index, kind) in [StepKind::Lock, StepKind::Backup, StepKind::Commit]
+        .into_iter()
+        .enumerate()
+    {
+        let client =
+            Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(FailOnceAfter {
+                kind,
+                done: Mutex::new(false),
+            }));
+        let key = format!("resumed-{index}");
+        let key = key.as_bytes();
+        // Present first (the failure then hits an update's lock, backup or commit).
+        Client::for_cluster(&cluster(&nodes, 2))
+            .put(key, b"before")
+            .await
+            .expect("put");
+        client
+            .put(key, b"after")
+            .await
+            .unwrap_or_else(|error| panic!("a put cut after its {kind:?} step: {error}"));
+        assert!(
+            client.counters().reconnects >= 1,
+            "{kind:?}: a new connection"
+        );
+        let expected = replica_ids(key, 2);
+        for (id, value) in holders(&direct, key).await {
+            let wanted = expected.contains(&id).then(|| Bytes::from_static(b"after"));
+            assert_eq!(value, wanted, "{kind:?}: node {id}");
+        }
     }
 }

@@ -1,0 +1,231 @@
+//! A checked failover history (issue 16): three nodes with `replicas = 2` under load from 16
+//! separate clients (get, put, delete, compare-and-swap on 24 keys); one node is SIGKILLed
+//! mid-run, later restarted, refilled and promoted, while the load goes on. The history must
+//! be linearizable over every key, including those whose primary died. Operations cut by the
+//! kill may end "unknown" (they may have applied); none may be lost or reversed. Operations on
+//! keys the dead node did not hold keep running, and none of them fails.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use rand::{Rng, SeedableRng};
+use rdkv_client::{CasOutcome, Client};
+use rdkv_common::protocol::MemberState;
+use rdkv_common::sharding;
+use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
+use rdkv_integration_tests::view::{
+    cluster_command, pid_of, signal, state_of, up_settled, wait_for_view, wait_torn_down,
+};
+
+const CLIENTS: u64 = 16;
+const KEYS: u64 = 24;
+
+fn decode(value: Option<bytes::Bytes>) -> Option<u64> {
+    value.map(|bytes| {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&bytes[..8]);
+        u64::from_le_bytes(word)
+    })
+}
+
+/// What one client saw: its events, and the errors of operations that did not apply, by
+/// whether their key was the dead node's.
+#[derive(Default)]
+struct Seen {
+    events: Vec<Event>,
+    errors_on_affected: Vec<String>,
+    errors_on_unaffected: Vec<String>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_history_under_load_is_linearizable() {
+    let settled = up_settled("failover-history", 3).await;
+    let victim = settled.follower();
+    let (cluster, nodes, secret, ids, _, leader) = settled.parts();
+    let affected: Vec<bool> = (0..KEYS)
+        .map(|key| {
+            sharding::replicas(format!("key-{key}").as_bytes(), &ids, 2)
+                .into_iter()
+                .any(|index| ids[index] == victim)
+        })
+        .collect();
+    assert!(affected.iter().any(|affected| *affected));
+    assert!(affected.iter().any(|affected| !*affected));
+    let start = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for client_index in 0..CLIENTS {
+        // One client per task: writers of one key race (a shared client would make them take
+        // turns).
+        let client = Client::from_file(&cluster.file).expect("client");
+        client.connect_all().await.expect("connect");
+        let stop = stop.clone();
+        let affected = affected.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut random = rand::rngs::StdRng::seed_from_u64(client_index);
+            let mut seen = Seen::default();
+            let mut counter = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                counter += 1;
+                let key = random.gen_range(0..KEYS);
+                let key_bytes = format!("key-{key}");
+                let unique = (client_index << 32) | counter;
+                let choice = random.gen_range(0..100);
+                let call = start.elapsed().as_nanos() as u64;
+                let (operation, result) = if choice < 40 {
+                    let result = client
+                        .get(key_bytes.as_bytes())
+                        .await
+                        .map(|value| Outcome::Value(decode(value)));
+                    (Operation::Get, result)
+                } else if choice < 70 {
+                    let result = client
+                        .put(key_bytes.as_bytes(), &unique.to_le_bytes())
+                        .await
+                        .map(|()| Outcome::Written);
+                    (Operation::Put(unique), result)
+                } else if choice < 82 {
+                    let result = client
+                        .delete(key_bytes.as_bytes())
+                        .await
+                        .map(Outcome::Deleted);
+                    (Operation::Delete, result)
+                } else {
+                    let expected = seen
+                        .events
+                        .iter()
+                        .rev()
+                        .find_map(|event| match (event.key == key, event.outcome) {
+                            (true, Outcome::Value(Some(value))) => Some(value),
+                            _ => None,
+                        })
+                        .unwrap_or(0);
+                    let result = client
+                        .compare_and_swap(
+                            key_bytes.as_bytes(),
+                            &expected.to_le_bytes(),
+                            &unique.to_le_bytes(),
+                        )
+                        .await
+                        .map(|outcome| match outcome {
+                            CasOutcome::Swapped => Outcome::Swapped,
+                            CasOutcome::Mismatch(current) => Outcome::Mismatch(decode(current)),
+                        });
+                    (
+                        Operation::CompareAndSwap {
+                            expected,
+                            new: unique,
+                        },
+                        result,
+                    )
+                };
+                let ret = start.elapsed().as_nanos() as u64;
+                match result {
+                    Ok(outcome) => seen.events.push(Event {
+                        key,
+                        operation,
+                        outcome,
+                        call,
+                        ret,
+                    }),
+                    Err(error) => {
+                        let text = format!("{operation:?} on key-{key}: {error}");
+                        if affected[key as usize] {
+                            seen.errors_on_affected.push(text);
+                        } else {
+                            seen.errors_on_unaffected.push(text);
+                        }
+                        if error.may_have_applied() {
+                            seen.events.push(Event {
+                                key,
+                                operation,
+                                outcome: Outcome::Unknown,
+                                call,
+                                ret: u64::MAX,
+                            });
+                        }
+                    }
+                }
+            }
+            client.close().await;
+            seen
+        }));
+    }
+
+    // Mid-run: SIGKILL the node, wait for the view without it, run on; restart it, and run
+    // until it was refilled and serves again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pid = pid_of(&cluster, victim);
+    let killed = signal(&cluster, victim, Signal::SIGKILL);
+    wait_torn_down(pid, Duration::from_secs(10));
+    wait_for_view(&nodes, &secret, leader, Duration::from_secs(10), |view| {
+        state_of(view, victim) == Some(MemberState::Down)
+    })
+    .await
+    .expect("the view has the node down");
+    let down_after = killed.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let restart = cluster_command(&cluster, "restart", Some(victim));
+    assert!(
+        restart.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restart.stderr)
+    );
+    let restarted = Instant::now();
+    let saw_filling = std::cell::Cell::new(false);
+    wait_for_view(&nodes, &secret, leader, Duration::from_secs(60), |view| {
+        if state_of(view, victim) == Some(MemberState::Filling) {
+            saw_filling.set(true);
+        }
+        state_of(view, victim) == Some(MemberState::Serving)
+    })
+    .await
+    .expect("the node serves again");
+    let serving_after = restarted.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let monitor = Client::from_file(&cluster.file).expect("client");
+
+    let fenced: u64 = monitor
+        .cluster_stats()
+        .await
+        .into_iter()
+        .filter_map(|(_, stats)| stats.ok())
+        .map(|stats| stats.connections_fenced)
+        .sum();
+
+    let mut history = Vec::new();
+    let mut errors_on_affected = Vec::new();
+    let mut errors_on_unaffected = Vec::new();
+    for task in tasks {
+        let seen = task.await.expect("client task");
+        history.extend(seen.events);
+        errors_on_affected.extend(seen.errors_on_affected);
+        errors_on_unaffected.extend(seen.errors_on_unaffected);
+    }
+    let unknown = history
+        .iter()
+        .filter(|event| event.outcome == Outcome::Unknown)
+        .count();
+    eprintln!(
+        "{} operations in {:?}: node {victim} down in the view {down_after:?} after SIGKILL, serving {serving_after:?} after its restart (filling seen: {}); {fenced} data connections fenced; {unknown} unknown; {} errors on the dead node's keys, {} on the others",
+        history.len(),
+        start.elapsed(),
+        saw_filling.get(),
+        errors_on_affected.len(),
+        errors_on_unaffected.len()
+    );
+    for error in errors_on_affected.iter().take(5) {
+        eprintln!("  affected: {error}");
+    }
+    assert!(history.len() > 2_000, "{} operations", history.len());
+    assert!(fenced > 0, "the view changes fenced no connection");
+    assert_eq!(check(&history), Verdict::Linearizable);
+    assert!(
+        errors_on_unaffected.is_empty(),
+        "operations on keys the dead node did not hold failed: {:?}",
+        &errors_on_unaffected[..errors_on_unaffected.len().min(10)]
+    );
+}
