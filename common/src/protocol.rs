@@ -172,6 +172,13 @@ pub enum ServerMessage {
     },
     /// The server's counters.
     Stats(Box<ServerStats>),
+    /// The node fenced this data connection: the cluster view moved keys (`docs/protocol.md`,
+    /// *Views and fencing*). Sent instead of the next answer, then the connection closes; the
+    /// client fetches the view and connects again.
+    Fenced {
+        /// The view's epoch now.
+        epoch: u64,
+    },
     /// The node is shutting down, as asked.
     ShuttingDown {
         /// The node's id.

@@ -70,8 +70,8 @@ async fn a_stopped_follower_leaves_once_and_rejoins_once() {
         .expect("all three agree");
     assert_eq!(
         settled.epoch,
-        view.epoch + 2,
-        "one down and one join: {settled:?}"
+        view.epoch + 3,
+        "one down, one join (filling) and one promotion: {settled:?}"
     );
     eprintln!("leaders the old leader named after the resume: {leaders:?}");
 }
@@ -160,7 +160,8 @@ async fn five_quick_restarts_are_five_epochs_and_the_cluster_settles() {
     let epochs = settled.epoch - view.epoch;
     let growth = state_file_size(&cluster, leader).saturating_sub(size_before);
     eprintln!("5 restarts: {epochs} epochs, state file +{growth} bytes");
-    assert!((5..=10).contains(&epochs), "{epochs} epochs for 5 restarts");
+    // A join (filling) and a promotion per restart; a restart during a refill joins again.
+    assert!((5..=15).contains(&epochs), "{epochs} epochs for 5 restarts");
     assert!(growth < 200 * epochs, "{growth} bytes for {epochs} epochs");
 }
 

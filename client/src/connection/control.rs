@@ -131,11 +131,25 @@ pub(super) async fn control_task(
             }
             Err(error) => Err(error),
         };
-        if let Ok(ServerMessage::HeartbeatAck { epoch }) = &outcome {
-            counters
-                .view_epoch
-                .fetch_max(*epoch, std::sync::atomic::Ordering::Relaxed);
-        }
+        let outcome = match outcome {
+            Ok(ServerMessage::HeartbeatAck { epoch }) => {
+                counters
+                    .view_epoch
+                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+                Ok(ServerMessage::HeartbeatAck { epoch })
+            }
+            Ok(ServerMessage::Fenced { epoch }) => {
+                // The view moved keys: this connection is done; the next operation fetches
+                // the view and connects again.
+                counters
+                    .view_epoch
+                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+                Err(ControlError::Unexpected(format!(
+                    "the node fenced this connection: the cluster view moved keys (epoch {epoch})"
+                )))
+            }
+            other => other,
+        };
         let failed = outcome.is_err();
         if let Some(reply) = reply {
             let _ = reply.send(outcome);

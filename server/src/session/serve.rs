@@ -54,6 +54,9 @@ impl Session {
                     let now = changes.borrow().clone();
                     if now.placement_differs(before) {
                         shared.counters.connections_fenced.fetch_add(1, Ordering::Relaxed);
+                        // The client reads it as the answer to its next request (a heartbeat
+                        // at the latest), and learns the epoch.
+                        let _ = Self::send(writer, &ServerMessage::Fenced { epoch: now.epoch }).await;
                         return format!("fenced: the cluster view moved keys (epoch {})", now.epoch);
                     }
                 }
