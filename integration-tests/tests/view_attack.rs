@@ -128,7 +128,8 @@ async fn a_stopped_leader_is_replaced_and_the_cluster_settles_after_it_resumes()
     );
 }
 
-/// Five quick restarts of one node: five epochs (one join each), the cluster settles, and the
+/// Five quick restarts of one node: five to fifteen epochs (a join as filling and a promotion
+/// each, and a join again for a restart during a refill), the cluster settles, and the
 /// state file grows by a few dozen bytes per epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_quick_restarts_are_five_epochs_and_the_cluster_settles() {
