@@ -104,6 +104,37 @@ pub fn view_line(view: Option<&ClusterView>) -> String {
     }
 }
 
+/// A `refill:` line for each node the view has filling (back after a restart or an absence,
+/// copying its keys from its peers): how far its scan of their tables got, and the keys it
+/// copied (`docs/operations.md`, *Replication and failover*).
+pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
+    let Some(view) = view else {
+        return Vec::new();
+    };
+    view.members
+        .iter()
+        .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
+        .map(|member| {
+            let stats = statuses.iter().find_map(|status| match &status.state {
+                NodeState::Up(stats) if status.id == member.node_id => Some(stats),
+                _ => None,
+            });
+            match stats {
+                Some(stats) if stats.refill_buckets_total > 0 => format!(
+                    "refill: node {} filling: {}% of its peers' index scanned ({} of {} buckets), {} keys copied",
+                    member.node_id,
+                    stats.refill_buckets_scanned * 100 / stats.refill_buckets_total,
+                    stats.refill_buckets_scanned,
+                    stats.refill_buckets_total,
+                    stats.refill_keys_copied
+                ),
+                Some(_) => format!("refill: node {} filling: starting", member.node_id),
+                None => format!("refill: node {} filling: it does not answer", member.node_id),
+            }
+        })
+        .collect()
+}
+
 /// Renders rows as a table with aligned columns.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|title| title.len()).collect();
@@ -251,5 +282,39 @@ mod tests {
         assert_eq!(exit_code(&statuses), 3);
         let text = status_table(&statuses);
         assert!(text.contains("auth failed"), "{text}");
+    }
+
+    #[test]
+    fn a_filling_node_shows_its_refill_progress() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id, state| ViewMember { node_id, state };
+        let view = ClusterView {
+            epoch: 7,
+            leader: Some(1),
+            members: vec![
+                member(1, MemberState::Serving),
+                member(2, MemberState::Filling),
+                member(3, MemberState::Filling),
+            ],
+        };
+        let stats = ServerStats {
+            refill_buckets_scanned: 4_096,
+            refill_buckets_total: 16_384,
+            refill_keys_copied: 1_234,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::default())),
+            node(2, NodeState::Up(Box::new(stats))),
+            node(3, NodeState::Down("refused".into())),
+        ];
+        assert_eq!(
+            refill_lines(Some(&view), &statuses),
+            vec![
+                "refill: node 2 filling: 25% of its peers' index scanned (4096 of 16384 buckets), 1234 keys copied".to_string(),
+                "refill: node 3 filling: it does not answer".to_string(),
+            ]
+        );
+        assert!(refill_lines(None, &statuses).is_empty());
     }
 }

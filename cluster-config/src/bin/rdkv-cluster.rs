@@ -209,6 +209,9 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             say(&status::status_table(&statuses));
             let view = status::view(&config, &statuses).await;
             say(&status::view_line(view.as_ref()));
+            for line in status::refill_lines(view.as_ref(), &statuses) {
+                say(&line);
+            }
             Ok(status::exit_code(&statuses))
         }
         Action::Logs { node, lines, .. } => {
