@@ -34,6 +34,8 @@ pub struct CompareOptions {
     pub threads: usize,
     /// rdkv nodes.
     pub nodes: u32,
+    /// Copies of each key (the cluster file's `replicas`; 1 to 3, at most `nodes`).
+    pub replicas: usize,
     /// Workloads, by letter.
     pub workloads: Vec<String>,
     /// The `redis-server` program.
@@ -223,8 +225,9 @@ const ASSUMED_OPERATIONS_PER_SECOND: u64 = 300_000;
 pub fn node_heap_size(options: &CompareOptions, record_size: usize) -> u64 {
     // YCSB keys ("user" and up to 20 digits) and values.
     let block = rdkv_cluster_file::sizing::block_size(24, record_size as u64);
-    let per_node =
-        (options.records + inserted_records(options)).div_ceil(u64::from(options.nodes.max(1)));
+    // Each node holds its share of every copy.
+    let per_node = ((options.records + inserted_records(options)) * options.replicas.max(1) as u64)
+        .div_ceil(u64::from(options.nodes.max(1)));
     options.heap_size.unwrap_or_else(|| {
         rdkv_cluster_file::sizing::heap_size(&rdkv_cluster_file::sizing::HeapDemand {
             live_bytes: per_node * block,
@@ -244,11 +247,13 @@ fn write_cluster_file(
     options: &CompareOptions,
     record_size: usize,
 ) -> anyhow::Result<PathBuf> {
-    let per_node = options.records.div_ceil(u64::from(options.nodes.max(1)));
+    let per_node = (options.records * options.replicas.max(1) as u64)
+        .div_ceil(u64::from(options.nodes.max(1)));
     let heap = node_heap_size(options, record_size);
     let index = (per_node * 64).max(1 << 20).next_power_of_two();
-    let mut text = String::from(
-        "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n",
+    let mut text = format!(
+        "[cluster]\nname = \"ycsb-compare\"\nsecret = \"rdkv-ycsb-compare\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\nreplicas = {}\n",
+        options.replicas.max(1)
     );
     let nodes = options.nodes.max(1);
     let ports = rdkv_common::process::free_loopback_ports(2 * nodes as usize)?;
@@ -519,12 +524,14 @@ fn read_percentiles(report: &Report) -> (u64, u64) {
 pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
     let record_size = rows.first().map_or(0, |row| row.record_size);
     let mut out = format!(
-        "{} records of {} bytes, {} tasks per store, {} s per workload; rdkv on {} node(s) ({} heap each; shm: this process is on the nodes' host), Redis with one multiplexed connection\n\n",
+        "{} records of {} bytes, {} tasks per store, {} s per workload; rdkv on {} node(s), {} cop{} of each key ({} heap each; shm: this process is on the nodes' host), Redis with one multiplexed connection\n\n",
         options.records,
         record_size,
         options.threads,
         options.seconds,
         options.nodes,
+        options.replicas.max(1),
+        if options.replicas > 1 { "ies" } else { "y" },
         rdkv_cluster_file::units::format_bytes(node_heap_size(options, record_size))
     );
     out.push_str("| workload | store | ops/s | vs better Redis | READ p50 µs | READ p99 µs | round trips/op | round trips/READ | client CPU µs/op | server CPU µs/op | server CPU % of a core | errors |\n");

@@ -238,6 +238,10 @@ impl Driver {
         Some(RdkvFigures {
             round_trips_per_operation: (after.round_trips - before.round_trips) as f64 / operations,
             round_trips_per_read: (after.get_round_trips - before.get_round_trips) as f64 / gets,
+            round_trips_in_sequence_per_operation: ((after.round_trips - before.round_trips)
+                .saturating_sub(after.overlapped_round_trips - before.overlapped_round_trips))
+                as f64
+                / operations,
             verbs_per_operation: (after.verbs - before.verbs) as f64 / operations,
             cas_failures: after.cas_failures - before.cas_failures,
             checksum_retries: after.checksum_retries - before.checksum_retries,

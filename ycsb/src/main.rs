@@ -57,6 +57,9 @@ enum Action {
         /// rdkv nodes.
         #[arg(long, default_value_t = 1)]
         nodes: u32,
+        /// Copies of each key (the cluster file's `replicas`: 1 to 3, at most --nodes).
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
         /// Workloads (letters), run in this order.
         #[arg(long, value_delimiter = ',', default_value = "a,b,c,d,f")]
         workloads: Vec<String>,
@@ -264,6 +267,7 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
             seconds,
             threads,
             nodes,
+            replicas,
             workloads,
             redis_server,
             heap_size,
@@ -277,6 +281,7 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
                 seconds,
                 threads,
                 nodes,
+                replicas,
                 workloads,
                 redis_server,
                 progress: true,

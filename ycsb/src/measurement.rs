@@ -173,6 +173,11 @@ pub struct RdkvFigures {
     pub round_trips_per_operation: f64,
     /// Round trips per READ.
     pub round_trips_per_read: f64,
+    /// Round trips per operation that it waited for one after another: replicated writes run
+    /// some on several nodes at once (the replicas' lookups, the backups' CASes), which
+    /// `round_trips_per_operation` counts each.
+    #[serde(default)]
+    pub round_trips_in_sequence_per_operation: f64,
     /// Work requests per operation.
     pub verbs_per_operation: f64,
     /// Lost slot CAS races.
@@ -304,6 +309,7 @@ mod tests {
             rdkv: Some(RdkvFigures {
                 round_trips_per_operation: 2.5,
                 round_trips_per_read: 2.0,
+                round_trips_in_sequence_per_operation: 2.5,
                 verbs_per_operation: 3.0,
                 cas_failures: 1,
                 checksum_retries: 0,
