@@ -638,7 +638,8 @@ impl Client {
         known.sort_unstable();
         if members != known {
             // Nodes that are not one cluster (each its own one-node view, as in-process test
-            // nodes are): keep routing by the cluster file.
+            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
+            membership.epoch = view.epoch;
             return false;
         }
         let serving = view.serving();
@@ -702,6 +703,13 @@ impl Client {
                 let primary = self.replica_nodes(key, 1);
                 progress.wait_for(Waiting::Connection);
                 let attempt = match self.connections_to(&primary).await {
+                    Ok(_)
+                        if self.view_epoch() > self.membership_epoch()
+                            && self.refresh_membership().await =>
+                    {
+                        // A connection just made names a newer view: route by it.
+                        continue;
+                    }
                     Ok(connections) => {
                         operations::get(&connections[0], progress.clone(), key).await
                     }
@@ -756,6 +764,10 @@ impl Client {
                     }
                     Err(error) => return Err(error),
                 };
+                if self.view_epoch() > self.membership_epoch() && self.refresh_membership().await {
+                    // A connection just made names a newer view: route by it.
+                    continue;
+                }
                 if let Some(lock) = held.take() {
                     // The last attempt's connections failed while it held its lock: go on from
                     // there if the key's primary is still that node.

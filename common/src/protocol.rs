@@ -281,6 +281,10 @@ pub struct Welcome {
     pub lease_timeout_ms: u64,
     /// The deadline of one operation, in milliseconds.
     pub operation_deadline_ms: u64,
+    /// The epoch of the cluster view the connection was made under: a client whose view is
+    /// older fetches it before it routes by it (the connection is fenced when the view moves
+    /// keys).
+    pub view_epoch: u64,
 }
 
 /// The keys of one data connection, bound to its server queue pair.

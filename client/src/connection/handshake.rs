@@ -230,6 +230,10 @@ impl NodeConnection {
             other => return Err(unreachable(format!("queue pair not ready: {other:?}"))),
         };
 
+        // The view the connection was made under: a client with an older one fetches it.
+        counters
+            .view_epoch
+            .fetch_max(welcome.view_epoch, std::sync::atomic::Ordering::Relaxed);
         let (control, requests) = mpsc::channel(16);
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));

@@ -120,7 +120,12 @@ impl Session {
         queue_pair
             .modify_to_init()
             .map_err(|source| self.setup_failed("move the queue pair to INIT", source))?;
+        self.view_at_connect = shared
+            .view
+            .subscribe()
+            .map(|changes| changes.borrow().clone());
         let welcome = Welcome {
+            view_epoch: shared.view.epoch(),
             connection_id: self.connection_id,
             geometry: table.geometry,
             server_endpoint: queue_pair.endpoint(),

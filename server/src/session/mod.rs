@@ -174,6 +174,7 @@ pub(crate) async fn serve(
             pass: shared.gate.enter_connection(connection_id, peer),
             authenticated: false,
             over_shm: false,
+            view_at_connect: None,
         };
         // Unauthenticated until proven: a handshake that a newer connection evicts ends.
         let evict = shutdown.child_token();
@@ -223,6 +224,9 @@ struct Session {
     authenticated: bool,
     /// Whether the client's queue pair is on the node's `shm` fabric.
     over_shm: bool,
+    /// The view the data connection was made under (its welcome names the epoch); it is
+    /// fenced when a later view moves keys.
+    view_at_connect: Option<crate::view::types::ViewState>,
 }
 
 /// An error and its causes on one line, for the session's end reason.

@@ -31,9 +31,7 @@ impl Session {
             .view
             .subscribe()
             .filter(|_| self.queue_pair.is_some());
-        let connected_under = view_changes
-            .as_ref()
-            .map(|changes| changes.borrow().clone());
+        let connected_under = self.view_at_connect.clone();
         loop {
             let view_changed = async {
                 match view_changes.as_mut() {

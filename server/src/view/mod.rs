@@ -17,7 +17,7 @@
 
 mod network;
 mod storage;
-mod types;
+pub mod types;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
