@@ -119,6 +119,14 @@ impl Membership {
 /// answer and the view still names it (the failure detector has not committed it down yet).
 const VIEW_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
+/// How long a replicated operation runs before the client checks, and then every this long,
+/// whether the view moved its key (a node that stopped answering without failing its
+/// connections, as a paused or cut-off one does, is committed down meanwhile).
+const VIEW_WATCH_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How long one node may take to answer a view fetch (all are asked at once).
+const VIEW_FETCH_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// How long a dropped client's goodbye may take to be handed to a connection's control task
 /// (which then finishes it on its own): a full control channel never holds the task for long.
 const GOODBYE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -610,6 +618,51 @@ impl Client {
         }
     }
 
+    /// The newest view any node answers with within [`VIEW_FETCH_TIMEOUT`], all asked at once
+    /// (epochs only grow, and a view is committed before any node shows it): a paused or cut-off
+    /// node costs the fetch nothing.
+    async fn newest_view(&self) -> Option<ClusterView> {
+        let fetches = self
+            .nodes
+            .iter()
+            .map(|node| async move { fetch_view(node.monitored(), VIEW_FETCH_TIMEOUT).await.ok() });
+        futures_util::future::join_all(fetches)
+            .await
+            .into_iter()
+            .flatten()
+            .max_by_key(|view| view.epoch)
+    }
+
+    /// Runs `attempt` on `key`'s copies `planned` (node ids, primary first), checking every
+    /// [`VIEW_WATCH_INTERVAL`] whether a newer view moved them; `None`: it did, and the
+    /// attempt was dropped (the caller decides from the operation's progress what that means).
+    async fn watched<T>(
+        &self,
+        key: &[u8],
+        count: usize,
+        planned: &[u32],
+        attempt: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        let attempt = std::pin::pin!(attempt);
+        let mut attempt = attempt;
+        let start = tokio::time::Instant::now() + VIEW_WATCH_INTERVAL;
+        let mut ticks = tokio::time::interval_at(start, VIEW_WATCH_INTERVAL);
+        loop {
+            tokio::select! {
+                outcome = &mut attempt => return Some(outcome),
+                _ = ticks.tick() => {
+                    if self.refresh_membership().await {
+                        let now: Vec<u32> =
+                            self.replica_nodes(key, count).iter().map(|node| node.id).collect();
+                        if now != planned {
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The view's epoch the client routes by.
     fn membership_epoch(&self) -> u64 {
         self.membership
@@ -622,7 +675,7 @@ impl Client {
     /// client has. Whether it was newer.
     async fn refresh_membership(&self) -> bool {
         self.counters.view_refreshes.add(1);
-        let Ok(view) = self.view().await else {
+        let Some(view) = self.newest_view().await else {
             return false;
         };
         let mut membership = self
@@ -701,23 +754,26 @@ impl Client {
             loop {
                 self.follow_reported_epoch().await;
                 let primary = self.replica_nodes(key, 1);
+                let planned: Vec<u32> = primary.iter().map(|node| node.id).collect();
                 progress.wait_for(Waiting::Connection);
-                let attempt = match self.connections_to(&primary).await {
-                    Ok(_)
-                        if self.view_epoch() > self.membership_epoch()
-                            && self.refresh_membership().await =>
+                let attempt = async {
+                    let connections = self.connections_to(&primary).await?;
+                    if self.view_epoch() > self.membership_epoch()
+                        && self.refresh_membership().await
                     {
                         // A connection just made names a newer view: route by it.
-                        continue;
+                        return Ok(None);
                     }
-                    Ok(connections) => {
-                        operations::get(&connections[0], progress.clone(), key).await
-                    }
-                    Err(error) => Err(error),
+                    operations::get(&connections[0], progress.clone(), key)
+                        .await
+                        .map(Some)
                 };
-                match attempt {
-                    Err(error) if error.is_retryable() => self.await_new_view().await,
-                    outcome => return outcome,
+                match self.watched(key, 1, &planned, attempt).await {
+                    // The view moved the key, or a connection named a newer view: again.
+                    None | Some(Ok(None)) => {}
+                    Some(Ok(Some(value))) => return Ok(value),
+                    Some(Err(error)) if error.is_retryable() => self.await_new_view().await,
+                    Some(Err(error)) => return Err(error),
                 }
             }
         };
@@ -755,14 +811,18 @@ impl Client {
             for again in 0..operations::RACE_ATTEMPTS {
                 self.follow_reported_epoch().await;
                 let nodes = self.replica_nodes(key, self.replicas);
+                let planned: Vec<u32> = nodes.iter().map(|node| node.id).collect();
                 progress.wait_for(Waiting::Connection);
-                let connections = match self.connections_to(&nodes).await {
-                    Ok(connections) => connections,
-                    Err(error) if error.is_retryable() => {
+                let connecting = self.connections_to(&nodes);
+                let connections = match self.watched(key, self.replicas, &planned, connecting).await
+                {
+                    None => continue,
+                    Some(Ok(connections)) => connections,
+                    Some(Err(error)) if error.is_retryable() => {
                         self.await_new_view().await;
                         continue;
                     }
-                    Err(error) => return Err(error),
+                    Some(Err(error)) => return Err(error),
                 };
                 if self.view_epoch() > self.membership_epoch() && self.refresh_membership().await {
                     // A connection just made names a newer view: route by it.
@@ -785,16 +845,21 @@ impl Client {
                         }
                         continue;
                     }
-                    match replicated::resume(
+                    let resuming = replicated::resume(
                         &connections,
                         progress.clone(),
                         operation,
                         key,
                         write,
                         lock,
-                    )
-                    .await
-                    {
+                    );
+                    let Some(resumed) = self.watched(key, self.replicas, &planned, resuming).await
+                    else {
+                        // The view moved the key meanwhile: decided on the next pass.
+                        held = Some(lock);
+                        continue;
+                    };
+                    match resumed {
                         Ok(Resumed::Applied) => return Ok(MutationOutcome::Applied),
                         Ok(Resumed::Again) => continue,
                         Ok(Resumed::Unknown) => return Err(Error::Unresolved {
@@ -813,7 +878,7 @@ impl Client {
                         Err(error) => return Err(error),
                     }
                 }
-                let attempt = replicated::mutate(
+                let attempting = replicated::mutate(
                     &connections,
                     progress.clone(),
                     operation,
@@ -821,8 +886,23 @@ impl Client {
                     write,
                     &mut patience,
                     &mut held,
-                )
-                .await;
+                );
+                let Some(attempt) = self.watched(key, self.replicas, &planned, attempting).await
+                else {
+                    // The view moved the key while the attempt ran (a node stopped answering
+                    // without failing its connections). With its lock placed, the next pass
+                    // resumes it or reports it; with a backup written and no lock, it is
+                    // unresolved; else it starts again.
+                    if held.is_none() && progress.may_have_applied() {
+                        return Err(Error::Unresolved {
+                            operation,
+                            source: Box::new(Error::Refused {
+                                reason: "the view moved the key while the write ran".into(),
+                            }),
+                        });
+                    }
+                    continue;
+                };
                 match attempt {
                     Ok(Attempt::Done(outcome)) => return Ok(outcome),
                     Ok(Attempt::Steal(locked)) => {

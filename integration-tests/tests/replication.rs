@@ -173,3 +173,94 @@ async fn a_killed_node_loses_no_acknowledged_write_and_comes_back_refilled() {
     );
     assert_eq!(counters.failures, 0);
 }
+
+/// A node paused (SIGSTOP) long enough to be committed down comes back with its memory: keys
+/// deleted or replaced meanwhile must not come back with it. It rejoins filling, forgets what
+/// it held, copies the keys again, and serves the current values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_from_down_with_its_memory_serves_no_stale_or_deleted_value() {
+    let settled = up_settled("replication-paused", 3).await;
+    let victim = settled.follower();
+    let (cluster, nodes, secret, ids, _, leader) = settled.parts();
+    let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
+    // Over soft: a client of a SIGSTOPped node over shm waits out its deadline (noted in
+    // docs/operations.md, Replication and failover).
+    let client = Arc::new(
+        Client::from_file_with(
+            &cluster.file,
+            rdkv_client::FabricChoice::Cluster(rdkv_client::Backend::Soft),
+        )
+        .expect("client"),
+    );
+    // Keys whose primary is the victim.
+    let mine: Vec<u32> = (0..2_000)
+        .filter(|number| client.node_of(format!("key-{number}").as_bytes()) == victim)
+        .take(200)
+        .collect();
+    write_all(&client, mine.clone(), "first").await;
+    let pid = pid_of(&cluster, victim);
+    let _resume = rdkv_integration_tests::view::Resume(pid);
+    signal(&cluster, victim, Signal::SIGSTOP);
+    wait_for_view(&nodes, &secret, leader, Duration::from_secs(10), |view| {
+        state_of(view, victim) == Some(MemberState::Down)
+    })
+    .await
+    .expect("the paused node is committed down");
+    // While it is away: delete half its keys, replace the other half.
+    for (index, number) in mine.iter().enumerate() {
+        let key = format!("key-{number}");
+        if index % 2 == 0 {
+            assert!(
+                client.delete(key.as_bytes()).await.expect("delete"),
+                "{key}"
+            );
+        } else {
+            client
+                .put(key.as_bytes(), format!("second-{number}").as_bytes())
+                .await
+                .expect("put");
+        }
+    }
+    signal(&cluster, victim, Signal::SIGCONT);
+    wait_for_view(&nodes, &secret, leader, Duration::from_secs(30), |view| {
+        view.members
+            .iter()
+            .all(|member| member.state == MemberState::Serving)
+    })
+    .await
+    .expect("the node serves again");
+    let expected = |index: usize, number: u32| (index % 2 == 1).then(|| format!("second-{number}"));
+    for (index, number) in mine.iter().enumerate() {
+        let key = format!("key-{number}");
+        let value = client.get(key.as_bytes()).await.expect("get");
+        assert_eq!(
+            value.as_deref(),
+            expected(index, *number).as_deref().map(str::as_bytes),
+            "{key} through the cluster"
+        );
+    }
+    // And on the node itself, which is these keys' primary again.
+    let node = config
+        .nodes
+        .iter()
+        .find(|node| node.id == victim)
+        .expect("the node");
+    let mut direct = ClientConfig::new(node.control_address, config.fabric, &config.secret);
+    direct.node.id = Some(victim);
+    let direct = Client::connect(direct)
+        .await
+        .expect("a client of the node alone");
+    for (index, number) in mine.iter().enumerate() {
+        let key = format!("key-{number}");
+        assert_eq!(
+            direct
+                .get(key.as_bytes())
+                .await
+                .expect("direct get")
+                .as_deref(),
+            expected(index, *number).as_deref().map(str::as_bytes),
+            "{key} on node {victim}"
+        );
+    }
+    let _ = ids;
+}

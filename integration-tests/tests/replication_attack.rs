@@ -219,3 +219,346 @@ async fn a_stopped_first_node_does_not_stall_every_operation() {
     );
     assert!(failed.is_empty());
 }
+
+/// What one writer task saw: per key, the last value acknowledged and the last one tried.
+struct Written {
+    acknowledged: Vec<Option<u64>>,
+    tried: Vec<u64>,
+    errors: Vec<String>,
+}
+
+/// Keys each writer task owns (one writer per key: the final value is easy to check).
+const OWN_KEYS: usize = 32;
+
+/// `tasks` writers, each with a client of its own, putting increasing numbers into its own
+/// keys until `stop`.
+fn start_writers(
+    file: &std::path::Path,
+    tasks: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Written>> {
+    (0..tasks)
+        .map(|task| {
+            let client = Client::from_file(file).expect("client");
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut written = Written {
+                    acknowledged: vec![None; OWN_KEYS],
+                    tried: vec![0; OWN_KEYS],
+                    errors: Vec::new(),
+                };
+                let mut number = 0u64;
+                let begun = Instant::now();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && number < 200_000 {
+                    number += 1;
+                    let index = (number as usize) % OWN_KEYS;
+                    let key = format!("w{task}-{index}");
+                    written.tried[index] = number;
+                    match client.put(key.as_bytes(), &number.to_le_bytes()).await {
+                        Ok(()) => written.acknowledged[index] = Some(number),
+                        Err(error) => {
+                            if written.errors.len() < 1_000 {
+                                written
+                                    .errors
+                                    .push(format!("{:?} {key}: {error}", begun.elapsed()));
+                            }
+                        }
+                    }
+                }
+                client.close().await;
+                written
+            })
+        })
+        .collect()
+}
+
+/// Checks every writer's keys with `reader`: each holds its last acknowledged value or one
+/// tried later (a put that failed may have applied). Returns the violations.
+async fn check_writers(reader: &Client, writers: Vec<Written>) -> (Vec<String>, Vec<String>) {
+    let mut violations = Vec::new();
+    let mut errors = Vec::new();
+    for (task, written) in writers.into_iter().enumerate() {
+        errors.extend(written.errors);
+        for index in 0..OWN_KEYS {
+            let key = format!("w{task}-{index}");
+            let Some(acknowledged) = written.acknowledged[index] else {
+                continue;
+            };
+            let value = reader.get(key.as_bytes()).await.map(|value| {
+                value.map(|bytes| {
+                    let mut word = [0u8; 8];
+                    word.copy_from_slice(&bytes[..8]);
+                    u64::from_le_bytes(word)
+                })
+            });
+            match value {
+                Ok(Some(value)) if value >= acknowledged && value <= written.tried[index] => {}
+                other => violations.push(format!(
+                    "{key}: read {other:?}, last acknowledged {acknowledged}, last tried {}",
+                    written.tried[index]
+                )),
+            }
+        }
+    }
+    (violations, errors)
+}
+
+/// Under writes from 6 clients: a follower killed, restarted, killed again while it fills
+/// (its refill cut), restarted; then the leader killed and restarted. Every acknowledged write
+/// must survive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kills_during_refill_and_of_the_leader_lose_no_acknowledged_write() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, nodes, secret, ids, _, leader) = up_settled("ra-kill-refill", 3).await.parts();
+    let follower = *ids.iter().find(|id| **id != leader).expect("a follower");
+    let other = *ids
+        .iter()
+        .find(|id| **id != leader && **id != follower)
+        .expect("a third node");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Instant::now();
+    let writers = start_writers(&cluster.file, 6, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let kill = |id: u32| {
+        let pid = pid_of(&cluster, id);
+        signal(&cluster, id, Signal::SIGKILL);
+        wait_torn_down(pid, Duration::from_secs(10));
+    };
+    let restart = |id: u32| {
+        let output = cluster_command(&cluster, "restart", Some(id));
+        assert!(
+            output.status.success(),
+            "restart {id}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    kill(follower);
+    wait_for_state(&nodes, &secret, leader, follower, MemberState::Down).await;
+    eprintln!("{:?}: node {follower} down", started.elapsed());
+    restart(follower);
+    wait_for_state(&nodes, &secret, leader, follower, MemberState::Filling).await;
+    eprintln!(
+        "{:?}: node {follower} filling; killed again",
+        started.elapsed()
+    );
+    kill(follower);
+    wait_for_state(&nodes, &secret, leader, follower, MemberState::Down).await;
+    restart(follower);
+    wait_for_state(&nodes, &secret, leader, follower, MemberState::Serving).await;
+    eprintln!("{:?}: node {follower} serving", started.elapsed());
+    kill(leader);
+    wait_for_state(&nodes, &secret, other, leader, MemberState::Down).await;
+    eprintln!("{:?}: old leader {leader} down", started.elapsed());
+    restart(leader);
+    wait_for_state(&nodes, &secret, other, leader, MemberState::Serving).await;
+    eprintln!("{:?}: node {leader} serving", started.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut results = Vec::new();
+    for writer in writers {
+        results.push(writer.await.expect("writer"));
+    }
+    let acknowledged: usize = results
+        .iter()
+        .map(|written| written.acknowledged.iter().flatten().count())
+        .sum();
+    let reader = Client::from_file(&cluster.file).expect("client");
+    let (violations, errors) = check_writers(&reader, results).await;
+    eprintln!(
+        "{:?}: {acknowledged} keys with an acknowledged write; {} put errors; {} violations",
+        started.elapsed(),
+        errors.len(),
+        violations.len()
+    );
+    for error in errors.iter().take(8) {
+        eprintln!("  error: {error}");
+    }
+    for violation in violations.iter().take(8) {
+        eprintln!("  violation: {violation}");
+    }
+    assert!(violations.is_empty());
+}
+
+/// Counters on two hot keys: 12 clients each compare-and-swap `n` → `n + 1` in a loop for a
+/// few seconds (contention: locks stolen from writers descheduled past the patience on a busy
+/// machine). Each key's final value must equal its successful swaps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contended_counters_count_every_swap_once() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, ..) = up_settled("ra-counters", 3).await.parts();
+    let setup = Client::from_file(&cluster.file).expect("client");
+    for key in ["hot-0", "hot-1"] {
+        setup
+            .put(key.as_bytes(), &0u64.to_le_bytes())
+            .await
+            .expect("put");
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for task in 0..12u64 {
+        let client = Client::from_file(&cluster.file).expect("client");
+        tasks.push(tokio::spawn(async move {
+            let key = format!("hot-{}", task % 2);
+            let (mut swapped, mut unknown, mut errors) = (0u64, 0u64, Vec::new());
+            let mut expected = 0u64;
+            let mut tries = 0;
+            while started.elapsed() < Duration::from_secs(6) && tries < 20_000 {
+                tries += 1;
+                match client
+                    .compare_and_swap(
+                        key.as_bytes(),
+                        &expected.to_le_bytes(),
+                        &(expected + 1).to_le_bytes(),
+                    )
+                    .await
+                {
+                    Ok(rdkv_client::CasOutcome::Swapped) => {
+                        swapped += 1;
+                        expected += 1;
+                    }
+                    Ok(rdkv_client::CasOutcome::Mismatch(current)) => {
+                        let bytes = current.expect("the counter exists");
+                        let mut word = [0u8; 8];
+                        word.copy_from_slice(&bytes[..8]);
+                        expected = u64::from_le_bytes(word);
+                    }
+                    Err(error) => {
+                        if error.may_have_applied() {
+                            unknown += 1;
+                        }
+                        if errors.len() < 5 {
+                            errors.push(error.to_string());
+                        }
+                    }
+                }
+            }
+            let stolen = client.counters().locks_stolen;
+            client.close().await;
+            (task % 2, swapped, unknown, errors, stolen)
+        }));
+    }
+    let mut swapped = [0u64; 2];
+    let mut unknown = [0u64; 2];
+    let mut stolen = 0;
+    for task in tasks {
+        let (key, done, maybe, errors, steals) = task.await.expect("task");
+        swapped[key as usize] += done;
+        unknown[key as usize] += maybe;
+        stolen += steals;
+        for error in errors {
+            eprintln!("  error: {error}");
+        }
+    }
+    for key in 0..2 {
+        let value = setup
+            .get(format!("hot-{key}").as_bytes())
+            .await
+            .expect("get")
+            .expect("present");
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&value[..8]);
+        let value = u64::from_le_bytes(word);
+        eprintln!(
+            "hot-{key}: value {value}, {} swaps acknowledged, {} unknown; {stolen} locks stolen in all",
+            swapped[key], unknown[key]
+        );
+        assert!(value >= swapped[key] && value <= swapped[key] + unknown[key]);
+    }
+}
+
+/// `replicas = 3` on three nodes: a node killed under writes, restarted and refilled; every
+/// acknowledged write survives, and writes go on while it is away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_lose_a_node_and_refill_it() {
+    let _serial = SERIAL.lock().await;
+    let cluster = rdkv_integration_tests::cluster::Cluster::up_with("ra-three", |text| {
+        text.replace("failure_timeout = \"2s\"", "failure_timeout = \"1s\"")
+            .replace("replicas = 2 ", "replicas = 3 ")
+    });
+    let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
+    assert_eq!(config.replicas, 3);
+    let nodes: Nodes = config
+        .nodes
+        .iter()
+        .map(|node| (node.id, node.control_address))
+        .collect();
+    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
+    let view = wait_settled(&nodes, &config.secret, &ids, Duration::from_secs(20))
+        .await
+        .expect("settles");
+    let leader = view.leader.expect("a leader");
+    let victim = *ids.iter().find(|id| **id != leader).expect("a follower");
+    let observer = leader;
+    let secret = config.secret.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Instant::now();
+    let writers = start_writers(&cluster.file, 4, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = pid_of(&cluster, victim);
+    signal(&cluster, victim, Signal::SIGKILL);
+    wait_torn_down(pid, Duration::from_secs(10));
+    wait_for_state(&nodes, &secret, observer, victim, MemberState::Down).await;
+    eprintln!("{:?}: node {victim} down", started.elapsed());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let output = cluster_command(&cluster, "restart", Some(victim));
+    assert!(output.status.success());
+    wait_for_view(&nodes, &secret, observer, Duration::from_secs(20), |view| {
+        state_of(view, victim) == Some(MemberState::Serving)
+    })
+    .await
+    .expect("serving again");
+    eprintln!("{:?}: node {victim} serving", started.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut results = Vec::new();
+    for writer in writers {
+        results.push(writer.await.expect("writer"));
+    }
+    let reader = Client::from_file(&cluster.file).expect("client");
+    let (violations, errors) = check_writers(&reader, results).await;
+    eprintln!(
+        "{:?}: {} put errors, {} violations",
+        started.elapsed(),
+        errors.len(),
+        violations.len()
+    );
+    for error in errors.iter().take(8) {
+        eprintln!("  error: {error}");
+    }
+    for violation in violations.iter().take(8) {
+        eprintln!("  violation: {violation}");
+    }
+    assert!(violations.is_empty());
+    // The restarted node alone holds the latest values too (every key is on every node).
+    let node = config
+        .nodes
+        .iter()
+        .find(|node| node.id == victim)
+        .expect("the node");
+    let mut direct =
+        rdkv_client::ClientConfig::new(node.control_address, config.fabric, &config.secret);
+    direct.node.id = Some(victim);
+    let direct = Client::connect(direct).await.expect("a client of the node");
+    let (mut same, mut differ) = (0, Vec::new());
+    for task in 0..4 {
+        for index in 0..OWN_KEYS {
+            let key = format!("w{task}-{index}");
+            let there = direct.get(key.as_bytes()).await.expect("direct get");
+            let latest = reader.get(key.as_bytes()).await.expect("get");
+            if there == latest {
+                same += 1;
+            } else {
+                let primary = ids[sharding::replicas(key.as_bytes(), &ids, 3)[0]];
+                differ.push(format!(
+                    "{key} (primary {primary}): {there:?} vs {latest:?}"
+                ));
+            }
+        }
+    }
+    eprintln!(
+        "node {victim} holds {same} keys as the primary does; differs on {}: {:?}",
+        differ.len(),
+        &differ[..differ.len().min(6)]
+    );
+    assert!(differ.is_empty());
+}

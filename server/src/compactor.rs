@@ -201,7 +201,11 @@ impl Compactor {
                 continue;
             }
             place.used += length;
-            let relocated = Slot::new(slot.fingerprint(), slot.units(), new_offset);
+            let mut relocated = Slot::new(slot.fingerprint(), slot.units(), new_offset);
+            if slot.is_tombstone() {
+                // Still a tombstone: the collector clears it after its quarantine.
+                relocated = relocated.tombstone();
+            }
             if let Ok(original) =
                 table
                     .region

@@ -111,6 +111,17 @@ async fn refill(shared: &Shared, client: &Client) -> Result<u64, String> {
     }
     let peers: Vec<u32> = view.serving();
     wait_for_peers(shared, &peers, view.epoch).await?;
+    // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
+    // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
+    // forgets them first. Writes since the join are on the primaries too, and copied again.
+    let forgotten = shared.table.clear_slots();
+    if forgotten > 0 {
+        tracing::info!(
+            node = me,
+            slots = forgotten,
+            "refill: emptied what the node held before"
+        );
+    }
     let mut totals = Vec::with_capacity(peers.len());
     for peer in &peers {
         let buckets = client

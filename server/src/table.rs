@@ -103,6 +103,24 @@ impl TableRegion {
         self.visit_slots(&mut visit);
     }
 
+    /// Empties every slot that holds what it held when the scan read it (a CAS per slot): a
+    /// node that comes back with its memory (it was cut off, or paused) forgets what it held,
+    /// which may be stale, before its refill copies the keys again; a slot a writer changed
+    /// meanwhile holds a fresh value and stays. Returns the slots emptied.
+    pub fn clear_slots(&self) -> u64 {
+        let mut cleared = 0;
+        self.visit_slots(&mut |index_offset, slot: Slot| {
+            if self
+                .region
+                .compare_exchange_u64(index_offset, slot.0, Slot::EMPTY.0)
+                .is_ok_and(|original| original == slot.0)
+            {
+                cleared += 1;
+            }
+        });
+        cleared
+    }
+
     /// Committed keys now, by a scan of the index: exact when no write is in flight.
     pub fn count_keys(&self) -> u64 {
         let mut keys = 0;
