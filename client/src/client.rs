@@ -115,6 +115,92 @@ impl Membership {
     }
 }
 
+/// How a client learns the cluster view: its nodes, and the membership it routes by. Shared
+/// with the tasks that fetch the view.
+#[derive(Debug)]
+struct ViewFollower {
+    /// The nodes' control addresses and ids, for monitoring connections.
+    nodes: Vec<(std::net::SocketAddr, Option<u32>)>,
+    /// The cluster secret.
+    secret: Vec<u8>,
+    /// Their ids.
+    node_ids: Vec<u32>,
+    /// The view the client routes by.
+    membership: Mutex<Membership>,
+    /// The client's counters (view refreshes).
+    counters: Arc<Counters>,
+    /// Held by the fetch in progress.
+    refreshing: tokio::sync::Mutex<()>,
+}
+
+impl ViewFollower {
+    /// The newest view any node answers with within [`VIEW_FETCH_TIMEOUT`], all asked at once
+    /// (epochs only grow, and a view is committed before any node shows it): a paused or cut-off
+    /// node costs the fetch nothing.
+    async fn newest_view(&self) -> Option<ClusterView> {
+        let fetches = self.nodes.iter().map(|(address, id)| async move {
+            let node = MonitoredNode {
+                address: *address,
+                id: *id,
+                secret: &self.secret,
+            };
+            fetch_view(node, VIEW_FETCH_TIMEOUT).await.ok()
+        });
+        futures_util::future::join_all(fetches)
+            .await
+            .into_iter()
+            .flatten()
+            .max_by_key(|view| view.epoch)
+    }
+
+    /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
+    /// client has. Whether it was newer.
+    async fn refresh(&self) -> bool {
+        // One fetch at a time: the others wait for it, and find the view it brought.
+        let _refreshing = self.refreshing.lock().await;
+        self.counters.view_refreshes.add(1);
+        let Some(view) = self.newest_view().await else {
+            return false;
+        };
+        let mut membership = self
+            .membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if view.epoch <= membership.epoch {
+            return false;
+        }
+        let mut members: Vec<u32> = view.members.iter().map(|member| member.node_id).collect();
+        let mut known = self.node_ids.clone();
+        members.sort_unstable();
+        known.sort_unstable();
+        if members != known {
+            // Nodes that are not one cluster (each its own one-node view, as in-process test
+            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
+            membership.epoch = view.epoch;
+            return false;
+        }
+        let serving = view.serving();
+        let filling: Vec<u32> = view
+            .members
+            .iter()
+            .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
+            .map(|member| member.node_id)
+            .collect();
+        tracing::debug!(
+            epoch = view.epoch,
+            ?serving,
+            ?filling,
+            "routing by a new cluster view"
+        );
+        *membership = Membership {
+            epoch: view.epoch,
+            serving,
+            filling,
+        };
+        true
+    }
+}
+
 /// How long a client waits before it asks for the view again while a node it needs does not
 /// answer and the view still names it (the failure detector has not committed it down yet).
 const VIEW_POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -158,8 +244,8 @@ pub struct Client {
     /// Copies of each key (the cluster file's `replicas`): with more than one, operations
     /// route by the cluster view and writes go through [`crate::replicated`].
     replicas: usize,
-    /// The cluster view as this client last learned it.
-    membership: Mutex<Membership>,
+    /// The cluster view as this client last learned it, and how it learns a newer one.
+    follower: Arc<ViewFollower>,
     /// Counters.
     counters: Arc<Counters>,
     /// The per-operation deadline.
@@ -197,10 +283,17 @@ impl Client {
             node_ids: vec![1],
             nodes: vec![Arc::new(node)],
             replicas: 1,
-            membership: Mutex::new(Membership {
-                epoch: 0,
-                serving: vec![1],
-                filling: Vec::new(),
+            follower: Arc::new(ViewFollower {
+                nodes: Vec::new(),
+                secret: Vec::new(),
+                node_ids: vec![1],
+                membership: Mutex::new(Membership {
+                    epoch: 0,
+                    serving: vec![1],
+                    filling: Vec::new(),
+                }),
+                counters: counters.clone(),
+                refreshing: tokio::sync::Mutex::new(()),
             }),
             counters,
             deadline,
@@ -253,16 +346,27 @@ impl Client {
             .collect();
         let mut serving: Vec<u32> = nodes.iter().map(|node| node.id).collect();
         serving.sort_unstable();
+        let counters = Arc::new(Counters::default());
         Self {
             node_ids: nodes.iter().map(|node| node.id).collect(),
+            follower: Arc::new(ViewFollower {
+                nodes: nodes
+                    .iter()
+                    .map(|node| (node.config.node.control_address, node.config.node.id))
+                    .collect(),
+                secret: cluster.secret.clone(),
+                node_ids: nodes.iter().map(|node| node.id).collect(),
+                membership: Mutex::new(Membership {
+                    epoch: 0,
+                    serving,
+                    filling: Vec::new(),
+                }),
+                counters: counters.clone(),
+                refreshing: tokio::sync::Mutex::new(()),
+            }),
             nodes,
             replicas: cluster.replicas.max(1),
-            membership: Mutex::new(Membership {
-                epoch: 0,
-                serving,
-                filling: Vec::new(),
-            }),
-            counters: Arc::new(Counters::default()),
+            counters,
             deadline: cluster.operation_deadline,
         }
     }
@@ -599,6 +703,7 @@ impl Client {
     /// one, the primary.
     fn replica_nodes(&self, key: &[u8], count: usize) -> Vec<Arc<Node>> {
         let membership = self
+            .follower
             .membership
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -616,21 +721,6 @@ impl Client {
         } else {
             nodes
         }
-    }
-
-    /// The newest view any node answers with within [`VIEW_FETCH_TIMEOUT`], all asked at once
-    /// (epochs only grow, and a view is committed before any node shows it): a paused or cut-off
-    /// node costs the fetch nothing.
-    async fn newest_view(&self) -> Option<ClusterView> {
-        let fetches = self
-            .nodes
-            .iter()
-            .map(|node| async move { fetch_view(node.monitored(), VIEW_FETCH_TIMEOUT).await.ok() });
-        futures_util::future::join_all(fetches)
-            .await
-            .into_iter()
-            .flatten()
-            .max_by_key(|view| view.epoch)
     }
 
     /// Runs `attempt` on `key`'s copies `planned` (node ids, primary first), checking every
@@ -665,55 +755,23 @@ impl Client {
 
     /// The view's epoch the client routes by.
     fn membership_epoch(&self) -> u64 {
-        self.membership
+        self.follower
+            .membership
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .epoch
     }
 
     /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
-    /// client has. Whether it was newer.
+    /// client has. Whether it was newer. The fetch runs in a task of its own, so that it
+    /// completes even when the operation that asked is cancelled by its deadline (an operation
+    /// with a deadline shorter than a fetch would otherwise never let the client learn a view:
+    /// found with 1 ms deadlines).
     async fn refresh_membership(&self) -> bool {
-        self.counters.view_refreshes.add(1);
-        let Some(view) = self.newest_view().await else {
-            return false;
-        };
-        let mut membership = self
-            .membership
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if view.epoch <= membership.epoch {
-            return false;
-        }
-        let mut members: Vec<u32> = view.members.iter().map(|member| member.node_id).collect();
-        let mut known = self.node_ids.clone();
-        members.sort_unstable();
-        known.sort_unstable();
-        if members != known {
-            // Nodes that are not one cluster (each its own one-node view, as in-process test
-            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
-            membership.epoch = view.epoch;
-            return false;
-        }
-        let serving = view.serving();
-        let filling: Vec<u32> = view
-            .members
-            .iter()
-            .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
-            .map(|member| member.node_id)
-            .collect();
-        tracing::debug!(
-            epoch = view.epoch,
-            ?serving,
-            ?filling,
-            "routing by a new cluster view"
-        );
-        *membership = Membership {
-            epoch: view.epoch,
-            serving,
-            filling,
-        };
-        true
+        let follower = self.follower.clone();
+        tokio::spawn(async move { follower.refresh().await })
+            .await
+            .unwrap_or(false)
     }
 
     /// After an operation met a node that failed: fetch the view; if it did not change, wait a
@@ -752,6 +810,7 @@ impl Client {
         let deadline = self.replicated_deadline();
         let work = async {
             loop {
+                progress.wait_for(Waiting::View);
                 self.follow_reported_epoch().await;
                 let primary = self.replica_nodes(key, 1);
                 let planned: Vec<u32> = primary.iter().map(|node| node.id).collect();
@@ -772,7 +831,10 @@ impl Client {
                     // The view moved the key, or a connection named a newer view: again.
                     None | Some(Ok(None)) => {}
                     Some(Ok(Some(value))) => return Ok(value),
-                    Some(Err(error)) if error.is_retryable() => self.await_new_view().await,
+                    Some(Err(error)) if error.is_retryable() => {
+                        progress.wait_for(Waiting::View);
+                        self.await_new_view().await
+                    }
                     Some(Err(error)) => return Err(error),
                 }
             }
@@ -809,6 +871,7 @@ impl Client {
             let mut patience = Patience::default();
             let mut held: Option<Held> = None;
             for again in 0..operations::RACE_ATTEMPTS {
+                progress.wait_for(Waiting::View);
                 self.follow_reported_epoch().await;
                 let nodes = self.replica_nodes(key, self.replicas);
                 let planned: Vec<u32> = nodes.iter().map(|node| node.id).collect();
@@ -819,7 +882,10 @@ impl Client {
                     None => continue,
                     Some(Ok(connections)) => connections,
                     Some(Err(error)) if error.is_retryable() => {
-                        self.await_new_view().await;
+                        {
+                            progress.wait_for(Waiting::View);
+                            self.await_new_view().await
+                        };
                         continue;
                     }
                     Some(Err(error)) => return Err(error),
@@ -837,9 +903,7 @@ impl Client {
                                 operation,
                                 source: Box::new(Error::NodeUnreachable {
                                     address: lock.primary,
-                                    reason:
-                                        "the key's primary failed while the write held its lock"
-                                            .into(),
+                                    reason: "the key's primary left the cluster view while the write held its lock there".into(),
                                 }),
                             });
                         }
@@ -872,7 +936,10 @@ impl Client {
                         }),
                         Err(error) if error.is_retryable() => {
                             held = Some(lock);
-                            self.await_new_view().await;
+                            {
+                                progress.wait_for(Waiting::View);
+                                self.await_new_view().await
+                            };
                             continue;
                         }
                         Err(error) => return Err(error),
@@ -914,19 +981,28 @@ impl Client {
                             if !error.is_retryable() {
                                 return Err(error);
                             }
-                            self.await_new_view().await;
+                            {
+                                progress.wait_for(Waiting::View);
+                                self.await_new_view().await
+                            };
                         }
                         patience = Patience::default();
                     }
                     Ok(Attempt::Again) => operations::back_off(again).await,
                     Err(error) if error.is_retryable() && held.is_some() => {
                         // Cut while it held (or placed) its lock: resumed on the next pass.
-                        self.await_new_view().await;
+                        {
+                            progress.wait_for(Waiting::View);
+                            self.await_new_view().await
+                        };
                     }
                     Err(error) if error.is_retryable() && !progress.may_have_applied() => {
                         // Nothing of the write can be visible: its lock, if placed, is taken
                         // over after the patience.
-                        self.await_new_view().await;
+                        {
+                            progress.wait_for(Waiting::View);
+                            self.await_new_view().await
+                        };
                     }
                     Err(error) if progress.may_have_applied() && !error.may_have_applied() => {
                         return Err(Error::Unresolved {
@@ -1009,6 +1085,7 @@ impl Client {
     #[doc(hidden)]
     pub fn refill_target(&self, key: &[u8], source: u32, me: u32) -> bool {
         let membership = self
+            .follower
             .membership
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());

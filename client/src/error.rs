@@ -71,7 +71,7 @@ pub enum Error {
     /// A failure struck after the operation's publishing CAS (its linearization point) was
     /// posted and before its completion showed the outcome: the mutation may or may not have
     /// happened. Never retried. May have applied.
-    #[error("{operation} outcome unknown (it may have applied): {source}")]
+    #[error("{operation} outcome unknown (it may have applied; read the key to see): {source}")]
     Unresolved {
         /// The operation.
         operation: &'static str,

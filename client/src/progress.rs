@@ -50,11 +50,13 @@ pub(crate) enum Waiting {
     HeapReclaim,
     /// The completions of a posted list of this kind.
     Step(StepKind),
+    /// The cluster view (a replicated operation whose node failed, or whose view is old).
+    View,
 }
 
 impl Waiting {
     /// Every value, in encoding order.
-    const ALL: [Waiting; 18] = [
+    const ALL: [Waiting; 19] = [
         Waiting::Connection,
         Waiting::WriterTurn,
         Waiting::ScratchBuffer,
@@ -73,6 +75,7 @@ impl Waiting {
         Waiting::Step(StepKind::CheckLock),
         Waiting::Step(StepKind::Steal),
         Waiting::Step(StepKind::Unlock),
+        Waiting::View,
     ];
 
     /// What a deadline's error says.
@@ -98,6 +101,7 @@ impl Waiting {
             Waiting::Step(StepKind::CheckLock) => "the READ that checks the primary's lock",
             Waiting::Step(StepKind::Steal) => "the CAS that takes over a stalled writer's lock",
             Waiting::Step(StepKind::Unlock) => "the CAS that releases a taken-over lock",
+            Waiting::View => "the cluster view (a node of the key failed or the view changed)",
         }
     }
 }
@@ -143,6 +147,7 @@ impl Progress {
             Waiting::HeapChunk => 3,
             Waiting::HeapReclaim => 4,
             Waiting::Step(kind) => 5 + kind as u8,
+            Waiting::View => 5 + StepKind::ALL.len() as u8,
         };
         self.waiting.store(code, Ordering::Release);
     }

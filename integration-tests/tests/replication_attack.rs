@@ -24,7 +24,6 @@ fn primary_of_all(key: &str, ids: &[u32]) -> u32 {
 /// memory, refills (the scan skips tombstones), and is promoted: the keys it is primary of
 /// must still read as deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: a node back from an absence keeps values deleted while it was away (refill copies no tombstone)"]
 async fn a_delete_made_while_a_node_was_stopped_stays_deleted_after_it_returns() {
     let _serial = SERIAL.lock().await;
     let settled = up_settled("ra-stop-delete", 3).await;
@@ -96,7 +95,6 @@ async fn a_delete_made_while_a_node_was_stopped_stays_deleted_after_it_returns()
 /// While a restarted node fills, a brand-new client (its routing starts from the cluster
 /// file, every node serving, epoch 0) must not read the filling node as a primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: a new client routes its first operations by the cluster file and reads a filling node"]
 async fn a_new_client_does_not_read_a_filling_node() {
     let _serial = SERIAL.lock().await;
     let settled = up_settled("ra-fresh-filling", 3).await;
@@ -170,7 +168,7 @@ async fn a_new_client_does_not_read_a_filling_node() {
 /// learns the new epoch from its heartbeats and fetches the view, asking the nodes in file
 /// order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: Client::view waits the whole operation deadline on a silent first node, so every operation times out"]
+#[ignore = "fails at 9068224: over shm the first put after the SIGSTOP times out (2 s) on a key the stopped node never held; at b9b8455 every put timed out (Client::view waited the deadline on the silent first node)"]
 async fn a_stopped_first_node_does_not_stall_every_operation() {
     let _serial = SERIAL.lock().await;
     let (cluster, nodes, secret, ids, _, leader) = up_settled("ra-stop-first", 3).await.parts();
@@ -561,4 +559,239 @@ async fn three_replicas_lose_a_node_and_refill_it() {
         &differ[..differ.len().min(6)]
     );
     assert!(differ.is_empty());
+}
+
+/// A client with a 1 ms deadline cancels its writes at every step (locks left on primaries,
+/// backups half written); afterwards a normal client writes and reads every key it touched,
+/// without an error, within its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_millisecond_client_leaves_no_key_stuck() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, ..) = up_settled("ra-one-ms", 3).await.parts();
+    let mut config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
+    config.operation_deadline = Duration::from_millis(1);
+    let hasty = Arc::new(Client::for_cluster(&config));
+    let _ = hasty.connect_all().await;
+    let mut tasks = Vec::new();
+    for task in 0..4u64 {
+        let hasty = hasty.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut texts = std::collections::BTreeMap::<String, u64>::new();
+            for number in 0..400u64 {
+                let key = format!("hasty-{}", (number * 7 + task) % 16);
+                let outcome = if number % 5 == 4 {
+                    hasty.delete(key.as_bytes()).await.map(|_| ())
+                } else {
+                    hasty.put(key.as_bytes(), &number.to_le_bytes()).await
+                };
+                if let Err(error) = outcome {
+                    *texts.entry(error.to_string()).or_default() += 1;
+                }
+            }
+            texts
+        }));
+    }
+    let mut texts = std::collections::BTreeMap::<String, u64>::new();
+    for task in tasks {
+        for (text, count) in task.await.expect("task") {
+            *texts.entry(text).or_default() += count;
+        }
+    }
+    for (text, count) in &texts {
+        eprintln!("  {count} x {text}");
+        assert!(!text.contains('\n'), "a multi-line error: {text}");
+    }
+    let normal = Client::from_file(&cluster.file).expect("client");
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for key in 0..16 {
+        let key = format!("hasty-{key}");
+        if let Err(error) = normal.put(key.as_bytes(), b"final").await {
+            failures.push(format!("put {key}: {error}"));
+            continue;
+        }
+        match normal.get(key.as_bytes()).await {
+            Ok(Some(value)) if value.as_ref() == b"final" => {}
+            other => failures.push(format!("get {key}: {other:?}")),
+        }
+    }
+    eprintln!(
+        "16 keys rewritten after the hasty client in {:?}: {} failures {failures:?}; {} locks stolen",
+        started.elapsed(),
+        failures.len(),
+        normal.counters().locks_stolen
+    );
+    assert!(failures.is_empty());
+}
+
+/// Deletes and re-puts of 1 KiB values on 4 MiB heaps: tombstones pile up and must be cleared
+/// (and their blocks reclaimed) fast enough that the heap never fills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_heavy_writes_do_not_fill_a_small_heap() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, ..) = up_settled("ra-tombstones", 3).await.parts();
+    let client = Arc::new(Client::from_file(&cluster.file).expect("client"));
+    let started = Instant::now();
+    let value = vec![7u8; 1_024];
+    let mut tasks = Vec::new();
+    for task in 0..4u64 {
+        let client = client.clone();
+        let value = value.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errors = Vec::new();
+            let mut done = 0u64;
+            for number in 0..15_000u64 {
+                if started.elapsed() > Duration::from_secs(20) {
+                    break;
+                }
+                let key = format!("d{task}-{}-{}", (number / 2) % 200, number / 2_000);
+                let outcome = if number % 2 == 0 {
+                    client.put(key.as_bytes(), &value).await
+                } else {
+                    client.delete(key.as_bytes()).await.map(|_| ())
+                };
+                match outcome {
+                    Ok(()) => done += 1,
+                    Err(error) if errors.len() < 5 => errors.push(error.to_string()),
+                    Err(_) => {}
+                }
+            }
+            (done, errors)
+        }));
+    }
+    let mut done = 0;
+    let mut errors = Vec::new();
+    for task in tasks {
+        let (count, texts) = task.await.expect("task");
+        done += count;
+        errors.extend(texts);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let all = client.cluster_stats().await;
+    for (id, stats) in &all {
+        match stats {
+            Ok(stats) => eprintln!(
+                "node {id}: {} tombstones cleared, {} keys",
+                stats.tombstones_cleared, stats.keys
+            ),
+            Err(error) => eprintln!("node {id}: stats failed: {error}"),
+        }
+    }
+    let cleared: u64 = all
+        .into_iter()
+        .filter_map(|(_, stats)| stats.ok())
+        .map(|stats| stats.tombstones_cleared)
+        .sum();
+    // Every key was deleted last.
+    let mut back = Vec::new();
+    for task in 0..4 {
+        for index in 0..200 {
+            for generation in 0..8 {
+                let key = format!("d{task}-{index}-{generation}");
+                if let Some(value) = client.get(key.as_bytes()).await.expect("get") {
+                    back.push((key, value.len()));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{done} puts and deletes of 1 KiB in {:?}; {cleared} tombstones cleared; errors: {errors:?}; {} deleted keys read back, first {:?}",
+        started.elapsed(),
+        back.len(),
+        back.first()
+    );
+    assert!(errors.is_empty());
+    assert!(back.is_empty());
+}
+
+/// The example cluster (real processes, clients over shm): 100 keys put and deleted leave 200
+/// tombstones, which the collectors clear a quarantine (2.5 s) later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tombstones_are_cleared_on_real_nodes() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, ..) = up_settled("ra-tombstones-idle", 3).await.parts();
+    let client = Client::from_file(&cluster.file).expect("client");
+    for index in 0..100u32 {
+        client
+            .put(format!("gone-{index}").as_bytes(), b"value")
+            .await
+            .expect("put");
+    }
+    for index in 0..100u32 {
+        assert!(client
+            .delete(format!("gone-{index}").as_bytes())
+            .await
+            .expect("delete"));
+    }
+    let started = Instant::now();
+    let mut last = Vec::new();
+    while started.elapsed() < Duration::from_secs(12) {
+        last = client
+            .cluster_stats()
+            .await
+            .into_iter()
+            .map(|(id, stats)| {
+                stats.map_or((id, u64::MAX, u64::MAX), |stats| {
+                    (id, stats.tombstones_cleared, stats.keys)
+                })
+            })
+            .collect();
+        if last.iter().map(|(_, cleared, _)| *cleared).sum::<u64>() >= 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "after {:?}: (node, tombstones cleared, keys) {last:?}",
+        started.elapsed()
+    );
+    assert!(last.iter().map(|(_, cleared, _)| *cleared).sum::<u64>() >= 200);
+}
+
+/// An idle client (its connections made before a view change), over shm and over soft: a
+/// follower is killed and the view has it down; the client's next puts, on keys the dead node
+/// never held, succeed promptly (the fence of its connections must fail, not hang, an access).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_client_writes_promptly_after_a_view_change() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, nodes, secret, ids, _, leader) = up_settled("ra-idle-fence", 3).await.parts();
+    let victim = *ids.iter().find(|id| **id != leader).expect("a follower");
+    let keys: Vec<String> = (0..400)
+        .map(|number| format!("key-{number}"))
+        .filter(|key| {
+            sharding::replicas(key.as_bytes(), &ids, 2)
+                .into_iter()
+                .all(|index| ids[index] != victim)
+        })
+        .take(10)
+        .collect();
+    let mut clients = Vec::new();
+    for choice in [
+        rdkv_client::FabricChoice::Auto,
+        rdkv_client::FabricChoice::Cluster(rdkv_fabric::Backend::Soft),
+    ] {
+        let client = Client::from_file_with(&cluster.file, choice).expect("client");
+        client.connect_all().await.expect("connect");
+        for key in &keys {
+            client.put(key.as_bytes(), b"before").await.expect("put");
+        }
+        clients.push((format!("{choice:?}"), client));
+    }
+    let pid = pid_of(&cluster, victim);
+    signal(&cluster, victim, Signal::SIGKILL);
+    wait_torn_down(pid, Duration::from_secs(10));
+    wait_for_state(&nodes, &secret, leader, victim, MemberState::Down).await;
+    let mut slow = Vec::new();
+    for (name, client) in &clients {
+        for key in &keys {
+            let started = Instant::now();
+            let outcome = client.put(key.as_bytes(), b"after").await;
+            let took = started.elapsed();
+            if outcome.is_err() || took > Duration::from_millis(500) {
+                slow.push(format!("{name} {key}: {took:?} {outcome:?}"));
+            }
+        }
+    }
+    eprintln!("slow or failed puts after node {victim} went down: {slow:?}");
+    assert!(slow.is_empty());
 }
