@@ -213,10 +213,10 @@ doc "target/release/rdkv-cluster down examples/local-3node.toml --node 3"
 doc "target/release/rdkv-cluster up examples/local-3node.toml --node 3 --detach"
 
 echo "=== docs/operations.md: Load tests (YCSB), on the running cluster ==="
-doc "target/release/rdkv-ycsb load -c examples/local-3node.toml -P workloada -p recordcount=3000 --threads 16"
-doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml -P workloada -p recordcount=3000 -p operationcount=100000 --threads 16 --json a.json"
+doc "target/release/rdkv-ycsb load -c examples/local-3node.toml -P workloada -p recordcount=1500 --threads 16"
+doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml -P workloada -p recordcount=1500 -p operationcount=100000 --threads 16 --json a.json"
 expect_output "\[OVERALL\], Throughput"
-doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml --fabric soft -P workloadc -p recordcount=3000 --threads 16"
+doc "target/release/rdkv-ycsb run  -c examples/local-3node.toml --fabric soft -P workloadc -p recordcount=1500 --threads 16"
 expect_output "\[OVERALL\], Throughput"
 as_user "redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes" >/dev/null
 doc "target/release/rdkv-ycsb run  --driver redis --redis-url redis://127.0.0.1:6379 -P workloadb --load --threads 16"

@@ -15,15 +15,17 @@
 //! # The protocol ([`ReplicationProtocol::Lock`])
 //!
 //! A write reads the primary's slot and the backup's, then swaps the primary's word for a
-//! **lock**: a word in the locked state that points at a fresh copy of the old value (readers
-//! return it), so no two locks are ever the same word. Then it swaps every backup's slot from
+//! **lock**: the same word in the locked state (readers return its value). A committed word
+//! never comes back (every commit and every unlock puts a new block in place), so no two locks
+//! are ever the same word. Then it swaps every backup's slot from
 //! exactly the word it read there (value and block location) to its own copy of the new value,
 //! then it **commits**, swapping its lock for the new word. A backup swap that fails (the
 //! compactor moved the backup's block, or a stalled earlier lock holder got there) reads the
 //! backup again, then checks that the primary still holds its lock, and only then swaps again,
 //! from what it just read. A writer that finds another's lock **steals** it: it swaps the lock
-//! for a lock of its own (another fresh copy of the old value), rolls every backup back to a
-//! copy of the old value by the same read, check, swap, and unlocks, then starts its own write
+//! for a lock of its own on a fresh copy of the old value, rolls every backup back to a copy
+//! of the old value by the same read, check, swap, and unlocks to a second fresh copy (a word
+//! nobody has locked), then starts its own write
 //! again. The stolen writer's commit, or its next lock check, fails, and it starts again. A
 //! writer that stalls or dies holding a lock therefore never blocks the key. A delete writes a
 //! **tombstone** (a word of its own, invisible to readers) rather than an empty slot, and a
@@ -732,9 +734,10 @@ impl ReplicationModel {
                     return self.restart(state, client);
                 }
                 state.clients[client].placed = true;
-                // The lock points at a fresh copy of the old value, so that every lock word is
-                // unique to its holder.
-                let lock_location = Self::fresh(state, client);
+                // The lock keeps the committed word's block: a committed word never comes back
+                // (every write and every unlock puts a new block in place), so neither does a
+                // lock on it, and the lock is unique to its holder.
+                let lock_location = seen_location;
                 let target_location = Self::fresh(state, client);
                 let target = match new {
                     Stored::Tombstone(_) => Stored::Tombstone(Value(target_location)),
@@ -769,17 +772,21 @@ impl ReplicationModel {
                 if (state.words[primary], state.locations[primary]) != (seen, seen_location) {
                     return self.restart(state, client);
                 }
+                // The thief's lock is on one fresh copy of the old value and its unlock puts
+                // another in place: a lock on a word that was never committed, and a committed
+                // word no writer has locked, so no lock word ever comes back.
                 let location = Self::fresh(state, client);
+                let target_location = Self::fresh(state, client);
                 let lock = Word::Locked { stored: old };
                 state.words[primary] = lock;
                 state.locations[primary] = location;
-                let target = Self::copy_of(old, location);
+                let target = Self::copy_of(old, target_location);
                 state.clients[client].stage = if view.len() > 1 {
                     Stage::Reread {
                         lock,
                         lock_location: location,
                         target,
-                        target_location: location,
+                        target_location,
                         own: false,
                     }
                 } else {
@@ -787,7 +794,7 @@ impl ReplicationModel {
                         lock,
                         lock_location: location,
                         target,
-                        target_location: location,
+                        target_location,
                         own: false,
                     }
                 };
