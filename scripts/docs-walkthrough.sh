@@ -211,6 +211,18 @@ doc "target/release/rdkv-cluster restart examples/local-3node.toml --node 2"
 expect_output "node 2: started"
 doc "target/release/rdkv-cluster down examples/local-3node.toml --node 3"
 doc "target/release/rdkv-cluster up examples/local-3node.toml --node 3 --detach"
+# As docs/operations.md says: the restarted nodes fill, then serve; wait for that (30 s at most)
+# before the load test.
+settled=""
+for _ in $(seq 1 60); do
+  if as_user "target/release/rdkv-cluster status examples/local-3node.toml" 2>/dev/null \
+      | grep -q "^view: .*1 serving, 2 serving, 3 serving"; then
+    settled=yes
+    break
+  fi
+  sleep 0.5
+done
+[ -n "$settled" ] || fail "the view did not show every node serving within 30 s of the restarts"
 
 echo "=== docs/operations.md: Load tests (YCSB), on the running cluster ==="
 doc "target/release/rdkv-ycsb load -c examples/local-3node.toml -P workloada -p recordcount=1500 --threads 16"
