@@ -301,6 +301,7 @@ covered_elsewhere = [
     (r"^target/release/rdkv-ycsb compare --workloads a,f --heap-size (218|870)M$", "the 2x/8x heap measurement (870 MiB pinned, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^(TOKIO_WORKER_THREADS=\d+ )?target/release/rdkv-ycsb compare --workloads [a-f,]+ --seconds \d+ --stores [a-z,-]+$", "a measurement (seconds per store and workload, memlock raised): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^target/release/rdkv-ycsb compare --seconds \d+$", "a measurement (every workload and store, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
+    (r"^scripts/bench/replication\.sh ", "the replication cost measurement (release, minutes): .ci/run runs replication.sh in a debug smoke run"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
     (r"scripts/bench/callgrind-get\.sh", ".ci/run's instructions-per-GET step runs callgrind-get.sh"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
