@@ -3,7 +3,7 @@
 //! node is up.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::ControlError;
@@ -72,6 +72,43 @@ pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
         });
     }
     statuses
+}
+
+/// How long `up` waits for its nodes to serve data: the first election and the leases take
+/// about a second.
+pub const SERVING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Waits, up to `timeout`, until every node of `ids` answers that it serves data (it holds its
+/// lease from the cluster's majority and the view has it); the nodes that still do not, with
+/// why.
+pub async fn wait_serving(
+    config: &ClusterConfig,
+    ids: &[u32],
+    timeout: Duration,
+) -> Vec<(u32, String)> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut waiting = Vec::new();
+        for node in config.nodes.iter().filter(|node| ids.contains(&node.id)) {
+            let monitored = MonitoredNode {
+                address: node.control_address,
+                id: Some(node.id),
+                secret: &config.secret,
+            };
+            match fetch_stats(monitored, Duration::from_secs(1)).await {
+                Ok(stats) if stats.serving_data => {}
+                Ok(_) => waiting.push((
+                    node.id,
+                    "it does not serve data yet (no lease from a majority of the nodes, or its rejoin is not in the view)".to_string(),
+                )),
+                Err(error) => waiting.push((node.id, error.to_string())),
+            }
+        }
+        if waiting.is_empty() || Instant::now() >= deadline {
+            return waiting;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The cluster view, from the leader when a node that answered names one, else from the first
@@ -167,7 +204,14 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
         .map(|status| match &status.state {
             NodeState::Up(stats) => vec![
                 status.id.to_string(),
-                "up".into(),
+                // Up, but holding no lease or not in the view as this process: it serves
+                // no data (`docs/operations.md`, *Replication and failover*).
+                if stats.serving_data {
+                    "up"
+                } else {
+                    "not-serving"
+                }
+                .into(),
                 status.address.to_string(),
                 format!("{}s", stats.uptime_seconds),
                 stats.connections.to_string(),

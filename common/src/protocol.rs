@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -178,6 +178,16 @@ pub enum ServerMessage {
     Fenced {
         /// The view's epoch now.
         epoch: u64,
+    },
+    /// The node does not serve data now (cut off from the cluster's majority, down in the
+    /// view, or restarted and not rejoined yet): sent instead of the welcome, or instead of
+    /// the next answer on a data connection, which then closes. The client goes to the key's
+    /// next copy once the view names it.
+    NotServing {
+        /// The view's epoch the node knows.
+        epoch: u64,
+        /// Why, as a line.
+        reason: String,
     },
     /// The node is shutting down, as asked.
     ShuttingDown {
@@ -391,6 +401,13 @@ pub struct ServerStats {
     /// Data connections ended because the view moved keys (`docs/protocol.md`, *Views and
     /// fencing*).
     pub connections_fenced: u64,
+    /// Data connections refused because the node was not serving data.
+    pub connections_refused_not_serving: u64,
+    /// Whether the node serves data now: it holds its lease from the cluster's majority and
+    /// the view has it as this process (`docs/protocol.md`, *Views and fencing*).
+    pub serving_data: bool,
+    /// Times the node stopped serving data since it started.
+    pub serving_stops: u64,
     /// Refill (a node filling after a restart): index buckets of the peers scanned so far, of
     /// `refill_buckets_total` (0 of 0: no refill since start).
     pub refill_buckets_scanned: u64,

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 40] = [
+        let definitions: [(&str, &str, Reader); 43] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -146,6 +146,21 @@ impl Metrics {
                 "connections_fenced_total",
                 "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
                 |stats| stats.connections_fenced as i64,
+            ),
+            (
+                "serving_data",
+                "1 while the node serves data (it holds its lease from the cluster's majority and the view has it), else 0",
+                |stats| i64::from(stats.serving_data),
+            ),
+            (
+                "serving_stops_total",
+                "Times the node stopped serving data (lost its lease, or the view had it down); its data connections were fenced",
+                |stats| stats.serving_stops as i64,
+            ),
+            (
+                "connections_refused_not_serving_total",
+                "Data connections refused while the node was not serving data",
+                |stats| stats.connections_refused_not_serving as i64,
             ),
             (
                 "refill_buckets_scanned",

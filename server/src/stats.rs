@@ -32,6 +32,9 @@ pub struct Counters {
     pub shm_data_connections: AtomicU64,
     /// Data connections fenced by a view change.
     pub connections_fenced: AtomicU64,
+    /// Data connections refused because the node was not serving data (no lease, down, or
+    /// not rejoined after a restart).
+    pub connections_refused_not_serving: AtomicU64,
     /// Refill: peers' index buckets scanned, of `refill_buckets_total`.
     pub refill_buckets_scanned: AtomicU64,
     /// Refill: peers' index buckets to scan.
@@ -71,6 +74,7 @@ impl Counters {
             client_counters: Mutex::new(ClientCounters::default()),
             collector_keys: AtomicU64::new(0),
             connections_fenced: AtomicU64::new(0),
+            connections_refused_not_serving: AtomicU64::new(0),
             refill_buckets_scanned: AtomicU64::new(0),
             refill_buckets_total: AtomicU64::new(0),
             refill_keys_copied: AtomicU64::new(0),
@@ -172,6 +176,12 @@ impl Counters {
             view_members_down: 0,
             views_committed: 0,
             connections_fenced: self.connections_fenced.load(Ordering::Relaxed),
+            connections_refused_not_serving: self
+                .connections_refused_not_serving
+                .load(Ordering::Relaxed),
+            // Filled in by `Shared::stats`, which knows the view.
+            serving_data: true,
+            serving_stops: 0,
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),

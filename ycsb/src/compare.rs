@@ -417,6 +417,17 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
                     nodes: rdkv_cluster_config::launcher::start(cluster, &run_directory, true)?,
                     run_directory,
                 };
+                let not_serving = rdkv_cluster_config::status::wait_serving(
+                    cluster,
+                    &cluster.nodes.iter().map(|node| node.id).collect::<Vec<_>>(),
+                    rdkv_cluster_config::status::SERVING_TIMEOUT,
+                )
+                .await;
+                if let Some((id, reason)) = not_serving.first() {
+                    anyhow::bail!(
+                        "node {id} of the benchmark's cluster does not serve data: {reason}"
+                    );
+                }
                 // The server processes whose CPU each run is charged with.
                 rdkv_pids = guard
                     .nodes

@@ -138,6 +138,14 @@ pub(super) async fn control_task(
                     .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
                 Ok(ServerMessage::HeartbeatAck { epoch })
             }
+            Ok(ServerMessage::NotServing { epoch, reason }) => {
+                counters
+                    .view_epoch
+                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+                Err(ControlError::Unexpected(format!(
+                    "the node stopped serving data and fenced this connection: {reason}"
+                )))
+            }
             Ok(ServerMessage::Fenced { epoch }) => {
                 // The view moved keys: this connection is done; the next operation fetches
                 // the view and connects again.

@@ -134,6 +134,12 @@ async fn authenticate(
                 reason,
             }))
         }
+        Ok(ServerMessage::NotServing { epoch, reason }) => {
+            // Retryable: the client goes to the key's next copy once the view names it.
+            return Err(Evictable::from(unreachable(format!(
+                "node {node_id} does not serve data now (view epoch {epoch}): {reason}"
+            ))));
+        }
         Ok(other) => {
             return Err(Evictable::from(unreachable(format!(
                 "unexpected handshake reply {other:?}"

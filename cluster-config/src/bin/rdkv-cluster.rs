@@ -190,8 +190,13 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             say(&line.join("\n"));
             let started = launcher::start_nodes(&config, &run_directory, true, Some(node))?;
             for started in &started {
+                let keys = if config.replicas >= 2 {
+                    "it rejoins the view and is refilled from its peers before it serves (`status` shows the refill)"
+                } else {
+                    "it holds no keys until clients write them (replicas = 1: its keys had no other copy)"
+                };
                 say(&format!(
-                    "node {}: started (pid {}{}); it holds no keys until clients write them",
+                    "node {}: started (pid {}{}); {keys}",
                     started.ready.id,
                     started.ready.pid,
                     started
@@ -284,6 +289,22 @@ async fn up(
             ]
         })
         .collect();
+    // The nodes serve data once they agree on the view and hold their leases (about a
+    // second for a new cluster). One node started alone (`--node N`) may be waiting for the
+    // others: `status` shows it.
+    let ids: Vec<u32> = nodes.iter().map(|node| node.ready.id).collect();
+    let not_serving = if ids.len() == config.nodes.len() {
+        status::wait_serving(config, &ids, status::SERVING_TIMEOUT).await
+    } else {
+        Vec::new()
+    };
+    for (id, reason) in &not_serving {
+        say(&format!(
+            "warning: node {id} does not serve data after {:?}: {reason}; see `rdkv-cluster status {}{run_dir_flag}` and its log",
+            status::SERVING_TIMEOUT,
+            file.display()
+        ));
+    }
     say(&format!(
         "cluster `{}` is up ({} of {} nodes started, fabric {}):",
         config.name,
@@ -303,7 +324,7 @@ async fn up(
             run_directory.display(),
             file.display()
         ));
-        return Ok(0);
+        return Ok(if not_serving.is_empty() { 0 } else { 1 });
     }
     say("forwarding node logs; Ctrl-C stops the cluster");
     for node in &nodes {

@@ -106,6 +106,23 @@ impl Session {
     /// authenticated client gets here.
     async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
+        if let Err(reason) = shared.view.serving() {
+            // Cut off from the cluster's majority, down in the view, or restarted and not
+            // rejoined yet: the client goes to another copy (`docs/protocol.md`, *Views and
+            // fencing*).
+            shared
+                .counters
+                .connections_refused_not_serving
+                .fetch_add(1, Ordering::Relaxed);
+            let message = ServerMessage::NotServing {
+                epoch: shared.view.epoch(),
+                reason: reason.clone(),
+            };
+            let _ = Self::send(writer, &message).await;
+            return Err(crate::Error::Refused {
+                reason: format!("not serving data: {reason}"),
+            });
+        }
         self.pass.step("handshake: creating the queue pair");
         let table = shared.table_for(self.over_shm);
         let queue_pair = table

@@ -149,6 +149,8 @@ impl Shared {
             stats.view_members_down,
             stats.views_committed,
         ) = self.view.figures();
+        stats.serving_data = self.view.serving().is_ok();
+        stats.serving_stops = self.view.serving_stops();
         stats
     }
 }

@@ -32,7 +32,42 @@ impl Session {
             .subscribe()
             .filter(|_| self.queue_pair.is_some());
         let connected_under = self.view_at_connect.clone();
+        // A data connection is also fenced when the node stops serving data (no lease, or the
+        // view has it down): `crate::view`'s `lease.rs`.
+        let mut serving = self
+            .queue_pair
+            .as_ref()
+            .map(|_| shared.view.serving_changes());
         loop {
+            if let Some(Err(reason)) = serving
+                .as_mut()
+                .map(|serving| serving.borrow_and_update().clone())
+            {
+                shared
+                    .counters
+                    .connections_fenced
+                    .fetch_add(1, Ordering::Relaxed);
+                let epoch = shared.view.epoch();
+                let _ = Self::send(
+                    writer,
+                    &ServerMessage::NotServing {
+                        epoch,
+                        reason: reason.clone(),
+                    },
+                )
+                .await;
+                return format!("fenced: this node stopped serving data ({reason})");
+            }
+            let serving_changed = async {
+                match serving.as_mut() {
+                    Some(changes) => {
+                        if changes.changed().await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             let view_changed = async {
                 match view_changes.as_mut() {
                     Some(changes) => changes.changed().await.is_ok(),
@@ -41,6 +76,7 @@ impl Session {
             };
             tokio::select! {
                 _ = shutdown.cancelled() => return "server shutting down".into(),
+                () = serving_changed => continue,
                 alive = view_changed => {
                     let (Some(changes), Some(before)) = (view_changes.as_ref(), connected_under.as_ref()) else {
                         continue;

@@ -13,8 +13,13 @@
 //!   incarnation (it started, restarted, or was marked down while cut off) asks the leader to
 //!   commit its join, a new epoch.
 //!
+//! - **the lease** (`lease.rs`): a node serves data only while it holds a lease from the
+//!   cluster's majority and the view has it as this incarnation; otherwise it fences its data
+//!   connections and refuses new ones.
+//!
 //! A one-node cluster runs no consensus: its view is itself, serving, at epoch 1.
 
+mod lease;
 mod network;
 mod storage;
 pub mod types;
@@ -33,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
+pub use lease::Serving;
 use network::{ask_leader, Liveness, Network};
 use storage::Store;
 use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};
@@ -88,6 +94,16 @@ pub struct ViewService {
     liveness: Arc<Liveness>,
     /// Cancelled when the node stops: a commit or a join in flight gives up at once.
     shutdown: CancellationToken,
+    /// Whether the state file held a vote or log at start (a restart, not a first start).
+    had_history: bool,
+    /// How long a lease grant lasts (`lease.rs`).
+    lease: Duration,
+    /// When this node's lease ends (`None`: it never held one).
+    lease_until: std::sync::Mutex<Option<Instant>>,
+    /// Whether this node serves data now, and if not, why.
+    serving: tokio::sync::watch::Sender<Serving>,
+    /// Times this node stopped serving data.
+    serving_stops: AtomicU64,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -115,6 +131,7 @@ impl ViewService {
     ) -> Result<Arc<Self>> {
         let node_ids: Vec<u32> = settings.members.iter().map(|(id, _)| *id).collect();
         let store = Store::open(settings.state_file.clone(), &node_ids)?;
+        let had_history = store.has_history();
         let view = store.view();
         let addresses: BTreeMap<u32, SocketAddr> = settings.members.iter().copied().collect();
         let secret: Arc<[u8]> = settings.secret.clone().into();
@@ -135,10 +152,20 @@ impl ViewService {
             committed: AtomicU64::new(0),
             liveness,
             shutdown: shutdown.clone(),
+            had_history,
+            lease: Self::lease_for(settings.failure_timeout),
+            lease_until: std::sync::Mutex::new(None),
+            serving: tokio::sync::watch::Sender::new(Ok(())),
+            serving_stops: AtomicU64::new(0),
         });
+        let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
             tasks.spawn(service.clone().detect_failures(shutdown.clone()));
             tasks.spawn(service.clone().keep_joined(shutdown.clone()));
+            tasks.spawn(service.clone().watch_serving(shutdown.clone()));
+            if service.needs_lease() {
+                tasks.spawn(service.clone().keep_lease(shutdown.clone()));
+            }
             let stopping = service.clone();
             tasks.spawn(async move {
                 shutdown.cancelled().await;
@@ -313,6 +340,7 @@ impl ViewService {
                     .await,
                 )
             }
+            (Ok(PeerRequest::Lease { node_id }), Some(_)) => self.grant_lease(node_id),
             (
                 Ok(PeerRequest::Promote {
                     node_id,
@@ -391,9 +419,11 @@ impl ViewService {
 
     /// On the leader: commits `down` for every serving member not heard from for the
     /// failure timeout. A follower hears only the leader, so a new leader counts the others'
-    /// silence from its election, and the old leader's from its last heartbeat: a dead
-    /// leader is marked down `failure_timeout` after it died, when the election (400-800 ms)
-    /// fits in that time.
+    /// silence from its election, and the old leader's from its last heartbeat, but from no
+    /// earlier than [`Self::old_leader_lease_floor`] before its election (others may have
+    /// renewed the old leader's lease after this node last heard it: `lease.rs`): a dead
+    /// leader is marked down `failure_timeout` after it died, or at the election if that
+    /// comes later (openraft's followers wait 1.2-1.6 s before they stand).
     async fn detect_failures(self: Arc<Self>, shutdown: CancellationToken) {
         let liveness = self.liveness.clone();
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
@@ -439,7 +469,9 @@ impl ViewService {
             let since = *leader_since.get_or_insert_with(Instant::now);
             let heard_within = |id: u32| {
                 let heard = match liveness.last_heard(id) {
-                    Some(heard) if Some(id) == previous_leader => heard,
+                    Some(heard) if Some(id) == previous_leader => since
+                        .checked_sub(Self::old_leader_lease_floor(self.failure_timeout))
+                        .map_or(heard, |floor| heard.max(floor)),
                     heard => heard.map_or(since, |heard| heard.max(since)),
                 };
                 heard.elapsed() <= self.failure_timeout
@@ -487,6 +519,17 @@ impl ViewService {
                 }
             }
         }
+    }
+
+    /// How long before its election a new leader may start counting the old leader's
+    /// silence. A node refuses to vote for `election_timeout_max` after it last accepted a
+    /// leader's heartbeat (openraft's leader lease), so every heartbeat that a majority
+    /// accepted from the old leader was sent that long before the election at least, and the
+    /// old leader's own lease ends `3/4 × failure_timeout` after such a heartbeat at most.
+    /// Counting its silence from `election_timeout_max + failure_timeout / 8` before the
+    /// election commits it down `failure_timeout / 8` after its lease ended, at the earliest.
+    fn old_leader_lease_floor(failure_timeout: Duration) -> Duration {
+        Duration::from_millis(ELECTION_TIMEOUT_MILLISECONDS.1) + failure_timeout / 8
     }
 
     /// On every node: while the view does not have this node as this incarnation (serving, or
@@ -598,7 +641,11 @@ async fn start_raft(
     .map_err(|error| consensus(error.to_string()))?;
     let first_start = !store.has_history();
     let (log_store, state_machine) = Adaptor::new(store);
-    let network = Network { secret, liveness };
+    let network = Network {
+        addresses: Arc::new(settings.members.iter().copied().collect()),
+        secret,
+        liveness,
+    };
     let raft = Raft::new(
         PeerId::from(settings.node_id),
         Arc::new(config),

@@ -26,6 +26,9 @@ use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
 pub struct Liveness {
     /// The last answer's time, by node id.
     heard: Mutex<HashMap<u32, Instant>>,
+    /// On a leader: by node id, when the newest of its `AppendEntries` that the peer accepted
+    /// (it had voted for no later leader) was sent. The leader's lease counts from these.
+    accepted: Mutex<HashMap<u32, Instant>>,
 }
 
 impl Liveness {
@@ -45,11 +48,40 @@ impl Liveness {
             .get(&node_id)
             .copied()
     }
+
+    /// Records that `node_id` accepted an `AppendEntries` sent at `sent`.
+    fn accepted(&self, node_id: u32, sent: Instant) {
+        let mut accepted = self
+            .accepted
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let newest = accepted.entry(node_id).or_insert(sent);
+        *newest = (*newest).max(sent);
+    }
+
+    /// The latest time by which `quorum` nodes, this one (counted as now) and `peers`, had
+    /// accepted this node's leadership: every peer's acceptance was sent no earlier.
+    pub fn quorum_accepted(&self, peers: &[u32], quorum: usize) -> Option<Instant> {
+        let accepted = self
+            .accepted
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut times: Vec<Instant> = peers
+            .iter()
+            .filter_map(|peer| accepted.get(peer).copied())
+            .chain(std::iter::once(Instant::now()))
+            .collect();
+        times.sort_unstable_by(|left, right| right.cmp(left));
+        times.get(quorum.checked_sub(1)?).copied()
+    }
 }
 
 /// Makes a [`PeerClient`] per peer.
 #[derive(Debug, Clone)]
 pub struct Network {
+    /// The peers' control addresses, from this node's own configuration: the membership in
+    /// Raft's log carries the addresses of the node that initialized it.
+    pub addresses: Arc<std::collections::BTreeMap<u32, SocketAddr>>,
     /// The cluster secret.
     pub secret: Arc<[u8]>,
     /// Answers seen.
@@ -62,7 +94,10 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: PeerId, node: &BasicNode) -> PeerClient {
         PeerClient {
             target: target as u32,
-            address: node.addr.parse().ok(),
+            address: u32::try_from(target)
+                .ok()
+                .and_then(|target| self.addresses.get(&target).copied())
+                .or_else(|| node.addr.parse().ok()),
             secret: self.secret.clone(),
             liveness: self.liveness.clone(),
             connection: None,
@@ -156,6 +191,11 @@ impl PeerClient {
         if answered {
             self.liveness.heard(self.target);
         }
+        if let PeerReply::AppendEntries(Ok(response)) = &reply {
+            if !matches!(response, AppendEntriesResponse::HigherVote(_)) {
+                self.liveness.accepted(self.target, started);
+            }
+        }
         Ok(reply)
     }
 }
@@ -234,6 +274,39 @@ impl RaftNetwork<TypeConfig> for PeerClient {
     }
 }
 
+impl PeerClient {
+    /// A client of the peer `target` at `address` that keeps its connection between calls
+    /// (the lease's renewals, every heartbeat interval).
+    pub fn to(target: u32, address: SocketAddr, secret: Arc<[u8]>) -> Self {
+        Self {
+            target,
+            address: Some(address),
+            secret,
+            liveness: Arc::default(),
+            connection: None,
+        }
+    }
+
+    /// The peer this client calls.
+    pub fn target(&self) -> u32 {
+        self.target
+    }
+
+    /// Sends `request` and returns the answer within `timeout`.
+    ///
+    /// # Errors
+    /// The call failed (the connection is reopened by the next call).
+    pub async fn ask(
+        &mut self,
+        request: &PeerRequest,
+        timeout: Duration,
+    ) -> Result<PeerReply, String> {
+        self.call(request, timeout)
+            .await
+            .map_err(|failure| failure.to_string())
+    }
+}
+
 /// Asks the node at `address` (the leader) to commit `request` (a join), within `timeout`.
 ///
 /// # Errors
@@ -245,15 +318,7 @@ pub async fn ask_leader(
     request: &PeerRequest,
     timeout: Duration,
 ) -> Result<PeerReply, String> {
-    let mut client = PeerClient {
-        target,
-        address: Some(address),
-        secret,
-        liveness: Arc::default(),
-        connection: None,
-    };
-    client
-        .call(request, timeout)
+    PeerClient::to(target, address, secret)
+        .ask(request, timeout)
         .await
-        .map_err(|failure| failure.to_string())
 }

@@ -200,6 +200,11 @@ pub enum PeerRequest {
         /// Its incarnation.
         incarnation: u64,
     },
+    /// A follower asks the leader to renew its lease on serving data (`lease.rs`).
+    Lease {
+        /// The follower.
+        node_id: u32,
+    },
 }
 
 /// A peer's answer.
@@ -216,6 +221,9 @@ pub enum PeerReply {
     /// To [`PeerRequest::Join`] and [`PeerRequest::Promote`]: the epoch with the change
     /// committed, or why not.
     Join(Result<u64, String>),
+    /// To [`PeerRequest::Lease`]: how long, in milliseconds from when it answered, the leader's
+    /// own lease still runs (the follower's lasts no longer), or why it grants none.
+    Lease(Result<u64, String>),
     /// The request did not decode.
     Malformed(String),
 }

@@ -1,0 +1,235 @@
+//! Whether this node may serve data now (`docs/protocol.md`, *Views and fencing*): a node
+//! serves only while it holds a **lease** from the cluster's majority, and, after a restart,
+//! only once the view has its rejoin. A node that loses either fences every data connection
+//! and refuses new ones until it has both again.
+//!
+//! The lease is what stops a node that is alive but cut off (partitioned, or paused) before a
+//! view without it is used:
+//! - **a follower** asks the leader for its lease every heartbeat interval. A grant lasts
+//!   `lease = 3/4 × failure_timeout` from when the follower *sent* its request, and never past
+//!   the leader's own lease. The leader records the request as a sign of life when it
+//!   arrives, after it was sent, so the leader commits the follower down (`failure_timeout`
+//!   of silence) only after the follower's lease ran out.
+//! - **the leader** holds its lease from when it sent the newest heartbeat that a majority
+//!   accepted. A new leader counts the old leader's silence from at least
+//!   `failure_timeout / 8` before its own election, and every majority that accepted the old
+//!   leader includes a node that voted for the new one, before it voted: so the old leader's
+//!   lease has run out before the new leader can commit it down.
+//!
+//! Only a cluster of three or more nodes needs leases: with two, no majority exists without
+//! this node, so no view without it can be committed while it lives.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkv_common::protocol::MemberState;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+
+use super::network::PeerClient;
+use super::types::{PeerReply, PeerRequest};
+use super::{ViewService, HEARTBEAT_INTERVAL};
+
+/// How often the node checks whether it may still serve.
+const SERVING_CHECK_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Whether the node serves data: `Ok`, or why not (a line for logs and for the client).
+pub type Serving = Result<(), String>;
+
+impl ViewService {
+    /// The lease's length for a failure timeout: a grant ends this long after it was asked
+    /// for, well before the leader can commit the node down.
+    pub(super) fn lease_for(failure_timeout: Duration) -> Duration {
+        failure_timeout * 3 / 4
+    }
+
+    /// Whether this node may serve data now, and if not, why.
+    pub fn serving(&self) -> Serving {
+        self.serving.borrow().clone()
+    }
+
+    /// The node's serving state as it changes (fencing reads it).
+    pub fn serving_changes(&self) -> tokio::sync::watch::Receiver<Serving> {
+        self.serving.subscribe()
+    }
+
+    /// How many times this node stopped serving data since it started.
+    pub fn serving_stops(&self) -> u64 {
+        self.serving_stops.load(Ordering::Relaxed)
+    }
+
+    /// Whether this node may serve data, from its view and its lease.
+    pub(super) fn evaluate_serving(&self) -> Serving {
+        if self.raft.is_none() {
+            return Ok(());
+        }
+        let epoch = self.epoch();
+        match self.own_record() {
+            None => return Err("this node is not in its own cluster view".into()),
+            Some(record) if record.state == MemberState::Down => {
+                return Err(format!(
+                    "the cluster view (epoch {epoch}) has this node down; it rejoins and is refilled before it serves"
+                ))
+            }
+            Some(record)
+                if record.incarnation != self.incarnation
+                    && (record.incarnation != 0 || self.had_history) =>
+            {
+                return Err(format!(
+                    "this node restarted and the cluster view (epoch {epoch}) does not have its rejoin yet; it is refilled before it serves"
+                ))
+            }
+            Some(_) => {}
+        }
+        if self.needs_lease() {
+            let until = *self
+                .lease_until
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if until.is_none_or(|until| until <= Instant::now()) {
+                return Err(format!(
+                    "no lease: this node has not reached a majority of the cluster's nodes within {:?} (cut off, or the cluster is electing a leader)",
+                    self.lease
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a majority of the members exists without this node (three or more).
+    pub(super) fn needs_lease(&self) -> bool {
+        self.addresses.len() >= 3
+    }
+
+    /// Extends this node's lease to `until`, if that is later.
+    fn extend_lease(&self, until: Instant) {
+        let mut lease = self
+            .lease_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if lease.is_none_or(|current| current < until) {
+            *lease = Some(until);
+        }
+    }
+
+    /// On the leader: when its own lease ends, from the newest heartbeat a majority accepted.
+    pub(super) fn leader_lease_until(&self) -> Option<Instant> {
+        if self.leader() != Some(self.node_id) {
+            return None;
+        }
+        let peers: Vec<u32> = self
+            .addresses
+            .keys()
+            .copied()
+            .filter(|id| *id != self.node_id)
+            .collect();
+        let quorum = self.addresses.len() / 2 + 1;
+        self.liveness
+            .quorum_accepted(&peers, quorum)
+            .map(|accepted| accepted + self.lease)
+    }
+
+    /// On the leader: a follower's lease request. It is a sign of life (recorded as it
+    /// arrives); the grant is the leader's own lease's remaining time.
+    pub(super) fn grant_lease(&self, node_id: u32) -> PeerReply {
+        if !self.addresses.contains_key(&node_id) {
+            return PeerReply::Lease(Err(format!(
+                "node {node_id} is not a member of this cluster"
+            )));
+        }
+        self.liveness.heard(node_id);
+        if self.leader() != Some(self.node_id) {
+            return PeerReply::Lease(Err(format!("node {} is not the leader", self.node_id)));
+        }
+        let now = Instant::now();
+        match self.leader_lease_until() {
+            Some(until) if until > now => PeerReply::Lease(Ok((until - now).as_millis() as u64)),
+            _ => PeerReply::Lease(Err("the leader holds no lease: it hears no majority".into())),
+        }
+    }
+
+    /// On every node of a cluster of three or more: renews this node's lease every heartbeat
+    /// interval (the leader from its majority's answers, a follower by asking the leader).
+    pub(super) async fn keep_lease(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut client: Option<PeerClient> = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let Some(leader) = self.leader() else {
+                continue;
+            };
+            if leader == self.node_id {
+                if let Some(until) = self.leader_lease_until() {
+                    self.extend_lease(until);
+                }
+                continue;
+            }
+            let Some(address) = self.addresses.get(&leader).copied() else {
+                continue;
+            };
+            if client
+                .as_ref()
+                .is_none_or(|client| client.target() != leader)
+            {
+                client = Some(PeerClient::to(leader, address, self.secret.clone()));
+            }
+            let Some(client) = client.as_mut() else {
+                continue;
+            };
+            let sent = Instant::now();
+            let request = PeerRequest::Lease {
+                node_id: self.node_id,
+            };
+            let asked = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                asked = client.ask(&request, HEARTBEAT_INTERVAL * 3) => asked,
+            };
+            match asked {
+                Ok(PeerReply::Lease(Ok(remaining))) => {
+                    let granted = self.lease.min(Duration::from_millis(remaining));
+                    self.extend_lease(sent + granted);
+                }
+                Ok(PeerReply::Lease(Err(reason))) | Err(reason) => {
+                    tracing::debug!(node = self.node_id, leader, %reason, "lease not renewed");
+                }
+                Ok(other) => {
+                    tracing::debug!(node = self.node_id, leader, ?other, "lease not renewed");
+                }
+            }
+        }
+    }
+
+    /// On every node of a cluster: publishes whether it serves data, as its view and lease
+    /// change, and logs each change.
+    pub(super) async fn watch_serving(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut ticks = tokio::time::interval(SERVING_CHECK_INTERVAL);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let now = self.evaluate_serving();
+            if now.is_ok() == self.serving.borrow().is_ok() {
+                continue;
+            }
+            match &now {
+                Ok(()) => tracing::info!(node = self.node_id, "serving data"),
+                Err(reason) => {
+                    self.serving_stops.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        node = self.node_id,
+                        %reason,
+                        "stopped serving data: data connections fenced, new ones refused"
+                    );
+                }
+            }
+            let _previous = self.serving.send_replace(now);
+        }
+    }
+}
