@@ -9,12 +9,17 @@
 //!   `lease = 3/4 × failure_timeout` from when the follower *sent* its request, and never past
 //!   the leader's own lease. The leader records the request as a sign of life when it
 //!   arrives, after it was sent, so the leader commits the follower down (`failure_timeout`
-//!   of silence) only after the follower's lease ran out.
+//!   of silence) only after the follower's lease ran out. A grant names the leader's view
+//!   epoch, and counts only on a follower that has applied that view: a node back from a cut
+//!   reaches the leader before its log catches up, and must not serve by its old view (found
+//!   by the partition test: it served a replaced value from a view that had it serving).
 //! - **the leader** holds its lease from when it sent the newest heartbeat that a majority
-//!   accepted. A new leader counts the old leader's silence from at least
-//!   `failure_timeout / 8` before its own election, and every majority that accepted the old
-//!   leader includes a node that voted for the new one, before it voted: so the old leader's
-//!   lease has run out before the new leader can commit it down.
+//!   accepted. Every such majority includes a node that voted for the next leader, and a
+//!   node refuses to vote for `election_timeout_max` after it last accepted a leader
+//!   (openraft's leader lease); a new leader counts the old leader's silence from no earlier
+//!   than that plus `failure_timeout / 8` before its election
+//!   (`ViewService::old_leader_lease_floor`): so the old leader's lease has run out before
+//!   the new leader can commit it down.
 //!
 //! Only a cluster of three or more nodes needs leases: with two, no majority exists without
 //! this node, so no view without it can be committed while it lives.
@@ -28,7 +33,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use super::network::PeerClient;
-use super::types::{PeerReply, PeerRequest};
+use super::types::{LeaseGrant, PeerReply, PeerRequest};
 use super::{ViewService, HEARTBEAT_INTERVAL};
 
 /// How often the node checks whether it may still serve.
@@ -144,7 +149,10 @@ impl ViewService {
         }
         let now = Instant::now();
         match self.leader_lease_until() {
-            Some(until) if until > now => PeerReply::Lease(Ok((until - now).as_millis() as u64)),
+            Some(until) if until > now => PeerReply::Lease(Ok(LeaseGrant {
+                remaining_ms: (until - now).as_millis() as u64,
+                epoch: self.epoch(),
+            })),
             _ => PeerReply::Lease(Err("the leader holds no lease: it hears no majority".into())),
         }
     }
@@ -190,8 +198,19 @@ impl ViewService {
                 asked = client.ask(&request, HEARTBEAT_INTERVAL * 3) => asked,
             };
             match asked {
-                Ok(PeerReply::Lease(Ok(remaining))) => {
-                    let granted = self.lease.min(Duration::from_millis(remaining));
+                Ok(PeerReply::Lease(Ok(grant))) if grant.epoch > self.epoch() => {
+                    // Behind the leader's view (back from a cut, its log still catching up):
+                    // no lease until it has applied that view, which may have it down.
+                    tracing::debug!(
+                        node = self.node_id,
+                        leader,
+                        epoch = self.epoch(),
+                        leader_epoch = grant.epoch,
+                        "lease not renewed: this node's view is behind the leader's"
+                    );
+                }
+                Ok(PeerReply::Lease(Ok(grant))) => {
+                    let granted = self.lease.min(Duration::from_millis(grant.remaining_ms));
                     self.extend_lease(sent + granted);
                 }
                 Ok(PeerReply::Lease(Err(reason))) | Err(reason) => {

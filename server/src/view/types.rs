@@ -207,6 +207,17 @@ pub enum PeerRequest {
     },
 }
 
+/// A leader's lease grant to a follower.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    /// How long, in milliseconds from when the leader answered, its own lease still runs:
+    /// the follower's lasts no longer.
+    pub remaining_ms: u64,
+    /// The epoch of the leader's view when it answered: the grant counts only on a follower
+    /// that has applied that view (a node back from a cut must not serve by an older one).
+    pub epoch: u64,
+}
+
 /// A peer's answer.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum PeerReply {
@@ -221,9 +232,8 @@ pub enum PeerReply {
     /// To [`PeerRequest::Join`] and [`PeerRequest::Promote`]: the epoch with the change
     /// committed, or why not.
     Join(Result<u64, String>),
-    /// To [`PeerRequest::Lease`]: how long, in milliseconds from when it answered, the leader's
-    /// own lease still runs (the follower's lasts no longer), or why it grants none.
-    Lease(Result<u64, String>),
+    /// To [`PeerRequest::Lease`]: a grant, or why the leader gives none.
+    Lease(Result<LeaseGrant, String>),
     /// The request did not decode.
     Malformed(String),
 }
