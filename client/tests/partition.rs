@@ -164,11 +164,18 @@ enum Cut {
     Leader,
     /// A follower.
     Follower,
+    /// A follower's connections to the leader only: the leader's heartbeats still reach it.
+    FollowerToLeader,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_cut_off_from_the_majority_stops_serving_before_a_view_without_it() {
     cut_off(Cut::Follower).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_cannot_reach_the_leader_stops_serving_and_leaves_the_view() {
+    cut_off(Cut::FollowerToLeader).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,7 +197,7 @@ async fn cut_off(which: Cut) {
     assert!((1..=NODES).contains(&leader), "a leader: {leader}");
     let cut = match which {
         Cut::Leader => leader,
-        Cut::Follower => (1..=NODES).find(|id| *id != leader).unwrap_or(1),
+        Cut::Follower | Cut::FollowerToLeader => (1..=NODES).find(|id| *id != leader).unwrap_or(1),
     };
     let index = cut as usize - 1;
     let others: Vec<usize> = (0..NODES as usize)
@@ -212,7 +219,10 @@ async fn cut_off(which: Cut) {
 
     // Cut it off from the other two; its clients still reach it.
     let cut_at = Instant::now();
-    cluster.isolate(cut, true);
+    match which {
+        Cut::FollowerToLeader => cluster.links[index][leader as usize - 1].set_cut(true),
+        Cut::Leader | Cut::Follower => cluster.isolate(cut, true),
+    }
     let mut stopped_after = None;
     let mut down_after = None;
     while stopped_after.is_none() || down_after.is_none() {
@@ -280,7 +290,10 @@ async fn cut_off(which: Cut) {
     assert!(stats.connections_fenced + stats.connections_refused_not_serving >= 1);
 
     // Healed, it rejoins, is refilled, and serves the new value.
-    cluster.isolate(cut, false);
+    match which {
+        Cut::FollowerToLeader => cluster.links[index][leader as usize - 1].set_cut(false),
+        Cut::Leader | Cut::Follower => cluster.isolate(cut, false),
+    }
     let mut serving_again = false;
     let healed_at = Instant::now();
     while !serving_again {

@@ -143,7 +143,7 @@ impl ViewService {
                 "node {node_id} is not a member of this cluster"
             )));
         }
-        self.liveness.heard(node_id);
+        self.liveness.lease_requested(node_id);
         if self.leader() != Some(self.node_id) {
             return PeerReply::Lease(Err(format!("node {} is not the leader", self.node_id)));
         }

@@ -467,11 +467,19 @@ impl ViewService {
                 continue;
             }
             let since = *leader_since.get_or_insert_with(Instant::now);
+            let needs_lease = self.needs_lease();
             let heard_within = |id: u32| {
                 let heard = match liveness.last_heard(id) {
                     Some(heard) if Some(id) == previous_leader => since
                         .checked_sub(Self::old_leader_lease_floor(self.failure_timeout))
                         .map_or(heard, |floor| heard.max(floor)),
+                    // Where nodes hold leases, a follower is alive when its lease requests
+                    // arrive: one whose requests do not (it cannot reach this node, though
+                    // this node's heartbeats reach it) serves nothing, and must leave the
+                    // view so that its keys move.
+                    _ if needs_lease => liveness
+                        .last_lease_request(id)
+                        .map_or(since, |heard| heard.max(since)),
                     heard => heard.map_or(since, |heard| heard.max(since)),
                 };
                 heard.elapsed() <= self.failure_timeout

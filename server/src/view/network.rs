@@ -26,6 +26,8 @@ use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
 pub struct Liveness {
     /// The last answer's time, by node id.
     heard: Mutex<HashMap<u32, Instant>>,
+    /// On a leader: by node id, when the peer's newest lease request arrived.
+    lease_requested: Mutex<HashMap<u32, Instant>>,
     /// On a leader: by node id, when the newest of its `AppendEntries` that the peer accepted
     /// (it had voted for no later leader) was sent. The leader's lease counts from these.
     accepted: Mutex<HashMap<u32, Instant>>,
@@ -43,6 +45,24 @@ impl Liveness {
     /// When `node_id` last answered, if ever.
     pub fn last_heard(&self, node_id: u32) -> Option<Instant> {
         self.heard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&node_id)
+            .copied()
+    }
+
+    /// Records a lease request from `node_id`, arriving now: a sign of life too.
+    pub fn lease_requested(&self, node_id: u32) {
+        self.heard(node_id);
+        self.lease_requested
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(node_id, Instant::now());
+    }
+
+    /// When `node_id`'s newest lease request arrived, if ever.
+    pub fn last_lease_request(&self, node_id: u32) -> Option<Instant> {
+        self.lease_requested
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .get(&node_id)
