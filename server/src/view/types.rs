@@ -232,10 +232,10 @@ pub enum PeerReply {
     /// To [`PeerRequest::Join`] and [`PeerRequest::Promote`]: the epoch with the change
     /// committed, or why not.
     Join(Result<u64, String>),
-    /// To [`PeerRequest::Lease`]: a grant, or why the leader gives none.
-    Lease(Result<LeaseGrant, String>),
     /// The request did not decode.
     Malformed(String),
+    /// To [`PeerRequest::Lease`]: a grant, or why the leader gives none.
+    Lease(Result<LeaseGrant, String>),
 }
 
 #[cfg(test)]
