@@ -7,155 +7,17 @@
 //! through proxies that the test cuts and heals; clients reach every node through proxies that
 //! stay up, and the data path (the soft fabric) is direct.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 mod support;
 
+use support::partition::{Partitionable, FAILURE_TIMEOUT, NODES};
+
 use bytes::Bytes;
-use rdkv_client::{Client, ClientConfig, ClusterConfig};
+use rdkv_client::Client;
 use rdkv_common::sharding;
-use rdkv_fabric::Backend;
-use rdkv_server::{RunningServer, ServerConfig};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 const SECRET: &[u8] = b"partition-test-secret";
-const FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
-const NODES: u32 = 3;
-
-/// A TCP forwarder to a target given after it starts. While cut, it closes its connections
-/// and drops new ones at once.
-struct Proxy {
-    /// Where it listens.
-    address: SocketAddr,
-    /// Where it forwards to.
-    target: Arc<OnceLock<SocketAddr>>,
-    /// Whether it is cut.
-    cut: watch::Sender<bool>,
-}
-
-impl Proxy {
-    async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind a proxy");
-        let address = listener.local_addr().expect("proxy address");
-        let target: Arc<OnceLock<SocketAddr>> = Arc::default();
-        let cut = watch::Sender::new(false);
-        let (forward_to, cuts) = (target.clone(), cut.clone());
-        tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let Some(to) = forward_to.get().copied() else {
-                    continue;
-                };
-                if *cuts.borrow() {
-                    continue;
-                }
-                let mut cut_now = cuts.subscribe();
-                tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(to).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut_now.wait_for(|cut| *cut) => {}
-                    }
-                });
-            }
-        });
-        Self {
-            address,
-            target,
-            cut,
-        }
-    }
-
-    fn set_cut(&self, cut: bool) {
-        self.cut.send_replace(cut);
-    }
-}
-
-/// The nodes, the proxies clients use (`front[i]`), and the proxies of node `i`'s messages
-/// to node `j` (`links[i][j]`); indexes from 0 for node ids from 1.
-struct Partitionable {
-    nodes: Vec<RunningServer>,
-    front: Vec<Proxy>,
-    links: Vec<Vec<Proxy>>,
-    cluster: ClusterConfig,
-}
-
-impl Partitionable {
-    async fn start() -> Self {
-        let mut front = Vec::new();
-        let mut links = Vec::new();
-        for _ in 0..NODES {
-            front.push(Proxy::start().await);
-            let mut from = Vec::new();
-            for _ in 0..NODES {
-                from.push(Proxy::start().await);
-            }
-            links.push(from);
-        }
-        let front_addresses: Vec<SocketAddr> = front.iter().map(|proxy| proxy.address).collect();
-        let mut cluster =
-            support::cluster("partition-test", SECRET, Backend::Soft, &front_addresses);
-        cluster.replicas = 2;
-        cluster.failure_timeout = FAILURE_TIMEOUT;
-        let shared_cluster = Arc::new(cluster.clone());
-        let mut nodes = Vec::new();
-        for id in 1..=NODES {
-            let index = id as usize - 1;
-            let mut config = ServerConfig::local(SECRET);
-            config.node_id = id;
-            config.failure_timeout = FAILURE_TIMEOUT;
-            config.cluster = Some(shared_cluster.clone());
-            config.members = (1..=NODES)
-                .map(|peer| {
-                    let proxy = if peer == id {
-                        &front[index]
-                    } else {
-                        &links[index][peer as usize - 1]
-                    };
-                    (peer, proxy.address)
-                })
-                .collect();
-            nodes.push(rdkv_server::start(config).await.expect("start a node"));
-        }
-        for (index, node) in nodes.iter().enumerate() {
-            let _ = front[index].target.set(node.control_address());
-            for from in &links {
-                let _ = from[index].target.set(node.control_address());
-            }
-        }
-        Self {
-            nodes,
-            front,
-            links,
-            cluster,
-        }
-    }
-
-    /// Cuts (or heals) node `id`'s control traffic with the other nodes, both ways.
-    fn isolate(&self, id: u32, cut: bool) {
-        let index = id as usize - 1;
-        for other in 0..NODES as usize {
-            if other != index {
-                self.links[index][other].set_cut(cut);
-                self.links[other][index].set_cut(cut);
-            }
-        }
-    }
-
-    /// A client of node `id` alone, through its front proxy: what that node serves.
-    async fn direct(&self, id: u32) -> rdkv_client::Result<Client> {
-        let mut config =
-            ClientConfig::new(self.front[id as usize - 1].address, Backend::Soft, SECRET);
-        config.node.id = Some(id);
-        Client::connect(config).await
-    }
-}
 
 /// Which node the test cuts off.
 #[derive(Debug, Clone, Copy)]
@@ -187,7 +49,7 @@ async fn a_leader_cut_off_from_the_majority_stops_serving_before_a_view_without_
 /// serving before the others commit it down and serves nothing stale meanwhile, then heals
 /// the cut and checks that it rejoins, is refilled, and serves the newest value.
 async fn cut_off(which: Cut) {
-    let cluster = Partitionable::start().await;
+    let cluster = Partitionable::start("partition-test", SECRET).await;
     let nodes = &cluster.nodes;
     support::eventually("every node serves data (first election, leases)", || {
         nodes.iter().all(|node| node.stats().serving_data)

@@ -1,6 +1,9 @@
 //! Helpers shared by the client's integration tests: a cluster description of in-process nodes
 //! and a bounded wait for a server-side effect.
 
+#[allow(dead_code)] // only the partition tests cut links
+pub mod partition;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 

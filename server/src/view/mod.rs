@@ -340,7 +340,9 @@ impl ViewService {
                     .await,
                 )
             }
-            (Ok(PeerRequest::Lease { node_id }), Some(_)) => self.grant_lease(node_id),
+            (Ok(PeerRequest::Lease { node_id, epoch }), Some(_)) => {
+                self.grant_lease(node_id, epoch)
+            }
             (
                 Ok(PeerRequest::Promote {
                     node_id,

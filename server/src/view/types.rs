@@ -204,6 +204,9 @@ pub enum PeerRequest {
     Lease {
         /// The follower.
         node_id: u32,
+        /// The epoch of the view the follower has applied: a follower behind the leader's
+        /// view gets no grant, and its request is no sign of life.
+        epoch: u64,
     },
 }
 
