@@ -330,6 +330,7 @@ impl Client {
                 let mut config =
                     ClientConfig::new(node.control_address, cluster.fabric, &cluster.secret);
                 config.node.id = Some(node.id);
+                config.routes_by_view = true;
                 // A node's shm = "off" turns auto off; a required shm stays required (and
                 // fails at connect, naming the node's setting).
                 config.node.shared_memory = match (node.shm, shared_memory) {

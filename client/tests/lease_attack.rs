@@ -785,7 +785,6 @@ async fn forged_lease_requests_grant_nothing_and_keep_no_dead_node_in_the_view()
 /// serves data connections meanwhile. A client of that node alone must still read nothing
 /// older than what the cluster acknowledged while the node was away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known limitation (docs/protocol.md, Refill): a filling node takes data connections (it is every write's backup), so a client of that node alone, not routing by the view, reads its partial table"]
 async fn a_client_of_a_filling_node_alone_reads_nothing_replaced() {
     let cluster = Partitionable::start("lease-attack", SECRET).await;
     cluster.converged(Duration::from_secs(10), "at start").await;

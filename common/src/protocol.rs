@@ -36,6 +36,9 @@ pub enum ClientMessage {
         /// The client is on the node's host and asks for its `shm` fabric (which the node
         /// advertised in its challenge); otherwise the node's main fabric.
         shared_memory: bool,
+        /// The client routes by the cluster view (a cluster client): a filling node refuses
+        /// a data client that does not, which would read its partial table.
+        routes_by_view: bool,
     },
     /// The client's queue pair, to connect the server's to it.
     ConnectQueuePair {
@@ -685,6 +688,7 @@ async fn monitor_connection(
             proof: compute_proof(secret, node_id, &nonce),
             client_name: "rdkv-monitor".into(),
             shared_memory: false,
+            routes_by_view: false,
         },
     )
     .await?;

@@ -50,6 +50,7 @@ impl RawClient {
                 proof: compute_proof(SECRET, node_id, &nonce),
                 client_name: "raw".into(),
                 shared_memory: over_shm,
+                routes_by_view: false,
             },
         )
         .await
@@ -288,6 +289,7 @@ async fn a_wrong_secret_gets_no_keys() {
             proof: compute_proof(b"not the secret", node_id, &nonce),
             client_name: "intruder".into(),
             shared_memory: false,
+            routes_by_view: false,
         },
     )
     .await

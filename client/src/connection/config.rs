@@ -65,6 +65,10 @@ pub struct ClientConfig {
     /// Stalls or fails chosen steps of operations (tests and chaos experiments; see
     /// [`crate::fault`]). None in production.
     pub fault_injector: Option<Arc<dyn FaultInjector>>,
+    /// Whether the client routes by the cluster view (a cluster client's connections do):
+    /// it then reads no node the view has filling. A client of one node alone does not, and a
+    /// filling node refuses it (its table is partial until its refill is done).
+    pub routes_by_view: bool,
 }
 
 impl ClientConfig {
@@ -84,6 +88,7 @@ impl ClientConfig {
             concurrency: DEFAULT_CONCURRENCY,
             operation_deadline: None,
             fault_injector: None,
+            routes_by_view: false,
         }
     }
 }

@@ -122,6 +122,7 @@ async fn authenticate(
             proof: compute_proof(&config.secret, node_id, &nonce),
             client_name: config.name.clone(),
             shared_memory,
+            routes_by_view: config.routes_by_view,
         },
     )
     .await

@@ -69,6 +69,7 @@ impl Session {
             proof,
             client_name,
             shared_memory,
+            routes_by_view,
         } = Self::next_message(messages).await?
         else {
             return Err(crate::Error::UnexpectedMessage {
@@ -96,6 +97,7 @@ impl Session {
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.
         self.over_shm = shared_memory && shared.shm.is_some();
+        self.routes_by_view = routes_by_view;
         shared.pending.settle(self.connection_id);
         let fabric = shared.table_for(self.over_shm).device.backend();
         tracing::info!(%client_name, ?purpose, %fabric, "client authenticated");
@@ -106,7 +108,14 @@ impl Session {
     /// authenticated client gets here.
     async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
         let shared = self.shared.clone();
-        if let Err(reason) = shared.view.serving() {
+        let serving = shared.view.serving().and_then(|()| {
+            if shared.view.filling() && !self.routes_by_view {
+                Err("this node is filling (being refilled after a restart or an absence) and its table is partial: connect with a cluster client (the cluster file), which reads the key's serving copy".to_string())
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(reason) = serving {
             // Cut off from the cluster's majority, down in the view, or restarted and not
             // rejoined yet: the client goes to another copy (`docs/protocol.md`, *Views and
             // fencing*).

@@ -177,6 +177,7 @@ pub(crate) async fn serve(
             authenticated: false,
             over_shm: false,
             view_at_connect: None,
+            routes_by_view: false,
         };
         // Unauthenticated until proven: a handshake that a newer connection evicts ends.
         let evict = shutdown.child_token();
@@ -229,6 +230,9 @@ struct Session {
     /// The view the data connection was made under (its welcome names the epoch); it is
     /// fenced when a later view moves keys.
     view_at_connect: Option<crate::view::types::ViewState>,
+    /// Whether the client routes by the cluster view (a cluster client): a filling node
+    /// refuses a data client that does not.
+    routes_by_view: bool,
 }
 
 /// An error and its causes on one line, for the session's end reason.
