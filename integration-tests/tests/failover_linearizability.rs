@@ -37,6 +37,9 @@ struct Seen {
     events: Vec<Event>,
     errors_on_affected: Vec<String>,
     errors_on_unaffected: Vec<String>,
+    /// Outcomes left unknown on keys the dead node did not hold: a write in flight when a
+    /// view change fenced its connections, whose lock was taken over meanwhile.
+    unknown_on_unaffected: Vec<String>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,6 +137,8 @@ async fn a_failover_history_under_load_is_linearizable() {
                         let text = format!("{operation:?} on key-{key}: {error}");
                         if affected[key as usize] {
                             seen.errors_on_affected.push(text);
+                        } else if error.may_have_applied() {
+                            seen.unknown_on_unaffected.push(text);
                         } else {
                             seen.errors_on_unaffected.push(text);
                         }
@@ -199,23 +204,26 @@ async fn a_failover_history_under_load_is_linearizable() {
     let mut history = Vec::new();
     let mut errors_on_affected = Vec::new();
     let mut errors_on_unaffected = Vec::new();
+    let mut unknown_on_unaffected = Vec::new();
     for task in tasks {
         let seen = task.await.expect("client task");
         history.extend(seen.events);
         errors_on_affected.extend(seen.errors_on_affected);
         errors_on_unaffected.extend(seen.errors_on_unaffected);
+        unknown_on_unaffected.extend(seen.unknown_on_unaffected);
     }
     let unknown = history
         .iter()
         .filter(|event| event.outcome == Outcome::Unknown)
         .count();
     eprintln!(
-        "{} operations in {:?}: node {victim} down in the view {down_after:?} after SIGKILL, serving {serving_after:?} after its restart (filling seen: {}); {fenced} data connections fenced; {unknown} unknown; {} errors on the dead node's keys, {} on the others",
+        "{} operations in {:?}: node {victim} down in the view {down_after:?} after SIGKILL, serving {serving_after:?} after its restart (filling seen: {}); {fenced} data connections fenced; {unknown} unknown; {} errors on the dead node's keys, {} on the others ({} of them unknown)",
         history.len(),
         start.elapsed(),
         saw_filling.get(),
         errors_on_affected.len(),
-        errors_on_unaffected.len()
+        errors_on_unaffected.len() + unknown_on_unaffected.len(),
+        unknown_on_unaffected.len()
     );
     for error in errors_on_affected.iter().take(5) {
         eprintln!("  affected: {error}");
@@ -227,5 +235,15 @@ async fn a_failover_history_under_load_is_linearizable() {
         errors_on_unaffected.is_empty(),
         "operations on keys the dead node did not hold failed: {:?}",
         &errors_on_unaffected[..errors_on_unaffected.len().min(10)]
+    );
+    // A write on such a key whose commit was cut by a view change's fence, and whose lock
+    // was taken over before it could look, cannot tell whether it applied: `Unresolved`.
+    // Rare (1 in about 60,000 operations here; docs/operations.md, *Replication and
+    // failover*), and counted in the history as unknown, which the check above allows.
+    assert!(
+        unknown_on_unaffected.len() <= 3,
+        "{} operations on keys the dead node did not hold ended unknown: {:?}",
+        unknown_on_unaffected.len(),
+        &unknown_on_unaffected[..unknown_on_unaffected.len().min(10)]
     );
 }
