@@ -100,7 +100,13 @@ impl Session {
         self.routes_by_view = routes_by_view;
         shared.pending.settle(self.connection_id);
         let fabric = shared.table_for(self.over_shm).device.backend();
-        tracing::info!(%client_name, ?purpose, %fabric, "client authenticated");
+        self.monitor = purpose == Purpose::Monitor;
+        if self.monitor {
+            // `rdkv-cluster status` and `up`'s wait poll often: their sessions are not news.
+            tracing::debug!(%client_name, ?purpose, %fabric, "client authenticated");
+        } else {
+            tracing::info!(%client_name, ?purpose, %fabric, "client authenticated");
+        }
         Ok(purpose)
     }
 

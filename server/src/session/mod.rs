@@ -175,6 +175,7 @@ pub(crate) async fn serve(
             chunk_window: None,
             pass: shared.gate.enter_connection(connection_id, peer),
             authenticated: false,
+            monitor: false,
             over_shm: false,
             view_at_connect: None,
             routes_by_view: false,
@@ -196,7 +197,10 @@ pub(crate) async fn serve(
             crate::Error::ClientDisconnected.to_string(),
             crate::Error::Evicted.to_string(),
         ];
-        if session.authenticated || !quiet.contains(&reason) {
+        if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
+            // A stats poll that ended as it should.
+            tracing::debug!(%reason, "connection closed");
+        } else if session.authenticated || !quiet.contains(&reason) {
             tracing::info!(%reason, "connection closed");
         } else {
             // A port probe (`rdkv-cluster up`'s readiness check, a load balancer): not news.
@@ -225,6 +229,8 @@ struct Session {
     pass: Pass,
     /// Whether the client proved the secret.
     authenticated: bool,
+    /// A stats-only session (`Purpose::Monitor`): logged at debug level.
+    monitor: bool,
     /// Whether the client's queue pair is on the node's `shm` fabric.
     over_shm: bool,
     /// The view the data connection was made under (its welcome names the epoch); it is

@@ -13,6 +13,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 
+/// The reason a session ends when its client says goodbye.
+pub(super) const GOODBYE: &str = "client said goodbye";
+
 impl Session {
     pub(super) async fn serve_requests(
         &mut self,
@@ -126,7 +129,7 @@ impl Session {
                             shutdown.cancel();
                             return "it asked the node to shut down".into();
                         }
-                        ClientMessage::Goodbye => return "client said goodbye".into(),
+                        ClientMessage::Goodbye => return GOODBYE.into(),
                         ClientMessage::FetchView => ServerMessage::View(shared.view.current()),
                         ClientMessage::Peer { payload } => ServerMessage::Peer { payload: shared.view.handle_peer(&payload).await },
                         other => {
