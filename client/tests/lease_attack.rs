@@ -360,7 +360,7 @@ async fn a_flapping_leader_never_serves_a_stale_value_and_the_cluster_converges(
     flapping(true, 11, (200, 400), (200, 400), Duration::from_secs(5)).await;
 }
 
-/// Cuts of 0.6-1.4 s (the leader: 1.2-3 s, past the election) straddle the lease (0.75 s) and the failure timeout (1 s): the node
+/// Cuts of 0.6-1.4 s (the leader: 1.2-3 s, past the election) straddle the lease (0.9 s) and the failure timeout (1 s): the node
 /// stops serving, is committed down, comes back, is refilled, over and over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_flapping_around_the_failure_timeout_never_serves_a_stale_value() {

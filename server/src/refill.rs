@@ -42,14 +42,16 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(REFILL_POLL) => {}
         }
-        if !shared.view.filling() {
+        // The round names this spell of filling: one that ends (the node marked down) and
+        // another that starts while this refill runs must be refilled again.
+        let Some(round) = shared.view.filling_round() else {
             continue;
-        }
+        };
         let started = Instant::now();
         let client = Client::for_cluster_with(&cluster, REFILL_CONCURRENCY, SharedMemory::Off);
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = refill(&shared, &client) => outcome,
+            outcome = refill(&shared, &client, round) => outcome,
         };
         client.close().await;
         match outcome {
@@ -60,8 +62,8 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
                     elapsed = ?started.elapsed(),
                     "refill complete: asking for promotion"
                 );
-                while shared.view.filling() {
-                    match shared.view.promote().await {
+                while shared.view.filling_round() == Some(round) {
+                    match shared.view.promote(round).await {
                         Ok(epoch) => {
                             tracing::info!(
                                 node = shared.config.node_id,
@@ -87,9 +89,9 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
     }
 }
 
-/// One refill: every serving peer's table scanned, the keys this node will hold copied.
-/// Returns the keys copied.
-async fn refill(shared: &Shared, client: &Client) -> Result<u64, String> {
+/// One refill for the filling round that began at epoch `round`: every serving peer's table
+/// scanned, the keys this node will hold copied. Returns the keys copied.
+async fn refill(shared: &Shared, client: &Client, round: u64) -> Result<u64, String> {
     let me = shared.config.node_id;
     let counters = &shared.counters;
     // Route by the view that has this node filling, and wait until every serving peer knows
@@ -106,6 +108,14 @@ async fn refill(shared: &Shared, client: &Client) -> Result<u64, String> {
     if !filling {
         return Err(format!(
             "the view (epoch {}) does not have this node filling",
+            view.epoch
+        ));
+    }
+    if view.epoch < round {
+        // A view of an earlier round: a peer that knows only it may still take writes that
+        // miss this node.
+        return Err(format!(
+            "the view (epoch {}) is older than this round of filling (epoch {round})",
             view.epoch
         ));
     }

@@ -45,9 +45,11 @@ use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};
 
 /// Raft's heartbeat interval, and the failure detector's and join loop's tick.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
-/// Raft's election timeout range, in milliseconds: a dead leader is replaced within about
-/// this long, before the detector's `failure_timeout` starts on the new leader.
-const ELECTION_TIMEOUT_MILLISECONDS: (u64, u64) = (400, 800);
+/// Raft's election timeout range, in milliseconds. Openraft's followers stand for election
+/// `election_timeout_max` (its leader lease) plus this long after the leader's last
+/// heartbeat: 0.65 to 0.8 s, so a new leader grants the other nodes' leases (0.9 s at the
+/// shortest `failure_timeout`) before they run out, and a leader change alone stops no one.
+const ELECTION_TIMEOUT_MILLISECONDS: (u64, u64) = (250, 400);
 /// How far ahead of a node's own term a peer's message may be. Elections raise the term by one
 /// each; a million is decades of failed elections.
 const MAX_TERM_JUMP: u64 = 1 << 20;
@@ -347,6 +349,7 @@ impl ViewService {
                 Ok(PeerRequest::Promote {
                     node_id,
                     incarnation,
+                    filling_since,
                 }),
                 Some(_),
             ) => {
@@ -355,25 +358,17 @@ impl ViewService {
                         "node {node_id} is not a member of this cluster"
                     ))));
                 }
-                let applied = {
-                    let view = self.view.borrow();
-                    view.members
-                        .get(&node_id)
-                        .is_some_and(|record| {
-                            record.state == MemberState::Serving
-                                && record.incarnation == incarnation
-                        })
-                        .then_some(view.epoch)
-                };
-                match applied {
-                    Some(epoch) => PeerReply::Join(Ok(epoch)),
-                    None => PeerReply::Join(
+                match self.promotion_due(node_id, incarnation, filling_since) {
+                    Ok(Some(epoch)) => PeerReply::Join(Ok(epoch)),
+                    Ok(None) => PeerReply::Join(
                         self.commit(ViewCommand::Promote {
                             node_id,
                             incarnation,
+                            filling_since,
                         })
                         .await,
                     ),
+                    Err(reason) => PeerReply::Join(Err(reason)),
                 }
             }
         };
@@ -425,7 +420,7 @@ impl ViewService {
     /// earlier than [`Self::old_leader_lease_floor`] before its election (others may have
     /// renewed the old leader's lease after this node last heard it: `lease.rs`): a dead
     /// leader is marked down `failure_timeout` after it died, or at the election if that
-    /// comes later (openraft's followers wait 1.2-1.6 s before they stand).
+    /// comes later (openraft's followers wait 0.65-0.8 s before they stand).
     async fn detect_failures(self: Arc<Self>, shutdown: CancellationToken) {
         let liveness = self.liveness.clone();
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
@@ -473,7 +468,7 @@ impl ViewService {
             let heard_within = |id: u32| {
                 let heard = match liveness.last_heard(id) {
                     Some(heard) if Some(id) == previous_leader => since
-                        .checked_sub(Self::old_leader_lease_floor(self.failure_timeout))
+                        .checked_sub(Self::old_leader_lease_floor())
                         .map_or(heard, |floor| heard.max(floor)),
                     // Where nodes hold leases, a follower is alive when its lease requests
                     // arrive: one whose requests do not (it cannot reach this node, though
@@ -535,11 +530,11 @@ impl ViewService {
     /// silence. A node refuses to vote for `election_timeout_max` after it last accepted a
     /// leader's heartbeat (openraft's leader lease), so every heartbeat that a majority
     /// accepted from the old leader was sent that long before the election at least, and the
-    /// old leader's own lease ends `3/4 × failure_timeout` after such a heartbeat at most.
-    /// Counting its silence from `election_timeout_max + failure_timeout / 8` before the
-    /// election commits it down `failure_timeout / 8` after its lease ended, at the earliest.
-    fn old_leader_lease_floor(failure_timeout: Duration) -> Duration {
-        Duration::from_millis(ELECTION_TIMEOUT_MILLISECONDS.1) + failure_timeout / 8
+    /// old leader's own lease ends `9/10 × failure_timeout` after such a heartbeat at most.
+    /// Counting its silence from `election_timeout_max` before the election commits it down
+    /// `failure_timeout / 10` after its lease ended, at the earliest.
+    fn old_leader_lease_floor() -> Duration {
+        Duration::from_millis(ELECTION_TIMEOUT_MILLISECONDS.1)
     }
 
     /// On every node: while the view does not have this node as this incarnation (serving, or
@@ -578,21 +573,71 @@ impl ViewService {
 
     /// Whether this node is filling as this incarnation (its refill's turn).
     pub fn filling(&self) -> bool {
-        self.own_record().is_some_and(|record| {
-            record.state == MemberState::Filling && record.incarnation == self.incarnation
-        })
+        self.filling_round().is_some()
     }
 
-    /// Asks the leader to commit this node's promotion (filling → serving): the refill is
-    /// complete. The epoch with it committed, or why not yet.
-    pub async fn promote(&self) -> std::result::Result<u64, String> {
+    /// While this node is filling as this incarnation: the epoch its record became `filling`,
+    /// which names this round of filling (a node marked down and back fills again, a new
+    /// round, and must be refilled again).
+    pub fn filling_round(&self) -> Option<u64> {
+        self.own_record()
+            .filter(|record| {
+                record.state == MemberState::Filling && record.incarnation == self.incarnation
+            })
+            .map(|record| record.since)
+    }
+
+    /// On the leader, before it commits a promotion: `Some(epoch)` if the node already serves
+    /// as `incarnation`, `None` if it fills as `incarnation` since `filling_since` (the
+    /// promotion is due), and an error if it is in another round or state (a refill of an
+    /// earlier round: the node was down since). Applying the command checks the same.
+    fn promotion_due(
+        &self,
+        node_id: u32,
+        incarnation: u64,
+        filling_since: u64,
+    ) -> std::result::Result<Option<u64>, String> {
+        let view = self.view.borrow();
+        match view.members.get(&node_id) {
+            Some(record)
+                if record.state == MemberState::Serving && record.incarnation == incarnation =>
+            {
+                Ok(Some(view.epoch))
+            }
+            Some(record)
+                if record.state == MemberState::Filling
+                    && record.incarnation == incarnation
+                    && record.since == filling_since =>
+            {
+                Ok(None)
+            }
+            Some(record) => Err(format!(
+                "node {node_id} is not filling since epoch {filling_since} as this process: the view (epoch {}) has it {:?} since epoch {}",
+                view.epoch, record.state, record.since
+            )),
+            None => Err(format!("node {node_id} is not a member of this cluster")),
+        }
+    }
+
+    /// Asks the leader to commit this node's promotion (filling → serving) for the filling
+    /// round `filling_since`, whose refill is complete. The epoch after it, or why not.
+    pub async fn promote(&self, filling_since: u64) -> std::result::Result<u64, String> {
+        if self.leader() == Some(self.node_id) {
+            if let Some(epoch) =
+                self.promotion_due(self.node_id, self.incarnation, filling_since)?
+            {
+                return Ok(epoch);
+            }
+        }
         let command = ViewCommand::Promote {
             node_id: self.node_id,
             incarnation: self.incarnation,
+            filling_since,
         };
         let request = PeerRequest::Promote {
             node_id: self.node_id,
             incarnation: self.incarnation,
+            filling_since,
         };
         self.ask_leader_to_commit(command, &request).await
     }

@@ -296,7 +296,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 
 impl PeerClient {
     /// A client of the peer `target` at `address` that keeps its connection between calls
-    /// (the lease's renewals, every heartbeat interval).
+    /// (the lease's renewals, every 50 ms).
     pub fn to(target: u32, address: SocketAddr, secret: Arc<[u8]>) -> Self {
         Self {
             target,

@@ -21,6 +21,11 @@ use tokio::sync::watch;
 
 use super::types::{PeerId, TypeConfig, ViewReply, ViewState};
 
+/// The state file's first bytes: its format. Version 2 added the epoch at which each member's
+/// record last changed (`MemberRecord::since`) and the filling round to `Promote`; a file of
+/// another format is refused with a one-line error, never misread.
+const FILE_HEADER: &[u8] = b"rdkv-view-state 2\n";
+
 /// Everything the node must remember.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Persisted {
@@ -77,8 +82,14 @@ impl Store {
                     path: path.clone(),
                     reason: source.to_string(),
                 })?;
+                let Some(body) = bytes.strip_prefix(FILE_HEADER) else {
+                    return Err(crate::Error::ViewState {
+                        path: path.clone(),
+                        reason: "written by another version of rdkv, or not a view state file; stop every node of the cluster and delete their view state files to start the view afresh".into(),
+                    });
+                };
                 let persisted: Persisted =
-                    bincode::deserialize(&bytes).map_err(|error| crate::Error::ViewState {
+                    bincode::deserialize(body).map_err(|error| crate::Error::ViewState {
                         path: path.clone(),
                         reason: format!(
                             "{error}; delete the file to start this node's view afresh"
@@ -140,6 +151,7 @@ impl Store {
         {
             use std::io::Write;
             let mut file = std::fs::File::create(&temporary).map_err(io_error)?;
+            file.write_all(FILE_HEADER).map_err(io_error)?;
             file.write_all(&bytes).map_err(io_error)?;
             file.sync_all().map_err(io_error)?;
         }
@@ -412,10 +424,18 @@ mod tests {
             std::env::temp_dir().join(format!("rdkv-view-corrupt-{}", std::process::id()));
         std::fs::create_dir_all(&directory).expect("directory");
         let file = directory.join("node-1.view");
-        std::fs::write(&file, b"\xff\xff\xff\xff\xff\xff\xff\xff\xff").expect("write");
-        let error = Store::open(Some(file), &[1, 2]).expect_err("corrupt");
+        let mut corrupt = FILE_HEADER.to_vec();
+        corrupt.extend_from_slice(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff");
+        std::fs::write(&file, &corrupt).expect("write");
+        let error = Store::open(Some(file.clone()), &[1, 2]).expect_err("corrupt");
         let message = error.to_string();
         assert!(message.contains("delete the file"), "{message}");
+        assert!(!message.contains('\n'));
+        // A file of an earlier format (no header) is refused, not misread.
+        std::fs::write(&file, b"\x01\x00\x00\x00\x00\x00\x00\x00\x02").expect("write");
+        let error = Store::open(Some(file), &[1, 2]).expect_err("an earlier format");
+        let message = error.to_string();
+        assert!(message.contains("another version of rdkv"), "{message}");
         assert!(!message.contains('\n'));
         let _ = std::fs::remove_dir_all(&directory);
     }

@@ -40,13 +40,17 @@ pub enum ViewCommand {
         /// Random per process start: a restart is a new incarnation, and a new epoch.
         incarnation: u64,
     },
-    /// The member, filling as `incarnation`, holds a copy of every key it is a replica of:
-    /// it serves.
+    /// The member, filling as `incarnation` since epoch `filling_since`, holds a copy of every
+    /// key it is a replica of: it serves.
     Promote {
         /// The member.
         node_id: u32,
         /// Its incarnation (a promotion of an earlier one changes nothing).
         incarnation: u64,
+        /// The epoch its record became `filling`, as the refill saw it: a refill of an earlier
+        /// round (the node was marked down and joined again since, and missed writes between)
+        /// promotes nothing.
+        filling_since: u64,
     },
 }
 
@@ -64,6 +68,8 @@ pub struct MemberRecord {
     pub state: MemberState,
     /// The incarnation that last joined (0: none yet).
     pub incarnation: u64,
+    /// The epoch at which this record last changed (0: the initial view).
+    pub since: u64,
 }
 
 /// The replicated state: the epoch and every member's record.
@@ -88,6 +94,7 @@ impl ViewState {
                         MemberRecord {
                             state: MemberState::Serving,
                             incarnation: 0,
+                            since: 0,
                         },
                     )
                 })
@@ -99,10 +106,12 @@ impl ViewState {
     /// marked down twice, a join of the incarnation already serving, an unknown node) keeps
     /// the epoch.
     pub fn apply(&mut self, command: &ViewCommand) -> u64 {
+        let next = self.epoch + 1;
         let changed = match *command {
             ViewCommand::MarkDown { node_id } => match self.members.get_mut(&node_id) {
                 Some(record) if record.state != MemberState::Down => {
                     record.state = MemberState::Down;
+                    record.since = next;
                     true
                 }
                 _ => false,
@@ -124,6 +133,7 @@ impl ViewState {
                         MemberState::Filling
                     };
                     record.incarnation = incarnation;
+                    record.since = next;
                     true
                 }
                 _ => false,
@@ -131,12 +141,15 @@ impl ViewState {
             ViewCommand::Promote {
                 node_id,
                 incarnation,
+                filling_since,
             } => match self.members.get_mut(&node_id) {
                 Some(record)
                     if record.state == MemberState::Filling
-                        && record.incarnation == incarnation =>
+                        && record.incarnation == incarnation
+                        && record.since == filling_since =>
                 {
                     record.state = MemberState::Serving;
+                    record.since = next;
                     true
                 }
                 _ => false,
@@ -199,6 +212,8 @@ pub enum PeerRequest {
         node_id: u32,
         /// Its incarnation.
         incarnation: u64,
+        /// The epoch its record became `filling`, when its refill started.
+        filling_since: u64,
     },
     /// A follower asks the leader to renew its lease on serving data (`lease.rs`).
     Lease {
@@ -253,9 +268,10 @@ mod tests {
             node_id,
             incarnation,
         };
-        let promote = |node_id, incarnation| ViewCommand::Promote {
+        let promote = |view: &ViewState, node_id, incarnation| ViewCommand::Promote {
             node_id,
             incarnation,
+            filling_since: view.members[&node_id].since,
         };
         let state = |view: &ViewState, node_id| view.members[&node_id].state;
         let before = view.clone();
@@ -282,11 +298,11 @@ mod tests {
         );
         assert_eq!(view.apply(&join(2, 9)), 3, "filling already");
         assert_eq!(
-            view.apply(&promote(2, 8)),
+            view.apply(&promote(&view, 2, 8)),
             3,
             "an earlier incarnation's promotion"
         );
-        assert_eq!(view.apply(&promote(2, 9)), 4);
+        assert_eq!(view.apply(&promote(&view, 2, 9)), 4);
         assert_eq!(state(&view, 2), MemberState::Serving);
         assert_eq!(view.apply(&join(1, 8)), 5, "a restart is a new epoch");
         assert_eq!(
@@ -294,8 +310,42 @@ mod tests {
             MemberState::Filling,
             "a restarted node fills"
         );
-        assert_eq!(view.apply(&promote(1, 8)), 6);
+        assert_eq!(view.apply(&promote(&view, 1, 8)), 6);
         assert_eq!(view.apply(&ViewCommand::MarkDown { node_id: 42 }), 6);
         assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
+    }
+
+    /// The bug the lease attack test found: a node refilled while filling, marked down before
+    /// its promotion committed, and back (the same process: the same incarnation) was promoted
+    /// by its first refill's retried request, without the writes it missed while down.
+    #[test]
+    fn a_promotion_of_an_earlier_filling_round_changes_nothing() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 5,
+        });
+        let first_round = view.members[&3].since;
+        assert_eq!(view.members[&3].state, MemberState::Filling);
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        let epoch = view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 5,
+        });
+        let stale = ViewCommand::Promote {
+            node_id: 3,
+            incarnation: 5,
+            filling_since: first_round,
+        };
+        assert_eq!(view.apply(&stale), epoch, "the first round's promotion");
+        assert_eq!(view.members[&3].state, MemberState::Filling);
+        let current = ViewCommand::Promote {
+            node_id: 3,
+            incarnation: 5,
+            filling_since: view.members[&3].since,
+        };
+        assert_eq!(view.apply(&current), epoch + 1);
+        assert_eq!(view.members[&3].state, MemberState::Serving);
     }
 }
