@@ -68,11 +68,13 @@ impl ViewService {
         self.serving_stops.load(Ordering::Relaxed)
     }
 
-    /// Whether this node may serve data, from its view and its lease.
+    /// Whether this node may serve data, from its view and its lease. A lease held as the
+    /// leader ends here when the node no longer leads.
     pub(super) fn evaluate_serving(&self) -> Serving {
         if self.raft.is_none() {
             return Ok(());
         }
+        self.end_leader_lease_if_stepped_down();
         let epoch = self.epoch();
         match self.own_record() {
             None => return Err("this node is not in its own cluster view".into()),
@@ -109,6 +111,43 @@ impl ViewService {
     /// Whether a majority of the members exists without this node (three or more).
     pub(super) fn needs_lease(&self) -> bool {
         self.addresses.len() >= 3
+    }
+
+    /// A leader's lease rests on heartbeats that a majority accepted, and a new leader counts
+    /// the old one's silence from `election_timeout_max` before its election, since a voter
+    /// refuses votes that long after it accepted a heartbeat. The old leader itself does not:
+    /// openraft's leader grants a vote for a newer term once it has led that long, so the
+    /// voters of the next leader may be the old leader and a node that never heard it lately.
+    /// A node that stopped leading (it voted, or saw a newer term) therefore drops the lease
+    /// it held as the leader at once, and serves again only on a grant from the new leader.
+    fn end_leader_lease_if_stepped_down(&self) {
+        if !self.lease_as_leader.load(Ordering::Acquire) || self.leader() == Some(self.node_id) {
+            return;
+        }
+        let mut lease = self
+            .lease_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Checked again under the lock: keep_lease sets both under it.
+        if self.lease_as_leader.swap(false, Ordering::AcqRel) {
+            *lease = None;
+            tracing::info!(
+                node = self.node_id,
+                "no longer the leader: its lease as the leader ends"
+            );
+        }
+    }
+
+    /// Extends this node's lease to `until`, as the leader, until it stops leading.
+    fn extend_leader_lease(&self, until: Instant) {
+        let mut lease = self
+            .lease_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if lease.is_none_or(|current| current < until) {
+            *lease = Some(until);
+        }
+        self.lease_as_leader.store(true, Ordering::Release);
     }
 
     /// Extends this node's lease to `until`, if that is later.
@@ -187,7 +226,7 @@ impl ViewService {
             };
             if leader == self.node_id {
                 if let Some(until) = self.leader_lease_until() {
-                    self.extend_lease(until);
+                    self.extend_leader_lease(until);
                 }
                 continue;
             }

@@ -102,6 +102,9 @@ pub struct ViewService {
     lease: Duration,
     /// When this node's lease ends (`None`: it never held one).
     lease_until: std::sync::Mutex<Option<Instant>>,
+    /// Whether the lease was last extended as the leader: such a lease ends when the node
+    /// stops leading (`lease.rs`).
+    lease_as_leader: std::sync::atomic::AtomicBool,
     /// Whether this node serves data now, and if not, why.
     serving: tokio::sync::watch::Sender<Serving>,
     /// Times this node stopped serving data.
@@ -157,6 +160,7 @@ impl ViewService {
             had_history,
             lease: Self::lease_for(settings.failure_timeout),
             lease_until: std::sync::Mutex::new(None),
+            lease_as_leader: std::sync::atomic::AtomicBool::new(false),
             serving: tokio::sync::watch::Sender::new(Ok(())),
             serving_stops: AtomicU64::new(0),
         });
@@ -466,19 +470,25 @@ impl ViewService {
             let since = *leader_since.get_or_insert_with(Instant::now);
             let needs_lease = self.needs_lease();
             let heard_within = |id: u32| {
-                let heard = match liveness.last_heard(id) {
-                    Some(heard) if Some(id) == previous_leader => since
-                        .checked_sub(Self::old_leader_lease_floor())
-                        .map_or(heard, |floor| heard.max(floor)),
-                    // Where nodes hold leases, a follower is alive when its lease requests
-                    // arrive: one whose requests do not (it cannot reach this node, though
-                    // this node's heartbeats reach it) serves nothing, and must leave the
-                    // view so that its keys move.
-                    _ if needs_lease => liveness
-                        .last_lease_request(id)
-                        .map_or(since, |heard| heard.max(since)),
-                    heard => heard.map_or(since, |heard| heard.max(since)),
+                // Where nodes hold leases, a follower is alive when its lease requests
+                // arrive: one whose requests do not (it cannot reach this node, though this
+                // node's heartbeats reach it) serves nothing, and must leave the view so that
+                // its keys move. The previous leader too, once it follows (found by attack: a
+                // leader whose messages to one follower were cut lost an election to it, then
+                // could not reach the new leader, and stayed in the view, serving nothing).
+                let signs = if needs_lease {
+                    liveness.last_lease_request(id)
+                } else {
+                    liveness.last_heard(id)
                 };
+                let counted_from = if Some(id) == previous_leader {
+                    since
+                        .checked_sub(Self::old_leader_lease_floor())
+                        .unwrap_or(since)
+                } else {
+                    since
+                };
+                let heard = signs.map_or(counted_from, |heard| heard.max(counted_from));
                 heard.elapsed() <= self.failure_timeout
             };
             let (silent, members, epoch): (Vec<u32>, usize, u64) = {
