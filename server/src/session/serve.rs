@@ -16,6 +16,32 @@ use super::*;
 /// The reason a session ends when its client says goodbye.
 pub(super) const GOODBYE: &str = "client said goodbye";
 
+/// How long a fence's notice may wait for room in the client's socket: the queue pair is in
+/// ERROR already, so a client that does not read only misses the notice.
+const NOTICE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(20);
+
+impl Session {
+    /// At a fence: the queue pair to ERROR before anything else (its requests flush and the
+    /// responder stops), so that a notice the client does not read cannot hold it open (found
+    /// by review); the ordered teardown follows.
+    fn stop_answering(&self) {
+        if let Some(queue_pair) = &self.queue_pair {
+            queue_pair.modify_to_error();
+        }
+    }
+
+    /// A fence's notice: best effort, within [`NOTICE_TIMEOUT`].
+    async fn send_notice(
+        writer: &mut OwnedWriteHalf,
+        message: &ServerMessage,
+    ) -> Result<(), crate::Error> {
+        match tokio::time::timeout(NOTICE_TIMEOUT, Self::send(writer, message)).await {
+            Ok(sent) => sent,
+            Err(_) => Err(crate::Error::ClientDisconnected),
+        }
+    }
+}
+
 impl Session {
     pub(super) async fn serve_requests(
         &mut self,
@@ -51,7 +77,8 @@ impl Session {
                     .connections_fenced
                     .fetch_add(1, Ordering::Relaxed);
                 let epoch = shared.view.epoch();
-                let _ = Self::send(
+                self.stop_answering();
+                let _ = Self::send_notice(
                     writer,
                     &ServerMessage::NotServing {
                         epoch,
@@ -93,7 +120,8 @@ impl Session {
                         shared.counters.connections_fenced.fetch_add(1, Ordering::Relaxed);
                         // The client reads it as the answer to its next request (a heartbeat
                         // at the latest), and learns the epoch.
-                        let _ = Self::send(writer, &ServerMessage::Fenced { epoch: now.epoch }).await;
+                        self.stop_answering();
+                        let _ = Self::send_notice(writer, &ServerMessage::Fenced { epoch: now.epoch }).await;
                         return format!("fenced: the cluster view moved keys (epoch {})", now.epoch);
                     }
                 }

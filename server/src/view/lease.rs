@@ -15,11 +15,15 @@
 //!   by the partition test: it served a replaced value from a view that had it serving).
 //! - **the leader** holds its lease from when it sent the newest heartbeat that a majority
 //!   accepted. Every such majority includes a node that voted for the next leader, and a
-//!   node refuses to vote for `election_timeout_max` after it last accepted a leader
+//!   follower refuses to vote for `election_timeout_max` after it last accepted a leader
 //!   (openraft's leader lease); a new leader counts the old leader's silence from no earlier
 //!   than that before its election
 //!   (`ViewService::old_leader_lease_floor`): so the old leader's lease has run out before
-//!   the new leader can commit it down.
+//!   the new leader can commit it down. The one voter that may not refuse is the old leader
+//!   itself (openraft's leader votes for a newer term once it has led that long), so a node
+//!   that stops leading drops the lease it held as the leader at once.
+//! - **the decision to commit a member down** and a lease grant take one lock: the leader
+//!   grants nothing to a member it is committing down, until its view has it down.
 //!
 //! Only a cluster of three or more nodes needs leases: with two, no majority exists without
 //! this node, so no view without it can be committed while it lives.
@@ -199,7 +203,15 @@ impl ViewService {
                 self.epoch()
             )));
         }
+        // Under the lock the failure detector decides under: no grant to a member it is
+        // committing down.
+        let pending = self.pending_down_lock();
         self.liveness.lease_requested(node_id);
+        if pending.contains(&node_id) {
+            return PeerReply::Lease(Err(format!(
+                "node {node_id} is being committed down: it rejoins and is refilled first"
+            )));
+        }
         let now = Instant::now();
         match self.leader_lease_until() {
             Some(until) if until > now => PeerReply::Lease(Ok(LeaseGrant {

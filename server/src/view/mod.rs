@@ -105,6 +105,10 @@ pub struct ViewService {
     /// Whether the lease was last extended as the leader: such a lease ends when the node
     /// stops leading (`lease.rs`).
     lease_as_leader: std::sync::atomic::AtomicBool,
+    /// On the leader: members it decided to commit down, until its view has them down or it
+    /// stops leading. It grants them no lease meanwhile (`lease.rs`), under this lock, which
+    /// the decision takes too.
+    pending_down: std::sync::Mutex<std::collections::BTreeSet<u32>>,
     /// Whether this node serves data now, and if not, why.
     serving: tokio::sync::watch::Sender<Serving>,
     /// Times this node stopped serving data.
@@ -161,6 +165,7 @@ impl ViewService {
             lease: Self::lease_for(settings.failure_timeout),
             lease_until: std::sync::Mutex::new(None),
             lease_as_leader: std::sync::atomic::AtomicBool::new(false),
+            pending_down: std::sync::Mutex::new(std::collections::BTreeSet::new()),
             serving: tokio::sync::watch::Sender::new(Ok(())),
             serving_stops: AtomicU64::new(0),
         });
@@ -362,18 +367,10 @@ impl ViewService {
                         "node {node_id} is not a member of this cluster"
                     ))));
                 }
-                match self.promotion_due(node_id, incarnation, filling_since) {
-                    Ok(Some(epoch)) => PeerReply::Join(Ok(epoch)),
-                    Ok(None) => PeerReply::Join(
-                        self.commit(ViewCommand::Promote {
-                            node_id,
-                            incarnation,
-                            filling_since,
-                        })
+                PeerReply::Join(
+                    self.commit_promotion(node_id, incarnation, filling_since)
                         .await,
-                    ),
-                    Err(reason) => PeerReply::Join(Err(reason)),
-                }
+                )
             }
         };
         Self::encode(&reply)
@@ -465,8 +462,20 @@ impl ViewService {
                 if leader.is_some() {
                     previous_leader = leader;
                 }
+                self.pending_down_lock().clear();
                 continue;
             }
+            // Those the view has down now are done (the view is read first, and not held
+            // with the lock: lease grants take the lock, then read the view).
+            let not_down: Vec<u32> = self
+                .view
+                .borrow()
+                .members
+                .iter()
+                .filter(|(_, record)| record.state != MemberState::Down)
+                .map(|(id, _)| *id)
+                .collect();
+            self.pending_down_lock().retain(|id| not_down.contains(id));
             let since = *leader_since.get_or_insert_with(Instant::now);
             let needs_lease = self.needs_lease();
             let heard_within = |id: u32| {
@@ -522,6 +531,17 @@ impl ViewService {
                 }) {
                     continue;
                 }
+                {
+                    // Decided under the lock that lease grants take: a request that arrived
+                    // since the decision above got its grant before this check, and counts; one
+                    // that arrives after gets none (found by review: a grant in the moment
+                    // before the commit let a node serve past the view without it).
+                    let mut pending = self.pending_down_lock();
+                    if heard_within(node_id) {
+                        continue;
+                    }
+                    pending.insert(node_id);
+                }
                 proposed.insert(node_id, (Instant::now(), epoch));
                 tracing::warn!(
                     node = self.node_id,
@@ -536,13 +556,24 @@ impl ViewService {
         }
     }
 
+    /// The members this leader is committing down (their lease requests get no grant).
+    pub(super) fn pending_down_lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
+        self.pending_down
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// How long before its election a new leader may start counting the old leader's
-    /// silence. A node refuses to vote for `election_timeout_max` after it last accepted a
-    /// leader's heartbeat (openraft's leader lease), so every heartbeat that a majority
-    /// accepted from the old leader was sent that long before the election at least, and the
-    /// old leader's own lease ends `9/10 × failure_timeout` after such a heartbeat at most.
-    /// Counting its silence from `election_timeout_max` before the election commits it down
-    /// `failure_timeout / 10` after its lease ended, at the earliest.
+    /// silence. A follower refuses to vote for `election_timeout_max` after it last accepted
+    /// a leader's heartbeat (openraft's leader lease), so every heartbeat that a majority
+    /// accepted from the old leader was sent that long before the election at least, unless
+    /// the old leader voted for the new one itself (openraft's leader grants a vote for a newer
+    /// term once it has led that long): that old leader dropped its lease when it voted
+    /// (`lease.rs`). The old leader's own lease ends `9/10 × failure_timeout` after such a
+    /// heartbeat at most, so counting its silence from `election_timeout_max` before the
+    /// election commits it down `failure_timeout / 10` after its lease ended, at the earliest.
     fn old_leader_lease_floor() -> Duration {
         Duration::from_millis(ELECTION_TIMEOUT_MILLISECONDS.1)
     }
@@ -629,15 +660,39 @@ impl ViewService {
         }
     }
 
+    /// On the leader: commits a promotion that is due, and answers with the epoch once the
+    /// view has the node serving, or why not (a promotion that changed nothing is an error,
+    /// so the node does not think itself promoted).
+    async fn commit_promotion(
+        &self,
+        node_id: u32,
+        incarnation: u64,
+        filling_since: u64,
+    ) -> std::result::Result<u64, String> {
+        if let Some(epoch) = self.promotion_due(node_id, incarnation, filling_since)? {
+            return Ok(epoch);
+        }
+        self.commit(ViewCommand::Promote {
+            node_id,
+            incarnation,
+            filling_since,
+        })
+        .await?;
+        match self.promotion_due(node_id, incarnation, filling_since)? {
+            Some(epoch) => Ok(epoch),
+            None => Err(format!(
+                "the promotion of node {node_id} is committed but not applied here yet"
+            )),
+        }
+    }
+
     /// Asks the leader to commit this node's promotion (filling → serving) for the filling
     /// round `filling_since`, whose refill is complete. The epoch after it, or why not.
     pub async fn promote(&self, filling_since: u64) -> std::result::Result<u64, String> {
         if self.leader() == Some(self.node_id) {
-            if let Some(epoch) =
-                self.promotion_due(self.node_id, self.incarnation, filling_since)?
-            {
-                return Ok(epoch);
-            }
+            return self
+                .commit_promotion(self.node_id, self.incarnation, filling_since)
+                .await;
         }
         let command = ViewCommand::Promote {
             node_id: self.node_id,
