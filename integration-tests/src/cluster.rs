@@ -74,14 +74,18 @@ impl Cluster {
             "--run-dir",
             run_directory.to_str().expect("utf-8 path"),
         ]);
-        assert!(
-            up.status.success(),
-            "up failed: {}",
-            String::from_utf8_lossy(&up.stderr)
-        );
-        Self {
+        // Built first, so that a failed start still stops the nodes it started (its drop runs
+        // as the panic unwinds: a node that never served kept running after the test).
+        let cluster = Self {
             file,
             run_directory,
-        }
+        };
+        assert!(
+            up.status.success(),
+            "up failed: {}{}",
+            String::from_utf8_lossy(&up.stdout),
+            String::from_utf8_lossy(&up.stderr)
+        );
+        cluster
     }
 }

@@ -207,7 +207,7 @@ impl ViewService {
         // committing down.
         let pending = self.pending_down_lock();
         self.liveness.lease_requested(node_id);
-        if pending.contains(&node_id) {
+        if pending.contains_key(&node_id) {
             return PeerReply::Lease(Err(format!(
                 "node {node_id} is being committed down: it rejoins and is refilled first"
             )));

@@ -108,7 +108,8 @@ pub struct ViewService {
     /// On the leader: members it decided to commit down, until its view has them down or it
     /// stops leading. It grants them no lease meanwhile (`lease.rs`), under this lock, which
     /// the decision takes too.
-    pending_down: std::sync::Mutex<std::collections::BTreeSet<u32>>,
+    /// Each with its record's `since` at the decision: the entry ends when the record changed.
+    pending_down: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
     /// Whether this node serves data now, and if not, why.
     serving: tokio::sync::watch::Sender<Serving>,
     /// Times this node stopped serving data.
@@ -165,7 +166,7 @@ impl ViewService {
             lease: Self::lease_for(settings.failure_timeout),
             lease_until: std::sync::Mutex::new(None),
             lease_as_leader: std::sync::atomic::AtomicBool::new(false),
-            pending_down: std::sync::Mutex::new(std::collections::BTreeSet::new()),
+            pending_down: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             serving: tokio::sync::watch::Sender::new(Ok(())),
             serving_stops: AtomicU64::new(0),
         });
@@ -327,8 +328,13 @@ impl ViewService {
                         "node {node_id} is not a member of this cluster"
                     ))));
                 }
-                // A node asking to join is alive, whatever the heartbeats' last answer says.
+                // A node asking to join is alive, whatever the heartbeats' last answer says,
+                // and is counted as if it had asked for a lease: it holds none (its view has it
+                // down, or it restarted), and its first request comes only once it has applied
+                // the join; counted from its last request before, it was committed down again
+                // at once, over and over.
                 self.liveness.heard(node_id);
+                self.liveness.lease_requested(node_id);
                 let applied = {
                     let view = self.view.borrow();
                     view.members
@@ -465,17 +471,20 @@ impl ViewService {
                 self.pending_down_lock().clear();
                 continue;
             }
-            // Those the view has down now are done (the view is read first, and not held
-            // with the lock: lease grants take the lock, then read the view).
-            let not_down: Vec<u32> = self
+            // An entry ends once its member's record changed since the decision (marked down,
+            // and perhaps back already; found by CI: a member that rejoined before this check
+            // stayed pending, refused every lease). The view is read first, not held with the
+            // lock: lease grants take the lock, then read the view.
+            let records: Vec<(u32, u64)> = self
                 .view
                 .borrow()
                 .members
                 .iter()
                 .filter(|(_, record)| record.state != MemberState::Down)
-                .map(|(id, _)| *id)
+                .map(|(id, record)| (*id, record.since))
                 .collect();
-            self.pending_down_lock().retain(|id| not_down.contains(id));
+            self.pending_down_lock()
+                .retain(|id, decided_at| records.contains(&(*id, *decided_at)));
             let since = *leader_since.get_or_insert_with(Instant::now);
             let needs_lease = self.needs_lease();
             let heard_within = |id: u32| {
@@ -531,6 +540,12 @@ impl ViewService {
                 }) {
                     continue;
                 }
+                let record_since = self
+                    .view
+                    .borrow()
+                    .members
+                    .get(&node_id)
+                    .map_or(0, |record| record.since);
                 {
                     // Decided under the lock that lease grants take: a request that arrived
                     // since the decision above got its grant before this check, and counts; one
@@ -540,7 +555,7 @@ impl ViewService {
                     if heard_within(node_id) {
                         continue;
                     }
-                    pending.insert(node_id);
+                    pending.insert(node_id, record_since);
                 }
                 proposed.insert(node_id, (Instant::now(), epoch));
                 tracing::warn!(
@@ -559,7 +574,7 @@ impl ViewService {
     /// The members this leader is committing down (their lease requests get no grant).
     pub(super) fn pending_down_lock(
         &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u32, u64>> {
         self.pending_down
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
