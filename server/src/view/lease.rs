@@ -142,8 +142,9 @@ impl ViewService {
         }
     }
 
-    /// Extends this node's lease to `until`, as the leader, until it stops leading.
-    fn extend_leader_lease(&self, until: Instant) {
+    /// Extends this node's lease to `until`, if that is later; `as_leader`: a lease held as
+    /// the leader, which ends when the node stops leading (set under the lease's lock).
+    fn extend_lease(&self, until: Instant, as_leader: bool) {
         let mut lease = self
             .lease_until
             .lock()
@@ -151,17 +152,8 @@ impl ViewService {
         if lease.is_none_or(|current| current < until) {
             *lease = Some(until);
         }
-        self.lease_as_leader.store(true, Ordering::Release);
-    }
-
-    /// Extends this node's lease to `until`, if that is later.
-    fn extend_lease(&self, until: Instant) {
-        let mut lease = self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if lease.is_none_or(|current| current < until) {
-            *lease = Some(until);
+        if as_leader {
+            self.lease_as_leader.store(true, Ordering::Release);
         }
     }
 
@@ -238,7 +230,7 @@ impl ViewService {
             };
             if leader == self.node_id {
                 if let Some(until) = self.leader_lease_until() {
-                    self.extend_leader_lease(until);
+                    self.extend_lease(until, true);
                 }
                 continue;
             }
@@ -277,7 +269,7 @@ impl ViewService {
                 }
                 Ok(PeerReply::Lease(Ok(grant))) => {
                     let granted = self.lease.min(Duration::from_millis(grant.remaining_ms));
-                    self.extend_lease(sent + granted);
+                    self.extend_lease(sent + granted, false);
                 }
                 Ok(PeerReply::Lease(Err(reason))) | Err(reason) => {
                     tracing::debug!(node = self.node_id, leader, %reason, "lease not renewed");
