@@ -895,7 +895,7 @@ impl Client {
                     // A connection just made names a newer view: route by it.
                     continue;
                 }
-                if let Some(lock) = held.take() {
+                if let Some(mut lock) = held.take() {
                     // The last attempt's connections failed while it held its lock: go on from
                     // there if the key's primary is still that node.
                     if connections[0].address != lock.primary {
@@ -916,7 +916,7 @@ impl Client {
                         operation,
                         key,
                         write,
-                        lock,
+                        &mut lock,
                     );
                     let Some(resumed) = self.watched(key, self.replicas, &planned, resuming).await
                     else {
@@ -930,9 +930,7 @@ impl Client {
                         Ok(Resumed::Unknown) => return Err(Error::Unresolved {
                             operation,
                             source: Box::new(Error::Refused {
-                                reason:
-                                    "the write's lock was taken over while its connections failed"
-                                        .into(),
+                                reason: "the write's commit was cut, and its lock was gone when it looked again (committed and overwritten since, or taken over)".into(),
                             }),
                         }),
                         Err(error) if error.is_retryable() => {

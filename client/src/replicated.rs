@@ -76,16 +76,21 @@ pub(crate) struct Locked {
 
 /// The lock an operation placed on the primary, kept across a failure of its connections (a
 /// fence at a view change) so that it can go on from where it was ([`resume`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Held {
     /// The primary's control address.
     pub(crate) primary: std::net::SocketAddr,
-    /// The key's slot there.
-    position: SlotPosition,
-    /// The lock word (unique to this operation).
-    lock: Slot,
+    /// The lock as another writer finds it: the key's slot there, the lock word, and the value
+    /// under it (what a takeover puts back).
+    locked: Locked,
     /// The committed word of the operation's block there.
     new: Slot,
+    /// The lock's CAS completed and swapped: the lock word in the slot is this operation's.
+    /// Until then, the same word may be another writer's lock on the same old block.
+    confirmed: bool,
+    /// A commit of this lock was posted (and its outcome is unknown). Only a commit or a
+    /// takeover ends a lock, so a lock gone without one was taken over.
+    commit_posted: bool,
 }
 
 /// How [`resume`] ended.
@@ -313,24 +318,27 @@ async fn swap_once(
     }
 }
 
-/// READs the primary's slot at `position`: whether it still holds `lock`.
+/// READs the primary's slot at `position` (after `before`, in the same list): whether it
+/// still holds `lock`.
 async fn holds_lock(
     primary: &mut Scratch,
     operation: &'static str,
     position: SlotPosition,
     lock: Slot,
+    before: Vec<WorkRequest>,
 ) -> Result<bool> {
     let connection = primary.connection().clone();
-    let request = WorkRequest::read(
+    let mut list = before;
+    list.push(WorkRequest::read(
         0,
         primary.region().segment(primary.base + CHECK_AT, 8),
         connection
             .keys
             .index_key
             .at(connection.welcome.geometry.slot_offset(position)),
-    );
+    ));
     primary
-        .execute(operation, StepKind::CheckLock, vec![request])
+        .execute(operation, StepKind::CheckLock, list)
         .await
         .map_err(step_failure(operation))?;
     Ok(Slot(primary.region().load_u64(primary.base + CHECK_AT)?) == lock)
@@ -363,7 +371,7 @@ async fn settle(
             Candidates::Committed,
         )
         .await?;
-        if !holds_lock(primary, operation, position, lock).await? {
+        if !holds_lock(primary, operation, position, lock, Vec::new()).await? {
             return Ok(false);
         }
         if swap_once(copy, &view, operation, key, attempt).await? {
@@ -538,11 +546,21 @@ pub(crate) async fn mutate(
         };
         // Lock (RT 3). Recorded first: a failure while it is posted leaves it unknown.
         let lock = seen.locked();
+        let (old_value, old_tombstone) = match current {
+            Some(current) => (current.value.clone(), current.tombstone),
+            None => (Bytes::new(), true),
+        };
         *held = Some(Held {
             primary: primary.address,
-            position,
-            lock,
+            locked: Locked {
+                position,
+                lock,
+                value: old_value,
+                tombstone: old_tombstone,
+            },
             new: primary_copy.slot,
+            confirmed: false,
+            commit_posted: false,
         });
         if !cas_step(
             &mut primary_copy.scratch,
@@ -557,6 +575,9 @@ pub(crate) async fn mutate(
             *held = None;
             back_off(attempt).await;
             continue;
+        }
+        if let Some(held) = held.as_mut() {
+            held.confirmed = true;
         }
         patience.seen = None;
         // Backups (RT 4).
@@ -577,6 +598,9 @@ pub(crate) async fn mutate(
         }
         // Commit (RT 5): fails only when the lock was stolen since the last check.
         let new = primary_copy.slot;
+        if let Some(held) = held.as_mut() {
+            held.commit_posted = true;
+        }
         let committed = cas_step(
             &mut primary_copy.scratch,
             operation,
@@ -602,15 +626,20 @@ pub(crate) async fn mutate(
 /// Goes on with a write whose connections failed while it held (or was placing) its lock
 /// `held`, on `replicas` under the view now (the same primary): READ the slot; the write's own
 /// word means it committed; its lock means it still holds the key, so it puts its value in
-/// every backup of the view now (READ, check, CAS) and commits. A fence at a view change cuts
-/// operations on keys it does not move, and this lets them finish.
+/// every backup of the view now (READ, check, CAS) and commits a fresh copy of its block (the
+/// first one lies in the failed connection's heap grant, which the server may reclaim while no
+/// slot points into it). A fence at a view change cuts operations on keys it does not move, and
+/// this lets them finish. `held` is updated as it goes, for a next try if this one fails too.
+///
+/// A lock whose CAS never completed may be another writer's lock on the same old block: it is
+/// taken over ([`steal`], safe at any moment), and the write starts again.
 pub(crate) async fn resume(
     replicas: &[Arc<NodeConnection>],
     progress: Arc<Progress>,
     operation: &'static str,
     key: &[u8],
     write: Write<'_>,
-    held: Held,
+    held: &mut Held,
 ) -> Result<Resumed> {
     let value = match write {
         Write::Value(value, _) => value,
@@ -625,28 +654,52 @@ pub(crate) async fn resume(
         .split_first_mut()
         .expect("a replicated write has replicas");
     let scratch = &mut primary_copy.scratch;
-    if !holds_lock(scratch, operation, held.position, held.lock).await? {
+    let (position, lock) = (held.locked.position, held.locked.lock);
+    // The fresh block's WRITE goes with the check (the commit below follows it on the queue
+    // pair).
+    let write_block = primary_copy.write.take().into_iter().collect();
+    if !holds_lock(scratch, operation, position, lock, write_block).await? {
         let word = Slot(scratch.region().load_u64(scratch.base + CHECK_AT)?);
-        return Ok(if word == held.new {
-            Resumed::Applied
-        } else if progress.may_have_applied() {
-            Resumed::Unknown
-        } else {
-            Resumed::Again
-        });
+        if word == held.new {
+            return Ok(Resumed::Applied);
+        }
+        if held.commit_posted {
+            // Committed and overwritten since, or taken over: nobody can tell.
+            return Ok(Resumed::Unknown);
+        }
+        // Only a commit or a takeover ends a lock, and no commit of this one was posted: it
+        // was taken over, and its thief rolls every backup back to the value under it.
+        progress.lost();
+        return Ok(Resumed::Again);
+    }
+    if !held.confirmed {
+        drop(copies);
+        steal(
+            replicas,
+            Arc::new(Progress::default()),
+            operation,
+            key,
+            &held.locked,
+        )
+        .await?;
+        progress.lost();
+        return Ok(Resumed::Again);
     }
     for copy in backups.iter_mut() {
-        if !settle(scratch, copy, operation, key, held.position, held.lock).await? {
+        if !settle(scratch, copy, operation, key, position, lock).await? {
             progress.lost();
             return Ok(Resumed::Again);
         }
     }
+    // The lock is still this write's, so no earlier commit of it applied: this one decides.
+    held.new = primary_copy.slot;
+    held.commit_posted = true;
     let committed = cas_step(
-        scratch,
+        &mut primary_copy.scratch,
         operation,
         StepKind::Commit,
-        held.position,
-        held.lock,
+        position,
+        lock,
         held.new,
     )
     .await?;

@@ -342,10 +342,93 @@ async fn a_write_cut_while_it_holds_its_lock_resumes_and_succeeds() {
             client.counters().reconnects >= 1,
             "{kind:?}: a new connection"
         );
+        // A lock whose CAS completion was lost may be another writer's on the same old block:
+        // the write takes it over (its own, here) and starts again.
+        let stolen = u64::from(kind == StepKind::Lock);
+        assert_eq!(client.counters().locks_stolen, stolen, "{kind:?}");
         let expected = replica_ids(key, 2);
         for (id, value) in holders(&direct, key).await {
             let wanted = expected.contains(&id).then(|| Bytes::from_static(b"after"));
             assert_eq!(value, wanted, "{kind:?}: node {id}");
         }
+    }
+}
+
+/// Fails the first Backup step after it ran, then holds the write before its next step (the
+/// resume's check of its lock) until the test releases it.
+#[derive(Debug)]
+struct CutAfterBackupThenHold {
+    /// Released by the test.
+    gate: Arc<Semaphore>,
+    /// 0: not cut yet; 1: cut, not held yet; 2: done.
+    stage: Mutex<u8>,
+    /// Told when it holds the write.
+    reached: Arc<Notify>,
+}
+
+impl FaultInjector for CutAfterBackupThenHold {
+    fn inject(&self, step: &Step) -> Injection {
+        let mut stage = self.stage.lock().expect("stage");
+        match (*stage, step.kind, step.moment) {
+            (0, StepKind::Backup, Moment::After) => {
+                *stage = 1;
+                Injection::Fail(WorkCompletionStatus::RetryExceededError)
+            }
+            (1, _, Moment::Before) => {
+                *stage = 2;
+                self.reached.notify_one();
+                Injection::WaitFor(self.gate.clone())
+            }
+            _ => Injection::Proceed,
+        }
+    }
+}
+
+/// A write cut after a backup took its value, whose lock another writer takes over before it
+/// looks again, was rolled back by the thief (no commit of it was posted): it starts again and
+/// succeeds, instead of ending `Unresolved`, and its value lands after the thief's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_cut_before_its_commit_whose_lock_was_taken_over_starts_again() {
+    let nodes = start_nodes().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let reached = Arc::new(Notify::new());
+    let cut = Arc::new(
+        Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(
+            CutAfterBackupThenHold {
+                gate: gate.clone(),
+                stage: Mutex::new(0),
+                reached: reached.clone(),
+            },
+        )),
+    );
+    let other = Client::for_cluster(&cluster(&nodes, 2));
+    let key = b"taken-over-while-cut";
+    other.put(key, b"before").await.expect("put");
+    let writer = {
+        let cut = cut.clone();
+        tokio::spawn(async move { cut.put(key, b"cut").await })
+    };
+    tokio::time::timeout(Duration::from_secs(5), reached.notified())
+        .await
+        .expect("the write was cut and held");
+    other
+        .put(key, b"thief")
+        .await
+        .expect("a put over the cut writer's lock");
+    assert_eq!(other.counters().locks_stolen, 1, "the lock was taken over");
+    gate.add_permits(1);
+    writer
+        .await
+        .expect("join")
+        .unwrap_or_else(|error| panic!("the cut write: {error}"));
+    let direct = [
+        node_client(&nodes, 1).await,
+        node_client(&nodes, 2).await,
+        node_client(&nodes, 3).await,
+    ];
+    let expected = replica_ids(key, 2);
+    for (id, value) in holders(&direct, key).await {
+        let wanted = expected.contains(&id).then(|| Bytes::from_static(b"cut"));
+        assert_eq!(value, wanted, "node {id}");
     }
 }
