@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod support;
-use support::eventually;
+use support::{eventually, eventually_showing};
 
 use rdkv_client::{CasOutcome, Client, ClusterConfig};
 use rdkv_fabric::Backend;
@@ -306,13 +306,16 @@ fn cancelled_operations_on_every_lane_leave_nothing_behind() {
             node.stats().connections
         );
         client.close().await;
-        eventually("every connection was torn down", || {
-            let stats = node.stats();
-            stats.connections == 0
-                && stats.data_connections == 0
-                && stats.pending_handshakes == 0
-                && stats.live_memory_windows == baseline.live_memory_windows
-        })
+        eventually_showing(
+            "every connection was torn down",
+            || node.stats(),
+            |stats| {
+                stats.connections == 0
+                    && stats.data_connections == 0
+                    && stats.pending_handshakes == 0
+                    && stats.live_memory_windows == baseline.live_memory_windows
+            },
+        )
         .await;
         stays(
             "no lane reopened after close",

@@ -64,9 +64,25 @@ pub fn cluster(
 /// Waits, up to 10 s, for `condition` (a server-side effect of something already done).
 #[allow(dead_code)] // not every test binary waits for a server-side effect
 pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    eventually_showing(what, || (), |()| condition()).await;
+}
+
+/// As [`eventually`], with what `probe` saw last in the failure's message.
+pub async fn eventually_showing<T: std::fmt::Debug>(
+    what: &str,
+    mut probe: impl FnMut() -> T,
+    mut done: impl FnMut(&T) -> bool,
+) {
     let started = Instant::now();
-    while !condition() {
-        assert!(started.elapsed() < Duration::from_secs(10), "{what}");
+    loop {
+        let seen = probe();
+        if done(&seen) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{what}; last seen: {seen:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
