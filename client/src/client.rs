@@ -871,6 +871,8 @@ impl Client {
         let work = async {
             let mut patience = Patience::default();
             let mut held: Option<Held> = None;
+            // The key's primary in the last pass.
+            let mut last_primary: Option<std::net::SocketAddr> = None;
             for again in 0..operations::RACE_ATTEMPTS {
                 progress.wait_for(Waiting::View);
                 self.follow_reported_epoch().await;
@@ -894,6 +896,21 @@ impl Client {
                 if self.view_epoch() > self.membership_epoch() && self.refresh_membership().await {
                     // A connection just made names a newer view: route by it.
                     continue;
+                }
+                let previous_primary = last_primary.replace(connections[0].address);
+                if let Some(primary) = previous_primary.filter(|_| progress.backup_posted()) {
+                    if primary != connections[0].address {
+                        // A backup may hold this write's value: one whose lock was taken over
+                        // keeps it until the thief rolls it back, and the view may have made that
+                        // backup the primary first (found by the model check).
+                        return Err(Error::Unresolved {
+                            operation,
+                            source: Box::new(Error::NodeUnreachable {
+                                address: primary,
+                                reason: "the key's primary left the cluster view after a backup took the write".into(),
+                            }),
+                        });
+                    }
                 }
                 if let Some(mut lock) = held.take() {
                     // The last attempt's connections failed while it held its lock: go on from

@@ -31,6 +31,10 @@ pub(crate) struct Progress {
     tentative_outstanding: AtomicBool,
     /// A publishing CAS was posted and not (yet) seen to lose.
     may_have_applied: AtomicBool,
+    /// A replicated write's backup CAS was posted, in any attempt: never cleared. A backup may
+    /// keep the value after its lock was taken over, until the thief rolls it back; a view that
+    /// makes that backup the primary first shows it.
+    backup_posted: AtomicBool,
     /// What the operation is waiting for now ([`Waiting`] as a number), for a deadline's error.
     waiting: AtomicU8,
 }
@@ -118,6 +122,9 @@ impl Progress {
         if kind.publishes() {
             self.may_have_applied.store(true, Ordering::Release);
         }
+        if kind == StepKind::Backup {
+            self.backup_posting();
+        }
         if kind == StepKind::PlaceTentative {
             self.tentative_outstanding.store(true, Ordering::Release);
         }
@@ -177,6 +184,16 @@ impl Progress {
     /// Whether the operation may have applied.
     pub(crate) fn may_have_applied(&self) -> bool {
         self.may_have_applied.load(Ordering::Acquire)
+    }
+
+    /// A replicated write's value is about to go to a backup.
+    pub(crate) fn backup_posting(&self) {
+        self.backup_posted.store(true, Ordering::Release);
+    }
+
+    /// Whether a backup CAS of this operation was ever posted.
+    pub(crate) fn backup_posted(&self) -> bool {
+        self.backup_posted.load(Ordering::Acquire)
     }
 }
 

@@ -301,6 +301,7 @@ async fn swap_once(
                 return Ok(false);
             };
             let before = copy.write.take().into_iter().collect();
+            copy.scratch.backup_posting();
             let inserted = insert_absent(
                 &mut copy.scratch,
                 operation,

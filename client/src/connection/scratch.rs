@@ -165,6 +165,12 @@ impl Scratch {
         self.progress.tentative_resolved();
     }
 
+    /// A replicated write is about to put its value in a backup that lacks the key (an insert
+    /// there, not a [`StepKind::Backup`] CAS).
+    pub(crate) fn backup_posting(&self) {
+        self.progress.backup_posting();
+    }
+
     /// A CAS of `kind` completed without swapping: count the lost race, and if it was a
     /// publishing CAS, record that it had no effect.
     pub(crate) fn lost_race(&self, kind: StepKind) {
