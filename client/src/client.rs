@@ -958,6 +958,14 @@ impl Client {
                             };
                             continue;
                         }
+                        Err(error) if progress.may_have_applied() && !error.may_have_applied() => {
+                            // As for a first attempt (found by review: a resume's failed commit
+                            // or backup was reported as certainly not applied).
+                            return Err(Error::Unresolved {
+                                operation,
+                                source: Box::new(error),
+                            })
+                        }
                         Err(error) => return Err(error),
                     }
                 }

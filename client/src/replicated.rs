@@ -529,7 +529,7 @@ pub(crate) async fn mutate(
                 )
                 .with_signaled(false);
                 tombstone_used = true;
-                match insert_absent(
+                let inserted = insert_absent(
                     scratch,
                     operation,
                     key,
@@ -538,8 +538,12 @@ pub(crate) async fn mutate(
                     tombstone_slot,
                     vec![write_tombstone],
                 )
-                .await?
-                {
+                .await;
+                // The tombstone's commit publishes nothing: a tombstone reads as absence, and
+                // no earlier step of this attempt published (found by review: a cut there
+                // ended the write `Unresolved`).
+                progress.lost();
+                match inserted? {
                     Inserted::Committed => (empty, tombstone_slot),
                     Inserted::Present(_) | Inserted::Lost => return Ok(Attempt::Again),
                 }
@@ -610,7 +614,14 @@ pub(crate) async fn mutate(
             lock,
             new,
         )
-        .await?;
+        .await
+        .inspect_err(|_| {
+            if !primary_copy.scratch.reached_fabric() {
+                if let Some(held) = held.as_mut() {
+                    held.commit_posted = false;
+                }
+            }
+        })?;
         *held = None;
         return Ok(if committed {
             Attempt::Done(MutationOutcome::Applied)
@@ -693,6 +704,7 @@ pub(crate) async fn resume(
         }
     }
     // The lock is still this write's, so no earlier commit of it applied: this one decides.
+    let previous = (held.new, held.commit_posted);
     held.new = primary_copy.slot;
     held.commit_posted = true;
     let committed = cas_step(
@@ -703,7 +715,12 @@ pub(crate) async fn resume(
         lock,
         held.new,
     )
-    .await?;
+    .await
+    .inspect_err(|_| {
+        if !primary_copy.scratch.reached_fabric() {
+            (held.new, held.commit_posted) = previous;
+        }
+    })?;
     Ok(if committed {
         Resumed::Applied
     } else {

@@ -45,6 +45,7 @@ impl NodeConnection {
             operation: self.announcer.start(),
             announced: false,
             posting: false,
+            reached_fabric: false,
             connection: self.clone(),
             buffer: Some(buffer),
             base: 0,
@@ -65,6 +66,9 @@ pub(crate) struct Scratch {
     /// Set while a post is in progress: cancelled then, the list may be queued with no
     /// `PostedList` to wait for (`post` yields before it returns, for doorbell batching).
     posting: bool,
+    /// The last step's list was handed to the queue pair (it may have run); false when it
+    /// failed before (refused, or failed by the fault injector before posting).
+    reached_fabric: bool,
     /// The connection.
     connection: Arc<NodeConnection>,
     /// The buffer (taken back out only by `drop`).
@@ -104,6 +108,7 @@ impl Scratch {
         mut list: Vec<WorkRequest>,
     ) -> Result<Vec<WorkCompletion>, ExecuteError> {
         let number = self.round_trips as u32;
+        self.reached_fabric = false;
         self.progress.wait_for(Waiting::Step(kind));
         let injecting = self.connection.fault_injector.is_some();
         if injecting {
@@ -129,6 +134,7 @@ impl Scratch {
                 return Err(ExecuteError::Post(error));
             }
         };
+        self.reached_fabric = true;
         self.outstanding = Some(posted);
         let completions = match self.outstanding.as_mut() {
             Some(posted) => posted.await,
@@ -158,6 +164,11 @@ impl Scratch {
         let (place, operation) = self.connection.place_block(length, &self.progress).await?;
         self.operation = operation;
         Ok(place)
+    }
+
+    /// Whether the last step's list was handed to the queue pair (so it may have run).
+    pub(crate) fn reached_fabric(&self) -> bool {
+        self.reached_fabric
     }
 
     /// The operation's tentative slot is gone (committed, withdrawn, or never placed).
