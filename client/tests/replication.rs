@@ -11,23 +11,17 @@ mod support;
 
 use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
-use rdkv_client::{CasOutcome, Client, ClientConfig, ClusterConfig, InsertOutcome};
-use rdkv_common::sharding;
+use rdkv_client::{CasOutcome, Client, ClusterConfig, InsertOutcome};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
-use rdkv_server::{RunningServer, ServerConfig};
+use rdkv_server::RunningServer;
+use support::replicas::replica_ids;
 use tokio::sync::{Notify, Semaphore};
 
 const SECRET: &[u8] = b"replication-test-secret";
 
 /// Three in-process nodes, ids 1 to 3.
 async fn start_nodes() -> Vec<RunningServer> {
-    let mut nodes = Vec::new();
-    for id in 1..=3 {
-        let mut config = ServerConfig::local(SECRET);
-        config.node_id = id;
-        nodes.push(rdkv_server::start(config).await.expect("start a node"));
-    }
-    nodes
+    support::replicas::start_three(SECRET).await
 }
 
 /// The cluster of `nodes` with `replicas` copies of each key.
@@ -40,13 +34,7 @@ fn cluster(nodes: &[RunningServer], replicas: usize) -> ClusterConfig {
 
 /// A client of node `id` alone (ids from 1): what that node's table holds for a key.
 async fn node_client(nodes: &[RunningServer], id: u32) -> Client {
-    let mut config = ClientConfig::new(
-        nodes[id as usize - 1].control_address(),
-        Backend::Soft,
-        SECRET,
-    );
-    config.node.id = Some(id);
-    Client::connect(config).await.expect("connect to one node")
+    support::replicas::node_client(nodes, SECRET, id).await
 }
 
 /// Which nodes hold `key` (a committed value or a tombstone, read as absence by a GET; so this
@@ -57,15 +45,6 @@ async fn holders(direct: &[Client], key: &[u8]) -> Vec<(u32, Option<Bytes>)> {
         found.push((index as u32 + 1, client.get(key).await.expect("direct get")));
     }
     found
-}
-
-/// The ids of `key`'s replicas, primary first.
-fn replica_ids(key: &[u8], count: usize) -> Vec<u32> {
-    let ids = [1u32, 2, 3];
-    sharding::replicas(key, &ids, count)
-        .into_iter()
-        .map(|index| ids[index])
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

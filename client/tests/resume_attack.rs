@@ -10,25 +10,20 @@ mod support;
 
 use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
-use rdkv_client::{Client, ClientConfig, ClusterConfig};
-use rdkv_common::sharding;
+use rdkv_client::{Client, ClusterConfig};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
-use rdkv_server::{RunningServer, ServerConfig};
+use rdkv_server::RunningServer;
 use tokio::sync::{Notify, Semaphore};
 
 const SECRET: &[u8] = b"resume-attack-secret";
 const CUT: WorkCompletionStatus = WorkCompletionStatus::RetryExceededError;
 
+/// Three in-process nodes, ids 1 to 3.
 async fn start_nodes() -> Vec<RunningServer> {
-    let mut nodes = Vec::new();
-    for id in 1..=3 {
-        let mut config = ServerConfig::local(SECRET);
-        config.node_id = id;
-        nodes.push(rdkv_server::start(config).await.expect("start a node"));
-    }
-    nodes
+    support::replicas::start_three(SECRET).await
 }
 
+/// The cluster of the nodes, with 2 copies of each key.
 fn cluster(nodes: &[RunningServer]) -> ClusterConfig {
     let addresses: Vec<SocketAddr> = nodes.iter().map(RunningServer::control_address).collect();
     let mut cluster = support::cluster("resume-attack", SECRET, Backend::Soft, &addresses);
@@ -36,26 +31,14 @@ fn cluster(nodes: &[RunningServer]) -> ClusterConfig {
     cluster
 }
 
+/// A client of each node alone.
 async fn direct_clients(nodes: &[RunningServer]) -> Vec<Client> {
-    let mut direct = Vec::new();
-    for id in 1..=3u32 {
-        let mut config = ClientConfig::new(
-            nodes[id as usize - 1].control_address(),
-            Backend::Soft,
-            SECRET,
-        );
-        config.node.id = Some(id);
-        direct.push(Client::connect(config).await.expect("connect to one node"));
-    }
-    direct
+    support::replicas::node_clients(nodes, SECRET).await
 }
 
+/// The ids of `key`'s 2 replicas, primary first.
 fn replica_ids(key: &[u8]) -> Vec<u32> {
-    let ids = [1u32, 2, 3];
-    sharding::replicas(key, &ids, 2)
-        .into_iter()
-        .map(|index| ids[index])
-        .collect()
+    support::replicas::replica_ids(key, 2)
 }
 
 /// Each node's copy of `key`, and whether it matches `wanted` on the replicas (None elsewhere).

@@ -3,6 +3,8 @@
 
 #[allow(dead_code)] // only the partition tests cut links
 pub mod partition;
+#[allow(dead_code)] // only the replication tests
+pub mod replicas;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
