@@ -385,6 +385,35 @@ impl QueuePairShared {
         self.provider.modify_to_error();
     }
 
+    /// The responder stopped (its queue pair moved to ERROR) after answering every request it
+    /// ran: every outstanding request completes [`WorkCompletionStatus::NotExecuted`], and the
+    /// queue pair moves to ERROR. Only a provider that knows this calls it (a soft peer's
+    /// stop frame; an `shm` requester, which runs its requests itself).
+    ///
+    /// With nothing outstanding it does nothing, as a NIC notices a stopped peer only when it
+    /// next sends (the next request then finds the connection gone: RETRY_EXC_ERR, as on
+    /// `verbs`).
+    pub(crate) fn responder_stopped(&self) {
+        let left = {
+            let mut requester = lock(&self.requester);
+            if requester.state == QueuePairState::Error || requester.in_flight.is_empty() {
+                Vec::new()
+            } else {
+                self.set_state_locked(&mut requester, QueuePairState::Error);
+                requester.poisoned = false;
+                requester.unposted = 0;
+                std::mem::take(&mut requester.in_flight).into()
+            }
+        };
+        if left.is_empty() {
+            return;
+        }
+        for entry in left {
+            self.finish(entry, WorkCompletionStatus::NotExecuted);
+        }
+        self.provider.modify_to_error();
+    }
+
     /// The responder never answered: the oldest request completes RETRY_EXC_ERR, the rest flush.
     /// Already in ERROR, everything outstanding simply flushes (a request posted after the
     /// error must not be reported as unanswered). With nothing outstanding nothing happens, as

@@ -266,6 +266,12 @@ pub enum WorkCompletionStatus {
     /// Any other ibverbs status (RNR retry, bad response, fatal, vendor-specific): the raw value
     /// is logged when it is seen.
     OtherError = 10,
+    /// Not an ibverbs status: the responder's queue pair moved to ERROR before this request
+    /// ran, and said so after answering every request it did run (`soft`, `shm` and
+    /// `loopback`; `docs/fabric.md`, *Stopping*). The request had no effect. On `verbs` a
+    /// request cut by the peer's ERROR ends RETRY_EXC_ERR or WR_FLUSH_ERR, which say nothing
+    /// of whether it ran.
+    NotExecuted = 11,
 }
 
 impl WorkCompletionStatus {
@@ -282,6 +288,7 @@ impl WorkCompletionStatus {
             8 => Self::LocalQueuePairOperationError,
             9 => Self::MemoryWindowBindError,
             10 => Self::OtherError,
+            11 => Self::NotExecuted,
             _ => Self::RemoteOperationError,
         }
     }
@@ -300,12 +307,16 @@ impl WorkCompletionStatus {
             Self::LocalQueuePairOperationError => "IBV_WC_LOC_QP_OP_ERR",
             Self::MemoryWindowBindError => "IBV_WC_MW_BIND_ERR",
             Self::OtherError => "another ibverbs error status",
+            Self::NotExecuted => "not executed (the responder stopped first)",
         }
     }
 
     /// Whether a new queue pair may succeed where this one failed.
     pub fn is_retryable(self) -> bool {
-        matches!(self, Self::WorkRequestFlushError | Self::RetryExceededError)
+        matches!(
+            self,
+            Self::WorkRequestFlushError | Self::RetryExceededError | Self::NotExecuted
+        )
     }
 }
 

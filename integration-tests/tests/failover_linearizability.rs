@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
-use rdkv_client::{CasOutcome, Client};
+use rdkv_client::{CasOutcome, Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
@@ -42,9 +42,29 @@ struct Seen {
     unknown_on_unaffected: Vec<String>,
 }
 
+/// The clients on this host use the nodes' `shm` fabric.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_history_under_load_is_linearizable() {
-    let settled = up_settled("failover-history", 3).await;
+    failover_history("failover-history", FabricChoice::Auto).await;
+}
+
+/// The clients use `soft`, as on another host: a fence there ends the data streams with
+/// answers in flight, which the stop frame settles (`docs/fabric.md`, *Stopping*).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_history_under_load_is_linearizable_over_soft() {
+    failover_history(
+        "failover-history-soft",
+        FabricChoice::Cluster(rdkv_fabric::Backend::Soft),
+    )
+    .await;
+}
+
+/// One real cluster at a time: two at once on this 2-core machine would time each other out.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn failover_history(tag: &str, fabric: FabricChoice) {
+    let _serial = SERIAL.lock().await;
+    let settled = up_settled(tag, 3).await;
     let victim = settled.follower();
     let (cluster, nodes, secret, ids, _, leader) = settled.parts();
     let affected: Vec<bool> = (0..KEYS)
@@ -62,7 +82,7 @@ async fn a_failover_history_under_load_is_linearizable() {
     for client_index in 0..CLIENTS {
         // One client per task: writers of one key race (a shared client would make them take
         // turns).
-        let client = Client::from_file(&cluster.file).expect("client");
+        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
         client.connect_all().await.expect("connect");
         let stop = stop.clone();
         let affected = affected.clone();

@@ -146,6 +146,12 @@ impl Scratch {
             .find(|completion| completion.status != WorkCompletionStatus::Success)
         {
             self.connection.mark_broken();
+            if failed.status == WorkCompletionStatus::NotExecuted {
+                // The responder stopped before it ran this request and every later one of
+                // the list (its CAS, last): for certain, the step had no effect.
+                self.progress.not_posted(kind);
+                self.reached_fabric = false;
+            }
             return Err(ExecuteError::Completion(failed.status));
         }
         if injecting {

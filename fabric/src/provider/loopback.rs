@@ -177,7 +177,9 @@ fn execute(queue_pair: &QueuePairShared, peer: &Weak<QueuePairShared>, requests:
                 }
             }
             None => {
-                queue_pair.fail_unanswered();
+                // The responder cannot receive: this request, and every one after it (they
+                // run here, in order), did not run.
+                queue_pair.responder_stopped();
                 return;
             }
         }

@@ -1157,3 +1157,68 @@ pub async fn a_message_longer_than_the_limit_is_refused(fabric: Backend) {
         .expect("read remote");
     assert_eq!(remote, pattern(8192, 3), "nothing was written");
 }
+
+/// Emulated providers: a responder moved to ERROR (a server's fence) answers every request it
+/// ran and reports the rest NOT_EXECUTED, which had no effect: pipelined FETCH_ADDs of 1 raise
+/// a counter by at least the number that succeeded and at most that plus the ones left unknown
+/// (RETRY_EXC_ERR, WR_FLUSH_ERR). A request posted after the responder stopped runs nowhere:
+/// on `shm` and `loopback`, which run requests inside the post, it completes NOT_EXECUTED.
+pub async fn a_stopped_responder_reports_what_it_did_not_run(fabric: Backend) {
+    let connected = connect(fabric).await;
+    let add = |id: u64| {
+        WorkRequest::fetch_and_add(
+            id,
+            connected.local_at((id % 64) * 8, 8),
+            connected.remote_at(256),
+            1,
+        )
+    };
+    let mut lists = Vec::new();
+    for list_index in 0..8u64 {
+        let list: Vec<WorkRequest> = (0..16u64)
+            .map(|index| add(list_index * 16 + index))
+            .collect();
+        lists.push(connected.client_queue_pair.post(list).await.expect("post"));
+    }
+    connected.server_queue_pair.modify_to_error();
+    let late = connected.client_queue_pair.post(vec![add(1_000)]).await;
+    let mut completions = Vec::new();
+    for list in lists {
+        completions.extend(list.await);
+    }
+    let late = match late {
+        Ok(posted) => posted.await,
+        Err(_) => Vec::new(),
+    };
+    let count = |wanted: &[WorkCompletionStatus]| {
+        completions
+            .iter()
+            .chain(&late)
+            .filter(|completion| wanted.contains(&completion.status))
+            .count() as u64
+    };
+    let succeeded = count(&[WorkCompletionStatus::Success]);
+    let unknown = count(&[
+        WorkCompletionStatus::RetryExceededError,
+        WorkCompletionStatus::WorkRequestFlushError,
+    ]);
+    let not_executed = count(&[WorkCompletionStatus::NotExecuted]);
+    assert_eq!(
+        succeeded + unknown + not_executed,
+        completions.len() as u64 + late.len() as u64,
+        "no other status: {:?}",
+        statuses(&completions)
+    );
+    let counter = connected.remote.load_u64(256).expect("counter");
+    assert!(
+        (succeeded..=succeeded + unknown).contains(&counter),
+        "counter {counter}: {succeeded} succeeded, {unknown} unknown, {not_executed} not executed"
+    );
+    if fabric != Backend::Soft {
+        assert_eq!(
+            statuses(&late),
+            [WorkCompletionStatus::NotExecuted],
+            "a request posted after the responder stopped"
+        );
+    }
+}

@@ -7,7 +7,14 @@ mod checks;
 
 macro_rules! conformance_suite {
     ($module:ident, $fabric:expr, emulated) => {
-        conformance_suite!($module, $fabric, [a_message_longer_than_the_limit_is_refused]);
+        conformance_suite!(
+            $module,
+            $fabric,
+            [
+                a_message_longer_than_the_limit_is_refused,
+                a_stopped_responder_reports_what_it_did_not_run
+            ]
+        );
     };
     ($module:ident, $fabric:expr) => {
         conformance_suite!($module, $fabric, []);

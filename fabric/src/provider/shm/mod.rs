@@ -567,6 +567,9 @@ enum Outcome {
     Placed(WorkCompletionStatus),
     /// The responder does not answer (its queue pair or device is gone).
     Unanswered,
+    /// The responder's queue pair is in ERROR: this request, and every one after it, did not
+    /// run (requests run here, in order).
+    Stopped,
     /// Its key names a block this process has not mapped yet.
     Unmapped,
 }
@@ -621,6 +624,11 @@ impl Attachment {
         let Some(responder) = remote.keys.queue_pair(self.responder_qp) else {
             return Outcome::Unanswered;
         };
+        if responder.status == QueuePairStatus::NotReceiving
+            && responder.epoch_slot == self.epoch_slot
+        {
+            return Outcome::Stopped;
+        }
         if responder.status != QueuePairStatus::Receiving || responder.epoch_slot != self.epoch_slot
         {
             return Outcome::Unanswered;
@@ -823,6 +831,10 @@ impl ShmQueuePair {
                 Outcome::Placed(status) => {
                     queue_pair.on_response_placed(sequence, status);
                     status
+                }
+                Outcome::Stopped => {
+                    queue_pair.responder_stopped();
+                    return false;
                 }
                 Outcome::Unanswered | Outcome::Unmapped => {
                     queue_pair.fail_unanswered();

@@ -11,7 +11,7 @@
 //! - on a dialing-only NIC ([`FlushMode::Blocking`]) the writer waits in poll(2) until the
 //!   socket takes everything.
 
-use std::io::{ErrorKind, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -54,6 +54,9 @@ pub(crate) struct SoftConnection {
     outgoing: Mutex<Outgoing>,
     /// Set once the connection is closed.
     closed: AtomicBool,
+    /// Set when the local queue pair moved to ERROR: the engine sends the stop frame after
+    /// the answers of every request it ran, then closes (`wire.rs`, *Stop frame*).
+    stopping: AtomicBool,
     /// How a flush waits for a full socket.
     mode: FlushMode,
     /// The device, for its transport counters.
@@ -66,6 +69,7 @@ impl SoftConnection {
             stream: OnceLock::new(),
             outgoing: Mutex::new(Outgoing::default()),
             closed: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             mode,
             device,
         }
@@ -174,6 +178,55 @@ impl SoftConnection {
     /// Whether the connection is closed (locally, or because the peer went away).
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// The local queue pair moved to ERROR: its engine answers nothing more, sees end of
+    /// stream (the read side is shut now), sends the stop frame and closes. Without a stream
+    /// yet, it just closes.
+    ///
+    /// Only a listening NIC's connections ([`FlushMode::Pooled`]: a server's) stop this way; a
+    /// dialer's engine runs on its caller's runtime, where the stop frame's write could wait
+    /// on a peer that does not read, and its peer (a server) has nothing outstanding on it.
+    pub(crate) fn stop(&self) {
+        if self.mode == FlushMode::Blocking {
+            self.close();
+            return;
+        }
+        self.stopping.store(true, Ordering::Release);
+        match self.stream.get() {
+            Some(stream) if !self.is_closed() => {
+                let _ = stream.shutdown(Shutdown::Read);
+            }
+            _ => self.close(),
+        }
+    }
+
+    /// Sends the stop frame (after everything queued), and reads away what the peer sent
+    /// that nobody will read, so that closing does not reset the connection (a reset can make
+    /// the peer drop the answers and the stop frame still unread). Best effort, without
+    /// waiting.
+    pub(crate) fn send_stop(&self) {
+        self.append(|outgoing| {
+            super::wire::encode_stop(outgoing);
+            1
+        });
+        self.flush();
+        if let Some(stream) = self.stream.get() {
+            let _ = stream.shutdown(Shutdown::Write);
+            if stream.set_nonblocking(true).is_ok() {
+                let mut discard = [0u8; 16 * 1024];
+                while let Ok(read) = (&*stream).read(&mut discard) {
+                    if read == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the local queue pair moved to ERROR ([`SoftConnection::stop`]).
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
     }
 
     /// Closes the connection; the engines on both ends see end of stream.

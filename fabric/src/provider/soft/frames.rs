@@ -201,6 +201,8 @@ impl Engine {
                             status,
                             payload,
                         } => self.queue_pair.on_response(sequence, status, payload),
+                        // Every request the peer ran is answered above: the rest did not run.
+                        Frame::Stop => self.queue_pair.responder_stopped(),
                     }
                     self.start += used;
                     self.last_batch_frames += 1;
@@ -288,6 +290,9 @@ impl Engine {
         if self.connection.is_closed() {
             return Err("closed locally".into());
         }
+        if self.connection.is_stopping() {
+            return Err("the queue pair moved to ERROR".into());
+        }
         let retry_timeout = self.queue_pair.retry_timeout();
         if self
             .queue_pair
@@ -301,9 +306,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Ends the connection: outstanding requests complete RETRY_EXC_ERR, then flush.
+    /// Ends the connection: outstanding requests complete RETRY_EXC_ERR, then flush. A
+    /// connection whose queue pair moved to ERROR first sends the stop frame, after the answers
+    /// of every request it ran (best effort: what the socket does not take now is dropped, and
+    /// the peer then sees a plain end of stream).
     pub(crate) fn finish(self, reason: &str) {
         tracing::debug!(qp_number = self.queue_pair.qp_number, %reason, "soft connection ended");
+        if self.connection.is_stopping() && !self.connection.is_closed() {
+            self.connection.send_stop();
+        }
         self.connection.close();
         self.queue_pair.fail_unanswered();
         self.connection

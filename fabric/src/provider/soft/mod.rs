@@ -257,7 +257,7 @@ impl QueuePairProvider for SoftQueuePair {
 
     fn modify_to_error(&self) {
         if let Some(connection) = self.connection.get() {
-            connection.close();
+            connection.stop();
         }
     }
 

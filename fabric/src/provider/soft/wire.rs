@@ -3,7 +3,7 @@
 //! ```text
 //! Hello (dialer → listener, once per connection), 40 bytes
 //!   0  [u8; 8]  magic "RDKVSOFT"
-//!   8  u16      wire version (2)
+//!   8  u16      wire version (3)
 //!  10  u16      reserved (0)
 //!  12  u32      target queue pair number (the listener's)
 //!  16  u32      source queue pair number (the dialer's)
@@ -35,7 +35,15 @@
 //!   4  u32      payload length (READ: the data; atomics: 8 bytes, the original value)
 //!   8  u64      sequence number of the request answered
 //!  16  ...      payload
+//!
+//! Stop frame (version 3), 16 bytes
+//!   0  u8       frame kind = 3
+//!   1  [u8; 15] reserved (0)
 //! ```
+//! A side whose queue pair was moved to ERROR (a server's fence) sends a stop frame after the
+//! answers of every request it ran, then closes: the peer completes every request still
+//! outstanding NOT_EXECUTED, for certain, where a plain end of stream leaves them unknown.
+//!
 //! A response also acknowledges every WRITE sent before the request it answers (version 2):
 //! the responder answers a successful WRITE only when no later request of the same batch is
 //! answered, as an RC responder coalesces its ACKs.
@@ -48,7 +56,7 @@ use crate::types::{Opcode, WorkCompletionStatus};
 /// The hello's magic.
 pub(crate) const HELLO_MAGIC: [u8; 8] = *b"RDKVSOFT";
 /// The wire version.
-pub(crate) const WIRE_VERSION: u16 = 2;
+pub(crate) const WIRE_VERSION: u16 = 3;
 /// Hello length.
 pub(crate) const HELLO_LENGTH: usize = 40;
 /// Hello acknowledgement length.
@@ -61,6 +69,10 @@ pub(crate) const RESPONSE_HEADER_LENGTH: usize = 16;
 const KIND_REQUEST: u8 = 1;
 /// Frame kind of a response.
 const KIND_RESPONSE: u8 = 2;
+/// Frame kind of a stop.
+const KIND_STOP: u8 = 3;
+/// Stop frame length.
+pub(crate) const STOP_LENGTH: usize = 16;
 
 /// The hello a dialer sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +190,13 @@ pub(crate) fn finish_response_header(
     header[8..16].copy_from_slice(&sequence.to_le_bytes());
 }
 
+/// Appends a stop frame: every request this side ran is answered before it.
+pub(crate) fn encode_stop(buffer: &mut Vec<u8>) {
+    let mut frame = [0u8; STOP_LENGTH];
+    frame[0] = KIND_STOP;
+    buffer.extend_from_slice(&frame);
+}
+
 /// One decoded frame, borrowing its payload from the read buffer.
 #[derive(Debug)]
 pub(crate) enum Frame<'a> {
@@ -208,6 +227,8 @@ pub(crate) enum Frame<'a> {
         /// READ data or the original atomic value.
         payload: &'a [u8],
     },
+    /// The peer stopped (its queue pair moved to ERROR) after answering every request it ran.
+    Stop,
 }
 
 /// Why a byte stream is not a valid frame sequence.
@@ -297,6 +318,12 @@ pub(crate) fn decode_frame(
                 },
                 total,
             )))
+        }
+        KIND_STOP => {
+            if bytes.len() < STOP_LENGTH {
+                return Ok(None);
+            }
+            Ok(Some((Frame::Stop, STOP_LENGTH)))
         }
         other => Err(WireError::UnknownKind(other)),
     }
@@ -394,6 +421,18 @@ mod tests {
         assert!(matches!(
             frame,
             Frame::Response { sequence: 9, status: WorkCompletionStatus::RemoteAccessError, payload } if payload == 7u64.to_le_bytes()
+        ));
+    }
+
+    #[test]
+    fn a_stop_frame_round_trips_and_waits_for_its_bytes() {
+        let mut buffer = Vec::new();
+        encode_stop(&mut buffer);
+        assert_eq!(buffer.len(), STOP_LENGTH);
+        assert!(matches!(decode_frame(&buffer[..8], 64), Ok(None)));
+        assert!(matches!(
+            decode_frame(&buffer, 64),
+            Ok(Some((Frame::Stop, STOP_LENGTH)))
         ));
     }
 
