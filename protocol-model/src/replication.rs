@@ -986,7 +986,7 @@ impl ReplicationModel {
     }
 
     /// What a client fenced at `stage` knows of its lock, if it holds or was placing one.
-    fn fenced_hold(&self, current: &Client) -> Option<Held> {
+    fn fenced_hold(current: &Client) -> Option<Held> {
         match current.stage {
             // The lock CAS was about to be posted: the record exists, the CAS never ran.
             Stage::Place {
@@ -1189,7 +1189,7 @@ impl ReplicationModel {
         let unfenced = self.protocol == ReplicationProtocol::Unfenced && backup_access;
         if current.epoch != state.epoch && !unfenced && self.protocol.locks() {
             let primary_moved = replicas(state.epoch)[0] != replicas(current.epoch)[0];
-            match self.fenced_hold(&current) {
+            match Self::fenced_hold(&current) {
                 // The key's primary died with the lock: with a backup holding the write, the
                 // client reports it unresolved; with none, it starts again.
                 Some(_) if primary_moved && current.placed => Self::finish(state, client, None),

@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::device::DeviceInner;
 use crate::lock;
 
+/// The most reads of 16 KiB a stopping connection makes to clear what its peer sent (1 MiB).
+const STOP_DISCARD_READS: usize = 64;
 /// The capacity an outgoing buffer keeps between bursts.
 const KEPT_CAPACITY: usize = 64 * 1024;
 
@@ -204,7 +206,8 @@ impl SoftConnection {
     /// Sends the stop frame (after everything queued), and reads away what the peer sent
     /// that nobody will read, so that closing does not reset the connection (a reset can make
     /// the peer drop the answers and the stop frame still unread). Best effort, without
-    /// waiting.
+    /// waiting, and at most [`STOP_DISCARD_READS`] reads: a peer that keeps sending must not
+    /// hold an engine thread here.
     pub(crate) fn send_stop(&self) {
         self.append(|outgoing| {
             super::wire::encode_stop(outgoing);
@@ -215,9 +218,10 @@ impl SoftConnection {
             let _ = stream.shutdown(Shutdown::Write);
             if stream.set_nonblocking(true).is_ok() {
                 let mut discard = [0u8; 16 * 1024];
-                while let Ok(read) = (&*stream).read(&mut discard) {
-                    if read == 0 {
-                        break;
+                for _ in 0..STOP_DISCARD_READS {
+                    match (&*stream).read(&mut discard) {
+                        Ok(read) if read > 0 => {}
+                        _ => break,
                     }
                 }
             }
