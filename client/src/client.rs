@@ -13,7 +13,9 @@ use rdkv_cluster_file::ClusterConfig;
 use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::sharding;
 
-use crate::connection::{ClientConfig, NodeConnection, WriterStripes, DEFAULT_CONCURRENCY};
+use crate::connection::{
+    ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
+};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
@@ -37,6 +39,8 @@ struct Node {
     lanes_in_use: AtomicUsize,
     /// This process's writer turns on the node, shared by its lanes.
     writer_stripes: Arc<WriterStripes>,
+    /// This process's slot cache for the node, shared by its lanes.
+    slot_cache: Arc<SlotCache>,
     /// Bumped when the client takes its connections out (close, drop): a connection that an
     /// opening begun before then brings back says goodbye instead of being stored.
     generation: std::sync::atomic::AtomicU64,
@@ -48,12 +52,14 @@ struct Node {
 impl Node {
     /// A node with `lanes` lanes, none connected.
     fn new(id: u32, config: ClientConfig, lanes: usize) -> Self {
+        let slot_cache = Arc::new(SlotCache::new(config.slot_cache_entries));
         Self {
             id,
             config,
             lanes: (0..lanes.max(1)).map(|_| Lane::new()).collect(),
             lanes_in_use: AtomicUsize::new(lanes.max(1)),
             writer_stripes: Arc::new(WriterStripes::default()),
+            slot_cache,
             generation: std::sync::atomic::AtomicU64::new(0),
             server_deadline_ms: std::sync::atomic::AtomicU64::new(0),
         }
@@ -261,9 +267,13 @@ impl Client {
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
         let node = Node::new(1, config, default_lanes());
-        let connection =
-            NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
-                .await?;
+        let connection = NodeConnection::open(
+            &node.config,
+            counters.clone(),
+            node.writer_stripes.clone(),
+            node.slot_cache.clone(),
+        )
+        .await?;
         // Never longer than the server's: it reuses heap space and clears abandoned tentative
         // slots on the assumption that no operation outlives its deadline.
         let server_deadline = Duration::from_millis(connection.welcome.operation_deadline_ms);
@@ -556,9 +566,13 @@ impl Client {
         let address = node.config.node.control_address;
         let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
-            let fresh =
-                NodeConnection::open(&node.config, counters.clone(), node.writer_stripes.clone())
-                    .await?;
+            let fresh = NodeConnection::open(
+                &node.config,
+                counters.clone(),
+                node.writer_stripes.clone(),
+                node.slot_cache.clone(),
+            )
+            .await?;
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
             let mut lane = lane;

@@ -80,6 +80,10 @@ pub struct Counters {
     pub locks_stolen: ShardedCounter,
     /// Times the client fetched the cluster view after a failure or a newer epoch.
     pub view_refreshes: ShardedCounter,
+    /// Lookups that READ a guessed block from the slot cache with their buckets.
+    pub slot_guesses: ShardedCounter,
+    /// Guesses the buckets or the block proved stale: the lookup went on from the buckets.
+    pub slot_guess_misses: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -100,6 +104,10 @@ pub struct CounterSnapshot {
     pub locks_stolen: u64,
     /// Cluster-view fetches after a failure or a newer epoch.
     pub view_refreshes: u64,
+    /// Lookups that READ a guessed block with their buckets (the slot cache).
+    pub slot_guesses: u64,
+    /// Guesses found stale.
+    pub slot_guess_misses: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -152,6 +160,8 @@ impl Counters {
             overlapped_round_trips: load(&self.overlapped_round_trips),
             locks_stolen: load(&self.locks_stolen),
             view_refreshes: load(&self.view_refreshes),
+            slot_guesses: load(&self.slot_guesses),
+            slot_guess_misses: load(&self.slot_guess_misses),
         }
     }
 }

@@ -43,7 +43,10 @@ mod scan;
 pub use scan::SCAN_BUCKETS;
 
 pub use client::Client;
-pub use connection::{ClientConfig, FabricChoice, NodeAddress, SharedMemory};
+pub use connection::{
+    ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_SLOT_CACHE_ENTRIES,
+    MAX_SLOT_CACHE_ENTRIES,
+};
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};
 pub use operations::{CasOutcome, InsertOutcome};

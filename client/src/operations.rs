@@ -31,7 +31,7 @@ use rdkv_common::layout::{
 use rdkv_fabric::WorkRequest;
 
 use crate::connection::{
-    ExecuteError, NodeConnection, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT,
+    ExecuteError, Guess, NodeConnection, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT,
     READ_BLOCKS_SIZE, WRITE_BLOCK_AT,
 };
 use crate::error::{Error, Result};
@@ -150,6 +150,20 @@ pub(crate) struct FirstList {
     pub(crate) kind: StepKind,
     /// Requests posted ahead of the bucket READs in the same list.
     pub(crate) before: Vec<WorkRequest>,
+    /// A guess at the key's committed slot (the slot cache): its block is READ after the
+    /// buckets in the same list. Only for lookups of committed slots.
+    pub(crate) guess: Option<Guess>,
+}
+
+impl FirstList {
+    /// A first list of `kind` with `before` ahead of the bucket READs, and no guess.
+    pub(crate) fn new(kind: StepKind, before: Vec<WorkRequest>) -> Self {
+        Self {
+            kind,
+            before,
+            guess: None,
+        }
+    }
 }
 
 pub(crate) fn layout_error(error: LayoutError) -> Error {
@@ -238,20 +252,47 @@ pub(crate) async fn lookup(
     first: FirstList,
     candidates: Candidates,
 ) -> Result<View> {
+    debug_assert!(
+        first.guess.is_none() || matches!(candidates, Candidates::Committed),
+        "a guess answers only a lookup of committed slots"
+    );
     let mut next = Some(first);
     for _ in 0..LOOKUP_ATTEMPTS {
-        let (kind, mut list) = match next.take() {
-            Some(first) => (first.kind, first.before),
-            None => (StepKind::ReadBuckets, Vec::new()),
+        let (kind, mut list, guess) = match next.take() {
+            Some(first) => (first.kind, first.before, first.guess),
+            None => (StepKind::ReadBuckets, Vec::new(), None),
         };
-        // The two bucket READs, and the announce WRITE the operation's first list starts with.
-        list.reserve_exact(3);
+        // The two bucket READs, the guessed block's READ, and the announce WRITE the
+        // operation's first list starts with.
+        list.reserve_exact(4);
         push_bucket_reads(scratch, location, &mut list);
+        if let Some(guess) = guess {
+            list.push(WorkRequest::read(
+                GUESS_READ_ID,
+                scratch.region().segment(
+                    scratch.base + READ_BLOCKS_AT,
+                    guess.slot.block_length() as u32,
+                ),
+                scratch.connection().keys.heap_key.at(guess.slot.offset()),
+            ));
+        }
         scratch
             .execute(operation, kind, list)
             .await
             .map_err(step_failure(operation))?;
         let slots = read_slots(scratch, location)?;
+        if let Some(guess) = guess {
+            let counters = &scratch.connection().counters;
+            counters.slot_guesses.add(1);
+            if let Some(found) = guessed_match(scratch, key, &slots, guess)? {
+                return Ok(View {
+                    slots,
+                    committed: vec![found],
+                    tentative: Vec::new(),
+                });
+            }
+            scratch.connection().counters.slot_guess_misses.add(1);
+        }
         let outcome = if slots.iter().any(|(_, slot)| slot.is_torn()) {
             // A word no writer wrote: the READ tore it against a concurrent CAS.
             Err(Reread)
@@ -277,16 +318,19 @@ pub(crate) async fn lookup(
     })
 }
 
-/// A plain lookup of the committed slots holding `key` (readers and deletes).
+/// A plain lookup of the committed slots holding `key` (readers and deletes), READing the
+/// guessed block with the buckets when there is a guess.
 async fn lookup_committed(
     scratch: &mut Scratch,
     operation: &'static str,
     key: &[u8],
     location: &KeyLocation,
+    guess: Option<Guess>,
 ) -> Result<View> {
     let first = FirstList {
         kind: StepKind::ReadBuckets,
         before: Vec::new(),
+        guess,
     };
     lookup(
         scratch,
@@ -297,6 +341,38 @@ async fn lookup_committed(
         Candidates::Committed,
     )
     .await
+}
+
+/// The work request id of a guessed block's READ (ids only label requests in a list).
+const GUESS_READ_ID: u64 = 2;
+
+/// The committed slot holding `key`, if the guess proved true: the bucket READ found the
+/// guessed slot holding exactly the guessed word, and the block READ after it (same list, so
+/// executed after it, and announced, so not reclaimed in between) holds the key, unbroken. At
+/// most one slot per key is committed at any instant, so this is the key's slot at the bucket
+/// READ, as the ordinary lookup would have found it (`docs/protocol.md`, *Guessed blocks*).
+fn guessed_match(
+    scratch: &Scratch,
+    key: &[u8],
+    slots: &[(SlotPosition, Slot)],
+    guess: Guess,
+) -> Result<Option<Match>> {
+    if !slots.contains(&(guess.position, guess.slot)) {
+        return Ok(None);
+    }
+    let mut bytes = vec![0u8; guess.slot.block_length() as usize];
+    scratch
+        .region()
+        .read(scratch.base + READ_BLOCKS_AT, &mut bytes)?;
+    Ok(match decode_block(&bytes) {
+        Ok(block) if block.key == key => Some(Match {
+            position: guess.position,
+            slot: guess.slot,
+            value: Bytes::copy_from_slice(block.value),
+            tombstone: block.tombstone,
+        }),
+        _ => None,
+    })
 }
 
 /// Reads the blocks of the fingerprint matches among `candidates` and returns the committed and
@@ -463,7 +539,19 @@ pub(crate) async fn cas_step(
     Ok(swapped)
 }
 
-/// GET: two round trips when the key has a fingerprint match, one when it has none.
+/// Records what a lookup found in the slot cache: the key's one committed slot, or nothing
+/// (absent, or read while it moved).
+fn remember_view(connection: &NodeConnection, location: &KeyLocation, view: &View) {
+    match view.committed.as_slice() {
+        [found] => connection
+            .slot_cache
+            .remember(location, found.position, found.slot),
+        _ => connection.slot_cache.forget(location),
+    }
+}
+
+/// GET: one round trip when the slot cache's guess holds, else two when the key has a
+/// fingerprint match, one when it has none.
 pub(crate) async fn get(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
@@ -473,7 +561,9 @@ pub(crate) async fn get(
     let location = connection.welcome.geometry.locate(key);
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
-    let view = lookup_committed(&mut scratch, "get", key, &location).await?;
+    let guess = connection.slot_cache.guess(&location);
+    let view = lookup_committed(&mut scratch, "get", key, &location, guess).await?;
+    remember_view(connection, &location, &view);
     let counters = &connection.counters;
     counters.gets.add(1);
     counters.get_round_trips.add(scratch.round_trips);
@@ -524,6 +614,11 @@ pub(crate) async fn mutate(
         let first = FirstList {
             kind: StepKind::ReadBuckets,
             before: block_write.take().into_iter().collect(),
+            guess: if attempt == 0 {
+                connection.slot_cache.guess(&location)
+            } else {
+                None
+            },
         };
         let view = lookup(
             &mut scratch,
@@ -534,6 +629,7 @@ pub(crate) async fn mutate(
             Candidates::Committed,
         )
         .await?;
+        remember_view(connection, &location, &view);
         if view.committed.len() > 1 {
             // Read while the key moved (deleted here, inserted there): look again.
             back_off(attempt).await;
@@ -561,6 +657,9 @@ pub(crate) async fn mutate(
                 )
                 .await?
                 {
+                    connection
+                        .slot_cache
+                        .remember(&location, current.position, new_slot);
                     return Ok(MutationOutcome::Applied);
                 }
             }
@@ -581,7 +680,10 @@ pub(crate) async fn mutate(
                 )
                 .await?
                 {
-                    Inserted::Committed => return Ok(MutationOutcome::Applied),
+                    Inserted::Committed => {
+                        connection.slot_cache.remember(&location, empty, new_slot);
+                        return Ok(MutationOutcome::Applied);
+                    }
                     Inserted::Present(present) if matches!(mutation, Mutation::Insert) => {
                         return Ok(MutationOutcome::Present(present))
                     }
@@ -659,10 +761,7 @@ pub(crate) async fn insert_absent(
 ) -> Result<Inserted> {
     let tentative = new_slot.tentative();
     before.push(slot_cas(scratch, 0, empty, Slot::EMPTY, tentative));
-    let mut next = FirstList {
-        kind: StepKind::PlaceTentative,
-        before,
-    };
+    let mut next = FirstList::new(StepKind::PlaceTentative, before);
     for round in 0..RACE_ATTEMPTS {
         let placing = round == 0;
         let view = lookup(
@@ -670,13 +769,7 @@ pub(crate) async fn insert_absent(
             operation,
             key,
             location,
-            std::mem::replace(
-                &mut next,
-                FirstList {
-                    kind: StepKind::ReadBuckets,
-                    before: Vec::new(),
-                },
-            ),
+            std::mem::replace(&mut next, FirstList::new(StepKind::ReadBuckets, Vec::new())),
             Candidates::AllBut(empty),
         )
         .await?;
@@ -783,7 +876,12 @@ pub(crate) async fn delete(
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
     for attempt in 0..RACE_ATTEMPTS {
-        let view = lookup_committed(&mut scratch, "delete", key, &location).await?;
+        let guess = if attempt == 0 {
+            connection.slot_cache.guess(&location)
+        } else {
+            None
+        };
+        let view = lookup_committed(&mut scratch, "delete", key, &location, guess).await?;
         match view.committed.as_slice() {
             [] => return Ok(false),
             [current]
@@ -797,7 +895,8 @@ pub(crate) async fn delete(
                 )
                 .await? =>
             {
-                return Ok(true)
+                connection.slot_cache.forget(&location);
+                return Ok(true);
             }
             // Lost the race, or read while the key moved: look again.
             _ => {}

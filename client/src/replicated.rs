@@ -233,10 +233,7 @@ async fn lookup_all(
             write,
             ..
         } = copy;
-        let first = FirstList {
-            kind: StepKind::ReadBuckets,
-            before: write.take().into_iter().collect(),
-        };
+        let first = FirstList::new(StepKind::ReadBuckets, write.take().into_iter().collect());
         lookup(
             scratch,
             operation,
@@ -359,10 +356,10 @@ async fn settle(
     lock: Slot,
 ) -> Result<bool> {
     for attempt in 0..RACE_ATTEMPTS {
-        let first = FirstList {
-            kind: StepKind::ReadBuckets,
-            before: copy.write.take().into_iter().collect(),
-        };
+        let first = FirstList::new(
+            StepKind::ReadBuckets,
+            copy.write.take().into_iter().collect(),
+        );
         let view = lookup(
             &mut copy.scratch,
             operation,

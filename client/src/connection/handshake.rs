@@ -163,11 +163,13 @@ fn reachable_here(socket: &std::path::Path) -> bool {
 
 impl NodeConnection {
     /// Connects, authenticates, connects the queue pair and starts the control task; writers
-    /// take their turns in `writer_stripes`, the node's.
+    /// take their turns in `writer_stripes`, the node's, and lookups guess from `slot_cache`, the
+    /// node's.
     pub(crate) async fn open(
         config: &ClientConfig,
         counters: Arc<Counters>,
         writer_stripes: Arc<WriterStripes>,
+        slot_cache: Arc<SlotCache>,
     ) -> Result<Arc<Self>> {
         let address = config.node.control_address;
         let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
@@ -225,7 +227,7 @@ impl NodeConnection {
                 tracing::warn!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
                 let mut fallback = config.clone();
                 fallback.node.shared_memory = SharedMemory::Off;
-                return Box::pin(Self::open(&fallback, counters, writer_stripes)).await;
+                return Box::pin(Self::open(&fallback, counters, writer_stripes, slot_cache)).await;
             }
         } else {
             queue_pair.connect(&welcome.server_endpoint).await?;
@@ -258,6 +260,7 @@ impl NodeConnection {
             refill: Semaphore::new(1),
             heap_full: Mutex::new(None),
             writer_stripes,
+            slot_cache,
             control,
             broken: AtomicBool::new(false),
             counters,

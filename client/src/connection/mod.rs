@@ -7,6 +7,7 @@
 //! - `pool`: the process's shared device, protection domain and scratch buffer pool;
 //! - `scratch`: a scratch buffer per operation and the posting of lists through it;
 //! - `writer_stripes`: the per-key writer turns of this process;
+//! - `slot_cache`: where this process last saw each key's committed slot on the node;
 //! - here: the connection itself and its heap chunk cursor.
 
 use std::net::SocketAddr;
@@ -30,6 +31,7 @@ mod control;
 mod handshake;
 mod pool;
 mod scratch;
+mod slot_cache;
 mod writer_stripes;
 
 use announce::Announcer;
@@ -41,6 +43,9 @@ pub(crate) use scratch::{
     ExecuteError, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT, READ_BLOCKS_SIZE,
     WRITE_BLOCK_AT,
 };
+pub(crate) use slot_cache::slot_cache_entries_from_environment;
+pub(crate) use slot_cache::{Guess, SlotCache};
+pub use slot_cache::{DEFAULT_SLOT_CACHE_ENTRIES, MAX_SLOT_CACHE_ENTRIES};
 pub(crate) use writer_stripes::WriterStripes;
 
 /// How long to wait before asking again for a chunk when the heap's free chunks are all
@@ -103,6 +108,9 @@ pub(crate) struct NodeConnection {
     /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
     /// Shared by every lane's connection to the node.
     writer_stripes: Arc<WriterStripes>,
+    /// Where this process last saw each key's committed slot on the node: a lookup with a
+    /// guess READs its block with the buckets. Shared by every lane's connection to the node.
+    pub(crate) slot_cache: Arc<SlotCache>,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,
     /// Set when the connection failed; the client then reconnects.

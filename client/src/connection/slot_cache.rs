@@ -1,0 +1,258 @@
+//! The slot cache: where this process last saw each key's committed slot on a node, and the
+//! slot word it held. A lookup that has a guess READs the guessed block in the same list as the
+//! buckets, after them, so a key whose slot did not change since is found in one round trip
+//! instead of two (`docs/protocol.md`, *Guessed blocks*). It is two-way set-associative, so
+//! two keys that hash alike do not evict each other.
+//!
+//! A guess is only a hint. The lookup uses it only when the bucket READ of the same list shows
+//! the guessed slot holding exactly the guessed word, and the block READ after it holds the key
+//! with a valid checksum; anything else, a stale or a torn entry included, falls back to the
+//! ordinary lookup from the buckets already read. So the cache needs no locking: an entry is
+//! three relaxed words, and a reader that catches an entry being rewritten gets a hint that fails
+//! its check, or one that passes it (and is then true).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rdkv_common::layout::{KeyLocation, Slot, SlotPosition, BLOCK_UNIT, SLOTS_PER_COMBINED_BUCKET};
+
+/// Entries of a node's slot cache unless [`crate::ClientConfig::slot_cache_entries`] says
+/// otherwise: 24 bytes each, 3 MiB per node.
+pub const DEFAULT_SLOT_CACHE_ENTRIES: usize = 1 << 17;
+
+/// The most entries a slot cache may have (384 MiB per node).
+pub const MAX_SLOT_CACHE_ENTRIES: usize = 1 << 24;
+
+/// The entries `RDKV_SLOT_CACHE_ENTRIES` asks for (0 turns guessing off), else
+/// [`DEFAULT_SLOT_CACHE_ENTRIES`]. A value that is not a number is ignored with a warning; one
+/// above [`MAX_SLOT_CACHE_ENTRIES`] is cut to it.
+pub fn slot_cache_entries_from_environment() -> usize {
+    const VARIABLE: &str = "RDKV_SLOT_CACHE_ENTRIES";
+    let Ok(text) = std::env::var(VARIABLE) else {
+        return DEFAULT_SLOT_CACHE_ENTRIES;
+    };
+    match text.trim().parse::<usize>() {
+        Ok(entries) if entries > MAX_SLOT_CACHE_ENTRIES => {
+            tracing::warn!(variable = VARIABLE, value = %text, limit = MAX_SLOT_CACHE_ENTRIES, "slot cache entries cut to the limit");
+            MAX_SLOT_CACHE_ENTRIES
+        }
+        Ok(entries) => entries,
+        Err(_) => {
+            tracing::warn!(variable = VARIABLE, value = %text, "ignoring a value that is not a number of entries");
+            DEFAULT_SLOT_CACHE_ENTRIES
+        }
+    }
+}
+
+/// Entries a key may use: the cache is two-way set-associative.
+const WAYS: usize = 2;
+
+/// Bits of a packed position that hold the slot (0..16) and the hash choice.
+const SLOT_BITS: u32 = 4;
+const CHOICE_BIT: u64 = 1 << SLOT_BITS;
+const BUCKET_SHIFT: u32 = SLOT_BITS + 1;
+
+/// One entry: the key's tag (0: empty), its slot's packed position, and the word it held.
+#[derive(Debug, Default)]
+struct Entry {
+    tag: AtomicU64,
+    position: AtomicU64,
+    word: AtomicU64,
+}
+
+/// A guess at a key's committed slot: its position and word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Guess {
+    /// Where the slot is.
+    pub(crate) position: SlotPosition,
+    /// The committed word it held when this process last saw it.
+    pub(crate) slot: Slot,
+}
+
+/// A node's slot cache, direct-mapped by key, shared by the connections of every lane to it.
+#[derive(Debug)]
+pub(crate) struct SlotCache {
+    entries: Box<[Entry]>,
+}
+
+impl SlotCache {
+    /// A cache of `entries` entries, rounded up to a power of two; 0 caches nothing.
+    pub(crate) fn new(entries: usize) -> Self {
+        let count = if entries == 0 {
+            0
+        } else {
+            entries
+                .min(MAX_SLOT_CACHE_ENTRIES)
+                .next_power_of_two()
+                .max(WAYS)
+        };
+        Self {
+            entries: (0..count).map(|_| Entry::default()).collect(),
+        }
+    }
+
+    /// The key's set (two entries, the key may be in either) and its tag (never 0), or `None`
+    /// when the cache is off.
+    fn set(&self, location: &KeyLocation) -> Option<(&[Entry], u64)> {
+        if self.entries.is_empty() {
+            return None;
+        }
+        let hash = location.combined_buckets[0]
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(23)
+            ^ location.combined_buckets[1].wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+            ^ u64::from(location.fingerprint);
+        let first = (hash as usize) & (self.entries.len() - 1) & !(WAYS - 1);
+        Some((&self.entries[first..first + WAYS], hash | 1))
+    }
+
+    /// The key's entry, if it has one.
+    fn entry(&self, location: &KeyLocation) -> Option<(&Entry, u64)> {
+        let (set, tag) = self.set(location)?;
+        set.iter()
+            .find(|entry| entry.tag.load(Ordering::Relaxed) == tag)
+            .map(|entry| (entry, tag))
+    }
+
+    /// The key's last seen committed slot, if the cache has one that could be the key's: a
+    /// readable word with the key's fingerprint, in one of its buckets.
+    pub(crate) fn guess(&self, location: &KeyLocation) -> Option<Guess> {
+        let (entry, _) = self.entry(location)?;
+        let packed = entry.position.load(Ordering::Relaxed);
+        let slot = Slot(entry.word.load(Ordering::Relaxed));
+        let choice = usize::from(packed & CHOICE_BIT != 0);
+        let position = SlotPosition {
+            choice,
+            combined_bucket: packed >> BUCKET_SHIFT,
+            slot: (packed & ((1 << SLOT_BITS) - 1)) as usize,
+        };
+        let plausible = slot.is_readable()
+            && slot.fingerprint() == location.fingerprint
+            && slot.block_length() > 0
+            && position.slot < SLOTS_PER_COMBINED_BUCKET
+            && location.combined_buckets[choice] == position.combined_bucket;
+        plausible.then_some(Guess { position, slot })
+    }
+
+    /// Remembers the key's committed slot: in its own entry, else an empty one of its set,
+    /// else in place of one of the two (chosen by the word's low offset bits, which vary from
+    /// block to block).
+    pub(crate) fn remember(&self, location: &KeyLocation, position: SlotPosition, slot: Slot) {
+        let Some((set, tag)) = self.set(location) else {
+            return;
+        };
+        let entry = set
+            .iter()
+            .find(|entry| entry.tag.load(Ordering::Relaxed) == tag)
+            .or_else(|| {
+                set.iter()
+                    .find(|entry| entry.tag.load(Ordering::Relaxed) == 0)
+            })
+            .unwrap_or(&set[((slot.offset() / BLOCK_UNIT) as usize) % WAYS]);
+        let packed = (position.combined_bucket << BUCKET_SHIFT)
+            | if position.choice == 1 { CHOICE_BIT } else { 0 }
+            | position.slot as u64;
+        entry.position.store(packed, Ordering::Relaxed);
+        entry.word.store(slot.0, Ordering::Relaxed);
+        entry.tag.store(tag, Ordering::Relaxed);
+    }
+
+    /// Forgets the key (it is absent): a guess would only cost a wasted block READ.
+    pub(crate) fn forget(&self, location: &KeyLocation) {
+        if let Some((entry, _)) = self.entry(location) {
+            entry.tag.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes the cache holds.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.entries.len() * std::mem::size_of::<Entry>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn location(buckets: [u64; 2], fingerprint: u8) -> KeyLocation {
+        KeyLocation {
+            fingerprint,
+            combined_buckets: buckets,
+        }
+    }
+
+    #[test]
+    fn remembers_and_forgets_a_key() {
+        let cache = SlotCache::new(1000);
+        assert_eq!(cache.bytes(), 1024 * 24);
+        let key = location([7, 90], 0x5a);
+        assert_eq!(cache.guess(&key), None);
+        let position = SlotPosition {
+            choice: 1,
+            combined_bucket: 90,
+            slot: 15,
+        };
+        let slot = Slot::new(0x5a, 3, 64 * 1000).committed();
+        cache.remember(&key, position, slot);
+        assert_eq!(cache.guess(&key), Some(Guess { position, slot }));
+        cache.forget(&key);
+        assert_eq!(cache.guess(&key), None);
+    }
+
+    #[test]
+    fn two_keys_of_one_set_are_both_kept() {
+        // A cache of two entries: one set, which every key maps to.
+        let cache = SlotCache::new(2);
+        let first = location([1, 2], 0x01);
+        let second = location([3, 4], 0x02);
+        let at = |bucket| SlotPosition {
+            choice: 0,
+            combined_bucket: bucket,
+            slot: 0,
+        };
+        cache.remember(&first, at(1), Slot::new(0x01, 1, 64).committed());
+        cache.remember(&second, at(3), Slot::new(0x02, 1, 128).committed());
+        assert!(cache.guess(&first).is_some() && cache.guess(&second).is_some());
+        // A third evicts one of them, never itself.
+        let third = location([5, 6], 0x03);
+        cache.remember(&third, at(5), Slot::new(0x03, 1, 192).committed());
+        assert!(cache.guess(&third).is_some());
+        assert!(cache.guess(&first).is_some() != cache.guess(&second).is_some());
+    }
+
+    #[test]
+    fn an_implausible_entry_is_no_guess() {
+        let cache = SlotCache::new(16);
+        let key = location([3, 4], 0x11);
+        let position = SlotPosition {
+            choice: 0,
+            combined_bucket: 3,
+            slot: 2,
+        };
+        // Another fingerprint, a tentative word, a bucket that is not the key's.
+        cache.remember(&key, position, Slot::new(0x12, 1, 64).committed());
+        assert_eq!(cache.guess(&key), None);
+        cache.remember(&key, position, Slot::new(0x11, 1, 64).tentative());
+        assert_eq!(cache.guess(&key), None);
+        let elsewhere = SlotPosition {
+            combined_bucket: 5,
+            ..position
+        };
+        cache.remember(&key, elsewhere, Slot::new(0x11, 1, 64).committed());
+        assert_eq!(cache.guess(&key), None);
+    }
+
+    #[test]
+    fn a_disabled_cache_guesses_nothing() {
+        let cache = SlotCache::new(0);
+        let key = location([1, 2], 3);
+        let position = SlotPosition {
+            choice: 0,
+            combined_bucket: 1,
+            slot: 0,
+        };
+        cache.remember(&key, position, Slot::new(3, 1, 64).committed());
+        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.bytes(), 0);
+    }
+}
