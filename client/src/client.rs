@@ -14,7 +14,7 @@ use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode,
 use rdkv_common::sharding;
 
 use crate::connection::{
-    ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
+    shared_slot_cache, ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
 };
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
@@ -39,7 +39,8 @@ struct Node {
     lanes_in_use: AtomicUsize,
     /// This process's writer turns on the node, shared by its lanes.
     writer_stripes: Arc<WriterStripes>,
-    /// This process's slot cache for the node, shared by its lanes.
+    /// This process's slot cache for the node, shared by its lanes and by every other client
+    /// of the process that reaches the node.
     slot_cache: Arc<SlotCache>,
     /// Bumped when the client takes its connections out (close, drop): a connection that an
     /// opening begun before then brings back says goodbye instead of being stored.
@@ -52,7 +53,7 @@ struct Node {
 impl Node {
     /// A node with `lanes` lanes, none connected.
     fn new(id: u32, config: ClientConfig, lanes: usize) -> Self {
-        let slot_cache = Arc::new(SlotCache::new(config.slot_cache_entries));
+        let slot_cache = shared_slot_cache(config.node.control_address, config.slot_cache_entries);
         Self {
             id,
             config,

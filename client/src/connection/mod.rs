@@ -44,7 +44,7 @@ pub(crate) use scratch::{
     WRITE_BLOCK_AT,
 };
 pub(crate) use slot_cache::slot_cache_entries_from_environment;
-pub(crate) use slot_cache::{Guess, SlotCache};
+pub(crate) use slot_cache::{shared as shared_slot_cache, Guess, SlotCache};
 pub use slot_cache::{DEFAULT_SLOT_CACHE_ENTRIES, MAX_SLOT_CACHE_ENTRIES};
 pub(crate) use writer_stripes::WriterStripes;
 

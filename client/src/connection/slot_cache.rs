@@ -11,7 +11,12 @@
 //! three relaxed words, and a reader that catches an entry being rewritten gets a hint that fails
 //! its check, or one that passes it (and is then true).
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use rdkv_fabric::lock;
 
 use rdkv_common::layout::{KeyLocation, Slot, SlotPosition, BLOCK_UNIT, SLOTS_PER_COMBINED_BUCKET};
 
@@ -68,16 +73,39 @@ pub(crate) struct Guess {
     pub(crate) slot: Slot,
 }
 
-/// A node's slot cache, direct-mapped by key, shared by the connections of every lane to it.
+/// A node's slot cache, two-way set-associative by key, shared by every `Client` of the
+/// process that reaches the node at the same address (and by their lanes). Its entries are
+/// allocated on the first key it remembers, so a client that only connects holds none.
 #[derive(Debug)]
 pub(crate) struct SlotCache {
-    entries: Box<[Entry]>,
+    /// Entries, a power of two (0: off).
+    capacity: usize,
+    entries: OnceLock<Box<[Entry]>>,
+}
+
+/// The process's slot caches, by node control address and size.
+type Registry = HashMap<(SocketAddr, usize), Weak<SlotCache>>;
+
+/// The process's slot cache for the node at `address` with `entries` entries: one per node
+/// and size, however many `Client`s reach it (a thousand clients of one node share one cache,
+/// not a thousand). A cache of a node that restarted or changed is still right to share: every
+/// guess is checked against the node's table.
+pub(crate) fn shared(address: SocketAddr, entries: usize) -> Arc<SlotCache> {
+    static CACHES: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let mut caches = lock(CACHES.get_or_init(Mutex::default));
+    if let Some(cache) = caches.get(&(address, entries)).and_then(Weak::upgrade) {
+        return cache;
+    }
+    caches.retain(|_, cache| cache.strong_count() > 0);
+    let cache = Arc::new(SlotCache::new(entries));
+    caches.insert((address, entries), Arc::downgrade(&cache));
+    cache
 }
 
 impl SlotCache {
     /// A cache of `entries` entries, rounded up to a power of two; 0 caches nothing.
     pub(crate) fn new(entries: usize) -> Self {
-        let count = if entries == 0 {
+        let capacity = if entries == 0 {
             0
         } else {
             entries
@@ -86,28 +114,35 @@ impl SlotCache {
                 .max(WAYS)
         };
         Self {
-            entries: (0..count).map(|_| Entry::default()).collect(),
+            capacity,
+            entries: OnceLock::new(),
         }
     }
 
     /// The key's set (two entries, the key may be in either) and its tag (never 0), or `None`
     /// when the cache is off.
-    fn set(&self, location: &KeyLocation) -> Option<(&[Entry], u64)> {
-        if self.entries.is_empty() {
+    fn set(&self, location: &KeyLocation, allocate: bool) -> Option<(&[Entry], u64)> {
+        if self.capacity == 0 {
             return None;
         }
+        let entries = if allocate {
+            self.entries
+                .get_or_init(|| (0..self.capacity).map(|_| Entry::default()).collect())
+        } else {
+            self.entries.get()?
+        };
         let hash = location.combined_buckets[0]
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .rotate_left(23)
             ^ location.combined_buckets[1].wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
             ^ u64::from(location.fingerprint);
-        let first = (hash as usize) & (self.entries.len() - 1) & !(WAYS - 1);
-        Some((&self.entries[first..first + WAYS], hash | 1))
+        let first = (hash as usize) & (entries.len() - 1) & !(WAYS - 1);
+        Some((&entries[first..first + WAYS], hash | 1))
     }
 
     /// The key's entry, if it has one.
     fn entry(&self, location: &KeyLocation) -> Option<(&Entry, u64)> {
-        let (set, tag) = self.set(location)?;
+        let (set, tag) = self.set(location, false)?;
         set.iter()
             .find(|entry| entry.tag.load(Ordering::Relaxed) == tag)
             .map(|entry| (entry, tag))
@@ -137,7 +172,7 @@ impl SlotCache {
     /// else in place of one of the two (chosen by the word's low offset bits, which vary from
     /// block to block).
     pub(crate) fn remember(&self, location: &KeyLocation, position: SlotPosition, slot: Slot) {
-        let Some((set, tag)) = self.set(location) else {
+        let Some((set, tag)) = self.set(location, true) else {
             return;
         };
         let entry = set
@@ -166,7 +201,7 @@ impl SlotCache {
     /// Bytes the cache holds.
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.entries.len() * std::mem::size_of::<Entry>()
+        self.entries.get().map_or(0, |entries| entries.len()) * std::mem::size_of::<Entry>()
     }
 }
 
@@ -184,7 +219,7 @@ mod tests {
     #[test]
     fn remembers_and_forgets_a_key() {
         let cache = SlotCache::new(1000);
-        assert_eq!(cache.bytes(), 1024 * 24);
+        assert_eq!(cache.bytes(), 0, "nothing allocated before the first key");
         let key = location([7, 90], 0x5a);
         assert_eq!(cache.guess(&key), None);
         let position = SlotPosition {
@@ -194,6 +229,7 @@ mod tests {
         };
         let slot = Slot::new(0x5a, 3, 64 * 1000).committed();
         cache.remember(&key, position, slot);
+        assert_eq!(cache.bytes(), 1024 * 24);
         assert_eq!(cache.guess(&key), Some(Guess { position, slot }));
         cache.forget(&key);
         assert_eq!(cache.guess(&key), None);
@@ -240,6 +276,16 @@ mod tests {
         };
         cache.remember(&key, elsewhere, Slot::new(0x11, 1, 64).committed());
         assert_eq!(cache.guess(&key), None);
+    }
+
+    #[test]
+    fn clients_of_one_node_share_its_cache() {
+        let node: SocketAddr = "127.0.0.1:7400".parse().expect("address");
+        let other: SocketAddr = "127.0.0.1:7410".parse().expect("address");
+        let first = shared(node, 64);
+        assert!(Arc::ptr_eq(&first, &shared(node, 64)));
+        assert!(!Arc::ptr_eq(&first, &shared(other, 64)));
+        assert!(!Arc::ptr_eq(&first, &shared(node, 0)));
     }
 
     #[test]
