@@ -561,7 +561,7 @@ pub(crate) async fn get(
     let location = connection.welcome.geometry.locate(key);
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
-    let guess = connection.slot_cache.guess(&location);
+    let guess = connection.guess(&location);
     let view = lookup_committed(&mut scratch, "get", key, &location, guess).await?;
     remember_view(connection, &location, &view);
     let counters = &connection.counters;
@@ -615,7 +615,7 @@ pub(crate) async fn mutate(
             kind: StepKind::ReadBuckets,
             before: block_write.take().into_iter().collect(),
             guess: if attempt == 0 {
-                connection.slot_cache.guess(&location)
+                connection.guess(&location)
             } else {
                 None
             },
@@ -877,7 +877,7 @@ pub(crate) async fn delete(
     let mut scratch = connection.scratch(progress).await?;
     for attempt in 0..RACE_ATTEMPTS {
         let guess = if attempt == 0 {
-            connection.slot_cache.guess(&location)
+            connection.guess(&location)
         } else {
             None
         };

@@ -287,86 +287,93 @@ async fn every_failure_says_whether_its_operation_may_have_applied() {
     config.collector_interval = std::time::Duration::from_secs(3600);
     config.operation_deadline = std::time::Duration::from_millis(500);
     let server = rdkv_server::start(config).await.expect("start server");
-    let admin = Client::connect(client_config(&server, None))
-        .await
-        .expect("connect");
     let mut kinds_failed = std::collections::HashSet::new();
     let mut cases = 0;
-    for scenario in SCENARIOS {
-        let dry = Arc::new(Script::default());
-        let key = format!("{scenario:?}-dry");
-        let reported = run_case(&server, &admin, scenario, key.as_bytes(), dry.clone())
-            .await
-            .unwrap_or_else(|error| panic!("{scenario:?} without failures: {error}"));
-        let steps = dry.steps();
-        let succeeds = scenario != Scenario::InsertLosingToCommit;
-        assert_eq!(reported, succeeds, "{scenario:?}: {steps:?}");
-        assert_eq!(
-            applied(scenario, &admin, key.as_bytes()).await,
-            succeeds,
-            "{scenario:?}"
-        );
-        for index in 0..steps.len() {
-            let key = format!("{scenario:?}-{index}");
-            let script = Arc::new(Script {
-                fail_at: Some(index),
-                ..Script::default()
-            });
-            let result = run_case(&server, &admin, scenario, key.as_bytes(), script).await;
-            let effect = applied(scenario, &admin, key.as_bytes()).await;
-            let want = if succeeds {
-                expected(&steps, index)
-            } else {
-                // This insert never applies; a failure before any CAS is retried and finds the
-                // key present.
-                match expected(&steps, index) {
-                    Expected::MayHaveApplied => unreachable!("it publishes nothing"),
-                    other => other,
-                }
-            };
-            let context = format!(
-                "{scenario:?}, failure at {:?}: {result:?}, effect {effect}",
+    // Twice: with the admin's writes in the process's slot cache for the node (the operation
+    // under test then guesses each key's block: `docs/protocol.md`, *Guessed blocks*), and with
+    // an admin that caches nothing (it looks up from the buckets alone).
+    for guessing in [false, true] {
+        let mut admin_config = client_config(&server, None);
+        if !guessing {
+            admin_config.slot_cache_entries = 0;
+        }
+        let admin = Client::connect(admin_config).await.expect("connect");
+        for scenario in SCENARIOS {
+            let dry = Arc::new(Script::default());
+            let key = format!("{scenario:?}-{guessing}-dry");
+            let reported = run_case(&server, &admin, scenario, key.as_bytes(), dry.clone())
+                .await
+                .unwrap_or_else(|error| panic!("{scenario:?} without failures: {error}"));
+            let steps = dry.steps();
+            let succeeds = scenario != Scenario::InsertLosingToCommit;
+            assert_eq!(reported, succeeds, "{scenario:?}: {steps:?}");
+            assert_eq!(
+                applied(scenario, &admin, key.as_bytes()).await,
+                succeeds,
+                "{scenario:?}"
+            );
+            for index in 0..steps.len() {
+                let key = format!("{scenario:?}-{guessing}-{index}");
+                let script = Arc::new(Script {
+                    fail_at: Some(index),
+                    ..Script::default()
+                });
+                let result = run_case(&server, &admin, scenario, key.as_bytes(), script).await;
+                let effect = applied(scenario, &admin, key.as_bytes()).await;
+                let want = if succeeds {
+                    expected(&steps, index)
+                } else {
+                    // This insert never applies; a failure before any CAS is retried and finds the
+                    // key present.
+                    match expected(&steps, index) {
+                        Expected::MayHaveApplied => unreachable!("it publishes nothing"),
+                        other => other,
+                    }
+                };
+                let context = format!(
+                "{scenario:?} (guessing: {guessing}), failure at {:?}: {result:?}, effect {effect}",
                 steps[index]
             );
-            match want {
-                Expected::Retried => {
-                    assert_eq!(result.as_ref().ok(), Some(&succeeds), "{context}");
-                    assert_eq!(effect, succeeds, "{context}");
+                match want {
+                    Expected::Retried => {
+                        assert_eq!(result.as_ref().ok(), Some(&succeeds), "{context}");
+                        assert_eq!(effect, succeeds, "{context}");
+                    }
+                    Expected::MayHaveApplied => {
+                        let error = result.as_ref().expect_err(&context);
+                        assert!(error.may_have_applied(), "{context}");
+                        assert!(matches!(error, Error::Unresolved { .. }), "{context}");
+                        assert!(effect, "{context}: a completed publishing CAS took effect");
+                    }
+                    Expected::DidNotApply => {
+                        let error = result.as_ref().expect_err(&context);
+                        assert!(!error.may_have_applied(), "{context}");
+                        assert!(!effect, "{context}: reported as not applied");
+                    }
                 }
-                Expected::MayHaveApplied => {
-                    let error = result.as_ref().expect_err(&context);
-                    assert!(error.may_have_applied(), "{context}");
-                    assert!(matches!(error, Error::Unresolved { .. }), "{context}");
-                    assert!(effect, "{context}: a completed publishing CAS took effect");
-                }
-                Expected::DidNotApply => {
-                    let error = result.as_ref().expect_err(&context);
-                    assert!(!error.may_have_applied(), "{context}");
-                    assert!(!effect, "{context}: reported as not applied");
-                }
+                kinds_failed.insert(steps[index].kind);
+                cases += 1;
+                // The key works normally afterwards: a stray slot of the failed operation would
+                // show up here as a second value or a key that does not go away.
+                admin
+                    .put(key.as_bytes(), b"after")
+                    .await
+                    .expect("put after");
+                assert_eq!(
+                    admin.get(key.as_bytes()).await.expect("get").as_deref(),
+                    Some(&b"after"[..]),
+                    "{context}"
+                );
+                assert!(
+                    admin.delete(key.as_bytes()).await.expect("delete"),
+                    "{context}"
+                );
+                assert_eq!(
+                    admin.get(key.as_bytes()).await.expect("get"),
+                    None,
+                    "{context}"
+                );
             }
-            kinds_failed.insert(steps[index].kind);
-            cases += 1;
-            // The key works normally afterwards: a stray slot of the failed operation would
-            // show up here as a second value or a key that does not go away.
-            admin
-                .put(key.as_bytes(), b"after")
-                .await
-                .expect("put after");
-            assert_eq!(
-                admin.get(key.as_bytes()).await.expect("get").as_deref(),
-                Some(&b"after"[..]),
-                "{context}"
-            );
-            assert!(
-                admin.delete(key.as_bytes()).await.expect("delete"),
-                "{context}"
-            );
-            assert_eq!(
-                admin.get(key.as_bytes()).await.expect("get"),
-                None,
-                "{context}"
-            );
         }
     }
     for kind in StepKind::SINGLE_COPY {

@@ -76,9 +76,12 @@ async fn load_and_run_workload_a_count_every_operation() {
         reads.operations
     );
     let figures = ran.rdkv.expect("rdkv figures");
-    assert_eq!(
-        figures.round_trips_per_read, 2.0,
-        "a GET takes 2 round trips"
+    // A GET takes 2 round trips, or 1 when the slot cache's guess holds (the loaded keys were
+    // written by this process, so nearly all do).
+    assert!(
+        (1.0..1.5).contains(&figures.round_trips_per_read),
+        "a GET takes 1 round trip with a guess, 2 without: {}",
+        figures.round_trips_per_read
     );
 
     let text = ran.to_ycsb_text();
@@ -106,7 +109,10 @@ async fn load_and_run_workload_a_count_every_operation() {
         lines[9],
         format!("[UPDATE], Operations, {}", updates.operations)
     );
-    assert!(text.contains("[RDKV], RoundTripsPerRead, 2\n"));
+    assert!(text.contains(&format!(
+        "[RDKV], RoundTripsPerRead, {}\n",
+        figures.round_trips_per_read
+    )));
 
     // A time limit bounds a run that asks for far more operations.
     let bounded = runner::run(

@@ -16,7 +16,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use rdkv_fabric::lock;
+use rdkv_fabric::{lock, Backend};
+
+use super::NodeConnection;
 
 use rdkv_common::layout::{KeyLocation, Slot, SlotPosition, BLOCK_UNIT, SLOTS_PER_COMBINED_BUCKET};
 
@@ -149,8 +151,10 @@ impl SlotCache {
     }
 
     /// The key's last seen committed slot, if the cache has one that could be the key's: a
-    /// readable word with the key's fingerprint, in one of its buckets.
-    pub(crate) fn guess(&self, location: &KeyLocation) -> Option<Guess> {
+    /// readable word with the key's fingerprint, in one of its buckets, whose block lies inside
+    /// a heap of `heap_size` bytes (a node that restarted at the same address with a smaller
+    /// heap would refuse a READ past its end and break the connection).
+    pub(crate) fn guess(&self, location: &KeyLocation, heap_size: u64) -> Option<Guess> {
         let (entry, _) = self.entry(location)?;
         let packed = entry.position.load(Ordering::Relaxed);
         let slot = Slot(entry.word.load(Ordering::Relaxed));
@@ -163,6 +167,10 @@ impl SlotCache {
         let plausible = slot.is_readable()
             && slot.fingerprint() == location.fingerprint
             && slot.block_length() > 0
+            && slot
+                .offset()
+                .checked_add(slot.block_length())
+                .is_some_and(|end| end <= heap_size)
             && position.slot < SLOTS_PER_COMBINED_BUCKET
             && location.combined_buckets[choice] == position.combined_bucket;
         plausible.then_some(Guess { position, slot })
@@ -205,9 +213,44 @@ impl SlotCache {
     }
 }
 
+impl NodeConnection {
+    /// The slot cache's guess for the key at `location`, checked against this node's heap; none
+    /// over `verbs`, whose NICs may fetch a later READ's data before an earlier one's (the
+    /// ordering the guess relies on holds by construction on soft, shm and loopback only).
+    pub(crate) fn guess(&self, location: &KeyLocation) -> Option<Guess> {
+        if self.welcome.server_endpoint.backend() == Backend::Verbs {
+            return None;
+        }
+        self.slot_cache
+            .guess(location, self.welcome.geometry.heap_size)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl SlotCache {
+        /// A guess with no heap bound.
+        fn guess_any(&self, location: &KeyLocation) -> Option<Guess> {
+            self.guess(location, u64::MAX)
+        }
+    }
+
+    #[test]
+    fn a_block_past_the_heap_is_no_guess() {
+        let cache = SlotCache::new(16);
+        let key = location([1, 2], 0x21);
+        let position = SlotPosition {
+            choice: 0,
+            combined_bucket: 1,
+            slot: 3,
+        };
+        let slot = Slot::new(0x21, 2, 64 * 100);
+        cache.remember(&key, position, slot);
+        assert!(cache.guess(&key, 64 * 102).is_some());
+        assert_eq!(cache.guess(&key, 64 * 101), None);
+    }
 
     fn location(buckets: [u64; 2], fingerprint: u8) -> KeyLocation {
         KeyLocation {
@@ -221,7 +264,7 @@ mod tests {
         let cache = SlotCache::new(1000);
         assert_eq!(cache.bytes(), 0, "nothing allocated before the first key");
         let key = location([7, 90], 0x5a);
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
         let position = SlotPosition {
             choice: 1,
             combined_bucket: 90,
@@ -230,9 +273,9 @@ mod tests {
         let slot = Slot::new(0x5a, 3, 64 * 1000).committed();
         cache.remember(&key, position, slot);
         assert_eq!(cache.bytes(), 1024 * 24);
-        assert_eq!(cache.guess(&key), Some(Guess { position, slot }));
+        assert_eq!(cache.guess_any(&key), Some(Guess { position, slot }));
         cache.forget(&key);
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
     }
 
     #[test]
@@ -248,12 +291,12 @@ mod tests {
         };
         cache.remember(&first, at(1), Slot::new(0x01, 1, 64).committed());
         cache.remember(&second, at(3), Slot::new(0x02, 1, 128).committed());
-        assert!(cache.guess(&first).is_some() && cache.guess(&second).is_some());
+        assert!(cache.guess_any(&first).is_some() && cache.guess_any(&second).is_some());
         // A third evicts one of them, never itself.
         let third = location([5, 6], 0x03);
         cache.remember(&third, at(5), Slot::new(0x03, 1, 192).committed());
-        assert!(cache.guess(&third).is_some());
-        assert!(cache.guess(&first).is_some() != cache.guess(&second).is_some());
+        assert!(cache.guess_any(&third).is_some());
+        assert!(cache.guess_any(&first).is_some() != cache.guess_any(&second).is_some());
     }
 
     #[test]
@@ -267,15 +310,15 @@ mod tests {
         };
         // Another fingerprint, a tentative word, a bucket that is not the key's.
         cache.remember(&key, position, Slot::new(0x12, 1, 64).committed());
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
         cache.remember(&key, position, Slot::new(0x11, 1, 64).tentative());
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
         let elsewhere = SlotPosition {
             combined_bucket: 5,
             ..position
         };
         cache.remember(&key, elsewhere, Slot::new(0x11, 1, 64).committed());
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
     }
 
     #[test]
@@ -298,7 +341,7 @@ mod tests {
             slot: 0,
         };
         cache.remember(&key, position, Slot::new(3, 1, 64).committed());
-        assert_eq!(cache.guess(&key), None);
+        assert_eq!(cache.guess_any(&key), None);
         assert_eq!(cache.bytes(), 0);
     }
 }
