@@ -39,8 +39,8 @@ struct Node {
     lanes_in_use: AtomicUsize,
     /// This process's writer turns on the node, shared by its lanes.
     writer_stripes: Arc<WriterStripes>,
-    /// This process's slot cache for the node, shared by its lanes and by every other client
-    /// of the process that reaches the node.
+    /// The node's view of the process's slot cache (shared by every node and client of the
+    /// process).
     slot_cache: Arc<SlotCache>,
     /// Bumped when the client takes its connections out (close, drop): a connection that an
     /// opening begun before then brings back says goodbye instead of being stored.

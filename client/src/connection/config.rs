@@ -70,12 +70,12 @@ pub struct ClientConfig {
     /// it then reads no node the view has filling. A client of one node alone does not, and a
     /// filling node refuses it (its table is partial until its refill is done).
     pub routes_by_view: bool,
-    /// Entries of the client's slot cache for this node (24 bytes each, rounded up to a power
-    /// of two; by default the `RDKV_SLOT_CACHE_ENTRIES` environment variable, else
-    /// [`crate::DEFAULT_SLOT_CACHE_ENTRIES`]): where this process last saw each key's
-    /// committed slot. A lookup of a cached key READs its block in the same list as its
-    /// buckets, so a GET of a key unchanged since takes one round trip instead of two. Zero
-    /// turns guessing off.
+    /// Entries of the process's slot cache (24 bytes each, rounded up to a power of two; by
+    /// default the `RDKV_SLOT_CACHE_ENTRIES` environment variable, else
+    /// [`crate::DEFAULT_SLOT_CACHE_ENTRIES`]): where this process last saw each key's committed
+    /// slot. Every client and node of the process with the same setting shares one cache. A
+    /// lookup of a cached key READs its block in the same list as its buckets, so a GET of a key
+    /// unchanged since takes one round trip instead of two. Zero turns guessing off.
     pub slot_cache_entries: usize,
 }
 

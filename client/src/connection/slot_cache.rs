@@ -12,6 +12,7 @@
 //! its check, or one that passes it (and is then true).
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -22,11 +23,11 @@ use super::NodeConnection;
 
 use rdkv_common::layout::{KeyLocation, Slot, SlotPosition, BLOCK_UNIT, SLOTS_PER_COMBINED_BUCKET};
 
-/// Entries of a node's slot cache unless [`crate::ClientConfig::slot_cache_entries`] says
-/// otherwise: 24 bytes each, 3 MiB per node.
-pub const DEFAULT_SLOT_CACHE_ENTRIES: usize = 1 << 17;
+/// Entries of the process's slot cache unless [`crate::ClientConfig::slot_cache_entries`] says
+/// otherwise: 24 bytes each, 6 MiB for the whole process, whatever the nodes and clients.
+pub const DEFAULT_SLOT_CACHE_ENTRIES: usize = 1 << 18;
 
-/// The most entries a slot cache may have (384 MiB per node).
+/// The most entries a slot cache may have (384 MiB).
 pub const MAX_SLOT_CACHE_ENTRIES: usize = 1 << 24;
 
 /// The entries `RDKV_SLOT_CACHE_ENTRIES` asks for (0 turns guessing off), else
@@ -75,38 +76,53 @@ pub(crate) struct Guess {
     pub(crate) slot: Slot,
 }
 
-/// A node's slot cache, two-way set-associative by key, shared by every `Client` of the
-/// process that reaches the node at the same address (and by their lanes). Its entries are
-/// allocated on the first key it remembers, so a client that only connects holds none.
+/// The process's slot cache entries of one size, two-way set-associative, shared by every
+/// node and every `Client` of the process (a thousand clients of one node share one cache, not
+/// a thousand; a client of a hundred nodes holds one, not a hundred). Allocated on the first
+/// key remembered, so a client that only connects holds none.
 #[derive(Debug)]
-pub(crate) struct SlotCache {
+struct Entries {
     /// Entries, a power of two (0: off).
     capacity: usize,
     entries: OnceLock<Box<[Entry]>>,
 }
 
-/// The process's slot caches, by node control address and size.
-type Registry = HashMap<(SocketAddr, usize), Weak<SlotCache>>;
-
-/// The process's slot cache for the node at `address` with `entries` entries: one per node
-/// and size, however many `Client`s reach it (a thousand clients of one node share one cache,
-/// not a thousand). A cache of a node that restarted or changed is still right to share: every
-/// guess is checked against the node's table.
-pub(crate) fn shared(address: SocketAddr, entries: usize) -> Arc<SlotCache> {
-    static CACHES: OnceLock<Mutex<Registry>> = OnceLock::new();
-    let mut caches = lock(CACHES.get_or_init(Mutex::default));
-    if let Some(cache) = caches.get(&(address, entries)).and_then(Weak::upgrade) {
-        return cache;
-    }
-    caches.retain(|_, cache| cache.strong_count() > 0);
-    let cache = Arc::new(SlotCache::new(entries));
-    caches.insert((address, entries), Arc::downgrade(&cache));
-    cache
+/// One node's view of the process's slot cache: the entries, and the node's salt, mixed into
+/// every key's hash so that the nodes' keys spread over the entries independently.
+#[derive(Debug)]
+pub(crate) struct SlotCache {
+    entries: Arc<Entries>,
+    salt: u64,
 }
 
-impl SlotCache {
-    /// A cache of `entries` entries, rounded up to a power of two; 0 caches nothing.
-    pub(crate) fn new(entries: usize) -> Self {
+/// The process's slot cache for the node at `address`, with `entries` entries in all: every
+/// node of one size shares the entries. A node that restarted or changed is still right to
+/// share them: every guess is checked against the node's table.
+pub(crate) fn shared(address: SocketAddr, entries: usize) -> Arc<SlotCache> {
+    static CACHES: OnceLock<Mutex<HashMap<usize, Weak<Entries>>>> = OnceLock::new();
+    let shared = {
+        let mut caches = lock(CACHES.get_or_init(Mutex::default));
+        match caches.get(&entries).and_then(Weak::upgrade) {
+            Some(shared) => shared,
+            None => {
+                caches.retain(|_, cache| cache.strong_count() > 0);
+                let shared = Arc::new(Entries::new(entries));
+                caches.insert(entries, Arc::downgrade(&shared));
+                shared
+            }
+        }
+    };
+    let mut hasher = std::hash::DefaultHasher::new();
+    address.hash(&mut hasher);
+    Arc::new(SlotCache {
+        entries: shared,
+        salt: hasher.finish(),
+    })
+}
+
+impl Entries {
+    /// `entries` entries, rounded up to a power of two; 0 caches nothing.
+    fn new(entries: usize) -> Self {
         let capacity = if entries == 0 {
             0
         } else {
@@ -120,24 +136,38 @@ impl SlotCache {
             entries: OnceLock::new(),
         }
     }
+}
+
+impl SlotCache {
+    /// A cache of its own with `entries` entries (tests).
+    #[cfg(test)]
+    fn new(entries: usize) -> Self {
+        Self {
+            entries: Arc::new(Entries::new(entries)),
+            salt: 0,
+        }
+    }
 
     /// The key's set (two entries, the key may be in either) and its tag (never 0), or `None`
     /// when the cache is off.
     fn set(&self, location: &KeyLocation, allocate: bool) -> Option<(&[Entry], u64)> {
-        if self.capacity == 0 {
+        let shared = &self.entries;
+        if shared.capacity == 0 {
             return None;
         }
         let entries = if allocate {
-            self.entries
-                .get_or_init(|| (0..self.capacity).map(|_| Entry::default()).collect())
+            shared
+                .entries
+                .get_or_init(|| (0..shared.capacity).map(|_| Entry::default()).collect())
         } else {
-            self.entries.get()?
+            shared.entries.get()?
         };
         let hash = location.combined_buckets[0]
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .rotate_left(23)
             ^ location.combined_buckets[1].wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
-            ^ u64::from(location.fingerprint);
+            ^ u64::from(location.fingerprint)
+            ^ self.salt;
         let first = (hash as usize) & (entries.len() - 1) & !(WAYS - 1);
         Some((&entries[first..first + WAYS], hash | 1))
     }
@@ -209,7 +239,11 @@ impl SlotCache {
     /// Bytes the cache holds.
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.entries.get().map_or(0, |entries| entries.len()) * std::mem::size_of::<Entry>()
+        self.entries
+            .entries
+            .get()
+            .map_or(0, |entries| entries.len())
+            * std::mem::size_of::<Entry>()
     }
 }
 
@@ -322,13 +356,31 @@ mod tests {
     }
 
     #[test]
-    fn clients_of_one_node_share_its_cache() {
+    fn the_process_shares_one_cache_of_each_size() {
         let node: SocketAddr = "127.0.0.1:7400".parse().expect("address");
         let other: SocketAddr = "127.0.0.1:7410".parse().expect("address");
         let first = shared(node, 64);
-        assert!(Arc::ptr_eq(&first, &shared(node, 64)));
-        assert!(!Arc::ptr_eq(&first, &shared(other, 64)));
-        assert!(!Arc::ptr_eq(&first, &shared(node, 0)));
+        let again = shared(node, 64);
+        assert!(Arc::ptr_eq(&first.entries, &again.entries));
+        assert_eq!(
+            first.salt, again.salt,
+            "clients of one node find each other's keys"
+        );
+        let elsewhere = shared(other, 64);
+        assert!(Arc::ptr_eq(&first.entries, &elsewhere.entries));
+        assert_ne!(first.salt, elsewhere.salt);
+        assert!(!Arc::ptr_eq(&first.entries, &shared(node, 0).entries));
+        // A key remembered for one node is no guess for another (unless their sets collide,
+        // when it is a guess that fails its check against the other node's table).
+        let key = location([9, 10], 0x33);
+        let position = SlotPosition {
+            choice: 0,
+            combined_bucket: 9,
+            slot: 1,
+        };
+        first.remember(&key, position, Slot::new(0x33, 1, 64));
+        assert!(again.guess_any(&key).is_some());
+        assert!(elsewhere.guess_any(&key).is_none());
     }
 
     #[test]
