@@ -173,13 +173,24 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
                     ret,
                 });
             }
-            events
+            (events, client.counters())
         }));
     }
     let mut history = Vec::new();
+    let (mut guesses, mut stale) = (0, 0);
     for task in tasks {
-        history.extend(task.await.expect("client task"));
+        let (events, counters) = task.await.expect("client task");
+        history.extend(events);
+        guesses += counters.slot_guesses;
+        stale += counters.slot_guess_misses;
     }
+    // The clients share the process's slot cache, so most lookups guess, and the other
+    // clients' writes make many guesses stale: both paths of *Guessed blocks* are in the
+    // checked history (on the reused heap, with words that come back at reused offsets).
+    assert!(
+        guesses > 2_000 && stale > 50,
+        "guessed lookups {guesses}, stale guesses {stale}"
+    );
     assert!(history.len() as u64 >= CLIENTS * OPERATIONS_PER_CLIENT);
     assert!(history.len() >= 20_000);
     let swaps = history
@@ -197,7 +208,7 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
     let checked = Instant::now();
     assert_eq!(check(&history), Verdict::Linearizable);
     eprintln!(
-        "{} operations in {:?}, checked in {:?}; server pid {}",
+        "{} operations in {:?}, checked in {:?}; {guesses} guessed lookups, {stale} stale; server pid {}",
         history.len(),
         checked.duration_since(start),
         checked.elapsed(),
