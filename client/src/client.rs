@@ -1207,7 +1207,9 @@ impl Client {
         outcome
     }
 
-    /// The value of `key`, if present. Two round trips (one when no slot has its fingerprint).
+    /// The value of `key`, if present. One round trip when the process's slot cache guesses the
+    /// key's slot right (`docs/protocol.md`, *Guessed blocks*), else two (one when no slot has
+    /// its fingerprint).
     ///
     /// # Errors
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
