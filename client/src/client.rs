@@ -623,8 +623,10 @@ impl Client {
         })?
     }
 
-    /// Runs one operation under the deadline. A failure is retried once on a fresh connection
-    /// only when it is retryable and the operation posted no CAS yet; a failure after a
+    /// Runs one operation under the deadline. A failure is retried on a fresh connection only
+    /// when it is retryable and the operation posted no CAS yet, at most once per lane (each
+    /// failed connection is marked broken, and a node that restarted took every lane's down:
+    /// one retry could land on another lane's dead connection); a failure after a
     /// publishing CAS was posted becomes [`Error::Unresolved`], and a deadline says whether the
     /// operation may have applied.
     async fn run<T, Attempt, Outcome>(
@@ -654,7 +656,7 @@ impl Client {
             latest: Mutex::new(None),
         };
         let work = async {
-            let mut retried = false;
+            let mut retries = 0;
             loop {
                 progress.wait_for(Waiting::Connection);
                 let connection = self.connection(node).await?;
@@ -663,10 +665,14 @@ impl Client {
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(connection.clone());
                 match attempt(connection.clone(), progress.clone()).await {
-                    Err(error) if error.is_retryable() && !retried && !progress.cas_posted() => {
+                    Err(error)
+                        if error.is_retryable()
+                            && retries < node.lanes.len()
+                            && !progress.cas_posted() =>
+                    {
                         tracing::debug!(%error, operation, "retrying on a fresh connection");
                         connection.mark_broken();
-                        retried = true;
+                        retries += 1;
                     }
                     Err(error) if progress.may_have_applied() && !error.may_have_applied() => {
                         return Err(Error::Unresolved {
