@@ -284,14 +284,17 @@ pub(crate) async fn lookup(
         if let Some(guess) = guess {
             let counters = &scratch.connection().counters;
             counters.slot_guesses.add(1);
-            if let Some(found) = guessed_match(scratch, key, &slots, guess)? {
+            let found = guessed_match(scratch, key, &slots, guess)?;
+            if found.is_none() {
+                counters.slot_guess_misses.add(1);
+            }
+            if let Some(found) = found {
                 return Ok(View {
                     slots,
                     committed: vec![found],
                     tentative: Vec::new(),
                 });
             }
-            scratch.connection().counters.slot_guess_misses.add(1);
         }
         let outcome = if slots.iter().any(|(_, slot)| slot.is_torn()) {
             // A word no writer wrote: the READ tore it against a concurrent CAS.

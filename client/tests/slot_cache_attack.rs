@@ -1226,52 +1226,26 @@ macro_rules! per_fabric {
     ($module:ident, $fabric:expr) => {
         mod $module {
             use super::Fabric;
-
-            #[tokio::test]
-            async fn restart_with_a_smaller_heap() {
-                super::restart_with_a_smaller_heap($fabric).await;
-            }
-
-            #[tokio::test]
-            async fn restart_puts_another_key_under_the_same_word() {
-                super::restart_puts_another_key_under_the_same_word($fabric).await;
-            }
-
-            #[tokio::test]
-            async fn restart_with_another_table() {
-                super::restart_with_another_table($fabric).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_warm_reader_never_goes_back() {
-                super::a_warm_reader_never_goes_back($fabric).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_counter_incremented_by_compare_and_swap() {
-                super::a_counter_incremented_by_compare_and_swap($fabric).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn compaction_under_warm_guesses() {
-                super::compaction_under_warm_guesses($fabric).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn clients_sharing_the_cache() {
-                super::clients_sharing_the_cache($fabric).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_two_entry_cache() {
-                super::a_two_entry_cache($fabric).await;
-            }
-
-            #[tokio::test]
-            async fn stale_guesses_give_current_outcomes() {
-                super::stale_guesses_give_current_outcomes($fabric).await;
-            }
+            per_fabric!(@tests $fabric;
+                restart_with_a_smaller_heap,
+                restart_puts_another_key_under_the_same_word,
+                restart_with_another_table,
+                a_warm_reader_never_goes_back,
+                a_counter_incremented_by_compare_and_swap,
+                compaction_under_warm_guesses,
+                clients_sharing_the_cache,
+                a_two_entry_cache,
+                stale_guesses_give_current_outcomes,
+            );
         }
+    };
+    (@tests $fabric:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                super::$test($fabric).await;
+            }
+        )*
     };
 }
 

@@ -164,7 +164,7 @@ fn reachable_here(socket: &std::path::Path) -> bool {
 impl NodeConnection {
     /// Connects, authenticates, connects the queue pair and starts the control task; writers
     /// take their turns in `writer_stripes`, the node's, and lookups guess from `slot_cache`, the
-    /// node's.
+    /// node's view of the process's cache.
     pub(crate) async fn open(
         config: &ClientConfig,
         counters: Arc<Counters>,

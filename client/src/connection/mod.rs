@@ -7,7 +7,7 @@
 //! - `pool`: the process's shared device, protection domain and scratch buffer pool;
 //! - `scratch`: a scratch buffer per operation and the posting of lists through it;
 //! - `writer_stripes`: the per-key writer turns of this process;
-//! - `slot_cache`: where this process last saw each key's committed slot on the node;
+//! - `slot_cache`: the process's cache of where it last saw each key's committed slot;
 //! - here: the connection itself and its heap chunk cursor.
 
 use std::net::SocketAddr;
@@ -108,8 +108,8 @@ pub(crate) struct NodeConnection {
     /// lose CAS races to each other. Taken before a scratch buffer, never while holding one.
     /// Shared by every lane's connection to the node.
     writer_stripes: Arc<WriterStripes>,
-    /// Where this process last saw each key's committed slot on the node: a lookup with a
-    /// guess READs its block with the buckets. Shared by every lane's connection to the node.
+    /// The node's view of the process's slot cache (where this process last saw each key's
+    /// committed slot): a lookup with a guess READs its block with the buckets.
     pub(crate) slot_cache: Arc<SlotCache>,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,

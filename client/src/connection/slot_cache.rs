@@ -194,9 +194,9 @@ impl SlotCache {
             combined_bucket: packed >> BUCKET_SHIFT,
             slot: (packed & ((1 << SLOT_BITS) - 1)) as usize,
         };
+        // Readable words have a non-zero length.
         let plausible = slot.is_readable()
             && slot.fingerprint() == location.fingerprint
-            && slot.block_length() > 0
             && slot
                 .offset()
                 .checked_add(slot.block_length())
@@ -224,6 +224,14 @@ impl SlotCache {
         let packed = (position.combined_bucket << BUCKET_SHIFT)
             | if position.choice == 1 { CHOICE_BIT } else { 0 }
             | position.slot as u64;
+        if entry.tag.load(Ordering::Relaxed) == tag
+            && entry.position.load(Ordering::Relaxed) == packed
+            && entry.word.load(Ordering::Relaxed) == slot.0
+        {
+            // Already so (every GET whose guess held): no store, so readers of a hot key on
+            // other cores keep the line shared.
+            return;
+        }
         entry.position.store(packed, Ordering::Relaxed);
         entry.word.store(slot.0, Ordering::Relaxed);
         entry.tag.store(tag, Ordering::Relaxed);
