@@ -288,6 +288,10 @@ pub(crate) async fn lookup(
             if found.is_none() {
                 counters.slot_guess_misses.add(1);
             }
+            scratch
+                .connection()
+                .slot_cache
+                .guess_outcome(false, found.is_some());
             if let Some(found) = found {
                 return Ok(View {
                     slots,
@@ -348,6 +352,63 @@ async fn lookup_committed(
 
 /// The work request id of a guessed block's READ (ids only label requests in a list).
 const GUESS_READ_ID: u64 = 2;
+
+/// The work request id of a narrow guess's READ of the guessed slot's word.
+const GUESS_SLOT_READ_ID: u64 = 3;
+
+/// A GET's narrow guess: one list READs the guessed slot's word alone, then the guessed block
+/// (after the announce WRITE). The view holds just that slot when the word is exactly the
+/// guessed one and the block holds the key, unbroken: the same argument as a wide guess
+/// ([`guessed_match`]), which needs no other slot of the buckets. `None`: the guess was
+/// stale, with the word the slot held: the caller may chase it or read the buckets (a round
+/// trip more than a wide guess would have cost, which is why
+/// [`SlotCache::narrow`](crate::connection::SlotCache::narrow) stops narrow guesses while
+/// they keep going stale).
+async fn narrow_guess(
+    scratch: &mut Scratch,
+    key: &[u8],
+    guess: Guess,
+) -> Result<std::result::Result<View, Slot>> {
+    let connection = scratch.connection().clone();
+    let slot_offset = connection.welcome.geometry.slot_offset(guess.position);
+    let list = vec![
+        WorkRequest::read(
+            GUESS_SLOT_READ_ID,
+            scratch.region().segment(scratch.base + BUCKETS_AT, 8),
+            connection.keys.index_key.at(slot_offset),
+        ),
+        WorkRequest::read(
+            GUESS_READ_ID,
+            scratch.region().segment(
+                scratch.base + READ_BLOCKS_AT,
+                guess.slot.block_length() as u32,
+            ),
+            connection.keys.heap_key.at(guess.slot.offset()),
+        ),
+    ];
+    scratch
+        .execute("get", StepKind::ReadBuckets, list)
+        .await
+        .map_err(step_failure("get"))?;
+    let mut word = [0u8; 8];
+    scratch
+        .region()
+        .read(scratch.base + BUCKETS_AT, &mut word)?;
+    let seen = [(guess.position, Slot::from_bytes(word))];
+    let found = guessed_match(scratch, key, &seen, guess)?;
+    connection.counters.slot_guesses.add(1);
+    Ok(match found {
+        Some(found) => Ok(View {
+            slots: seen.to_vec(),
+            committed: vec![found],
+            tentative: Vec::new(),
+        }),
+        None => {
+            connection.counters.slot_guess_misses.add(1);
+            Err(seen[0].1)
+        }
+    })
+}
 
 /// The committed slot holding `key`, if the guess proved true: the bucket READ found the
 /// guessed slot holding exactly the guessed word, and the block READ after it (same list, so
@@ -565,7 +626,41 @@ pub(crate) async fn get(
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
     let guess = connection.guess(&location);
-    let view = lookup_committed(&mut scratch, "get", key, &location, guess).await?;
+    let mut narrow = None;
+    if let Some(first) = guess.filter(|_| connection.slot_cache.narrow()) {
+        // A stale guess usually means the key was updated in place: its slot now holds the
+        // new block's word, which the narrow READ brought back. Chasing it once costs the
+        // round trip a wide guess would have spent on the block after the buckets.
+        let mut next = Some(first);
+        let mut chased = false;
+        while let Some(current) = next.take() {
+            match narrow_guess(&mut scratch, key, current).await? {
+                Ok(view) => {
+                    narrow = Some(view);
+                    break;
+                }
+                Err(seen) if !chased => {
+                    chased = true;
+                    next = Guess {
+                        position: current.position,
+                        slot: seen,
+                    }
+                    .plausible(&location, connection.welcome.geometry.heap_size);
+                }
+                Err(_) => {}
+            }
+        }
+        connection.slot_cache.guess_outcome(true, narrow.is_some());
+    }
+    let view = match narrow {
+        Some(view) => view,
+        // No narrow guess, or a stale one (its round trip is spent): the buckets, and a wide
+        // guess unless the narrow one just proved stale.
+        None => {
+            let wide = guess.filter(|_| scratch.round_trips == 0);
+            lookup_committed(&mut scratch, "get", key, &location, wide).await?
+        }
+    };
     remember_view(connection, &location, &view);
     let counters = &connection.counters;
     counters.gets.add(1);

@@ -229,9 +229,9 @@ async fn get_all(client: &Client, expected: &[u8]) -> (u64, u64, u64) {
 }
 
 /// A GET of a key whose slot this process saw last is one round trip (the slot cache's guess:
-/// the block READ rides with the bucket READs); without a guess it is two; a guess that another
-/// client's write made stale costs nothing but the wasted READ, and never returns the old
-/// value (`docs/protocol.md`, *Guessed blocks*).
+/// the block READ rides with a READ of the guessed slot's word); without a guess it is two; a
+/// guess that another client's update made stale is chased to the slot's new word in a second
+/// round trip, and never returns the old value (`docs/protocol.md`, *Guessed blocks*).
 async fn a_get_takes_two_round_trips(fabric: Backend) {
     let (server, client) = start(fabric).await;
     let mut uncached = ClientConfig::new(server.control_address(), fabric, SECRET);
@@ -266,8 +266,8 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     let (round_trips, guesses_now, stale) = get_all(&client, b"newer").await;
     assert_eq!(
         (round_trips, guesses_now, stale),
-        (400, guesses, guesses),
-        "stale guesses: the new value, in two round trips"
+        (400, 2 * guesses, guesses),
+        "stale guesses: the slot's new word, chased once, gives the new value in two round trips"
     );
     let (round_trips, guesses, stale) = get_all(&client, b"newer").await;
     assert_eq!(
@@ -275,8 +275,55 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
         (400 - guesses, 0),
         "the guesses were corrected"
     );
+    // A cached GET posts three requests: the announce WRITE, the READ of the guessed slot's
+    // word alone (a narrow guess) and the block's READ.
+    let before = client.counters();
+    assert_eq!(
+        client.get(b"key-1").await.expect("get").as_deref(),
+        Some(&b"newer"[..])
+    );
+    let after = client.counters();
+    assert_eq!(
+        (
+            after.round_trips - before.round_trips,
+            after.verbs - before.verbs
+        ),
+        (1, 3),
+        "a narrow guess: one round trip, three requests"
+    );
     other.delete(b"key-0").await.expect("delete");
+    // The guess is stale and its slot empty, so nothing to chase: the buckets are read.
+    let before = client.counters();
     assert_eq!(client.get(b"key-0").await.expect("get"), None);
+    let after = client.counters();
+    assert_eq!(after.get_round_trips - before.get_round_trips, 2);
+    // A narrow guess that ended in the buckets sends the next GETs wide (the bucket READs
+    // with the guessed block's: four requests) until enough guesses held.
+    let before = client.counters();
+    assert_eq!(
+        client.get(b"key-1").await.expect("get").as_deref(),
+        Some(&b"newer"[..])
+    );
+    let after = client.counters();
+    assert_eq!(
+        (
+            after.round_trips - before.round_trips,
+            after.verbs - before.verbs
+        ),
+        (1, 4),
+        "a wide guess after a stale narrow one: one round trip, four requests"
+    );
+    for _ in 0..16 {
+        client.get(b"key-1").await.expect("get");
+    }
+    let before = client.counters();
+    client.get(b"key-1").await.expect("get");
+    let after = client.counters();
+    assert_eq!(
+        after.verbs - before.verbs,
+        3,
+        "narrow guesses again once guesses held"
+    );
 }
 
 /// Round trips of writes (`docs/protocol.md`): an insert of an absent key is 3 (block WRITE with

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use rdkv_fabric::{lock, Backend};
@@ -76,6 +76,25 @@ pub(crate) struct Guess {
     pub(crate) slot: Slot,
 }
 
+impl Guess {
+    /// This guess, if it can be one for the key at `location` on a node whose heap is
+    /// `heap_size` bytes: a readable word (a non-zero length) of the key's fingerprint, for a
+    /// block inside the heap, at a slot of one of the key's combined buckets.
+    pub(crate) fn plausible(self, location: &KeyLocation, heap_size: u64) -> Option<Guess> {
+        let Guess { position, slot } = self;
+        let plausible = slot.is_readable()
+            && slot.fingerprint() == location.fingerprint
+            && slot
+                .offset()
+                .checked_add(slot.block_length())
+                .is_some_and(|end| end <= heap_size)
+            && position.slot < SLOTS_PER_COMBINED_BUCKET
+            && position.choice < location.combined_buckets.len()
+            && location.combined_buckets[position.choice] == position.combined_bucket;
+        plausible.then_some(self)
+    }
+}
+
 /// The process's slot cache entries of one size, two-way set-associative, shared by every
 /// node and every `Client` of the process (a thousand clients of one node share one cache, not
 /// a thousand; a client of a hundred nodes holds one, not a hundred). Allocated on the first
@@ -93,7 +112,18 @@ struct Entries {
 pub(crate) struct SlotCache {
     entries: Arc<Entries>,
     salt: u64,
+    /// How many of the next GETs with a guess read the buckets with it instead of only the
+    /// guessed slot's word: a stale narrow guess adds [`STALE_NARROW_PENALTY`], each guess that
+    /// held takes one off (see [`SlotCache::narrow`]).
+    narrow_penalty: AtomicU32,
 }
+
+/// GETs that read the buckets with their guess after a narrow guess proved stale: a stale
+/// narrow guess costs a round trip, a stale wide one nothing, so narrow guesses are used only
+/// while fewer than about one in this many guesses goes stale.
+const STALE_NARROW_PENALTY: u32 = 8;
+/// The most GETs a run of stale guesses can send wide before narrow ones are tried again.
+const MAX_NARROW_PENALTY: u32 = 64;
 
 /// The process's slot cache for the node at `address`, with `entries` entries in all: every
 /// node of one size shares the entries. A node that restarted or changed is still right to
@@ -117,6 +147,7 @@ pub(crate) fn shared(address: SocketAddr, entries: usize) -> Arc<SlotCache> {
     Arc::new(SlotCache {
         entries: shared,
         salt: hasher.finish(),
+        narrow_penalty: AtomicU32::new(0),
     })
 }
 
@@ -145,6 +176,7 @@ impl SlotCache {
         Self {
             entries: Arc::new(Entries::new(entries)),
             salt: 0,
+            narrow_penalty: AtomicU32::new(0),
         }
     }
 
@@ -194,16 +226,35 @@ impl SlotCache {
             combined_bucket: packed >> BUCKET_SHIFT,
             slot: (packed & ((1 << SLOT_BITS) - 1)) as usize,
         };
-        // Readable words have a non-zero length.
-        let plausible = slot.is_readable()
-            && slot.fingerprint() == location.fingerprint
-            && slot
-                .offset()
-                .checked_add(slot.block_length())
-                .is_some_and(|end| end <= heap_size)
-            && position.slot < SLOTS_PER_COMBINED_BUCKET
-            && location.combined_buckets[choice] == position.combined_bucket;
-        plausible.then_some(Guess { position, slot })
+        Guess { position, slot }.plausible(location, heap_size)
+    }
+
+    /// Whether a GET with a guess READs only the guessed slot's word (one 8-byte READ instead of
+    /// both combined buckets, and one answer less): while guesses hold, that is cheaper for
+    /// both ends; a stale one then costs a round trip to read the buckets.
+    pub(crate) fn narrow(&self) -> bool {
+        self.narrow_penalty.load(Ordering::Relaxed) == 0
+    }
+
+    /// Counts a guess's outcome towards [`SlotCache::narrow`]: a stale narrow guess sends the
+    /// next GETs wide, and every guess that held brings narrow ones closer. Stores nothing
+    /// while narrow guesses hold (no shared-line write per GET).
+    pub(crate) fn guess_outcome(&self, narrow: bool, held: bool) {
+        if held {
+            if self.narrow_penalty.load(Ordering::Relaxed) > 0 {
+                let _ = self.narrow_penalty.fetch_update(
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                    |penalty| penalty.checked_sub(1),
+                );
+            }
+        } else if narrow {
+            let _ =
+                self.narrow_penalty
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |penalty| {
+                        Some((penalty + STALE_NARROW_PENALTY).min(MAX_NARROW_PENALTY))
+                    });
+        }
     }
 
     /// Remembers the key's committed slot: in its own entry, else an empty one of its set,
@@ -403,5 +454,33 @@ mod tests {
         cache.remember(&key, position, Slot::new(3, 1, 64).committed());
         assert_eq!(cache.guess_any(&key), None);
         assert_eq!(cache.bytes(), 0);
+    }
+
+    #[test]
+    fn narrow_guesses_stop_while_they_go_stale_and_resume_as_guesses_hold() {
+        let cache = SlotCache::new(16);
+        assert!(cache.narrow(), "a fresh cache guesses narrow");
+        // A stale wide guess costs nothing more: it does not stop narrow guesses.
+        cache.guess_outcome(false, false);
+        assert!(cache.narrow());
+        cache.guess_outcome(true, false);
+        assert!(
+            !cache.narrow(),
+            "a stale narrow guess sends the next GETs wide"
+        );
+        for _ in 0..STALE_NARROW_PENALTY - 1 {
+            cache.guess_outcome(false, true);
+            assert!(!cache.narrow());
+        }
+        cache.guess_outcome(false, true);
+        assert!(cache.narrow(), "guesses that held bring narrow ones back");
+        // A long run of stale narrow guesses is bounded: at most MAX_NARROW_PENALTY holds.
+        for _ in 0..100 {
+            cache.guess_outcome(true, false);
+        }
+        for _ in 0..MAX_NARROW_PENALTY {
+            cache.guess_outcome(false, true);
+        }
+        assert!(cache.narrow());
     }
 }
