@@ -80,9 +80,10 @@ pub struct Counters {
     pub locks_stolen: ShardedCounter,
     /// Times the client fetched the cluster view after a failure or a newer epoch.
     pub view_refreshes: ShardedCounter,
-    /// Lookups that READ a guessed block from the slot cache with their buckets.
+    /// Guessed blocks READ (the slot cache), with the buckets or with the guessed slot's word.
     pub slot_guesses: ShardedCounter,
-    /// Guesses the buckets or the block proved stale: the lookup went on from the buckets.
+    /// Guesses the slot word or the block proved stale (a narrow one is then chased once, or the
+    /// lookup reads the buckets).
     pub slot_guess_misses: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
@@ -104,9 +105,10 @@ pub struct CounterSnapshot {
     pub locks_stolen: u64,
     /// Cluster-view fetches after a failure or a newer epoch.
     pub view_refreshes: u64,
-    /// Lookups that READ a guessed block with their buckets (the slot cache).
+    /// Guessed blocks READ (the slot cache): with the buckets (a wide guess), or with the guessed
+    /// slot's word alone (a narrow one; a GET that chases a stale word counts two).
     pub slot_guesses: u64,
-    /// Guesses found stale.
+    /// Guesses found stale (a chased GET may count two).
     pub slot_guess_misses: u64,
 }
 

@@ -366,12 +366,15 @@ const GUESS_SLOT_READ_ID: u64 = 3;
 /// they keep going stale).
 async fn narrow_guess(
     scratch: &mut Scratch,
+    operation: &'static str,
     key: &[u8],
     guess: Guess,
+    before: Vec<WorkRequest>,
 ) -> Result<std::result::Result<View, Slot>> {
     let connection = scratch.connection().clone();
     let slot_offset = connection.welcome.geometry.slot_offset(guess.position);
-    let list = vec![
+    let mut list = before;
+    list.extend([
         WorkRequest::read(
             GUESS_SLOT_READ_ID,
             scratch.region().segment(scratch.base + BUCKETS_AT, 8),
@@ -385,11 +388,11 @@ async fn narrow_guess(
             ),
             connection.keys.heap_key.at(guess.slot.offset()),
         ),
-    ];
+    ]);
     scratch
-        .execute("get", StepKind::ReadBuckets, list)
+        .execute(operation, StepKind::ReadBuckets, list)
         .await
-        .map_err(step_failure("get"))?;
+        .map_err(step_failure(operation))?;
     let mut word = [0u8; 8];
     scratch
         .region()
@@ -408,6 +411,57 @@ async fn narrow_guess(
             Err(seen[0].1)
         }
     })
+}
+
+/// A lookup by narrow guesses ([`narrow_guess`]), the first list starting with `before`: the
+/// view of the key's one committed slot, or `None` when the guess and its chase were stale
+/// (the caller reads the buckets; `before` went out with the first list either way).
+///
+/// A stale guess usually means the key was updated in place: its slot now holds the new
+/// block's word, which the narrow READ brought back. Chasing it once costs the round trip a
+/// wide guess would have spent on the block after the buckets.
+async fn narrow_lookup(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    key: &[u8],
+    location: &KeyLocation,
+    guess: Guess,
+    before: Vec<WorkRequest>,
+) -> Result<Option<View>> {
+    let connection = scratch.connection().clone();
+    let mut next = Some(guess);
+    let mut before = before;
+    let mut chased = false;
+    let mut found = None;
+    while let Some(current) = next.take() {
+        match narrow_guess(
+            scratch,
+            operation,
+            key,
+            current,
+            std::mem::take(&mut before),
+        )
+        .await?
+        {
+            Ok(view) => {
+                found = Some(view);
+                break;
+            }
+            // The word held but its block is another key's, or the slot's new word: only a
+            // new word is worth a second look.
+            Err(seen) if !chased && seen != current.slot => {
+                chased = true;
+                next = Guess {
+                    position: current.position,
+                    slot: seen,
+                }
+                .plausible(location, connection.welcome.geometry.heap_size);
+            }
+            Err(_) => {}
+        }
+    }
+    connection.slot_cache.guess_outcome(true, found.is_some());
+    Ok(found)
 }
 
 /// The committed slot holding `key`, if the guess proved true: the bucket READ found the
@@ -626,38 +680,19 @@ pub(crate) async fn get(
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
     let guess = connection.guess(&location);
-    let mut narrow = None;
-    if let Some(first) = guess.filter(|_| connection.slot_cache.narrow()) {
-        // A stale guess usually means the key was updated in place: its slot now holds the
-        // new block's word, which the narrow READ brought back. Chasing it once costs the
-        // round trip a wide guess would have spent on the block after the buckets.
-        let mut next = Some(first);
-        let mut chased = false;
-        while let Some(current) = next.take() {
-            match narrow_guess(&mut scratch, key, current).await? {
-                Ok(view) => {
-                    narrow = Some(view);
-                    break;
-                }
-                Err(seen) if !chased => {
-                    chased = true;
-                    next = Guess {
-                        position: current.position,
-                        slot: seen,
-                    }
-                    .plausible(&location, connection.welcome.geometry.heap_size);
-                }
-                Err(_) => {}
-            }
+    let narrow_first = guess.filter(|_| connection.slot_cache.narrow());
+    let narrow = match narrow_first {
+        Some(guess) => {
+            narrow_lookup(&mut scratch, "get", key, &location, guess, Vec::new()).await?
         }
-        connection.slot_cache.guess_outcome(true, narrow.is_some());
-    }
+        None => None,
+    };
     let view = match narrow {
         Some(view) => view,
         // No narrow guess, or a stale one (its round trip is spent): the buckets, and a wide
         // guess unless the narrow one just proved stale.
         None => {
-            let wide = guess.filter(|_| scratch.round_trips == 0);
+            let wide = guess.filter(|_| narrow_first.is_none());
             lookup_committed(&mut scratch, "get", key, &location, wide).await?
         }
     };
@@ -708,25 +743,38 @@ pub(crate) async fn mutate(
         )
         .with_signaled(false),
     );
+    // A cached key's first attempt looks by narrow guess, the block WRITE in its first list:
+    // a replace then needs the key's slot and word only, which a held guess gives.
+    let guess = connection.guess(&location);
+    let narrow_first = guess.filter(|_| connection.slot_cache.narrow());
+    let mut narrow = match narrow_first {
+        Some(guess) => {
+            let before = block_write.take().into_iter().collect();
+            narrow_lookup(&mut scratch, operation, key, &location, guess, before).await?
+        }
+        None => None,
+    };
     for attempt in 0..RACE_ATTEMPTS {
-        let first = FirstList {
-            kind: StepKind::ReadBuckets,
-            before: block_write.take().into_iter().collect(),
-            guess: if attempt == 0 {
-                connection.guess(&location)
-            } else {
-                None
-            },
+        let view = match narrow.take() {
+            Some(view) => view,
+            None => {
+                let first = FirstList {
+                    kind: StepKind::ReadBuckets,
+                    before: block_write.take().into_iter().collect(),
+                    // A wide guess unless a narrow one already went stale.
+                    guess: guess.filter(|_| attempt == 0 && narrow_first.is_none()),
+                };
+                lookup(
+                    &mut scratch,
+                    operation,
+                    key,
+                    &location,
+                    first,
+                    Candidates::Committed,
+                )
+                .await?
+            }
         };
-        let view = lookup(
-            &mut scratch,
-            operation,
-            key,
-            &location,
-            first,
-            Candidates::Committed,
-        )
-        .await?;
         remember_view(connection, &location, &view);
         if view.committed.len() > 1 {
             // Read while the key moved (deleted here, inserted there): look again.

@@ -380,6 +380,25 @@ async fn writes_take_three_round_trips(fabric: Backend) {
         other_round_trips, 600,
         "updates without a slot cache take exactly 3 round trips"
     );
+    // A cached update's first list is the announce WRITE, the block WRITE, the READ of the
+    // guessed slot's word and the block's READ (a narrow guess); then the replace CAS. (The
+    // GET first: `other`'s updates made this client's guess stale, and the GET's chase
+    // corrects it.)
+    assert_eq!(
+        client.get(b"key-1").await.expect("get").as_deref(),
+        Some(&b"third"[..])
+    );
+    let before = client.counters();
+    assert!(client.update(b"key-1", b"fourth").await.expect("update"));
+    let after = client.counters();
+    assert_eq!(
+        (
+            after.round_trips - before.round_trips,
+            after.verbs - before.verbs
+        ),
+        (2, 5),
+        "a narrow update: two round trips, four requests and a CAS"
+    );
 }
 
 async fn wrong_secret_is_refused(fabric: Backend) {

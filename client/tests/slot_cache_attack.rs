@@ -10,17 +10,19 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod support;
 use support::eventually_showing;
 
 use bytes::Bytes;
+use rdkv_client::fault::{FaultInjector, Injection, Moment, Step as FaultStep, StepKind};
 use rdkv_client::{CasOutcome, Client, ClientConfig, InsertOutcome, SharedMemory};
 use rdkv_common::layout::{KeyLocation, TableGeometry};
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
+use tokio::sync::{Notify, Semaphore};
 
 const SECRET: &[u8] = b"slot-cache-attack-secret";
 
@@ -69,6 +71,16 @@ async fn start(config: ServerConfig) -> RunningServer {
 
 /// A client of the node at `address` with a slot cache of `entries` (0: none).
 async fn connect(address: SocketAddr, fabric: Fabric, entries: usize) -> Client {
+    connect_injecting(address, fabric, entries, None).await
+}
+
+/// As [`connect`], with a fault injector on its connections.
+async fn connect_injecting(
+    address: SocketAddr,
+    fabric: Fabric,
+    entries: usize,
+    injector: Option<Arc<dyn FaultInjector>>,
+) -> Client {
     let backend = match fabric {
         Fabric::Loopback => Backend::Loopback,
         Fabric::Soft | Fabric::Shm => Backend::Soft,
@@ -79,6 +91,7 @@ async fn connect(address: SocketAddr, fabric: Fabric, entries: usize) -> Client 
         Fabric::Soft | Fabric::Loopback => SharedMemory::Off,
     };
     config.slot_cache_entries = entries;
+    config.fault_injector = injector;
     Client::connect(config).await.expect("connect")
 }
 
@@ -1222,6 +1235,387 @@ async fn replicated_writes_under_guessing_readers() {
     );
 }
 
+// ---------------------------------------------------------------------------------------------
+// Attack 10: narrow guesses (a GET READs only the guessed slot's word and the block) and their
+// chase (a stale word is followed once to the word the slot now holds). Keys of one location
+// (fingerprint and buckets) share one cache entry, so the word in the guessed slot can be a
+// twin's, a tentative reservation, or the very word just disproved.
+
+/// Holds the first step of `kind` of `operation`, after it ran, until the test adds a permit.
+#[derive(Debug)]
+struct HoldAfter {
+    /// The operation to hold (`insert`, `put`, ...).
+    operation: &'static str,
+    /// The step after which it is held.
+    kind: StepKind,
+    /// Released by the test.
+    gate: Arc<Semaphore>,
+    /// Set once an operation is held.
+    held: Mutex<bool>,
+    /// Told when it holds one.
+    reached: Arc<Notify>,
+}
+
+impl HoldAfter {
+    fn new(operation: &'static str, kind: StepKind) -> Self {
+        Self {
+            operation,
+            kind,
+            gate: Arc::new(Semaphore::new(0)),
+            held: Mutex::new(false),
+            reached: Arc::new(Notify::new()),
+        }
+    }
+}
+
+impl FaultInjector for HoldAfter {
+    fn inject(&self, step: &FaultStep) -> Injection {
+        if step.operation != self.operation
+            || step.kind != self.kind
+            || step.moment != Moment::After
+        {
+            return Injection::Proceed;
+        }
+        let mut held = self.held.lock().expect("held");
+        if *held {
+            return Injection::Proceed;
+        }
+        *held = true;
+        self.reached.notify_one();
+        Injection::WaitFor(self.gate.clone())
+    }
+}
+
+/// A server whose table has two combined buckets (colliding keys are easy to find), and two
+/// distinct keys of one location under it.
+fn twin_server(fabric: Fabric, seed: u64) -> (ServerConfig, String, String) {
+    let mut config = server_config(fabric);
+    config.hash_seed = Some(seed);
+    config.index_size = 256;
+    config.heap_size = 1024 * 1024;
+    config.chunk_size = 64 * 1024;
+    let geometry = config.geometry(seed).expect("geometry");
+    let (key, twin) = colliding_keys(&geometry);
+    (config, key, twin)
+}
+
+/// The GET's round trips, guesses and stale guesses, with its value.
+async fn counted_get(client: &Client, key: &[u8]) -> (Option<Bytes>, u64, u64, u64) {
+    let before = client.counters();
+    let value = client.get(key).await.expect("get");
+    let after = client.counters();
+    (
+        value,
+        after.get_round_trips - before.get_round_trips,
+        after.slot_guesses - before.slot_guesses,
+        after.slot_guess_misses - before.slot_guess_misses,
+    )
+}
+
+/// The guessed slot holds, in turn: a tentative reservation of the key's own reinsert (invisible:
+/// never chased, never read as present), the reinserted key's word (chased), and a twin's word
+/// (plausible, so chased, but its block holds the twin: never returned for the key).
+async fn a_chase_never_returns_a_reservation_or_a_twin(fabric: Fabric) {
+    let (config, key, twin) = twin_server(fabric, 0x7A1_5EED);
+    let (key, twin) = (key.as_bytes(), twin.as_bytes());
+    let server = start(config).await;
+    let address = server.control_address();
+    let cached = connect(address, fabric, fresh_cache()).await;
+    let uncached = connect(address, fabric, 0).await;
+    let hold = Arc::new(HoldAfter::new("insert", StepKind::PlaceTentative));
+    let holding = Arc::new(connect_injecting(address, fabric, 0, Some(hold.clone())).await);
+
+    assert!(uncached.insert(key, b"first").await.expect("insert"));
+    assert_eq!(cached.get(key).await.expect("warm"), bytes("first"));
+    let (value, round_trips, guesses, misses) = counted_get(&cached, key).await;
+    assert_eq!(
+        (value, round_trips, guesses, misses),
+        (bytes("first"), 1, 1, 0),
+        "set-up: a held narrow guess"
+    );
+
+    // Deleted, and its reinsert holds a tentative slot in the guessed slot (the first empty).
+    assert!(uncached.delete(key).await.expect("delete"));
+    let inserting = {
+        let (holding, key) = (holding.clone(), key.to_vec());
+        tokio::spawn(async move { holding.insert(&key, b"again").await })
+    };
+    tokio::time::timeout(Duration::from_secs(5), hold.reached.notified())
+        .await
+        .expect("the insert placed its tentative slot");
+    for _ in 0..3 {
+        assert_eq!(
+            cached.get(key).await.expect("get"),
+            None,
+            "a tentative reservation is not a value"
+        );
+    }
+    hold.gate.add_permits(1);
+    assert!(inserting
+        .await
+        .expect("join")
+        .expect("the held insert completes"));
+    assert_eq!(cached.get(key).await.expect("get"), bytes("again"));
+    // The narrow guess that met the reservation ended in the buckets: GETs guess wide until
+    // enough guesses held.
+    for _ in 0..64 {
+        assert_eq!(cached.get(key).await.expect("get"), bytes("again"));
+    }
+    // An in-place update: the narrow guess is stale and chased to the new word.
+    uncached.put(key, b"third").await.expect("put");
+    let (value, round_trips, guesses, misses) = counted_get(&cached, key).await;
+    assert_eq!(value, bytes("third"));
+    assert_eq!(
+        (round_trips, guesses, misses),
+        (2, 2, 1),
+        "an update is chased in two round trips"
+    );
+
+    // The key deleted and its twin inserted in the same slot: the chase finds the twin's word.
+    assert!(uncached.delete(key).await.expect("delete"));
+    assert!(uncached.insert(twin, b"twin!").await.expect("insert twin"));
+    let (value, round_trips, guesses, misses) = counted_get(&cached, key).await;
+    eprintln!(
+        "twin in the guessed slot ({fabric:?}): {round_trips} round trips, {guesses} guesses, {misses} stale"
+    );
+    assert_eq!(value, None, "the twin's value is not the key's");
+    assert_eq!(cached.get(twin).await.expect("get twin"), bytes("twin!"));
+    assert_eq!(cached.get(key).await.expect("get"), None);
+    // And both present, read in turn through the one entry they share.
+    assert!(uncached.insert(key, b"back").await.expect("insert"));
+    for round in 0..10 {
+        assert_eq!(
+            cached.get(key).await.expect("get"),
+            bytes("back"),
+            "{round}"
+        );
+        assert_eq!(
+            cached.get(twin).await.expect("get"),
+            bytes("twin!"),
+            "{round}"
+        );
+        if round == 4 {
+            uncached.put(twin, b"twin2").await.expect("put twin");
+            uncached.put(key, b"bac2").await.expect("put key");
+            assert_eq!(cached.get(key).await.expect("get"), bytes("bac2"));
+            assert_eq!(cached.get(twin).await.expect("get"), bytes("twin2"));
+            uncached.put(twin, b"twin!").await.expect("put twin");
+            uncached.put(key, b"back").await.expect("put key");
+        }
+    }
+    assert_eq!(cached.counters().failures, 0);
+}
+
+/// Two keys of one location share one cache entry, so a GET of one guesses the other's word.
+/// The narrow READ finds exactly that word (it held), with the other key's block: the guess is
+/// stale, and nothing about the slot changed. Chasing "the word it just saw" repeats the very
+/// check that just failed, at the cost of a round trip: the GET should go to the buckets
+/// (narrow guess, buckets, blocks: 3 round trips, one stale guess), not chase first (4).
+async fn a_chase_does_not_repeat_the_word_it_disproved(fabric: Fabric) {
+    let (config, key, twin) = twin_server(fabric, 0x5A3E_3012);
+    let (key, twin) = (key.as_bytes(), twin.as_bytes());
+    let server = start(config).await;
+    let address = server.control_address();
+    let cached = connect(address, fabric, fresh_cache()).await;
+    let uncached = connect(address, fabric, 0).await;
+    uncached.put(key, b"of-the-key").await.expect("put");
+    uncached.put(twin, b"of-the-twin").await.expect("put twin");
+    assert_eq!(cached.get(key).await.expect("warm"), bytes("of-the-key"));
+    let (value, round_trips, guesses, misses) = counted_get(&cached, twin).await;
+    assert_eq!(value, bytes("of-the-twin"));
+    assert_eq!(
+        (round_trips, guesses, misses),
+        (3, 1, 1),
+        "the twin's GET (round trips, guesses, stale guesses): the key's word, seen unchanged, \
+         was chased again"
+    );
+}
+
+/// Updates in place race the chase: one writer updates one key as fast as it can (two value
+/// lengths, a tiny heap with a fast collector, so words recur), while reader tasks of two
+/// clients sharing a cache GET it. Each read must lie between the last update acknowledged
+/// before it began and the last begun, and never go back for one reader.
+async fn updates_racing_the_chase(fabric: Fabric) {
+    let entries = fresh_cache();
+    let mut config = server_config(fabric);
+    config.chunk_size = 16 * 1024;
+    config.heap_size = 8 * 16 * 1024;
+    config.collector_interval = Duration::from_millis(5);
+    let server = start(config).await;
+    let address = server.control_address();
+    let readers = [
+        Arc::new(connect(address, fabric, entries).await),
+        Arc::new(connect(address, fabric, entries).await),
+    ];
+    let writer = Arc::new(connect(address, fabric, 0).await);
+    const KEY: &[u8] = b"raced";
+    // Two lengths (one and two block units), so the slot's length changes too.
+    let value = |step: u64| {
+        if step % 3 == 0 {
+            format!("{step:016}{}", "x".repeat(64))
+        } else {
+            format!("{step:016}")
+        }
+    };
+    writer.put(KEY, value(0).as_bytes()).await.expect("put");
+    let started = Arc::new(AtomicU64::new(0));
+    let acked = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    const RUN: Duration = Duration::from_millis(1500);
+    let writing = {
+        let (started, acked, done) = (started.clone(), acked.clone(), done.clone());
+        tokio::spawn(async move {
+            let begun = Instant::now();
+            let mut step = 0;
+            while step < 50_000 && begun.elapsed() < RUN {
+                step += 1;
+                started.store(step, Ordering::SeqCst);
+                assert!(writer
+                    .update(KEY, value(step).as_bytes())
+                    .await
+                    .expect("update"));
+                acked.store(step, Ordering::SeqCst);
+                if step % 4 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            done.store(true, Ordering::SeqCst);
+            step
+        })
+    };
+    let mut reading = tokio::task::JoinSet::new();
+    for task in 0..4usize {
+        let reader = readers[task % 2].clone();
+        let (started, acked, done) = (started.clone(), acked.clone(), done.clone());
+        reading.spawn(async move {
+            let mut lower = 0u64;
+            let mut reads = 0u64;
+            let begun = Instant::now();
+            while !done.load(Ordering::SeqCst) && begun.elapsed() < 2 * RUN {
+                let floor = acked.load(Ordering::SeqCst);
+                let got = reader.get(KEY).await.expect("get").expect("never absent");
+                let ceiling = started.load(Ordering::SeqCst);
+                let step: u64 = std::str::from_utf8(&got[..16])
+                    .expect("utf-8")
+                    .parse()
+                    .expect("a step");
+                assert_eq!(
+                    &got[..],
+                    value(step).as_bytes(),
+                    "task {task}: a whole value"
+                );
+                let bound = floor.max(lower);
+                assert!(
+                    step >= bound && step <= ceiling,
+                    "task {task}: read {step}, but {floor} was acknowledged before the read, \
+                     {lower} read earlier, and {ceiling} the newest begun"
+                );
+                lower = step;
+                reads += 1;
+            }
+            reads
+        });
+    }
+    let steps = writing.await.expect("the writer ran");
+    let mut reads = 0;
+    while let Some(joined) = reading.join_next().await {
+        reads += joined.expect("a reader's reads were all linearizable");
+    }
+    let (first, second) = (readers[0].counters(), readers[1].counters());
+    let (guesses, misses) = (
+        first.slot_guesses + second.slot_guesses,
+        first.slot_guess_misses + second.slot_guess_misses,
+    );
+    let gets = first.gets + second.gets;
+    let round_trips = first.get_round_trips + second.get_round_trips;
+    eprintln!(
+        "updates racing the chase ({fabric:?}): {steps} updates, {reads} reads, {guesses} guesses, {misses} stale, {round_trips} round trips in {gets} GETs"
+    );
+    assert!(steps > 100 && reads > 100, "{steps} steps, {reads} reads");
+    assert!(
+        misses > 0 && guesses > misses,
+        "guesses went stale and held: {guesses} guesses, {misses} stale"
+    );
+    assert!(
+        round_trips <= 4 * gets,
+        "no GET spent more than a narrow guess, a chase, the buckets and the blocks"
+    );
+    assert_eq!(first.failures + second.failures, 0);
+}
+
+/// A replicated cluster: a GET's narrow guess is chased to a lock (the old value, still
+/// committed for readers), to a thief's lock on a copy of the old value, to the new committed
+/// word, and to a tombstone (absent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chases_through_locks_and_tombstones() {
+    let nodes = support::replicas::start_three(SECRET).await;
+    let addresses: Vec<SocketAddr> = nodes.iter().map(RunningServer::control_address).collect();
+    let mut cluster = support::cluster("slot-cache-chase", SECRET, Backend::Soft, &addresses);
+    cluster.replicas = 2;
+    let reader = Client::for_cluster(&cluster);
+    let writer = Client::for_cluster(&cluster);
+    let hold = Arc::new(HoldAfter::new("put", StepKind::Lock));
+    let stalled = Arc::new(Client::for_cluster(&cluster).with_fault_injector(hold.clone()));
+    const KEY: &[u8] = b"chased";
+
+    writer.put(KEY, b"one").await.expect("put");
+    assert_eq!(reader.get(KEY).await.expect("warm"), bytes("one"));
+    let (value, round_trips, _, misses) = counted_get(&reader, KEY).await;
+    assert_eq!(
+        (value, round_trips, misses),
+        (bytes("one"), 1, 0),
+        "set-up: a held guess"
+    );
+    // Locked: readers read the old block.
+    let writing = {
+        let stalled = stalled.clone();
+        tokio::spawn(async move { stalled.put(KEY, b"stalled").await })
+    };
+    tokio::time::timeout(Duration::from_secs(5), hold.reached.notified())
+        .await
+        .expect("the writer locked");
+    for _ in 0..3 {
+        assert_eq!(
+            reader.get(KEY).await.expect("get"),
+            bytes("one"),
+            "a lock reads as the old value"
+        );
+    }
+    // Stolen (a lock on a copy of the old value), rolled back, and replaced.
+    writer
+        .put(KEY, b"two")
+        .await
+        .expect("put over a stalled lock");
+    assert_eq!(
+        writer.counters().locks_stolen,
+        1,
+        "set-up: the lock was stolen"
+    );
+    assert_eq!(reader.get(KEY).await.expect("get"), bytes("two"));
+    hold.gate.add_permits(1);
+    writing
+        .await
+        .expect("join")
+        .expect("the stalled put completes");
+    let (value, round_trips, _, _) = counted_get(&reader, KEY).await;
+    assert_eq!(value, bytes("stalled"));
+    assert!(round_trips <= 2, "chased: {round_trips} round trips");
+    // A tombstone in the guessed slot.
+    assert!(writer.delete(KEY).await.expect("delete"));
+    let (value, round_trips, _, _) = counted_get(&reader, KEY).await;
+    assert_eq!(value, None, "a tombstone is absence");
+    assert!(round_trips <= 2, "chased: {round_trips} round trips");
+    assert_eq!(reader.get(KEY).await.expect("get"), None);
+    writer
+        .put(KEY, b"three")
+        .await
+        .expect("put over the tombstone");
+    assert_eq!(reader.get(KEY).await.expect("get"), bytes("three"));
+    assert!(writer.delete(KEY).await.expect("delete"));
+    assert_eq!(reader.get(KEY).await.expect("get"), None);
+    assert_eq!(reader.counters().failures, 0);
+}
+
 macro_rules! per_fabric {
     ($module:ident, $fabric:expr) => {
         mod $module {
@@ -1236,6 +1630,9 @@ macro_rules! per_fabric {
                 clients_sharing_the_cache,
                 a_two_entry_cache,
                 stale_guesses_give_current_outcomes,
+                a_chase_never_returns_a_reservation_or_a_twin,
+                a_chase_does_not_repeat_the_word_it_disproved,
+                updates_racing_the_chase,
             );
         }
     };
