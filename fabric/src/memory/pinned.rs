@@ -52,6 +52,19 @@ impl PageBacking {
     }
 }
 
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` (empty when it cannot be read).
+fn read_shmem_hugepage_setting() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default()
+}
+
+/// Whether a memory file advised MADV_HUGEPAGE can get transparent hugepages under this
+/// `shmem_enabled` setting (the selected value is in brackets): not under `never` or `deny`.
+fn shmem_hugepages_possible(setting: &str) -> bool {
+    ["[always]", "[within_size]", "[advise]", "[force]"]
+        .iter()
+        .any(|selected| setting.contains(selected))
+}
+
 /// A pinned, page-aligned block of memory that the fabric can register.
 #[derive(Debug)]
 pub struct PinnedMemory {
@@ -261,10 +274,13 @@ impl PinnedMemory {
             }
             Err(error) => return Err(error),
         };
+        // A memory file (shared) gets transparent hugepages only where the kernel's shmem
+        // setting allows them; the advice succeeds either way, so say so only when it can work.
         let backing = if backing == PageBacking::StandardPages
             && policy == HugepagePolicy::Auto
             && length >= HUGEPAGE_SIZE
             && Self::advise(base, length, libc::MADV_HUGEPAGE).is_ok()
+            && (file.is_none() || shmem_hugepages_possible(&read_shmem_hugepage_setting()))
         {
             PageBacking::TransparentHugepages
         } else {
@@ -670,6 +686,23 @@ impl Drop for PinnedMemory {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn shmem_hugepages_follow_the_selected_setting() {
+        assert!(!shmem_hugepages_possible(
+            "always within_size advise [never] deny force\n"
+        ));
+        assert!(!shmem_hugepages_possible(
+            "always within_size advise never [deny] force\n"
+        ));
+        assert!(shmem_hugepages_possible(
+            "always within_size [advise] never deny force\n"
+        ));
+        assert!(shmem_hugepages_possible(
+            "[always] within_size advise never deny force"
+        ));
+        assert!(!shmem_hugepages_possible(""));
+    }
     use super::*;
 
     fn small() -> PinnedMemory {
