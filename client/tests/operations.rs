@@ -277,17 +277,8 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     );
     // A cached GET posts three requests: the announce WRITE, the READ of the guessed slot's
     // word alone (a narrow guess) and the block's READ.
-    let before = client.counters();
     assert_eq!(
-        client.get(b"key-1").await.expect("get").as_deref(),
-        Some(&b"newer"[..])
-    );
-    let after = client.counters();
-    assert_eq!(
-        (
-            after.round_trips - before.round_trips,
-            after.verbs - before.verbs
-        ),
+        counted_get(&client, b"key-1", b"newer").await,
         (1, 3),
         "a narrow guess: one round trip, three requests"
     );
@@ -299,31 +290,33 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     assert_eq!(after.get_round_trips - before.get_round_trips, 2);
     // A narrow guess that ended in the buckets sends the next GETs wide (the bucket READs
     // with the guessed block's: four requests) until enough guesses held.
-    let before = client.counters();
     assert_eq!(
-        client.get(b"key-1").await.expect("get").as_deref(),
-        Some(&b"newer"[..])
-    );
-    let after = client.counters();
-    assert_eq!(
-        (
-            after.round_trips - before.round_trips,
-            after.verbs - before.verbs
-        ),
+        counted_get(&client, b"key-1", b"newer").await,
         (1, 4),
         "a wide guess after a stale narrow one: one round trip, four requests"
     );
     for _ in 0..16 {
         client.get(b"key-1").await.expect("get");
     }
-    let before = client.counters();
-    client.get(b"key-1").await.expect("get");
-    let after = client.counters();
     assert_eq!(
-        after.verbs - before.verbs,
-        3,
+        counted_get(&client, b"key-1", b"newer").await,
+        (1, 3),
         "narrow guesses again once guesses held"
     );
+}
+
+/// GETs `key` expecting `expected`: (round trips, requests posted).
+async fn counted_get(client: &Client, key: &[u8], expected: &[u8]) -> (u64, u64) {
+    let before = client.counters();
+    assert_eq!(
+        client.get(key).await.expect("get").as_deref(),
+        Some(expected)
+    );
+    let after = client.counters();
+    (
+        after.round_trips - before.round_trips,
+        after.verbs - before.verbs,
+    )
 }
 
 /// Round trips of writes (`docs/protocol.md`): an insert of an absent key is 3 (block WRITE with

@@ -65,6 +65,15 @@ fn server_config(fabric: Fabric) -> ServerConfig {
     config
 }
 
+/// A heap of eight 16 KiB chunks with a fast collector: space, and so slot words, recur.
+fn tiny_heap_config(fabric: Fabric) -> ServerConfig {
+    let mut config = server_config(fabric);
+    config.chunk_size = 16 * 1024;
+    config.heap_size = 8 * 16 * 1024;
+    config.collector_interval = Duration::from_millis(5);
+    config
+}
+
 async fn start(config: ServerConfig) -> RunningServer {
     rdkv_server::start(config).await.expect("start server")
 }
@@ -481,11 +490,7 @@ fn step_value(step: u64) -> String {
 
 async fn a_warm_reader_never_goes_back(fabric: Fabric) {
     let entries = fresh_cache();
-    let mut config = server_config(fabric);
-    config.chunk_size = 16 * 1024;
-    config.heap_size = 8 * 16 * 1024;
-    config.collector_interval = Duration::from_millis(5);
-    let server = start(config).await;
+    let server = start(tiny_heap_config(fabric)).await;
     let address = server.control_address();
     let reader = Arc::new(connect(address, fabric, entries).await);
     let writer = Arc::new(connect(address, fabric, entries).await);
@@ -612,11 +617,7 @@ async fn a_warm_reader_never_goes_back(fabric: Fabric) {
 
 async fn a_counter_incremented_by_compare_and_swap(fabric: Fabric) {
     let entries = fresh_cache();
-    let mut config = server_config(fabric);
-    config.chunk_size = 16 * 1024;
-    config.heap_size = 8 * 16 * 1024;
-    config.collector_interval = Duration::from_millis(5);
-    let server = start(config).await;
+    let server = start(tiny_heap_config(fabric)).await;
     let address = server.control_address();
     let clients = [
         Arc::new(connect(address, fabric, entries).await),
@@ -1437,11 +1438,7 @@ async fn a_chase_does_not_repeat_the_word_it_disproved(fabric: Fabric) {
 /// before it began and the last begun, and never go back for one reader.
 async fn updates_racing_the_chase(fabric: Fabric) {
     let entries = fresh_cache();
-    let mut config = server_config(fabric);
-    config.chunk_size = 16 * 1024;
-    config.heap_size = 8 * 16 * 1024;
-    config.collector_interval = Duration::from_millis(5);
-    let server = start(config).await;
+    let server = start(tiny_heap_config(fabric)).await;
     let address = server.control_address();
     let readers = [
         Arc::new(connect(address, fabric, entries).await),
