@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use rdkv_common::layout::{
-    check_key_value, decode_block, encode_block, parse_combined_bucket, BlockError, KeyLocation,
-    LayoutError, Slot, SlotPosition, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
+    check_key_value, encode_block, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError,
+    Slot, SlotPosition, BLOCK_HEADER_SIZE, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
 };
 use rdkv_fabric::WorkRequest;
 
@@ -478,18 +478,72 @@ fn guessed_match(
     if !slots.contains(&(guess.position, guess.slot)) {
         return Ok(None);
     }
-    let mut bytes = vec![0u8; guess.slot.block_length() as usize];
-    scratch
-        .region()
-        .read(scratch.base + READ_BLOCKS_AT, &mut bytes)?;
-    Ok(match decode_block(&bytes) {
-        Ok(block) if block.key == key => Some(Match {
-            position: guess.position,
-            slot: guess.slot,
-            value: Bytes::copy_from_slice(block.value),
-            tombstone: block.tombstone,
-        }),
-        _ => None,
+    Ok(
+        match read_block(
+            scratch,
+            scratch.base + READ_BLOCKS_AT,
+            guess.slot.block_length(),
+            key,
+        )? {
+            BlockRead::Key { value, tombstone } => Some(Match {
+                position: guess.position,
+                slot: guess.slot,
+                value,
+                tombstone,
+            }),
+            BlockRead::Other { .. } | BlockRead::Broken => None,
+        },
+    )
+}
+
+/// A block read into the scratch buffer, as found there.
+enum BlockRead {
+    /// The key's block, intact: its value, copied out once, and whether it is a tombstone.
+    Key {
+        /// The value.
+        value: Bytes,
+        /// Whether the block is a tombstone (a replicated delete).
+        tombstone: bool,
+    },
+    /// Another key's block, intact.
+    Other {
+        /// That key.
+        key: Vec<u8>,
+    },
+    /// Not a whole, intact block (torn, reused, or never written).
+    Broken,
+}
+
+/// Decodes the block of `length` bytes read to `at` in the scratch buffer, and verifies it. The
+/// header and key are copied out onto the stack, and the value into the vector the returned
+/// [`Bytes`] keeps: one copy of the value, where copying the block out and then its value was
+/// two.
+fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<BlockRead> {
+    let region = scratch.region();
+    let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
+    region.read(at, &mut header_bytes)?;
+    let Ok(header) = BlockHeader::parse(&header_bytes, length as usize) else {
+        return Ok(BlockRead::Broken);
+    };
+    let mut key_bytes = [0u8; MAX_KEY_LENGTH];
+    let Some(stored_key) = key_bytes.get_mut(..header.key_length) else {
+        return Ok(BlockRead::Broken);
+    };
+    region.read(at + header.key_offset() as u64, stored_key)?;
+    let mut value = vec![0u8; header.value_length];
+    region.read(at + header.value_offset() as u64, &mut value)?;
+    if header.verify(stored_key, &value).is_err() {
+        return Ok(BlockRead::Broken);
+    }
+    Ok(if *stored_key == *key {
+        BlockRead::Key {
+            value: Bytes::from(value),
+            tombstone: header.tombstone,
+        }
+    } else {
+        BlockRead::Other {
+            key: stored_key.to_vec(),
+        }
     })
 }
 
@@ -521,8 +575,6 @@ async fn read_candidates(
     let mut tentative = Vec::new();
     let heap_key = scratch.connection().keys.heap_key;
     let mut remaining = wanted.as_slice();
-    // One buffer for every block of the lookup; a match's value is copied out of it.
-    let mut bytes = Vec::new();
     while !remaining.is_empty() {
         // As many candidates as fit the read area go in one list.
         let mut used = 0u64;
@@ -561,19 +613,20 @@ async fn read_candidates(
             .map_err(step_failure(operation))?;
         let mut at = 0u64;
         for (position, slot) in round.iter().copied() {
-            bytes.clear();
-            bytes.resize(slot.block_length() as usize, 0);
-            scratch
-                .region()
-                .read(scratch.base + READ_BLOCKS_AT + at, &mut bytes)?;
+            let block = read_block(
+                scratch,
+                scratch.base + READ_BLOCKS_AT + at,
+                slot.block_length(),
+                key,
+            )?;
             at += slot.block_length();
-            match decode_block(&bytes) {
-                Ok(block) if block.key == key => {
+            match block {
+                BlockRead::Key { value, tombstone } => {
                     let found = Match {
                         position,
                         slot,
-                        value: Bytes::copy_from_slice(block.value),
-                        tombstone: block.tombstone,
+                        value,
+                        tombstone,
                     };
                     if slot.is_tentative() {
                         tentative.push(found);
@@ -581,19 +634,19 @@ async fn read_candidates(
                         committed.push(found);
                     }
                 }
-                Ok(block) => {
+                BlockRead::Other { key: other_key } => {
                     // Another key's block: a fingerprint collision if that key really lives
                     // here. If it could not (other fingerprint or buckets), the slot word was
                     // read torn — a NIC need not READ an 8-byte word atomically against a
                     // concurrent CAS, and rxe does not — so the buckets are read again.
-                    let other = scratch.connection().welcome.geometry.locate(block.key);
+                    let other = scratch.connection().welcome.geometry.locate(&other_key);
                     if other.fingerprint != slot.fingerprint()
                         || !other.combined_buckets.contains(&position.combined_bucket)
                     {
                         return Ok(Err(Reread));
                     }
                 }
-                Err(BlockError::Checksum | BlockError::Malformed { .. }) => return Ok(Err(Reread)),
+                BlockRead::Broken => return Ok(Err(Reread)),
             }
         }
     }

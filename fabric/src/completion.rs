@@ -9,10 +9,8 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-
-use tokio::sync::oneshot;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 
 use crate::device::DeviceInner;
 use crate::seam::ProviderObject;
@@ -131,25 +129,41 @@ impl CompletionQueue {
     }
 }
 
-/// The completions of one posted list, gathered until its last request completes.
+/// The completions of one posted list, gathered until its last request completes, shared by
+/// the list's in-flight requests and its [`PostedList`]: one allocation and one lock per list
+/// (a oneshot channel beside it was two more allocations and a second lock).
 #[derive(Debug)]
 pub(crate) struct ListCompletion {
+    /// The list's state.
+    state: Mutex<ListState>,
+}
+
+/// What a [`ListCompletion`] holds.
+#[derive(Debug, Default)]
+struct ListState {
     /// Completions so far.
-    completions: Mutex<Vec<WorkCompletion>>,
-    /// Where the list's completions go once the tail completes.
-    sender: Mutex<Option<oneshot::Sender<Vec<WorkCompletion>>>>,
+    completions: Vec<WorkCompletion>,
+    /// The tail completed: `completions` is the whole list's.
+    complete: bool,
+    /// The [`PostedList`] was dropped: the completions go to the queue's backlog.
+    abandoned: bool,
+    /// The task awaiting the [`PostedList`].
+    waker: Option<Waker>,
 }
 
 impl ListCompletion {
     pub(crate) fn new(queue: Arc<CompletionQueueInner>) -> (Arc<Self>, PostedList) {
-        let (sender, receiver) = oneshot::channel();
-        (
-            Arc::new(Self {
-                completions: Mutex::new(Vec::new()),
-                sender: Mutex::new(Some(sender)),
-            }),
-            PostedList { receiver, queue },
-        )
+        let list = Arc::new(Self {
+            state: Mutex::new(ListState::default()),
+        });
+        (list.clone(), PostedList { list, queue })
+    }
+
+    fn state(&self) -> MutexGuard<'_, ListState> {
+        match self.state.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
     }
 
     /// Adds one completion; when it is the list's tail, hands the list to its future, or to the
@@ -160,24 +174,21 @@ impl ListCompletion {
         is_tail: bool,
         queue: &CompletionQueueInner,
     ) {
-        let mut completions = match self.completions.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        completions.push(completion);
+        let mut state = self.state();
+        if state.abandoned {
+            drop(state);
+            queue.push_unclaimed(vec![completion]);
+            return;
+        }
+        state.completions.push(completion);
         if !is_tail {
             return;
         }
-        let gathered = std::mem::take(&mut *completions);
-        drop(completions);
-        let sender = match self.sender.lock() {
-            Ok(mut guard) => guard.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
-        };
-        if let Some(sender) = sender {
-            if let Err(unclaimed) = sender.send(gathered) {
-                queue.push_unclaimed(unclaimed);
-            }
+        state.complete = true;
+        let waker = state.waker.take();
+        drop(state);
+        if let Some(waker) = waker {
+            waker.wake();
         }
     }
 }
@@ -190,17 +201,22 @@ impl ListCompletion {
 /// also when the list had completed but its future was never awaited.
 #[derive(Debug)]
 pub struct PostedList {
-    receiver: oneshot::Receiver<Vec<WorkCompletion>>,
+    /// The list's completions, shared with its requests in flight.
+    list: Arc<ListCompletion>,
     /// Where completions that nobody awaited go.
     queue: Arc<CompletionQueueInner>,
 }
 
 impl Drop for PostedList {
     fn drop(&mut self) {
-        // Refuse completions from now on (they go to the backlog instead), and move one that
-        // arrived but was never awaited there too.
-        self.receiver.close();
-        if let Ok(unclaimed) = self.receiver.try_recv() {
+        // Refuse completions from now on (they go to the backlog instead), and move those that
+        // arrived but were never awaited there too.
+        let mut state = self.list.state();
+        state.abandoned = true;
+        state.waker = None;
+        let unclaimed = std::mem::take(&mut state.completions);
+        drop(state);
+        if !unclaimed.is_empty() {
             self.queue.push_unclaimed(unclaimed);
         }
     }
@@ -209,11 +225,16 @@ impl Drop for PostedList {
 impl Future for PostedList {
     type Output = Vec<WorkCompletion>;
 
-    fn poll(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
-        // The sender is dropped without sending only if the queue pair vanished mid-flight,
-        // which teardown prevents (it flushes first); report no completions rather than panic.
-        Pin::new(&mut self.receiver)
-            .poll(context)
-            .map(|result| result.unwrap_or_default())
+    fn poll(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.list.state();
+        if state.complete {
+            // Taken once: polled again after it resolved, it resolves with no completions.
+            return Poll::Ready(std::mem::take(&mut state.completions));
+        }
+        match &mut state.waker {
+            Some(waker) if waker.will_wake(context.waker()) => {}
+            slot => *slot = Some(context.waker().clone()),
+        }
+        Poll::Pending
     }
 }

@@ -43,6 +43,7 @@ mod protection;
 mod provider;
 mod queue_pair;
 mod seam;
+mod send_slots;
 mod types;
 
 pub use completion::{CompletionQueue, PostedList};

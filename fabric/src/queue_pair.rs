@@ -18,8 +18,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Semaphore;
-
 use crate::completion::{CompletionQueue, ListCompletion, PostedList};
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
@@ -28,6 +26,7 @@ use crate::protection::{
     LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain, ProtectionTable,
 };
 use crate::seam::{QueuePairProvider, Submission};
+use crate::send_slots::SendSlots;
 use crate::types::{
     AccessFlags, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
@@ -111,7 +110,7 @@ pub(crate) struct QueuePairShared {
     /// The state, readable without the requester lock.
     state_mirror: AtomicU8,
     /// Free send queue slots.
-    pub(crate) permits: Semaphore,
+    pub(crate) permits: SendSlots,
     /// Held shared while an emulated responder executes a request for this queue pair.
     responder_gate: RwLock<()>,
     /// The transport.
@@ -311,7 +310,7 @@ impl QueuePairShared {
     /// Reports one request's completion, if it produces one, and frees its send queue slot.
     pub(crate) fn finish(&self, entry: InFlight, status: WorkCompletionStatus) {
         // Free the slot first: whoever the completion wakes may post again at once.
-        self.permits.add_permits(1);
+        self.permits.give_back(1);
         if entry.request.signaled || status != WorkCompletionStatus::Success {
             let queue = &self.completion_queue.inner;
             queue.count();
@@ -474,12 +473,7 @@ impl QueuePairShared {
                 operation: "post send requests (it must be RTS)",
             });
         }
-        let permits = self
-            .permits
-            .acquire_many(list.len() as u32)
-            .await
-            .map_err(|_| invalid("the queue pair is destroyed".into()))?;
-        permits.forget();
+        self.permits.take(list.len()).await;
 
         let (list_completion, posted) = ListCompletion::new(self.completion_queue.inner.clone());
         let device = self.device();
@@ -537,7 +531,7 @@ impl QueuePairShared {
                 self.provider.after_ring(self);
             }
             Submission::NotConnected => {
-                self.permits.add_permits(count);
+                self.permits.give_back(count);
                 return Err(Error::InvalidQueuePairState {
                     qp_number: self.qp_number,
                     state: self.state(),
@@ -653,7 +647,7 @@ impl ProtectionDomain {
                 unposted: 0,
             }),
             state_mirror: AtomicU8::new(QueuePairState::Reset as u8),
-            permits: Semaphore::new(config.max_send_wr as usize),
+            permits: SendSlots::new(config.max_send_wr as usize),
             responder_gate: RwLock::new(()),
             provider,
         });
@@ -690,7 +684,7 @@ impl QueuePair {
 
     /// Send queue slots free now.
     pub fn free_send_slots(&self) -> usize {
-        self.shared.permits.available_permits()
+        self.shared.permits.available()
     }
 
     /// What a peer needs to connect to this queue pair.

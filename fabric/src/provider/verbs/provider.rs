@@ -364,8 +364,8 @@ impl NicQueuePair {
         // A bind takes a send queue slot like any work request, until its completion.
         let _slot = queue_pair
             .permits
-            .try_acquire()
-            .map_err(|_| Error::InvalidWorkRequest {
+            .try_hold()
+            .ok_or_else(|| Error::InvalidWorkRequest {
                 qp_number: queue_pair.qp_number,
                 reason: "the send queue is full: a window bind needs a free slot".into(),
             })?;
