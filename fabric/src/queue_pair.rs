@@ -82,6 +82,9 @@ pub(crate) struct RequesterState {
     /// How many entries at the tail of `in_flight` wait for a doorbell that has not rung yet
     /// (queued by [`Enqueuer::push_for_doorbell`], not yet handed to the transport).
     pub(crate) unposted: usize,
+    /// The responder said it stopped ([`QueuePairShared::responder_stopped`]): no request
+    /// posted from then on runs, so each completes `NotExecuted`, not flushed.
+    peer_stopped: bool,
 }
 
 impl RequesterState {
@@ -367,46 +370,57 @@ impl QueuePairShared {
     /// here; the rest are retired by their flush completions, never before, so their buffers
     /// outlive the NIC's use.
     pub(crate) fn enter_error(&self) {
-        let flushed = {
+        let (flushed, status) = {
             let mut requester = lock(&self.requester);
             self.set_state_locked(&mut requester, QueuePairState::Error);
             requester.poisoned = false;
-            if self.provider.completes_flushes() {
+            // After the responder's stop, everything outstanding was posted after it (what was
+            // outstanding at the stop completed then): none of it ran.
+            let status = if requester.peer_stopped {
+                WorkCompletionStatus::NotExecuted
+            } else {
+                WorkCompletionStatus::WorkRequestFlushError
+            };
+            let flushed: Vec<InFlight> = if self.provider.completes_flushes() {
                 requester.take_unposted()
             } else {
                 requester.unposted = 0;
                 std::mem::take(&mut requester.in_flight).into()
-            }
+            };
+            (flushed, status)
         };
         for entry in flushed {
-            self.finish(entry, WorkCompletionStatus::WorkRequestFlushError);
+            self.finish(entry, status);
         }
         self.provider.modify_to_error();
     }
 
     /// The responder stopped (its queue pair moved to ERROR) after answering every request it
-    /// ran: every outstanding request completes [`WorkCompletionStatus::NotExecuted`], and the
-    /// queue pair moves to ERROR. Only a provider that knows this calls it (a soft peer's
-    /// stop frame; an `shm` requester, which runs its requests itself).
+    /// ran: every outstanding request completes [`WorkCompletionStatus::NotExecuted`], the queue
+    /// pair moves to ERROR, and every request posted later completes `NotExecuted` too. Only a
+    /// provider that knows this calls it (a soft peer's stop frame; an `shm` requester, which
+    /// runs its requests itself).
     ///
-    /// With nothing outstanding it does nothing, as a NIC notices a stopped peer only when it
-    /// next sends (the next request then finds the connection gone: RETRY_EXC_ERR, as on
-    /// `verbs`).
+    /// Before, with nothing outstanding it did nothing, as a NIC notices a stopped peer only
+    /// when it next sends: the next request then met the closed connection and completed
+    /// `RETRY_EXC_ERR` (ran or not, unknown), though the stop frame had said it could not run.
+    /// A fenced write's commit posted in that gap ended `Unresolved` (found by the failover
+    /// history test over `soft`, one run in about eight).
     pub(crate) fn responder_stopped(&self) {
         let left = {
             let mut requester = lock(&self.requester);
-            if requester.state == QueuePairState::Error || requester.in_flight.is_empty() {
+            if requester.state == QueuePairState::Error {
+                // In ERROR already, for its own reason (a failed request): later requests
+                // flush, as behind any error.
                 Vec::new()
             } else {
+                requester.peer_stopped = true;
                 self.set_state_locked(&mut requester, QueuePairState::Error);
                 requester.poisoned = false;
                 requester.unposted = 0;
                 std::mem::take(&mut requester.in_flight).into()
             }
         };
-        if left.is_empty() {
-            return;
-        }
         for entry in left {
             self.finish(entry, WorkCompletionStatus::NotExecuted);
         }
@@ -645,6 +659,7 @@ impl ProtectionDomain {
                 in_flight: VecDeque::new(),
                 poisoned: false,
                 unposted: 0,
+                peer_stopped: false,
             }),
             state_mirror: AtomicU8::new(QueuePairState::Reset as u8),
             permits: SendSlots::new(config.max_send_wr as usize),
