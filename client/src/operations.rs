@@ -519,6 +519,10 @@ enum BlockRead {
 /// [`Bytes`] keeps: one copy of the value, where copying the block out and then its value was
 /// two.
 fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<BlockRead> {
+    if length < BLOCK_HEADER_SIZE as u64 {
+        // A torn slot word can claim a block of zero units.
+        return Ok(BlockRead::Broken);
+    }
     let region = scratch.region();
     let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
     region.read(at, &mut header_bytes)?;

@@ -176,7 +176,6 @@ impl ListCompletion {
     ) {
         let mut state = self.state();
         if state.abandoned {
-            drop(state);
             queue.push_unclaimed(vec![completion]);
             return;
         }
@@ -211,14 +210,16 @@ impl Drop for PostedList {
     fn drop(&mut self) {
         // Refuse completions from now on (they go to the backlog instead), and move those that
         // arrived but were never awaited there too.
+        // Under the list's lock, so a completion arriving meanwhile lands in the backlog after
+        // these, in order (the backlog's lock is never held while taking a list's).
         let mut state = self.list.state();
         state.abandoned = true;
         state.waker = None;
         let unclaimed = std::mem::take(&mut state.completions);
-        drop(state);
         if !unclaimed.is_empty() {
             self.queue.push_unclaimed(unclaimed);
         }
+        drop(state);
     }
 }
 

@@ -487,6 +487,10 @@ impl QueuePairShared {
                 operation: "post send requests (it must be RTS)",
             });
         }
+        // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
+        // spent it): a task that only posts to a provider that completes inline (`shm`,
+        // `loopback`) still yields now and then, and a timeout around it can fire.
+        tokio::task::consume_budget().await;
         self.permits.take(list.len()).await;
 
         let (list_completion, posted) = ListCompletion::new(self.completion_queue.inner.clone());

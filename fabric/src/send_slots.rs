@@ -6,7 +6,8 @@
 //! its waiter list's mutex on every release, waiting or not: a tenth of a completion's
 //! instructions.) A post that finds too few slots waits for the next give-back and tries again;
 //! the send queue is rarely full (an operation's list is a few requests, the queue hundreds), so
-//! waiters are not queued in order.
+//! waiters are not queued in order: while the queue stays full, a post of several requests can
+//! wait behind a stream of single ones (tokio's semaphore served them first come, first served).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -72,15 +73,14 @@ impl SendSlots {
             let notified = self.given_back.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            self.waiting.fetch_add(1, Ordering::SeqCst);
-            let taken = self.try_take(count);
-            if !taken {
-                notified.await;
-            }
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            if taken {
+            // Counted out again when this wait ends, also when the post is cancelled here (a
+            // deadline): a count left behind would make every later give-back take Notify's
+            // lock.
+            let _waiting = Waiting::start(&self.waiting);
+            if self.try_take(count) {
                 return;
             }
+            notified.await;
         }
     }
 
@@ -104,6 +104,22 @@ impl SendSlots {
         if self.waiting.load(Ordering::SeqCst) > 0 {
             self.given_back.notify_waiters();
         }
+    }
+}
+
+/// One post counted among the waiting ones, until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn start(waiting: &'a AtomicUsize) -> Self {
+        waiting.fetch_add(1, Ordering::SeqCst);
+        Self(waiting)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -141,6 +157,19 @@ mod tests {
         assert_eq!(slots.available(), 0);
         drop(held);
         assert_eq!(slots.available(), 1);
+    }
+
+    /// A post cancelled while it waits (an operation's deadline) is no longer counted as
+    /// waiting.
+    #[tokio::test]
+    async fn a_cancelled_wait_is_counted_out() {
+        let slots = SendSlots::new(1);
+        assert!(slots.try_take(1));
+        let waited = tokio::time::timeout(Duration::from_millis(20), slots.take(1)).await;
+        assert!(waited.is_err(), "no slot was free");
+        assert_eq!(slots.waiting.load(std::sync::atomic::Ordering::SeqCst), 0);
+        slots.give_back(1);
+        slots.take(1).await;
     }
 
     /// Many posts waiting for slots on two workers, each giving its slots back after it got

@@ -1111,8 +1111,8 @@ impl QueuePairProvider for ShmQueuePair {
         // Run now, on the posting thread, when no other thread runs this queue pair's requests:
         // the list has completed when `post` returns, and its task neither yields nor waits
         // for a wake-up (a yield per list was two trips through the scheduler per GET). A task
-        // that does nothing but one-sided operations still lets the others run: the send
-        // queue's permits and the list's completion count against tokio's cooperative budget.
+        // that does nothing but one-sided operations still lets the others run: each post
+        // spends a unit of tokio's cooperative budget (`QueuePairShared::post`).
         // When another thread is executing, ring after a yield (`try_ring`).
         if self.try_ring(queue_pair) {
             Submission::Rang
