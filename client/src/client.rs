@@ -17,6 +17,7 @@ use crate::connection::{
     shared_slot_cache, ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
 };
 use crate::counters::{CounterSnapshot, Counters};
+use crate::deadline::Watchdog;
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
 use crate::lanes::{current_lane, default_lanes, Lane};
@@ -257,6 +258,8 @@ pub struct Client {
     counters: Arc<Counters>,
     /// The per-operation deadline.
     deadline: Duration,
+    /// Keeps the deadlines of waiting operations (one task, not a timer per operation).
+    watchdog: Watchdog,
 }
 
 impl Client {
@@ -308,6 +311,7 @@ impl Client {
             }),
             counters,
             deadline,
+            watchdog: Watchdog::new(deadline),
         })
     }
 
@@ -380,6 +384,7 @@ impl Client {
             replicas: cluster.replicas.max(1),
             counters,
             deadline: cluster.operation_deadline,
+            watchdog: Watchdog::new(cluster.operation_deadline),
         }
     }
 
@@ -397,6 +402,21 @@ impl Client {
     /// [`Error::Config`] when the file is invalid or the choice names a fabric the cluster
     /// does not run.
     pub fn from_file_with(path: &std::path::Path, choice: crate::FabricChoice) -> Result<Self> {
+        Self::from_file_with_concurrency(path, choice, DEFAULT_CONCURRENCY)
+    }
+
+    /// As [`Client::from_file_with`], with at most `concurrency` operations in flight per
+    /// connection (as [`Client::for_cluster_with_concurrency`]): an application that runs more
+    /// tasks than the default (16) at once sets it to its task count, or its
+    /// tasks wait for each other's scratch buffers.
+    ///
+    /// # Errors
+    /// As [`Client::from_file_with`].
+    pub fn from_file_with_concurrency(
+        path: &std::path::Path,
+        choice: crate::FabricChoice,
+        concurrency: usize,
+    ) -> Result<Self> {
         let cluster = rdkv_cluster_file::load(path).map_err(|error| {
             // The reason keeps the causes ("cannot read the cluster file: No such file ...").
             let mut reason = error.to_string();
@@ -411,11 +431,7 @@ impl Client {
         let shared_memory = choice
             .shared_memory(cluster.fabric)
             .map_err(|reason| Error::Config { reason })?;
-        Ok(Self::for_cluster_with(
-            &cluster,
-            DEFAULT_CONCURRENCY,
-            shared_memory,
-        ))
+        Ok(Self::for_cluster_with(&cluster, concurrency, shared_memory))
     }
 
     /// Gives every node's connections `injector` (tests of failures at chosen steps:
@@ -684,7 +700,7 @@ impl Client {
                 }
             }
         };
-        let outcome = yield_if_never_waited(tokio::time::timeout(deadline, work))
+        let outcome = yield_if_never_waited(self.watchdog.timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
                 // Out of heap for the whole deadline (the node answered that chunks were on
@@ -1165,7 +1181,7 @@ impl Client {
         progress: &Progress,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        yield_if_never_waited(tokio::time::timeout(deadline, work))
+        yield_if_never_waited(self.watchdog.timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
                 Err(Error::TimedOut {
@@ -1259,7 +1275,9 @@ impl Client {
             Ok::<_, Error>(values)
         };
         let gets_before = self.counters.gets.total();
-        let values = tokio::time::timeout(self.deadline, work)
+        let values = self
+            .watchdog
+            .timeout(self.deadline, work)
             .await
             .unwrap_or(Err(Error::TimedOut {
                 operation: "batch_get",

@@ -24,6 +24,7 @@
 //! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
+//! - `deadline`: operation deadlines kept by one watchdog task per client, not a timer each.
 //! - `fairness`: an operation that never waited yields once before it returns.
 //! - [`lanes`]: a connection per runtime worker to each node.
 //! - [`fault`]: fault injection between the steps of an operation (tests).
@@ -32,6 +33,7 @@
 pub mod client;
 mod connection;
 pub mod counters;
+mod deadline;
 pub mod error;
 mod fairness;
 pub mod fault;

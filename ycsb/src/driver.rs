@@ -35,16 +35,22 @@ pub enum Driver {
 pub type DriverResult<T> = Result<T, String>;
 
 impl Driver {
-    /// rdkv from a cluster file.
+    /// rdkv from a cluster file, with `concurrency` operations in flight per connection (the
+    /// run's task count: fewer would make tasks wait for scratch buffers, not for the store).
     ///
     /// # Errors
     /// An invalid cluster file.
     pub fn rdkv(
         cluster_file: &std::path::Path,
         fabric: rdkv_client::FabricChoice,
+        concurrency: usize,
     ) -> anyhow::Result<Self> {
         Ok(Self::Rdkv {
-            client: Arc::new(Client::from_file_with(cluster_file, fabric)?),
+            client: Arc::new(Client::from_file_with_concurrency(
+                cluster_file,
+                fabric,
+                concurrency.clamp(1, 64),
+            )?),
             _server: None,
             name: "rdkv",
         })

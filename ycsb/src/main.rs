@@ -169,7 +169,7 @@ fn load_workload(arguments: &PhaseArguments) -> anyhow::Result<Workload> {
 async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Result<Driver> {
     Ok(match arguments.driver {
         DriverName::Rdkv => {
-            let driver = Driver::rdkv(&arguments.config, arguments.fabric)?;
+            let driver = Driver::rdkv(&arguments.config, arguments.fabric, arguments.threads)?;
             driver.reach().await?;
             driver
         }

@@ -315,13 +315,29 @@ impl Workload {
     }
 
     /// The key of record number `number`: `user` followed by the (hashed) number, as YCSB.
+    /// Written digit by digit: `format!` cost about 800 instructions a key, a twentieth of a
+    /// GET, in every store's runs alike.
     pub fn key(&self, number: u64) -> String {
         let number = if self.hashed_insert_order {
             crate::generator::fnv_hash64(number)
         } else {
             number
         };
-        format!("user{number}")
+        // "user" and at most 20 digits, written from the right.
+        let mut text = [0u8; 24];
+        let mut start = text.len();
+        let mut rest = number;
+        loop {
+            start -= 1;
+            text[start] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        start -= 4;
+        text[start..start + 4].copy_from_slice(b"user");
+        String::from_utf8_lossy(&text[start..]).into_owned()
     }
 }
 
@@ -454,6 +470,8 @@ mod tests {
         let properties = Properties::parse("w", "insertorder=ordered\n").expect("parses");
         let ordered = Workload::from_properties("w", &properties).expect("valid");
         assert_eq!(ordered.key(42), "user42");
+        assert_eq!(ordered.key(0), "user0");
+        assert_eq!(ordered.key(u64::MAX), format!("user{}", u64::MAX));
         let hashed = Workload::from_properties("w", &Properties::default()).expect("valid");
         assert_eq!(
             hashed.key(42),
