@@ -17,7 +17,7 @@ use crate::connection::{
     shared_slot_cache, ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
 };
 use crate::counters::{CounterSnapshot, Counters};
-use crate::deadline::Watchdog;
+use crate::deadline;
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
 use crate::lanes::{current_lane, default_lanes, Lane};
@@ -258,8 +258,6 @@ pub struct Client {
     counters: Arc<Counters>,
     /// The per-operation deadline.
     deadline: Duration,
-    /// Keeps the deadlines of waiting operations (one task, not a timer per operation).
-    watchdog: Watchdog,
 }
 
 impl Client {
@@ -311,7 +309,6 @@ impl Client {
             }),
             counters,
             deadline,
-            watchdog: Watchdog::new(deadline),
         })
     }
 
@@ -384,7 +381,6 @@ impl Client {
             replicas: cluster.replicas.max(1),
             counters,
             deadline: cluster.operation_deadline,
-            watchdog: Watchdog::new(cluster.operation_deadline),
         }
     }
 
@@ -700,7 +696,7 @@ impl Client {
                 }
             }
         };
-        let outcome = yield_if_never_waited(self.watchdog.timeout(deadline, work))
+        let outcome = yield_if_never_waited(deadline::timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
                 // Out of heap for the whole deadline (the node answered that chunks were on
@@ -1181,7 +1177,7 @@ impl Client {
         progress: &Progress,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        yield_if_never_waited(self.watchdog.timeout(deadline, work))
+        yield_if_never_waited(deadline::timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
                 Err(Error::TimedOut {
@@ -1275,9 +1271,7 @@ impl Client {
             Ok::<_, Error>(values)
         };
         let gets_before = self.counters.gets.total();
-        let values = self
-            .watchdog
-            .timeout(self.deadline, work)
+        let values = deadline::timeout(self.deadline, work)
             .await
             .unwrap_or(Err(Error::TimedOut {
                 operation: "batch_get",

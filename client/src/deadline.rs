@@ -1,58 +1,52 @@
 //! Operation deadlines without a timer per operation.
 //!
 //! `tokio::time::timeout` puts an entry in tokio's timer wheel for every operation that waits
-//! once, reading the clock, and takes it out again when the operation ends: about 900
-//! instructions of a GET's 16,000 (`docs/benchmarks.md`, *Sixth pass*). A client runs
-//! thousands of operations a second, each far inside its deadline, so here one watchdog task
-//! per client keeps a coarse clock in ticks and wakes the operations whose deadline has passed:
-//! - an operation that waits takes an entry (its waker and its deadline tick) in its thread's
-//!   shard of the watchdog's table, and gives it back when it ends; it reads no clock while
-//!   the watchdog ticks, and the runtime's workers do not share a lock;
-//! - the watchdog wakes every tick while entries exist, wakes those past their tick, and ends
-//!   after [`IDLE_TICKS`] ticks without any (the next operation that waits starts a new one, on
-//!   its own runtime: a client used from a runtime that has since shut down still times out);
-//! - a deadline is never early: an operation gives up at the first poll that finds the clock
-//!   past its tick, which is at least `deadline` after it first waited, and at most about two
-//!   ticks later (more only when the runtime itself runs late, as with tokio's timer). A tick
-//!   is a sixty-fourth of the client's deadline, so the overrun is about 3% of it, inside the
-//!   quarter that the node's heap quarantine (1.25 × the deadline) allows; below 64 ms the
-//!   tick is tokio's own granularity, 1 ms.
+//! once and takes it out again when the operation ends: about 900 instructions of a GET's
+//! 16,000 (`docs/benchmarks.md`, *Sixth pass*). Operations end far inside their deadlines, so
+//! here one watchdog thread per process wakes those whose deadline has passed:
+//! - an operation reads the clock at its first poll, and if it waits, takes an entry (its
+//!   waker and its deadline) in its thread's shard of the watchdog's table; it gives the entry
+//!   back when it ends;
+//! - the watchdog thread wakes every [`TICK`] while entries exist, wakes the entries past their
+//!   deadline (once each), and ends after [`IDLE_TICKS`] ticks without any; the next
+//!   operation that waits starts it again. A thread, not a task: it belongs to no runtime, so
+//!   a client used from several runtimes, or from one that was shut down or is not being
+//!   driven, still times out;
+//! - a deadline is never early: an operation gives up only when a poll reads the clock past
+//!   its deadline (which counts from its first poll, as `tokio::time::timeout`'s counts from
+//!   its creation); and it is late by at most about a tick and the thread's wake-up (about
+//!   1–2 ms, as tokio's timer's millisecond granularity), inside the quarter of the deadline
+//!   that the node's heap quarantine (1.25 × the deadline) allows, for deadlines from 10 ms.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// Ticks without a waiting operation after which the watchdog task ends.
-const IDLE_TICKS: u32 = 100;
+/// How often the watchdog thread looks at the table while entries exist.
+pub(crate) const TICK: Duration = Duration::from_millis(1);
 
-/// The shortest and the longest tick.
-const TICK_RANGE: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(10));
+/// Ticks without a waiting operation after which the watchdog thread ends.
+const IDLE_TICKS: u32 = 200;
 
-/// The most shards (a shard per thread that waits, up to this).
-const MAX_SHARDS: usize = 16;
+/// Shards per CPU: threads take shard numbers in turn, so a few spare shards keep two workers
+/// off one shard (the main thread and blocking threads take numbers too).
+const SHARDS_PER_CPU: usize = 4;
+
+/// The most shards.
+const MAX_SHARDS: usize = 64;
 
 /// The deadline passed with the operation still waiting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Elapsed;
 
-/// One client's watchdog: its clock and its table of waiting operations.
+/// The process's watchdog: whether its thread runs, and the table of waiting operations.
 #[derive(Debug)]
-pub(crate) struct Watchdog {
-    shared: Arc<Shared>,
-}
-
-#[derive(Debug)]
-struct Shared {
+struct Watchdog {
     /// The clock's origin.
     origin: Instant,
-    /// The tick's length.
-    tick: Duration,
-    /// Ticks since `origin`, as of the watchdog's last tick (or an operation's clock read while
-    /// no watchdog ran).
-    now: AtomicU64,
-    /// Whether a watchdog task runs (or is about to).
+    /// Whether the watchdog thread runs (or is about to).
     running: AtomicBool,
     /// The waiting operations, a shard per thread (modulo the count).
     shards: Box<[Shard]>,
@@ -75,8 +69,25 @@ struct Table {
 
 #[derive(Debug)]
 struct Entry {
+    /// Nanoseconds since the origin; `u64::MAX` once woken for it.
     deadline: u64,
     waker: Waker,
+}
+
+/// The process's watchdog.
+fn watchdog() -> &'static Watchdog {
+    static WATCHDOG: OnceLock<Watchdog> = OnceLock::new();
+    WATCHDOG.get_or_init(|| {
+        let shards = std::thread::available_parallelism()
+            .map_or(1, std::num::NonZeroUsize::get)
+            .saturating_mul(SHARDS_PER_CPU)
+            .clamp(1, MAX_SHARDS);
+        Watchdog {
+            origin: Instant::now(),
+            running: AtomicBool::new(false),
+            shards: (0..shards).map(|_| Shard::default()).collect(),
+        }
+    })
 }
 
 /// This thread's shard number (before the modulo): threads take numbers in turn.
@@ -85,45 +96,10 @@ fn thread_shard() -> usize {
     thread_local! {
         static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed);
     }
-    SHARD.with(|shard| *shard)
+    SHARD.try_with(|shard| *shard).unwrap_or(0)
 }
 
 impl Watchdog {
-    /// A watchdog whose tick suits `deadline` (a sixty-fourth of it, between 1 and 10 ms).
-    pub(crate) fn new(deadline: Duration) -> Self {
-        let tick = (deadline / 64).clamp(TICK_RANGE.0, TICK_RANGE.1);
-        let shards = std::thread::available_parallelism()
-            .map_or(1, std::num::NonZeroUsize::get)
-            .clamp(1, MAX_SHARDS);
-        Self {
-            shared: Arc::new(Shared {
-                origin: Instant::now(),
-                tick,
-                now: AtomicU64::new(0),
-                running: AtomicBool::new(false),
-                shards: (0..shards).map(|_| Shard::default()).collect(),
-            }),
-        }
-    }
-
-    /// Operations waiting now (tests).
-    #[cfg(test)]
-    fn waiting(&self) -> usize {
-        (0..self.shared.shards.len())
-            .map(|shard| self.shared.lock(shard).used)
-            .sum()
-    }
-
-    /// Entries the table holds, used or free (tests).
-    #[cfg(test)]
-    fn capacity(&self) -> usize {
-        (0..self.shared.shards.len())
-            .map(|shard| self.shared.lock(shard).entries.len())
-            .sum()
-    }
-}
-
-impl Shared {
     fn lock(&self, shard: usize) -> MutexGuard<'_, Table> {
         self.shards[shard]
             .0
@@ -131,112 +107,97 @@ impl Shared {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Ticks since the origin, by the clock.
-    fn read_clock(&self) -> u64 {
-        let ticks = self.origin.elapsed().as_nanos() / self.tick.as_nanos().max(1);
-        u64::try_from(ticks).unwrap_or(u64::MAX)
+    /// Nanoseconds since the origin.
+    fn clock(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// Advances the clock and wakes the entries past their tick; whether any entry is left.
+    /// Wakes the entries past their deadline, once each; whether any entry is left.
     fn expire(&self) -> bool {
-        let now = self.read_clock();
-        self.now.fetch_max(now, Ordering::AcqRel);
+        let now = self.clock();
         let mut expired = Vec::new();
         let mut busy = false;
         for shard in 0..self.shards.len() {
-            let table = self.lock(shard);
-            for entry in table.entries.iter().flatten() {
+            let mut table = self.lock(shard);
+            for entry in table.entries.iter_mut().flatten() {
                 if entry.deadline <= now {
+                    entry.deadline = u64::MAX;
                     expired.push(entry.waker.clone());
                 }
             }
             busy |= table.used > 0;
         }
-        // Woken outside the locks: a woken task may run at once on another worker and end.
+        // Woken outside the locks: a woken task may run at once on another thread and end.
         for waker in expired {
             waker.wake();
         }
         busy
     }
 
-    /// Starts a watchdog task on the current runtime unless one runs.
-    fn ensure_running(self: &Arc<Self>) {
-        if !self.running.load(Ordering::SeqCst)
-            && self
-                .running
-                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
-            tokio::spawn(run(self.clone()));
-        }
-    }
-}
-
-/// The watchdog task: ticks while operations wait, ends after [`IDLE_TICKS`] idle ticks.
-async fn run(shared: Arc<Shared>) {
-    /// Marks the watchdog stopped however the task ends, its runtime's shutdown included.
-    struct Stopped<'a>(&'a Shared);
-    impl Drop for Stopped<'_> {
-        fn drop(&mut self) {
-            self.0.running.store(false, Ordering::SeqCst);
-        }
-    }
-    let _stopped = Stopped(&shared);
-    let mut idle = 0;
-    loop {
-        tokio::time::sleep(shared.tick).await;
-        if shared.expire() {
-            idle = 0;
-            continue;
-        }
-        idle += 1;
-        if idle < IDLE_TICKS {
-            continue;
-        }
-        // Stop, then look again: an operation registers first and checks `running` second,
-        // so either it sees the watchdog stopped and starts one, or this sees its entry.
-        shared.running.store(false, Ordering::SeqCst);
-        let waiting = (0..shared.shards.len()).any(|shard| shared.lock(shard).used > 0);
-        if !waiting
-            || shared
+    /// Starts the watchdog thread unless it runs.
+    fn ensure_running(&'static self) {
+        if self.running.load(Ordering::SeqCst)
+            || self
                 .running
                 .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
                 .is_err()
         {
-            // Nobody waits, or a new watchdog already took over. (The guard's store is
-            // harmless only when nobody took over: forget it in that case.)
-            std::mem::forget(_stopped);
             return;
         }
-        idle = 0;
+        let spawned = std::thread::Builder::new()
+            .name("rdkv-deadlines".into())
+            .spawn(move || self.run());
+        if let Err(error) = spawned {
+            // Out of threads: the next operation that waits tries again.
+            self.running.store(false, Ordering::SeqCst);
+            tracing::warn!(%error, "cannot start the deadline watchdog thread");
+        }
+    }
+
+    /// The watchdog thread: ticks while operations wait, ends after [`IDLE_TICKS`] idle ticks.
+    fn run(&self) {
+        let mut idle = 0;
+        loop {
+            std::thread::sleep(TICK);
+            if self.expire() {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < IDLE_TICKS {
+                continue;
+            }
+            // Stop, then look again: an operation registers first and checks `running` second,
+            // so either it sees the watchdog stopped and starts one, or this sees its entry.
+            self.running.store(false, Ordering::SeqCst);
+            let waiting = (0..self.shards.len()).any(|shard| self.lock(shard).used > 0);
+            if !waiting
+                || self
+                    .running
+                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_err()
+            {
+                // Nobody waits, or a new watchdog thread took over.
+                return;
+            }
+            idle = 0;
+        }
     }
 }
 
 /// The entry an operation holds while it waits; gives it back when dropped.
-struct Registration<'a> {
-    shared: &'a Arc<Shared>,
-    /// The entry's shard, index and deadline tick, and the waker it holds, once the operation
-    /// waited.
-    entry: Option<(usize, usize, u64, Waker)>,
+#[derive(Debug, Default)]
+struct Registration {
+    /// The entry's shard and index, and the waker it holds, once the operation waited.
+    entry: Option<(usize, usize, Waker)>,
 }
 
-impl Registration<'_> {
-    /// Takes an entry in this thread's shard: `deadline` counts from now.
-    fn register(&mut self, deadline: Duration, waker: &Waker) {
-        let shared = self.shared;
-        if !shared.running.load(Ordering::SeqCst) {
-            // Nobody keeps the clock: read it.
-            shared.now.fetch_max(shared.read_clock(), Ordering::AcqRel);
-        }
-        // +1: the clock may be up to a tick behind, and a deadline is never early.
-        let ticks = deadline.as_nanos().div_ceil(shared.tick.as_nanos().max(1));
-        let deadline = shared
-            .now
-            .load(Ordering::Acquire)
-            .saturating_add(u64::try_from(ticks).unwrap_or(u64::MAX))
-            .saturating_add(1);
-        let shard = thread_shard() % shared.shards.len();
-        let mut table = shared.lock(shard);
+impl Registration {
+    /// Takes an entry in this thread's shard.
+    fn register(&mut self, deadline: u64, waker: &Waker) {
+        let watchdog = watchdog();
+        let shard = thread_shard() % watchdog.shards.len();
+        let mut table = watchdog.lock(shard);
         let entry = Entry {
             deadline,
             waker: waker.clone(),
@@ -253,74 +214,96 @@ impl Registration<'_> {
         };
         table.used += 1;
         drop(table);
-        self.entry = Some((shard, index, deadline, waker.clone()));
-        shared.ensure_running();
+        self.entry = Some((shard, index, waker.clone()));
+        watchdog.ensure_running();
+    }
+
+    /// Points the entry at `waker` (the operation moved to another task).
+    fn rewake(&mut self, waker: &Waker) {
+        let Some((shard, index, held)) = &mut self.entry else {
+            return;
+        };
+        if held.will_wake(waker) {
+            return;
+        }
+        *held = waker.clone();
+        let mut table = watchdog().lock(*shard);
+        let old = table
+            .entries
+            .get_mut(*index)
+            .and_then(Option::as_mut)
+            .map(|entry| std::mem::replace(&mut entry.waker, waker.clone()));
+        drop(table);
+        // The old waker is dropped outside the lock (its drop may run a task's code).
+        drop(old);
+    }
+
+    /// Gives the entry back.
+    fn release(&mut self) {
+        let Some((shard, index, _)) = self.entry.take() else {
+            return;
+        };
+        let mut table = watchdog().lock(shard);
+        let taken = table.entries.get_mut(index).and_then(Option::take);
+        if taken.is_some() {
+            table.used -= 1;
+            table.free.push(index);
+        }
+        drop(table);
+        drop(taken);
     }
 }
 
-impl Drop for Registration<'_> {
+impl Drop for Registration {
     fn drop(&mut self) {
-        if let Some((shard, index, _, _)) = self.entry.take() {
-            let mut table = self.shared.lock(shard);
-            if let Some(slot) = table.entries.get_mut(index) {
-                if slot.take().is_some() {
-                    table.used -= 1;
-                    table.free.push(index);
-                }
-            }
-        }
+        self.release();
     }
 }
 
-impl Watchdog {
-    /// Runs `work` for at most `deadline` from its first wait: `Err(Elapsed)` past it.
-    pub(crate) fn timeout<F: Future>(&self, deadline: Duration, work: F) -> Timeout<'_, F> {
-        Timeout {
-            work,
-            deadline,
-            registration: Registration {
-                shared: &self.shared,
-                entry: None,
-            },
-        }
+/// Runs `work` for at most `deadline` from its first poll: `Err(Elapsed)` past it.
+pub(crate) fn timeout<F: Future>(deadline: Duration, work: F) -> Timeout<F> {
+    Timeout {
+        work,
+        deadline,
+        until: None,
+        registration: Registration::default(),
     }
 }
 
 pin_project_lite::pin_project! {
-    /// The future [`Watchdog::timeout`] returns (a struct, not an `async fn`: the operation's
-    /// future, often large, is moved once less).
-    pub(crate) struct Timeout<'a, F> {
+    /// The future [`timeout`] returns (a struct, not an `async fn`: the operation's future,
+    /// often large, is moved once less).
+    pub(crate) struct Timeout<F> {
         #[pin]
         work: F,
         deadline: Duration,
-        registration: Registration<'a>,
+        // Nanoseconds since the watchdog's origin, from the first poll.
+        until: Option<u64>,
+        registration: Registration,
     }
 }
 
-impl<F: Future> Future for Timeout<'_, F> {
+impl<F: Future> Future for Timeout<F> {
     type Output = Result<F::Output, Elapsed>;
 
     fn poll(self: std::pin::Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
+        let watchdog = watchdog();
+        let until = *this.until.get_or_insert_with(|| {
+            let nanos = u64::try_from(this.deadline.as_nanos()).unwrap_or(u64::MAX);
+            watchdog.clock().saturating_add(nanos)
+        });
         if let Poll::Ready(output) = this.work.poll(context) {
+            this.registration.release();
             return Poll::Ready(Ok(output));
         }
-        let registration = this.registration;
-        match &mut registration.entry {
-            None => registration.register(*this.deadline, context.waker()),
-            Some((shard, index, deadline, waker)) => {
-                if registration.shared.now.load(Ordering::Acquire) >= *deadline {
-                    return Poll::Ready(Err(Elapsed));
-                }
-                if !waker.will_wake(context.waker()) {
-                    // The operation moved to another task: wake that one instead.
-                    *waker = context.waker().clone();
-                    let mut table = registration.shared.lock(*shard);
-                    if let Some(Some(entry)) = table.entries.get_mut(*index) {
-                        entry.waker = waker.clone();
-                    }
-                }
-            }
+        if this.registration.entry.is_none() {
+            this.registration.register(until, context.waker());
+        } else if watchdog.clock() >= until {
+            this.registration.release();
+            return Poll::Ready(Err(Elapsed));
+        } else {
+            this.registration.rewake(context.waker());
         }
         Poll::Pending
     }
@@ -328,29 +311,72 @@ impl<F: Future> Future for Timeout<'_, F> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Elapsed, Watchdog};
+    use super::{timeout, watchdog, Elapsed};
+    use std::future::Future;
     use std::time::{Duration, Instant};
+
+    /// Entries in use, all shards.
+    fn waiting() -> usize {
+        let watchdog = watchdog();
+        (0..watchdog.shards.len())
+            .map(|shard| watchdog.lock(shard).used)
+            .sum()
+    }
+
+    /// Keeps the watchdog thread ticking: one operation waiting for `span`.
+    fn keep_ticking(span: Duration) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime");
+            let outcome = runtime.block_on(timeout(span, std::future::pending::<()>()));
+            assert_eq!(outcome, Err(Elapsed));
+        })
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_operation_that_never_ends_times_out_no_earlier_than_its_deadline() {
-        let watchdog = Watchdog::new(Duration::from_millis(200));
         let started = Instant::now();
-        let outcome = watchdog
-            .timeout(Duration::from_millis(200), std::future::pending::<()>())
-            .await;
+        let outcome = timeout(Duration::from_millis(200), std::future::pending::<()>()).await;
         let waited = started.elapsed();
         assert_eq!(outcome, Err(Elapsed));
         assert!(waited >= Duration::from_millis(200), "early: {waited:?}");
         assert!(waited < Duration::from_millis(1_000), "late: {waited:?}");
-        assert_eq!(watchdog.waiting(), 0, "the entry is given back");
+    }
+
+    #[test]
+    fn deadlines_are_never_early_while_the_watchdog_already_ticks() {
+        // The review's case: a watchdog that ticks already (its clock coarse and behind) must
+        // not shorten a deadline that starts between two of its ticks.
+        let ticking = keep_ticking(Duration::from_millis(800));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .expect("runtime");
+        for round in 0..60u64 {
+            // Start between ticks at varied phases.
+            std::thread::sleep(Duration::from_micros(137 * (round % 7)));
+            let deadline = Duration::from_millis(5 + round % 6);
+            let started = Instant::now();
+            let outcome = runtime.block_on(timeout(deadline, std::future::pending::<()>()));
+            let waited = started.elapsed();
+            assert_eq!(outcome, Err(Elapsed));
+            assert!(
+                waited >= deadline,
+                "{deadline:?} deadline ended after {waited:?}"
+            );
+            assert!(
+                waited < deadline + Duration::from_millis(250),
+                "{deadline:?} deadline ended only after {waited:?}"
+            );
+        }
+        ticking.join().expect("ticking thread");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn operations_that_end_in_time_give_their_entries_back() {
-        let watchdog = std::sync::Arc::new(Watchdog::new(Duration::from_secs(2)));
         let mut tasks = tokio::task::JoinSet::new();
         for task in 0..64u64 {
-            let watchdog = watchdog.clone();
             tasks.spawn(async move {
                 for round in 0..20u64 {
                     let work = async move {
@@ -358,57 +384,99 @@ mod tests {
                         tokio::time::sleep(Duration::from_micros(100 * (task % 4))).await;
                         task * round
                     };
-                    let outcome = watchdog.timeout(Duration::from_secs(2), work).await;
+                    let outcome = timeout(Duration::from_secs(2), work).await;
                     assert_eq!(outcome, Ok(task * round));
                 }
             });
         }
+        // Aborted operations give theirs back too.
+        for _ in 0..16 {
+            let task = tokio::spawn(timeout(
+                Duration::from_secs(60),
+                std::future::pending::<()>(),
+            ));
+            tokio::task::yield_now().await;
+            task.abort();
+        }
         while let Some(joined) = tasks.join_next().await {
             joined.expect("task");
         }
-        assert_eq!(watchdog.waiting(), 0);
-        // Entries are reused: no shard ever held more than the tasks at once.
-        assert!(watchdog.capacity() <= 64 * watchdog.shared.shards.len());
+        // Other tests in this binary may be waiting too: wait for the count to drain.
+        let started = Instant::now();
+        while waiting() > 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "entries left: {}",
+                waiting()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let watchdog = watchdog();
+        for shard in 0..watchdog.shards.len() {
+            // Entries are reused: a shard never holds many more than its tasks at once.
+            assert!(watchdog.lock(shard).entries.len() <= 64 + 16 + 64);
+        }
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_ready_operation_takes_no_entry() {
-        let watchdog = Watchdog::new(Duration::from_millis(50));
-        assert_eq!(
-            watchdog
-                .timeout(Duration::from_millis(50), async { 7 })
-                .await,
-            Ok(7)
-        );
-        assert_eq!(watchdog.capacity(), 0);
-        assert!(
-            !watchdog
-                .shared
-                .running
-                .load(std::sync::atomic::Ordering::SeqCst),
-            "no watchdog task for it either"
-        );
+        let mut registration_before = None;
+        let outcome = {
+            let future = timeout(Duration::from_millis(50), async { 7 });
+            tokio::pin!(future);
+            let output = std::future::poll_fn(|context| {
+                let poll = future.as_mut().poll(context);
+                registration_before = Some(future.registration.entry.is_some());
+                poll
+            })
+            .await;
+            output
+        };
+        assert_eq!(outcome, Ok(7));
+        assert_eq!(registration_before, Some(false));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_operation_polled_by_another_task_wakes_that_task() {
+        let mut future = Box::pin(timeout(
+            Duration::from_millis(50),
+            std::future::pending::<()>(),
+        ));
+        // First polled (and registered) with a waker that wakes nothing.
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(future.as_mut().poll(&mut context).is_pending());
+        // Then awaited by another task: the deadline must wake that one.
+        let outcome = tokio::spawn(future).await.expect("task");
+        assert_eq!(outcome, Err(Elapsed));
     }
 
     #[test]
-    fn a_watchdog_whose_runtime_shut_down_is_started_again_on_the_next() {
-        let watchdog = Watchdog::new(Duration::from_millis(50));
+    fn operations_time_out_on_a_runtime_that_is_not_driven_or_was_shut_down() {
+        // A current-thread runtime's waiting operation, then that runtime dropped with its
+        // tasks unpolled; then an operation on a second runtime, and one outside the first's
+        // driving (a block_on that ended early): each still times out.
+        let first = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let abandoned = first.spawn(timeout(
+            Duration::from_secs(60),
+            std::future::pending::<()>(),
+        ));
+        // The spawned operation runs (and registers) while this yields, then is left waiting.
+        first.block_on(tokio::task::yield_now());
+        drop(abandoned);
+        drop(first);
         for _ in 0..2 {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_time()
+            let runtime = tokio::runtime::Builder::new_current_thread()
                 .build()
                 .expect("runtime");
-            let outcome = runtime.block_on(
-                watchdog.timeout(Duration::from_millis(50), std::future::pending::<()>()),
-            );
+            let started = Instant::now();
+            let outcome = runtime.block_on(timeout(
+                Duration::from_millis(50),
+                std::future::pending::<()>(),
+            ));
             assert_eq!(outcome, Err(Elapsed));
-            // Shutting the runtime down drops its watchdog task mid-tick.
-            drop(runtime);
-            assert!(!watchdog
-                .shared
-                .running
-                .load(std::sync::atomic::Ordering::SeqCst));
+            assert!(started.elapsed() < Duration::from_secs(2));
         }
     }
 }
