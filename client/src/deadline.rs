@@ -12,6 +12,11 @@
 //!   operation that waits starts it again. A thread, not a task: it belongs to no runtime, so
 //!   a client used from several runtimes, or from one that was shut down or is not being
 //!   driven, still times out;
+//! - an entry is woken once; an operation woken and never polled again does not keep the
+//!   thread ticking, and a shard with nothing in use keeps no entries to walk. A waker that
+//!   panics (another executor's) is caught and logged;
+//! - if the thread cannot be started (out of threads), every waiting operation is woken, tries
+//!   again, and falls back to its runtime's timer;
 //! - a deadline is never early: an operation gives up only when a poll reads the clock past
 //!   its deadline (which counts from its first poll, as `tokio::time::timeout`'s counts from
 //!   its creation); and it is late by at most about a tick and the thread's wake-up (about
@@ -48,6 +53,8 @@ struct Watchdog {
     origin: Instant,
     /// Whether the watchdog thread runs (or is about to).
     running: AtomicBool,
+    /// Times the thread could not be started (each woke every waiting operation early).
+    spawn_failures: AtomicUsize,
     /// The waiting operations, a shard per thread (modulo the count).
     shards: Box<[Shard]>,
 }
@@ -65,6 +72,9 @@ struct Table {
     free: Vec<usize>,
     /// Entries in use.
     used: usize,
+    /// Entries in use that were woken for their deadline: nothing left to do for them (an
+    /// operation that is never polled again does not keep the thread ticking).
+    fired: usize,
 }
 
 #[derive(Debug)]
@@ -85,6 +95,7 @@ fn watchdog() -> &'static Watchdog {
         Watchdog {
             origin: Instant::now(),
             running: AtomicBool::new(false),
+            spawn_failures: AtomicUsize::new(0),
             shards: (0..shards).map(|_| Shard::default()).collect(),
         }
     })
@@ -112,54 +123,85 @@ impl Watchdog {
         u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// Wakes the entries past their deadline, once each; whether any entry is left.
-    fn expire(&self) -> bool {
-        let now = self.clock();
+    /// Wakes the entries past their deadline (`all`: every entry), once each; whether an
+    /// entry is left that was not woken.
+    fn expire(&self, all: bool) -> bool {
+        let now = if all { u64::MAX } else { self.clock() };
         let mut expired = Vec::new();
         let mut busy = false;
         for shard in 0..self.shards.len() {
             let mut table = self.lock(shard);
+            let mut fired = 0;
             for entry in table.entries.iter_mut().flatten() {
-                if entry.deadline <= now {
+                if entry.deadline != u64::MAX && (all || entry.deadline <= now) {
                     entry.deadline = u64::MAX;
+                    fired += 1;
                     expired.push(entry.waker.clone());
                 }
             }
-            busy |= table.used > 0;
+            table.fired += fired;
+            busy |= table.used > table.fired;
         }
-        // Woken outside the locks: a woken task may run at once on another thread and end.
+        // Woken outside the locks: a woken task may run at once on another thread and end. A
+        // waker that panics (another executor's) neither stops the others nor this thread.
         for waker in expired {
-            waker.wake();
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake())).is_err() {
+                tracing::warn!("a waker panicked when its operation's deadline passed");
+            }
         }
         busy
     }
 
-    /// Starts the watchdog thread unless it runs.
-    fn ensure_running(&'static self) {
+    /// Starts the watchdog thread unless it runs; false when it cannot be started.
+    fn ensure_running(&'static self) -> bool {
         if self.running.load(Ordering::SeqCst)
             || self
                 .running
                 .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
                 .is_err()
         {
-            return;
+            return true;
         }
         let spawned = std::thread::Builder::new()
             .name("rdkv-deadlines".into())
             .spawn(move || self.run());
-        if let Err(error) = spawned {
-            // Out of threads: the next operation that waits tries again.
-            self.running.store(false, Ordering::SeqCst);
-            tracing::warn!(%error, "cannot start the deadline watchdog thread");
+        match spawned {
+            Ok(_) => true,
+            Err(error) => {
+                // Out of threads. Operations that registered meanwhile saw `running` and
+                // counted on this thread: wake them all, so that each polls again, tries again,
+                // and falls back to a timer of its runtime if it fails too.
+                self.running.store(false, Ordering::SeqCst);
+                self.spawn_failures.fetch_add(1, Ordering::SeqCst);
+                static WARNED: AtomicBool = AtomicBool::new(false);
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        %error,
+                        "cannot start the deadline watchdog thread; operations use their runtime's timer until it starts"
+                    );
+                }
+                self.expire(true);
+                false
+            }
         }
     }
 
     /// The watchdog thread: ticks while operations wait, ends after [`IDLE_TICKS`] idle ticks.
     fn run(&self) {
+        /// Marks the watchdog stopped if the thread unwinds (its own exits say so themselves).
+        struct Unwinding<'a>(&'a AtomicBool);
+        impl Drop for Unwinding<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.store(false, Ordering::SeqCst);
+                }
+            }
+        }
+        let _unwinding = Unwinding(&self.running);
         let mut idle = 0;
         loop {
             std::thread::sleep(TICK);
-            if self.expire() {
+            if self.expire(false) {
                 idle = 0;
                 continue;
             }
@@ -170,7 +212,10 @@ impl Watchdog {
             // Stop, then look again: an operation registers first and checks `running` second,
             // so either it sees the watchdog stopped and starts one, or this sees its entry.
             self.running.store(false, Ordering::SeqCst);
-            let waiting = (0..self.shards.len()).any(|shard| self.lock(shard).used > 0);
+            let waiting = (0..self.shards.len()).any(|shard| {
+                let table = self.lock(shard);
+                table.used > table.fired
+            });
             if !waiting
                 || self
                     .running
@@ -193,15 +238,16 @@ struct Registration {
 }
 
 impl Registration {
-    /// Takes an entry in this thread's shard.
-    fn register(&mut self, deadline: u64, waker: &Waker) {
+    /// Takes an entry in this thread's shard; false when no watchdog thread can run.
+    fn register(&mut self, deadline: u64, waker: &Waker) -> bool {
         let watchdog = watchdog();
         let shard = thread_shard() % watchdog.shards.len();
-        let mut table = watchdog.lock(shard);
         let entry = Entry {
             deadline,
             waker: waker.clone(),
         };
+        let held = waker.clone();
+        let mut table = watchdog.lock(shard);
         let index = match table.free.pop() {
             Some(index) => {
                 table.entries[index] = Some(entry);
@@ -214,8 +260,8 @@ impl Registration {
         };
         table.used += 1;
         drop(table);
-        self.entry = Some((shard, index, waker.clone()));
-        watchdog.ensure_running();
+        self.entry = Some((shard, index, held));
+        watchdog.ensure_running()
     }
 
     /// Points the entry at `waker` (the operation moved to another task).
@@ -227,15 +273,40 @@ impl Registration {
             return;
         }
         *held = waker.clone();
+        let mut replacement = Some(waker.clone());
         let mut table = watchdog().lock(*shard);
         let old = table
             .entries
             .get_mut(*index)
             .and_then(Option::as_mut)
-            .map(|entry| std::mem::replace(&mut entry.waker, waker.clone()));
+            .and_then(|entry| {
+                replacement
+                    .take()
+                    .map(|waker| std::mem::replace(&mut entry.waker, waker))
+            });
         drop(table);
-        // The old waker is dropped outside the lock (its drop may run a task's code).
+        // Wakers are dropped outside the lock (a drop may run a task's code).
         drop(old);
+        drop(replacement);
+    }
+
+    /// Arms the entry again for `deadline` if it was woken early (when the watchdog thread
+    /// could not be started).
+    fn rearm(&mut self, deadline: u64) {
+        let Some((shard, index, _)) = &self.entry else {
+            return;
+        };
+        let mut table = watchdog().lock(*shard);
+        let mut rearmed = false;
+        if let Some(Some(entry)) = table.entries.get_mut(*index) {
+            if entry.deadline == u64::MAX {
+                entry.deadline = deadline;
+                rearmed = true;
+            }
+        }
+        if rearmed {
+            table.fired -= 1;
+        }
     }
 
     /// Gives the entry back.
@@ -245,9 +316,17 @@ impl Registration {
         };
         let mut table = watchdog().lock(shard);
         let taken = table.entries.get_mut(index).and_then(Option::take);
-        if taken.is_some() {
+        if let Some(entry) = &taken {
             table.used -= 1;
+            if entry.deadline == u64::MAX {
+                table.fired -= 1;
+            }
             table.free.push(index);
+            if table.used == 0 {
+                // After a burst, the thread's scan walks only what is in use.
+                table.entries.clear();
+                table.free.clear();
+            }
         }
         drop(table);
         drop(taken);
@@ -267,6 +346,7 @@ pub(crate) fn timeout<F: Future>(deadline: Duration, work: F) -> Timeout<F> {
         deadline,
         until: None,
         registration: Registration::default(),
+        fallback: None,
     }
 }
 
@@ -280,6 +360,8 @@ pin_project_lite::pin_project! {
         // Nanoseconds since the watchdog's origin, from the first poll.
         until: Option<u64>,
         registration: Registration,
+        // The runtime's timer, only when no watchdog thread could be started.
+        fallback: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     }
 }
 
@@ -298,12 +380,38 @@ impl<F: Future> Future for Timeout<F> {
             return Poll::Ready(Ok(output));
         }
         if this.registration.entry.is_none() {
-            this.registration.register(until, context.waker());
-        } else if watchdog.clock() >= until {
-            this.registration.release();
-            return Poll::Ready(Err(Elapsed));
+            if this.registration.register(until, context.waker()) {
+                return Poll::Pending;
+            }
         } else {
+            // The waker first, the clock second: a watchdog pass that fires the entry between
+            // the two found the clock past `until` already, so this read does too.
             this.registration.rewake(context.waker());
+            if watchdog.clock() >= until {
+                this.registration.release();
+                return Poll::Ready(Err(Elapsed));
+            }
+            if this.fallback.is_none() {
+                if watchdog.spawn_failures.load(Ordering::Relaxed) != 0 {
+                    this.registration.rearm(until);
+                }
+                if watchdog.running.load(Ordering::SeqCst) || watchdog.ensure_running() {
+                    return Poll::Pending;
+                }
+            }
+        }
+        // No watchdog thread (none could be started): the runtime's timer, if it has one.
+        if this.fallback.is_none() {
+            let left = Duration::from_nanos(until.saturating_sub(watchdog.clock()));
+            if tokio::runtime::Handle::try_current().is_ok() {
+                *this.fallback = Some(Box::pin(tokio::time::sleep(left)));
+            }
+        }
+        if let Some(sleep) = this.fallback.as_mut() {
+            if sleep.as_mut().poll(context).is_ready() {
+                this.registration.release();
+                return Poll::Ready(Err(Elapsed));
+            }
         }
         Poll::Pending
     }
@@ -389,14 +497,17 @@ mod tests {
                 }
             });
         }
-        // Aborted operations give theirs back too.
+        // Aborted operations give theirs back too: each is aborted once its first poll (which
+        // registers it) has begun.
         for _ in 0..16 {
-            let task = tokio::spawn(timeout(
-                Duration::from_secs(60),
-                std::future::pending::<()>(),
-            ));
-            tokio::task::yield_now().await;
+            let (started, begun) = tokio::sync::oneshot::channel();
+            let task = tokio::spawn(timeout(Duration::from_secs(60), async move {
+                let _ = started.send(());
+                std::future::pending::<()>().await;
+            }));
+            begun.await.expect("the operation began");
             task.abort();
+            assert!(task.await.expect_err("aborted").is_cancelled());
         }
         while let Some(joined) = tasks.join_next().await {
             joined.expect("task");
@@ -413,9 +524,88 @@ mod tests {
         }
         let watchdog = watchdog();
         for shard in 0..watchdog.shards.len() {
-            // Entries are reused: a shard never holds many more than its tasks at once.
-            assert!(watchdog.lock(shard).entries.len() <= 64 + 16 + 64);
+            // An empty shard keeps no entries for the thread to walk (other tests may be
+            // waiting again by now: only shards with nothing in use are checked).
+            let table = watchdog.lock(shard);
+            assert!(table.used > 0 || table.entries.is_empty());
         }
+    }
+
+    /// A waker that counts its wakes, and panics on them if asked to.
+    struct Counting {
+        wakes: std::sync::atomic::AtomicUsize,
+        panics: bool,
+    }
+
+    impl std::task::Wake for Counting {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            self.wakes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            assert!(!self.panics, "a waker that panics");
+        }
+    }
+
+    /// Polls an operation that never ends once with a counting waker, then waits `span`.
+    fn woken_after(span: Duration, panics: bool) -> usize {
+        let counting = std::sync::Arc::new(Counting {
+            wakes: std::sync::atomic::AtomicUsize::new(0),
+            panics,
+        });
+        let waker = std::task::Waker::from(counting.clone());
+        let mut context = std::task::Context::from_waker(&waker);
+        let mut future = Box::pin(timeout(
+            Duration::from_millis(20),
+            std::future::pending::<()>(),
+        ));
+        assert!(future.as_mut().poll(&mut context).is_pending());
+        std::thread::sleep(span);
+        counting.wakes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[test]
+    fn a_passed_deadline_wakes_its_operation_once() {
+        // The entry stays (the future is alive and not polled again), and is woken only once.
+        assert_eq!(woken_after(Duration::from_millis(150), false), 1);
+    }
+
+    #[test]
+    fn a_waker_that_panics_does_not_stop_the_deadlines_of_others() {
+        assert_eq!(woken_after(Duration::from_millis(100), true), 1);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let started = Instant::now();
+        let outcome = runtime.block_on(timeout(
+            Duration::from_millis(30),
+            std::future::pending::<()>(),
+        ));
+        assert_eq!(outcome, Err(Elapsed));
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn the_thread_ends_when_idle_and_starts_again_for_the_next_wait() {
+        let watchdog = watchdog();
+        // Other tests of this binary wait too: give them time to end.
+        let started = Instant::now();
+        while watchdog.running.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "the thread never ended"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let outcome = runtime.block_on(timeout(
+            Duration::from_millis(30),
+            std::future::pending::<()>(),
+        ));
+        assert_eq!(outcome, Err(Elapsed));
     }
 
     #[tokio::test(flavor = "current_thread")]
