@@ -85,6 +85,10 @@ pub struct Counters {
     /// Guesses the slot word or the block proved stale (a narrow one is then chased once, or the
     /// lookup reads the buckets).
     pub slot_guess_misses: ShardedCounter,
+    /// Operations that waited for a scratch buffer because the connection had its configured
+    /// concurrency (`ClientConfig::concurrency`) in flight: many mean the application runs more
+    /// operations at once than the client allows.
+    pub scratch_waits: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -110,6 +114,8 @@ pub struct CounterSnapshot {
     pub slot_guesses: u64,
     /// Guesses found stale (a chased GET may count two).
     pub slot_guess_misses: u64,
+    /// Operations that waited for a scratch buffer ([`Counters::scratch_waits`]).
+    pub scratch_waits: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -164,6 +170,7 @@ impl Counters {
             view_refreshes: load(&self.view_refreshes),
             slot_guesses: load(&self.slot_guesses),
             slot_guess_misses: load(&self.slot_guess_misses),
+            scratch_waits: load(&self.scratch_waits),
         }
     }
 }

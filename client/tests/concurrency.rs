@@ -95,6 +95,8 @@ async fn in_flight(concurrency: Option<usize>) -> usize {
         assert_eq!(get.await.expect("task").expect("get"), None);
     }
     assert_eq!(gate.arrived.load(Ordering::SeqCst), 40);
+    // The others waited, and the counter says so.
+    assert_eq!(client.counters().scratch_waits, 40 - expected as u64);
     arrived
 }
 

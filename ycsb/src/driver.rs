@@ -251,6 +251,7 @@ impl Driver {
             verbs_per_operation: (after.verbs - before.verbs) as f64 / operations,
             cas_failures: after.cas_failures - before.cas_failures,
             checksum_retries: after.checksum_retries - before.checksum_retries,
+            scratch_waits: after.scratch_waits - before.scratch_waits,
         })
     }
 

@@ -184,6 +184,10 @@ pub struct RdkvFigures {
     pub cas_failures: u64,
     /// Checksum retries.
     pub checksum_retries: u64,
+    /// Operations that waited for a scratch buffer (more tasks than the client lets run at
+    /// once per connection).
+    #[serde(default)]
+    pub scratch_waits: u64,
 }
 
 /// Everything one load or run phase measured.
@@ -261,6 +265,7 @@ impl Report {
             );
             let _ = writeln!(out, "[RDKV], CasRacesLost, {}", rdkv.cas_failures);
             let _ = writeln!(out, "[RDKV], ChecksumRetries, {}", rdkv.checksum_retries);
+            let _ = writeln!(out, "[RDKV], ScratchBufferWaits, {}", rdkv.scratch_waits);
         }
         if let Some(cpu) = self.client_cpu_us_per_operation {
             let _ = writeln!(out, "[CPU], ClientMicrosecondsPerOperation, {cpu:.2}");
@@ -313,6 +318,7 @@ mod tests {
                 verbs_per_operation: 3.0,
                 cas_failures: 1,
                 checksum_retries: 0,
+                scratch_waits: 0,
             }),
             timeseries: vec![],
             first_error: None,
@@ -347,6 +353,7 @@ mod tests {
                 "[RDKV], VerbsPerOperation, 3",
                 "[RDKV], CasRacesLost, 1",
                 "[RDKV], ChecksumRetries, 0",
+                "[RDKV], ScratchBufferWaits, 0",
             ]
         );
         let average = report.kinds[0].average_us;
