@@ -34,20 +34,15 @@ impl NodeConnection {
     /// flight, or while the process's pool is at its memory limit.
     pub(crate) async fn scratch(self: &Arc<Self>, progress: Arc<Progress>) -> Result<Scratch> {
         let permit = match self.scratch_permits.clone().try_acquire_owned() {
-            Ok(permit) => Some(permit),
+            Ok(permit) => permit,
             Err(_) => {
                 self.counters.scratch_waits.add(1);
-                None
+                self.scratch_permits
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the scratch semaphore is never closed")
             }
-        };
-        let permit = match permit {
-            Some(permit) => permit,
-            None => self
-                .scratch_permits
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("the scratch semaphore is never closed"),
         };
         let buffer = self.fabric.take().await?;
         permit.forget();
