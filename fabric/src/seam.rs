@@ -68,8 +68,10 @@ pub(crate) enum Submission {
     /// queue theirs, then calls [`QueuePairProvider::ring`] (also when the post's future is
     /// dropped during the yield) and [`QueuePairProvider::after_ring`].
     RingAfterYield,
-    /// The doorbell rang inside `submit` (the provider ran the requests on the posting thread):
-    /// the model calls [`QueuePairProvider::after_ring`] and does not yield.
+    /// The doorbell rang inside `submit` (the provider ran the requests on the posting thread),
+    /// or a ring already due will carry these requests (an earlier post of the same batch
+    /// yields to ring it): the model calls [`QueuePairProvider::after_ring`] and does not
+    /// yield.
     Rang,
     /// The queue pair has no connection: nothing was taken from the iterator.
     NotConnected,

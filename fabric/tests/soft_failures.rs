@@ -1,6 +1,8 @@
 //! Failure behaviour of the soft RNIC against a scripted peer: a lost connection and a silent
 //! peer complete outstanding requests RETRY_EXC_ERR within a bounded time, and a buffer used by
-//! a posted request outlives the future that posted it until its completion is polled.
+//! a posted request outlives the future that posted it until its completion is polled; and
+//! posts queued behind a doorbell that is due on their thread leave the ring (one write) to the
+//! post that queued first.
 //!
 //! The scripted peer speaks the documented hello (docs/fabric.md) and then reads requests
 //! without ever answering.
@@ -365,6 +367,93 @@ async fn buffer_outlives_a_dropped_future_until_its_completion() {
     );
     assert_eq!(orphaned[0].work_request_id, 41);
     assert_eq!(orphaned[0].status, WorkCompletionStatus::RetryExceededError);
+}
+
+/// The READ frame of a list of one READ: its header, no payload.
+const READ_FRAME_BYTES: usize = 48;
+
+/// Polls `post` once, by hand: `Some` with its result when it finished without yielding.
+fn poll_once<F: std::future::Future>(post: std::pin::Pin<&mut F>) -> Option<F::Output> {
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match post.poll(&mut context) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn posts_behind_a_due_doorbell_of_their_thread_neither_yield_nor_write_and_its_ring_carries_them(
+) {
+    let _measuring = MEASURING.lock().await;
+    let peer = SilentPeer::start();
+    let client = client_of(&peer, Duration::from_secs(30)).await;
+    let region = client
+        .domain
+        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
+        .expect("register");
+    let read = |id: u64| vec![WorkRequest::read(id, region.segment(id * 8, 8), REMOTE)];
+    let gauges = || client._device.gauges();
+    let mut posted = Vec::new();
+    // Twice: the ring rung by the first post of the batch once it resumes, then by its future
+    // dropped during the yield (the doorbell guard).
+    for (round, dropped) in [(0u64, false), (1, true)] {
+        let before = gauges();
+        let mut owner = Box::pin(client.queue_pair.post(read(round * 100)));
+        assert!(
+            poll_once(owner.as_mut()).is_none(),
+            "the first post of a batch queues its frame and yields before it rings"
+        );
+        for id in 1..16 {
+            let behind = std::pin::pin!(client.queue_pair.post(read(round * 100 + id)));
+            let result = poll_once(behind)
+                .unwrap_or_else(|| panic!("post {id} yielded behind a doorbell already due"));
+            posted.push(result.expect("posted"));
+        }
+        assert_eq!(
+            gauges().transport_writes,
+            before.transport_writes,
+            "nothing is written before the doorbell rings"
+        );
+        if dropped {
+            drop(owner);
+        } else {
+            posted.push(owner.await.expect("posted"));
+        }
+        let after = gauges();
+        assert_eq!(after.frames_sent - before.frames_sent, 16);
+        assert_eq!(
+            after.transport_writes - before.transport_writes,
+            1,
+            "one write carries the batch"
+        );
+    }
+    // A post from another thread does not wait for this thread's ring: it rings itself, and
+    // its write carries the frame queued here too.
+    let before = gauges();
+    let mut owner = Box::pin(client.queue_pair.post(read(200)));
+    assert!(poll_once(owner.as_mut()).is_none());
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .expect("a runtime");
+                runtime.block_on(client.queue_pair.post(read(201)))
+            })
+            .join()
+            .expect("the other thread")
+            .expect("posted")
+    });
+    assert_eq!(
+        gauges().transport_writes - before.transport_writes,
+        1,
+        "the other thread's post rang for itself, and for the frame queued here"
+    );
+    posted.push(owner.await.expect("posted"));
+    assert_eq!(gauges().transport_writes - before.transport_writes, 1);
+    let received = peer.close();
+    assert_eq!(received, 34 * READ_FRAME_BYTES, "the peer got every frame");
+    drop(posted);
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::device::DeviceInner;
@@ -45,6 +45,31 @@ struct Outgoing {
     /// Set by a flush that found another one writing: the writer tries again before it stops,
     /// so a writable event that arrives mid-write is never lost.
     again: bool,
+    /// A post queued frames that no write has taken yet, and its poster will ring: the
+    /// number of the thread it posted from ([`thread_number`]). Posts from that thread that
+    /// queue behind it leave the ring to it ([`SoftConnection::append_post`]). Cleared
+    /// whenever a write takes the queued bytes.
+    ring_due: Option<u64>,
+}
+
+/// This thread's number, unique for the life of the process (thread ids of exited threads are
+/// never reused here).
+fn thread_number() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static NUMBER: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    NUMBER.with(|number| *number)
+}
+
+impl Outgoing {
+    /// Takes every queued byte for a write (leaving the spare buffer in its place); the ring
+    /// that was due is done by this write.
+    fn take(&mut self) -> Vec<u8> {
+        self.ring_due = None;
+        let spare = std::mem::take(&mut self.spare);
+        std::mem::replace(&mut self.bytes, spare)
+    }
 }
 
 /// One soft connection between two queue pairs.
@@ -102,6 +127,32 @@ impl SoftConnection {
             .fetch_add(frames as i64, Ordering::Relaxed);
     }
 
+    /// Appends a post's frames, as [`SoftConnection::append`]; true when the poster must ring
+    /// (call [`SoftConnection::flush`], after a yield that lets other posts join). False when
+    /// a post from this same thread queued frames before and will ring (after its yield, or
+    /// when its future is dropped): that ring writes these frames too. Also false when
+    /// `encode` wrote none. A post from another thread rings for itself, so that no post
+    /// waits on another thread's scheduling.
+    ///
+    /// One ring per batch of posts, however the runtime orders their tasks: with a yield and
+    /// a ring per post, one tokio worker wrote 0.9 times per GET (`docs/benchmarks.md`,
+    /// *Seventh pass*).
+    pub(crate) fn append_post(&self, encode: impl FnOnce(&mut Vec<u8>) -> usize) -> bool {
+        let mut outgoing = lock(&self.outgoing);
+        let frames = encode(&mut outgoing.bytes);
+        let thread = thread_number();
+        let ring = frames > 0 && outgoing.ring_due != Some(thread);
+        if ring && outgoing.ring_due.is_none() {
+            outgoing.ring_due = Some(thread);
+        }
+        drop(outgoing);
+        self.device
+            .gauges
+            .frames_sent
+            .fetch_add(frames as i64, Ordering::Relaxed);
+        ring
+    }
+
     /// Bytes queued and not yet taken by the socket.
     pub(crate) fn backlog(&self) -> usize {
         lock(&self.outgoing).bytes.len()
@@ -124,11 +175,11 @@ impl SoftConnection {
             outgoing.again = false;
             if outgoing.bytes.is_empty() || self.closed.load(Ordering::Acquire) {
                 outgoing.flushing = false;
+                outgoing.ring_due = None;
                 outgoing.bytes.clear();
                 return;
             }
-            let spare = std::mem::take(&mut outgoing.spare);
-            let mut batch = std::mem::replace(&mut outgoing.bytes, spare);
+            let mut batch = outgoing.take();
             drop(outgoing);
             let written = match self.mode {
                 FlushMode::Blocking => write_all_waiting(stream, &batch).map(|()| batch.len()),
@@ -169,6 +220,8 @@ impl SoftConnection {
                 Err(error) => {
                     tracing::debug!(%error, "soft NIC write failed; closing the connection");
                     outgoing.flushing = false;
+                    outgoing.ring_due = None;
+                    outgoing.bytes.clear();
                     drop(outgoing);
                     self.close();
                     return;

@@ -219,7 +219,7 @@ impl QueuePairProvider for SoftQueuePair {
         };
         let mut enqueuer = queue_pair.enqueuer();
         let sendable = enqueuer.sendable;
-        connection.append(|buffer| {
+        let ring = connection.append_post(|buffer| {
             let mut frames = 0;
             for entry in entries {
                 if let Some(entry) = enqueuer.push(entry) {
@@ -234,7 +234,13 @@ impl QueuePairProvider for SoftQueuePair {
             queue_pair.enter_error();
             return Submission::Complete;
         }
-        Submission::RingAfterYield
+        if ring {
+            Submission::RingAfterYield
+        } else {
+            // An earlier post's ring is still to come and writes these frames too (or none
+            // were queued: local failures only, which `after_ring` settles).
+            Submission::Rang
+        }
     }
 
     fn ring(&self, _queue_pair: &QueuePairShared) {
