@@ -13,8 +13,11 @@
 //!
 //! A node reached over `soft` gets one lane: its engine batches each connection's frames, and
 //! two connections from one client raised the node's CPU per operation by 40% and cut YCSB-A by
-//! 13% on two cores (`docs/benchmarks.md`, *Lanes*). `shm` and `verbs` connections cost the
-//! node no CPU per operation, and get a lane per worker.
+//! 13% on two cores (`docs/benchmarks.md`, *Lanes*). That was measured when every post
+//! wrote on its own; with one doorbell per batch, a lane per worker over `soft` measured C
+//! +17–27% and the node's CPU per operation unchanged (*Seventh pass*): the rule is to be
+//! revisited. `shm` and `verbs` connections cost the node no CPU per operation, and get a lane
+//! per worker.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
