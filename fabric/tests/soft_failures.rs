@@ -95,10 +95,19 @@ fn scripted_endpoint(address: SocketAddr) -> QueuePairEndpoint {
 }
 
 struct Client {
-    _device: Device,
+    device: Device,
     queue_pair: QueuePair,
     queue: rdkv_fabric::CompletionQueue,
     domain: rdkv_fabric::ProtectionDomain,
+}
+
+impl Client {
+    /// A fresh pinned page registered for local writes (where READs land).
+    fn scratch(&self) -> rdkv_fabric::MemoryRegion {
+        self.domain
+            .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
+            .expect("register")
+    }
 }
 
 async fn client_of(peer: &SilentPeer, retry_timeout: Duration) -> Client {
@@ -126,7 +135,7 @@ async fn client_to(endpoint: &QueuePairEndpoint, retry_timeout: Duration) -> Cli
         .await
         .expect("connect to the scripted peer");
     Client {
-        _device: device,
+        device,
         queue_pair,
         queue,
         domain,
@@ -147,10 +156,7 @@ async fn lost_connection_completes_outstanding_with_retry_exceeded() {
     let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let client = client_of(&peer, Duration::from_secs(30)).await;
-    let region = client
-        .domain
-        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
-        .expect("register");
+    let region = client.scratch();
     let list = vec![
         WorkRequest::read(1, region.segment(0, 64), REMOTE).with_signaled(false),
         WorkRequest::read(2, region.segment(64, 64), REMOTE).with_signaled(false),
@@ -205,10 +211,7 @@ async fn an_answer_acknowledges_the_writes_before_it() {
         let _ = stream.read(&mut end);
     });
     let client = client_to(&endpoint, Duration::from_secs(10)).await;
-    let region = client
-        .domain
-        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
-        .expect("register");
+    let region = client.scratch();
     let completions = tokio::time::timeout(
         Duration::from_secs(10),
         client.queue_pair.execute(vec![
@@ -290,10 +293,7 @@ async fn silent_peer_times_out_with_retry_exceeded() {
     let peer = SilentPeer::start();
     let retry_timeout = Duration::from_millis(300);
     let client = client_of(&peer, retry_timeout).await;
-    let region = client
-        .domain
-        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
-        .expect("register");
+    let region = client.scratch();
     let started = Instant::now();
     let completions = tokio::time::timeout(
         Duration::from_secs(10),
@@ -387,12 +387,9 @@ async fn posts_behind_a_due_doorbell_of_their_thread_neither_yield_nor_write_and
     let _measuring = MEASURING.lock().await;
     let peer = SilentPeer::start();
     let client = client_of(&peer, Duration::from_secs(30)).await;
-    let region = client
-        .domain
-        .register_all(&pinned(), AccessFlags::LOCAL_WRITE)
-        .expect("register");
+    let region = client.scratch();
     let read = |id: u64| vec![WorkRequest::read(id, region.segment(id * 8, 8), REMOTE)];
-    let gauges = || client._device.gauges();
+    let gauges = || client.device.gauges();
     let mut posted = Vec::new();
     // Twice: the ring rung by the first post of the batch once it resumes, then by its future
     // dropped during the yield (the doorbell guard).

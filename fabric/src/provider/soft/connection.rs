@@ -121,6 +121,11 @@ impl SoftConnection {
     /// [`SoftConnection::flush`] after.
     pub(crate) fn append(&self, encode: impl FnOnce(&mut Vec<u8>) -> usize) {
         let frames = encode(&mut lock(&self.outgoing).bytes);
+        self.count_frames(frames);
+    }
+
+    /// Counts frames queued for sending.
+    fn count_frames(&self, frames: usize) {
         self.device
             .gauges
             .frames_sent
@@ -146,10 +151,7 @@ impl SoftConnection {
             outgoing.ring_due = Some(thread);
         }
         drop(outgoing);
-        self.device
-            .gauges
-            .frames_sent
-            .fetch_add(frames as i64, Ordering::Relaxed);
+        self.count_frames(frames);
         ring
     }
 
