@@ -557,7 +557,7 @@ struct Attachment {
 /// load, and a requester learns of a dead responder within this much of its death instead of
 /// at the very next doorbell (requests in between run on memory the dead process no longer
 /// reads, as if they had run just before it died).
-const PEER_CHECK_EVERY: Duration = Duration::from_millis(1);
+pub const PEER_CHECK_EVERY: Duration = Duration::from_millis(1);
 
 /// What a request needs before it can run.
 enum Outcome {
