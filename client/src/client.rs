@@ -4,7 +4,7 @@
 //! the per-operation deadline, retries an operation on a fresh connection only when the failure came before any compare-and-swap of it was posted, and says
 //! goodbye to every node when closed or dropped.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,9 +35,6 @@ struct Node {
     /// Its lanes: a connection per runtime worker, each opened on the first operation that
     /// runs on its worker (`lanes`).
     lanes: Box<[Lane]>,
-    /// How many of the lanes are used: all, until a connection comes back over `soft`, which
-    /// the node then gets one of (`lanes`).
-    lanes_in_use: AtomicUsize,
     /// This process's writer turns on the node, shared by its lanes.
     writer_stripes: Arc<WriterStripes>,
     /// The node's view of the process's slot cache (shared by every node and client of the
@@ -59,7 +56,6 @@ impl Node {
             id,
             config,
             lanes: (0..lanes.max(1)).map(|_| Lane::new()).collect(),
-            lanes_in_use: AtomicUsize::new(lanes.max(1)),
             writer_stripes: Arc::new(WriterStripes::default()),
             slot_cache,
             generation: std::sync::atomic::AtomicU64::new(0),
@@ -69,7 +65,7 @@ impl Node {
 
     /// The lane of the calling thread.
     fn lane(&self) -> usize {
-        current_lane(self.lanes_in_use.load(Ordering::Relaxed))
+        current_lane(self.lanes.len())
     }
 
     /// The node as a monitoring connection reaches it (no queue pair, no keys).
@@ -268,7 +264,10 @@ impl Client {
     /// (for example a memlock limit too low for even one scratch buffer).
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
-        let node = Node::new(1, config, default_lanes());
+        let lanes = config.lanes.map_or_else(default_lanes, |lanes| {
+            lanes.clamp(1, crate::lanes::MAX_LANES)
+        });
+        let node = Node::new(1, config, lanes);
         let connection = NodeConnection::open(
             &node.config,
             counters.clone(),
@@ -285,11 +284,7 @@ impl Client {
             .map_or(server_deadline, |deadline| deadline.min(server_deadline));
         node.server_deadline_ms
             .store(connection.welcome.operation_deadline_ms, Ordering::Relaxed);
-        // The first lane; the others open in the background as workers use them. Over soft,
-        // the node's one lane.
-        if connection.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
-            node.lanes_in_use.store(1, Ordering::Relaxed);
-        }
+        // The first lane; the others open in the background as workers use them.
         *rdkv_fabric::lock(&node.lanes[0].connection) = Some(connection);
         Ok(Self {
             node_ids: vec![1],
@@ -500,7 +495,7 @@ impl Client {
             if node.lanes[0].healthy_connection().is_none() {
                 continue;
             }
-            for lane in 1..node.lanes_in_use.load(Ordering::Relaxed) {
+            for lane in 1..node.lanes.len() {
                 if node.lanes[lane].healthy_connection().is_none() {
                     self.open_in_background(node, lane);
                 }
@@ -567,12 +562,7 @@ impl Client {
             .acquire_owned()
             .await
             .expect("the connection gate is never closed");
-        // Another operation may have connected while this one waited, or found the node
-        // reached over soft, which gets one lane: then the first lane serves.
-        if lane >= node.lanes_in_use.load(Ordering::Relaxed) {
-            drop(connecting);
-            return Box::pin(Self::establish(node, 0, counters)).await;
-        }
+        // Another operation may have connected while this one waited.
         if let Some(connection) = node.lanes[lane].healthy_connection() {
             return Ok(connection);
         }
@@ -588,28 +578,6 @@ impl Client {
             .await?;
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
-            let mut lane = lane;
-            let mut gates = vec![connecting];
-            if fresh.welcome.server_endpoint.backend() == rdkv_fabric::Backend::Soft {
-                // A soft node's engine batches each connection's frames: two connections from
-                // one client halve its batches and raise the node's CPU per operation by 40%
-                // (docs/benchmarks.md, Lanes). One lane, then: the first.
-                node.lanes_in_use.store(1, Ordering::Relaxed);
-                if lane != 0 {
-                    let first = node.lanes[0]
-                        .connecting
-                        .clone()
-                        .acquire_owned()
-                        .await
-                        .expect("the connection gate is never closed");
-                    if let Some(live) = node.lanes[0].healthy_connection() {
-                        say_goodbye_later(fresh);
-                        return Ok(live);
-                    }
-                    lane = 0;
-                    gates.push(first);
-                }
-            }
             let slot = &node.lanes[lane];
             let mut current = rdkv_fabric::lock(&slot.connection);
             if node.generation.load(Ordering::Acquire) != generation {
@@ -626,7 +594,7 @@ impl Client {
             }
             *current = Some(fresh.clone());
             drop(current);
-            drop(gates);
+            drop(connecting);
             Ok::<_, Error>(fresh)
         });
         opening.await.map_err(|error| Error::NodeUnreachable {

@@ -11,13 +11,12 @@
 //! `max_connections` holds a new connection for the whole handshake timeout, and an operation
 //! must not wait for that (a failed attempt is retried after [`LANE_RETRY_INTERVAL`]).
 //!
-//! A node reached over `soft` gets one lane: its engine batches each connection's frames, and
-//! two connections from one client raised the node's CPU per operation by 40% and cut YCSB-A by
-//! 13% on two cores (`docs/benchmarks.md`, *Lanes*). That was measured when every post
-//! wrote on its own; with one doorbell per batch, a lane per worker over `soft` measured C
-//! +17–27% and the node's CPU per operation unchanged (*Seventh pass*): the rule is to be
-//! revisited. `shm` and `verbs` connections cost the node no CPU per operation, and get a lane
-//! per worker.
+//! Every fabric gets a lane per worker. `soft` had one until one doorbell carried a batch:
+//! with a write per post, two connections from one client halved its engine's batches and
+//! raised the node's CPU per operation by 40% (`docs/benchmarks.md`, *Lanes*); with one
+//! doorbell per batch a lane per worker gave YCSB-C +17–27% on two workers and left the node's
+//! CPU per operation unchanged (*Seventh pass*, *Eighth pass*). `ClientConfig::lanes` caps
+//! them.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

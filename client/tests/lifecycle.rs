@@ -48,8 +48,19 @@ async fn connect_all_connects_every_node_up_front() {
     assert_eq!(first.stats().connections, 0, "for_cluster connects lazily");
     assert_eq!(second.stats().connections, 0, "for_cluster connects lazily");
     client.connect_all().await.expect("connect every node");
-    assert_eq!(first.stats().connections, 1);
-    assert_eq!(second.stats().connections, 1);
+    assert!(
+        first.stats().connections >= 1,
+        "the first lane, before it returns"
+    );
+    assert!(
+        second.stats().connections >= 1,
+        "the first lane, before it returns"
+    );
+    // The second worker's lane to each node opens in the background.
+    eventually("a lane per worker to each node", || {
+        first.stats().connections == 2 && second.stats().connections == 2
+    })
+    .await;
 
     // Operations on both nodes use those connections: none opens another.
     let mut nodes_used = std::collections::HashSet::new();
@@ -59,11 +70,11 @@ async fn connect_all_connects_every_node_up_front() {
         nodes_used.insert(client.node_of(key.as_bytes()));
     }
     assert_eq!(nodes_used.len(), 2, "the keys spread over both nodes");
-    assert_eq!(first.stats().connections, 1);
-    assert_eq!(second.stats().connections, 1);
+    assert_eq!(first.stats().connections, 2);
+    assert_eq!(second.stats().connections, 2);
     assert_eq!(client.counters().reconnects, 0);
     client.connect_all().await.expect("already connected");
-    assert_eq!(first.stats().connections, 1, "no second connection");
+    assert_eq!(first.stats().connections, 2, "no third connection");
     client.close().await;
 }
 
@@ -89,7 +100,7 @@ async fn connect_all_names_the_node_it_cannot_reach() {
     }
     assert!(error.to_string().contains("node 2"), "{error}");
     assert!(error.is_retryable() && !error.may_have_applied());
-    assert_eq!(live.stats().connections, 1, "the live node is connected");
+    assert!(live.stats().connections >= 1, "the live node is connected");
     client.close().await;
 }
 
@@ -120,7 +131,9 @@ async fn dropping_a_client_says_goodbye() {
             .expect("put");
     }
     assert_eq!(server.stats().client_counters.operations, 0);
-    assert_eq!(server.stats().connections, 1);
+    // The first lane, and the test thread's lane if it is another (it opens in the
+    // background).
+    assert!(server.stats().connections >= 1);
     drop(client);
     eventually(
         "the dropped client's goodbye reported its 10 operations",
@@ -215,38 +228,28 @@ async fn put_and_get_from_many_tasks(client: &std::sync::Arc<Client>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_opens_a_lane_per_worker_and_one_over_soft() {
-    // A one-sided fabric that costs the node no CPU per operation (loopback here; shm and
-    // verbs alike): a connection per worker.
-    let mut config = ServerConfig::local(SECRET);
-    config.fabric = Backend::Loopback;
-    let node = rdkv_server::start(config).await.expect("start server");
-    let mut loopback_cluster = cluster(&[node.control_address()]);
-    loopback_cluster.fabric = Backend::Loopback;
-    let client = std::sync::Arc::new(Client::for_cluster(&loopback_cluster));
-    client.connect_all().await.expect("connect every lane");
-    // The first lane opened in connect_all, the second in the background.
-    eventually("a lane per tokio worker", || node.stats().connections == 2).await;
-    put_and_get_from_many_tasks(&client).await;
-    assert_eq!(
-        node.stats().connections,
-        2,
-        "the operations used those lanes"
-    );
-    assert_eq!(client.counters().reconnects, 0);
-    client.close().await;
-
-    // Over soft, one connection: the node's engine batches each connection's frames.
-    let soft = start_server().await;
-    let client = std::sync::Arc::new(Client::for_cluster(&cluster(&[soft.control_address()])));
-    put_and_get_from_many_tasks(&client).await;
-    client.connect_all().await.expect("connect");
-    eventually("a soft node keeps one connection from the client", || {
-        soft.stats().connections == 1
-    })
-    .await;
-    assert_eq!(client.counters().reconnects, 0);
-    client.close().await;
+async fn a_client_opens_a_lane_per_worker_over_every_fabric() {
+    // Loopback stands for the fabrics that cost the node no CPU per operation (shm, verbs);
+    // soft gets a lane per worker too, since its doorbells carry a batch each.
+    for fabric in [Backend::Loopback, Backend::Soft] {
+        let mut config = ServerConfig::local(SECRET);
+        config.fabric = fabric;
+        let node = rdkv_server::start(config).await.expect("start server");
+        let mut node_cluster = cluster(&[node.control_address()]);
+        node_cluster.fabric = fabric;
+        let client = std::sync::Arc::new(Client::for_cluster(&node_cluster));
+        client.connect_all().await.expect("connect every lane");
+        // The first lane opened in connect_all, the second in the background.
+        eventually("a lane per tokio worker", || node.stats().connections == 2).await;
+        put_and_get_from_many_tasks(&client).await;
+        assert_eq!(
+            node.stats().connections,
+            2,
+            "{fabric:?}: the operations used those lanes"
+        );
+        assert_eq!(client.counters().reconnects, 0, "{fabric:?}");
+        client.close().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

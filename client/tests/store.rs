@@ -694,8 +694,9 @@ async fn one_hot_key_under_many_writers_loses_nothing() {
 }
 
 /// `Client::cluster_stats` (what `rdkv stats` and `rdkv-cluster status` show) counts the data
-/// connections, not the monitoring connection that asks.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// connections, not the monitoring connection that asks. One runtime thread: the client's
+/// one lane.
+#[tokio::test(flavor = "current_thread")]
 async fn stats_do_not_count_the_asking_connection() {
     let (_server, client) = start(ServerConfig::local(SECRET)).await;
     client.put(b"key", b"value").await.expect("put");
@@ -730,8 +731,9 @@ async fn wait_for_stats(
 
 /// A node whose index does not change (it serves only GETs, which it never sees, or nothing)
 /// stretches its collector's interval to 8 times the base; GETs leave it stretched, and a write
-/// that needs no new heap space (the digest of the scan changes) brings it back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// that needs no new heap space (the digest of the scan changes) brings it back. One runtime
+/// thread: one lane, whose grant the update fits (another lane's first write takes a chunk).
+#[tokio::test(flavor = "current_thread")]
 async fn an_idle_collector_stretches_its_interval_and_a_write_brings_it_back() {
     let mut config = ServerConfig::local(SECRET);
     // Long enough that each step of the interval is seen by polling on a loaded machine.

@@ -73,6 +73,8 @@ async fn a_thousand_clients_on_one_node() {
                 let mut config =
                     ClientConfig::new(server.control_address, Backend::Soft, SECRET.as_bytes());
                 config.concurrency = 1;
+                // One connection per client (by default a client opens one per tokio worker).
+                config.lanes = Some(1);
                 config.operation_deadline = Some(Duration::from_secs(10));
                 tokio::spawn(Client::connect(config))
             })

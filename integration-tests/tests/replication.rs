@@ -176,22 +176,32 @@ async fn a_killed_node_loses_no_acknowledged_write_and_comes_back_refilled() {
 
 /// A node paused (SIGSTOP) long enough to be committed down comes back with its memory: keys
 /// deleted or replaced meanwhile must not come back with it. It rejoins filling, forgets what
-/// it held, copies the keys again, and serves the current values.
+/// it held, copies the keys again, and serves the current values. Over soft (a client on
+/// another host) and shm (one on the nodes' host).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_back_from_down_with_its_memory_serves_no_stale_or_deleted_value() {
-    let settled = up_settled("replication-paused", 3).await;
+    paused_node_comes_back_clean(
+        "replication-paused-soft",
+        rdkv_client::FabricChoice::Cluster(rdkv_client::Backend::Soft),
+    )
+    .await;
+}
+
+/// As above, with the client over shm. Every lane of the client to the other nodes is fenced
+/// at the view change; the client learns it from each lane's control stream at once (before,
+/// it learned it from a failed attempt per lane, each followed by a view fetch that waited
+/// 500 ms for the paused node, and the deletes ran out of their 2 s deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_from_down_with_its_memory_serves_no_stale_or_deleted_value_over_shm() {
+    paused_node_comes_back_clean("replication-paused-shm", rdkv_client::FabricChoice::Shm).await;
+}
+
+async fn paused_node_comes_back_clean(tag: &str, fabric: rdkv_client::FabricChoice) {
+    let settled = up_settled(tag, 3).await;
     let victim = settled.follower();
     let (cluster, nodes, secret, ids, _, leader) = settled.parts();
     let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
-    // Over soft: a client of a SIGSTOPped node over shm waits out its deadline (noted in
-    // docs/operations.md, Replication and failover).
-    let client = Arc::new(
-        Client::from_file_with(
-            &cluster.file,
-            rdkv_client::FabricChoice::Cluster(rdkv_client::Backend::Soft),
-        )
-        .expect("client"),
-    );
+    let client = Arc::new(Client::from_file_with(&cluster.file, fabric).expect("client"));
     // Keys whose primary is the victim.
     let mine: Vec<u32> = (0..2_000)
         .filter(|number| client.node_of(format!("key-{number}").as_bytes()) == victim)

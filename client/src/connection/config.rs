@@ -59,6 +59,10 @@ pub struct ClientConfig {
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer from
     /// the process's shared pool while it runs; idle connections hold none).
     pub concurrency: usize,
+    /// Connections (lanes) to the node: by default one per tokio worker of the runtime the
+    /// client is made on, at most [`crate::lanes::MAX_LANES`]. An operation uses its thread's lane
+    /// (`lanes`); `Some(1)` keeps one connection per client, for a node with many clients.
+    pub lanes: Option<usize>,
     /// The per-operation deadline; the server's when absent. An operation on a node never runs
     /// longer than that node's own deadline (from its welcome), which the node's heap reuse and
     /// its clearing of abandoned tentative slots rely on.
@@ -94,6 +98,7 @@ impl ClientConfig {
             poll_spin: Duration::ZERO,
             name: format!("rdkv-client-{}", std::process::id()),
             concurrency: DEFAULT_CONCURRENCY,
+            lanes: None,
             operation_deadline: None,
             fault_injector: None,
             routes_by_view: false,

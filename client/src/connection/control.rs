@@ -1,6 +1,7 @@
 //! The control task, which owns the control stream (requests in order, heartbeats while idle),
 //! and the requests that go through it: chunks, stats, goodbye.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,15 +85,22 @@ impl NodeConnection {
     }
 }
 
-/// Owns the control stream: forwards requests in order and heartbeats while idle.
+/// Owns the control stream: forwards requests in order and heartbeats while idle. The node
+/// speaks unasked only to end the session (a fence at a view change, a stop notice, or just
+/// its close at shutdown or lease expiry): the task then marks the connection `broken` at
+/// once, so the next operation takes another lane or a fresh connection instead of posting
+/// to a queue pair the node no longer answers (with a lane per worker, each stale lane cost a
+/// failed attempt and a view fetch: found when `soft` got lanes).
 pub(super) async fn control_task(
     mut stream: TcpStream,
     mut requests: mpsc::Receiver<ControlRequest>,
     heartbeat: Duration,
     counters: Arc<Counters>,
+    broken: Arc<AtomicBool>,
 ) {
     let mut ticks = tokio::time::interval(heartbeat);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut probe = [0u8; 1];
     loop {
         let (message, reply) = tokio::select! {
             request = requests.recv() => match request {
@@ -100,6 +108,26 @@ pub(super) async fn control_task(
                 None => return,
             },
             _ = ticks.tick() => (ClientMessage::Heartbeat { counters: counters.take_report() }, None),
+            // Peeking consumes nothing, so losing this branch of the select loses no byte.
+            peeked = stream.peek(&mut probe) => {
+                if matches!(peeked, Ok(length) if length > 0) {
+                    let notice = tokio::time::timeout(
+                        CONNECT_TIMEOUT,
+                        read_frame::<_, ServerMessage>(&mut stream),
+                    )
+                    .await;
+                    if let Ok(Ok(
+                        ServerMessage::Fenced { epoch } | ServerMessage::NotServing { epoch, .. },
+                    )) = notice
+                    {
+                        counters
+                            .view_epoch
+                            .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                broken.store(true, std::sync::atomic::Ordering::Release);
+                return;
+            }
         };
         let goodbye = message == ClientMessage::Goodbye;
         if goodbye {

@@ -246,7 +246,14 @@ impl NodeConnection {
         let (control, requests) = mpsc::channel(16);
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
-        tokio::spawn(control_task(stream, requests, heartbeat, counters.clone()));
+        let broken = Arc::new(AtomicBool::new(false));
+        tokio::spawn(control_task(
+            stream,
+            requests,
+            heartbeat,
+            counters.clone(),
+            broken.clone(),
+        ));
         let announcer = Arc::new(Announcer::new(announce_region, 0, keys.announce_key));
         let connection = Arc::new(Self {
             address,
@@ -262,7 +269,7 @@ impl NodeConnection {
             writer_stripes,
             slot_cache,
             control,
-            broken: AtomicBool::new(false),
+            broken,
             counters,
             fault_injector: config.fault_injector.clone(),
             fabric,

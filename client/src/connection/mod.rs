@@ -113,8 +113,9 @@ pub(crate) struct NodeConnection {
     pub(crate) slot_cache: Arc<SlotCache>,
     /// Requests to the control task.
     control: mpsc::Sender<ControlRequest>,
-    /// Set when the connection failed; the client then reconnects.
-    broken: AtomicBool,
+    /// Set when the connection failed; the client then reconnects. Shared with the control
+    /// task, which sets it the moment the node ends the session (a fence, a stop, a close).
+    broken: Arc<AtomicBool>,
     /// Counters.
     pub(crate) counters: Arc<Counters>,
     /// The configured fault injector (tests only).
