@@ -329,7 +329,21 @@ impl Client {
         concurrency: usize,
         shared_memory: crate::SharedMemory,
     ) -> Self {
-        let lanes = default_lanes();
+        Self::for_cluster_with_lanes(cluster, concurrency, shared_memory, None)
+    }
+
+    /// As [`Client::for_cluster_with`], with at most `lanes` connections to each node (as
+    /// [`ClientConfig::lanes`]: `None` is one per tokio worker of the current runtime, at most
+    /// [`crate::lanes::MAX_LANES`]).
+    pub fn for_cluster_with_lanes(
+        cluster: &ClusterConfig,
+        concurrency: usize,
+        shared_memory: crate::SharedMemory,
+        lanes: Option<usize>,
+    ) -> Self {
+        let lanes = lanes.map_or_else(default_lanes, |lanes| {
+            lanes.clamp(1, crate::lanes::MAX_LANES)
+        });
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()
@@ -467,7 +481,7 @@ impl Client {
         for (index, node) in self.nodes.iter().enumerate() {
             let node = node.clone();
             let counters = self.counters.clone();
-            // The first lane; its fabric says how many lanes the node gets.
+            // The first lane; the others open in the background below.
             tasks.spawn(async move {
                 if node.lanes[0].healthy_connection().is_some() {
                     return (index, Ok(()));

@@ -46,8 +46,8 @@ pub use scan::SCAN_BUCKETS;
 
 pub use client::Client;
 pub use connection::{
-    ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_SLOT_CACHE_ENTRIES,
-    MAX_SLOT_CACHE_ENTRIES,
+    ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY,
+    DEFAULT_SLOT_CACHE_ENTRIES, MAX_SLOT_CACHE_ENTRIES,
 };
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};

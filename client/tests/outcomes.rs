@@ -115,6 +115,10 @@ const OLD: &[u8] = b"old";
 fn client_config(server: &RunningServer, script: Option<Arc<Script>>) -> ClientConfig {
     let mut config = ClientConfig::new(server.control_address(), Backend::Soft, SECRET);
     config.concurrency = 1;
+    // One connection: a script counts the steps of one lane's operations, and a broken lane's
+    // reconnect is what these tests watch (with a lane per worker, another lane could serve
+    // instead).
+    config.lanes = Some(1);
     config.fault_injector = script.map(|script| script as Arc<dyn FaultInjector>);
     config
 }

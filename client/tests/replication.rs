@@ -301,11 +301,18 @@ async fn a_write_cut_while_it_holds_its_lock_resumes_and_succeeds() {
         .into_iter()
         .enumerate()
     {
-        let client =
-            Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(FailOnceAfter {
-                kind,
-                done: Mutex::new(false),
-            }));
+        // One lane per node: the cut connection's reconnect is what this watches (with a lane
+        // per worker, the retry could take the other lane instead).
+        let client = Client::for_cluster_with_lanes(
+            &cluster(&nodes, 2),
+            rdkv_client::DEFAULT_CONCURRENCY,
+            rdkv_client::SharedMemory::Auto,
+            Some(1),
+        )
+        .with_fault_injector(Arc::new(FailOnceAfter {
+            kind,
+            done: Mutex::new(false),
+        }));
         let key = format!("resumed-{index}");
         let key = key.as_bytes();
         // Present first (the failure then hits an update's lock, backup or commit).

@@ -48,7 +48,14 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
             continue;
         };
         let started = Instant::now();
-        let client = Client::for_cluster_with(&cluster, REFILL_CONCURRENCY, SharedMemory::Off);
+        // One lane to each peer, as before soft got a lane per worker: a refill is one copy
+        // loop, and each lane would be a connection and a heap chunk on the peer.
+        let client = Client::for_cluster_with_lanes(
+            &cluster,
+            REFILL_CONCURRENCY,
+            SharedMemory::Off,
+            Some(1),
+        );
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
             outcome = refill(&shared, &client, round) => outcome,

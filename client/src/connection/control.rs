@@ -98,6 +98,16 @@ pub(super) async fn control_task(
     counters: Arc<Counters>,
     broken: Arc<AtomicBool>,
 ) {
+    /// Marks the connection broken however the task ends: a heartbeat has nobody to hear its
+    /// failure (a fence read as its answer, a failed write, no reply), and the data path must
+    /// stop using the connection then too (found by review).
+    struct BrokenOnExit(Arc<AtomicBool>);
+    impl Drop for BrokenOnExit {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+    let _broken_on_exit = BrokenOnExit(broken);
     let mut ticks = tokio::time::interval(heartbeat);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut probe = [0u8; 1];
@@ -120,12 +130,13 @@ pub(super) async fn control_task(
                         ServerMessage::Fenced { epoch } | ServerMessage::NotServing { epoch, .. },
                     )) = notice
                     {
+                        // Recorded before the guard marks the connection broken, so an
+                        // operation that finds it broken also finds the newer epoch.
                         counters
                             .view_epoch
                             .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
-                broken.store(true, std::sync::atomic::Ordering::Release);
                 return;
             }
         };
