@@ -270,6 +270,7 @@ impl Client {
         let node = Node::new(1, config, lanes);
         let connection = NodeConnection::open(
             &node.config,
+            rdkv_common::protocol::Purpose::Data,
             counters.clone(),
             node.writer_stripes.clone(),
             node.slot_cache.clone(),
@@ -583,8 +584,16 @@ impl Client {
         let address = node.config.node.control_address;
         let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
+            // Lane 0 is the client's first connection to the node; the others are extra
+            // lanes, which a node more than half full refuses (its first lane serves).
+            let purpose = if lane == 0 {
+                rdkv_common::protocol::Purpose::Data
+            } else {
+                rdkv_common::protocol::Purpose::Lane
+            };
             let fresh = NodeConnection::open(
                 &node.config,
+                purpose,
                 counters.clone(),
                 node.writer_stripes.clone(),
                 node.slot_cache.clone(),

@@ -277,3 +277,55 @@ async fn a_lane_the_node_has_no_room_for_never_holds_an_operation() {
         assert_eq!(client.counters().failures, 0, "{fabric:?}");
     }
 }
+
+/// A client's extra lanes take at most half a node: three clients of eight workers each
+/// against a node with room for four connections all get through. Before the node refused
+/// extra lanes past half its `max_connections`, the first client's lanes took every slot and
+/// the others' operations waited out their deadlines in the node's accept backlog (found by
+/// attacking a lane per worker over soft).
+#[test]
+fn extra_lanes_never_shut_other_clients_out() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(8)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let mut config = ServerConfig::local(SECRET);
+        config.max_connections = 4;
+        config.limits.max_unauthenticated = 3;
+        let node = rdkv_server::start(config).await.expect("start server");
+        let node_cluster = cluster(&[node.control_address()]);
+        let first = std::sync::Arc::new(Client::for_cluster(&node_cluster));
+        put_and_get_from_many_tasks(&first).await;
+        // Its extra lanes open in the background until the node refuses them at its half
+        // (they retry every second); without that they took all four slots.
+        eventually("the first client's extra lanes settle", || {
+            let stats = node.stats();
+            stats.lanes_refused >= 1 || stats.connections == 4
+        })
+        .await;
+        let others: Vec<_> = (0..2)
+            .map(|_| std::sync::Arc::new(Client::for_cluster(&node_cluster)))
+            .collect();
+        let started = Instant::now();
+        for client in &others {
+            // Every put and get succeeds (the helper asserts it), well within the deadline.
+            put_and_get_from_many_tasks(client).await;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "two more clients' operations took {:?}",
+            started.elapsed()
+        );
+        let stats = node.stats();
+        assert!(stats.connections <= 4, "{}", stats.connections);
+        assert!(stats.lanes_refused >= 1, "the node refused extra lanes");
+        for client in others.iter().chain([&first]) {
+            assert_eq!(client.counters().failures, 0);
+        }
+        for client in others.iter().chain([&first]) {
+            client.close().await;
+        }
+    });
+}

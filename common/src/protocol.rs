@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 15;
+pub const PROTOCOL_VERSION: u32 = 16;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -124,6 +124,11 @@ pub enum Purpose {
     Data,
     /// Stats only (`rdkv-cluster status`, `rdkv stats`): no queue pair, no keys.
     Monitor,
+    /// An extra lane of a client that has its first connection to the node (a lane per
+    /// worker): as `Data`, but the node admits it only while at most half of its
+    /// `max_connections` are open, so one client's extra lanes never take the slots that other
+    /// clients' first connections need (`docs/architecture.md`, *Client lanes*).
+    Lane,
 }
 
 /// What a server sends.
@@ -406,6 +411,8 @@ pub struct ServerStats {
     pub connections_fenced: u64,
     /// Data connections refused because the node was not serving data.
     pub connections_refused_not_serving: u64,
+    /// Extra lanes refused because over half of `max_connections` were open.
+    pub lanes_refused: u64,
     /// Whether the node serves data now: it holds its lease from the cluster's majority and
     /// the view has it as this process (`docs/protocol.md`, *Views and fencing*).
     pub serving_data: bool,

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 43] = [
+        let definitions: [(&str, &str, Reader); 44] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -161,6 +161,11 @@ impl Metrics {
                 "connections_refused_not_serving_total",
                 "Data connections refused while the node was not serving data",
                 |stats| stats.connections_refused_not_serving as i64,
+            ),
+            (
+                "lanes_refused_total",
+                "Extra client lanes refused because over half of max_connections were open (their clients use their first connection)",
+                |stats| stats.lanes_refused as i64,
             ),
             (
                 "refill_buckets_scanned",

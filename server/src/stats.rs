@@ -35,6 +35,8 @@ pub struct Counters {
     /// Data connections refused because the node was not serving data (no lease, down, or
     /// not rejoined after a restart).
     pub connections_refused_not_serving: AtomicU64,
+    /// Extra lanes (`Purpose::Lane`) refused because over half of `max_connections` were open.
+    pub lanes_refused: AtomicU64,
     /// Refill: peers' index buckets scanned, of `refill_buckets_total`.
     pub refill_buckets_scanned: AtomicU64,
     /// Refill: peers' index buckets to scan.
@@ -75,6 +77,7 @@ impl Counters {
             collector_keys: AtomicU64::new(0),
             connections_fenced: AtomicU64::new(0),
             connections_refused_not_serving: AtomicU64::new(0),
+            lanes_refused: AtomicU64::new(0),
             refill_buckets_scanned: AtomicU64::new(0),
             refill_buckets_total: AtomicU64::new(0),
             refill_keys_copied: AtomicU64::new(0),
@@ -179,6 +182,7 @@ impl Counters {
             connections_refused_not_serving: self
                 .connections_refused_not_serving
                 .load(Ordering::Relaxed),
+            lanes_refused: self.lanes_refused.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the view.
             serving_data: true,
             serving_stops: 0,

@@ -51,6 +51,7 @@ const AUTHENTICATE_ATTEMPTS: u32 = 3;
 /// TCP connect, challenge, proof: the welcome, on an authenticated stream.
 async fn authenticate(
     config: &ClientConfig,
+    purpose: Purpose,
 ) -> std::result::Result<(TcpStream, rdkv_common::protocol::Welcome), Evictable> {
     let address = config.node.control_address;
     let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
@@ -118,7 +119,7 @@ async fn authenticate(
         &mut stream,
         &ClientMessage::Authenticate {
             protocol_version: PROTOCOL_VERSION,
-            purpose: Purpose::Data,
+            purpose,
             proof: compute_proof(&config.secret, node_id, &nonce),
             client_name: config.name.clone(),
             shared_memory,
@@ -164,9 +165,12 @@ fn reachable_here(socket: &std::path::Path) -> bool {
 impl NodeConnection {
     /// Connects, authenticates, connects the queue pair and starts the control task; writers
     /// take their turns in `writer_stripes`, the node's, and lookups guess from `slot_cache`, the
-    /// node's view of the process's cache.
+    /// node's view of the process's cache. `purpose` is `Data` for a client's first lane to
+    /// the node and `Lane` for the others (the node admits those only while it is at most half
+    /// full).
     pub(crate) async fn open(
         config: &ClientConfig,
+        purpose: Purpose,
         counters: Arc<Counters>,
         writer_stripes: Arc<WriterStripes>,
         slot_cache: Arc<SlotCache>,
@@ -178,7 +182,7 @@ impl NodeConnection {
         // secret, which is refused in words) is worth another try or two.
         let mut attempt = 1;
         let (mut stream, welcome) = loop {
-            match authenticate(config).await {
+            match authenticate(config, purpose).await {
                 Err(Evictable::Closed) if attempt < AUTHENTICATE_ATTEMPTS => {
                     attempt += 1;
                     tracing::debug!(%address, attempt, "closed during authentication; connecting again");
@@ -227,7 +231,14 @@ impl NodeConnection {
                 tracing::warn!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
                 let mut fallback = config.clone();
                 fallback.node.shared_memory = SharedMemory::Off;
-                return Box::pin(Self::open(&fallback, counters, writer_stripes, slot_cache)).await;
+                return Box::pin(Self::open(
+                    &fallback,
+                    purpose,
+                    counters,
+                    writer_stripes,
+                    slot_cache,
+                ))
+                .await;
             }
         } else {
             queue_pair.connect(&welcome.server_endpoint).await?;

@@ -93,6 +93,20 @@ impl Session {
             return Err(Self::refuse(writer, reason).await);
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
+        let open = shared.counters.connections.load(Ordering::Relaxed);
+        if purpose == Purpose::Lane && open as usize > shared.config.max_connections / 2 {
+            // Extra lanes take at most half the node: the rest stays for first connections,
+            // which would otherwise wait in the accept backlog behind another client's lanes.
+            shared
+                .counters
+                .lanes_refused
+                .fetch_add(1, Ordering::Relaxed);
+            let reason = format!(
+                "no room for an extra lane: {open} of max_connections {} are open, and extra lanes take at most half (the client's first connection serves)",
+                shared.config.max_connections
+            );
+            return Err(Self::refuse(writer, reason).await);
+        }
         self.authenticated = true;
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.
