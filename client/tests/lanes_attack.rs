@@ -251,11 +251,13 @@ fn connect_all_against_a_full_node_returns_promptly() {
             elapsed < Duration::from_secs(2),
             "connect_all took {elapsed:?}"
         );
-        eventually(
-            "the node's three connections are the client's lanes",
-            || node.stats().connections == 3,
-        )
+        // Its first lane and one extra: extra lanes take at most half the node, rounded up;
+        // the node refuses the others (they retry in the background).
+        eventually("the node refuses the lanes past its half", || {
+            node.stats().lanes_refused >= 1
+        })
         .await;
+        assert_eq!(node.stats().connections, 2);
     });
 }
 

@@ -126,7 +126,7 @@ pub enum Purpose {
     Monitor,
     /// An extra lane of a client that has its first connection to the node (a lane per
     /// worker): as `Data`, but the node admits it only while at most half of its
-    /// `max_connections` are open, so one client's extra lanes never take the slots that other
+    /// `max_connections` (rounded up) are open, so one client's extra lanes never take the slots that other
     /// clients' first connections need (`docs/architecture.md`, *Client lanes*).
     Lane,
 }

@@ -258,7 +258,7 @@ async fn sigterm_under_client_load_exits_0_and_clients_get_errors() {
     assert_stopped_in_order(&stopped, "load");
     // Every client's sessions (a lane per tokio worker each) were ended by the shutdown, and
     // torn down before the exit.
-    let sessions = stopped.lines_with("purpose=Data");
+    let sessions = stopped.lines_with("purpose=Data") + stopped.lines_with("purpose=Lane");
     assert!(sessions >= clients, "{}", stopped.stderr);
     assert_eq!(
         stopped.lines_with("reason=server shutting down"),

@@ -94,7 +94,7 @@ impl Session {
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
         let open = shared.counters.connections.load(Ordering::Relaxed);
-        if purpose == Purpose::Lane && open as usize > shared.config.max_connections / 2 {
+        if purpose == Purpose::Lane && open as usize > shared.config.max_connections.div_ceil(2) {
             // Extra lanes take at most half the node: the rest stays for first connections,
             // which would otherwise wait in the accept backlog behind another client's lanes.
             shared
