@@ -20,7 +20,7 @@ use crate::counters::{CounterSnapshot, Counters};
 use crate::deadline;
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
-use crate::lanes::{current_lane, default_lanes, Lane};
+use crate::lanes::{current_lane, lanes_for, Lane};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::progress::{Progress, Waiting};
 use crate::replicated::{self, Attempt, Held, Patience, Resumed, Write};
@@ -264,9 +264,7 @@ impl Client {
     /// (for example a memlock limit too low for even one scratch buffer).
     pub async fn connect(config: ClientConfig) -> Result<Self> {
         let counters = Arc::new(Counters::default());
-        let lanes = config.lanes.map_or_else(default_lanes, |lanes| {
-            lanes.clamp(1, crate::lanes::MAX_LANES)
-        });
+        let lanes = lanes_for(config.lanes);
         let node = Node::new(1, config, lanes);
         let connection = NodeConnection::open(
             &node.config,
@@ -342,9 +340,7 @@ impl Client {
         shared_memory: crate::SharedMemory,
         lanes: Option<usize>,
     ) -> Self {
-        let lanes = lanes.map_or_else(default_lanes, |lanes| {
-            lanes.clamp(1, crate::lanes::MAX_LANES)
-        });
+        let lanes = lanes_for(lanes);
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()

@@ -41,6 +41,12 @@ pub(crate) fn default_lanes() -> usize {
     workers.clamp(1, MAX_LANES)
 }
 
+/// The lanes for a client that asks for `requested` (`ClientConfig::lanes`): that many, from 1
+/// to [`MAX_LANES`], or [`default_lanes`] when it asks for none.
+pub(crate) fn lanes_for(requested: Option<usize>) -> usize {
+    requested.map_or_else(default_lanes, |lanes| lanes.clamp(1, MAX_LANES))
+}
+
 /// The lane this thread uses out of `lanes`: threads are numbered in the order they first use
 /// any client, so the workers of one runtime get different lanes (until there are more
 /// threads than lanes).
