@@ -126,9 +126,19 @@ impl PendingHandshakes {
         spoke
     }
 
-    /// Connection `id` authenticated or ended: it is no longer pending.
+    /// Connection `id` ended: it is no longer pending.
     pub fn settle(&self, id: u64) {
         self.lock().remove(&id);
+    }
+
+    /// Connection `id` authenticated: it leaves the budget, and no later connection can evict
+    /// it. False when it was evicted first: eviction and authentication race (the evictor may
+    /// have looked just before its Authenticate arrived), and the session must then end
+    /// before it sends anything more, so the client sees a close during authentication, which
+    /// it retries, never a close after its welcome.
+    #[must_use]
+    pub fn authenticated(&self, id: u64) -> bool {
+        self.lock().remove(&id).is_some()
     }
 
     /// Unauthenticated connections now.
@@ -171,8 +181,25 @@ mod tests {
         assert_eq!(one_source.count(), limits.max_pending_per_address);
         assert_eq!(one_source.evicted.load(Ordering::Relaxed), 1);
         // An authenticated connection leaves the budget.
-        one_source.settle(1);
+        assert!(one_source.authenticated(1));
         assert_eq!(one_source.count(), limits.max_pending_per_address - 1);
+        // One evicted before its authentication was checked is told so.
+        assert!(!one_source.authenticated(0), "connection 0 was evicted");
+    }
+
+    #[test]
+    fn an_authenticated_connection_is_never_evicted() {
+        let limits = ConnectionLimits::default();
+        let pending = PendingHandshakes::new(limits);
+        let source = IpAddr::from([127, 0, 0, 1]);
+        let first = CancellationToken::new();
+        pending.admit(0, source, first.clone(), None);
+        assert!(pending.authenticated(0));
+        for id in 1..=limits.max_pending_per_address as u64 * 2 {
+            pending.admit(id, source, CancellationToken::new(), None);
+        }
+        assert!(!first.is_cancelled(), "an authenticated connection stays");
+        assert_eq!(pending.count(), limits.max_pending_per_address);
     }
 
     #[test]

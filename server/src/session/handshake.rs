@@ -107,12 +107,16 @@ impl Session {
             );
             return Err(Self::refuse(writer, reason).await);
         }
+        if !shared.pending.authenticated(self.connection_id) {
+            // A newer connection evicted this one while its Authenticate was on the way:
+            // end now, before the welcome (the client retries a close during authentication).
+            return Err(crate::Error::Evicted);
+        }
         self.authenticated = true;
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.
         self.over_shm = shared_memory && shared.shm.is_some();
         self.routes_by_view = routes_by_view;
-        shared.pending.settle(self.connection_id);
         let fabric = shared.table_for(self.over_shm).device.backend();
         self.monitor = purpose == Purpose::Monitor;
         if self.monitor {
