@@ -350,6 +350,14 @@ async fn lookup_committed(
     .await
 }
 
+/// A first list that starts with `before` (a block WRITE, if any), with room for the READs and
+/// the announce WRITE that join it: one allocation per list.
+fn first_list_with(before: Option<WorkRequest>) -> Vec<WorkRequest> {
+    let mut list = Vec::with_capacity(5);
+    list.extend(before);
+    list
+}
+
 /// The work request id of a guessed block's READ (ids only label requests in a list).
 const GUESS_READ_ID: u64 = 2;
 
@@ -374,6 +382,9 @@ async fn narrow_guess(
     let connection = scratch.connection().clone();
     let slot_offset = connection.welcome.geometry.slot_offset(guess.position);
     let mut list = before;
+    // The slot word's READ, the block's READ, and the announce WRITE the operation's first
+    // list starts with: room for all three at once, not a reallocation per push.
+    list.reserve_exact(3);
     list.extend([
         WorkRequest::read(
             GUESS_SLOT_READ_ID,
@@ -781,7 +792,8 @@ pub(crate) async fn mutate(
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress.clone()).await?;
-    let mut block = Vec::with_capacity(value.len() + key.len() + 64);
+    // `encode_block` sizes it: one allocation of the whole block.
+    let mut block = Vec::new();
     let units = encode_block(key, value, &mut block);
     scratch
         .region()
@@ -806,7 +818,7 @@ pub(crate) async fn mutate(
     let narrow_first = guess.filter(|_| connection.slot_cache.narrow());
     let mut narrow = match narrow_first {
         Some(guess) => {
-            let before = block_write.take().into_iter().collect();
+            let before = first_list_with(block_write.take());
             narrow_lookup(&mut scratch, operation, key, &location, guess, before).await?
         }
         None => None,
@@ -817,7 +829,7 @@ pub(crate) async fn mutate(
             None => {
                 let first = FirstList {
                     kind: StepKind::ReadBuckets,
-                    before: block_write.take().into_iter().collect(),
+                    before: first_list_with(block_write.take()),
                     // A wide guess unless a narrow one already went stale.
                     guess: guess.filter(|_| attempt == 0 && narrow_first.is_none()),
                 };

@@ -339,6 +339,9 @@ pub fn encode_block(key: &[u8], value: &[u8], out: &mut Vec<u8>) -> u8 {
 /// returns its length in units.
 pub fn encode_block_with(key: &[u8], value: &[u8], tombstone: bool, out: &mut Vec<u8>) -> u8 {
     out.clear();
+    let units = block_units(key.len(), value.len());
+    // The whole block at once: extending piecemeal reallocated (and copied) a 1 KiB value.
+    out.reserve_exact(usize::from(units) * BLOCK_UNIT as usize);
     let mut header = [0u8; 8];
     header[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
     let flags = if tombstone { TOMBSTONE_FLAG } else { 0 };
@@ -348,7 +351,6 @@ pub fn encode_block_with(key: &[u8], value: &[u8], tombstone: bool, out: &mut Ve
     out.extend_from_slice(&checksum(&header, key, value).to_le_bytes());
     out.extend_from_slice(key);
     out.extend_from_slice(value);
-    let units = block_units(key.len(), value.len());
     out.resize(usize::from(units) * BLOCK_UNIT as usize, 0);
     units
 }

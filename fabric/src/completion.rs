@@ -152,9 +152,17 @@ struct ListState {
 }
 
 impl ListCompletion {
-    pub(crate) fn new(queue: Arc<CompletionQueueInner>) -> (Arc<Self>, PostedList) {
+    /// The completion of a list of `requests` requests (room for one completion each, so
+    /// gathering them never reallocates).
+    pub(crate) fn new(
+        queue: Arc<CompletionQueueInner>,
+        requests: usize,
+    ) -> (Arc<Self>, PostedList) {
         let list = Arc::new(Self {
-            state: Mutex::new(ListState::default()),
+            state: Mutex::new(ListState {
+                completions: Vec::with_capacity(requests),
+                ..ListState::default()
+            }),
         });
         (list.clone(), PostedList { list, queue })
     }

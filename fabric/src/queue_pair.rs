@@ -493,7 +493,8 @@ impl QueuePairShared {
         tokio::task::consume_budget().await;
         self.permits.take(list.len()).await;
 
-        let (list_completion, posted) = ListCompletion::new(self.completion_queue.inner.clone());
+        let (list_completion, posted) =
+            ListCompletion::new(self.completion_queue.inner.clone(), list.len());
         let device = self.device();
         let domain = self.protection_domain.inner.id;
         let count = list.len();
