@@ -25,8 +25,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use rdkv_common::layout::{
-    check_key_value, encode_block, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError,
-    Slot, SlotPosition, BLOCK_HEADER_SIZE, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
+    block_head, check_key_value, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError,
+    Slot, SlotPosition, BLOCK_HEADER_SIZE, BLOCK_UNIT, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH,
+    MAX_VALUE_LENGTH,
 };
 use rdkv_fabric::WorkRequest;
 
@@ -777,6 +778,27 @@ pub(crate) async fn get(
         .map(|found| found.value))
 }
 
+/// Writes the block of `key` and `value` to the scratch buffer's write area, part by part
+/// (as [`rdkv_common::layout::encode_block`] lays it out, without building it in a vector first: one copy of the
+/// value, not two); returns its length in units and in bytes.
+fn write_block(scratch: &Scratch, key: &[u8], value: &[u8]) -> Result<(u8, u64)> {
+    let (head, units) = block_head(key, value, false);
+    let length = u64::from(units) * BLOCK_UNIT;
+    let region = scratch.region();
+    let mut at = scratch.base + WRITE_BLOCK_AT;
+    let used = (head.len() + key.len() + value.len()) as u64;
+    for part in [&head[..], key, value] {
+        region.write(at, part)?;
+        at += part.len() as u64;
+    }
+    // Zeros up to the units, as `encode_block` pads: the buffer's last contents never reach
+    // the node's heap.
+    let padding = [0u8; BLOCK_UNIT as usize];
+    let pad = length.saturating_sub(used).min(BLOCK_UNIT) as usize;
+    region.write(at, &padding[..pad])?;
+    Ok((units, length))
+}
+
 /// Every mutation but delete.
 pub(crate) async fn mutate(
     connection: &Arc<NodeConnection>,
@@ -792,14 +814,9 @@ pub(crate) async fn mutate(
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress.clone()).await?;
-    // `encode_block` sizes it: one allocation of the whole block.
-    let mut block = Vec::new();
-    let units = encode_block(key, value, &mut block);
-    scratch
-        .region()
-        .write(scratch.base + WRITE_BLOCK_AT, &block)?;
+    let (units, block_length) = write_block(&scratch, key, value)?;
     progress.wait_for(Waiting::HeapChunk);
-    let place = scratch.place_block(block.len() as u64).await?;
+    let place = scratch.place_block(block_length).await?;
     let new_slot = Slot::new(location.fingerprint, units, place.heap_offset);
     // The block WRITE rides in the same list as the first bucket READs.
     let mut block_write = Some(
@@ -807,7 +824,7 @@ pub(crate) async fn mutate(
             u64::MAX,
             scratch
                 .region()
-                .segment(scratch.base + WRITE_BLOCK_AT, block.len() as u32),
+                .segment(scratch.base + WRITE_BLOCK_AT, block_length as u32),
             place.remote.at(place.offset_in_chunk),
         )
         .with_signaled(false),

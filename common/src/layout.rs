@@ -339,20 +339,31 @@ pub fn encode_block(key: &[u8], value: &[u8], out: &mut Vec<u8>) -> u8 {
 /// returns its length in units.
 pub fn encode_block_with(key: &[u8], value: &[u8], tombstone: bool, out: &mut Vec<u8>) -> u8 {
     out.clear();
-    let units = block_units(key.len(), value.len());
+    let (head, units) = block_head(key, value, tombstone);
     // The whole block at once: extending piecemeal reallocated (and copied) a 1 KiB value.
     out.reserve_exact(usize::from(units) * BLOCK_UNIT as usize);
+    out.extend_from_slice(&head);
+    out.extend_from_slice(key);
+    out.extend_from_slice(value);
+    out.resize(usize::from(units) * BLOCK_UNIT as usize, 0);
+    units
+}
+
+/// A block's first [`BLOCK_HEADER_SIZE`] bytes (its header word, then its checksum) and its
+/// length in units: what [`encode_block_with`] puts ahead of the key and the value, for a
+/// writer that places the parts itself (straight into a registered buffer, with no copy of
+/// the value in between). The rest of the block is the key, the value, and zeros up to the
+/// units.
+pub fn block_head(key: &[u8], value: &[u8], tombstone: bool) -> ([u8; BLOCK_HEADER_SIZE], u8) {
     let mut header = [0u8; 8];
     header[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
     let flags = if tombstone { TOMBSTONE_FLAG } else { 0 };
     header[2..4].copy_from_slice(&flags.to_le_bytes());
     header[4..8].copy_from_slice(&(value.len() as u32).to_le_bytes());
-    out.extend_from_slice(&header);
-    out.extend_from_slice(&checksum(&header, key, value).to_le_bytes());
-    out.extend_from_slice(key);
-    out.extend_from_slice(value);
-    out.resize(usize::from(units) * BLOCK_UNIT as usize, 0);
-    units
+    let mut head = [0u8; BLOCK_HEADER_SIZE];
+    head[..8].copy_from_slice(&header);
+    head[8..].copy_from_slice(&checksum(&header, key, value).to_le_bytes());
+    (head, block_units(key.len(), value.len()))
 }
 
 /// Why a block read from the heap is not a valid block.
@@ -561,6 +572,24 @@ mod tests {
             decode_block(&zeros).is_err(),
             "an all-zero (never written) block is refused"
         );
+    }
+
+    /// A writer that places the head, key, value and padding itself writes the very bytes
+    /// `encode_block` builds.
+    #[test]
+    fn a_block_written_in_parts_is_the_encoded_block() {
+        for (key, value) in [
+            (&b"k"[..], &b""[..]),
+            (b"user42", &[0x5A; 47][..]),
+            (b"user7", &[0xA5; 1000][..]),
+        ] {
+            let mut encoded = Vec::new();
+            let units = encode_block(key, value, &mut encoded);
+            let (head, head_units) = block_head(key, value, false);
+            let mut parts = [&head[..], key, value].concat();
+            parts.resize(usize::from(head_units) * BLOCK_UNIT as usize, 0);
+            assert_eq!((head_units, &parts), (units, &encoded));
+        }
     }
 
     /// Any one byte of the header, the key or the value flipped is caught; the padding is not
