@@ -11,7 +11,7 @@ use rdkv_cluster_config::{status, systemd, ClusterConfig};
 
 /// The exit codes, for `--help` (and `docs/operations.md`).
 const EXIT_CODES: &str = "Exit codes:
-  0  done; for `status`, every node is up
+  0  done; for `status`, every node answers (up, or not-serving while it rejoins)
   1  failed (one line on stderr names the cause and the fix); for `status`, a node is down
   2  invalid command line
   3  `status`: a node refused the cluster file's secret (authentication failed)";
@@ -60,8 +60,8 @@ enum Action {
         #[arg(long)]
         node: u32,
     },
-    /// One row per node: up, down or auth failed, uptime, connections, queue pairs, keys,
-    /// memory. Exits 0 only when every node is up.
+    /// One row per node: up, not-serving, down or auth failed, uptime, connections, queue
+    /// pairs, keys, memory. Exits 0 only when every node answers (up or not-serving).
     Status {
         /// The cluster file.
         file: PathBuf,
