@@ -17,10 +17,7 @@
 //! spoken (its first frame was read, or bytes wait in its socket): the oldest silent one goes
 //! first, so a client whose Authenticate the node has not got round to reading under load is
 //! never the victim of a flood that says nothing. Only when every candidate has spoken does
-//! the oldest go. An evicted connection is closed and counted. A connection the node accepts
-//! while every slot of `max_connections` is taken evicts one the same way
-//! ([`PendingHandshakes::evict_for_room`]), so silent connections cannot hold a nearly full
-//! node's last slots.
+//! the oldest go. An evicted connection is closed and counted.
 
 use rdkv_cluster_config::config::ConnectionLimits;
 use std::collections::BTreeMap;
@@ -129,26 +126,6 @@ impl PendingHandshakes {
         spoke
     }
 
-    /// Evicts one pending connection to make room for a connection the node accepted while
-    /// every slot of `max_connections` was taken: the oldest that has not spoken, else the
-    /// oldest. Whether there was one. Without this, unauthenticated connections holding the
-    /// last slots of a nearly full node kept every new client in the accept backlog, since
-    /// eviction ran only for connections the node had accepted.
-    pub fn evict_for_room(&self) -> bool {
-        let mut pending = self.lock();
-        let victim = pending
-            .iter()
-            .find(|(_, entry)| !entry.has_spoken())
-            .or_else(|| pending.iter().next())
-            .map(|(id, _)| *id);
-        let Some(entry) = victim.and_then(|victim| pending.remove(&victim)) else {
-            return false;
-        };
-        entry.evict.cancel();
-        self.evicted.fetch_add(1, Ordering::Relaxed);
-        true
-    }
-
     /// Connection `id` ended: it is no longer pending.
     pub fn settle(&self, id: u64) {
         self.lock().remove(&id);
@@ -208,32 +185,6 @@ mod tests {
         assert_eq!(one_source.count(), limits.max_pending_per_address - 1);
         // One evicted before its authentication was checked is told so.
         assert!(!one_source.authenticated(0), "connection 0 was evicted");
-    }
-
-    #[test]
-    fn room_is_made_by_evicting_the_oldest_silent_connection() {
-        let limits = ConnectionLimits::default();
-        let pending = PendingHandshakes::new(limits);
-        assert!(
-            !pending.evict_for_room(),
-            "nothing pending: nothing to evict"
-        );
-        let source = IpAddr::from([127, 0, 0, 1]);
-        let tokens: Vec<CancellationToken> = (0..3u64)
-            .map(|id| {
-                let token = CancellationToken::new();
-                let spoke = pending.admit(id, source, token.clone(), None);
-                if id == 0 {
-                    spoke.store(true, Ordering::Release);
-                }
-                token
-            })
-            .collect();
-        assert!(pending.evict_for_room());
-        assert!(!tokens[0].is_cancelled(), "the one that spoke stays");
-        assert!(tokens[1].is_cancelled(), "the oldest silent one went");
-        assert_eq!(pending.count(), 2);
-        assert_eq!(pending.evicted.load(Ordering::Relaxed), 1);
     }
 
     #[test]

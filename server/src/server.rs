@@ -324,29 +324,19 @@ async fn accept_loop(
     let limit = Arc::new(Semaphore::new(shared.config.max_connections));
     let mut last_accept_warning = None;
     loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            permit = limit.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return,
+            },
+        };
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
             Ok((stream, peer)) => {
-                // A slot of `max_connections`. When none is free and unauthenticated
-                // connections hold some, the oldest silent one makes room (`crate::pending`):
-                // the new one may be a client. Otherwise it waits for a slot, as it would have
-                // in the accept backlog.
-                let permit = match limit.clone().try_acquire_owned() {
-                    Ok(permit) => permit,
-                    Err(_) => {
-                        shared.pending.evict_for_room();
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return,
-                            permit = limit.clone().acquire_owned() => match permit {
-                                Ok(permit) => permit,
-                                Err(_) => return,
-                            },
-                        }
-                    }
-                };
                 let shared = shared.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
