@@ -778,9 +778,9 @@ pub(crate) async fn get(
         .map(|found| found.value))
 }
 
-/// Writes the block of `key` and `value` to the scratch buffer's write area, part by part
-/// (as [`rdkv_common::layout::encode_block`] lays it out, without building it in a vector first: one copy of the
-/// value, not two); returns its length in units and in bytes.
+/// Writes the block of `key` and `value` to the scratch buffer's write area, part by part, as
+/// [`rdkv_common::layout::encode_block`] lays it out but without building it in a vector
+/// first (one copy of the value, not two); returns its length in units and in bytes.
 fn write_block(scratch: &Scratch, key: &[u8], value: &[u8]) -> Result<(u8, u64)> {
     let (head, units) = block_head(key, value, false);
     let length = u64::from(units) * BLOCK_UNIT;

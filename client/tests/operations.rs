@@ -8,8 +8,14 @@ use rdkv_server::{RunningServer, ServerConfig};
 const SECRET: &[u8] = b"operations-test-secret";
 
 async fn start(fabric: Backend) -> (RunningServer, Client) {
+    start_seeded(fabric, None).await
+}
+
+/// [`start`] with the table's hash seed fixed (`None`: a random one, as a node picks).
+async fn start_seeded(fabric: Backend, hash_seed: Option<u64>) -> (RunningServer, Client) {
     let mut config = ServerConfig::local(SECRET);
     config.fabric = fabric;
+    config.hash_seed = hash_seed;
     let server = rdkv_server::start(config).await.expect("start server");
     let client = Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
         .await
@@ -236,13 +242,7 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     // A fixed hash seed: with a random one, another of the 200 keys shares key-0's fingerprint
     // in its buckets now and then, and the GET of deleted key-0 below then READs that key's
     // block too, a third round trip (CI saw it once, 2026-12-05).
-    let mut config = ServerConfig::local(SECRET);
-    config.fabric = fabric;
-    config.hash_seed = Some(0x5EED);
-    let server = rdkv_server::start(config).await.expect("start server");
-    let client = Client::connect(ClientConfig::new(server.control_address(), fabric, SECRET))
-        .await
-        .expect("connect");
+    let (server, client) = start_seeded(fabric, Some(0x5EED)).await;
     let mut uncached = ClientConfig::new(server.control_address(), fabric, SECRET);
     uncached.slot_cache_entries = 0;
     let other = Client::connect(uncached).await.expect("connect");
