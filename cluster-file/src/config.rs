@@ -914,7 +914,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             span,
             "cluster.max_unauthenticated_connections",
             format!(
-                "{} must be below max_connections ({}): unauthenticated connections must never take all the slots",
+                "{} must be below max_connections ({}): the unauthenticated budget is the smaller one",
                 limits.max_unauthenticated, limits.max_connections
             ),
         ));

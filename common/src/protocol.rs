@@ -396,6 +396,12 @@ pub struct ServerStats {
     pub authentication_failures: u64,
     /// Unauthenticated control connections now.
     pub pending_handshakes: u64,
+    /// Authenticated control connections now (of `max_connections`): data clients, their
+    /// lanes, monitors and peers.
+    pub authenticated_connections: u64,
+    /// Connections refused since start because all `max_connections` authenticated slots
+    /// were taken.
+    pub connections_refused_full: u64,
     /// Unauthenticated connections evicted by newer ones since start (too many at once).
     pub handshakes_evicted: u64,
     /// The epoch of the cluster view this node knows.

@@ -2,7 +2,9 @@
 //! say anything, reopened as soon as the node closes them, while 100 `rdkv put`s run one after
 //! another as separate processes. Unauthenticated connections have their own, smaller budget
 //! with oldest-first eviction (`server/src/pending.rs`), so every put succeeds; the node's
-//! counters show the flood was really evicted.
+//! counters show the flood was really evicted. And silent connections cannot hold the last
+//! slots of a node whose authenticated connections fill the rest; a node whose authenticated
+//! slots are all taken refuses a new client with a reason, and still answers its monitors.
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
@@ -130,4 +132,142 @@ fn legitimate_clients_get_through_a_flood_of_unauthenticated_connections() {
         stats.pending_handshakes
     );
     assert_eq!(stats.keys, PUTS as u64);
+}
+
+/// Runs `rdkv put KEY value` against the one-node cluster `file`: its stderr when it failed.
+fn put_with_the_cli(file: &std::path::Path, key: &str) -> Result<(), String> {
+    let put = Command::new(workspace_binary("rdkv"))
+        .args(["--config", file.to_str().expect("utf-8")])
+        .args(["put", key, "value"])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run rdkv");
+    if put.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "exit {:?}: {}",
+            put.status.code(),
+            String::from_utf8_lossy(&put.stderr).trim()
+        ))
+    }
+}
+
+/// A client of one lane (one authenticated connection) to `address`, with a key put.
+async fn one_lane_client(address: SocketAddr, key: String) -> rdkv_client::Client {
+    let mut config =
+        rdkv_client::ClientConfig::new(address, rdkv_fabric::Backend::Soft, SECRET.as_bytes());
+    config.lanes = Some(1);
+    let client = rdkv_client::Client::connect(config).await.expect("connect");
+    client
+        .put(key.as_bytes(), b"value")
+        .await
+        .expect("a held client's put");
+    client
+}
+
+/// A nearly full node (seven of eight authenticated slots taken) whose unauthenticated budget
+/// silent connections fill. With one shared budget, the silent ones held the last slots: the
+/// node accepted nothing more, so eviction (which runs only for an accepted connection) never
+/// made room, and every new client waited in the accept backlog until its deadline (0 of 3
+/// puts in a helper's attack). Authenticated slots are now apart from the unauthenticated
+/// budget, and the node always accepts one more connection, which evicts a silent one. With
+/// all eight slots taken, the next client is refused with a reason that names the setting,
+/// and monitors still get in from their reserve.
+#[test]
+fn silent_connections_cannot_hold_the_last_slots_of_a_nearly_full_node() {
+    raise_open_files();
+    let server = ServerProcess::start(
+        SECRET,
+        &[
+            "--heap-size",
+            "16M",
+            "--index-size",
+            "1M",
+            "--max-connections",
+            "8",
+            "--max-unauthenticated-connections",
+            "4",
+            "--max-pending-per-address",
+            "4",
+        ],
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut clients: Vec<rdkv_client::Client> = runtime.block_on(async {
+        let mut clients = Vec::new();
+        for index in 0..7 {
+            clients.push(one_lane_client(server.control_address, format!("held-{index}")).await);
+        }
+        clients
+    });
+    // The unauthenticated budget: silent connections, never reopened.
+    let silent: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(server.control_address).expect("a silent connection"))
+        .collect();
+
+    let directory = std::env::temp_dir().join(format!("rdkv-full-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let file = directory.join("one-node.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[cluster]\nname = \"full\"\nsecret = \"{SECRET}\"\nfabric = \"soft\"\n\n[[node]]\nid = 1\ncontrol_address = \"{}\"\nfabric_address = \"{}\"\nindex_size = \"1M\"\nheap_size = \"16M\"\n",
+            server.control_address, server.fabric_address
+        ),
+    )
+    .expect("the cluster file");
+    let failures: Vec<String> = (0..3)
+        .filter_map(|index| put_with_the_cli(&file, &format!("newcomer-{index}")).err())
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of 3 puts failed against the nearly full node; the first: {}",
+        failures.len(),
+        failures[0]
+    );
+    let node = MonitoredNode {
+        address: server.control_address,
+        id: Some(1),
+        secret: SECRET.as_bytes(),
+    };
+    let stats = runtime
+        .block_on(fetch_stats(node, Duration::from_secs(5)))
+        .expect("stats");
+    assert!(
+        stats.handshakes_evicted >= 1,
+        "room was made by evicting a silent connection: {} evicted",
+        stats.handshakes_evicted
+    );
+
+    // The eighth slot taken: the node is full, and says so.
+    clients.push(runtime.block_on(one_lane_client(server.control_address, "held-7".into())));
+    let refused = put_with_the_cli(&file, "refused").expect_err("a full node refuses");
+    assert!(
+        refused.contains("exit Some(2)")
+            && refused.contains("the node is full")
+            && refused.contains("max_connections"),
+        "{refused}"
+    );
+    assert_eq!(refused.lines().count(), 1, "one line: {refused}");
+    // Monitors use their reserve: the stats still come.
+    let stats = runtime
+        .block_on(fetch_stats(node, Duration::from_secs(5)))
+        .expect("stats from a full node");
+    assert_eq!(
+        stats.authenticated_connections,
+        8 + 1,
+        "eight clients and this monitor"
+    );
+    assert!(stats.connections_refused_full >= 1);
+    let _ = std::fs::remove_dir_all(&directory);
+    drop(silent);
+    runtime.block_on(async {
+        for client in clients {
+            client.close().await;
+        }
+    });
 }

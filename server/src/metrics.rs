@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 44] = [
+        let definitions: [(&str, &str, Reader); 46] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -126,6 +126,16 @@ impl Metrics {
                 "handshakes_evicted_total",
                 "Unauthenticated control connections evicted by newer ones (too many at once)",
                 |stats| stats.handshakes_evicted as i64,
+            ),
+            (
+                "authenticated_connections",
+                "Authenticated control connections (of max_connections): clients, their lanes, monitors, peers",
+                |stats| stats.authenticated_connections as i64,
+            ),
+            (
+                "connections_refused_full_total",
+                "Connections refused after authenticating because all max_connections authenticated slots were taken",
+                |stats| stats.connections_refused_full as i64,
             ),
             (
                 "view_epoch",

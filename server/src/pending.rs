@@ -1,7 +1,8 @@
 //! Connections that have not authenticated yet, and the limits on them.
 //!
-//! Anyone who can reach the control port can open connections, so unauthenticated ones get a
-//! smaller budget than `max_connections` and can never take an authenticated client's slot:
+//! Anyone who can reach the control port can open connections, so unauthenticated ones get
+//! their own, smaller budget, apart from the `max_connections` slots of authenticated ones, and
+//! can never take an authenticated client's slot:
 //!
 //! - at most `max_unauthenticated_connections` at once (default 256); a new one evicts the
 //!   oldest;
@@ -10,6 +11,18 @@
 //! - each has `handshake_deadline` in all to authenticate (default 10 s; see `session`).
 //!
 //! The three are `[cluster]` settings of the cluster file (`ConnectionLimits`).
+//!
+//! A connection that proves the secret takes one of the `max_connections` authenticated slots
+//! in the same step as it leaves the pending set (`PendingHandshakes::authenticate`), and holds
+//! it until its session ends; with every slot taken it is refused, with a reason that names
+//! the setting. Monitoring connections (`rdkv-cluster status`, and the peers' Raft messages)
+//! may also use `MONITOR_RESERVE` slots past `max_connections`, so a node full of clients still
+//! answers its operator and keeps its consensus. The node accepts up to `max_connections +
+//! MONITOR_RESERVE + max_unauthenticated_connections + 1` connections at once, so a new
+//! connection is always accepted and can evict a silent one: a
+//! single shared budget let silent connections hold the last slots of a node whose
+//! authenticated connections filled the rest, and eviction, which runs only for an accepted
+//! connection, never ran.
 //!
 //! Eviction, not refusal: a legitimate client authenticates within a round trip or two of its
 //! connect, so it is the newest pending connection while it does, and a flood of idle
@@ -22,7 +35,7 @@
 use rdkv_cluster_config::config::ConnectionLimits;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio_util::sync::CancellationToken;
 
@@ -51,23 +64,74 @@ impl Pending {
     }
 }
 
-/// The unauthenticated connections of a node, oldest first (connection ids grow).
+/// The unauthenticated connections of a node, oldest first (connection ids grow), and the
+/// count of its authenticated ones.
 #[derive(Debug)]
 pub struct PendingHandshakes {
     limits: ConnectionLimits,
+    /// Authenticated connections at once.
+    max_connections: usize,
     pending: Mutex<BTreeMap<u64, Pending>>,
+    /// Authenticated connections now (each `AuthenticatedSlot` counts one).
+    open: Arc<AtomicUsize>,
     /// Connections evicted since start.
     pub evicted: AtomicU64,
+    /// Connections refused since start because every authenticated slot was taken.
+    pub refused_full: AtomicU64,
+}
+
+/// Authenticated slots past `max_connections` that only monitoring connections may use.
+pub const MONITOR_RESERVE: usize = 32;
+
+/// One of the `max_connections` authenticated slots, held by its session until it ends.
+#[derive(Debug)]
+pub struct AuthenticatedSlot {
+    open: Arc<AtomicUsize>,
+}
+
+impl AuthenticatedSlot {
+    /// Authenticated connections now, this one included.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for AuthenticatedSlot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a connection that proved the secret did not get a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A newer connection evicted it first.
+    Evicted,
+    /// Every one of `max_connections` authenticated slots is taken.
+    Full {
+        /// `max_connections` (with the monitors' reserve, for a monitor).
+        max_connections: usize,
+    },
 }
 
 impl PendingHandshakes {
-    /// No connection pending yet, under `limits`.
-    pub fn new(limits: ConnectionLimits) -> Self {
+    /// No connection pending yet, under `limits`, with `max_connections` authenticated slots.
+    pub fn new(limits: ConnectionLimits, max_connections: usize) -> Self {
         Self {
             limits,
+            max_connections,
             pending: Mutex::new(BTreeMap::new()),
+            open: Arc::new(AtomicUsize::new(0)),
             evicted: AtomicU64::new(0),
+            refused_full: AtomicU64::new(0),
         }
+    }
+
+    /// Connections the accept loop may hold at once: every authenticated slot (the monitors'
+    /// reserve included), the unauthenticated budget, and one more, so that with all full a
+    /// new connection is still accepted, and evicts the oldest silent one.
+    pub fn accept_limit(&self) -> usize {
+        self.max_connections + MONITOR_RESERVE + self.limits.max_unauthenticated + 1
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Pending>> {
@@ -131,19 +195,47 @@ impl PendingHandshakes {
         self.lock().remove(&id);
     }
 
-    /// Connection `id` authenticated: it leaves the budget, and no later connection can evict
-    /// it. False when it was evicted first: eviction and authentication race (the evictor may
-    /// have looked just before its Authenticate arrived), and the session must then end
-    /// before it sends anything more, so the client sees a close during authentication, which
-    /// it retries, never a close after its welcome.
-    #[must_use]
-    pub fn authenticated(&self, id: u64) -> bool {
-        self.lock().remove(&id).is_some()
+    /// Connection `id` authenticated: it leaves the unauthenticated budget and takes an
+    /// authenticated slot, in one step, and no later connection can evict it.
+    ///
+    /// `Refusal::Evicted` when it was evicted first: eviction and authentication race (the
+    /// evictor may have looked just before its Authenticate arrived), and the session must
+    /// then end before it sends anything more, so the client sees a close during
+    /// authentication, which it retries, never a close after its welcome.
+    /// `Refusal::Full` when every authenticated slot is taken (for a `monitor`, the reserve's
+    /// too).
+    pub fn authenticate(&self, id: u64, monitor: bool) -> Result<AuthenticatedSlot, Refusal> {
+        let mut pending = self.lock();
+        if pending.remove(&id).is_none() {
+            return Err(Refusal::Evicted);
+        }
+        // Under the lock, so two authentications cannot both take the last slot; a slot
+        // dropped meanwhile only makes room.
+        let limit = if monitor {
+            self.max_connections + MONITOR_RESERVE
+        } else {
+            self.max_connections
+        };
+        if self.open.load(Ordering::Acquire) >= limit {
+            self.refused_full.fetch_add(1, Ordering::Relaxed);
+            return Err(Refusal::Full {
+                max_connections: limit,
+            });
+        }
+        self.open.fetch_add(1, Ordering::AcqRel);
+        Ok(AuthenticatedSlot {
+            open: self.open.clone(),
+        })
     }
 
     /// Unauthenticated connections now.
     pub fn count(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Authenticated connections now.
+    pub fn authenticated_count(&self) -> usize {
+        self.open.load(Ordering::Acquire)
     }
 }
 
@@ -154,7 +246,7 @@ mod tests {
     #[test]
     fn the_oldest_is_evicted_overall_and_per_address() {
         let limits = ConnectionLimits::default();
-        let pending = PendingHandshakes::new(limits);
+        let pending = PendingHandshakes::new(limits, 1024);
         let tokens: Vec<CancellationToken> = (0..limits.max_unauthenticated as u64 + 1)
             .map(|id| {
                 let token = CancellationToken::new();
@@ -168,7 +260,7 @@ mod tests {
         assert!(tokens[1..].iter().all(|token| !token.is_cancelled()));
         assert_eq!(pending.count(), limits.max_unauthenticated);
 
-        let one_source = PendingHandshakes::new(limits);
+        let one_source = PendingHandshakes::new(limits, 1024);
         let source = IpAddr::from([127, 0, 0, 1]);
         let tokens: Vec<CancellationToken> = (0..limits.max_pending_per_address as u64 + 1)
             .map(|id| {
@@ -181,20 +273,27 @@ mod tests {
         assert_eq!(one_source.count(), limits.max_pending_per_address);
         assert_eq!(one_source.evicted.load(Ordering::Relaxed), 1);
         // An authenticated connection leaves the budget.
-        assert!(one_source.authenticated(1));
+        let slot = one_source.authenticate(1, false).expect("a slot");
         assert_eq!(one_source.count(), limits.max_pending_per_address - 1);
+        assert_eq!(one_source.authenticated_count(), 1);
         // One evicted before its authentication was checked is told so.
-        assert!(!one_source.authenticated(0), "connection 0 was evicted");
+        assert_eq!(
+            one_source.authenticate(0, false).map(drop),
+            Err(Refusal::Evicted),
+            "connection 0 was evicted"
+        );
+        drop(slot);
+        assert_eq!(one_source.authenticated_count(), 0);
     }
 
     #[test]
     fn an_authenticated_connection_is_never_evicted() {
         let limits = ConnectionLimits::default();
-        let pending = PendingHandshakes::new(limits);
+        let pending = PendingHandshakes::new(limits, 1024);
         let source = IpAddr::from([127, 0, 0, 1]);
         let first = CancellationToken::new();
         pending.admit(0, source, first.clone(), None);
-        assert!(pending.authenticated(0));
+        let _slot = pending.authenticate(0, false).expect("a slot");
         for id in 1..=limits.max_pending_per_address as u64 * 2 {
             pending.admit(id, source, CancellationToken::new(), None);
         }
@@ -205,7 +304,7 @@ mod tests {
     #[test]
     fn a_connection_that_has_spoken_is_spared() {
         let limits = ConnectionLimits::default();
-        let pending = PendingHandshakes::new(limits);
+        let pending = PendingHandshakes::new(limits, 1024);
         let source = IpAddr::from([127, 0, 0, 1]);
         let mut flags = Vec::new();
         let tokens: Vec<CancellationToken> = (0..limits.max_pending_per_address as u64)
@@ -233,7 +332,7 @@ mod tests {
             max_pending_per_address: 2,
             ..ConnectionLimits::default()
         };
-        let pending = PendingHandshakes::new(limits);
+        let pending = PendingHandshakes::new(limits, 1024);
         let mut clients = Vec::new();
         let mut tokens = Vec::new();
         for id in 0..3u64 {
@@ -256,5 +355,45 @@ mod tests {
         assert!(!tokens[0].is_cancelled(), "bytes waiting: spared");
         assert!(tokens[1].is_cancelled(), "the oldest silent one went");
         assert!(!tokens[2].is_cancelled());
+    }
+
+    #[test]
+    fn authenticated_slots_are_counted_apart_from_the_pending_budget() {
+        let limits = ConnectionLimits {
+            max_unauthenticated: 2,
+            max_pending_per_address: 2,
+            ..ConnectionLimits::default()
+        };
+        let pending = PendingHandshakes::new(limits, 2);
+        assert_eq!(pending.accept_limit(), 2 + MONITOR_RESERVE + 2 + 1);
+        let source = IpAddr::from([127, 0, 0, 1]);
+        for id in 0..3 {
+            pending.admit(id, source, CancellationToken::new(), None);
+        }
+        // Two slots: the pending budget (now full) does not take them.
+        let first = pending.authenticate(1, false).expect("a slot");
+        let second = pending.authenticate(2, false).expect("a slot");
+        for id in 3..5 {
+            pending.admit(id, source, CancellationToken::new(), None);
+        }
+        assert_eq!(
+            pending.count(),
+            2,
+            "the budget is still there for newcomers"
+        );
+        assert_eq!(
+            pending.authenticate(3, false).map(drop),
+            Err(Refusal::Full { max_connections: 2 })
+        );
+        assert_eq!(pending.refused_full.load(Ordering::Relaxed), 1);
+        // A monitor (a status poll, a peer) still gets in, from the reserve.
+        pending.admit(5, source, CancellationToken::new(), None);
+        let monitor = pending.authenticate(5, true).expect("the reserve");
+        assert_eq!(pending.authenticated_count(), 3);
+        drop(monitor);
+        drop(first);
+        let _third = pending.authenticate(4, false).expect("a slot freed");
+        assert_eq!(pending.authenticated_count(), 2);
+        drop(second);
     }
 }

@@ -236,7 +236,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         collector: crate::collector::Pace::new(config.collector_interval),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
-        pending: crate::pending::PendingHandshakes::new(config.limits),
+        pending: crate::pending::PendingHandshakes::new(config.limits, config.max_connections),
         shm,
         view,
         config,
@@ -321,7 +321,9 @@ async fn accept_loop(
     shutdown: CancellationToken,
     tasks: TaskTracker,
 ) {
-    let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+    // Authenticated slots and the unauthenticated budget are counted apart (`crate::pending`);
+    // this bounds the sockets of both, with one to spare so a new connection can evict.
+    let limit = Arc::new(Semaphore::new(shared.pending.accept_limit()));
     let mut last_accept_warning = None;
     loop {
         let permit = tokio::select! {

@@ -173,6 +173,8 @@ impl Counters {
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,
             handshakes_evicted: 0,
+            authenticated_connections: 0,
+            connections_refused_full: 0,
             // Filled in by `Shared::stats`, which knows the view.
             view_epoch: 0,
             view_leader: 0,

@@ -139,10 +139,7 @@ async fn authenticate(
     let welcome = match read_reply(&mut stream).await.map_err(closed_or_failed) {
         Ok(ServerMessage::Welcome(welcome)) => *welcome,
         Ok(ServerMessage::Refused { reason }) => {
-            return Err(Evictable::from(Error::AuthenticationFailed {
-                address,
-                reason,
-            }))
+            return Err(Evictable::from(refusal(node_id, address, reason)))
         }
         Ok(ServerMessage::NotServing { epoch, reason }) => {
             // Retryable: the client goes to the key's next copy once the view names it.
@@ -299,5 +296,24 @@ impl NodeConnection {
             connection.announcer.wakeups(),
         ));
         Ok(connection)
+    }
+}
+
+/// A node's refusal of an Authenticate, as the client's error: a wrong secret or version is
+/// [`Error::AuthenticationFailed`] (its reason without the repeated prefix); anything else (a
+/// full node, no room for an extra lane) is [`Error::Refused`], naming the node.
+fn refusal(node_id: u32, address: SocketAddr, reason: String) -> Error {
+    const AUTHENTICATION: &str = "authentication failed: ";
+    if let Some(rest) = reason.strip_prefix(AUTHENTICATION) {
+        Error::AuthenticationFailed {
+            address,
+            reason: rest.to_string(),
+        }
+    } else if reason.starts_with("protocol version mismatch") {
+        Error::AuthenticationFailed { address, reason }
+    } else {
+        Error::Refused {
+            reason: format!("node {node_id} at {address}: {reason}"),
+        }
     }
 }

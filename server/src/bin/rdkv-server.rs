@@ -78,12 +78,13 @@ struct Arguments {
     /// Per-operation deadline in milliseconds.
     #[arg(long, default_value_t = 2_000)]
     deadline_ms: u64,
-    /// Control connections at once, authenticated or not (the cluster file's
-    /// `max_connections`; with --config, set it there).
+    /// Authenticated control connections at once: clients and their lanes (the cluster file's
+    /// `max_connections`; with --config, set it there). Unauthenticated connections have their
+    /// own budget, and monitors (status, peers) 32 more slots.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(2..), conflicts_with = "config")]
     max_connections: u32,
-    /// Unauthenticated control connections at once, below --max-connections; a new one evicts
-    /// the oldest silent one (`max_unauthenticated_connections`; default 256, or a quarter of
+    /// Unauthenticated control connections at once, apart from and below --max-connections; a
+    /// new one evicts the oldest silent one (`max_unauthenticated_connections`; default 256, or a quarter of
     /// a smaller --max-connections).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "config")]
     max_unauthenticated_connections: Option<u32>,
@@ -134,7 +135,7 @@ fn main() -> std::process::ExitCode {
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
                 format!(
-                    "--max-unauthenticated-connections ({}) must be below --max-connections ({}): unauthenticated connections must never take all the slots",
+                    "--max-unauthenticated-connections ({}) must be below --max-connections ({}): the unauthenticated budget is the smaller one",
                     arguments.max_unauthenticated(),
                     arguments.max_connections
                 ),

@@ -14,6 +14,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::pending::Refusal;
 
 /// Messages from the client, as the reader task delivers them.
 type Messages = mpsc::Receiver<Result<ClientMessage, ControlError>>;
@@ -88,30 +89,42 @@ impl Session {
                 .authentication_failures
                 .fetch_add(1, Ordering::Relaxed);
             let reason =
-                "authentication failed: the client's secret does not match this cluster's secret"
+                "authentication failed: the client's secret does not match this node's; use the same `secret` (or secret file) as the cluster file the node started from"
                     .to_string();
             return Err(Self::refuse(writer, reason).await);
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
-        let open = shared.counters.connections.load(Ordering::Relaxed);
-        if purpose == Purpose::Lane && open as usize > shared.config.max_connections.div_ceil(2) {
+        let slot = match shared
+            .pending
+            .authenticate(self.connection_id, purpose == Purpose::Monitor)
+        {
+            Ok(slot) => slot,
+            // A newer connection evicted this one while its Authenticate was on the way:
+            // end now, before the welcome (the client retries a close during authentication).
+            Err(Refusal::Evicted) => return Err(crate::Error::Evicted),
+            Err(Refusal::Full { max_connections }) => {
+                let reason = format!(
+                    "the node is full: {max_connections} authenticated connections are open (cluster.max_connections); close idle clients or raise max_connections"
+                );
+                return Err(Self::refuse(writer, reason).await);
+            }
+        };
+        let open = slot.open();
+        if purpose == Purpose::Lane && open > shared.config.max_connections.div_ceil(2) {
             // Extra lanes take at most half the node: the rest stays for first connections,
-            // which would otherwise wait in the accept backlog behind another client's lanes.
+            // which would otherwise be refused as the node filled with another client's lanes.
             shared
                 .counters
                 .lanes_refused
                 .fetch_add(1, Ordering::Relaxed);
+            drop(slot);
             let reason = format!(
                 "no room for an extra lane: {open} of max_connections {} are open, and extra lanes take at most half (the client's first connection serves)",
                 shared.config.max_connections
             );
             return Err(Self::refuse(writer, reason).await);
         }
-        if !shared.pending.authenticated(self.connection_id) {
-            // A newer connection evicted this one while its Authenticate was on the way:
-            // end now, before the welcome (the client retries a close during authentication).
-            return Err(crate::Error::Evicted);
-        }
+        self.slot = Some(slot);
         self.authenticated = true;
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.

@@ -142,6 +142,8 @@ impl Shared {
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
+        stats.authenticated_connections = self.pending.authenticated_count() as u64;
+        stats.connections_refused_full = self.pending.refused_full.load(Ordering::Relaxed);
         stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
         (
             stats.view_epoch,
@@ -175,6 +177,7 @@ pub(crate) async fn serve(
             chunk_window: None,
             pass: shared.gate.enter_connection(connection_id, peer),
             authenticated: false,
+            slot: None,
             monitor: false,
             over_shm: false,
             view_at_connect: None,
@@ -229,6 +232,9 @@ struct Session {
     pass: Pass,
     /// Whether the client proved the secret.
     authenticated: bool,
+    /// Its authenticated slot (`crate::pending`), held until the session is dropped, after its
+    /// teardown.
+    slot: Option<crate::pending::AuthenticatedSlot>,
     /// A stats-only session (`Purpose::Monitor`): logged at debug level.
     monitor: bool,
     /// Whether the client's queue pair is on the node's `shm` fabric.
