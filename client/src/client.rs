@@ -578,6 +578,18 @@ impl Client {
             return Ok(connection);
         }
         let address = node.config.node.control_address;
+        // A node that just refused (or was down) is not asked again at once: each operation
+        // would try a connect of its own (`lanes::RECONNECT_BACKOFF_FIRST`).
+        if let Some((reason, ago, left)) = node.lanes[lane].backing_off() {
+            return Err(Error::NodeUnreachable {
+                address,
+                reason: format!(
+                    "{reason} (the last attempt, {} ms ago; the next in {} ms)",
+                    ago.as_millis(),
+                    left.as_millis().max(1)
+                ),
+            });
+        }
         let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
             // Lane 0 is the client's first connection to the node; the others are extra
@@ -587,14 +599,29 @@ impl Client {
             } else {
                 rdkv_common::protocol::Purpose::Lane
             };
-            let fresh = NodeConnection::open(
+            // In this task, so an operation cancelled meanwhile still records the outcome.
+            let opened = NodeConnection::open(
                 &node.config,
                 purpose,
                 counters.clone(),
                 node.writer_stripes.clone(),
                 node.slot_cache.clone(),
             )
-            .await?;
+            .await;
+            let fresh = match opened {
+                Ok(fresh) => {
+                    node.lanes[lane].connect_succeeded();
+                    fresh
+                }
+                Err(error) => {
+                    // Only an unreachable node earns a pause: a refusal (the secret, a full
+                    // node) keeps its own error, which no retry loop repeats.
+                    if let Error::NodeUnreachable { reason, .. } = &error {
+                        node.lanes[lane].connect_failed(reason.clone());
+                    }
+                    return Err(error);
+                }
+            };
             node.server_deadline_ms
                 .store(fresh.welcome.operation_deadline_ms, Ordering::Relaxed);
             let slot = &node.lanes[lane];

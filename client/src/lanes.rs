@@ -27,6 +27,15 @@ use crate::connection::NodeConnection;
 /// How long a lane that failed to open in the background waits before the next attempt.
 pub const LANE_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// The first pause after a lane failed to connect; each failure in a row doubles it, up to
+/// [`RECONNECT_BACKOFF_MOST`]. Without it, operations against a node that was down each tried a
+/// connect of their own: about 29,000 refused connects a second from one load generator.
+pub const RECONNECT_BACKOFF_FIRST: Duration = Duration::from_millis(1);
+
+/// The longest pause between a lane's connection attempts on the operations' path: short, so
+/// a node that comes back is used within a tenth of a second.
+pub const RECONNECT_BACKOFF_MOST: Duration = Duration::from_millis(100);
+
 /// The most lanes per node, whatever the runtime's worker count: each is a connection, with
 /// its queue pair, keys and heap chunk on the node, counted by its `max_connections`.
 pub const MAX_LANES: usize = 8;
@@ -74,6 +83,19 @@ pub(crate) struct Lane {
     opening: AtomicBool,
     /// When the last background attempt failed: the next waits [`LANE_RETRY_INTERVAL`].
     failed_at: Mutex<Option<Instant>>,
+    /// The failures in a row of the lane's connection attempts, and the pause they earn.
+    backoff: Mutex<Option<Backoff>>,
+}
+
+/// A lane's connection attempts failing in a row.
+#[derive(Debug)]
+struct Backoff {
+    /// When the last one failed.
+    failed_at: Instant,
+    /// How long after it the next may start.
+    pause: Duration,
+    /// Why it failed.
+    reason: String,
 }
 
 impl Lane {
@@ -85,7 +107,36 @@ impl Lane {
             retired: AtomicBool::new(false),
             opening: AtomicBool::new(false),
             failed_at: Mutex::new(None),
+            backoff: Mutex::new(None),
         }
+    }
+
+    /// While the lane's last connection attempt failed less than its pause ago: why, how long
+    /// ago, and the time left before the next may start.
+    pub(crate) fn backing_off(&self) -> Option<(String, Duration, Duration)> {
+        let backoff = rdkv_fabric::lock(&self.backoff);
+        let backoff = backoff.as_ref()?;
+        let ago = backoff.failed_at.elapsed();
+        (ago < backoff.pause).then(|| (backoff.reason.clone(), ago, backoff.pause - ago))
+    }
+
+    /// A connection attempt of the lane failed: the next waits twice as long as after the
+    /// last failure, from [`RECONNECT_BACKOFF_FIRST`] to [`RECONNECT_BACKOFF_MOST`].
+    pub(crate) fn connect_failed(&self, reason: String) {
+        let mut backoff = rdkv_fabric::lock(&self.backoff);
+        let pause = backoff.as_ref().map_or(RECONNECT_BACKOFF_FIRST, |last| {
+            (last.pause * 2).min(RECONNECT_BACKOFF_MOST)
+        });
+        *backoff = Some(Backoff {
+            failed_at: Instant::now(),
+            pause,
+            reason,
+        });
+    }
+
+    /// A connection attempt of the lane succeeded: no pause before the next.
+    pub(crate) fn connect_succeeded(&self) {
+        *rdkv_fabric::lock(&self.backoff) = None;
     }
 
     /// Claims the lane's background opening: false while one is in flight, or within
@@ -129,6 +180,25 @@ impl Lane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_connection_attempts_back_off_doubling_up_to_the_most() {
+        let lane = Lane::new();
+        assert!(lane.backing_off().is_none());
+        lane.connect_failed("connection refused".into());
+        let (reason, _, left) = lane.backing_off().expect("backing off");
+        assert_eq!(reason, "connection refused");
+        assert!(left <= RECONNECT_BACKOFF_FIRST);
+        for _ in 0..20 {
+            lane.connect_failed("connection refused".into());
+        }
+        let pause = rdkv_fabric::lock(&lane.backoff)
+            .as_ref()
+            .map(|backoff| backoff.pause);
+        assert_eq!(pause, Some(RECONNECT_BACKOFF_MOST));
+        lane.connect_succeeded();
+        assert!(lane.backing_off().is_none());
+    }
 
     #[test]
     fn a_thread_keeps_its_lane_and_threads_spread_over_the_lanes() {

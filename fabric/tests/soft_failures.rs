@@ -842,6 +842,48 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
     );
 }
 
+/// Requests no conforming requester sends get REM_INV_REQ_ERR, as rxe answers a malformed
+/// packet, and run nothing: an atomic whose length is not 8 (the soft responder took a length
+/// of 4 as 8 before), and a READ that carries a payload (it was read, and the payload
+/// ignored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_get_an_invalid_request() {
+    let _measuring = MEASURING.lock().await;
+    // As on rxe, the responder's queue pair goes to ERROR after a NAK: one peer per request.
+    for malformed in ["a CAS of 4 bytes", "a READ with a payload"] {
+        let mut peer = raw_peer().await;
+        let rkey = peer.rkey;
+        let stream = &mut peer.stream;
+        let request = if malformed == "a CAS of 4 bytes" {
+            let mut request = read_request(1, &rkey, 0, 4).to_vec();
+            request[1] = 2; // CAS
+            request
+        } else {
+            let mut request = read_request(1, &rkey, 0, 8).to_vec();
+            request[28..32].copy_from_slice(&8u32.to_le_bytes());
+            request.extend_from_slice(&[0xAB; 8]);
+            request
+        };
+        stream.write_all(&request).expect("the request");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut header = [0u8; 16];
+        stream.read_exact(&mut header).expect("a response");
+        assert_eq!(header[0], 2, "{malformed}: a response frame ({header:?})");
+        assert_eq!(
+            header[1], 4,
+            "{malformed}: REM_INV_REQ_ERR (status byte {})",
+            header[1]
+        );
+        assert_eq!(
+            u32::from_le_bytes([header[4], header[5], header[6], header[7]]),
+            0,
+            "{malformed}: no payload"
+        );
+    }
+}
+
 /// This process's threads that the fabric started, now: named `rdkv-…` (the NIC's accept and
 /// engine threads, and any thread they spawn unnamed, which inherits the name). The soft NIC
 /// uses no tokio thread of its own. Other threads are left out: the test harness starts one per

@@ -271,3 +271,38 @@ fn silent_connections_cannot_hold_the_last_slots_of_a_nearly_full_node() {
         }
     });
 }
+
+/// Garbage before authentication, many times a second, does not become as many log lines: a
+/// helper's attack got an info line for each one. At most a line a second now, which counts
+/// the ones it left out.
+#[test]
+fn garbage_before_authentication_is_logged_at_most_once_a_second() {
+    const CONNECTIONS: usize = 300;
+    let (mut server, address) = rdkv_integration_tests::process::ObservedServer::start(
+        SECRET,
+        &["--heap-size", "16M", "--index-size", "1M"],
+    );
+    let started = Instant::now();
+    for _ in 0..CONNECTIONS {
+        let mut stream = TcpStream::connect(address).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        // A frame length far past any message, then junk.
+        let _ = std::io::Write::write_all(&mut stream, &[0xFF; 64]);
+        let mut sink = Vec::new();
+        let _ = stream.read_to_end(&mut sink);
+    }
+    let seconds = started.elapsed().as_secs() as usize;
+    server.terminate();
+    let stopped = server.wait_exit(Duration::from_secs(15));
+    let lines = stopped.lines_with("connection closed before authenticating");
+    assert!(
+        (1..=seconds + 2).contains(&lines),
+        "{lines} log lines for {CONNECTIONS} garbage connections in {seconds} s"
+    );
+    assert!(
+        stopped.stderr.contains("left_out="),
+        "the lines count the others"
+    );
+}

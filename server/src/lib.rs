@@ -11,6 +11,7 @@
 //! - [`server`]: start, run, shutdown.
 //! - [`gate`]: what a stopping server still waits for, named in its logs.
 //! - [`pending`]: the limits on connections that have not authenticated yet.
+//! - `log_budget`: at most a line a second for what an outsider can cause at will.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`stats`](crate::stats): counters.
 //! - [`view`]: the cluster view, agreed by the nodes with Raft (`openraft`).
@@ -26,6 +27,7 @@ pub mod config;
 pub mod error;
 pub mod gate;
 pub mod heap;
+mod log_budget;
 pub mod metrics;
 pub mod pending;
 mod refill;

@@ -237,6 +237,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
         pending: crate::pending::PendingHandshakes::new(config.limits, config.max_connections),
+        unauthenticated_ends: crate::log_budget::LogBudget::new(std::time::Duration::from_secs(1)),
         shm,
         view,
         config,

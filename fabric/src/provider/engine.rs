@@ -102,6 +102,11 @@ pub(crate) fn request_length(
     max_message_size: u32,
 ) -> std::result::Result<u64, WorkCompletionStatus> {
     let length = if request.opcode.is_atomic() {
+        // An atomic is 8 bytes; a peer that says otherwise is not a conforming requester
+        // (ours checks the local segment: `ProtectionTable`).
+        if request.length != 8 {
+            return Err(WorkCompletionStatus::RemoteInvalidRequestError);
+        }
         8
     } else {
         u64::from(request.length)
@@ -121,6 +126,10 @@ pub(crate) fn execute(
     write_payload: &[u8],
     response: &mut Vec<u8>,
 ) -> WorkCompletionStatus {
+    if request.opcode != Opcode::Write && !write_payload.is_empty() {
+        // Only a WRITE carries data to the responder.
+        return WorkCompletionStatus::RemoteInvalidRequestError;
+    }
     let length = match request_length(request, context.max_message_size) {
         Ok(0) => return WorkCompletionStatus::Success,
         Ok(length) => length,

@@ -84,6 +84,8 @@ pub(crate) struct Shared {
     pub(crate) gate: Arc<Gate>,
     /// Connections that have not authenticated yet.
     pub(crate) pending: crate::pending::PendingHandshakes,
+    /// The log lines of unauthenticated connections that ended badly: one a second.
+    pub(crate) unauthenticated_ends: crate::log_budget::LogBudget,
     /// The `shm` fabric, when the node offers one.
     pub(crate) shm: Option<ShmFabric>,
     /// The node's part in the cluster view.
@@ -203,8 +205,15 @@ pub(crate) async fn serve(
         if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
             // A stats poll that ended as it should.
             tracing::debug!(%reason, "connection closed");
-        } else if session.authenticated || !quiet.contains(&reason) {
+        } else if session.authenticated {
             tracing::info!(%reason, "connection closed");
+        } else if !quiet.contains(&reason) {
+            // Garbage, a wrong secret, a handshake that ran out of time: anyone who reaches
+            // the port can cause these at will, so at most a line a second says so (the
+            // counters, `authentication_failures` among them, count every one).
+            if let Some(left_out) = shared.unauthenticated_ends.take() {
+                tracing::info!(%reason, left_out, "connection closed before authenticating (at most a line a second: left_out counts the others since the last)");
+            }
         } else {
             // A port probe (`rdkv-cluster up`'s readiness check, a load balancer): not news.
             tracing::debug!("connection closed before it said anything");
