@@ -9,7 +9,8 @@
 //! Only the first lane opens on an operation's path. An operation whose lane is not connected
 //! while another is uses that one, and its own lane opens in the background: a node at
 //! `max_connections` holds a new connection for the whole handshake timeout, and an operation
-//! must not wait for that (a failed attempt is retried after [`LANE_RETRY_INTERVAL`]).
+//! must not wait for that (a failed attempt is retried after [`LANE_RETRY_INTERVAL`], doubling
+//! with each failure in a row up to [`LANE_RETRY_MOST`]).
 //!
 //! Every fabric gets a lane per worker. `soft` had one until one doorbell carried a batch:
 //! with a write per post, two connections from one client halved its engine's batches and
@@ -24,8 +25,14 @@ use std::time::{Duration, Instant};
 
 use crate::connection::NodeConnection;
 
-/// How long a lane that failed to open in the background waits before the next attempt.
+/// How long a lane that failed to open in the background waits before the next attempt; each
+/// failure in a row doubles it, up to [`LANE_RETRY_MOST`].
 pub const LANE_RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The longest wait between a lane's background attempts. A node more than half full refuses
+/// extra lanes for as long as it stays so: at one attempt a second, the lanes of a few
+/// clients cost it about 60 handshakes (and refusals) a second.
+pub const LANE_RETRY_MOST: Duration = Duration::from_secs(30);
 
 /// The first pause after a lane failed to connect; each failure in a row doubles it, up to
 /// [`RECONNECT_BACKOFF_MOST`]. Without it, operations against a node that was down each tried a
@@ -81,8 +88,9 @@ pub(crate) struct Lane {
     pub(crate) retired: AtomicBool,
     /// A background attempt to open the lane is in flight.
     opening: AtomicBool,
-    /// When the last background attempt failed: the next waits [`LANE_RETRY_INTERVAL`].
-    failed_at: Mutex<Option<Instant>>,
+    /// When the last background attempt failed, and how long the next waits (from
+    /// [`LANE_RETRY_INTERVAL`], doubling to [`LANE_RETRY_MOST`]).
+    failed_at: Mutex<Option<(Instant, Duration)>>,
     /// The failures in a row of the lane's connection attempts, and the pause they earn.
     backoff: Mutex<Option<Backoff>>,
 }
@@ -139,20 +147,29 @@ impl Lane {
         *rdkv_fabric::lock(&self.backoff) = None;
     }
 
-    /// Claims the lane's background opening: false while one is in flight, or within
-    /// [`LANE_RETRY_INTERVAL`] of a failed one.
+    /// Claims the lane's background opening: false while one is in flight, or within the
+    /// retry interval of a failed one.
     pub(crate) fn claim_background_attempt(&self) -> bool {
-        if rdkv_fabric::lock(&self.failed_at)
-            .is_some_and(|failed| failed.elapsed() < LANE_RETRY_INTERVAL)
+        if rdkv_fabric::lock(&self.failed_at).is_some_and(|(failed, wait)| failed.elapsed() < wait)
         {
             return false;
         }
         !self.opening.swap(true, Ordering::AcqRel)
     }
 
-    /// Ends the background opening claimed with [`Lane::claim_background_attempt`].
+    /// Ends the background opening claimed with [`Lane::claim_background_attempt`]: a failure
+    /// doubles the wait before the next (from [`LANE_RETRY_INTERVAL`] to [`LANE_RETRY_MOST`]).
     pub(crate) fn end_background_attempt(&self, succeeded: bool) {
-        *rdkv_fabric::lock(&self.failed_at) = (!succeeded).then(Instant::now);
+        let mut failed_at = rdkv_fabric::lock(&self.failed_at);
+        *failed_at = if succeeded {
+            None
+        } else {
+            let wait = failed_at.map_or(LANE_RETRY_INTERVAL, |(_, wait)| {
+                (wait * 2).min(LANE_RETRY_MOST)
+            });
+            Some((Instant::now(), wait))
+        };
+        drop(failed_at);
         self.opening.store(false, Ordering::Release);
     }
 
@@ -180,6 +197,25 @@ impl Lane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_background_attempts_wait_longer_each_time() {
+        let lane = Lane::new();
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            assert!(lane.claim_background_attempt(), "no attempt in flight");
+            lane.end_background_attempt(false);
+            assert!(!lane.claim_background_attempt(), "within its wait");
+            let (_, wait) = rdkv_fabric::lock(&lane.failed_at).expect("failed");
+            waits.push(wait.as_secs());
+            // As if the wait had passed.
+            *rdkv_fabric::lock(&lane.failed_at) = Some((Instant::now() - wait, wait));
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert!(lane.claim_background_attempt());
+        lane.end_background_attempt(true);
+        assert!(lane.claim_background_attempt(), "a success clears the wait");
+    }
 
     #[test]
     fn failed_connection_attempts_back_off_doubling_up_to_the_most() {
