@@ -205,7 +205,8 @@ pub(crate) async fn serve(
         if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
             // A stats poll that ended as it should.
             tracing::debug!(%reason, "connection closed");
-        } else if session.authenticated {
+        } else if session.authenticated || reason == crate::Error::ShuttingDown.to_string() {
+            // A shutdown's cancelled handshakes are logged each: the operator caused them, once.
             tracing::info!(%reason, "connection closed");
         } else if !quiet.contains(&reason) {
             // Garbage, a wrong secret, a handshake that ran out of time: anyone who reaches
