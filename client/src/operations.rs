@@ -30,6 +30,7 @@ use rdkv_common::layout::{
     MAX_VALUE_LENGTH,
 };
 use rdkv_fabric::WorkRequest;
+use smallvec::{smallvec, SmallVec};
 
 use crate::connection::{
     ExecuteError, Guess, NodeConnection, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT,
@@ -122,15 +123,16 @@ pub(crate) struct Match {
     pub(crate) tombstone: bool,
 }
 
-/// What one lookup of a key found.
+/// What one lookup of a key found. A narrow guess's view (one slot, one match: most GETs)
+/// lives inline, without an allocation.
 #[derive(Debug)]
 pub(crate) struct View {
     /// Every slot read, with its position, in position order.
-    pub(crate) slots: Vec<(SlotPosition, Slot)>,
+    pub(crate) slots: SmallVec<[(SlotPosition, Slot); 1]>,
     /// Committed (or locked) slots holding the key, in position order. At most one is
     /// committed at any instant; a lookup that reads the buckets while the key moves can see
     /// two.
-    pub(crate) committed: Vec<Match>,
+    pub(crate) committed: SmallVec<[Match; 1]>,
     /// Other writers' tentative slots holding the key (only when asked for).
     pub(crate) tentative: Vec<Match>,
 }
@@ -295,8 +297,8 @@ pub(crate) async fn lookup(
                 .guess_outcome(false, found.is_some());
             if let Some(found) = found {
                 return Ok(View {
-                    slots,
-                    committed: vec![found],
+                    slots: SmallVec::from_vec(slots),
+                    committed: smallvec![found],
                     tentative: Vec::new(),
                 });
             }
@@ -310,8 +312,8 @@ pub(crate) async fn lookup(
         match outcome {
             Ok((committed, tentative)) => {
                 return Ok(View {
-                    slots,
-                    committed,
+                    slots: SmallVec::from_vec(slots),
+                    committed: SmallVec::from_vec(committed),
                     tentative,
                 })
             }
@@ -414,8 +416,8 @@ async fn narrow_guess(
     connection.counters.slot_guesses.add(1);
     Ok(match found {
         Some(found) => Ok(View {
-            slots: seen.to_vec(),
-            committed: vec![found],
+            slots: SmallVec::from_buf(seen),
+            committed: smallvec![found],
             tentative: Vec::new(),
         }),
         None => {
@@ -546,8 +548,7 @@ fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<Blo
         return Ok(BlockRead::Broken);
     };
     region.read(at + header.key_offset() as u64, stored_key)?;
-    let mut value = vec![0u8; header.value_length];
-    region.read(at + header.value_offset() as u64, &mut value)?;
+    let value = region.read_to_vec(at + header.value_offset() as u64, header.value_length)?;
     if header.verify(stored_key, &value).is_err() {
         return Ok(BlockRead::Broken);
     }

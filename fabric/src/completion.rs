@@ -64,7 +64,7 @@ impl CompletionQueueInner {
 
 impl CompletionQueueInner {
     /// Records completions that nobody awaits any more.
-    pub(crate) fn push_unclaimed(&self, completions: Vec<WorkCompletion>) {
+    pub(crate) fn push_unclaimed(&self, completions: impl IntoIterator<Item = WorkCompletion>) {
         let mut backlog = match self.backlog.lock() {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
@@ -129,6 +129,11 @@ impl CompletionQueue {
     }
 }
 
+/// The completions a posted list resolves with. Usually one (only signaled requests and failed
+/// or flushed ones produce completions, and a list signals its tail): room for two inline, so
+/// gathering them allocates nothing.
+pub type Completions = smallvec::SmallVec<[WorkCompletion; 2]>;
+
 /// The completions of one posted list, gathered until its last request completes, shared by
 /// the list's in-flight requests and its [`PostedList`]: one allocation and one lock per list
 /// (a oneshot channel beside it was two more allocations and a second lock).
@@ -142,7 +147,7 @@ pub(crate) struct ListCompletion {
 #[derive(Debug, Default)]
 struct ListState {
     /// Completions so far.
-    completions: Vec<WorkCompletion>,
+    completions: Completions,
     /// The tail completed: `completions` is the whole list's.
     complete: bool,
     /// The [`PostedList`] was dropped: the completions go to the queue's backlog.
@@ -152,15 +157,15 @@ struct ListState {
 }
 
 impl ListCompletion {
-    /// The completion of a list of `requests` requests (room for one completion each, so
-    /// gathering them never reallocates).
+    /// The completion of a list of `requests` requests: room for every completion they can
+    /// produce, inline when there are at most two (one for an ordinary list).
     pub(crate) fn new(
         queue: Arc<CompletionQueueInner>,
         requests: usize,
     ) -> (Arc<Self>, PostedList) {
         let list = Arc::new(Self {
             state: Mutex::new(ListState {
-                completions: Vec::with_capacity(requests),
+                completions: Completions::with_capacity(requests.min(2)),
                 ..ListState::default()
             }),
         });
@@ -184,7 +189,7 @@ impl ListCompletion {
     ) {
         let mut state = self.state();
         if state.abandoned {
-            queue.push_unclaimed(vec![completion]);
+            queue.push_unclaimed([completion]);
             return;
         }
         state.completions.push(completion);
@@ -232,7 +237,7 @@ impl Drop for PostedList {
 }
 
 impl Future for PostedList {
-    type Output = Vec<WorkCompletion>;
+    type Output = Completions;
 
     fn poll(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.list.state();

@@ -46,7 +46,7 @@ mod seam;
 mod send_slots;
 mod types;
 
-pub use completion::{CompletionQueue, PostedList};
+pub use completion::{CompletionQueue, Completions, PostedList};
 pub use device::{
     Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,
     DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_PENDING_HELLOS, DEFAULT_RESPONSE_BUFFER,

@@ -523,6 +523,18 @@ impl MemoryRegion {
             .read_into(self.inner.offset + offset, destination)
     }
 
+    /// Copies `length` bytes, starting `offset` bytes in, into a new vector (not zeroed
+    /// first).
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the region.
+    pub fn read_to_vec(&self, offset: u64, length: usize) -> Result<Vec<u8>> {
+        self.check(offset, length as u64)?;
+        self.inner
+            .memory
+            .read_to_vec(self.inner.offset + offset, length)
+    }
+
     /// Copies bytes into the region, starting `offset` bytes in.
     ///
     /// # Errors

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::completion::{CompletionQueue, ListCompletion, PostedList};
+use crate::completion::{CompletionQueue, Completions, ListCompletion, PostedList};
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
 use crate::lock;
@@ -785,7 +785,7 @@ impl QueuePair {
     ///
     /// # Errors
     /// As [`QueuePair::post`]. Failed completions are returned, not turned into errors.
-    pub async fn execute(&self, list: Vec<WorkRequest>) -> Result<Vec<WorkCompletion>> {
+    pub async fn execute(&self, list: Vec<WorkRequest>) -> Result<Completions> {
         Ok(self.post(list).await?.await)
     }
 

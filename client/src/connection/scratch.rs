@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use rdkv_fabric::lock;
-use rdkv_fabric::{MemoryRegion, PostedList, WorkCompletion, WorkCompletionStatus, WorkRequest};
+use rdkv_fabric::{MemoryRegion, PostedList, WorkCompletionStatus, WorkRequest};
 
 use crate::error::Result;
 use crate::fault::{Injection, Moment, Step, StepKind};
@@ -111,7 +111,7 @@ impl Scratch {
         operation: &'static str,
         kind: StepKind,
         mut list: Vec<WorkRequest>,
-    ) -> Result<Vec<WorkCompletion>, ExecuteError> {
+    ) -> Result<rdkv_fabric::Completions, ExecuteError> {
         let number = self.round_trips as u32;
         self.reached_fabric = false;
         self.progress.wait_for(Waiting::Step(kind));
@@ -143,7 +143,7 @@ impl Scratch {
         self.outstanding = Some(posted);
         let completions = match self.outstanding.as_mut() {
             Some(posted) => posted.await,
-            None => Vec::new(),
+            None => rdkv_fabric::Completions::new(),
         };
         self.outstanding = None;
         if let Some(failed) = completions

@@ -517,6 +517,45 @@ impl PinnedMemory {
         Ok(())
     }
 
+    /// Copies `length` bytes starting at `offset` out of the block into a new vector, which is
+    /// filled as it is read, never zeroed first (a GET's value: [`PinnedMemory::read_into`] a
+    /// zeroed vector spent as much again on the zeroing as on the copy).
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
+    pub fn read_to_vec(&self, offset: u64, length: usize) -> Result<Vec<u8>> {
+        self.check_range(offset, length as u64)?;
+        let mut destination = Vec::with_capacity(length);
+        let spare = &mut destination.spare_capacity_mut()[..length];
+        let head = (((8 - (offset % 8)) % 8) as usize).min(length);
+        let (head_part, rest) = spare.split_at_mut(head);
+        let mut partial = [0u8; 8];
+        self.read_partial(offset, &mut partial[..head]);
+        for (slot, byte) in head_part.iter_mut().zip(partial) {
+            slot.write(byte);
+        }
+        let mut position = offset + head as u64;
+        let mut words = rest.chunks_exact_mut(8);
+        for chunk in &mut words {
+            // A fixed 8-byte chunk: one store.
+            let bytes = self.word(position).load(Ordering::Acquire).to_le_bytes();
+            for (slot, byte) in chunk.iter_mut().zip(bytes) {
+                slot.write(byte);
+            }
+            position += 8;
+        }
+        let tail_part = words.into_remainder();
+        self.read_partial(position, &mut partial[..tail_part.len()]);
+        for (slot, byte) in tail_part.iter_mut().zip(partial) {
+            slot.write(byte);
+        }
+        // SAFETY: the head, the whole words and the tail above wrote each of the first
+        // `length` bytes of the spare capacity, which `with_capacity(length)` made at least
+        // `length` long, so they are initialized.
+        unsafe { destination.set_len(length) };
+        Ok(destination)
+    }
+
     /// Copies `length` bytes at `offset` of this block to `destination_offset` of another
     /// block (a READ placed straight into the requester's buffer by the `shm` provider): one
     /// atomic load and store per word when both ranges are word-aligned, else through a small
@@ -718,6 +757,28 @@ mod tests {
         assert_eq!(memory.len(), PAGE_SIZE);
         assert!(pinned_bytes() >= before + PAGE_SIZE);
         drop(memory);
+    }
+
+    #[test]
+    fn read_to_vec_reads_what_read_into_reads_at_any_alignment() {
+        let memory = small();
+        let pattern: Vec<u8> = (0..200u32).map(|byte| (byte * 7 + 3) as u8).collect();
+        memory.write_from(0, &pattern).expect("write");
+        for offset in 0..9u64 {
+            for length in [0usize, 1, 5, 8, 9, 16, 63, 100, 190] {
+                let mut expected = vec![0u8; length];
+                memory.read_into(offset, &mut expected).expect("read_into");
+                assert_eq!(
+                    memory.read_to_vec(offset, length).expect("read_to_vec"),
+                    expected,
+                    "offset {offset}, length {length}"
+                );
+            }
+        }
+        assert!(matches!(
+            memory.read_to_vec(8190, 4),
+            Err(Error::MemoryOutOfBounds { .. })
+        ));
     }
 
     #[test]

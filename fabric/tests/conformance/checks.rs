@@ -1202,7 +1202,7 @@ pub async fn a_stopped_responder_reports_what_it_did_not_run(fabric: Backend) {
     }
     let late = match late {
         Ok(posted) => posted.await,
-        Err(_) => Vec::new(),
+        Err(_) => rdkv_fabric::Completions::new(),
     };
     let count = |wanted: &[WorkCompletionStatus]| {
         completions
