@@ -266,9 +266,14 @@ impl Client {
         let counters = Arc::new(Counters::default());
         let lanes = lanes_for(config.lanes);
         let node = Node::new(1, config, lanes);
+        let purpose = if node.config.refill_peer {
+            rdkv_common::protocol::Purpose::Refill
+        } else {
+            rdkv_common::protocol::Purpose::Data
+        };
         let connection = NodeConnection::open(
             &node.config,
-            rdkv_common::protocol::Purpose::Data,
+            purpose,
             counters.clone(),
             node.writer_stripes.clone(),
             node.slot_cache.clone(),
@@ -340,6 +345,28 @@ impl Client {
         shared_memory: crate::SharedMemory,
         lanes: Option<usize>,
     ) -> Self {
+        Self::for_cluster_configured(cluster, concurrency, shared_memory, lanes, false)
+    }
+
+    /// A node's own client for its refill (`rdkv-server`): one lane per peer, never shared
+    /// memory, and connections that take the peers' reserved slots ([`ClientConfig::refill_peer`]).
+    pub fn for_refill(cluster: &ClusterConfig, concurrency: usize) -> Self {
+        Self::for_cluster_configured(
+            cluster,
+            concurrency,
+            crate::SharedMemory::Off,
+            Some(1),
+            true,
+        )
+    }
+
+    fn for_cluster_configured(
+        cluster: &ClusterConfig,
+        concurrency: usize,
+        shared_memory: crate::SharedMemory,
+        lanes: Option<usize>,
+        refill_peer: bool,
+    ) -> Self {
         let lanes = lanes_for(lanes);
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
@@ -360,6 +387,7 @@ impl Client {
                 config.operation_deadline = Some(cluster.operation_deadline);
                 config.poll_spin = cluster.poll_spin;
                 config.concurrency = concurrency.max(1);
+                config.refill_peer = refill_peer;
                 Arc::new(Node::new(node.id, config, lanes))
             })
             .collect();
@@ -580,21 +608,25 @@ impl Client {
         let address = node.config.node.control_address;
         // A node that just refused (or was down) is not asked again at once: each operation
         // would try a connect of its own (`lanes::RECONNECT_BACKOFF_FIRST`).
-        if let Some((reason, ago, left)) = node.lanes[lane].backing_off() {
-            return Err(Error::NodeUnreachable {
-                address,
-                reason: format!(
-                    "{reason} (the last attempt, {} ms ago; the next in {} ms)",
-                    ago.as_millis(),
-                    left.as_millis().max(1)
-                ),
+        if let Some((reason, refused, ago, left)) = node.lanes[lane].backing_off() {
+            let reason = format!(
+                "{reason} (the last attempt, {} ms ago; the next in {} ms)",
+                ago.as_millis(),
+                left.as_millis().max(1)
+            );
+            return Err(if refused {
+                Error::Refused { reason }
+            } else {
+                Error::NodeUnreachable { address, reason }
             });
         }
         let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
             // Lane 0 is the client's first connection to the node; the others are extra
             // lanes, which a node more than half full refuses (its first lane serves).
-            let purpose = if lane == 0 {
+            let purpose = if node.config.refill_peer {
+                rdkv_common::protocol::Purpose::Refill
+            } else if lane == 0 {
                 rdkv_common::protocol::Purpose::Data
             } else {
                 rdkv_common::protocol::Purpose::Lane
@@ -614,10 +646,18 @@ impl Client {
                     fresh
                 }
                 Err(error) => {
-                    // Only an unreachable node earns a pause: a refusal (the secret, a full
-                    // node) keeps its own error, which no retry loop repeats.
-                    if let Error::NodeUnreachable { reason, .. } = &error {
-                        node.lanes[lane].connect_failed(reason.clone());
+                    // An unreachable node and a refusing one (full) earn a pause: each
+                    // operation would otherwise try a handshake of its own (a client against
+                    // a full node made 14,800 a second). A wrong secret fails every attempt
+                    // the same way, and its error says so each time.
+                    match &error {
+                        Error::NodeUnreachable { reason, .. } => {
+                            node.lanes[lane].connect_failed(reason.clone(), false)
+                        }
+                        Error::Refused { reason } => {
+                            node.lanes[lane].connect_failed(reason.clone(), true)
+                        }
+                        _ => {}
                     }
                     return Err(error);
                 }

@@ -104,6 +104,8 @@ struct Backoff {
     pause: Duration,
     /// Why it failed.
     reason: String,
+    /// Whether the node refused the connection (full) rather than being unreachable.
+    refused: bool,
 }
 
 impl Lane {
@@ -119,18 +121,27 @@ impl Lane {
         }
     }
 
-    /// While the lane's last connection attempt failed less than its pause ago: why, how long
-    /// ago, and the time left before the next may start.
-    pub(crate) fn backing_off(&self) -> Option<(String, Duration, Duration)> {
+    /// While the lane's last connection attempt failed less than its pause ago: why (and
+    /// whether the node refused it), how long ago, and the time left before the next may
+    /// start.
+    pub(crate) fn backing_off(&self) -> Option<(String, bool, Duration, Duration)> {
         let backoff = rdkv_fabric::lock(&self.backoff);
         let backoff = backoff.as_ref()?;
         let ago = backoff.failed_at.elapsed();
-        (ago < backoff.pause).then(|| (backoff.reason.clone(), ago, backoff.pause - ago))
+        (ago < backoff.pause).then(|| {
+            (
+                backoff.reason.clone(),
+                backoff.refused,
+                ago,
+                backoff.pause - ago,
+            )
+        })
     }
 
-    /// A connection attempt of the lane failed: the next waits twice as long as after the
-    /// last failure, from [`RECONNECT_BACKOFF_FIRST`] to [`RECONNECT_BACKOFF_MOST`].
-    pub(crate) fn connect_failed(&self, reason: String) {
+    /// A connection attempt of the lane failed (`refused`: the node said no, as a full node
+    /// does): the next waits twice as long as after the last failure, from
+    /// [`RECONNECT_BACKOFF_FIRST`] to [`RECONNECT_BACKOFF_MOST`].
+    pub(crate) fn connect_failed(&self, reason: String, refused: bool) {
         let mut backoff = rdkv_fabric::lock(&self.backoff);
         let pause = backoff.as_ref().map_or(RECONNECT_BACKOFF_FIRST, |last| {
             (last.pause * 2).min(RECONNECT_BACKOFF_MOST)
@@ -139,6 +150,7 @@ impl Lane {
             failed_at: Instant::now(),
             pause,
             reason,
+            refused,
         });
     }
 
@@ -221,12 +233,13 @@ mod tests {
     fn failed_connection_attempts_back_off_doubling_up_to_the_most() {
         let lane = Lane::new();
         assert!(lane.backing_off().is_none());
-        lane.connect_failed("connection refused".into());
-        let (reason, _, left) = lane.backing_off().expect("backing off");
+        lane.connect_failed("connection refused".into(), false);
+        let (reason, refused, _, left) = lane.backing_off().expect("backing off");
+        assert!(!refused);
         assert_eq!(reason, "connection refused");
         assert!(left <= RECONNECT_BACKOFF_FIRST);
         for _ in 0..20 {
-            lane.connect_failed("connection refused".into());
+            lane.connect_failed("connection refused".into(), false);
         }
         let pause = rdkv_fabric::lock(&lane.backoff)
             .as_ref()

@@ -602,3 +602,56 @@ fn operations_against_a_stopped_node_back_off_their_connects() {
         drop(node);
     });
 }
+
+/// Operations against a full node do not each try a handshake: a refusal pauses the lane as an
+/// unreachable node does (a helper's attack: one client made 14,800 refused handshakes a
+/// second against a full node). A node's refill client takes the peers' reserved slots, so a
+/// node full of clients still lets a restarted peer fill (the same attack held a peer in
+/// `filling` for 45 s).
+#[test]
+fn a_full_node_refuses_with_a_reason_without_a_handshake_per_operation() {
+    runtime(2).block_on(async {
+        let node = start_loopback(None, 1).await;
+        let address = node.control_address();
+        let holder = Client::for_cluster_with_lanes(
+            &cluster(address),
+            8,
+            rdkv_client::SharedMemory::Off,
+            Some(1),
+        );
+        holder
+            .put(b"held", b"value")
+            .await
+            .expect("the holder's put");
+
+        let refused = Client::for_cluster(&cluster(address));
+        let started = Instant::now();
+        for _ in 0..2_000 {
+            let error = refused.get(b"held").await.expect_err("the node is full");
+            assert!(
+                matches!(error, rdkv_client::Error::Refused { .. })
+                    && error.to_string().contains("the node is full"),
+                "{error}"
+            );
+        }
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        let handshakes = node.stats().connections_refused_full;
+        assert!(
+            handshakes <= 12 + elapsed_ms / 50,
+            "{handshakes} refused handshakes in {elapsed_ms} ms"
+        );
+
+        let refill = Client::for_refill(&cluster(address), 4);
+        assert_eq!(
+            refill
+                .get(b"held")
+                .await
+                .expect("a refill gets in")
+                .as_deref(),
+            Some(b"value".as_slice())
+        );
+        refill.close().await;
+        holder.close().await;
+        refused.close().await;
+    });
+}

@@ -552,6 +552,12 @@ pub async fn stop_node(
             }
             return Ok(Stopped::ByRequest);
         }
+        // Refused after the secret checked out (every slot it may give a monitor taken): it
+        // is this file's node, so the signal may stop it.
+        Err(ControlError::Refused { reason }) if !crate::status::refused_the_secret(&reason) => {
+            let why = format!("it refused the shutdown request: {reason}");
+            return stop_by_signal(config, node, run_directory, &why).await;
+        }
         Err(ControlError::Refused { reason }) => reason,
         Err(_) => {
             let why = match probe_node(node.control_address, Duration::from_millis(500)) {

@@ -34,12 +34,19 @@ pub struct NodeStatus {
     pub state: NodeState,
 }
 
-/// `status`'s exit code: 0 every node up, 1 a node down, 3 a node refused the secret.
+/// Whether a node's refusal is of the secret (or the version): `authentication failed: …`. A
+/// node can also refuse a monitor because every slot it may take is taken (`the node is
+/// full: …`), which is not a secret problem.
+pub fn refused_the_secret(reason: &str) -> bool {
+    reason.starts_with("authentication failed") || reason.starts_with("protocol version mismatch")
+}
+
+/// `status`'s exit code: 0 every node up, 1 a node down (or refusing for another reason, as a
+/// full node does), 3 a node refused the secret.
 pub fn exit_code(statuses: &[NodeStatus]) -> u8 {
-    if statuses
-        .iter()
-        .any(|status| matches!(status.state, NodeState::Refused(_)))
-    {
+    if statuses.iter().any(
+        |status| matches!(&status.state, NodeState::Refused(reason) if refused_the_secret(reason)),
+    ) {
         3
     } else if statuses
         .iter()
@@ -238,9 +245,7 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
             ],
             NodeState::Refused(reason) | NodeState::Down(reason) => {
                 let state = match &status.state {
-                    NodeState::Refused(reason) if reason.starts_with("authentication failed") => {
-                        "auth failed"
-                    }
+                    NodeState::Refused(reason) if refused_the_secret(reason) => "auth failed",
                     NodeState::Refused(_) => "refused",
                     _ => "down",
                 };
@@ -326,6 +331,18 @@ mod tests {
         assert_eq!(exit_code(&statuses), 3);
         let text = status_table(&statuses);
         assert!(text.contains("auth failed"), "{text}");
+        // A full node's refusal is not a secret problem: 1, and shown as refused.
+        let full = NodeState::Refused(
+            "the node is full: 40 authenticated connections are open (cluster.max_connections)"
+                .into(),
+        );
+        let statuses = [node(1, full), node(2, up())];
+        assert_eq!(exit_code(&statuses), 1);
+        let text = status_table(&statuses);
+        assert!(
+            text.contains("refused") && !text.contains("auth failed"),
+            "{text}"
+        );
     }
 
     #[test]

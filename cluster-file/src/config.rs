@@ -830,19 +830,26 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             Some(value) => Ok(usize::try_from(*value.get_ref()).unwrap_or(usize::MAX)),
         }
     };
+    if let Some(value) = cluster
+        .max_connections
+        .as_ref()
+        .filter(|value| *value.get_ref() < 2)
+    {
+        // Before the generic check of counts (at least 1), so 0 and 1 get the same message.
+        return Err(locator.error(
+            value.span(),
+            "cluster.max_connections",
+            format!(
+                "{} is too few: at least 2 (the unauthenticated budget must stay below it)",
+                value.get_ref()
+            ),
+        ));
+    }
     let max_connections = count(
         &cluster.max_connections,
         "cluster.max_connections",
         defaults.max_connections,
     )?;
-    if max_connections < 2 {
-        let span = span_of(&cluster.max_connections);
-        return Err(locator.error(
-            span,
-            "cluster.max_connections",
-            "at least 2: unauthenticated connections must stay below it",
-        ));
-    }
     let limits = ConnectionLimits {
         max_connections,
         // Unset, it follows a smaller max_connections (a quarter of it), so lowering

@@ -427,8 +427,11 @@ fn connection_limits_have_defaults_and_are_checked_against_each_other() {
     .expect("valid");
     assert_eq!(config.limits.max_unauthenticated, 25);
     assert_eq!(config.limits.max_pending_per_address, 25);
-    let (_, field, _) = invalid(&file("max_connections = 1\n", NODE_1));
-    assert_eq!(field, "cluster.max_connections");
+    for too_few in ["0", "1"] {
+        let (_, field, message) = invalid(&file(&format!("max_connections = {too_few}\n"), NODE_1));
+        assert_eq!(field, "cluster.max_connections");
+        assert!(message.contains("at least 2"), "{message}");
+    }
     let (_, field, _) = invalid(&file("max_pending_per_address = 0\n", NODE_1));
     assert_eq!(field, "cluster.max_pending_per_address");
     let (_, field, message) = invalid(&file("handshake_deadline = \"10min\"\n", NODE_1));

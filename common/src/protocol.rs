@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 16;
+pub const PROTOCOL_VERSION: u32 = 17;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -129,6 +129,20 @@ pub enum Purpose {
     /// `max_connections` (rounded up) are open, so one client's extra lanes never take the slots that other
     /// clients' first connections need (`docs/architecture.md`, *Client lanes*).
     Lane,
+    /// A peer node's consensus connection (the cluster view's Raft messages): as `Monitor`,
+    /// but from slots of its own that no client or monitor can take, so a node full of
+    /// clients or monitors keeps its consensus (`docs/protocol.md`, *Control frames*).
+    Peer,
+    /// A refilling peer node's data connection: as `Data`, from the peers' own slots, so a
+    /// node full of clients cannot hold a restarted peer in `filling`.
+    Refill,
+}
+
+impl Purpose {
+    /// Whether the connection gets a queue pair and keys.
+    pub fn is_data(self) -> bool {
+        matches!(self, Purpose::Data | Purpose::Lane | Purpose::Refill)
+    }
 }
 
 /// What a server sends.
@@ -684,6 +698,7 @@ pub struct MonitoredNode<'a> {
 /// it cannot be reached or answers oddly.
 async fn monitor_connection(
     node: MonitoredNode<'_>,
+    purpose: Purpose,
 ) -> Result<tokio::net::TcpStream, ControlError> {
     let mut stream = tokio::net::TcpStream::connect(node.address)
         .await
@@ -697,7 +712,7 @@ async fn monitor_connection(
         &mut stream,
         &ClientMessage::Authenticate {
             protocol_version: PROTOCOL_VERSION,
-            purpose: Purpose::Monitor,
+            purpose,
             proof: compute_proof(secret, node_id, &nonce),
             client_name: "rdkv-monitor".into(),
             shared_memory: false,
@@ -749,7 +764,7 @@ async fn ask(
     question: ClientMessage,
 ) -> Result<ServerMessage, ControlError> {
     within(timeout, async {
-        let mut stream = monitor_connection(node).await?;
+        let mut stream = monitor_connection(node, Purpose::Monitor).await?;
         write_frame(&mut stream, &question).await?;
         let reply = read_frame(&mut stream).await?;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
@@ -771,7 +786,7 @@ pub async fn request_shutdown(
     timeout: std::time::Duration,
 ) -> Result<u32, ControlError> {
     within(timeout, async {
-        let mut stream = monitor_connection(node).await?;
+        let mut stream = monitor_connection(node, Purpose::Monitor).await?;
         write_frame(&mut stream, &ClientMessage::Shutdown).await?;
         match read_frame(&mut stream).await? {
             ServerMessage::ShuttingDown { node_id } => Ok(node_id),
@@ -813,7 +828,7 @@ impl PeerConnection {
         node: MonitoredNode<'_>,
         timeout: std::time::Duration,
     ) -> Result<Self, ControlError> {
-        let stream = within(timeout, monitor_connection(node)).await?;
+        let stream = within(timeout, monitor_connection(node, Purpose::Peer)).await?;
         Ok(Self { stream })
     }
 

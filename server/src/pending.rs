@@ -15,11 +15,13 @@
 //! A connection that proves the secret takes one of the `max_connections` authenticated slots
 //! in the same step as it leaves the pending set (`PendingHandshakes::authenticate`), and holds
 //! it until its session ends; with every slot taken it is refused, with a reason that names
-//! the setting. Monitoring connections (`rdkv-cluster status`, and the peers' Raft messages)
-//! may also use `MONITOR_RESERVE` slots past `max_connections`, so a node full of clients still
-//! answers its operator and keeps its consensus. The node accepts up to `max_connections +
-//! MONITOR_RESERVE + max_unauthenticated_connections + 1` connections at once, so a new
-//! connection is always accepted and can evict a silent one: a
+//! the setting. Monitoring connections (`rdkv-cluster status`, `rdkv stats`) may also use
+//! `MONITOR_RESERVE` slots past `max_connections`, so a node full of clients still answers its
+//! operator; peer nodes (their Raft messages, and a restarted peer's refill) may use
+//! `PEER_RESERVE` more, which neither clients nor monitors can take, so a node full of either
+//! keeps its consensus and lets a restarted peer fill. The node accepts up to
+//! `max_connections + MONITOR_RESERVE + PEER_RESERVE + max_unauthenticated_connections + 1`
+//! connections at once, so a new connection is always accepted and can evict a silent one: a
 //! single shared budget let silent connections hold the last slots of a node whose
 //! authenticated connections filled the rest, and eviction, which runs only for an accepted
 //! connection, never ran.
@@ -80,8 +82,23 @@ pub struct PendingHandshakes {
     pub refused_full: AtomicU64,
 }
 
-/// Authenticated slots past `max_connections` that only monitoring connections may use.
+/// Authenticated slots past `max_connections` that monitoring connections (and peers) may use.
 pub const MONITOR_RESERVE: usize = 32;
+
+/// Authenticated slots past the monitors' reserve that only peer nodes may use: a Raft
+/// connection and a refill connection from each of up to 32 peers.
+pub const PEER_RESERVE: usize = 64;
+
+/// Who a connection that proved the secret is, for the slots it may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotClass {
+    /// A client's data connection or lane: `max_connections`.
+    Client,
+    /// A monitoring connection: also the monitors' reserve.
+    Monitor,
+    /// A peer node's consensus or refill connection: also the peers' reserve.
+    Peer,
+}
 
 /// One of the `max_connections` authenticated slots, held by its session until it ends.
 #[derive(Debug)]
@@ -109,7 +126,7 @@ pub enum Refusal {
     Evicted,
     /// Every one of `max_connections` authenticated slots is taken.
     Full {
-        /// `max_connections` (with the monitors' reserve, for a monitor).
+        /// `max_connections` (with the reserves the connection's class may use).
         max_connections: usize,
     },
 }
@@ -127,11 +144,20 @@ impl PendingHandshakes {
         }
     }
 
-    /// Connections the accept loop may hold at once: every authenticated slot (the monitors'
-    /// reserve included), the unauthenticated budget, and one more, so that with all full a
-    /// new connection is still accepted, and evicts the oldest silent one.
+    /// Connections the accept loop may hold at once: every authenticated slot (both reserves
+    /// included), the unauthenticated budget, and one more, so that with all full a new
+    /// connection is still accepted, and evicts the oldest silent one.
     pub fn accept_limit(&self) -> usize {
-        self.max_connections + MONITOR_RESERVE + self.limits.max_unauthenticated + 1
+        self.authenticated_limit(SlotClass::Peer) + self.limits.max_unauthenticated + 1
+    }
+
+    /// The authenticated connections at which `class` is refused.
+    pub fn authenticated_limit(&self, class: SlotClass) -> usize {
+        match class {
+            SlotClass::Client => self.max_connections,
+            SlotClass::Monitor => self.max_connections + MONITOR_RESERVE,
+            SlotClass::Peer => self.max_connections + MONITOR_RESERVE + PEER_RESERVE,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Pending>> {
@@ -202,20 +228,15 @@ impl PendingHandshakes {
     /// evictor may have looked just before its Authenticate arrived), and the session must
     /// then end before it sends anything more, so the client sees a close during
     /// authentication, which it retries, never a close after its welcome.
-    /// `Refusal::Full` when every authenticated slot is taken (for a `monitor`, the reserve's
-    /// too).
-    pub fn authenticate(&self, id: u64, monitor: bool) -> Result<AuthenticatedSlot, Refusal> {
+    /// `Refusal::Full` when every authenticated slot `class` may take is taken.
+    pub fn authenticate(&self, id: u64, class: SlotClass) -> Result<AuthenticatedSlot, Refusal> {
         let mut pending = self.lock();
         if pending.remove(&id).is_none() {
             return Err(Refusal::Evicted);
         }
         // Under the lock, so two authentications cannot both take the last slot; a slot
         // dropped meanwhile only makes room.
-        let limit = if monitor {
-            self.max_connections + MONITOR_RESERVE
-        } else {
-            self.max_connections
-        };
+        let limit = self.authenticated_limit(class);
         if self.open.load(Ordering::Acquire) >= limit {
             self.refused_full.fetch_add(1, Ordering::Relaxed);
             return Err(Refusal::Full {
@@ -273,12 +294,14 @@ mod tests {
         assert_eq!(one_source.count(), limits.max_pending_per_address);
         assert_eq!(one_source.evicted.load(Ordering::Relaxed), 1);
         // An authenticated connection leaves the budget.
-        let slot = one_source.authenticate(1, false).expect("a slot");
+        let slot = one_source
+            .authenticate(1, SlotClass::Client)
+            .expect("a slot");
         assert_eq!(one_source.count(), limits.max_pending_per_address - 1);
         assert_eq!(one_source.authenticated_count(), 1);
         // One evicted before its authentication was checked is told so.
         assert_eq!(
-            one_source.authenticate(0, false).map(drop),
+            one_source.authenticate(0, SlotClass::Client).map(drop),
             Err(Refusal::Evicted),
             "connection 0 was evicted"
         );
@@ -293,7 +316,7 @@ mod tests {
         let source = IpAddr::from([127, 0, 0, 1]);
         let first = CancellationToken::new();
         pending.admit(0, source, first.clone(), None);
-        let _slot = pending.authenticate(0, false).expect("a slot");
+        let _slot = pending.authenticate(0, SlotClass::Client).expect("a slot");
         for id in 1..=limits.max_pending_per_address as u64 * 2 {
             pending.admit(id, source, CancellationToken::new(), None);
         }
@@ -365,14 +388,17 @@ mod tests {
             ..ConnectionLimits::default()
         };
         let pending = PendingHandshakes::new(limits, 2);
-        assert_eq!(pending.accept_limit(), 2 + MONITOR_RESERVE + 2 + 1);
+        assert_eq!(
+            pending.accept_limit(),
+            2 + MONITOR_RESERVE + PEER_RESERVE + 2 + 1
+        );
         let source = IpAddr::from([127, 0, 0, 1]);
         for id in 0..3 {
             pending.admit(id, source, CancellationToken::new(), None);
         }
         // Two slots: the pending budget (now full) does not take them.
-        let first = pending.authenticate(1, false).expect("a slot");
-        let second = pending.authenticate(2, false).expect("a slot");
+        let first = pending.authenticate(1, SlotClass::Client).expect("a slot");
+        let second = pending.authenticate(2, SlotClass::Client).expect("a slot");
         for id in 3..5 {
             pending.admit(id, source, CancellationToken::new(), None);
         }
@@ -382,17 +408,39 @@ mod tests {
             "the budget is still there for newcomers"
         );
         assert_eq!(
-            pending.authenticate(3, false).map(drop),
+            pending.authenticate(3, SlotClass::Client).map(drop),
             Err(Refusal::Full { max_connections: 2 })
         );
         assert_eq!(pending.refused_full.load(Ordering::Relaxed), 1);
-        // A monitor (a status poll, a peer) still gets in, from the reserve.
-        pending.admit(5, source, CancellationToken::new(), None);
-        let monitor = pending.authenticate(5, true).expect("the reserve");
-        assert_eq!(pending.authenticated_count(), 3);
-        drop(monitor);
+        // A monitor (a status poll) still gets in, from its reserve, until that is full; a
+        // peer then still gets in, from its own.
+        let mut monitors = Vec::new();
+        for id in 5..5 + MONITOR_RESERVE as u64 {
+            pending.admit(id, source, CancellationToken::new(), None);
+            monitors.push(
+                pending
+                    .authenticate(id, SlotClass::Monitor)
+                    .expect("the reserve"),
+            );
+        }
+        pending.admit(100, source, CancellationToken::new(), None);
+        assert_eq!(
+            pending.authenticate(100, SlotClass::Monitor).map(drop),
+            Err(Refusal::Full {
+                max_connections: 2 + MONITOR_RESERVE
+            })
+        );
+        pending.admit(101, source, CancellationToken::new(), None);
+        let peer = pending
+            .authenticate(101, SlotClass::Peer)
+            .expect("the peers' reserve");
+        assert_eq!(pending.authenticated_count(), 2 + MONITOR_RESERVE + 1);
+        drop(peer);
+        drop(monitors);
         drop(first);
-        let _third = pending.authenticate(4, false).expect("a slot freed");
+        let _third = pending
+            .authenticate(4, SlotClass::Client)
+            .expect("a slot freed");
         assert_eq!(pending.authenticated_count(), 2);
         drop(second);
     }

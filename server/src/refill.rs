@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, SharedMemory, SCAN_BUCKETS};
+use rdkv_client::{Client, SCAN_BUCKETS};
 use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +28,11 @@ const REFILL_CONCURRENCY: usize = 4;
 /// filling.
 const PEERS_APPLY_WITHIN: Duration = Duration::from_secs(10);
 
+/// The longest pause after failed refills in a row (the first waits `REFILL_POLL`, each
+/// failure doubles it): a peer that refuses the refill for a while (its slots all taken) gets
+/// a try every few seconds, and the log a line each, not five a second.
+const REFILL_RETRY_MOST: Duration = Duration::from_secs(5);
+
 /// Tries of one key's copy before the refill starts over.
 const COPY_ATTEMPTS: u32 = 5;
 
@@ -37,25 +42,27 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
     let Some(cluster) = shared.config.cluster.clone() else {
         return;
     };
+    let mut pause = REFILL_POLL;
+    // Failed refills in a row.
+    let mut failures: u32 = 0;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(REFILL_POLL) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
+        pause = REFILL_POLL;
         // The round names this spell of filling: one that ends (the node marked down) and
         // another that starts while this refill runs must be refilled again.
         let Some(round) = shared.view.filling_round() else {
+            failures = 0;
             continue;
         };
         let started = Instant::now();
         // One lane to each peer, as before soft got a lane per worker: a refill is one copy
-        // loop, and each lane would be a connection and a heap chunk on the peer.
-        let client = Client::for_cluster_with_lanes(
-            &cluster,
-            REFILL_CONCURRENCY,
-            SharedMemory::Off,
-            Some(1),
-        );
+        // loop, and each lane would be a connection and a heap chunk on the peer. Its
+        // connections take the peers' reserved slots: a peer full of clients still lets this
+        // node fill.
+        let client = Client::for_refill(&cluster, REFILL_CONCURRENCY);
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
             outcome = refill(&shared, &client, round) => outcome,
@@ -63,6 +70,7 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
         client.close().await;
         match outcome {
             Ok(copied) => {
+                failures = 0;
                 tracing::info!(
                     node = shared.config.node_id,
                     copied,
@@ -91,6 +99,10 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
             }
             Err(reason) => {
                 tracing::warn!(node = shared.config.node_id, %reason, "refill failed; starting over");
+                failures += 1;
+                pause = REFILL_POLL
+                    .saturating_mul(1 << failures.min(5))
+                    .min(REFILL_RETRY_MOST);
             }
         }
     }

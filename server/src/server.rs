@@ -197,9 +197,11 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         address: config.control_address,
         source,
     })?;
-    let announcements = Announcements::allocate(&table.domain, config.max_connections, shareable)?;
+    // A data connection each: clients' (max_connections) and refilling peers' (their reserve).
+    let data_connections = config.max_connections + crate::pending::PEER_RESERVE;
+    let announcements = Announcements::allocate(&table.domain, data_connections, shareable)?;
     let completion_queue_size =
-        (config.max_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024);
+        (data_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024);
     let shm = match shm_device {
         None => None,
         Some(shm_device) => {

@@ -81,6 +81,10 @@ pub struct ClientConfig {
     /// lookup of a cached key READs its block in the same list as its buckets, so a GET of a key
     /// unchanged since takes one round trip instead of two. Zero turns guessing off.
     pub slot_cache_entries: usize,
+    /// Whether this is a node's own refill client (`rdkv-server` sets it): its connections say
+    /// `Purpose::Refill` and take the peers' reserved slots, so a peer full of clients cannot
+    /// keep a restarted node filling. Applications leave it false.
+    pub refill_peer: bool,
 }
 
 impl ClientConfig {
@@ -103,6 +107,7 @@ impl ClientConfig {
             fault_injector: None,
             routes_by_view: false,
             slot_cache_entries: slot_cache_entries_from_environment(),
+            refill_peer: false,
         }
     }
 }

@@ -13,6 +13,7 @@ use rdkv_cluster_config::{status, systemd, ClusterConfig};
 const EXIT_CODES: &str = "Exit codes:
   0  done; for `status`, every node answers (up, or not-serving while it rejoins)
   1  failed (one line on stderr names the cause and the fix); for `status`, a node is down
+     or refuses for a reason other than the secret
   2  invalid command line
   3  `status`: a node refused the cluster file's secret (authentication failed)";
 

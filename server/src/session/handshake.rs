@@ -14,7 +14,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::pending::Refusal;
+use crate::pending::{Refusal, SlotClass};
 
 /// Messages from the client, as the reader task delivers them.
 type Messages = mpsc::Receiver<Result<ClientMessage, ControlError>>;
@@ -27,7 +27,7 @@ impl Session {
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
     ) -> Result<(), crate::Error> {
-        if self.authenticate(writer, messages).await? == Purpose::Monitor {
+        if !self.authenticate(writer, messages).await?.is_data() {
             return Self::send(
                 writer,
                 &ServerMessage::MonitorReady {
@@ -96,7 +96,7 @@ impl Session {
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
         let slot = match shared
             .pending
-            .authenticate(self.connection_id, purpose == Purpose::Monitor)
+            .authenticate(self.connection_id, slot_class(purpose))
         {
             Ok(slot) => slot,
             // A newer connection evicted this one while its Authenticate was on the way:
@@ -131,7 +131,7 @@ impl Session {
         self.over_shm = shared_memory && shared.shm.is_some();
         self.routes_by_view = routes_by_view;
         let fabric = shared.table_for(self.over_shm).device.backend();
-        self.monitor = purpose == Purpose::Monitor;
+        self.monitor = matches!(purpose, Purpose::Monitor | Purpose::Peer);
         if self.monitor {
             // `rdkv-cluster status` and `up`'s wait poll often: their sessions are not news.
             tracing::debug!(%client_name, ?purpose, %fabric, "client authenticated");
@@ -336,5 +336,14 @@ fn off_async_worker<T>(may_block: bool, call: impl FnOnce() -> T) -> T {
             tokio::task::block_in_place(call)
         }
         _ => call(),
+    }
+}
+
+/// The authenticated slots a connection of `purpose` may take (`crate::pending`).
+fn slot_class(purpose: Purpose) -> SlotClass {
+    match purpose {
+        Purpose::Data | Purpose::Lane => SlotClass::Client,
+        Purpose::Monitor => SlotClass::Monitor,
+        Purpose::Peer | Purpose::Refill => SlotClass::Peer,
     }
 }

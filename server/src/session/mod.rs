@@ -201,6 +201,8 @@ pub(crate) async fn serve(
         let quiet = [
             crate::Error::ClientDisconnected.to_string(),
             crate::Error::Evicted.to_string(),
+            // A monitor that closed without a goodbye, after its handshake.
+            serve::DISCONNECTED.to_string(),
         ];
         if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
             // A stats poll that ended as it should.

@@ -15,6 +15,8 @@ use super::*;
 
 /// The reason a session ends when its client says goodbye.
 pub(super) const GOODBYE: &str = "client said goodbye";
+/// Why a session ends whose client closed without a goodbye.
+pub(super) const DISCONNECTED: &str = "client disconnected";
 
 /// How long a fence's notice may wait for room in the client's socket: the queue pair is in
 /// ERROR already, so a client that does not read only misses the notice.
@@ -135,7 +137,7 @@ impl Session {
                 }
                 message = messages.recv() => {
                     let message = match message {
-                        None | Some(Err(ControlError::Closed)) => return "client disconnected".into(),
+                        None | Some(Err(ControlError::Closed)) => return DISCONNECTED.into(),
                         Some(Err(error)) => return format!("bad frame: {error}"),
                         Some(Ok(message)) => message,
                     };
