@@ -844,13 +844,18 @@ async fn a_read_longer_than_a_message_gets_an_invalid_request_not_memory() {
 
 /// Requests no conforming requester sends get REM_INV_REQ_ERR, as rxe answers a malformed
 /// packet, and run nothing: an atomic whose length is not 8 (the soft responder took a length
-/// of 4 as 8 before), and a READ that carries a payload (it was read, and the payload
-/// ignored).
+/// of 4 as 8 before), a READ that carries a payload (it was read, and the payload ignored),
+/// and a WRITE whose payload is not its length (refused before its key's checks, so whatever
+/// region it names).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_get_an_invalid_request() {
     let _measuring = MEASURING.lock().await;
     // As on rxe, the responder's queue pair goes to ERROR after a NAK: one peer per request.
-    for malformed in ["a CAS of 4 bytes", "a READ with a payload"] {
+    for malformed in [
+        "a CAS of 4 bytes",
+        "a READ with a payload",
+        "a WRITE whose payload is shorter than its length",
+    ] {
         let mut peer = raw_peer().await;
         let rkey = peer.rkey;
         let stream = &mut peer.stream;
@@ -858,10 +863,15 @@ async fn malformed_requests_get_an_invalid_request() {
             let mut request = read_request(1, &rkey, 0, 4).to_vec();
             request[1] = 2; // CAS
             request
-        } else {
+        } else if malformed == "a READ with a payload" {
             let mut request = read_request(1, &rkey, 0, 8).to_vec();
             request[28..32].copy_from_slice(&8u32.to_le_bytes());
             request.extend_from_slice(&[0xAB; 8]);
+            request
+        } else {
+            // Of a READ-only region: refused as malformed, before its key's rights.
+            let mut request = write_request(1, &rkey, 0, &[0xAB; 8]);
+            request[24..28].copy_from_slice(&16u32.to_le_bytes());
             request
         };
         stream.write_all(&request).expect("the request");

@@ -126,8 +126,15 @@ pub(crate) fn execute(
     write_payload: &[u8],
     response: &mut Vec<u8>,
 ) -> WorkCompletionStatus {
-    if request.opcode != Opcode::Write && !write_payload.is_empty() {
+    let malformed = if request.opcode == Opcode::Write {
+        // A WRITE carries exactly its length.
+        write_payload.len() as u64 != u64::from(request.length)
+    } else {
         // Only a WRITE carries data to the responder.
+        !write_payload.is_empty()
+    };
+    if malformed {
+        // Before the key's checks: a malformed request is refused as such, whatever it names.
         return WorkCompletionStatus::RemoteInvalidRequestError;
     }
     let length = match request_length(request, context.max_message_size) {
