@@ -80,7 +80,7 @@ struct Arguments {
     deadline_ms: u64,
     /// Authenticated control connections at once: clients and their lanes (the cluster file's
     /// `max_connections`; with --config, set it there). Unauthenticated connections have their
-    /// own budget, and monitors (status, peers) 32 more slots.
+    /// own budget; monitors (status, stats) 32 more slots, and peer nodes 64 of their own.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(2..), conflicts_with = "config")]
     max_connections: u32,
     /// Unauthenticated control connections at once, apart from and below --max-connections; a
