@@ -230,6 +230,20 @@ fn say_goodbye_later(connection: Arc<NodeConnection>) {
     });
 }
 
+/// What a connection of lane `lane` says it is for. Lane 0 is the client's first connection to
+/// the node; the others are extra lanes, which a node more than half full refuses (its first
+/// lane serves). A node's refill client takes the peers' reserved slots on every lane.
+fn purpose_of_lane(config: &ClientConfig, lane: usize) -> rdkv_common::protocol::Purpose {
+    use rdkv_common::protocol::Purpose;
+    if config.refill_peer {
+        Purpose::Refill
+    } else if lane == 0 {
+        Purpose::Data
+    } else {
+        Purpose::Lane
+    }
+}
+
 /// An rdkv client: a connection per node and runtime worker ([`crate::lanes`]), opened on
 /// first use (or up front with [`Client::connect_all`]); keys map to nodes by rendezvous
 /// hashing. On a current-thread runtime that is one connection per node. Share it behind an `Arc`;
@@ -266,14 +280,9 @@ impl Client {
         let counters = Arc::new(Counters::default());
         let lanes = lanes_for(config.lanes);
         let node = Node::new(1, config, lanes);
-        let purpose = if node.config.refill_peer {
-            rdkv_common::protocol::Purpose::Refill
-        } else {
-            rdkv_common::protocol::Purpose::Data
-        };
         let connection = NodeConnection::open(
             &node.config,
-            purpose,
+            purpose_of_lane(&node.config, 0),
             counters.clone(),
             node.writer_stripes.clone(),
             node.slot_cache.clone(),
@@ -622,15 +631,7 @@ impl Client {
         }
         let generation = node.generation.load(Ordering::Acquire);
         let opening = tokio::spawn(async move {
-            // Lane 0 is the client's first connection to the node; the others are extra
-            // lanes, which a node more than half full refuses (its first lane serves).
-            let purpose = if node.config.refill_peer {
-                rdkv_common::protocol::Purpose::Refill
-            } else if lane == 0 {
-                rdkv_common::protocol::Purpose::Data
-            } else {
-                rdkv_common::protocol::Purpose::Lane
-            };
+            let purpose = purpose_of_lane(&node.config, lane);
             // In this task, so an operation cancelled meanwhile still records the outcome.
             let opened = NodeConnection::open(
                 &node.config,

@@ -125,7 +125,6 @@ impl Session {
             return Err(Self::refuse(writer, reason).await);
         }
         self.slot = Some(slot);
-        self.authenticated = true;
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.
         self.over_shm = shared_memory && shared.shm.is_some();

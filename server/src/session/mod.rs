@@ -178,7 +178,6 @@ pub(crate) async fn serve(
             windows: Vec::new(),
             chunk_window: None,
             pass: shared.gate.enter_connection(connection_id, peer),
-            authenticated: false,
             slot: None,
             monitor: false,
             over_shm: false,
@@ -207,7 +206,7 @@ pub(crate) async fn serve(
         if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
             // A stats poll that ended as it should.
             tracing::debug!(%reason, "connection closed");
-        } else if session.authenticated || reason == crate::Error::ShuttingDown.to_string() {
+        } else if session.slot.is_some() || reason == crate::Error::ShuttingDown.to_string() {
             // A shutdown's cancelled handshakes are logged each: the operator caused them, once.
             tracing::info!(%reason, "connection closed");
         } else if !quiet.contains(&reason) {
@@ -242,12 +241,11 @@ struct Session {
     chunk_window: Option<(u64, MemoryWindow)>,
     /// This connection's pass through the server's gate, naming its step.
     pass: Pass,
-    /// Whether the client proved the secret.
-    authenticated: bool,
     /// Its authenticated slot (`crate::pending`), held until the session is dropped, after its
-    /// teardown.
+    /// teardown: present once the client proved the secret.
     slot: Option<crate::pending::AuthenticatedSlot>,
-    /// A stats-only session (`Purpose::Monitor`): logged at debug level.
+    /// A session without a queue pair (`Purpose::Monitor`, `Purpose::Peer`): logged at debug
+    /// level.
     monitor: bool,
     /// Whether the client's queue pair is on the node's `shm` fabric.
     over_shm: bool,
