@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 17;
+pub const PROTOCOL_VERSION: u32 = 18;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -377,6 +377,9 @@ pub struct ServerStats {
     /// Tombstone slots (replicated deletes) the collector cleared a quarantine after they
     /// were written.
     pub tombstones_cleared: u64,
+    /// Committed keys the collector removed because the view does not name this node among
+    /// their copies: a stand-in's copies once the member it stood in for serves again.
+    pub extra_copies_removed: u64,
     /// The collector's interval now, in milliseconds: `collector_interval` while it has work,
     /// stretched up to 8 times that while the index does not change.
     pub collector_interval_ms: u64,

@@ -185,7 +185,8 @@ fn clear_old_tombstones(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Inst
     waiting
 }
 
-/// One pass: settle, scan, clear abandoned tentatives, collect, compact. Returns the slots
+/// One pass: settle, scan, clear abandoned tentatives and old tombstones, sweep extra copies
+/// (`crate::sweep`), collect, compact. Returns the slots
 /// (kept for the next pass's allocation), the keys counted and what the pass saw.
 fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, PassActivity) {
     // Settle first: a chunk whose writers are done becomes a candidate in this scan.
@@ -204,6 +205,7 @@ fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64,
     let now = Instant::now();
     clear_abandoned_tentatives(shared, &mut slots);
     let tombstones_waiting = clear_old_tombstones(shared, &mut slots, now);
+    let extra_copies_removed = shared.sweep.run(shared, &mut slots);
     let report = shared.heap.collect(
         slots
             .iter()
@@ -221,6 +223,7 @@ fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64,
             || tombstones_waiting
             || report.awaiting
             || report.reclaimed > 0
+            || extra_copies_removed > 0
             || moved > 0,
     };
     (slots, report.keys, activity)

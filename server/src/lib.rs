@@ -34,6 +34,7 @@ mod refill;
 pub mod server;
 mod session;
 pub mod stats;
+mod sweep;
 pub mod table;
 pub mod view;
 

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 46] = [
+        let definitions: [(&str, &str, Reader); 47] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -91,6 +91,11 @@ impl Metrics {
                 "tombstones_cleared_total",
                 "Tombstone slots of replicated deletes cleared by the collector a quarantine after they were written",
                 |stats| stats.tombstones_cleared as i64,
+            ),
+            (
+                "extra_copies_removed_total",
+                "Committed keys removed because the view no longer names this node among their copies (a stand-in's, once the member it stood in for serves again)",
+                |stats| stats.extra_copies_removed as i64,
             ),
             (
                 "collector_passes_total",

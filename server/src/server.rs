@@ -236,6 +236,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         counters: Counters::new(),
         compactor: compactor::Compactor::default(),
         collector: crate::collector::Pace::new(config.collector_interval),
+        sweep: crate::sweep::Sweep::default(),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
         pending: crate::pending::PendingHandshakes::new(config.limits, config.max_connections),

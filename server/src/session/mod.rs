@@ -78,6 +78,8 @@ pub(crate) struct Shared {
     pub(crate) compactor: crate::compactor::Compactor,
     /// The collector's pace (and what wakes it).
     pub(crate) collector: crate::collector::Pace,
+    /// Removes the copies the view no longer names on this node.
+    pub(crate) sweep: crate::sweep::Sweep,
     /// Each data connection's announce word (what it has in flight).
     pub(crate) announcements: Announcements,
     /// What a shutdown waits for: every connection and collector pass, with its step.
@@ -142,6 +144,7 @@ impl Shared {
         }
         stats.collector_passes = self.collector.passes();
         stats.tombstones_cleared = self.collector.tombstones_cleared();
+        stats.extra_copies_removed = self.sweep.removed();
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.authenticated_connections = self.pending.authenticated_count() as u64;
