@@ -403,6 +403,10 @@ pub struct ServerStats {
     /// Times a soft NIC connection stopped being read because its peer did not take its
     /// answers (backpressure at `fabric_response_buffer`).
     pub fabric_output_stalls: i64,
+    /// Soft NIC connections whose responder refused a request (longer than the 1 MiB
+    /// `max_message_size`, malformed, or outside its key's rights): each moved its queue pair
+    /// to ERROR, as on rxe.
+    pub fabric_responder_errors: i64,
     /// The node's main fabric (its clients on other hosts use it).
     pub fabric: Option<rdkv_fabric::Backend>,
     /// Data connections (with a queue pair) on the main fabric now.
@@ -421,6 +425,9 @@ pub struct ServerStats {
     pub connections_refused_full: u64,
     /// Unauthenticated connections evicted by newer ones since start (too many at once).
     pub handshakes_evicted: u64,
+    /// Control connections closed since start because their whole handshake passed
+    /// `handshake_deadline`, or one of its messages its own timeout.
+    pub handshakes_timed_out: u64,
     /// The epoch of the cluster view this node knows.
     pub view_epoch: u64,
     /// The consensus leader this node knows of (0: none).

@@ -132,6 +132,9 @@ pub struct FabricGauges {
     pub(crate) soft_connections: AtomicI64,
     /// Times a soft connection stopped being read because its peer did not take its answers.
     pub(crate) output_stalls: AtomicI64,
+    /// Soft connections whose responder refused a request (longer than `max_message_size`,
+    /// malformed, or outside its key's rights), which moved their queue pair to ERROR.
+    pub(crate) responder_errors: AtomicI64,
 }
 
 /// A copy of a device's gauges at one instant.
@@ -163,6 +166,8 @@ pub struct GaugeSnapshot {
     pub engine_threads: i64,
     /// Times a soft connection stopped being read because its peer did not take its answers.
     pub output_stalls: i64,
+    /// Soft connections whose responder refused a request, moving their queue pair to ERROR.
+    pub responder_errors: i64,
 }
 
 impl GaugeSnapshot {
@@ -325,6 +330,7 @@ impl Device {
             soft_connections: gauges.soft_connections.load(Ordering::Relaxed),
             engine_threads: self.inner.provider.engine_threads() as i64,
             output_stalls: gauges.output_stalls.load(Ordering::Relaxed),
+            responder_errors: gauges.responder_errors.load(Ordering::Relaxed),
         }
     }
 }

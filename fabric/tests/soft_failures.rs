@@ -911,6 +911,17 @@ fn process_threads() -> usize {
 async fn idle_connections_to_the_fabric_port_hold_no_threads_and_let_dialers_in() {
     let _measuring = MEASURING.lock().await;
     const IDLE: usize = 3_000;
+    // Both ends of 3,000 connections live in this process: lift the soft open-files limit to
+    // the hard one (a default soft limit of 1,024 would fail the test, not the node).
+    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .expect("getrlimit");
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, hard, hard)
+        .expect("setrlimit");
+    assert!(
+        hard >= 2 * IDLE as u64 + 512,
+        "the test needs {} open files; the hard limit is {hard}",
+        2 * IDLE + 512
+    );
     let (device, address, _endpoint, server_queue_pair) = listening_queue_pair();
     let pool = device.gauges().engine_threads;
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -1116,6 +1127,7 @@ async fn twelve_pipelined_64_mib_reads_get_the_status_not_memory() {
     let mut stop = [0u8; 16];
     stop[0] = 3;
     assert_eq!(rest, stop, "only the stop frame after the refusal");
+    assert_eq!(peer.device.gauges().responder_errors, 1, "counted");
     let growth = resident_bytes().saturating_sub(before);
     assert!(
         growth < 64 << 20,

@@ -30,7 +30,7 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 47] = [
+        let definitions: [(&str, &str, Reader); 49] = [
             (
                 "uptime_seconds",
                 "Seconds since the server started",
@@ -133,6 +133,11 @@ impl Metrics {
                 |stats| stats.handshakes_evicted as i64,
             ),
             (
+                "handshakes_timed_out_total",
+                "Control connections closed because their handshake passed handshake_deadline",
+                |stats| stats.handshakes_timed_out as i64,
+            ),
+            (
                 "authenticated_connections",
                 "Authenticated control connections (of max_connections): clients, their lanes, monitors, peers",
                 |stats| stats.authenticated_connections as i64,
@@ -231,6 +236,11 @@ impl Metrics {
                 "soft_output_stalls_total",
                 "Times a soft NIC connection stopped being read because its peer did not take its answers (fabric_response_buffer)",
                 |stats| stats.fabric_output_stalls,
+            ),
+            (
+                "soft_responder_errors_total",
+                "Soft NIC connections whose responder refused a request (longer than max_message_size, malformed, or outside its key's rights), moving the queue pair to ERROR",
+                |stats| stats.fabric_responder_errors,
             ),
             (
                 "soft_hellos_timed_out_total",

@@ -21,6 +21,9 @@ pub struct Counters {
     pub control_messages: AtomicU64,
     /// Failed authentications.
     pub authentication_failures: AtomicU64,
+    /// Control connections closed because their handshake passed `handshake_deadline` (or a
+    /// handshake message took longer than its own timeout).
+    pub handshakes_timed_out: AtomicU64,
     /// One-sided requests handled by server application code. Nothing in this crate can
     /// increment it: the fabric gives server code no callback for data-path requests.
     pub data_path_requests: AtomicU64,
@@ -70,6 +73,7 @@ impl Counters {
             connections: AtomicU64::new(0),
             control_messages: AtomicU64::new(0),
             authentication_failures: AtomicU64::new(0),
+            handshakes_timed_out: AtomicU64::new(0),
             data_path_requests: AtomicU64::new(0),
             data_connections: AtomicU64::new(0),
             shm_data_connections: AtomicU64::new(0),
@@ -167,10 +171,12 @@ impl Counters {
             fabric_connections: gauges.soft_connections,
             fabric_engine_threads: gauges.engine_threads,
             fabric_output_stalls: gauges.output_stalls,
+            fabric_responder_errors: gauges.responder_errors,
             fabric: Some(table.device.backend()),
             data_connections: self.data_connections.load(Ordering::Relaxed),
             shm_data_connections: self.shm_data_connections.load(Ordering::Relaxed),
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
+            handshakes_timed_out: self.handshakes_timed_out.load(Ordering::Relaxed),
             // Filled in by `Shared::stats`, which knows the pending handshakes.
             pending_handshakes: 0,
             handshakes_evicted: 0,

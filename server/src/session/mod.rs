@@ -319,6 +319,12 @@ impl Session {
             }
             outcome = self.handshake(&mut writer, &mut messages) => outcome,
         };
+        if matches!(handshake, Err(crate::Error::HandshakeTimedOut { .. })) {
+            self.shared
+                .counters
+                .handshakes_timed_out
+                .fetch_add(1, Ordering::Relaxed);
+        }
         let reason = match handshake {
             Ok(()) => {
                 self.pass.step("serving");

@@ -221,6 +221,11 @@ impl Engine {
         if self.answers.refused && self.discarding == 0 {
             // As on rxe, a responder that NAKs a request moves its queue pair to ERROR, after
             // the error response is on its way.
+            self.connection
+                .device
+                .gauges
+                .responder_errors
+                .fetch_add(1, Ordering::Relaxed);
             self.queue_pair.enter_error();
             return Err("responder error".into());
         }
