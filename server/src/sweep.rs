@@ -9,11 +9,12 @@
 //! It runs in the collector's pass, at most once per view, and only under a view that
 //! - has nobody filling (while a member fills, its stand-ins are the copies a failure of the
 //!   filling member falls back on),
-//! - has this node serving, with its lease (a node cut off may not know the newest view),
+//! - has this node serving, with its lease, worked out from the lease's expiry at that instant
+//!   (a node cut off or paused may not know the newest view),
 //! - this node has known for at least the failure timeout (views that churn are not swept).
 //!
 //! Each removal is a compare-and-swap of the exact committed word the scan read, to empty, made
-//! only while the node still knows that view: a word that a write replaced or locked meanwhile,
+//! only while the node still knows that view and still holds its lease: a word that a write replaced or locked meanwhile,
 //! or any word after a view change, stays. A removed slot's block is unreferenced and comes
 //! back through the collector like a deleted key's.
 
@@ -76,7 +77,7 @@ impl Sweep {
                 .members
                 .iter()
                 .any(|member| member.node_id == me && member.state == MemberState::Serving)
-            && shared.view.serving().is_ok();
+            && shared.view.serving_now().is_ok();
         eligible.then_some(view)
     }
 
@@ -124,7 +125,7 @@ impl Sweep {
             if ours {
                 return true;
             }
-            if shared.view.epoch() != view.epoch || shared.view.serving().is_err() {
+            if shared.view.epoch() != view.epoch || shared.view.serving_now().is_err() {
                 interrupted = true;
                 return true;
             }

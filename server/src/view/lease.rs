@@ -62,6 +62,14 @@ impl ViewService {
         self.serving.borrow().clone()
     }
 
+    /// Whether this node may serve data at this instant, worked out from its lease's expiry now
+    /// ([`ViewService::serving`] is the last periodic check's, up to 20 ms old, and older
+    /// still right after the process was paused). For work that must not outlive the lease:
+    /// the sweep of extra copies checks it before each removal.
+    pub fn serving_now(&self) -> Serving {
+        self.evaluate_serving()
+    }
+
     /// The node's serving state as it changes (fencing reads it).
     pub fn serving_changes(&self) -> tokio::sync::watch::Receiver<Serving> {
         self.serving.subscribe()
