@@ -135,6 +135,8 @@ struct ViewFollower {
     counters: Arc<Counters>,
     /// Held by the fetch in progress.
     refreshing: tokio::sync::Mutex<()>,
+    /// When the last fetch of the view reached no node: the first node's error.
+    unanswered: Mutex<Option<String>>,
 }
 
 impl ViewFollower {
@@ -148,13 +150,31 @@ impl ViewFollower {
                 id: *id,
                 secret: &self.secret,
             };
-            fetch_view(node, VIEW_FETCH_TIMEOUT).await.ok()
+            fetch_view(node, VIEW_FETCH_TIMEOUT)
+                .await
+                .map_err(|error| format!("node at {address}: {error}"))
         });
-        futures_util::future::join_all(fetches)
-            .await
-            .into_iter()
-            .flatten()
-            .max_by_key(|view| view.epoch)
+        let answers = futures_util::future::join_all(fetches).await;
+        let unanswered = if answers.iter().all(Result::is_err) {
+            answers
+                .iter()
+                .find_map(|answer| answer.as_ref().err().cloned())
+        } else {
+            None
+        };
+        *self
+            .unanswered
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = unanswered;
+        answers.into_iter().flatten().max_by_key(|view| view.epoch)
+    }
+
+    /// When the last fetch of the view reached no node: the first node's error.
+    fn unanswered(&self) -> Option<String> {
+        self.unanswered
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
@@ -314,6 +334,7 @@ impl Client {
                 }),
                 counters: counters.clone(),
                 refreshing: tokio::sync::Mutex::new(()),
+                unanswered: Mutex::new(None),
             }),
             counters,
             deadline,
@@ -419,6 +440,7 @@ impl Client {
                 }),
                 counters: counters.clone(),
                 refreshing: tokio::sync::Mutex::new(()),
+                unanswered: Mutex::new(None),
             }),
             nodes,
             replicas: cluster.replicas.max(1),
@@ -771,6 +793,7 @@ impl Client {
                     operation,
                     deadline,
                     waiting_for: progress.waiting_for().describe(),
+                    unanswered: None,
                     may_have_applied: progress.may_have_applied(),
                 })
             });
@@ -1235,10 +1258,14 @@ impl Client {
         yield_if_never_waited(deadline::timeout(deadline, work))
             .await
             .unwrap_or_else(|_| {
+                let waiting_for = progress.waiting_for();
                 Err(Error::TimedOut {
                     operation,
                     deadline,
-                    waiting_for: progress.waiting_for().describe(),
+                    waiting_for: waiting_for.describe(),
+                    unanswered: (waiting_for == Waiting::View)
+                        .then(|| self.follower.unanswered())
+                        .flatten(),
                     may_have_applied: progress.may_have_applied(),
                 })
             })
@@ -1332,6 +1359,7 @@ impl Client {
                 operation: "batch_get",
                 deadline: self.deadline,
                 waiting_for: "the GETs of the batch",
+                unanswered: None,
                 may_have_applied: false,
             }));
         let count = keys.len() as u64;

@@ -57,7 +57,7 @@ pub enum Error {
     },
     /// The operation passed its deadline. `may_have_applied` says whether a publishing CAS had
     /// been posted without a completion showing that it lost.
-    #[error("{operation} timed out after {deadline:?} waiting for {waiting_for}{}", if *may_have_applied { " (it may have applied)" } else { " (it did not apply)" })]
+    #[error("{operation} timed out after {deadline:?} waiting for {waiting_for}{}{}", unanswered.as_ref().map(|reason| format!("; no node of the cluster answered: {reason}")).unwrap_or_default(), if *may_have_applied { " (it may have applied)" } else { " (it did not apply)" })]
     TimedOut {
         /// The operation.
         operation: &'static str,
@@ -65,6 +65,9 @@ pub enum Error {
         deadline: Duration,
         /// What the operation was waiting for when the deadline struck.
         waiting_for: &'static str,
+        /// When it waited for the cluster view and the last fetch of it reached no node: why
+        /// (the first node's error), as a cluster that is down entirely shows.
+        unanswered: Option<String>,
         /// Whether the operation may have applied.
         may_have_applied: bool,
     },

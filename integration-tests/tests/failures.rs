@@ -1,5 +1,6 @@
 //! Failures against real server processes: a killed node fails fast with a clear error and
-//! never hangs a client; a restarted node is reconnected to automatically.
+//! never hangs a client; a restarted node is reconnected to automatically; a replicated
+//! cluster with every node stopped times out saying that no node answered, and why.
 
 use std::time::{Duration, Instant};
 
@@ -139,4 +140,73 @@ fn wait_until_stopped(pid: u32) {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A replicated cluster with every node stopped: an operation waits out its deadline for a
+/// view (a down node's keys would move to their next copy), and its error says that no node of
+/// the cluster answered, and why (it used to say only that it waited for the view).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replicated_cluster_times_out_saying_no_node_answered() {
+    // Three addresses nothing listens on: bound, then closed.
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+    };
+    let nodes: String = (1..=3)
+        .map(|id| {
+            format!(
+                "[[node]]\nid = {id}\ncontrol_address = \"{}\"\nfabric_address = \"{}\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n",
+                free(),
+                free()
+            )
+        })
+        .collect();
+    let directory = std::env::temp_dir().join(format!("rdkv-stopped-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("a directory");
+    let file = directory.join("stopped.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[cluster]\nname = \"stopped\"\nsecret = \"{SECRET}\"\nfabric = \"soft\"\nreplicas = 2\noperation_deadline = \"1s\"\n{nodes}"
+        ),
+    )
+    .expect("the cluster file");
+    let client = Client::from_file(&file).expect("client");
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let error = client.get(b"key").await.expect_err("every node is stopped");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "attempt {attempt} took {:?}",
+            started.elapsed()
+        );
+        let Error::TimedOut {
+            unanswered: Some(reason),
+            may_have_applied: false,
+            ..
+        } = &error
+        else {
+            panic!("attempt {attempt}: {error}");
+        };
+        assert!(reason.contains("refused"), "{reason}");
+        assert!(
+            error
+                .to_string()
+                .contains("no node of the cluster answered"),
+            "{error}"
+        );
+    }
+    let error = client
+        .put(b"key", b"value")
+        .await
+        .expect_err("every node is stopped");
+    assert!(
+        error
+            .to_string()
+            .contains("no node of the cluster answered")
+            && !error.may_have_applied(),
+        "{error}"
+    );
+    let _ = std::fs::remove_dir_all(&directory);
 }
