@@ -1242,8 +1242,11 @@ impl Client {
                 key,
                 Write::Value(value, Mutation::CompareAndSwap { expected: value }),
             )
-            .await?;
-        Ok(outcome == MutationOutcome::Applied)
+            .await;
+        // Counted under its kind like any write, so that a node's counters add up (a
+        // restarted node's refill copies showed as operations of no kind in `rdkv stats`).
+        self.counters.mutations.add(1);
+        Ok(outcome? == MutationOutcome::Applied)
     }
 
     /// Runs `work` under `deadline`; past it, the error says what the operation waited for and
