@@ -186,8 +186,8 @@ fn clear_old_tombstones(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Inst
 }
 
 /// One pass: settle, scan, clear abandoned tentatives and old tombstones, sweep extra copies
-/// (`crate::sweep`), collect, compact. Returns the slots
-/// (kept for the next pass's allocation), the keys counted and what the pass saw.
+/// (`crate::sweep`), collect, compact. Returns the slots (kept for the next pass's
+/// allocation), the keys counted and what the pass saw.
 fn pass(shared: &Shared, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, PassActivity) {
     // Settle first: a chunk whose writers are done becomes a candidate in this scan.
     shared.heap.settle(&shared.announcements, Instant::now());
