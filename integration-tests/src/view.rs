@@ -100,10 +100,7 @@ pub async fn wait_settled(
                     view.epoch == first.epoch
                         && view.leader == first.leader
                         && view.leader.is_some()
-                        && view
-                            .members
-                            .iter()
-                            .all(|member| member.state == MemberState::Serving)
+                        && all_serving(view)
                 })
             });
             if agreed && first.epoch >= nodes.len() as u64 {
@@ -115,6 +112,13 @@ pub async fn wait_settled(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Whether every member of `view` serves.
+pub fn all_serving(view: &ClusterView) -> bool {
+    view.members
+        .iter()
+        .all(|member| member.state == MemberState::Serving)
 }
 
 /// Node `id`'s state in `view`.

@@ -11,8 +11,8 @@ use rdkv_client::{Client, ClientConfig};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::view::{
-    cluster_command, pid_of, signal, state_of, up_settled, wait_for_view, wait_torn_down,
-    FAILURE_TIMEOUT,
+    all_serving, cluster_command, pid_of, signal, state_of, up_settled, wait_for_view,
+    wait_torn_down, FAILURE_TIMEOUT,
 };
 
 const KEYS: u32 = 10_000;
@@ -95,13 +95,9 @@ async fn check_on_the_node(
                 if direct.is_some() {
                     eprintln!("{key} on node {victim}: {error}; waiting for it to serve again");
                 }
-                wait_for_view(nodes, secret, leader, limit, |view| {
-                    view.members
-                        .iter()
-                        .all(|member| member.state == MemberState::Serving)
-                })
-                .await
-                .expect("every node serves");
+                wait_for_view(nodes, secret, leader, limit, all_serving)
+                    .await
+                    .expect("every node serves");
                 let mut alone =
                     ClientConfig::new(node.control_address, config.fabric, &config.secret);
                 alone.node.id = Some(victim);
@@ -169,11 +165,7 @@ async fn a_killed_node_loses_no_acknowledged_write_and_comes_back_refilled() {
         String::from_utf8_lossy(&restart.stderr)
     );
     let (serving, _) = wait_for_view(&nodes, &secret, leader, Duration::from_secs(60), |view| {
-        state_of(view, victim) == Some(MemberState::Serving)
-            && view
-                .members
-                .iter()
-                .all(|member| member.state == MemberState::Serving)
+        state_of(view, victim) == Some(MemberState::Serving) && all_serving(view)
     })
     .await
     .unwrap_or_else(|last| panic!("node {victim} never served again; last view {last:?}"));
@@ -279,11 +271,13 @@ async fn paused_node_comes_back_clean(tag: &str, fabric: rdkv_client::FabricChoi
         }
     }
     signal(&cluster, victim, Signal::SIGCONT);
-    wait_for_view(&nodes, &secret, leader, Duration::from_secs(30), |view| {
-        view.members
-            .iter()
-            .all(|member| member.state == MemberState::Serving)
-    })
+    wait_for_view(
+        &nodes,
+        &secret,
+        leader,
+        Duration::from_secs(30),
+        all_serving,
+    )
     .await
     .expect("the node serves again");
     let expected = |index: usize, number: u32| (index % 2 == 1).then(|| format!("second-{number}"));
@@ -370,11 +364,13 @@ async fn a_refill_leaves_no_extra_copies_behind() {
         "{}",
         String::from_utf8_lossy(&restart.stderr)
     );
-    wait_for_view(&nodes, &secret, leader, Duration::from_secs(60), |view| {
-        view.members
-            .iter()
-            .all(|member| member.state == MemberState::Serving)
-    })
+    wait_for_view(
+        &nodes,
+        &secret,
+        leader,
+        Duration::from_secs(60),
+        all_serving,
+    )
     .await
     .expect("the node serves again");
     let wanted = u64::from(COUNT) * replicas;

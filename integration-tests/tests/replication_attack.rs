@@ -65,11 +65,13 @@ async fn a_delete_made_while_a_node_was_stopped_stays_deleted_after_it_returns()
         failures.len()
     );
     signal(&cluster, victim, Signal::SIGCONT);
-    wait_for_view(&nodes, &secret, leader, Duration::from_secs(20), |view| {
-        view.members
-            .iter()
-            .all(|member| member.state == MemberState::Serving)
-    })
+    wait_for_view(
+        &nodes,
+        &secret,
+        leader,
+        Duration::from_secs(20),
+        rdkv_integration_tests::view::all_serving,
+    )
     .await
     .expect("the node serves again");
     // Every client routes by the newest view once it hears of it; give this one a read first.

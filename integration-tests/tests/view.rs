@@ -19,10 +19,7 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
     let all_serving = |view: &ClusterView| {
         view.leader.is_some()
             && view.members.len() == 3
-            && view
-                .members
-                .iter()
-                .all(|member| member.state == MemberState::Serving)
+            && rdkv_integration_tests::view::all_serving(view)
             && view.epoch >= 3
     };
     // Every node has joined (one epoch each) and a leader is elected.

@@ -128,20 +128,14 @@ fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>) {
         if !slot.is_tentative() || !shared.heap.writer_gone(slot.offset()) {
             return true;
         }
-        match shared
-            .table
-            .region
-            .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
-        {
-            Ok(original) if original == slot.0 => {
-                shared
-                    .heap
-                    .tentatives_cleared
-                    .fetch_add(1, Ordering::Relaxed);
-                false
-            }
-            _ => true,
+        if !shared.table.empty_slot(*index_offset, *slot) {
+            return true;
         }
+        shared
+            .heap
+            .tentatives_cleared
+            .fetch_add(1, Ordering::Relaxed);
+        false
     });
 }
 
@@ -168,17 +162,11 @@ fn clear_old_tombstones(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Inst
             current.insert((*index_offset, slot.0), since);
             return true;
         }
-        match shared
-            .table
-            .region
-            .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
-        {
-            Ok(original) if original == slot.0 => {
-                pace.tombstones_cleared.fetch_add(1, Ordering::Relaxed);
-                false
-            }
-            _ => true,
+        if !shared.table.empty_slot(*index_offset, *slot) {
+            return true;
         }
+        pace.tombstones_cleared.fetch_add(1, Ordering::Relaxed);
+        false
     });
     let waiting = !current.is_empty();
     *seen = current;

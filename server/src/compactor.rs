@@ -24,7 +24,7 @@
 
 use std::sync::atomic::Ordering;
 
-use rdkv_common::layout::{decode_block, Slot};
+use rdkv_common::layout::Slot;
 
 use crate::heap::{Grant, Heap, EXTENT_SIZE};
 use crate::table::TableRegion;
@@ -186,13 +186,7 @@ impl Compactor {
             if place.grant.contains(extent) {
                 continue;
             }
-            block.resize(length as usize, 0);
-            if table
-                .region
-                .read(heap_base + slot.offset(), &mut block)
-                .is_err()
-                || decode_block(&block).is_err()
-            {
+            if table.read_block(*slot, &mut block).is_none() {
                 // Not an intact block (a slot changing under us): leave it to the next scan.
                 continue;
             }

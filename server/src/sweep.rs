@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use rdkv_common::layout::{decode_block, Slot};
+use rdkv_common::layout::Slot;
 use rdkv_common::protocol::{ClusterView, MemberState};
 use rdkv_common::sharding;
 
@@ -98,7 +98,6 @@ impl Sweep {
         };
         let me = shared.config.node_id;
         let serving = view.serving();
-        let heap_base = shared.table.geometry.heap_offset();
         let mut block = Vec::new();
         let mut removed = 0u64;
         let mut interrupted = false;
@@ -106,17 +105,8 @@ impl Sweep {
             if interrupted || !slot.is_committed() || slot.is_tombstone() {
                 return true;
             }
-            block.resize(slot.block_length() as usize, 0);
-            if shared
-                .table
-                .region
-                .read(heap_base + slot.offset(), &mut block)
-                .is_err()
-            {
-                return true;
-            }
             // Not an intact block (the slot changed since the scan): the next view's sweep.
-            let Ok(decoded) = decode_block(&block) else {
+            let Some(decoded) = shared.table.read_block(*slot, &mut block) else {
                 return true;
             };
             let ours = sharding::replicas(decoded.key, &serving, replicas)
@@ -129,17 +119,9 @@ impl Sweep {
                 interrupted = true;
                 return true;
             }
-            match shared
-                .table
-                .region
-                .compare_exchange_u64(*index_offset, slot.0, Slot::EMPTY.0)
-            {
-                Ok(original) if original == slot.0 => {
-                    removed += 1;
-                    false
-                }
-                _ => true,
-            }
+            let emptied = shared.table.empty_slot(*index_offset, *slot);
+            removed += u64::from(emptied);
+            !emptied
         });
         self.removed.fetch_add(removed, Ordering::Relaxed);
         if !interrupted {

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use rdkv_common::layout::{Slot, TableGeometry};
+use rdkv_common::layout::{decode_block, Block, Slot, TableGeometry};
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
 use rdkv_fabric::{AccessFlags, Device, MemoryRegion, ProtectionDomain};
 
@@ -103,6 +103,28 @@ impl TableRegion {
         self.visit_slots(&mut visit);
     }
 
+    /// Empties the slot at `index_offset` if it still holds exactly `slot` (one CAS): a word
+    /// that a writer replaced, locked or moved meanwhile stays. Whether it emptied it.
+    pub fn empty_slot(&self, index_offset: u64, slot: Slot) -> bool {
+        self.region
+            .compare_exchange_u64(index_offset, slot.0, Slot::EMPTY.0)
+            .is_ok_and(|original| original == slot.0)
+    }
+
+    /// Reads the block `slot` points at into `buffer` and decodes it; `None` when it is not an
+    /// intact block (the slot changed since it was read, and the block was reused).
+    pub fn read_block<'buffer>(
+        &self,
+        slot: Slot,
+        buffer: &'buffer mut Vec<u8>,
+    ) -> Option<Block<'buffer>> {
+        buffer.resize(slot.block_length() as usize, 0);
+        self.region
+            .read(self.geometry.heap_offset() + slot.offset(), buffer)
+            .ok()?;
+        decode_block(buffer).ok()
+    }
+
     /// Empties every slot that holds what it held when the scan read it (a CAS per slot): a
     /// node that comes back with its memory (it was cut off, or paused) forgets what it held,
     /// which may be stale, before its refill copies the keys again; a slot a writer changed
@@ -110,13 +132,7 @@ impl TableRegion {
     pub fn clear_slots(&self) -> u64 {
         let mut cleared = 0;
         self.visit_slots(&mut |index_offset, slot: Slot| {
-            if self
-                .region
-                .compare_exchange_u64(index_offset, slot.0, Slot::EMPTY.0)
-                .is_ok_and(|original| original == slot.0)
-            {
-                cleared += 1;
-            }
+            cleared += u64::from(self.empty_slot(index_offset, slot));
         });
         cleared
     }

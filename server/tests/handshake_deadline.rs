@@ -5,12 +5,12 @@
 
 use std::time::{Duration, Instant};
 
-use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, Purpose, ServerMessage, PROTOCOL_VERSION,
-};
+use rdkv_common::protocol::{read_frame, ServerMessage};
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+mod support;
 
 const SECRET: &[u8] = b"deadline-secret";
 const DEADLINE: Duration = Duration::from_secs(2);
@@ -61,25 +61,8 @@ async fn a_slow_handshake_is_closed_at_the_whole_handshake_deadline() {
     let mut stream = TcpStream::connect(server.control_address())
         .await
         .expect("connect");
-    let ServerMessage::Challenge { nonce, node_id, .. } =
-        read_frame(&mut stream).await.expect("challenge")
+    let ServerMessage::Welcome(_) = support::authenticate(&mut stream, SECRET, false, "slow").await
     else {
-        panic!("no challenge");
-    };
-    write_frame(
-        &mut stream,
-        &ClientMessage::Authenticate {
-            protocol_version: PROTOCOL_VERSION,
-            purpose: Purpose::Data,
-            proof: compute_proof(SECRET, node_id, &nonce),
-            client_name: "slow".into(),
-            shared_memory: false,
-            routes_by_view: false,
-        },
-    )
-    .await
-    .expect("authenticate");
-    let ServerMessage::Welcome(_) = read_frame(&mut stream).await.expect("welcome") else {
         panic!("no welcome");
     };
     let silent = closed_after(&mut stream, &[], since).await;

@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use rdkv_common::protocol::{
-    compute_proof, read_frame, write_frame, ClientMessage, ConnectionKeys, Purpose, ServerMessage,
-    PROTOCOL_VERSION,
+    read_frame, write_frame, ClientMessage, ConnectionKeys, ServerMessage,
 };
 use rdkv_common::ControlError;
 use rdkv_fabric::memory::{HugepagePolicy, PinLimits, PinnedMemory};
@@ -15,6 +14,8 @@ use rdkv_fabric::{
 };
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::net::TcpStream;
+
+mod support;
 
 const SECRET: &[u8] = b"isolation-secret";
 
@@ -37,25 +38,8 @@ impl RawClient {
         let mut stream = TcpStream::connect(server.control_address())
             .await
             .expect("connect");
-        let ServerMessage::Challenge { nonce, node_id, .. } =
-            read_frame(&mut stream).await.expect("challenge")
-        else {
-            panic!("no challenge");
-        };
-        write_frame(
-            &mut stream,
-            &ClientMessage::Authenticate {
-                protocol_version: PROTOCOL_VERSION,
-                purpose: Purpose::Data,
-                proof: compute_proof(SECRET, node_id, &nonce),
-                client_name: "raw".into(),
-                shared_memory: over_shm,
-                routes_by_view: false,
-            },
-        )
-        .await
-        .expect("authenticate");
-        let ServerMessage::Welcome(welcome) = read_frame(&mut stream).await.expect("welcome")
+        let ServerMessage::Welcome(welcome) =
+            support::authenticate(&mut stream, SECRET, over_shm, "raw").await
         else {
             panic!("no welcome");
         };
@@ -276,25 +260,7 @@ async fn a_wrong_secret_gets_no_keys() {
     let mut stream = TcpStream::connect(server.control_address())
         .await
         .expect("connect");
-    let ServerMessage::Challenge { nonce, node_id, .. } =
-        read_frame(&mut stream).await.expect("challenge")
-    else {
-        panic!("no challenge");
-    };
-    write_frame(
-        &mut stream,
-        &ClientMessage::Authenticate {
-            protocol_version: PROTOCOL_VERSION,
-            purpose: Purpose::Data,
-            proof: compute_proof(b"not the secret", node_id, &nonce),
-            client_name: "intruder".into(),
-            shared_memory: false,
-            routes_by_view: false,
-        },
-    )
-    .await
-    .expect("send");
-    let reply: ServerMessage = read_frame(&mut stream).await.expect("reply");
+    let reply = support::authenticate(&mut stream, b"not the secret", false, "intruder").await;
     assert!(
         matches!(reply, ServerMessage::Refused { ref reason } if reason.contains("secret")),
         "{reply:?}"
