@@ -89,6 +89,9 @@ pub struct Counters {
     /// concurrency (`ClientConfig::concurrency`) in flight: many mean the application runs more
     /// operations at once than the client allows.
     pub scratch_waits: ShardedCounter,
+    /// Lists whose results the client threw away because the node's lease word did not cover
+    /// them (`rdkv_common::lease`): the node was paused, cut off, or not serving.
+    pub lease_refusals: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -116,6 +119,9 @@ pub struct CounterSnapshot {
     pub slot_guess_misses: u64,
     /// Operations that waited for a scratch buffer ([`Counters::scratch_waits`]).
     pub scratch_waits: u64,
+    /// Lists refused because the node's lease word did not cover them
+    /// ([`Counters::lease_refusals`]).
+    pub lease_refusals: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -171,6 +177,7 @@ impl Counters {
             slot_guesses: load(&self.slot_guesses),
             slot_guess_misses: load(&self.slot_guess_misses),
             scratch_waits: load(&self.scratch_waits),
+            lease_refusals: load(&self.lease_refusals),
         }
     }
 }

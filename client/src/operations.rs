@@ -188,6 +188,12 @@ pub(crate) fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> 
     move |error| match error {
         ExecuteError::Post(error) => Error::Fabric(error),
         ExecuteError::Completion(status) => Error::WorkCompletion { operation, status },
+        ExecuteError::LeaseLapsed { address } => Error::NodeUnreachable {
+            address,
+            reason: format!(
+                "{operation}: the node's lease did not cover the request (the node is paused, cut off from the cluster, or not serving), so its memory may be stale; asking the cluster for the view"
+            ),
+        },
     }
 }
 

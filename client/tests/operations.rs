@@ -284,12 +284,12 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
         (400 - guesses, 0),
         "the guesses were corrected"
     );
-    // A cached GET posts three requests: the announce WRITE, the READ of the guessed slot's
-    // word alone (a narrow guess) and the block's READ.
+    // A cached GET posts four requests: the announce WRITE, the READ of the guessed slot's
+    // word alone (a narrow guess), the block's READ and the node's lease word's READ.
     assert_eq!(
         counted_get(&client, b"key-1", b"newer").await,
-        (1, 3),
-        "a narrow guess: one round trip, three requests"
+        (1, 4),
+        "a narrow guess: one round trip, four requests"
     );
     other.delete(b"key-0").await.expect("delete");
     // The guess is stale and its slot empty, so nothing to chase: the buckets are read.
@@ -298,18 +298,18 @@ async fn a_get_takes_two_round_trips(fabric: Backend) {
     let after = client.counters();
     assert_eq!(after.get_round_trips - before.get_round_trips, 2);
     // A narrow guess that ended in the buckets sends the next GETs wide (the bucket READs
-    // with the guessed block's: four requests) until enough guesses held.
+    // with the guessed block's, and the lease word's: five requests) until enough guesses held.
     assert_eq!(
         counted_get(&client, b"key-1", b"newer").await,
-        (1, 4),
-        "a wide guess after a stale narrow one: one round trip, four requests"
+        (1, 5),
+        "a wide guess after a stale narrow one: one round trip, five requests"
     );
     for _ in 0..16 {
         client.get(b"key-1").await.expect("get");
     }
     assert_eq!(
         counted_get(&client, b"key-1", b"newer").await,
-        (1, 3),
+        (1, 4),
         "narrow guesses again once guesses held"
     );
 }
@@ -383,7 +383,8 @@ async fn writes_take_three_round_trips(fabric: Backend) {
         "updates without a slot cache take exactly 3 round trips"
     );
     // A cached update's first list is the announce WRITE, the block WRITE, the READ of the
-    // guessed slot's word and the block's READ (a narrow guess); then the replace CAS. (The
+    // guessed slot's word and the block's READ (a narrow guess); then the replace CAS. Each
+    // list ends with the READ of the node's lease word. (The
     // GET first: `other`'s updates made this client's guess stale, and the GET's chase
     // corrects it.)
     assert_eq!(
@@ -398,8 +399,8 @@ async fn writes_take_three_round_trips(fabric: Backend) {
             after.round_trips - before.round_trips,
             after.verbs - before.verbs
         ),
-        (2, 5),
-        "a narrow update: two round trips, four requests and a CAS"
+        (2, 7),
+        "a narrow update: two round trips, four requests and a CAS, each list with its lease READ"
     );
 }
 

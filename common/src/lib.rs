@@ -3,6 +3,8 @@
 //! - [`layout`]: the table layout (buckets, slots, blocks) shared by server and client.
 //! - [`protocol`]: the control-plane messages, their framing and the HMAC handshake.
 //! - [`sharding`]: rendezvous hashing of keys to nodes.
+//! - [`lease`]: the node's lease word and the reader's rule (a value is returned only if the
+//!   node held its lease when it was read).
 //! - [`process`]: logging and shutdown signals shared by the binaries (cargo feature `process`,
 //!   so that the client library does not pull in a logging backend).
 //! - [`error`]: the control-plane error enum.
@@ -13,6 +15,7 @@
 
 pub mod error;
 pub mod layout;
+pub mod lease;
 #[cfg(feature = "process")]
 pub mod process;
 pub mod protocol;

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 18;
+pub const PROTOCOL_VERSION: u32 = 19;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -191,6 +191,9 @@ pub enum ServerMessage {
     HeartbeatAck {
         /// The epoch of the cluster view the node knows: a client learns of new views here.
         epoch: u64,
+        /// The node's clock ([`crate::lease::NodeClock`]) when it answered: the client
+        /// recalibrates its reading of the lease word.
+        node_clock_ms: u64,
     },
     /// The server's counters.
     Stats(Box<ServerStats>),
@@ -317,6 +320,9 @@ pub struct Welcome {
     /// older fetches it before it routes by it (the connection is fenced when the view moves
     /// keys).
     pub view_epoch: u64,
+    /// The node's clock ([`crate::lease::NodeClock`]) when it sent this: the client's first
+    /// calibration of the lease word's milliseconds.
+    pub node_clock_ms: u64,
 }
 
 /// The keys of one data connection, bound to its server queue pair.
@@ -329,6 +335,9 @@ pub struct ConnectionKeys {
     /// WRITE over this connection's announce word (`ANNOUNCE_SIZE` bytes: operations
     /// started, then operations finished through, both little-endian u64).
     pub announce_key: RemoteKey,
+    /// READ over the node's lease word ([`crate::lease::LeaseWord`], 8 bytes, little-endian),
+    /// which ends every list the client posts.
+    pub lease_key: RemoteKey,
 }
 
 /// Bytes of a connection's announce word: its started-operations count, then the count it is

@@ -181,6 +181,11 @@ pub struct WorkRequest {
     pub swap_or_add: u64,
     /// Whether a successful completion is reported.
     pub signaled: bool,
+    /// Whether the request waits until every earlier READ and atomic of its queue pair has
+    /// completed (`IBV_SEND_FENCE`). The emulated providers run a queue pair's requests one
+    /// after another, so it changes nothing there; on a NIC, a READ without it may fetch its
+    /// data before an earlier READ's.
+    pub fenced: bool,
 }
 
 impl WorkRequest {
@@ -226,12 +231,20 @@ impl WorkRequest {
             compare,
             swap_or_add,
             signaled: true,
+            fenced: false,
         }
     }
 
     /// The same request, signaled or not.
     pub fn with_signaled(mut self, signaled: bool) -> Self {
         self.signaled = signaled;
+        self
+    }
+
+    /// The same request, fenced: it runs only after every earlier READ and atomic of its
+    /// queue pair has completed.
+    pub fn with_fence(mut self) -> Self {
+        self.fenced = true;
         self
     }
 }

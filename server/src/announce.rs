@@ -61,13 +61,14 @@ impl Announcements {
         shareable: bool,
     ) -> Result<Self> {
         let count = connections.max(1) as u64;
+        // One more word at the end: the node's lease word (`rdkv_common::lease`).
         let allocate = if shareable {
             PinnedMemory::allocate_shared
         } else {
             PinnedMemory::allocate
         };
         let memory = Arc::new(allocate(
-            count * ANNOUNCE_SIZE,
+            (count + 1) * ANNOUNCE_SIZE,
             HugepagePolicy::Off,
             PinLimits::default(),
         )?);
@@ -97,6 +98,24 @@ impl Announcements {
             self.region.memory(),
             AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
         )?)
+    }
+
+    /// The address of the node's lease word (8 bytes after the last connection's word),
+    /// which every data connection may READ.
+    pub fn lease_word_address(&self) -> u64 {
+        self.region.address() + self.lease_word_offset()
+    }
+
+    /// Where the node writes its lease word.
+    pub fn lease_sink(&self) -> LeaseSink {
+        LeaseSink {
+            memory: self.region.memory().clone(),
+            offset: self.lease_word_offset(),
+        }
+    }
+
+    fn lease_word_offset(&self) -> u64 {
+        self.region.length() - ANNOUNCE_SIZE
     }
 
     /// Gives `connection` a zeroed word; returns its virtual address, or `None` when every
@@ -160,6 +179,32 @@ impl Announcements {
     fn word(&self, index: u64, half: u64) -> u64 {
         self.region
             .load_u64(index * ANNOUNCE_SIZE + half)
+            .map(u64::from_le)
+            .unwrap_or(0)
+    }
+}
+
+/// Where the node writes its lease word: one aligned 8-byte store, so a READ sees the old
+/// word or the new one, never a mix.
+#[derive(Debug, Clone)]
+pub struct LeaseSink {
+    /// The announce words' memory.
+    memory: Arc<PinnedMemory>,
+    /// The lease word's offset in it.
+    offset: u64,
+}
+
+impl LeaseSink {
+    /// Publishes `word` (little-endian, as clients read it).
+    pub fn store(&self, word: u64) {
+        // The offset is inside the memory and aligned by construction (`Announcements`).
+        let _ = self.memory.store_u64(self.offset, word.to_le());
+    }
+
+    /// The word published now.
+    pub fn load(&self) -> u64 {
+        self.memory
+            .load_u64(self.offset)
             .map(u64::from_le)
             .unwrap_or(0)
     }

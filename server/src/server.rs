@@ -245,6 +245,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         view,
         config,
     });
+    // Every list a client posts ends with a READ of this word (`rdkv_common::lease`).
+    shared
+        .view
+        .set_lease_sink(shared.announcements.lease_sink());
     tasks.spawn(accept_loop(
         listener,
         shared.clone(),

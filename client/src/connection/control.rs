@@ -97,6 +97,7 @@ pub(super) async fn control_task(
     heartbeat: Duration,
     counters: Arc<Counters>,
     broken: Arc<AtomicBool>,
+    lease_clock: Arc<std::sync::Mutex<rdkv_common::lease::ClockBound>>,
 ) {
     /// Marks the connection broken however the task ends: a heartbeat has nobody to hear its
     /// failure (a fence read as its answer, a failed write, no reply), and the data path must
@@ -154,10 +155,14 @@ pub(super) async fn control_task(
                 .await;
             }
         }
+        let asked = std::time::Instant::now();
         let outcome = match write_frame(&mut stream, &message).await {
             Ok(()) if goodbye => {
                 if let Some(reply) = reply {
-                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck { epoch: 0 }));
+                    let _ = reply.send(Ok(ServerMessage::HeartbeatAck {
+                        epoch: 0,
+                        node_clock_ms: 0,
+                    }));
                 }
                 return;
             }
@@ -171,11 +176,24 @@ pub(super) async fn control_task(
             Err(error) => Err(error),
         };
         let outcome = match outcome {
-            Ok(ServerMessage::HeartbeatAck { epoch }) => {
+            Ok(ServerMessage::HeartbeatAck {
+                epoch,
+                node_clock_ms,
+            }) => {
                 counters
                     .view_epoch
                     .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
-                Ok(ServerMessage::HeartbeatAck { epoch })
+                // The node read its clock between our write and its answer's arrival.
+                let calibration = rdkv_common::lease::ClockBound::new(
+                    asked,
+                    std::time::Instant::now(),
+                    node_clock_ms,
+                );
+                *rdkv_fabric::lock(&lease_clock) = calibration;
+                Ok(ServerMessage::HeartbeatAck {
+                    epoch,
+                    node_clock_ms,
+                })
             }
             Ok(ServerMessage::NotServing { epoch, reason }) => {
                 counters

@@ -9,6 +9,7 @@ use rdkv_common::protocol::{
     check_challenge_node, compute_proof, read_frame, write_frame, ClientMessage, Purpose,
     ServerMessage, PROTOCOL_VERSION,
 };
+use rdkv_common::lease::ClockBound;
 use rdkv_common::ControlError;
 use rdkv_fabric::{Backend, QueuePairConfig};
 use tokio::net::TcpStream;
@@ -60,7 +61,7 @@ const AUTHENTICATE_BACKOFF: Duration = Duration::from_millis(2);
 async fn authenticate(
     config: &ClientConfig,
     purpose: Purpose,
-) -> std::result::Result<(TcpStream, rdkv_common::protocol::Welcome), Evictable> {
+) -> std::result::Result<(TcpStream, rdkv_common::protocol::Welcome, ClockBound), Evictable> {
     let address = config.node.control_address;
     let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
     let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
@@ -123,6 +124,7 @@ async fn authenticate(
             }))
         }
     };
+    let asked = std::time::Instant::now();
     write_frame(
         &mut stream,
         &ClientMessage::Authenticate {
@@ -154,8 +156,8 @@ async fn authenticate(
         }
         Err(error) => return Err(error),
     };
-
-    Ok((stream, welcome))
+    let clock = ClockBound::new(asked, std::time::Instant::now(), welcome.node_clock_ms);
+    Ok((stream, welcome, clock))
 }
 
 /// Whether a node's advertised `shm` socket is on this host and this process may use it: a
@@ -186,7 +188,7 @@ impl NodeConnection {
         // ours can be it between the challenge and our proof. That close (never a wrong
         // secret, which is refused in words) is worth a few more tries.
         let mut attempt = 1;
-        let (mut stream, welcome) = loop {
+        let (mut stream, welcome, clock) = loop {
             match authenticate(config, purpose).await {
                 Err(Evictable::Closed) if attempt < AUTHENTICATE_ATTEMPTS => {
                     attempt += 1;
@@ -264,12 +266,14 @@ impl NodeConnection {
         let heartbeat =
             Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
         let broken = Arc::new(AtomicBool::new(false));
+        let lease_clock = Arc::new(Mutex::new(clock));
         tokio::spawn(control_task(
             stream,
             requests,
             heartbeat,
             counters.clone(),
             broken.clone(),
+            lease_clock.clone(),
         ));
         let announcer = Arc::new(Announcer::new(announce_region, 0, keys.announce_key));
         let connection = Arc::new(Self {
@@ -287,6 +291,7 @@ impl NodeConnection {
             slot_cache,
             control,
             broken,
+            lease_clock,
             counters,
             fault_injector: config.fault_injector.clone(),
             fabric,

@@ -116,6 +116,9 @@ pub(crate) struct NodeConnection {
     /// Set when the connection failed; the client then reconnects. Shared with the control
     /// task, which sets it the moment the node ends the session (a fence, a stop, a close).
     broken: Arc<AtomicBool>,
+    /// What the client knows of the node's clock, for reading its lease word (recalibrated by
+    /// every heartbeat's answer).
+    lease_clock: Arc<Mutex<rdkv_common::lease::ClockBound>>,
     /// Counters.
     pub(crate) counters: Arc<Counters>,
     /// The configured fault injector (tests only).

@@ -26,6 +26,12 @@ pub(crate) const CAS_RESULTS_AT: u64 = 256;
 pub(crate) const WRITE_BLOCK_AT: u64 = 512;
 /// Offset of the area candidate blocks are read into.
 pub(crate) const READ_BLOCKS_AT: u64 = WRITE_BLOCK_AT + 16 * 1024;
+/// Offset of the node's lease word, READ at the end of every list: past the largest block to
+/// write, before the candidate blocks.
+const LEASE_WORD_AT: u64 = READ_BLOCKS_AT - 8;
+const _: () = assert!(WRITE_BLOCK_AT + rdkv_common::layout::MAX_BLOCK_SIZE <= LEASE_WORD_AT);
+/// The work request id of the lease word's READ.
+const LEASE_REQUEST_ID: u64 = u64::MAX - 1;
 /// Bytes of the candidate block area.
 pub(crate) const READ_BLOCKS_SIZE: u64 = SCRATCH_SIZE - READ_BLOCKS_AT;
 
@@ -124,12 +130,15 @@ impl Scratch {
             list.insert(0, self.connection.announcer.request());
             self.announced = true;
         }
+        // Last, after every other request of the list ran: the node's lease word.
+        list.push(self.lease_word_request());
         let counters = &self.connection.counters;
         counters.round_trips.add(1);
         self.round_trips += 1;
         counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
         self.posting = true;
+        let posted_at = std::time::Instant::now();
         let posted = self.connection.queue_pair.post(list).await;
         self.posting = false;
         let posted = match posted {
@@ -159,10 +168,45 @@ impl Scratch {
             }
             return Err(ExecuteError::Completion(failed.status));
         }
+        if !self.lease_covers(posted_at) {
+            // What the list read may be stale, and what it wrote may be hidden: the node did
+            // not serve under its lease throughout (paused, cut off, or stopped serving).
+            self.connection.mark_broken();
+            self.connection.counters.lease_refusals.add(1);
+            return Err(ExecuteError::LeaseLapsed {
+                address: self.connection.address,
+            });
+        }
         if injecting {
             self.inject(operation, kind, number, Moment::After).await?;
         }
         Ok(completions)
+    }
+
+    /// The READ of the node's lease word into this operation's area, fenced: on a NIC it runs
+    /// only once every earlier READ and atomic of the list has completed.
+    fn lease_word_request(&self) -> WorkRequest {
+        let lease_key = self.connection.keys.lease_key;
+        WorkRequest::read(
+            LEASE_REQUEST_ID,
+            self.region().segment(self.base + LEASE_WORD_AT, 8),
+            rdkv_fabric::RemoteSegment {
+                address: lease_key.address,
+                remote_key: lease_key.key,
+            },
+        )
+        .with_fence()
+    }
+
+    /// Whether the lease word the list just read says that the node served, under its lease,
+    /// from before `posted_at` until after now (`rdkv_common::lease`).
+    fn lease_covers(&self, posted_at: std::time::Instant) -> bool {
+        let completed_at = std::time::Instant::now();
+        let Ok(word) = self.region().load_u64(self.base + LEASE_WORD_AT) else {
+            return false;
+        };
+        let clock = *lock(&self.connection.lease_clock);
+        clock.covers(u64::from_le(word), posted_at, completed_at)
     }
 
     /// Reserves heap space for the operation's block (before it posts anything). The operation is
@@ -247,6 +291,13 @@ pub(crate) enum ExecuteError {
     Post(rdkv_fabric::Error),
     /// A request completed with this status.
     Completion(WorkCompletionStatus),
+    /// Every request succeeded, but the node's lease word did not cover the list: the node
+    /// was not serving under its lease throughout (paused, cut off, or stopped serving), so
+    /// what it read may be stale and what it wrote may be hidden.
+    LeaseLapsed {
+        /// The node's control address.
+        address: std::net::SocketAddr,
+    },
 }
 
 impl Drop for Scratch {

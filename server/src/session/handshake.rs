@@ -188,6 +188,7 @@ impl Session {
             .map(|changes| changes.borrow().clone());
         let welcome = Welcome {
             view_epoch: shared.view.epoch(),
+            node_clock_ms: shared.view.clock().now_ms(),
             connection_id: self.connection_id,
             geometry: table.geometry,
             server_endpoint: queue_pair.endpoint(),
@@ -295,6 +296,19 @@ impl Session {
         })
         .map_err(|source| setup_failed("bind the announce window", source))?;
         self.windows.push(announce_window);
+        // The node's lease word, READ at the end of every list (`rdkv_common::lease`).
+        let lease_window = table.domain.allocate_memory_window();
+        let lease_key = off_async_worker(may_block, || {
+            queue_pair.bind_memory_window(
+                &lease_window,
+                shared.announce_region_for(self.over_shm),
+                shared.announcements.lease_word_address(),
+                8,
+                AccessFlags::REMOTE_READ,
+            )
+        })
+        .map_err(|source| setup_failed("bind the lease word's window", source))?;
+        self.windows.push(lease_window);
         tracing::debug!(
             index_key = index_key.key,
             heap_key = heap_key.key,
@@ -307,6 +321,7 @@ impl Session {
                 index_key,
                 heap_key,
                 announce_key,
+                lease_key,
             }),
         )
         .await

@@ -147,7 +147,10 @@ impl Session {
                         ClientMessage::AllocateChunk { started, needed } if self.queue_pair.is_some() => self.allocate_chunk(started, needed),
                         ClientMessage::Heartbeat { counters } => {
                             shared.counters.add_client_report(&counters);
-                            ServerMessage::HeartbeatAck { epoch: shared.view.epoch() }
+                            ServerMessage::HeartbeatAck {
+                                epoch: shared.view.epoch(),
+                                node_clock_ms: shared.view.clock().now_ms(),
+                            }
                         }
                         ClientMessage::Stats => {
                             let keys = shared.counters.exact_keys(shared.clone()).await;

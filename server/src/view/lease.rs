@@ -143,6 +143,7 @@ impl ViewService {
         // Checked again under the lock: keep_lease sets both under it.
         if self.lease_as_leader.swap(false, Ordering::AcqRel) {
             *lease = None;
+            self.lease_drops.fetch_add(1, Ordering::AcqRel);
             tracing::info!(
                 node = self.node_id,
                 "no longer the leader: its lease as the leader ends"
@@ -153,16 +154,19 @@ impl ViewService {
     /// Extends this node's lease to `until`, if that is later; `as_leader`: a lease held as
     /// the leader, which ends when the node stops leading (set under the lease's lock).
     fn extend_lease(&self, until: Instant, as_leader: bool) {
-        let mut lease = self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if lease.is_none_or(|current| current < until) {
-            *lease = Some(until);
+        {
+            let mut lease = self
+                .lease_until
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if lease.is_none_or(|current| current < until) {
+                *lease = Some(until);
+            }
+            if as_leader {
+                self.lease_as_leader.store(true, Ordering::Release);
+            }
         }
-        if as_leader {
-            self.lease_as_leader.store(true, Ordering::Release);
-        }
+        self.publish_lease();
     }
 
     /// On the leader: when its own lease ends, from the newest heartbeat a majority accepted.
@@ -299,6 +303,7 @@ impl ViewService {
                 _ = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
             }
+            self.publish_lease();
             let now = self.evaluate_serving();
             if now.is_ok() == self.serving.borrow().is_ok() {
                 continue;

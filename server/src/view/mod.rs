@@ -21,6 +21,7 @@
 
 mod lease;
 mod network;
+mod published;
 mod storage;
 pub mod types;
 
@@ -114,6 +115,13 @@ pub struct ViewService {
     serving: tokio::sync::watch::Sender<Serving>,
     /// Times this node stopped serving data.
     serving_stops: AtomicU64,
+    /// The node's clock, in which its lease word counts (`published.rs`).
+    clock: rdkv_common::lease::NodeClock,
+    /// The lease word last published (`published.rs`).
+    published: std::sync::Mutex<published::Published>,
+    /// Times the node dropped a lease before its end (it stopped leading): a published
+    /// serving interval does not continue across a drop.
+    lease_drops: AtomicU64,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -169,6 +177,9 @@ impl ViewService {
             pending_down: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             serving: tokio::sync::watch::Sender::new(Ok(())),
             serving_stops: AtomicU64::new(0),
+            clock: rdkv_common::lease::NodeClock::new(),
+            published: std::sync::Mutex::default(),
+            lease_drops: AtomicU64::new(0),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {

@@ -243,11 +243,14 @@ impl VerbsQueuePair {
         let mut queue_pair = lock(&self.queue_pair);
         let mut guard = queue_pair.start_post_send();
         for (work_request_id, request) in requests {
-            let flags = if request.signaled {
+            let mut flags = if request.signaled {
                 WorkRequestFlags::Signaled
             } else {
                 WorkRequestFlags::none()
             };
+            if request.fenced {
+                flags |= WorkRequestFlags::Fence;
+            }
             let handle = guard.construct_wr(work_request_id, flags);
             let remote = request.remote;
             let buffer = match request.opcode {
