@@ -140,11 +140,16 @@ struct ViewFollower {
 }
 
 impl ViewFollower {
-    /// The newest view any node answers with within [`VIEW_FETCH_TIMEOUT`], all asked at once
-    /// (epochs only grow, and a view is committed before any node shows it): a paused or cut-off
-    /// node costs the fetch nothing.
+    /// The newest view the nodes answer with, all asked at once (epochs only grow, and a view
+    /// is committed before any node shows it). It returns once a majority of the nodes
+    /// answered, or every node answered or failed, each within [`VIEW_FETCH_TIMEOUT`]: a
+    /// paused or cut-off node costs the fetch nothing (waiting for its timeout stalled every
+    /// operation that needed the view for half a second while it was being marked down).
     async fn newest_view(&self) -> Option<ClusterView> {
-        let fetches = self.nodes.iter().map(|(address, id)| async move {
+        use futures_util::stream::StreamExt;
+        let majority = self.nodes.len() / 2 + 1;
+        let mut fetches: futures_util::stream::FuturesUnordered<_> =
+            self.nodes.iter().map(|(address, id)| async move {
             let node = MonitoredNode {
                 address: *address,
                 id: *id,
@@ -153,8 +158,17 @@ impl ViewFollower {
             fetch_view(node, VIEW_FETCH_TIMEOUT)
                 .await
                 .map_err(|error| format!("node at {address}: {error}"))
-        });
-        let answers = futures_util::future::join_all(fetches).await;
+            })
+            .collect();
+        let mut answers = Vec::with_capacity(self.nodes.len());
+        let mut answered = 0;
+        while let Some(answer) = fetches.next().await {
+            answered += usize::from(answer.is_ok());
+            answers.push(answer);
+            if answered >= majority {
+                break;
+            }
+        }
         let unanswered = if answers.iter().all(Result::is_err) {
             answers
                 .iter()
@@ -1018,7 +1032,10 @@ impl Client {
                             operation,
                             source: Box::new(Error::NodeUnreachable {
                                 address: primary,
-                                reason: "the key's primary left the cluster view after a backup took the write".into(),
+                                reason: format!(
+                                    "a new cluster view moved the key's primary (to the node at {}) after a backup took the write",
+                                    connections[0].address
+                                ),
                             }),
                         });
                     }
@@ -1032,7 +1049,10 @@ impl Client {
                                 operation,
                                 source: Box::new(Error::NodeUnreachable {
                                     address: lock.primary,
-                                    reason: "the key's primary left the cluster view while the write held its lock there".into(),
+                                    reason: format!(
+                                        "a new cluster view moved the key's primary (to the node at {}) while the write held its lock there",
+                                        connections[0].address
+                                    ),
                                 }),
                             });
                         }

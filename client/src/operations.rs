@@ -185,7 +185,8 @@ pub(crate) fn layout_error(error: LayoutError) -> Error {
 /// Maps a failed list. Whether the operation may have applied is the client's call (from the
 /// operation's [`Progress`]), not this error's.
 pub(crate) fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> Error {
-    move |error| match error {
+    move |error| {
+        match error {
         ExecuteError::Post(error) => Error::Fabric(error),
         ExecuteError::Completion(status) => Error::WorkCompletion { operation, status },
         ExecuteError::LeaseLapsed { address } => Error::NodeUnreachable {
@@ -194,6 +195,7 @@ pub(crate) fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> 
                 "{operation}: the node's lease did not cover the request (the node is paused, cut off from the cluster, or not serving), so its memory may be stale; asking the cluster for the view"
             ),
         },
+    }
     }
 }
 

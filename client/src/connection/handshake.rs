@@ -5,11 +5,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkv_common::lease::ClockBound;
 use rdkv_common::protocol::{
     check_challenge_node, compute_proof, read_frame, write_frame, ClientMessage, Purpose,
     ServerMessage, PROTOCOL_VERSION,
 };
-use rdkv_common::lease::ClockBound;
 use rdkv_common::ControlError;
 use rdkv_fabric::{Backend, QueuePairConfig};
 use tokio::net::TcpStream;

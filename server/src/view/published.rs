@@ -61,11 +61,13 @@ impl ViewService {
     /// Works out whether the node serves now and until when, and writes the word.
     pub(super) fn publish_lease(&self) {
         let serving = self.evaluate_serving().is_ok();
-        let until = if serving { self.publishable_until() } else { None };
+        let until = if serving {
+            self.publishable_until()
+        } else {
+            None
+        };
         let record_since = self.own_record().map_or(0, |record| record.since);
-        let lease_generation = self
-            .lease_drops
-            .load(std::sync::atomic::Ordering::Acquire);
+        let lease_generation = self.lease_drops.load(std::sync::atomic::Ordering::Acquire);
         let now = Instant::now();
         let mut published = self.published_lock();
         let Some(until) = until else {

@@ -1,0 +1,285 @@
+//! A paused node must not answer reads from its frozen memory (issue 41, `docs/protocol.md`,
+//! *Readers enforce the lease*).
+//!
+//! Three nodes with `replicas = 2` and `failure_timeout = 1s`. Writer clients run get, put,
+//! delete and compare-and-swap on 24 keys; besides them, one **poller** client per key, each a
+//! `Client` of its own that reads its one key every 2 ms, as an application watching a
+//! configuration key or a flag does. One node is SIGSTOPped past `failure_timeout` (the view
+//! commits it down and the writers move its keys to their backups), then SIGCONTed. A poller
+//! of a key whose primary was the paused node is connected to that node alone; over `shm` it
+//! runs its READs itself against the node's memory, which a stopped process cannot fence.
+//! Before readers checked the node's lease word, those pollers read the value of the moment
+//! of the pause hundreds of times while the writers moved on. The history must be
+//! linearizable.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use rand::{Rng, SeedableRng};
+use rdkv_client::{CasOutcome, Client, FabricChoice};
+use rdkv_common::protocol::MemberState;
+use rdkv_common::sharding;
+use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
+use rdkv_integration_tests::view::{pid_of, up_settled, wait_for_view, Nodes, FAILURE_TIMEOUT};
+
+const WRITERS: u64 = 8;
+const KEYS: u64 = 24;
+/// How often a poller reads its key.
+const POLL_INTERVAL: Duration = Duration::from_millis(2);
+/// How long the node stays stopped: well past `failure_timeout`, so the view moves its keys
+/// and the writers write their backups for a while.
+const PAUSE: Duration = Duration::from_secs(3);
+
+/// One real cluster at a time: two at once on this 2-core machine would time each other out.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Which node is paused.
+#[derive(Clone, Copy, Debug)]
+enum Victim {
+    Follower,
+    Leader,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pollers_of_a_paused_follower_over_shm_read_no_stale_value() {
+    paused_history("paused-follower", Victim::Follower, FabricChoice::Auto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pollers_of_a_paused_leader_over_shm_read_no_stale_value() {
+    paused_history("paused-leader", Victim::Leader, FabricChoice::Auto).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pollers_of_a_paused_follower_over_soft_read_no_stale_value() {
+    paused_history(
+        "paused-follower-soft",
+        Victim::Follower,
+        FabricChoice::Cluster(rdkv_fabric::Backend::Soft),
+    )
+    .await;
+}
+
+/// Continues a stopped process however the test ends: a failed assertion must not leave a
+/// node stopped.
+struct ContinueOnDrop(nix::unistd::Pid);
+
+impl Drop for ContinueOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, Signal::SIGCONT);
+    }
+}
+
+fn decode(value: Option<bytes::Bytes>) -> Option<u64> {
+    value.map(|bytes| {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&bytes[..8]);
+        u64::from_le_bytes(word)
+    })
+}
+
+/// What the clients saw: events, and how many lists the pollers refused by the lease word.
+#[derive(Default)]
+struct Seen {
+    events: Vec<Event>,
+    lease_refusals: u64,
+    failed: u64,
+}
+
+async fn paused_history(tag: &str, victim: Victim, fabric: FabricChoice) {
+    let _serial = SERIAL.lock().await;
+    let settled = up_settled(tag, 3).await;
+    let victim = match victim {
+        Victim::Follower => settled.follower(),
+        Victim::Leader => settled.leader,
+    };
+    let (cluster, nodes, secret, ids, _, _) = settled.parts();
+    let observer = *ids.iter().find(|id| **id != victim).expect("another node");
+    let primary_was_victim: Vec<bool> = (0..KEYS)
+        .map(|key| {
+            let replicas = sharding::replicas(format!("key-{key}").as_bytes(), &ids, 2);
+            ids[replicas[0]] == victim
+        })
+        .collect();
+    assert!(primary_was_victim.iter().any(|was| *was));
+    let start = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for writer in 0..WRITERS {
+        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
+        client.connect_all().await.expect("connect");
+        tasks.push(tokio::spawn(write_loop(
+            client,
+            writer,
+            start,
+            stop.clone(),
+        )));
+    }
+    for key in 0..KEYS {
+        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
+        tasks.push(tokio::spawn(poll_loop(client, key, start, stop.clone())));
+    }
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pid = pid_of(&cluster, victim);
+    let _continue = ContinueOnDrop(pid);
+    nix::sys::signal::kill(pid, Signal::SIGSTOP).expect("SIGSTOP the node");
+    let paused = Instant::now();
+    wait_for(&nodes, &secret, observer, victim, MemberState::Down).await;
+    let down_after = paused.elapsed();
+    tokio::time::sleep(PAUSE.saturating_sub(paused.elapsed())).await;
+    nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT the node");
+    wait_for(&nodes, &secret, observer, victim, MemberState::Serving).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+
+    let mut seen = Seen::default();
+    for task in tasks {
+        let part = task.await.expect("client task");
+        seen.events.extend(part.events);
+        seen.lease_refusals += part.lease_refusals;
+        seen.failed += part.failed;
+    }
+    let polls_of_victim_keys = seen
+        .events
+        .iter()
+        .filter(|event| primary_was_victim[event.key as usize] && event.operation == Operation::Get)
+        .count();
+    eprintln!(
+        "{} operations in {:?}: node {victim} stopped, down in the view after {down_after:?}; {} lists refused by the lease word, {} operations failed, {polls_of_victim_keys} GETs of its keys",
+        seen.events.len(),
+        start.elapsed(),
+        seen.lease_refusals,
+        seen.failed,
+    );
+    assert!(
+        seen.events.len() > 2_000,
+        "{} operations",
+        seen.events.len()
+    );
+    assert!(
+        down_after > FAILURE_TIMEOUT / 2,
+        "the view moved the node's keys after {down_after:?}"
+    );
+    assert_eq!(check(&seen.events), Verdict::Linearizable);
+}
+
+/// Waits (30 s at most: a loaded machine) until node `observer`'s view has `victim` in `state`.
+async fn wait_for(nodes: &Nodes, secret: &[u8], observer: u32, victim: u32, state: MemberState) {
+    wait_for_view(nodes, secret, observer, Duration::from_secs(30), |view| {
+        rdkv_integration_tests::view::state_of(view, victim) == Some(state)
+    })
+    .await
+    .unwrap_or_else(|last| panic!("node {observer} never saw node {victim} {state}: {last:?}"));
+}
+
+/// One poller: its own client reads one key every [`POLL_INTERVAL`].
+async fn poll_loop(client: Client, key: u64, start: Instant, stop: Arc<AtomicBool>) -> Seen {
+    let mut seen = Seen::default();
+    let key_bytes = format!("key-{key}");
+    while !stop.load(Ordering::Relaxed) {
+        let call = start.elapsed().as_nanos() as u64;
+        let result = client.get(key_bytes.as_bytes()).await;
+        let ret = start.elapsed().as_nanos() as u64;
+        match result {
+            Ok(value) => seen.events.push(Event {
+                key,
+                operation: Operation::Get,
+                outcome: Outcome::Value(decode(value)),
+                call,
+                ret,
+            }),
+            Err(_) => seen.failed += 1,
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+    seen.lease_refusals = client.counters().lease_refusals;
+    client.close().await;
+    seen
+}
+
+/// One writer: get, put, delete and compare-and-swap on random keys.
+async fn write_loop(client: Client, writer: u64, start: Instant, stop: Arc<AtomicBool>) -> Seen {
+    let mut random = rand::rngs::StdRng::seed_from_u64(writer);
+    let mut seen = Seen::default();
+    let mut counter = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        counter += 1;
+        let key = random.gen_range(0..KEYS);
+        let key_bytes = format!("key-{key}");
+        let unique = ((writer + 1) << 32) | counter;
+        let choice = random.gen_range(0..100);
+        let call = start.elapsed().as_nanos() as u64;
+        let (operation, result) = if choice < 30 {
+            let result = client.get(key_bytes.as_bytes()).await;
+            (
+                Operation::Get,
+                result.map(|value| Outcome::Value(decode(value))),
+            )
+        } else if choice < 75 {
+            let result = client
+                .put(key_bytes.as_bytes(), &unique.to_le_bytes())
+                .await;
+            (Operation::Put(unique), result.map(|()| Outcome::Written))
+        } else if choice < 85 {
+            let result = client.delete(key_bytes.as_bytes()).await;
+            (Operation::Delete, result.map(Outcome::Deleted))
+        } else {
+            let expected = last_value(&seen.events, key);
+            let result = client
+                .compare_and_swap(
+                    key_bytes.as_bytes(),
+                    &expected.to_le_bytes(),
+                    &unique.to_le_bytes(),
+                )
+                .await
+                .map(|outcome| match outcome {
+                    CasOutcome::Swapped => Outcome::Swapped,
+                    CasOutcome::Mismatch(current) => Outcome::Mismatch(decode(current)),
+                });
+            let operation = Operation::CompareAndSwap {
+                expected,
+                new: unique,
+            };
+            (operation, result)
+        };
+        let ret = start.elapsed().as_nanos() as u64;
+        match result {
+            Ok(outcome) => seen.events.push(Event {
+                key,
+                operation,
+                outcome,
+                call,
+                ret,
+            }),
+            Err(error) => {
+                seen.failed += 1;
+                if error.may_have_applied() {
+                    seen.events.push(Event {
+                        key,
+                        operation,
+                        outcome: Outcome::Unknown,
+                        call,
+                        ret: u64::MAX,
+                    });
+                }
+            }
+        }
+    }
+    client.close().await;
+    seen
+}
+
+/// The last value this writer read of `key` (0 if none): what its compare-and-swap expects.
+fn last_value(events: &[Event], key: u64) -> u64 {
+    events
+        .iter()
+        .rev()
+        .find_map(|event| match (event.key == key, event.outcome) {
+            (true, Outcome::Value(Some(value))) => Some(value),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
