@@ -1,11 +1,12 @@
-//! `rdkv-cluster status`: each node's stats over an authenticated monitoring connection (no
-//! queue pair, no keys), as a table, and an exit code a script can trust: 0 only when every
-//! node is up.
+//! `rdkv-cluster status`: each node's stats and view over an authenticated monitoring
+//! connection (no queue pair, no keys), every node asked at once within [`ANSWER_DEADLINE`],
+//! as a table and a `view:` line, and an exit code a script can trust: 0 only when every node
+//! answers.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
+use rdkv_common::protocol::{fetch_report, fetch_stats, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::ControlError;
 
 use crate::config::ClusterConfig;
@@ -19,8 +20,12 @@ pub enum NodeState {
     /// It refused the cluster's secret (or this client's protocol version): the file's secret
     /// is not the node's.
     Refused(String),
-    /// It did not answer.
+    /// It could not be asked: nothing accepted the connection (refused, unreachable, or no
+    /// connect within [`ANSWER_DEADLINE`]), or the conversation failed (closed, malformed).
     Down(String),
+    /// The connection was accepted but the node did not answer within [`ANSWER_DEADLINE`]: a
+    /// stopped (SIGSTOP), hung or starved process, whose kernel still accepts for it.
+    NoAnswer(String),
 }
 
 /// One node's state for `status`.
@@ -30,8 +35,10 @@ pub struct NodeStatus {
     pub id: u32,
     /// Its control address.
     pub address: SocketAddr,
-    /// Up with its stats, refused, or down with why.
+    /// Up with its stats, refused, down or silent with why.
     pub state: NodeState,
+    /// The cluster view it knows, when it answered: the `view:` line is the newest of these.
+    pub view: Option<ClusterView>,
 }
 
 /// Whether a node's refusal is of the secret (or the version): `authentication failed: …`. A
@@ -41,8 +48,9 @@ pub fn refused_the_secret(reason: &str) -> bool {
     reason.starts_with("authentication failed") || reason.starts_with("protocol version mismatch")
 }
 
-/// `status`'s exit code: 0 every node up, 1 a node down (or refusing for another reason, as a
-/// full node does), 3 a node refused the secret.
+/// `status`'s exit code: 0 every node up, 1 a node down, not answering (a stopped node is not
+/// a healthy one; the state column tells it from a down one) or refusing for another reason
+/// (as a full node does), 3 a node refused the secret.
 pub fn exit_code(statuses: &[NodeStatus]) -> u8 {
     if statuses.iter().any(
         |status| matches!(&status.state, NodeState::Refused(reason) if refused_the_secret(reason)),
@@ -58,27 +66,45 @@ pub fn exit_code(statuses: &[NodeStatus]) -> u8 {
     }
 }
 
-/// Asks every node for its stats.
+/// How long `status` gives each node, from the start of its connect to the end of its answer
+/// (challenge, proof, stats, view). Every node is asked at once, so this bounds the whole
+/// command, and a script that polls `status` gets an answer in about a second whatever the
+/// nodes do.
+///
+/// One second, the shortest `failure_timeout` a cluster file may set
+/// ([`MIN_FAILURE_TIMEOUT`](crate::config::MIN_FAILURE_TIMEOUT)): a node silent this long may
+/// already be on its way out of the view, so `status` waits no longer on it than its peers
+/// may. A healthy node answers in milliseconds: the slowest part is its exact key count, one
+/// scan of its index shared with the other queries (about 1 ms per 8 MiB of index in a release
+/// build, as the collector's scan of the same index, `docs/benchmarks.md`), which leaves room
+/// for an index of a few GiB, or for a loaded machine.
+pub const ANSWER_DEADLINE: Duration = crate::config::MIN_FAILURE_TIMEOUT;
+
+/// Asks every node at once for its stats and the view it knows, each within
+/// [`ANSWER_DEADLINE`]; one row per node of the file, in its order.
 pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
-    let mut statuses = Vec::new();
-    for node in &config.nodes {
+    let asks = config.nodes.iter().map(|node| async move {
         let monitored = MonitoredNode {
             address: node.control_address,
             id: Some(node.id),
             secret: &config.secret,
         };
-        let state = match fetch_stats(monitored, Duration::from_secs(2)).await {
-            Ok(stats) => NodeState::Up(Box::new(stats)),
-            Err(ControlError::Refused { reason }) => NodeState::Refused(reason),
-            Err(error) => NodeState::Down(error.to_string()),
+        let (state, view) = match fetch_report(monitored, ANSWER_DEADLINE).await {
+            Ok(report) => (NodeState::Up(Box::new(report.stats)), Some(report.view)),
+            Err(ControlError::Refused { reason }) => (NodeState::Refused(reason), None),
+            Err(error @ ControlError::NoAnswer { .. }) => {
+                (NodeState::NoAnswer(error.to_string()), None)
+            }
+            Err(error) => (NodeState::Down(error.to_string()), None),
         };
-        statuses.push(NodeStatus {
+        NodeStatus {
             id: node.id,
             address: node.control_address,
             state,
-        });
-    }
-    statuses
+            view,
+        }
+    });
+    futures_util::future::join_all(asks).await
 }
 
 /// How long `up` waits for its nodes to serve data: the first election and the leases take
@@ -118,26 +144,19 @@ pub async fn wait_serving(
     }
 }
 
-/// The cluster view, from the leader when a node that answered names one, else from the first
-/// node that answers; `None` when no node answers.
-pub async fn view(config: &ClusterConfig, statuses: &[NodeStatus]) -> Option<ClusterView> {
-    let leader = statuses.iter().find_map(|status| match &status.state {
-        NodeState::Up(stats) if stats.view_leader != 0 => Some(stats.view_leader),
-        _ => None,
-    });
-    let mut order: Vec<&crate::config::NodeConfig> = config.nodes.iter().collect();
-    order.sort_by_key(|node| Some(node.id) != leader);
-    for node in order {
-        let monitored = MonitoredNode {
-            address: node.control_address,
-            id: Some(node.id),
-            secret: &config.secret,
-        };
-        if let Ok(view) = fetch_view(monitored, Duration::from_secs(2)).await {
-            return Some(view);
-        }
-    }
-    None
+/// The cluster view for the `view:` line: the newest (highest epoch) that the nodes which
+/// answered know, the leader's own among equals (the leader learns a commit first); `None`
+/// when no node answered. No node is asked again: a stopped leader that the others still
+/// name costs nothing more.
+pub fn view(statuses: &[NodeStatus]) -> Option<&ClusterView> {
+    statuses
+        .iter()
+        .filter_map(|status| {
+            let view = status.view.as_ref()?;
+            Some((view, view.leader == Some(status.id)))
+        })
+        .max_by_key(|(view, own)| (view.epoch, *own))
+        .map(|(view, _)| view)
 }
 
 /// The `view:` line under the table.
@@ -243,10 +262,11 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
                     stats.view_epoch.to_string()
                 },
             ],
-            NodeState::Refused(reason) | NodeState::Down(reason) => {
+            NodeState::Refused(reason) | NodeState::Down(reason) | NodeState::NoAnswer(reason) => {
                 let state = match &status.state {
                     NodeState::Refused(reason) if refused_the_secret(reason) => "auth failed",
                     NodeState::Refused(_) => "refused",
+                    NodeState::NoAnswer(_) => "no answer",
                     _ => "down",
                 };
                 let mut row = vec![
@@ -308,6 +328,7 @@ mod tests {
             id,
             address: "127.0.0.1:1".parse().expect("an address"),
             state,
+            view: None,
         }
     }
 
@@ -343,6 +364,56 @@ mod tests {
             text.contains("refused") && !text.contains("auth failed"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_node_that_does_not_answer_is_not_healthy_nor_down() {
+        let silent = NodeState::NoAnswer(
+            "the connection was accepted, but the node did not answer within 1s".into(),
+        );
+        let statuses = [node(1, NodeState::Up(Box::default())), node(2, silent)];
+        assert_eq!(exit_code(&statuses), 1);
+        let text = status_table(&statuses);
+        let row = text
+            .lines()
+            .find(|line| line.starts_with('2'))
+            .expect("node 2's row");
+        assert!(row.contains("no answer") && !row.contains("down"), "{text}");
+    }
+
+    #[test]
+    fn the_view_line_is_the_newest_view_an_answering_node_knows() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let led_by = |epoch, leader| ClusterView {
+            epoch,
+            leader: Some(leader),
+            members: (1..=3)
+                .map(|node_id| ViewMember {
+                    node_id,
+                    state: MemberState::Serving,
+                })
+                .collect(),
+        };
+        let answered = |id, known: ClusterView| NodeStatus {
+            view: Some(known),
+            ..node(id, NodeState::Up(Box::default()))
+        };
+        // Node 1 still knows the view of epoch 4, led by node 2, which does not answer; node 3
+        // has learnt epoch 5 (node 3 leads).
+        let statuses = [
+            answered(1, led_by(4, 2)),
+            node(2, NodeState::NoAnswer("silent".into())),
+            answered(3, led_by(5, 3)),
+        ];
+        assert_eq!(view(&statuses).map(|newest| newest.epoch), Some(5));
+        // Equal epochs: the leader's own.
+        let statuses = [answered(1, led_by(5, 2)), answered(2, led_by(5, 2))];
+        assert!(std::ptr::eq(
+            view(&statuses).expect("a view"),
+            statuses[1].view.as_ref().expect("node 2's view")
+        ));
+        let nobody = [node(1, NodeState::Down("refused".into()))];
+        assert_eq!(view_line(view(&nobody)), "view: no node answered");
     }
 
     #[test]

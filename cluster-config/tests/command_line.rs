@@ -28,6 +28,8 @@ fn help_lists_the_exit_codes() {
     ] {
         assert!(help.contains(code), "no {code:?} in:\n{help}");
     }
+    // A stopped node's row, and what it exits.
+    assert!(help.contains("(`no answer`"), "{help}");
 }
 
 #[test]

@@ -46,6 +46,15 @@ pub enum ControlError {
         /// The time allowed.
         timeout: std::time::Duration,
     },
+    /// The node's port accepted the connection, but the node did not answer within `timeout`:
+    /// its kernel accepts into the listen backlog for a process that is stopped (SIGSTOP), hung
+    /// or starved, and nothing reads. Apart from [`ControlError::TimedOut`], which does not say
+    /// whether anything accepted.
+    #[error("the connection was accepted, but the node did not answer within {timeout:?}")]
+    NoAnswer {
+        /// The time allowed, from the start of the connect.
+        timeout: std::time::Duration,
+    },
     /// The peer sent a message that is not valid at this point of the conversation.
     #[error("unexpected control message: {0}")]
     Unexpected(String),

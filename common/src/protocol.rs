@@ -719,9 +719,22 @@ async fn monitor_connection(
     node: MonitoredNode<'_>,
     purpose: Purpose,
 ) -> Result<tokio::net::TcpStream, ControlError> {
-    let mut stream = tokio::net::TcpStream::connect(node.address)
+    let stream = tokio::net::TcpStream::connect(node.address)
         .await
         .map_err(ControlError::Io)?;
+    authenticate_monitor(stream, node, purpose).await
+}
+
+/// The handshake of a monitoring connection on a connected `stream`: challenge, proof,
+/// `MonitorReady`.
+///
+/// # Errors
+/// As [`monitor_connection`].
+async fn authenticate_monitor(
+    mut stream: tokio::net::TcpStream,
+    node: MonitoredNode<'_>,
+    purpose: Purpose,
+) -> Result<tokio::net::TcpStream, ControlError> {
     let ServerMessage::Challenge { nonce, node_id, .. } = read_frame(&mut stream).await? else {
         return Err(ControlError::Unexpected("no challenge".into()));
     };
@@ -784,15 +797,76 @@ async fn ask(
 ) -> Result<ServerMessage, ControlError> {
     within(timeout, async {
         let mut stream = monitor_connection(node, Purpose::Monitor).await?;
-        write_frame(&mut stream, &question).await?;
-        let reply = read_frame(&mut stream).await?;
+        let reply = ask_on(&mut stream, &question).await;
         let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
-        match reply {
-            ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
-            reply => Ok(reply),
-        }
+        reply
     })
     .await
+}
+
+/// One question on an open monitoring connection: the answer, a refusal as
+/// [`ControlError::Refused`].
+async fn ask_on(
+    stream: &mut tokio::net::TcpStream,
+    question: &ClientMessage,
+) -> Result<ServerMessage, ControlError> {
+    write_frame(stream, question).await?;
+    match read_frame(stream).await? {
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        reply => Ok(reply),
+    }
+}
+
+/// A node's answer to `rdkv-cluster status`: its stats and the cluster view it knows.
+#[derive(Debug, Clone)]
+pub struct NodeReport {
+    /// Its stats; their `connections` leaves out the monitoring connection that asked.
+    pub stats: ServerStats,
+    /// The cluster view it knows.
+    pub view: ClusterView,
+}
+
+/// Asks a node for its stats and the view it knows, both on one monitoring connection, all
+/// within `timeout` from the start of the connect (connect, challenge, proof, two questions).
+///
+/// # Errors
+/// [`ControlError::NoAnswer`] when the connection was accepted but the node did not answer
+/// in time (a stopped or hung process); [`ControlError::Io`] of kind
+/// [`std::io::ErrorKind::TimedOut`] when not even the connect completed in time; the others as
+/// [`fetch_stats`].
+pub async fn fetch_report(
+    node: MonitoredNode<'_>,
+    timeout: std::time::Duration,
+) -> Result<NodeReport, ControlError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let stream = tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect(node.address))
+        .await
+        .map_err(|_| {
+            ControlError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connect did not complete within {timeout:?}"),
+            ))
+        })?
+        .map_err(ControlError::Io)?;
+    let conversation = async {
+        let mut stream = authenticate_monitor(stream, node, Purpose::Monitor).await?;
+        let stats = match ask_on(&mut stream, &ClientMessage::Stats).await? {
+            ServerMessage::Stats(mut stats) => {
+                stats.connections = stats.connections.saturating_sub(1);
+                *stats
+            }
+            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
+        };
+        let view = match ask_on(&mut stream, &ClientMessage::FetchView).await? {
+            ServerMessage::View(view) => view,
+            other => return Err(ControlError::Unexpected(format!("{other:?}"))),
+        };
+        let _ = write_frame(&mut stream, &ClientMessage::Goodbye).await;
+        Ok(NodeReport { stats, view })
+    };
+    tokio::time::timeout_at(deadline, conversation)
+        .await
+        .unwrap_or(Err(ControlError::NoAnswer { timeout }))
 }
 
 /// Asks a node to shut down over an authenticated monitoring connection; returns once the node
@@ -934,5 +1008,31 @@ mod tests {
         assert!(check_challenge_node(None, 1).is_ok());
         let refused = check_challenge_node(Some(2), 1).unwrap_err().to_string();
         assert!(refused.contains("node 1, not node 2"), "{refused}");
+    }
+
+    /// A listener that never accepts stands for a stopped node: its kernel completes the
+    /// connect into the backlog, and nothing ever reads. Once it is gone the connect is refused.
+    #[tokio::test]
+    async fn a_report_tells_a_silent_node_from_one_that_is_not_there() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a listener");
+        let node = MonitoredNode {
+            address: listener.local_addr().expect("its address"),
+            id: Some(1),
+            secret: b"secret",
+        };
+        let timeout = std::time::Duration::from_millis(100);
+        let silent = fetch_report(node, timeout).await.unwrap_err();
+        assert!(
+            matches!(silent, ControlError::NoAnswer { timeout: allowed } if allowed == timeout),
+            "{silent}"
+        );
+        drop(listener);
+        let gone = fetch_report(node, timeout).await.unwrap_err();
+        assert!(
+            matches!(&gone, ControlError::Io(error) if error.kind() == std::io::ErrorKind::ConnectionRefused),
+            "{gone}"
+        );
     }
 }

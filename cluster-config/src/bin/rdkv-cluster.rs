@@ -12,8 +12,9 @@ use rdkv_cluster_config::{status, systemd, ClusterConfig};
 /// The exit codes, for `--help` (and `docs/operations.md`).
 const EXIT_CODES: &str = "Exit codes:
   0  done; for `status`, every node answers (up, or not-serving while it rejoins)
-  1  failed (one line on stderr names the cause and the fix); for `status`, a node is down
-     or refuses for a reason other than the secret
+  1  failed (one line on stderr names the cause and the fix); for `status`, a node is down,
+     does not answer within 1 s (`no answer`: stopped, hung or starved), or refuses for a
+     reason other than the secret
   2  invalid command line
   3  `status`: a node refused the cluster file's secret (authentication failed)";
 
@@ -61,8 +62,11 @@ enum Action {
         #[arg(long)]
         node: u32,
     },
-    /// One row per node: up, not-serving, down or auth failed, uptime, connections, queue
-    /// pairs, keys, memory. Exits 0 only when every node answers (up or not-serving).
+    /// One row per node: up, not-serving, down, no answer or auth failed, uptime, connections,
+    /// queue pairs, keys, memory; then the newest view the answering nodes know. Every node is
+    /// asked at once and given 1 s, so `status` returns within about a second even when a node
+    /// is stopped or hung (`no answer`). Exits 0 only when every node answers (up or
+    /// not-serving).
     Status {
         /// The cluster file.
         file: PathBuf,
@@ -213,9 +217,9 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         Action::Status { .. } => {
             let statuses = status::status(&config).await;
             say(&status::status_table(&statuses));
-            let view = status::view(&config, &statuses).await;
-            say(&status::view_line(view.as_ref()));
-            for line in status::refill_lines(view.as_ref(), &statuses) {
+            let view = status::view(&statuses);
+            say(&status::view_line(view));
+            for line in status::refill_lines(view, &statuses) {
                 say(&line);
             }
             Ok(status::exit_code(&statuses))
