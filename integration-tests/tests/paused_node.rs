@@ -30,7 +30,7 @@ const KEYS: u64 = 24;
 const POLL_INTERVAL: Duration = Duration::from_millis(2);
 /// How long the node stays stopped: well past `failure_timeout`, so the view moves its keys
 /// and the writers write their backups for a while.
-const PAUSE: Duration = Duration::from_secs(3);
+const PAUSE: Duration = Duration::from_secs(4);
 
 /// One real cluster at a time: two at once on this 2-core machine would time each other out.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
