@@ -37,7 +37,8 @@ Exit codes:
      node answered (stats)
   1  not found (get, del), not swapped (cas), present (insert; its value is printed)
   2  error: usage, the cluster file, an input, an unreachable node, a timeout (the message says
-     whether a write may have applied); stats: a node is down
+     whether a write may have applied); stats: a node is down, or refused the secret (its row
+     says `auth failed`)
 Errors print as one line on stderr: `rdkv: what failed: why`.";
 
 /// Talk to an rdkv cluster: values go in as arguments or on stdin and come out on stdout.
@@ -286,6 +287,10 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                                 rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
                             );
                         }
+                    }
+                    Err(error @ rdkv_client::Error::AuthenticationFailed { .. }) => {
+                        down += 1;
+                        rdkv_common::outln!("{id:<5} {:<6} {error}", "auth failed");
                     }
                     Err(error) => {
                         down += 1;

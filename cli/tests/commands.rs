@@ -239,3 +239,25 @@ fn help_documents_the_exit_codes_and_the_key_flags() {
     assert_eq!(code, 0);
     assert!(help.contains("--key-hex") && help.contains("--key-file") && help.contains("--hex"));
 }
+
+/// `rdkv stats` with a wrong secret says the node refused the secret (`auth failed`, as
+/// `rdkv-cluster status` does), not that it is down.
+#[test]
+fn stats_with_a_wrong_secret_says_auth_failed() {
+    let cluster = Cluster::start("stats-secret");
+    let text = std::fs::read_to_string(&cluster.file).expect("the cluster file");
+    let wrong = cluster.directory.join("wrong-secret.toml");
+    std::fs::write(&wrong, text.replace(SECRET, "not-the-cluster-secret")).expect("write");
+    let (code, stdout, _stderr) = run_rdkv(
+        &["--config", wrong.to_str().expect("utf-8 path"), "stats"],
+        b"",
+    );
+    let stdout = String::from_utf8_lossy(&stdout);
+    assert_eq!(code, 2, "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|line| line.starts_with("1 "))
+        .unwrap_or_else(|| panic!("no row for node 1: {stdout}"));
+    assert!(row.contains("auth failed"), "{row}");
+    assert!(!row.contains(" down "), "{row}");
+}

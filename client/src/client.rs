@@ -12,6 +12,7 @@ use bytes::Bytes;
 use rdkv_cluster_file::ClusterConfig;
 use rdkv_common::protocol::{fetch_stats, fetch_view, ClusterView, MonitoredNode, ServerStats};
 use rdkv_common::sharding;
+use rdkv_common::ControlError;
 
 use crate::connection::{
     shared_slot_cache, ClientConfig, NodeConnection, SlotCache, WriterStripes, DEFAULT_CONCURRENCY,
@@ -148,16 +149,18 @@ impl ViewFollower {
     async fn newest_view(&self) -> Option<ClusterView> {
         use futures_util::stream::StreamExt;
         let majority = self.nodes.len() / 2 + 1;
-        let mut fetches: futures_util::stream::FuturesUnordered<_> =
-            self.nodes.iter().map(|(address, id)| async move {
-            let node = MonitoredNode {
-                address: *address,
-                id: *id,
-                secret: &self.secret,
-            };
-            fetch_view(node, VIEW_FETCH_TIMEOUT)
-                .await
-                .map_err(|error| format!("node at {address}: {error}"))
+        let mut fetches: futures_util::stream::FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|(address, id)| async move {
+                let node = MonitoredNode {
+                    address: *address,
+                    id: *id,
+                    secret: &self.secret,
+                };
+                fetch_view(node, VIEW_FETCH_TIMEOUT)
+                    .await
+                    .map_err(|error| format!("node at {address}: {error}"))
             })
             .collect();
         let mut answers = Vec::with_capacity(self.nodes.len());
@@ -1540,9 +1543,19 @@ impl Client {
             let address = node.config.node.control_address;
             let fetched = fetch_stats(node.monitored(), self.deadline)
                 .await
-                .map_err(|error| Error::NodeUnreachable {
-                    address,
-                    reason: error.to_string(),
+                .map_err(|error| match error {
+                    // The node answered, and refused the secret or the version: say so, not
+                    // that it is unreachable.
+                    ControlError::Refused { reason }
+                        if reason.starts_with("authentication failed")
+                            || reason.starts_with("protocol version mismatch") =>
+                    {
+                        Error::AuthenticationFailed { address, reason }
+                    }
+                    error => Error::NodeUnreachable {
+                        address,
+                        reason: error.to_string(),
+                    },
                 });
             stats.push((node.id, fetched));
         }

@@ -236,7 +236,7 @@ impl NodeConnection {
                 }
                 // The node's socket did not take the attach (busy, or not the node we
                 // reached): this connection goes over the cluster's fabric instead.
-                tracing::warn!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
+                tracing::debug!(%address, %error, "shm attach failed; connecting over the cluster's fabric");
                 let mut fallback = config.clone();
                 fallback.node.shared_memory = SharedMemory::Off;
                 return Box::pin(Self::open(
