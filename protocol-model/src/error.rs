@@ -23,6 +23,12 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// The reader rule name is not one of `lease::ReaderRule::ALL`.
+    #[error("unknown reader rule {name:?}: expected old, lease, lease-inclusive, lease-no-since or lease-before")]
+    UnknownReaderRule {
+        /// The name asked for.
+        name: String,
+    },
     /// The scenario does not fit the model's limits or conventions.
     #[error("scenario {scenario}: {reason}")]
     InvalidScenario {

@@ -28,6 +28,11 @@
 //! (intents on the primary, helping, tombstones, a failover that fences the old view), checked
 //! before it is built, with three broken variants the checker catches.
 //!
+//! [`lease`] is a third: a client that reads a node one-sidedly while the node may be paused
+//! (its memory answers READs, its CPU does nothing) and the view moves the node's keys away.
+//! The client before the fix returns the paused node's frozen value; the serving-lease rule
+//! (a word `(S, E)` read after the data, `S < t_post`, `t_done < E`) holds.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -37,6 +42,7 @@ pub mod check;
 pub mod client;
 pub mod error;
 pub mod key_value;
+pub mod lease;
 pub mod model;
 mod new_protocol;
 mod old_protocol;

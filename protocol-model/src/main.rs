@@ -1,33 +1,59 @@
-//! `rdkv-protocol-model`: checks a built-in scenario under the old or the new index-slot
-//! protocol and prints the states explored, the time taken and each property's verdict, with a
-//! counterexample for every violated property. Exits 0 when every property holds, 1 when one is
-//! violated, 2 on a usage error.
+//! `rdkv-protocol-model`: checks a built-in scenario of one of the crate's models and prints
+//! the states explored, the time taken and each property's verdict, with a counterexample for
+//! every violated property. `--model index` (the default) checks the index-slot protocol under
+//! the old or the new protocol; `--model lease` checks a reader of a node that may be paused
+//! under a reader rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
+//! error.
 
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
+use rdkv_protocol_model::lease::{self, LeaseModel, ReaderRule};
 use rdkv_protocol_model::{check, IndexModel, Protocol, Scenario};
+
+/// The model to check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelName {
+    /// The index-slot protocol.
+    Index,
+    /// A reader of a node that may be paused, under the serving lease.
+    Lease,
+}
 
 /// Command-line arguments.
 #[derive(Debug, Parser)]
 #[command(
     name = "rdkv-protocol-model",
-    about = "Exhaustively model-check rdkv's index-slot protocol"
+    about = "Exhaustively model-check rdkv's index-slot protocol or its serving lease"
 )]
 struct Arguments {
+    /// The model to check: `index` (the index-slot protocol) or `lease` (a reader of a node
+    /// that may be paused). Exit code: 0 when every property holds, 1 when one is violated, 2
+    /// on a usage error.
+    #[arg(long, value_enum, default_value_t = ModelName::Index)]
+    model: ModelName,
     /// The scenario to check (see --list), or `all`.
     #[arg(long, default_value = "all")]
     scenario: String,
-    /// The protocol the clients run: `old` (the client before the fix), `new` (tentative slots) or
-    /// `new-draft` (tentative slots with the first draft's kill rule). Exit code: 0 when every
-    /// property holds, 1 when one is violated, 2 on a usage error.
-    #[arg(long, default_value = "new")]
-    protocol: Protocol,
-    /// Override the scenario's number of slots in the bucket (1..=4).
+    /// Index model: the protocol the clients run: `old` (the client before the fix), `new`
+    /// (tentative slots, the default) or `new-draft` (tentative slots with the first draft's
+    /// kill rule).
+    #[arg(long)]
+    protocol: Option<Protocol>,
+    /// Lease model: the rule a client decides by: `old` (trust the READ), `lease` (the fix, the
+    /// default: word READ last, accept if S < t_post and t_done < E), `lease-inclusive` (S <=
+    /// t_post on raw clock readings), `lease-no-since` (only t_done < E) or `lease-before` (word
+    /// READ first, only t_done < E).
+    #[arg(long)]
+    reader: Option<ReaderRule>,
+    /// Index model: override the scenario's number of slots in the bucket (1..=4).
     #[arg(long)]
     slots: Option<usize>,
+    /// Lease model: override the clock's last value (the scenarios run it to 4).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=12))]
+    horizon: Option<u8>,
     /// Override the scenario's retry budget: how many times one operation may restart before
     /// it gives up (and stays pending in the history).
     #[arg(long)]
@@ -43,6 +69,29 @@ struct Arguments {
 
 fn main() -> ExitCode {
     let arguments = Arguments::parse();
+    let misplaced = match arguments.model {
+        ModelName::Index if arguments.reader.is_some() => Some("--reader"),
+        ModelName::Index if arguments.horizon.is_some() => Some("--horizon"),
+        ModelName::Lease if arguments.protocol.is_some() => Some("--protocol"),
+        ModelName::Lease if arguments.slots.is_some() => Some("--slots"),
+        _ => None,
+    };
+    if let Some(flag) = misplaced {
+        let model = match arguments.model {
+            ModelName::Index => "index",
+            ModelName::Lease => "lease",
+        };
+        eprintln!("rdkv-protocol-model: {flag} does not apply to --model {model}");
+        return ExitCode::from(2);
+    }
+    match arguments.model {
+        ModelName::Index => run_index(&arguments),
+        ModelName::Lease => run_lease(&arguments),
+    }
+}
+
+/// Checks the index-slot scenarios asked for.
+fn run_index(arguments: &Arguments) -> ExitCode {
     if arguments.list {
         for scenario in Scenario::all() {
             println!("{:<18} {}", scenario.name, scenario.summary);
@@ -68,7 +117,8 @@ fn main() -> ExitCode {
         if let Some(retry_budget) = arguments.retry_budget {
             scenario = scenario.with_retry_budget(retry_budget);
         }
-        let model = match IndexModel::new(scenario, arguments.protocol) {
+        let protocol = arguments.protocol.unwrap_or(Protocol::New);
+        let model = match IndexModel::new(scenario, protocol) {
             Ok(model) => model,
             Err(error) => {
                 eprintln!("rdkv-protocol-model: {error}");
@@ -82,6 +132,49 @@ fn main() -> ExitCode {
         print!("{report}");
         violated |= !report.all_hold();
     }
+    exit_code(violated)
+}
+
+/// Checks the lease scenarios asked for.
+fn run_lease(arguments: &Arguments) -> ExitCode {
+    let rule = arguments.reader.unwrap_or(ReaderRule::Lease);
+    if arguments.list {
+        for model in LeaseModel::scenarios(rule) {
+            println!("{:<24} {}", model.name, model.summary);
+        }
+        return ExitCode::SUCCESS;
+    }
+    let models = if arguments.scenario == "all" {
+        LeaseModel::scenarios(rule)
+    } else {
+        match LeaseModel::named(&arguments.scenario, rule) {
+            Ok(model) => vec![model],
+            Err(error) => {
+                eprintln!("rdkv-protocol-model: {error}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    let mut violated = false;
+    for (index, mut model) in models.into_iter().enumerate() {
+        if let Some(retry_budget) = arguments.retry_budget {
+            model = model.with_retry_budget(retry_budget);
+        }
+        if let Some(horizon) = arguments.horizon {
+            model = model.with_horizon(horizon);
+        }
+        if index > 0 {
+            println!();
+        }
+        let report = lease::check(&model, arguments.threads);
+        print!("{report}");
+        violated |= !report.all_hold();
+    }
+    exit_code(violated)
+}
+
+/// 1 when a property was violated, else 0.
+fn exit_code(violated: bool) -> ExitCode {
     if violated {
         ExitCode::from(1)
     } else {
