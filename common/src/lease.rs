@@ -159,7 +159,9 @@ impl ClockBound {
             return false;
         };
         let since_us = i128::from(lease.since_ms) * 1_000;
-        if since_us > self.earliest_node_us(posted) {
+        // Strictly before: a node that began serving at the very instant of the post may
+        // have begun after it (the model check found this on equal clock readings).
+        if since_us >= self.earliest_node_us(posted) {
             return false;
         }
         if lease.until_ms == UNTIL_FURTHER_NOTICE {
