@@ -138,6 +138,9 @@ struct ViewFollower {
     refreshing: tokio::sync::Mutex<()>,
     /// When the last fetch of the view reached no node: the first node's error.
     unanswered: Mutex<Option<String>>,
+    /// Whether the last fetch of the view found every node refusing the connection outright
+    /// (nothing listens on any node's port: the cluster is down).
+    all_refused: std::sync::atomic::AtomicBool,
 }
 
 impl ViewFollower {
@@ -158,9 +161,13 @@ impl ViewFollower {
                     id: *id,
                     secret: &self.secret,
                 };
-                fetch_view(node, VIEW_FETCH_TIMEOUT)
-                    .await
-                    .map_err(|error| format!("node at {address}: {error}"))
+                fetch_view(node, VIEW_FETCH_TIMEOUT).await.map_err(|error| {
+                    let refused = matches!(
+                        &error,
+                        ControlError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused
+                    );
+                    (format!("node at {address}: {error}"), refused)
+                })
             })
             .collect();
         let mut answers = Vec::with_capacity(self.nodes.len());
@@ -172,10 +179,16 @@ impl ViewFollower {
                 break;
             }
         }
+        let all_refused = answers.len() == self.nodes.len()
+            && answers
+                .iter()
+                .all(|answer| matches!(answer, Err((_, true))));
+        self.all_refused
+            .store(all_refused, std::sync::atomic::Ordering::Relaxed);
         let unanswered = if answers.iter().all(Result::is_err) {
             answers
                 .iter()
-                .find_map(|answer| answer.as_ref().err().cloned())
+                .find_map(|answer| answer.as_ref().err().map(|(text, _)| text.clone()))
         } else {
             None
         };
@@ -352,6 +365,7 @@ impl Client {
                 counters: counters.clone(),
                 refreshing: tokio::sync::Mutex::new(()),
                 unanswered: Mutex::new(None),
+                all_refused: std::sync::atomic::AtomicBool::new(false),
             }),
             counters,
             deadline,
@@ -458,6 +472,7 @@ impl Client {
                 counters: counters.clone(),
                 refreshing: tokio::sync::Mutex::new(()),
                 unanswered: Mutex::new(None),
+                all_refused: std::sync::atomic::AtomicBool::new(false),
             }),
             nodes,
             replicas: cluster.replicas.max(1),
@@ -962,7 +977,10 @@ impl Client {
                     Some(Ok(Some(value))) => return Ok(value),
                     Some(Err(error)) if error.is_retryable() => {
                         progress.wait_for(Waiting::View);
-                        self.await_new_view().await
+                        self.await_new_view().await;
+                        if let Some(down) = self.cluster_down("get") {
+                            return Err(down);
+                        }
                     }
                     Some(Err(error)) => return Err(error),
                 }
@@ -975,6 +993,26 @@ impl Client {
             self.counters.gets.add(1);
         }
         outcome
+    }
+
+    /// When the last view fetch found every node of the cluster file refusing the connection
+    /// outright, the error that says the cluster is down: nothing listens on any node, so
+    /// waiting out the deadline for a view would only cost the caller its deadline.
+    fn cluster_down(&self, operation: &'static str) -> Option<Error> {
+        if !self
+            .follower
+            .all_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return None;
+        }
+        let address = self.follower.nodes.first()?.0;
+        Some(Error::NodeUnreachable {
+            address,
+            reason: format!(
+                "{operation}: every node of the cluster refused the connection: the cluster is down (start it with `rdkv-cluster up FILE`); it did not apply"
+            ),
+        })
     }
 
     /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
@@ -1013,10 +1051,13 @@ impl Client {
                     None => continue,
                     Some(Ok(connections)) => connections,
                     Some(Err(error)) if error.is_retryable() => {
-                        {
-                            progress.wait_for(Waiting::View);
-                            self.await_new_view().await
-                        };
+                        progress.wait_for(Waiting::View);
+                        self.await_new_view().await;
+                        if !progress.may_have_applied() {
+                            if let Some(down) = self.cluster_down(operation) {
+                                return Err(down);
+                            }
+                        }
                         continue;
                     }
                     Some(Err(error)) => return Err(error),

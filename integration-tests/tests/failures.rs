@@ -142,11 +142,11 @@ fn wait_until_stopped(pid: u32) {
     }
 }
 
-/// A replicated cluster with every node stopped: an operation waits out its deadline for a
-/// view (a down node's keys would move to their next copy), and its error says that no node of
-/// the cluster answered, and why (it used to say only that it waited for the view).
+/// A replicated cluster with every node stopped (every connection refused outright): an
+/// operation fails at once and says the cluster is down, instead of waiting out its deadline
+/// for a view that no node can give (it waited 2 s per command before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_replicated_cluster_times_out_saying_no_node_answered() {
+async fn a_stopped_replicated_cluster_fails_at_once_saying_it_is_down() {
     // Three addresses nothing listens on: bound, then closed.
     let free = || {
         std::net::TcpListener::bind("127.0.0.1:0")
@@ -168,7 +168,7 @@ async fn a_stopped_replicated_cluster_times_out_saying_no_node_answered() {
     std::fs::write(
         &file,
         format!(
-            "[cluster]\nname = \"stopped\"\nsecret = \"{SECRET}\"\nfabric = \"soft\"\nreplicas = 2\noperation_deadline = \"1s\"\n{nodes}"
+            "[cluster]\nname = \"stopped\"\nsecret = \"{SECRET}\"\nfabric = \"soft\"\nreplicas = 2\noperation_deadline = \"30s\"\n{nodes}"
         ),
     )
     .expect("the cluster file");
@@ -176,36 +176,33 @@ async fn a_stopped_replicated_cluster_times_out_saying_no_node_answered() {
     for attempt in 0..2 {
         let started = Instant::now();
         let error = client.get(b"key").await.expect_err("every node is stopped");
+        eprintln!(
+            "attempt {attempt}: failed after {:?}: {error}",
+            started.elapsed()
+        );
+        // The deadline is 30 s: well under it means the client did not wait for a view (a
+        // generous bound, safe on a loaded machine; it takes milliseconds).
         assert!(
-            started.elapsed() < Duration::from_secs(3),
+            started.elapsed() < Duration::from_secs(10),
             "attempt {attempt} took {:?}",
             started.elapsed()
         );
-        let Error::TimedOut {
-            unanswered: Some(reason),
-            may_have_applied: false,
-            ..
-        } = &error
-        else {
-            panic!("attempt {attempt}: {error}");
-        };
-        assert!(reason.contains("refused"), "{reason}");
-        assert!(
-            error
-                .to_string()
-                .contains("no node of the cluster answered"),
-            "{error}"
-        );
+        assert!(matches!(error, Error::NodeUnreachable { .. }), "{error}");
+        assert!(error.to_string().contains("the cluster is down"), "{error}");
+        assert!(!error.may_have_applied(), "{error}");
     }
+    let started = Instant::now();
     let error = client
         .put(b"key", b"value")
         .await
         .expect_err("every node is stopped");
     assert!(
-        error
-            .to_string()
-            .contains("no node of the cluster answered")
-            && !error.may_have_applied(),
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        error.to_string().contains("the cluster is down") && !error.may_have_applied(),
         "{error}"
     );
     let _ = std::fs::remove_dir_all(&directory);
