@@ -197,6 +197,18 @@ cp "$repository/target/release/readme-app" "$work/readme-app"
 echo "docs\$ ../readme-app"
 as_user "../readme-app" > "$work/out" 2>&1 || { cat "$work/out" >&2; fail "the README's Rust example failed"; }
 expect_output "ada became grace"
+echo "docs\$ cd .. && RDKV_CONFIG=rdkv/examples/local-3node.toml ./readme-app   # from outside the clone"
+as_user "cd .. && RDKV_CONFIG=rdkv/examples/local-3node.toml ./readme-app" > "$work/out" 2>&1 \
+  || { cat "$work/out" >&2; fail "the README's Rust example failed from outside the clone"; }
+expect_output "ada became grace"
+# A wrong path: exit 1 and one line in words (Display), not Rust's debug format.
+set +e
+as_user "cd .. && RDKV_CONFIG=no-such-cluster.toml ./readme-app" > "$work/out" 2>&1
+app_status=$?
+set -e
+[ "$app_status" -eq 1 ] || { cat "$work/out" >&2; fail "the README's example exited $app_status on a missing file, not 1"; }
+[ "$(wc -l < "$work/out")" -eq 1 ] && grep -q '^error: ' "$work/out" && ! grep -q 'Config {' "$work/out" \
+  || { cat "$work/out" >&2; fail "the README's example did not print one line in words"; }
 
 echo "--- Ctrl-C stops the foreground cluster in order, exit 0 ---"
 kill -INT "$foreground"
