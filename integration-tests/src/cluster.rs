@@ -1,8 +1,12 @@
 //! A cluster launched from `examples/local-3node.toml` through the `rdkv-cluster` binary, on
 //! free ports, for tests that need real node processes.
 
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use crate::process::workspace_binary;
 
@@ -20,6 +24,36 @@ pub fn generate_cluster_file(directory: &Path) -> PathBuf {
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text).expect("write the cluster file");
     path
+}
+
+/// Scrapes a node's metrics endpoint (`GET /metrics`, within 5 s) and parses every sample;
+/// panics unless the answer is a 200 in Prometheus's text format.
+pub fn scrape(address: SocketAddr) -> HashMap<String, f64> {
+    let mut stream =
+        TcpStream::connect_timeout(&address, Duration::from_secs(5)).expect("connect to metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("a read timeout");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: rdkv\r\n\r\n")
+        .expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain"), "{head}");
+    let mut samples = HashMap::new();
+    for line in body
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.is_empty())
+    {
+        let (name, value) = line.rsplit_once(' ').expect("name value");
+        samples.insert(
+            name.to_string(),
+            value.parse::<f64>().expect("a numeric sample"),
+        );
+    }
+    samples
 }
 
 /// Runs `rdkv-cluster` with `arguments`.

@@ -6,7 +6,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use rdkv_common::protocol::{fetch_view, ClusterView, MemberState, MonitoredNode};
+use rdkv_common::protocol::{
+    fetch_stats, fetch_view, ClusterView, MemberState, MonitoredNode, ServerStats,
+};
 
 use crate::cluster::{rdkv_cluster, Cluster};
 
@@ -55,6 +57,16 @@ pub async fn view_of(nodes: &Nodes, secret: &[u8], id: u32) -> Option<ClusterVie
         secret,
     };
     fetch_view(node, Duration::from_millis(500)).await.ok()
+}
+
+/// Node `id`'s stats, if it answers within 500 ms.
+pub async fn stats_of(nodes: &Nodes, secret: &[u8], id: u32) -> Option<ServerStats> {
+    let node = MonitoredNode {
+        address: address(nodes, id),
+        id: Some(id),
+        secret,
+    };
+    fetch_stats(node, Duration::from_millis(500)).await.ok()
 }
 
 /// Polls node `id` every 20 ms until its view satisfies `wanted`, for at most `limit`.
@@ -254,13 +266,27 @@ impl Settled {
     }
 }
 
-/// [`up`], then waits (20 s at most) until every node agrees on one view.
+/// [`up`], then waits (20 s at most) until every node agrees on one view and serves data (it
+/// holds its lease: a view agreed on may still be a moment ahead of a node's first grant).
 pub async fn up_settled(tag: &str, count: usize) -> Settled {
     let (cluster, nodes, secret) = up(tag, count);
     let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
     let view = wait_settled(&nodes, &secret, &ids, Duration::from_secs(20))
         .await
         .expect("the cluster settles");
+    let started = Instant::now();
+    for id in &ids {
+        while !stats_of(&nodes, &secret, *id)
+            .await
+            .is_some_and(|stats| stats.serving_data)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "node {id} does not serve data 20 s after the cluster settled"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let leader = view.leader.expect("a leader");
     Settled {
         cluster,

@@ -5,39 +5,14 @@
 //! endpoint is scraped and parsed.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::Client;
-use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster};
+use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, scrape, Cluster};
 use rdkv_integration_tests::process::workspace_binary;
-
-fn scrape(address: SocketAddr) -> HashMap<String, f64> {
-    let mut stream = TcpStream::connect(address).expect("connect to metrics");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: rdkv\r\n\r\n")
-        .expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("text/plain"), "{head}");
-    let mut samples = HashMap::new();
-    for line in body
-        .lines()
-        .filter(|line| !line.starts_with('#') && !line.is_empty())
-    {
-        let (name, value) = line.rsplit_once(' ').expect("name value");
-        samples.insert(
-            name.to_string(),
-            value.parse::<f64>().expect("a numeric sample"),
-        );
-    }
-    samples
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_node_cluster_from_the_example_file() {

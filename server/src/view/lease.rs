@@ -12,7 +12,10 @@
 //!   of silence) only after the follower's lease ran out. A grant names the leader's view
 //!   epoch, and counts only on a follower that has applied that view: a node back from a cut
 //!   reaches the leader before its log catches up, and must not serve by its old view (found
-//!   by the partition test: it served a replaced value from a view that had it serving).
+//!   by the partition test: it served a replaced value from a view that had it serving). A
+//!   follower that has accepted none of the leader's heartbeats for `failure_timeout` gets no
+//!   grant either: it cannot follow the view, and its pre-vote cannot unseat the leader
+//!   (`election.rs`), so it must leave the view.
 //! - **the leader** holds its lease from when it sent the newest heartbeat that a majority
 //!   accepted. Every such majority includes a node that voted for the next leader, and a
 //!   follower refuses to vote for `election_timeout_max` after it last accepted a leader
@@ -174,6 +177,12 @@ impl ViewService {
         if self.leader() != Some(self.node_id) {
             return None;
         }
+        self.quorum_accepted().map(|accepted| accepted + self.lease)
+    }
+
+    /// On the leader: when it sent the newest heartbeat that a majority (itself included)
+    /// accepted.
+    pub(super) fn quorum_accepted(&self) -> Option<Instant> {
         let peers: Vec<u32> = self
             .addresses
             .keys()
@@ -181,9 +190,30 @@ impl ViewService {
             .filter(|id| *id != self.node_id)
             .collect();
         let quorum = self.addresses.len() / 2 + 1;
+        self.liveness.quorum_accepted(&peers, quorum)
+    }
+
+    /// On the leader of a cluster of three or more: why `node_id`'s requests (for a lease, or
+    /// to join) are no sign of life, if it has accepted none of this leader's heartbeats for
+    /// the failure timeout. It missed them, whatever its requests say: it cannot follow the
+    /// view, and its pre-vote finds the others hearing this leader (`election.rs`), so it
+    /// cannot take over either. Its requests get no grant and no join: it stops serving and
+    /// leaves the view (found by attack: before the pre-vote, such a follower won an election
+    /// with the old leader's vote; with it, it stayed in the view, kept alive by its lease or
+    /// join requests, unable to learn the next view).
+    pub(super) fn missed_heartbeats(&self, node_id: u32) -> Option<String> {
+        if !self.needs_lease() || self.leader() != Some(self.node_id) {
+            return None;
+        }
         self.liveness
-            .quorum_accepted(&peers, quorum)
-            .map(|accepted| accepted + self.lease)
+            .last_accepted(node_id)
+            .is_none_or(|sent| sent.elapsed() > self.failure_timeout)
+            .then(|| {
+                format!(
+                    "node {node_id} has accepted none of the leader's heartbeats within {:?}",
+                    self.failure_timeout
+                )
+            })
     }
 
     /// On the leader: a follower's lease request, from a follower that applied the view of
@@ -206,6 +236,9 @@ impl ViewService {
                 "node {node_id}'s view (epoch {epoch}) is behind the leader's (epoch {})",
                 self.epoch()
             )));
+        }
+        if let Some(reason) = self.missed_heartbeats(node_id) {
+            return PeerReply::Lease(Err(reason));
         }
         // Under the lock the failure detector decides under: no grant to a member it is
         // committing down.

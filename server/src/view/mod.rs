@@ -6,7 +6,10 @@
 //! - `network.rs`: Raft's messages over authenticated control connections, and who answered
 //!   when ([`network::Liveness`]).
 //!
-//! Two tasks run beside Raft on every node of a cluster of two or more:
+//! Tasks run beside Raft on every node of a cluster of two or more:
+//! - **the election timer** (`election.rs`): openraft's own is off; a node that has heard no
+//!   leader for its election timeout stands for election only if a majority answers yes to
+//!   its pre-vote, so a node that comes back never makes a live leader step down;
 //! - **the failure detector**, active on the leader: a member that has not answered the
 //!   leader's heartbeats (every 100 ms) for `failure_timeout` is committed `down`, a new epoch;
 //! - **the join loop**: a node whose record in the view is not `serving` under its own
@@ -19,6 +22,7 @@
 //!
 //! A one-node cluster runs no consensus: its view is itself, serving, at epoch 1.
 
+mod election;
 mod lease;
 mod network;
 mod published;
@@ -46,10 +50,11 @@ use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};
 
 /// Raft's heartbeat interval, and the failure detector's and join loop's tick.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
-/// Raft's election timeout range, in milliseconds. Openraft's followers stand for election
-/// `election_timeout_max` (its leader lease) plus this long after the leader's last
-/// heartbeat: 0.65 to 0.8 s, so a new leader grants the other nodes' leases (0.9 s at the
-/// shortest `failure_timeout`) before they run out, and a leader change alone stops no one.
+/// Raft's election timeout range, in milliseconds. Followers stand for election
+/// (`election.rs`) `election_timeout_max` (openraft's leader lease) plus this long after the
+/// leader's last heartbeat: 0.65 to 0.8 s, so a new leader grants the other nodes' leases
+/// (0.9 s at the shortest `failure_timeout`) before they run out, and a leader change alone
+/// stops no one.
 const ELECTION_TIMEOUT_MILLISECONDS: (u64, u64) = (250, 400);
 /// How far ahead of a node's own term a peer's message may be. Elections raise the term by one
 /// each; a million is decades of failed elections.
@@ -99,6 +104,8 @@ pub struct ViewService {
     shutdown: CancellationToken,
     /// Whether the state file held a vote or log at start (a restart, not a first start).
     had_history: bool,
+    /// Raft's storage, shared with Raft: the pre-vote compares logs by it.
+    store: Store,
     /// How long a lease grant lasts (`lease.rs`).
     lease: Duration,
     /// When this node's lease ends (`None`: it never held one).
@@ -157,7 +164,7 @@ impl ViewService {
         let raft = if settings.members.len() < 2 {
             None
         } else {
-            Some(start_raft(&settings, store, secret.clone(), liveness.clone()).await?)
+            Some(start_raft(&settings, store.clone(), secret.clone(), liveness.clone()).await?)
         };
         let service = Arc::new(Self {
             node_id: settings.node_id,
@@ -171,6 +178,7 @@ impl ViewService {
             liveness,
             shutdown: shutdown.clone(),
             had_history,
+            store,
             lease: Self::lease_for(settings.failure_timeout),
             lease_until: std::sync::Mutex::new(None),
             lease_as_leader: std::sync::atomic::AtomicBool::new(false),
@@ -183,6 +191,7 @@ impl ViewService {
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
+            tasks.spawn(service.clone().stand_for_election(shutdown.clone()));
             tasks.spawn(service.clone().detect_failures(shutdown.clone()));
             tasks.spawn(service.clone().keep_joined(shutdown.clone()));
             tasks.spawn(service.clone().watch_serving(shutdown.clone()));
@@ -339,6 +348,10 @@ impl ViewService {
                         "node {node_id} is not a member of this cluster"
                     ))));
                 }
+                // A node that cannot hear the leader could not apply its join (`lease.rs`).
+                if let Some(reason) = self.missed_heartbeats(node_id) {
+                    return Self::encode(&PeerReply::Join(Err(reason)));
+                }
                 // A node asking to join is alive, whatever the heartbeats' last answer says,
                 // and is counted as if it had asked for a lease: it holds none (its view has it
                 // down, or it restarted), and its first request comes only once it has applied
@@ -371,6 +384,13 @@ impl ViewService {
             (Ok(PeerRequest::Lease { node_id, epoch }), Some(_)) => {
                 self.grant_lease(node_id, epoch)
             }
+            (
+                Ok(PeerRequest::PreVote {
+                    node_id,
+                    last_log_id,
+                }),
+                Some(_),
+            ) => self.grant_pre_vote(node_id, last_log_id).await,
             (
                 Ok(PeerRequest::Promote {
                     node_id,
@@ -438,7 +458,7 @@ impl ViewService {
     /// earlier than [`Self::old_leader_lease_floor`] before its election (others may have
     /// renewed the old leader's lease after this node last heard it: `lease.rs`): a dead
     /// leader is marked down `failure_timeout` after it died, or at the election if that
-    /// comes later (openraft's followers wait 0.65-0.8 s before they stand).
+    /// comes later (followers wait 0.65-0.8 s before they stand: `election.rs`).
     async fn detect_failures(self: Arc<Self>, shutdown: CancellationToken) {
         let liveness = self.liveness.clone();
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
@@ -601,7 +621,7 @@ impl ViewService {
     /// heartbeat at most, so counting its silence from `election_timeout_max` before the
     /// election commits it down `failure_timeout / 10` after its lease ended, at the earliest.
     fn old_leader_lease_floor() -> Duration {
-        Duration::from_millis(ELECTION_TIMEOUT_MILLISECONDS.1)
+        election::LEADER_LEASE
     }
 
     /// On every node: while the view does not have this node as this incarnation (serving, or
@@ -765,8 +785,9 @@ impl ViewService {
     }
 }
 
-/// Creates this node's Raft and, on a first start (no vote, no log), initializes it with every
-/// node as a voter. Every node does the same with the same membership, which Raft allows.
+/// Creates this node's Raft, on a first start (no vote, no log) with every node as a voter
+/// (`Store::initialize`). Every node does the same with the same membership, which Raft
+/// allows.
 async fn start_raft(
     settings: &ViewSettings,
     store: Store,
@@ -781,11 +802,24 @@ async fn start_raft(
         election_timeout_max: ELECTION_TIMEOUT_MILLISECONDS.1,
         // The log is a handful of entries per failure: never compacted.
         snapshot_policy: SnapshotPolicy::Never,
+        // Elections start only after a pre-vote that a majority answered yes (`election.rs`):
+        // openraft's own timer would raise the term of a node that merely came back, and the
+        // live leader would step down.
+        enable_elect: false,
         ..openraft::Config::default()
     }
     .validate()
     .map_err(|error| consensus(error.to_string()))?;
-    let first_start = !store.has_history();
+    if !store.has_history() {
+        let members: BTreeMap<PeerId, BasicNode> = settings
+            .members
+            .iter()
+            .map(|(id, address)| (PeerId::from(*id), BasicNode::new(address.to_string())))
+            .collect();
+        store
+            .initialize(members)
+            .map_err(|error| consensus(error.to_string()))?;
+    }
     let (log_store, state_machine) = Adaptor::new(store);
     let network = Network {
         addresses: Arc::new(settings.members.iter().copied().collect()),
@@ -801,16 +835,5 @@ async fn start_raft(
     )
     .await
     .map_err(|error| consensus(error.to_string()))?;
-    if first_start {
-        let members: BTreeMap<PeerId, BasicNode> = settings
-            .members
-            .iter()
-            .map(|(id, address)| (PeerId::from(*id), BasicNode::new(address.to_string())))
-            .collect();
-        if let Err(error) = raft.initialize(members).await {
-            // Another node's log reached this one first: it is initialized already.
-            tracing::debug!(node = settings.node_id, %error, "raft initialize");
-        }
-    }
     Ok(raft)
 }

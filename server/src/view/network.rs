@@ -79,6 +79,15 @@ impl Liveness {
         *newest = (*newest).max(sent);
     }
 
+    /// When the newest of this node's `AppendEntries` that `node_id` accepted was sent, if any.
+    pub fn last_accepted(&self, node_id: u32) -> Option<Instant> {
+        self.accepted
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&node_id)
+            .copied()
+    }
+
     /// The latest time by which `quorum` nodes, this one (counted as now) and `peers`, had
     /// accepted this node's leadership: every peer's acceptance was sent no earlier.
     pub fn quorum_accepted(&self, peers: &[u32], quorum: usize) -> Option<Instant> {

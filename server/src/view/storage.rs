@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use openraft::storage::{LogState, RaftLogReader, RaftSnapshotBuilder, Snapshot, SnapshotMeta};
 use openraft::{
-    AnyError, BasicNode, Entry, EntryPayload, LogId, RaftStorage, StorageError, StorageIOError,
-    StoredMembership, Vote,
+    AnyError, BasicNode, Entry, EntryPayload, LogId, Membership, RaftStorage, StorageError,
+    StorageIOError, StoredMembership, Vote,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -129,6 +129,40 @@ impl Store {
         state.vote.is_some() || !state.log.is_empty()
     }
 
+    /// On a first start: the log's first entry, every node a voter, as `Raft::initialize`
+    /// writes it (index 0, term 0), but without the election that `initialize` starts at once.
+    /// Every node writes the same entry, so their logs agree on it. Elections start only after
+    /// a pre-vote (`election.rs`): one started at once made the leader step down when the
+    /// last node of a fresh cluster started after the others had elected it.
+    ///
+    /// # Errors
+    /// The state file cannot be written.
+    #[allow(clippy::result_large_err)] // openraft's error type: its traits return it
+    pub fn initialize(
+        &self,
+        members: BTreeMap<PeerId, BasicNode>,
+    ) -> Result<(), StorageError<PeerId>> {
+        let entry = Entry::<TypeConfig> {
+            log_id: LogId::default(),
+            payload: EntryPayload::Membership(Membership::from(members)),
+        };
+        self.change(|state| {
+            state.log.insert(entry.log_id.index, entry);
+        })
+    }
+
+    /// The id of the last entry in the log (or the last purged one), as Raft's vote compares
+    /// logs: a candidate whose last log id is older than a voter's gets no vote from it.
+    pub fn last_log_id(&self) -> Option<LogId<PeerId>> {
+        let state = self.lock();
+        state
+            .log
+            .values()
+            .next_back()
+            .map(|entry| entry.log_id)
+            .or(state.last_purged)
+    }
+
     /// The applied view, changing as commands apply.
     pub fn view(&self) -> watch::Receiver<ViewState> {
         self.view.subscribe()
@@ -241,16 +275,10 @@ impl RaftStorage<TypeConfig> for Store {
     }
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<PeerId>> {
-        let state = self.lock();
-        let last = state
-            .log
-            .values()
-            .next_back()
-            .map(|entry| entry.log_id)
-            .or(state.last_purged);
+        let last_log_id = self.last_log_id();
         Ok(LogState {
-            last_purged_log_id: state.last_purged,
-            last_log_id: last,
+            last_purged_log_id: self.lock().last_purged,
+            last_log_id,
         })
     }
 

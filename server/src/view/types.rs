@@ -9,6 +9,7 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
+use openraft::LogId;
 use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
 use serde::{Deserialize, Serialize};
 
@@ -223,6 +224,14 @@ pub enum PeerRequest {
         /// view gets no grant, and its request is no sign of life.
         epoch: u64,
     },
+    /// A node that has heard no leader for its election timeout asks whether the peer would
+    /// vote for it, before it raises its term (`election.rs`).
+    PreVote {
+        /// The would-be candidate.
+        node_id: u32,
+        /// The id of the last entry of its log: a peer with a newer log says no.
+        last_log_id: Option<LogId<PeerId>>,
+    },
 }
 
 /// A leader's lease grant to a follower.
@@ -254,6 +263,8 @@ pub enum PeerReply {
     Malformed(String),
     /// To [`PeerRequest::Lease`]: a grant, or why the leader gives none.
     Lease(Result<LeaseGrant, String>),
+    /// To [`PeerRequest::PreVote`]: yes, or why not.
+    PreVote(Result<(), String>),
 }
 
 #[cfg(test)]
