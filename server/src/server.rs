@@ -315,9 +315,14 @@ pub async fn run(
     }
     // A signal (`shutdown`) or an authenticated `Shutdown` over the control plane
     // (`requested`).
-    tokio::select! {
-        _ = shutdown.cancelled() => {}
-        _ = requested.cancelled() => {}
+    let signalled = tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = requested.cancelled() => false,
+    };
+    if signalled {
+        // A signal (SIGTERM, `systemctl stop`): out of the view first, so the node's keys move
+        // at once (`view/leave.rs`); a `Shutdown` frame did this before it cancelled.
+        server.shared.view.leave().await;
     }
     server.shutdown().await;
     Ok(())

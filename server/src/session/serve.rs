@@ -159,6 +159,8 @@ impl Session {
                         ClientMessage::Shutdown => {
                             tracing::info!("shutdown requested over the control plane");
                             let _ = Self::send(writer, &ServerMessage::ShuttingDown { node_id: shared.config.node_id }).await;
+                            // Out of the view first, so its keys move at once (`view/leave.rs`).
+                            shared.view.leave().await;
                             shutdown.cancel();
                             return "it asked the node to shut down".into();
                         }

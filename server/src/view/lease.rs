@@ -86,6 +86,9 @@ impl ViewService {
     /// Whether this node may serve data, from its view and its lease. A lease held as the
     /// leader ends here when the node no longer leads.
     pub(super) fn evaluate_serving(&self) -> Serving {
+        if self.leaving.load(Ordering::Acquire) {
+            return Err("this node is leaving the cluster (a clean stop)".into());
+        }
         if self.raft.is_none() {
             return Ok(());
         }

@@ -24,6 +24,7 @@
 
 mod election;
 mod lease;
+mod leave;
 mod network;
 mod published;
 mod storage;
@@ -126,6 +127,8 @@ pub struct ViewService {
     clock: rdkv_common::lease::NodeClock,
     /// The lease word last published (`published.rs`).
     published: std::sync::Mutex<published::Published>,
+    /// Set when the node leaves cleanly: it serves nothing from then on (`leave.rs`).
+    leaving: std::sync::atomic::AtomicBool,
     /// Times the node dropped a lease before its end (it stopped leading): a published
     /// serving interval does not continue across a drop.
     lease_drops: AtomicU64,
@@ -188,6 +191,7 @@ impl ViewService {
             clock: rdkv_common::lease::NodeClock::new(),
             published: std::sync::Mutex::default(),
             lease_drops: AtomicU64::new(0),
+            leaving: std::sync::atomic::AtomicBool::new(false),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
@@ -384,6 +388,13 @@ impl ViewService {
             (Ok(PeerRequest::Lease { node_id, epoch }), Some(_)) => {
                 self.grant_lease(node_id, epoch)
             }
+            (
+                Ok(PeerRequest::Leave {
+                    node_id,
+                    incarnation,
+                }),
+                Some(_),
+            ) => self.commit_leave(node_id, incarnation).await,
             (
                 Ok(PeerRequest::PreVote {
                     node_id,

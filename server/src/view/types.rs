@@ -224,6 +224,13 @@ pub enum PeerRequest {
         /// view gets no grant, and its request is no sign of life.
         epoch: u64,
     },
+    /// A node that stops cleanly asks the leader to commit it down at once (`leave.rs`).
+    Leave {
+        /// The leaving node.
+        node_id: u32,
+        /// Its incarnation: an old process's request does not take down a new one.
+        incarnation: u64,
+    },
     /// A node that has heard no leader for its election timeout asks whether the peer would
     /// vote for it, before it raises its term (`election.rs`).
     PreVote {
@@ -256,7 +263,8 @@ pub enum PeerReply {
     InstallSnapshot(
         Result<InstallSnapshotResponse<PeerId>, RaftError<PeerId, InstallSnapshotError>>,
     ),
-    /// To [`PeerRequest::Join`] and [`PeerRequest::Promote`]: the epoch with the change
+    /// To [`PeerRequest::Join`], [`PeerRequest::Promote`] and [`PeerRequest::Leave`]: the
+    /// epoch with the change
     /// committed, or why not.
     Join(Result<u64, String>),
     /// The request did not decode.
