@@ -286,10 +286,13 @@ doc_here_status "grep -rn 'feature = \"verbs\"' fabric/src fabric/tests fabric/b
 doc_here_status "cargo run -p rdkv-protocol-model -- --list" 0
 doc_here_status "cargo run -p rdkv-protocol-model -- --protocol new-draft --scenario put-then-update" 1
 
-echo "=== docs/benchmarks.md: the in-process ceiling run and its plot ==="
+echo "=== docs/benchmarks.md: the in-process ceiling run and its plot, a comparison in rounds and its plot ==="
 doc_raised "target/release/rdkv-ycsb run --driver memory -P workloadc -p recordcount=5000 -p operationcount=3000000 --max-execution-time 3 --threads 16 --json /tmp/memc.json"
 doc_raised "target/release/rdkv-ycsb plot -o /tmp/plot.png /tmp/memc.json"
 rm -f /tmp/memc.json /tmp/plot.png
+doc_raised "target/release/rdkv-ycsb compare --stores memory --workloads a,c --records 1000 --seconds 1 --rounds 3 --json /tmp/compare.json"
+doc_raised "target/release/rdkv-ycsb plot -o /tmp/compare.svg /tmp/compare.json"
+rm -f /tmp/compare.json /tmp/compare.svg
 
 echo "=== every documented command is covered ==="
 python3 - "$ran" README.md docs/*.md <<'PYTHON'

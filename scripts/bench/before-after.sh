@@ -78,29 +78,39 @@ python3 - "$results" "$commit" <<'SUMMARY'
 import json, pathlib, statistics, sys
 
 results, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+# A `compare --json` file keys each store by the name its table prints, with one report per
+# round; one from before `compare --rounds` (BEFORE may be that old) is a list of rows keyed
+# `rdkv`, `redis`, ….
+OLD_KEYS = {"rdkv": "rdkv soft", "redis": "Redis TCP", "rdkv_shm": "rdkv shm",
+            "redis_unix": "Redis unix", "memory": "memory (ceiling)"}
+def stores_by_workload(document):
+    """{workload: {store name: [one report per round]}} of a compare --json file, old or new."""
+    if isinstance(document, list):
+        return {row["workload"].upper(): {name: [row[key]] for key, name in OLD_KEYS.items() if row.get(key)}
+                for row in document}
+    return {row["workload"].upper(): {name: entry["rounds"] for name, entry in row["stores"].items()}
+            for row in document["workloads"]}
 # Every rdkv store the comparison ran (--stores), each against the better Redis of its run.
-stores = [("rdkv", "rdkv soft"), ("rdkv_shm", "rdkv shm"), ("memory", "memory (ceiling)")]
+stores = ["rdkv soft", "rdkv shm", "memory (ceiling)"]
 rows = {}
 for path in sorted(results.glob("*.json")):
     side = path.stem.split("-")[0]
-    for entry in json.loads(path.read_text()):
-        workload = entry["workload"].upper()
-        redis = max((entry.get(key) or {}).get("throughput", 0) for key in ("redis", "redis_unix"))
-        for key, name in stores:
-            report = entry.get(key)
-            if not report:
-                continue
-            figures = rows.setdefault((workload, name), {}).setdefault(
-                side, {"ops": [], "ratio": [], "round_trips": [], "cpu": [], "errors": 0}
-            )
-            figures["ops"].append(report["throughput"])
-            if redis:
-                figures["ratio"].append(report["throughput"] / redis)
-            figures["round_trips"].append(report["rdkv"]["round_trips_per_operation"])
-            figures["cpu"].append(report.get("client_cpu_us_per_operation") or 0)
-            figures["errors"] += sum(
-                count for kind in report["kinds"] for outcome, count in kind["outcomes"].items() if outcome != "OK"
-            )
+    for workload, reports in stores_by_workload(json.loads(path.read_text())).items():
+        redis = max((statistics.median(report["throughput"] for report in reports[name])
+                     for name in ("Redis TCP", "Redis unix") if name in reports), default=0)
+        for name in stores:
+            for report in reports.get(name, []):
+                figures = rows.setdefault((workload, name), {}).setdefault(
+                    side, {"ops": [], "ratio": [], "round_trips": [], "cpu": [], "errors": 0}
+                )
+                figures["ops"].append(report["throughput"])
+                if redis:
+                    figures["ratio"].append(report["throughput"] / redis)
+                figures["round_trips"].append(report["rdkv"]["round_trips_per_operation"])
+                figures["cpu"].append(report.get("client_cpu_us_per_operation") or 0)
+                figures["errors"] += sum(
+                    count for kind in report["kinds"] for outcome, count in kind["outcomes"].items() if outcome != "OK"
+                )
 median = statistics.median
 def ratio(figures):
     return f"{median(figures['ratio']):.2f}×" if figures["ratio"] else "-"

@@ -61,20 +61,22 @@ results = pathlib.Path(sys.argv[1])
 figures = {}  # (workload, store, replicas) -> list of (ops/s, rt/op, rt in sequence/op, rt/read, redis ops/s)
 for path in sorted(results.glob("r*-*.json")):
     replicas = int(path.stem[1:].split("-")[0])
-    for row in json.loads(path.read_text()):
-        redis = (row.get("redis") or {}).get("throughput")
-        for store, key in (("rdkv-shm", "rdkv_shm"), ("rdkv-soft", "rdkv")):
-            report = row.get(key)
-            if not report or not report.get("rdkv"):
-                continue
-            rdkv = report["rdkv"]
-            figures.setdefault((row["workload"], store, replicas), []).append((
-                report["throughput"],
-                rdkv["round_trips_per_operation"],
-                rdkv.get("round_trips_in_sequence_per_operation", rdkv["round_trips_per_operation"]),
-                rdkv["round_trips_per_read"],
-                redis,
-            ))
+    # `compare --json`: each store keyed by the name its table prints, one report per round.
+    for row in json.loads(path.read_text())["workloads"]:
+        reports = row["stores"]
+        redis = (reports.get("Redis TCP") or {}).get("median_throughput")
+        for store, name in (("rdkv-shm", "rdkv shm"), ("rdkv-soft", "rdkv soft")):
+            for report in (reports.get(name) or {}).get("rounds", []):
+                if not report.get("rdkv"):
+                    continue
+                rdkv = report["rdkv"]
+                figures.setdefault((row["workload"], store, replicas), []).append((
+                    report["throughput"],
+                    rdkv["round_trips_per_operation"],
+                    rdkv.get("round_trips_in_sequence_per_operation", rdkv["round_trips_per_operation"]),
+                    rdkv["round_trips_per_read"],
+                    redis,
+                ))
 
 def median(values):
     values = [value for value in values if value is not None]

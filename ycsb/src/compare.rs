@@ -4,7 +4,9 @@
 //! same launcher as `rdkv-cluster`) and `redis-server` (loopback TCP and a Unix socket,
 //! persistence off), loads the same records into each store, runs the chosen workloads against
 //! each in turn at equal concurrency, prints one table with the ratios, and stops what it
-//! started. The stores (`--stores`, all by default): rdkv over its `shm` fabric (this process is
+//! started. With `--rounds N` it does all of that N times over, store after store and then
+//! again, so that drift on the machine hits every store alike; [`crate::comparison`] keeps the
+//! rounds and sums them up. The stores (`--stores`, all by default): rdkv over its `shm` fabric (this process is
 //! on the nodes' host), rdkv over `soft`, Redis over TCP, Redis over its Unix socket (the same
 //! multiplexed client), and the `memory` ceiling (an in-process rdkv server on `loopback`).
 
@@ -14,11 +16,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
+use crate::comparison::{Comparison, Settings};
 use crate::driver::Driver;
 use crate::exit::OperationsFailed;
-use crate::measurement::{OperationKind, Report};
 use crate::properties::{Properties, Workload};
 use crate::runner::{self, RunOptions};
 use crate::workloads;
@@ -28,8 +30,10 @@ use crate::workloads;
 pub struct CompareOptions {
     /// Records loaded into each store.
     pub records: u64,
-    /// Seconds each workload runs per store.
+    /// Seconds each workload runs per store and round.
     pub seconds: f64,
+    /// Rounds: each runs every store in turn, every workload once per store.
+    pub rounds: usize,
     /// Concurrent tasks per store.
     pub threads: usize,
     /// rdkv nodes.
@@ -49,7 +53,7 @@ pub struct CompareOptions {
 }
 
 /// A store of the comparison.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Store {
     /// rdkv over the nodes' `shm` fabric.
@@ -85,80 +89,14 @@ impl Store {
         }
     }
 
-    fn is_redis(self) -> bool {
+    /// The store whose table name is `name`.
+    pub fn from_name(name: &str) -> Option<Store> {
+        Store::ALL.into_iter().find(|store| store.name() == name)
+    }
+
+    /// Whether the store is Redis (TCP or Unix socket): the stores the others are compared to.
+    pub fn is_redis(self) -> bool {
         matches!(self, Store::RedisTcp | Store::RedisUnix)
-    }
-}
-
-/// One workload's reports. `rdkv` and `redis` keep the names of the two-store comparison
-/// (rdkv over `soft`, Redis over TCP), so scripts that read them (`before-after.sh`) go on
-/// working.
-#[derive(Debug, Clone, Serialize)]
-pub struct ComparisonRow {
-    /// The workload letter.
-    pub workload: String,
-    /// rdkv over `soft`.
-    pub rdkv: Option<Report>,
-    /// Redis over TCP.
-    pub redis: Option<Report>,
-    /// rdkv over `shm`.
-    pub rdkv_shm: Option<Report>,
-    /// Redis over its Unix socket.
-    pub redis_unix: Option<Report>,
-    /// The in-process ceiling.
-    pub memory: Option<Report>,
-    /// Bytes of each record's value.
-    pub record_size: usize,
-}
-
-impl ComparisonRow {
-    fn new(workload: String, record_size: usize) -> Self {
-        Self {
-            workload,
-            rdkv: None,
-            redis: None,
-            rdkv_shm: None,
-            redis_unix: None,
-            memory: None,
-            record_size,
-        }
-    }
-
-    /// The report of `store`.
-    pub fn report(&self, store: Store) -> Option<&Report> {
-        match store {
-            Store::RdkvShm => self.rdkv_shm.as_ref(),
-            Store::RdkvSoft => self.rdkv.as_ref(),
-            Store::RedisTcp => self.redis.as_ref(),
-            Store::RedisUnix => self.redis_unix.as_ref(),
-            Store::Memory => self.memory.as_ref(),
-        }
-    }
-
-    fn slot(&mut self, store: Store) -> &mut Option<Report> {
-        match store {
-            Store::RdkvShm => &mut self.rdkv_shm,
-            Store::RdkvSoft => &mut self.rdkv,
-            Store::RedisTcp => &mut self.redis,
-            Store::RedisUnix => &mut self.redis_unix,
-            Store::Memory => &mut self.memory,
-        }
-    }
-
-    /// The better Redis throughput (TCP or Unix socket), if either ran.
-    pub fn best_redis(&self) -> Option<f64> {
-        [Store::RedisTcp, Store::RedisUnix]
-            .into_iter()
-            .filter_map(|store| self.report(store))
-            .map(|report| report.throughput)
-            .reduce(f64::max)
-    }
-
-    /// Every report that ran.
-    pub fn reports(&self) -> impl Iterator<Item = &Report> {
-        Store::ALL
-            .into_iter()
-            .filter_map(|store| self.report(store))
     }
 }
 
@@ -335,181 +273,285 @@ fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> 
     Ok(Workload::from_properties(&name, &properties)?)
 }
 
-/// Runs the comparison and returns one row per workload.
+/// Runs the comparison: `options.rounds` rounds, each running every store in turn (a fresh
+/// cluster for each rdkv store, loaded), every workload once per store.
 ///
 /// # Errors
 /// Starting a store, a refused workload (E), or a load with errors ([`OperationsFailed`]).
-pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonRow>> {
+pub async fn compare(options: &CompareOptions) -> anyhow::Result<Comparison> {
     let workloads: Vec<Workload> = options
         .workloads
         .iter()
         .map(|letter| workload(letter, options))
         .collect::<anyhow::Result<_>>()?;
-    let first = workloads
+    let record_size = workloads
         .first()
-        .ok_or_else(|| anyhow::anyhow!("no workloads to compare"))?;
+        .ok_or_else(|| anyhow::anyhow!("no workloads to compare"))?
+        .record_size();
     anyhow::ensure!(!options.stores.is_empty(), "no stores to compare");
+    anyhow::ensure!(options.rounds >= 1, "--rounds must be at least 1");
     let directory = std::env::temp_dir().join(format!("rdkv-ycsb-compare-{}", std::process::id()));
     std::fs::create_dir_all(&directory)?;
-    // Removed however this function ends (a refused start included); the guards below are
-    // dropped first, so the servers stop before their files go.
+    // Removed however this function ends (a refused start included); the servers are dropped
+    // first, so they stop before their files go.
     let _directory = RemovedOnDrop(directory.clone());
-    let wants = |store: Store| options.stores.contains(&store);
-    let rdkv_wanted = wants(Store::RdkvShm) || wants(Store::RdkvSoft);
-    let redis_wanted = wants(Store::RedisTcp) || wants(Store::RedisUnix);
-    eprintln!(
-        "starting {} on loopback",
-        [
+    let servers = Servers::start(options, directory, record_size)?;
+    let settings = Settings {
+        records: options.records,
+        record_size,
+        seconds: options.seconds,
+        threads: options.threads,
+        nodes: options.nodes,
+        replicas: options.replicas.max(1),
+        heap_size: node_heap_size(options, record_size),
+        rounds: options.rounds,
+    };
+    let mut comparison = Comparison::new(settings, &options.workloads, &options.stores);
+    for round in 1..=options.rounds {
+        for &store in &options.stores {
+            // Dropped at the end of its turn: an rdkv store's nodes stop before the next start.
+            let started = servers.start_store(store, options, round).await?;
+            measure(&started, store, &workloads, options, round, &mut comparison).await?;
+            started.driver.close().await;
+        }
+    }
+    Ok(comparison)
+}
+
+/// What the stores share over the rounds: the cluster's configuration (each rdkv store's turn
+/// starts fresh nodes from it, so that the dead blocks a write-heavy run left cannot slow the
+/// next) and one `redis-server` for both Redis stores.
+struct Servers {
+    /// The comparison's directory: the cluster file, the Redis socket, the nodes' run
+    /// directories.
+    directory: PathBuf,
+    /// Bytes of each record's value (the `memory` store is sized for them).
+    record_size: usize,
+    /// The rdkv cluster, when an rdkv store is compared.
+    cluster: Option<rdkv_cluster_config::ClusterConfig>,
+    /// `redis-server`, when a Redis store is compared.
+    redis: Option<RedisServer>,
+}
+
+/// A running `redis-server`.
+struct RedisServer {
+    /// Stops it on drop.
+    child: ChildGuard,
+    /// Its loopback TCP URL.
+    tcp_url: String,
+    /// Its Unix socket URL.
+    unix_url: String,
+}
+
+/// A store started for one turn of one round.
+struct StartedStore {
+    /// Its driver.
+    driver: Arc<Driver>,
+    /// The server processes each run's server CPU is read from (none for `memory`: its server is
+    /// this process).
+    server_pids: Vec<u32>,
+    /// Whether its turn loads the records (the Unix socket's Redis reads those loaded over TCP).
+    load: bool,
+    /// Its rdkv nodes, stopped on drop (after the driver, declared above).
+    _cluster: Option<ClusterGuard>,
+}
+
+impl Servers {
+    /// Writes the cluster file and starts `redis-server`, for the stores `options` compares.
+    fn start(
+        options: &CompareOptions,
+        directory: PathBuf,
+        record_size: usize,
+    ) -> anyhow::Result<Self> {
+        let wants = |store: Store| options.stores.contains(&store);
+        let rdkv_wanted = wants(Store::RdkvShm) || wants(Store::RdkvSoft);
+        let redis_wanted = wants(Store::RedisTcp) || wants(Store::RedisUnix);
+        let started: Vec<String> = [
             rdkv_wanted.then(|| format!("rdkv ({} node(s))", options.nodes)),
             redis_wanted.then(|| "redis-server".to_string()),
         ]
         .into_iter()
         .flatten()
-        .collect::<Vec<_>>()
-        .join(" and ")
-    );
-    let cluster = if rdkv_wanted {
-        let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
-        Some(rdkv_cluster_config::config::load_to_start(
-            &cluster_file,
-            None,
-            None,
-        )?)
+        .collect();
+        if !started.is_empty() {
+            eprintln!("starting {} on loopback", started.join(" and "));
+        }
+        let cluster = if rdkv_wanted {
+            let cluster_file = write_cluster_file(&directory, options, record_size)?;
+            Some(rdkv_cluster_config::config::load_to_start(
+                &cluster_file,
+                None,
+                None,
+            )?)
+        } else {
+            None
+        };
+        let redis = if redis_wanted {
+            let (child, tcp_url, unix_url) = start_redis(&options.redis_server, &directory)?;
+            Some(RedisServer {
+                child,
+                tcp_url,
+                unix_url,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            directory,
+            record_size,
+            cluster,
+            redis,
+        })
+    }
+
+    /// Starts `store` for its turn of `round`.
+    async fn start_store(
+        &self,
+        store: Store,
+        options: &CompareOptions,
+        round: usize,
+    ) -> anyhow::Result<StartedStore> {
+        Ok(match store {
+            Store::RdkvShm | Store::RdkvSoft => self.start_rdkv(store, options, round).await?,
+            Store::RedisTcp | Store::RedisUnix => {
+                let redis = self
+                    .redis
+                    .as_ref()
+                    .expect("redis-server runs whenever a Redis store is compared");
+                let url = if store == Store::RedisTcp {
+                    &redis.tcp_url
+                } else {
+                    &redis.unix_url
+                };
+                StartedStore {
+                    driver: Arc::new(Driver::redis(url).await?),
+                    server_pids: vec![redis.child.0.id()],
+                    // Both Redis stores are one server: TCP loads, Unix reads the same records.
+                    load: store == Store::RedisTcp || !options.stores.contains(&Store::RedisTcp),
+                    _cluster: None,
+                }
+            }
+            Store::Memory => StartedStore {
+                // Sized, as the nodes, for the records and the inserts the workloads may make.
+                driver: Arc::new(
+                    Driver::memory(
+                        options.records + inserted_records(options),
+                        self.record_size,
+                        options.threads,
+                    )
+                    .await?,
+                ),
+                server_pids: Vec::new(),
+                load: true,
+                _cluster: None,
+            },
+        })
+    }
+
+    /// Starts fresh rdkv nodes and a client over `shm` or `soft`, as `store` says.
+    async fn start_rdkv(
+        &self,
+        store: Store,
+        options: &CompareOptions,
+        round: usize,
+    ) -> anyhow::Result<StartedStore> {
+        let cluster = self
+            .cluster
+            .as_ref()
+            .expect("the cluster is loaded whenever an rdkv store is compared");
+        let run_directory = self
+            .directory
+            .join(format!("run-{}-{round}", store.name().replace(' ', "-")));
+        let guard = ClusterGuard {
+            nodes: rdkv_cluster_config::launcher::start(cluster, &run_directory, true)?,
+            run_directory,
+        };
+        let not_serving = rdkv_cluster_config::status::wait_serving(
+            cluster,
+            &cluster.nodes.iter().map(|node| node.id).collect::<Vec<_>>(),
+            rdkv_cluster_config::status::SERVING_TIMEOUT,
+        )
+        .await;
+        if let Some((id, reason)) = not_serving.first() {
+            anyhow::bail!("node {id} of the benchmark's cluster does not serve data: {reason}");
+        }
+        let server_pids = guard
+            .nodes
+            .iter()
+            .filter_map(|node| node.child.as_ref().map(Child::id))
+            .collect();
+        let shared_memory = if store == Store::RdkvShm {
+            rdkv_client::SharedMemory::Require
+        } else {
+            rdkv_client::SharedMemory::Off
+        };
+        let client = rdkv_client::Client::for_cluster_with(cluster, options.threads, shared_memory);
+        Ok(StartedStore {
+            driver: Arc::new(Driver::Rdkv {
+                client: Arc::new(client),
+                _server: None,
+                name: store.name(),
+            }),
+            server_pids,
+            load: true,
+            _cluster: Some(guard),
+        })
+    }
+}
+
+/// One turn of `store` in `round`: loads the records (when its turn does), then runs each
+/// workload and records its report.
+async fn measure(
+    started: &StartedStore,
+    store: Store,
+    workloads: &[Workload],
+    options: &CompareOptions,
+    round: usize,
+    comparison: &mut Comparison,
+) -> anyhow::Result<()> {
+    let name = store.name();
+    let prefix = if options.rounds > 1 {
+        format!("round {round}/{}: ", options.rounds)
     } else {
-        None
+        String::new()
     };
-    let redis = if redis_wanted {
-        Some(start_redis(&options.redis_server, &directory)?)
-    } else {
-        None
-    };
-    let redis_pids: Vec<u32> = redis.iter().map(|(guard, ..)| guard.0.id()).collect();
-    // Each rdkv store gets a fresh cluster (started when its turn comes): the heap a store left
-    // behind (a write-heavy run's dead blocks) must not slow the next one.
-    let mut cluster_guard: Option<ClusterGuard> = None;
-    let mut rdkv_pids: Vec<u32>;
     let run_options = RunOptions {
         threads: options.threads,
         target: None,
         max_execution_time: Some(Duration::from_secs_f64(options.seconds)),
         progress: options.progress,
     };
-    let load_options = RunOptions {
-        max_execution_time: None,
-        ..run_options
-    };
-    let mut rows: Vec<ComparisonRow> = options
-        .workloads
-        .iter()
-        .map(|letter| ComparisonRow::new(letter.to_uppercase(), first.record_size()))
-        .collect();
-    for &store in &options.stores {
-        let (driver, pids): (Arc<Driver>, &[u32]) = match store {
-            Store::RdkvShm | Store::RdkvSoft => {
-                let Some(cluster) = &cluster else {
-                    continue;
-                };
-                // Stop the previous rdkv store's nodes before starting fresh ones.
-                drop(cluster_guard.take());
-                let run_directory =
-                    directory.join(format!("run-{}", store.name().replace(' ', "-")));
-                let guard = ClusterGuard {
-                    nodes: rdkv_cluster_config::launcher::start(cluster, &run_directory, true)?,
-                    run_directory,
-                };
-                let not_serving = rdkv_cluster_config::status::wait_serving(
-                    cluster,
-                    &cluster.nodes.iter().map(|node| node.id).collect::<Vec<_>>(),
-                    rdkv_cluster_config::status::SERVING_TIMEOUT,
-                )
-                .await;
-                if let Some((id, reason)) = not_serving.first() {
-                    anyhow::bail!(
-                        "node {id} of the benchmark's cluster does not serve data: {reason}"
-                    );
-                }
-                // The server processes whose CPU each run is charged with.
-                rdkv_pids = guard
-                    .nodes
-                    .iter()
-                    .filter_map(|node| node.child.as_ref().map(Child::id))
-                    .collect();
-                cluster_guard = Some(guard);
-                let shared_memory = if store == Store::RdkvShm {
-                    rdkv_client::SharedMemory::Require
-                } else {
-                    rdkv_client::SharedMemory::Off
-                };
-                let client =
-                    rdkv_client::Client::for_cluster_with(cluster, options.threads, shared_memory);
-                let driver = Arc::new(Driver::Rdkv {
-                    client: Arc::new(client),
-                    _server: None,
-                    name: store.name(),
-                });
-                (driver, &rdkv_pids)
-            }
-            Store::RedisTcp | Store::RedisUnix => {
-                let Some((_, tcp, unix)) = &redis else {
-                    continue;
-                };
-                let url = if store == Store::RedisTcp { tcp } else { unix };
-                (Arc::new(Driver::redis(url).await?), &redis_pids)
-            }
-            Store::Memory => {
-                // Sized, as the nodes, for the records and the inserts the workloads may make.
-                let driver = Driver::memory(
-                    options.records + inserted_records(options),
-                    first.record_size(),
-                    options.threads,
-                )
-                .await?;
-                // In-process: its server's CPU is the client's.
-                (Arc::new(driver), &[])
-            }
+    if let (true, Some(first)) = (started.load, workloads.first()) {
+        eprintln!(
+            "{prefix}{name}: loading {} records of {} bytes",
+            first.record_count,
+            first.record_size()
+        );
+        let load_options = RunOptions {
+            max_execution_time: None,
+            ..run_options
         };
-        let load = match store {
-            Store::RdkvShm | Store::RdkvSoft => true,
-            // Both Redis stores are one server: TCP loads, Unix reads the same records.
-            Store::RedisUnix => !wants(Store::RedisTcp),
-            Store::RedisTcp | Store::Memory => true,
-        };
-        let name = store.name();
-        if load {
-            eprintln!(
-                "{name}: loading {} records of {} bytes",
-                first.record_count,
-                first.record_size()
-            );
-            let loaded = runner::load(first, driver.clone(), load_options).await?;
-            // Missing records would make the comparison unfair: stop, whatever
-            // --allow-errors says.
-            if let Some(failed) =
-                OperationsFailed::from_reports(&format!("{name} load"), &[&loaded])
-            {
-                return Err(failed.into());
-            }
+        let loaded = runner::load(first, started.driver.clone(), load_options).await?;
+        // Missing records would make the comparison unfair: stop, whatever --allow-errors says.
+        if let Some(failed) = OperationsFailed::from_reports(&format!("{name} load"), &[&loaded]) {
+            return Err(failed.into());
         }
-        for (workload, row) in workloads.iter().zip(rows.iter_mut()) {
-            eprintln!(
-                "{name}: running {} for {} s with {} tasks",
-                workload.name, options.seconds, options.threads
-            );
-            let servers_before = servers_cpu_time(pids);
-            let mut report = runner::run(workload, driver.clone(), run_options).await?;
-            report.server_cpu_us_per_operation = servers_before
-                .zip(servers_cpu_time(pids))
-                .filter(|_| report.operations > 0 && !pids.is_empty())
-                .map(|(before, after)| {
-                    (after - before).as_secs_f64() * 1e6 / report.operations as f64
-                });
-            *row.slot(store) = Some(report);
-        }
-        driver.close().await;
     }
-    drop(redis);
-    drop(cluster_guard);
-    Ok(rows)
+    let pids = &started.server_pids;
+    for (index, workload) in workloads.iter().enumerate() {
+        eprintln!(
+            "{prefix}{name}: running {} for {} s with {} tasks",
+            workload.name, options.seconds, options.threads
+        );
+        let servers_before = servers_cpu_time(pids);
+        let mut report = runner::run(workload, started.driver.clone(), run_options).await?;
+        report.server_cpu_us_per_operation = servers_before
+            .zip(servers_cpu_time(pids))
+            .filter(|_| report.operations > 0 && !pids.is_empty())
+            .map(|(before, after)| (after - before).as_secs_f64() * 1e6 / report.operations as f64);
+        comparison.record(index, store, report);
+    }
+    Ok(())
 }
 
 /// The CPU time the processes `pids` used so far, together; `None` if one cannot be read.
@@ -517,76 +559,4 @@ fn servers_cpu_time(pids: &[u32]) -> Option<Duration> {
     pids.iter()
         .map(|pid| rdkv_common::process::cpu_time(Some(*pid)))
         .sum()
-}
-
-/// Operations that did not return OK or NOT_FOUND.
-pub fn errors(report: &Report) -> u64 {
-    report.errors()
-}
-
-fn read_percentiles(report: &Report) -> (u64, u64) {
-    report
-        .kind(OperationKind::Read)
-        .or_else(|| report.kinds.first())
-        .map_or((0, 0), |kind| (kind.p50_us, kind.p99_us))
-}
-
-/// The comparison table: one line per workload and store, each against the better Redis.
-pub fn table(rows: &[ComparisonRow], options: &CompareOptions) -> String {
-    let record_size = rows.first().map_or(0, |row| row.record_size);
-    let mut out = format!(
-        "{} records of {} bytes, {} tasks per store, {} s per workload; rdkv on {} node(s), {} cop{} of each key ({} heap each; shm: this process is on the nodes' host), Redis with one multiplexed connection\n\n",
-        options.records,
-        record_size,
-        options.threads,
-        options.seconds,
-        options.nodes,
-        options.replicas.max(1),
-        if options.replicas > 1 { "ies" } else { "y" },
-        rdkv_cluster_file::units::format_bytes(node_heap_size(options, record_size))
-    );
-    out.push_str("| workload | store | ops/s | vs better Redis | READ p50 µs | READ p99 µs | round trips/op | round trips/READ | client CPU µs/op | server CPU µs/op | server CPU % of a core | errors |\n");
-    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for row in rows {
-        let best_redis = row.best_redis();
-        for store in &options.stores {
-            let Some(report) = row.report(*store) else {
-                continue;
-            };
-            let (p50, p99) = read_percentiles(report);
-            let cpu =
-                |value: Option<f64>| value.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
-            let server_share = report.server_cpu_us_per_operation.map_or_else(
-                || "-".to_string(),
-                |us| format!("{:.1}", us * report.throughput / 1e6 * 100.0),
-            );
-            let (round_trips, round_trips_per_read) = match (&report.rdkv, store.is_redis()) {
-                (Some(figures), false) => (
-                    format!("{:.2}", figures.round_trips_per_operation),
-                    format!("{:.2}", figures.round_trips_per_read),
-                ),
-                _ => ("-".to_string(), "-".to_string()),
-            };
-            let ratio = best_redis.map_or_else(
-                || "-".to_string(),
-                |best| format!("{:.2}×", report.throughput / best.max(1e-9)),
-            );
-            out.push_str(&format!(
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-                row.workload,
-                store.name(),
-                report.throughput,
-                ratio,
-                p50,
-                p99,
-                round_trips,
-                round_trips_per_read,
-                cpu(report.client_cpu_us_per_operation),
-                cpu(report.server_cpu_us_per_operation),
-                server_share,
-                errors(report),
-            ));
-        }
-    }
-    out
 }

@@ -6,13 +6,15 @@
 //! - [`driver`]: the stores.
 //! - [`runner`]: load and run phases, throttling, time limits, progress.
 //! - [`measurement`]: HdrHistogram latencies, YCSB's text output, JSON.
-//! - [`plot`]: throughput-over-time and latency-CDF plots.
-//! - [`compare`]: rdkv and Redis side by side.
+//! - [`plot`]: throughput-over-time and latency-CDF plots of reports; bars of a comparison.
+//! - [`compare`]: rdkv and Redis side by side, in rounds.
+//! - [`comparison`]: a comparison's rounds, medians, spread and noise notes; its table and JSON.
 //! - [`exit`]: exit codes, and the error of a phase whose operations failed.
 //! - [`workloads`]: the shipped core workloads.
 #![forbid(unsafe_code)]
 
 pub mod compare;
+pub mod comparison;
 pub mod driver;
 pub mod exit;
 pub mod generator;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rdkv_ycsb::compare::{self, CompareOptions, ComparisonRow};
+use rdkv_ycsb::compare::{self, CompareOptions};
 use rdkv_ycsb::driver::Driver;
 use rdkv_ycsb::exit::{self, ExitStatus, OperationsFailed};
 use rdkv_ycsb::measurement::Report;
@@ -32,12 +32,14 @@ enum Action {
     /// Run `operationcount` operations of the workload's mix (YCSB's run phase).
     #[command(after_help = exit::HELP)]
     Run(PhaseArguments),
-    /// Plot throughput over time and latency CDFs from JSON reports.
+    /// Plot throughput over time and latency CDFs from JSON reports (`run --json`), or a
+    /// comparison's ops/s per workload and store (`compare --json`).
     Plot {
         /// Output file: .svg or .png.
         #[arg(long, short = 'o')]
         output: PathBuf,
-        /// JSON reports written with --json.
+        /// JSON reports written by `load`/`run --json`, or one comparison written by
+        /// `compare --json`.
         #[arg(required = true)]
         reports: Vec<PathBuf>,
     },
@@ -48,9 +50,15 @@ enum Action {
         /// Records loaded into each store.
         #[arg(long, default_value_t = 100_000)]
         records: u64,
-        /// Seconds each workload runs against each store.
+        /// Seconds each workload runs against each store (in each round).
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
+        /// Rounds of the whole comparison, each running every store in turn (each rdkv store on a
+        /// fresh cluster, loaded), so that drift on the machine hits every store alike. The table
+        /// gives each store's medians and the rounds' range of ops/s, and a note under it names
+        /// every store and workload whose rounds disagree by more than 20%.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        rounds: u64,
         /// Concurrent tasks per store.
         #[arg(long, default_value_t = 64)]
         threads: usize,
@@ -70,7 +78,11 @@ enum Action {
         /// (2 × live data + chunks + 0.25 s of writes at 100k writes/s).
         #[arg(long, value_parser = rdkv_cluster_file::units::parse_size)]
         heap_size: Option<u64>,
-        /// Also write every report as JSON.
+        /// Also write the figures as JSON, which `plot` draws: {"comparison": {records,
+        /// record_size, seconds, threads, nodes, replicas, heap_size, rounds}, "workloads":
+        /// [{"workload": "C", "stores": {"rdkv shm": {median_throughput, min_throughput,
+        /// max_throughput, "rounds": [one report per round, as `run --json` writes]}, …}}]},
+        /// stores keyed by the names the table prints, in the order they ran.
         #[arg(long)]
         json: Option<PathBuf>,
         /// Exit 0 even when operations of the runs returned ERROR (they are still counted in the
@@ -248,23 +260,14 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
             )
         }
         Action::Plot { output, reports } => {
-            let reports: Vec<Report> = reports
-                .iter()
-                .map(|path| -> anyhow::Result<Report> {
-                    let bytes =
-                        std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
-                    serde_json::from_slice(&bytes).with_context(|| {
-                        format!("{} is not an rdkv-ycsb JSON report", path.display())
-                    })
-                })
-                .collect::<anyhow::Result<_>>()?;
-            plot::plot(&reports, &output)?;
+            plot::plot_files(&reports, &output)?;
             eprintln!("wrote {}", output.display());
             ExitStatus::Success
         }
         Action::Compare {
             records,
             seconds,
+            rounds,
             threads,
             nodes,
             replicas,
@@ -279,6 +282,7 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
                 stores,
                 records,
                 seconds,
+                rounds: usize::try_from(rounds)?,
                 threads,
                 nodes,
                 replicas,
@@ -287,13 +291,13 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
                 progress: true,
                 heap_size,
             };
-            let rows = compare::compare(&options).await?;
-            rdkv_common::outln!("{}", compare::table(&rows, &options));
+            let comparison = compare::compare(&options).await?;
+            rdkv_common::outln!("{}", comparison.table());
             if let Some(path) = json {
-                std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)
+                std::fs::write(&path, serde_json::to_vec_pretty(&comparison)?)
                     .with_context(|| format!("write {}", path.display()))?;
             }
-            let reports: Vec<&Report> = rows.iter().flat_map(ComparisonRow::reports).collect();
+            let reports: Vec<&Report> = comparison.reports().collect();
             conclude(
                 OperationsFailed::from_reports("compare", &reports),
                 allow_errors,
