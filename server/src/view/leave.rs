@@ -38,11 +38,8 @@ impl ViewService {
             node_id: self.node_id,
             incarnation: self.incarnation,
         };
-        let asked = tokio::time::timeout(
-            LEAVE_BOUND,
-            self.ask_leader_to_commit(command, &request),
-        )
-        .await;
+        let asked =
+            tokio::time::timeout(LEAVE_BOUND, self.ask_leader_to_commit(command, &request)).await;
         match asked {
             Ok(Ok(epoch)) => tracing::info!(
                 node = self.node_id,
