@@ -163,7 +163,33 @@ async fn paused_history(tag: &str, victim: Victim, fabric: FabricChoice) {
         down_after > FAILURE_TIMEOUT / 2,
         "the view moved the node's keys after {down_after:?}"
     );
-    assert_eq!(check(&seen.events), Verdict::Linearizable);
+    let verdict = check(&seen.events);
+    if let Verdict::Violation { key, .. } = verdict {
+        dump_key(tag, key, &seen.events);
+    }
+    assert_eq!(verdict, Verdict::Linearizable);
+}
+
+/// Writes a violating key's history, in call order, to a file under the temporary directory
+/// (named in the failure's output) for a reader to find the stale operation.
+fn dump_key(tag: &str, key: u64, events: &[Event]) {
+    let mut of_key: Vec<&Event> = events.iter().filter(|event| event.key == key).collect();
+    of_key.sort_by_key(|event| event.call);
+    let text: String = of_key
+        .iter()
+        .map(|event| {
+            format!(
+                "{:>12.6} {:>12.6} {:?} -> {:?}\n",
+                event.call as f64 / 1e9,
+                event.ret as f64 / 1e9,
+                event.operation,
+                event.outcome
+            )
+        })
+        .collect();
+    let path = std::env::temp_dir().join(format!("rdkv-{tag}-violation-key-{key}.txt"));
+    let _ = std::fs::write(&path, text);
+    eprintln!("the history of key {key}: {}", path.display());
 }
 
 /// Waits (30 s at most: a loaded machine) until node `observer`'s view has `victim` in `state`.

@@ -60,6 +60,9 @@ impl ViewService {
 
     /// Works out whether the node serves now and until when, and writes the word.
     pub(super) fn publish_lease(&self) {
+        // Worked out and written under one lock: a word worked out before the node stopped
+        // serving (a clean leave, a view without it) must not land after the 0 that says so.
+        let mut published = self.published_lock();
         let serving = self.evaluate_serving().is_ok();
         let until = if serving {
             self.publishable_until()
@@ -69,7 +72,6 @@ impl ViewService {
         let record_since = self.own_record().map_or(0, |record| record.since);
         let lease_generation = self.lease_drops.load(std::sync::atomic::Ordering::Acquire);
         let now = Instant::now();
-        let mut published = self.published_lock();
         let Some(until) = until else {
             published.since = None;
             published.until = None;
