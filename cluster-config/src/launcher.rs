@@ -4,9 +4,10 @@
 //! - `up` starts the nodes (all, or `--node N`) in file order. A local node is an
 //!   `rdkv-server --config FILE --node ID` child in its own process group, with `node-ID.pid`
 //!   under the run directory; `up` waits for each node's ready line (no sleeping). In the
-//!   foreground it forwards local nodes' log lines with a `[node ID]` prefix and stops the
-//!   nodes in order on Ctrl-C or SIGTERM; with `--detach` the logs go to `node-ID.log` and the
-//!   launcher exits. A remote node always runs in the background on its host.
+//!   foreground it forwards local nodes' log lines with a `[node ID]` prefix, reports and
+//!   reaps a node that exits ([`crate::foreground`]), and stops the nodes in order on Ctrl-C or
+//!   SIGTERM; with `--detach` the logs go to `node-ID.log` and the launcher exits. A remote
+//!   node always runs in the background on its host.
 //! - `down` (and the stop half of `restart`) first asks each node to shut down over the
 //!   control plane, authenticated with the cluster secret: no pid file and no ssh needed. A
 //!   node that does not answer is stopped by its pid file (SIGTERM, SIGKILL after 15 s), or
@@ -151,7 +152,7 @@ pub fn is_node_process(pid: i32, node: u32) -> bool {
 }
 
 /// The pid of node `node`'s running `rdkv-server`, from its pid file.
-fn node_pid(run_directory: &Path, node: u32) -> Option<i32> {
+pub(crate) fn node_pid(run_directory: &Path, node: u32) -> Option<i32> {
     read_pid(&pid_file(run_directory, node)).filter(|pid| is_node_process(*pid, node))
 }
 
@@ -460,23 +461,27 @@ fn start_local(
 }
 
 /// Stops one started local child: SIGTERM, wait, SIGKILL after the timeout; removes its pid
-/// file. A remote node is left alone here (see [`stop_started`]).
-pub fn stop_child(node: &mut StartedNode, run_directory: &Path) {
+/// file. Returns false when it had already exited (and signals nothing: once reaped, its pid
+/// may be another process's). A remote node is left alone here (see [`stop_started`]).
+pub fn stop_child(node: &mut StartedNode, run_directory: &Path) -> bool {
     let Some(child) = node.child.as_mut() else {
-        return;
+        return false;
     };
-    let pid = Pid::from_raw(node.ready.pid as i32);
-    let _ = kill(pid, Signal::SIGTERM);
-    let started = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) | Err(_) => break,
-            Ok(None) if started.elapsed() > STOP_TIMEOUT => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break;
+    let was_running = matches!(child.try_wait(), Ok(None));
+    if was_running {
+        let pid = Pid::from_raw(node.ready.pid as i32);
+        let _ = kill(pid, Signal::SIGTERM);
+        let started = Instant::now();
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if started.elapsed() > STOP_TIMEOUT => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
     // A `restart` from another shell may have replaced the node: its pid file is not ours.
@@ -484,6 +489,7 @@ pub fn stop_child(node: &mut StartedNode, run_directory: &Path) {
     if read_pid(&path) == Some(node.ready.pid as i32) {
         let _ = fs::remove_file(path);
     }
+    was_running
 }
 
 /// Stops a node this launcher started: a local child by signal, a remote node through ssh.
@@ -492,7 +498,9 @@ pub fn stop_started(config: &ClusterConfig, node: &mut StartedNode, run_director
         (Some(host), Some(node_config)) => {
             let _ = remote::stop(config, node_config, host);
         }
-        _ => stop_child(node, run_directory),
+        _ => {
+            stop_child(node, run_directory);
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! systemd`.
 //!
 //! - [`launcher`]: starting and stopping the nodes of a cluster;
+//! - [`foreground`]: what the foreground `up` says when a node exits or is started again;
 //! - [`remote`]: nodes on other hosts, through OpenSSH;
 //! - [`status`]: each node's state and stats, and `status`'s exit code;
 //! - [`systemd`]: a service unit per node;
@@ -12,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod foreground;
 pub mod launcher;
 pub mod remote;
 pub mod status;

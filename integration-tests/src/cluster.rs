@@ -1,12 +1,14 @@
 //! A cluster launched from `examples/local-3node.toml` through the `rdkv-cluster` binary, on
-//! free ports, for tests that need real node processes.
+//! free ports, for tests that need real node processes: detached ([`Cluster`]) or with `up`
+//! in the foreground ([`ForegroundUp`]).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use crate::process::workspace_binary;
 
@@ -121,5 +123,142 @@ impl Cluster {
             String::from_utf8_lossy(&up.stderr)
         );
         cluster
+    }
+}
+
+/// How many of `up`'s lines may wait in the channel for the test to read them.
+const UP_LINES_QUEUED: usize = 10_000;
+
+/// `rdkv-cluster up FILE --run-dir DIR` in the foreground, its stdout and stderr read line by
+/// line; interrupted (SIGINT, as Ctrl-C) and waited for when dropped. (Pair it with a
+/// [`Cluster`] made first, whose drop runs `down` after this one's.)
+pub struct ForegroundUp {
+    /// The `up` process.
+    child: Child,
+    /// Its lines, from one thread per pipe: lines of stdout and of stderr written close
+    /// together may arrive in either order.
+    lines: Receiver<String>,
+    /// Every line received so far, for searching and for failure messages.
+    pub transcript: Vec<String>,
+}
+
+impl ForegroundUp {
+    /// Starts `up` in the foreground on the cluster file `file`.
+    pub fn start(file: &Path, run_directory: &Path) -> Self {
+        let mut child = Command::new(workspace_binary("rdkv-cluster"))
+            .arg("up")
+            .arg(file)
+            .arg("--run-dir")
+            .arg(run_directory)
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start rdkv-cluster up");
+        let (sender, lines) = mpsc::sync_channel(UP_LINES_QUEUED);
+        let stdout = child.stdout.take().expect("its stdout");
+        let stderr = child.stderr.take().expect("its stderr");
+        let pipes: [Box<dyn Read + Send>; 2] = [Box::new(stdout), Box::new(stderr)];
+        for pipe in pipes {
+            let sender = sender.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    if sender.send(line).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Self {
+            child,
+            lines,
+            transcript: Vec::new(),
+        }
+    }
+
+    /// The pid of the `up` process.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The index in [`ForegroundUp::transcript`] of the first line at `from` or later that
+    /// satisfies `wanted`, reading more lines for at most `bound`; panics with the transcript
+    /// when none comes.
+    pub fn wait_for_line(
+        &mut self,
+        from: usize,
+        wanted: impl Fn(&str) -> bool,
+        bound: Duration,
+    ) -> usize {
+        let deadline = Instant::now() + bound;
+        let mut index = from;
+        loop {
+            while index < self.transcript.len() {
+                if wanted(&self.transcript[index]) {
+                    return index;
+                }
+                index += 1;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.transcript.push(line),
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("no such line from up within {bound:?}:\n{}", self.text())
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!("up ended without such a line:\n{}", self.text())
+                }
+            }
+        }
+    }
+
+    /// Sends SIGINT (Ctrl-C) and waits, at most `bound`, until `up` has exited and both its
+    /// pipes are closed, reading every line; its exit status.
+    pub fn interrupt(&mut self, bound: Duration) -> ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + bound;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.transcript.push(line),
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!(
+                        "up did not end within {bound:?} of SIGINT:\n{}",
+                        self.text()
+                    )
+                }
+            }
+        }
+        self.child.wait().expect("wait for up")
+    }
+
+    /// The transcript as one text.
+    pub fn text(&self) -> String {
+        self.transcript.join("\n")
+    }
+}
+
+impl Drop for ForegroundUp {
+    fn drop(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        // Stopping three nodes takes a fraction of a second; generous on a loaded machine.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            // Read on, so that `up` never waits on a full pipe.
+            while self.lines.try_recv().is_ok() {}
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

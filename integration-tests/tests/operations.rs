@@ -1,7 +1,8 @@
 //! Operating a cluster through `rdkv-cluster` as a script would: `down` without pid files (the
 //! authenticated `Shutdown`), `restart --node` while the other nodes serve, `status`'s exit
-//! codes (down, wrong secret), a generated systemd unit, and two "remote" nodes started
-//! through a real OpenSSH `sshd` on 127.0.0.1 (a throw-away host key and authorized key).
+//! codes (down, wrong secret), a generated systemd unit, two "remote" nodes started
+//! through a real OpenSSH `sshd` on 127.0.0.1 (a throw-away host key and authorized key), and
+//! what `up` in the foreground says when a node is killed, restarted or stopped.
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::Client;
-use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster};
+use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster, ForegroundUp};
 use rdkv_integration_tests::process::workspace_binary;
 
 fn text(path: &Path) -> &str {
@@ -548,4 +549,144 @@ fn down_never_signals_a_process_that_is_not_the_node() {
     }
     let _ = bystander.kill();
     let _ = bystander.wait();
+}
+
+/// How long a three-node cluster may take to start and serve in the foreground: generous, for
+/// a loaded two-core machine (it takes about two seconds unloaded).
+const FOREGROUND_START_BOUND: Duration = Duration::from_secs(120);
+/// How long a line about a node may take to appear in `up`'s output: generous, likewise (the
+/// exit line comes at once on SIGCHLD; a restarted node is noticed within a quarter second of
+/// its pid file).
+const FOREGROUND_REPORT_BOUND: Duration = Duration::from_secs(60);
+
+/// The state letter in `/proc/PID/stat` and the parent pid, or `None` when the pid is gone.
+fn process_state(pid: i32) -> Option<(String, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?.to_string();
+    let parent = fields.next()?.parse().ok()?;
+    Some((state, parent))
+}
+
+#[test]
+fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
+    let directory = std::env::temp_dir().join(format!("rdkv-foreground-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let file = generate_cluster_file(&directory);
+    let run_directory = directory.join("run");
+    // Made first, so that its `down` runs after `up` has been interrupted.
+    let _cluster = Cluster {
+        file: file.clone(),
+        run_directory: run_directory.clone(),
+    };
+    let mut up = ForegroundUp::start(&file, &run_directory);
+    up.wait_for_line(
+        0,
+        |line| line.starts_with("forwarding node logs"),
+        FOREGROUND_START_BOUND,
+    );
+    let read_pid = |node: u32| -> i32 {
+        std::fs::read_to_string(run_directory.join(format!("node-{node}.pid")))
+            .expect("the pid file")
+            .trim()
+            .parse()
+            .expect("a pid")
+    };
+
+    // SIGKILL: one line naming the signal, and the process reaped (no zombie under `up`).
+    let killed = read_pid(3);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(killed),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill node 3");
+    let exit_line = up.wait_for_line(
+        0,
+        |line| line.starts_with("node 3 exited: killed by signal 9 (SIGKILL); its log: "),
+        FOREGROUND_REPORT_BOUND,
+    );
+    // `up` reaps before it prints the line: the pid is gone (or, reused, not a zombie of up's).
+    if let Some((state, parent)) = process_state(killed) {
+        assert!(
+            state != "Z" && parent != up.pid() as i32,
+            "node 3 (pid {killed}) is still {state} under parent {parent}:\n{}",
+            up.text()
+        );
+    }
+
+    // `restart` from another shell: `up` says so and follows the new process's log file.
+    let restart = rdkv_cluster(&[
+        "restart",
+        text(&file),
+        "--node",
+        "3",
+        "--run-dir",
+        text(&run_directory),
+    ]);
+    assert!(restart.status.success(), "{}", stderr(&restart));
+    let restarted = read_pid(3);
+    up.wait_for_line(
+        exit_line,
+        |line| {
+            line.starts_with(&format!(
+                "node 3 was started again by another command (pid {restarted}); its log: "
+            )) && line.ends_with("node-3.log, followed here")
+        },
+        FOREGROUND_REPORT_BOUND,
+    );
+    up.wait_for_line(
+        exit_line,
+        |line| line.starts_with("[node 3] ") && line.contains("server ready"),
+        FOREGROUND_REPORT_BOUND,
+    );
+
+    // A clean stop (`down --node 2`) is said as such, not as an alarm.
+    let down = rdkv_cluster(&[
+        "down",
+        text(&file),
+        "--node",
+        "2",
+        "--run-dir",
+        text(&run_directory),
+    ]);
+    assert!(down.status.success(), "{}", stderr(&down));
+    up.wait_for_line(
+        exit_line,
+        |line| line == "node 2 stopped cleanly (exit status 0)",
+        FOREGROUND_REPORT_BOUND,
+    );
+
+    // Ctrl-C still stops the nodes in order, the restarted one included, and exits 0.
+    let status = up.interrupt(FOREGROUND_REPORT_BOUND);
+    let transcript = up.text();
+    assert_eq!(status.code(), Some(0), "{transcript}");
+    let position = |wanted: &str| {
+        up.transcript
+            .iter()
+            .position(|line| line == wanted)
+            .unwrap_or_else(|| panic!("no line `{wanted}`:\n{transcript}"))
+    };
+    let stops = [
+        position("stopping the cluster"),
+        position("node 1: stopped"),
+        position("node 2: had already exited"),
+        position("node 3: had already exited"),
+        position("node 3: stopped its restarted process"),
+    ];
+    assert!(stops.is_sorted(), "{stops:?}:\n{transcript}");
+    let alarms = up
+        .transcript
+        .iter()
+        .filter(|line| line.starts_with("node ") && line.contains(" exited"))
+        .filter(|line| !line.ends_with(": had already exited"))
+        .count();
+    assert_eq!(alarms, 1, "only node 3's kill is an alarm:\n{transcript}");
+    assert!(
+        !transcript.contains("is no longer running"),
+        "up's own stop is not reported as an exit:\n{transcript}"
+    );
+    assert!(
+        process_state(restarted).is_none_or(|(state, _)| state == "Z"),
+        "the restarted node 3 (pid {restarted}) still runs:\n{transcript}"
+    );
 }

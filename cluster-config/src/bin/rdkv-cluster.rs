@@ -33,7 +33,8 @@ struct Arguments {
 #[derive(Debug, Subcommand)]
 enum Action {
     /// Start every node (or one), wait until each is ready, print the nodes, then forward the
-    /// local nodes' logs until Ctrl-C (which stops the nodes in order).
+    /// local nodes' logs until Ctrl-C (which stops the nodes in order), with a line for a node
+    /// that exits and the log of one that `restart` starts again.
     Up {
         /// The cluster file.
         file: PathBuf,
@@ -265,7 +266,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
 /// `up`: the table of started nodes, then (in the foreground) their logs until a signal.
 async fn up(
     config: &ClusterConfig,
-    mut nodes: Vec<launcher::StartedNode>,
+    nodes: Vec<launcher::StartedNode>,
     run_directory: &Path,
     detach: bool,
     file: &Path,
@@ -331,6 +332,20 @@ async fn up(
         ));
         return Ok(if not_serving.is_empty() { 0 } else { 1 });
     }
+    foreground(config, nodes, run_directory, file, run_dir_flag, signal).await;
+    Ok(0)
+}
+
+/// The foreground half of `up`: the nodes' logs and what becomes of them, until a signal;
+/// then the nodes stopped in order.
+async fn foreground(
+    config: &ClusterConfig,
+    mut nodes: Vec<launcher::StartedNode>,
+    run_directory: &Path,
+    file: &Path,
+    run_dir_flag: &str,
+    signal: &mut tokio::task::JoinHandle<()>,
+) {
     say("forwarding node logs; Ctrl-C stops the cluster");
     for node in &nodes {
         if let Some(host) = &node.ready.host {
@@ -342,10 +357,23 @@ async fn up(
             ));
         }
     }
-    let _ = signal.await;
+    // Until Ctrl-C: a node that exits gets a line (and is reaped); one that another command
+    // starts again has its log followed here.
+    let restart_command = |id: u32| {
+        format!(
+            "`rdkv-cluster restart {}{run_dir_flag} --node {id}` starts it again",
+            file.display()
+        )
+    };
+    let _ = rdkv_cluster_config::foreground::report_until(
+        &mut nodes,
+        run_directory,
+        restart_command,
+        signal,
+    )
+    .await;
     say("stopping the cluster");
     stop_all(config, &mut nodes, run_directory).await;
-    Ok(0)
 }
 
 /// Stops the nodes this launcher started, in order, saying so.
@@ -356,8 +384,11 @@ async fn stop_all(
 ) {
     for node in nodes {
         if node.child.is_some() {
-            launcher::stop_child(node, run_directory);
-            say(&format!("node {}: stopped", node.ready.id));
+            if launcher::stop_child(node, run_directory) {
+                say(&format!("node {}: stopped", node.ready.id));
+            } else {
+                say(&format!("node {}: had already exited", node.ready.id));
+            }
             // A `restart --node` from another shell replaced this child: stop the new one too.
             if let Some(node_config) = config.node(node.ready.id) {
                 if !launcher::running_nodes(&[node_config], run_directory).is_empty() {
