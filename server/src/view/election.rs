@@ -33,15 +33,15 @@ use std::time::{Duration, Instant};
 use openraft::{LogId, ServerState};
 use rand::Rng;
 use tokio::task::JoinSet;
-use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use super::network::PeerClient;
 use super::types::{PeerId, PeerReply, PeerRequest};
 use super::{ViewService, ELECTION_TIMEOUT_MILLISECONDS};
 
-/// How often the node checks whether it is time to stand for election.
-const ELECTION_CHECK_INTERVAL: Duration = Duration::from_millis(20);
+/// How often a leader checks that it still leads (from Raft's metrics, without asking Raft);
+/// a follower sleeps until its election is due, then reads its vote again.
+const LEADER_CHECK_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Openraft's leader lease (`election_timeout_max`): a voter refuses to vote for this long
 /// after it last accepted a leader's heartbeat, and a follower waits this long plus the
@@ -115,16 +115,21 @@ impl ViewService {
         let Some(raft) = self.raft.clone() else {
             return;
         };
-        let mut ticks = tokio::time::interval(ELECTION_CHECK_INTERVAL);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut timeout = random_election_timeout();
         let mut last_try: Option<Instant> = None;
         // Kept between pre-votes: one connection per peer.
         let mut voters: BTreeMap<u32, PeerClient> = BTreeMap::new();
+        // How long to sleep before the next look: a leader looks every 50 ms; a follower
+        // sleeps until its election is due (a heartbeat meanwhile only makes it later).
+        let mut sleep = Duration::ZERO;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = ticks.tick() => {}
+                _ = tokio::time::sleep(sleep) => {}
+            }
+            sleep = LEADER_CHECK_INTERVAL;
+            if self.leader() == Some(self.node_id) {
+                continue;
             }
             let Some(clock) = self.vote_clock().await else {
                 continue;
@@ -132,9 +137,14 @@ impl ViewService {
             if clock.leading {
                 continue;
             }
-            if election_due(&clock, last_try, timeout).is_some_and(|due| Instant::now() < due) {
-                continue;
+            if let Some(due) = election_due(&clock, last_try, timeout) {
+                let now = Instant::now();
+                if now < due {
+                    sleep = due - now;
+                    continue;
+                }
             }
+            sleep = Duration::ZERO;
             last_try = Some(Instant::now());
             timeout = random_election_timeout();
             let won = tokio::select! {
