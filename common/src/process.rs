@@ -123,22 +123,6 @@ pub async fn shutdown_signal() {
     tracing::info!("signal received: shutting down");
 }
 
-/// `count` distinct loopback ports that were free a moment ago: all are bound at once and then
-/// released, so none is handed out twice. (Another process may still take one before it is
-/// used; callers bind them promptly.)
-///
-/// # Errors
-/// The OS refuses to bind a loopback port.
-pub fn free_loopback_ports(count: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..count)
-        .map(|_| std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|listener| listener.local_addr().map(|address| address.port()))
-        .collect()
-}
-
 /// Linux reports process times in `/proc` in USER_HZ ticks, 100 per second on every
 /// architecture's user-space ABI.
 const USER_HZ: u64 = 100;

@@ -1,6 +1,6 @@
 //! `rdkv-ycsb compare`: rdkv and Redis side by side in one run, on this machine.
 //!
-//! It starts a local rdkv cluster (a generated cluster file on free loopback ports, through the
+//! It starts a local rdkv cluster (a generated cluster file on reserved loopback ports, through the
 //! same launcher as `rdkv-cluster`) and `redis-server` (loopback TCP and a Unix socket,
 //! persistence off), loads the same records into each store, runs the chosen workloads against
 //! each in turn at equal concurrency, prints one table with the ratios, and stops what it
@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdkv_common::ports::ReservedPorts;
 use serde::Serialize;
 
 use crate::driver::Driver;
@@ -162,13 +163,18 @@ impl ComparisonRow {
     }
 }
 
-/// Stops a child on drop.
-struct ChildGuard(Child);
+/// Stops a child on drop, then releases the ports reserved for it.
+struct ChildGuard {
+    /// The child.
+    child: Child,
+    /// Its ports (`rdkv_common::ports`): held until it is stopped, as fields drop after `drop`.
+    _ports: ReservedPorts,
+}
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -242,11 +248,18 @@ pub fn node_heap_size(options: &CompareOptions, record_size: usize) -> u64 {
 /// The peak write rate per node the heap is sized for, when not given.
 const ASSUMED_WRITES_PER_SECOND: u64 = 100_000;
 
+/// Writes the benchmark's cluster file into `directory`; returns its path and the ports it
+/// names, reserved: hold them until the last cluster started from the file is stopped.
+///
+/// The nodes' ports must be in the file before they start (peers and clients read it), so they
+/// are bound to port 0 here and held while the nodes bind them alongside (`rdkv_common::ports`):
+/// none can be taken by another process before a node binds it, or between one store's
+/// cluster and the next one's on the same ports.
 fn write_cluster_file(
     directory: &Path,
     options: &CompareOptions,
     record_size: usize,
-) -> anyhow::Result<PathBuf> {
+) -> anyhow::Result<(PathBuf, ReservedPorts)> {
     let per_node = (options.records * options.replicas.max(1) as u64)
         .div_ceil(u64::from(options.nodes.max(1)));
     let heap = node_heap_size(options, record_size);
@@ -256,8 +269,8 @@ fn write_cluster_file(
         options.replicas.max(1)
     );
     let nodes = options.nodes.max(1);
-    let ports = rdkv_common::process::free_loopback_ports(2 * nodes as usize)?;
-    for (node, pair) in (1..=nodes).zip(ports.chunks(2)) {
+    let reserved = ReservedPorts::loopback(2 * nodes as usize)?;
+    for (node, pair) in (1..=nodes).zip(reserved.ports().chunks(2)) {
         text.push_str(&format!(
             "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = {CHUNK_SIZE}\n",
             pair[0],
@@ -266,13 +279,16 @@ fn write_cluster_file(
     }
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text)?;
-    Ok(path)
+    Ok((path, reserved))
 }
 
-/// Starts `redis-server` on a free loopback port and on a Unix socket in `directory`; returns
+/// Starts `redis-server` on a reserved loopback port (held by the guard) and on a Unix socket in `directory`; returns
 /// its TCP and Unix-socket URLs.
 fn start_redis(program: &Path, directory: &Path) -> anyhow::Result<(ChildGuard, String, String)> {
-    let port = rdkv_common::process::free_loopback_ports(1)?[0];
+    // Reserved before redis-server binds it, which it does alongside the reservation
+    // (`rdkv_common::ports`: redis-server sets SO_REUSEADDR).
+    let reserved = ReservedPorts::loopback(1)?;
+    let port = reserved.ports()[0];
     let socket = directory.join("redis.sock");
     let mut child = Command::new(program)
         .args([
@@ -302,7 +318,10 @@ fn start_redis(program: &Path, directory: &Path) -> anyhow::Result<(ChildGuard, 
         .stdout
         .take()
         .ok_or_else(|| anyhow::anyhow!("redis-server has no stdout"))?;
-    let guard = ChildGuard(child);
+    let guard = ChildGuard {
+        child,
+        _ports: reserved,
+    };
     let (sender, receiver) = std::sync::mpsc::sync_channel(1);
     std::thread::spawn(move || {
         let mut ready = false;
@@ -368,22 +387,26 @@ pub async fn compare(options: &CompareOptions) -> anyhow::Result<Vec<ComparisonR
         .collect::<Vec<_>>()
         .join(" and ")
     );
-    let cluster = if rdkv_wanted {
-        let cluster_file = write_cluster_file(&directory, options, first.record_size())?;
-        Some(rdkv_cluster_config::config::load_to_start(
-            &cluster_file,
-            None,
-            None,
-        )?)
+    // The ports are held until the end (dropped after every cluster guard declared below).
+    let (cluster, _cluster_ports) = if rdkv_wanted {
+        let (cluster_file, ports) = write_cluster_file(&directory, options, first.record_size())?;
+        (
+            Some(rdkv_cluster_config::config::load_to_start(
+                &cluster_file,
+                None,
+                None,
+            )?),
+            Some(ports),
+        )
     } else {
-        None
+        (None, None)
     };
     let redis = if redis_wanted {
         Some(start_redis(&options.redis_server, &directory)?)
     } else {
         None
     };
-    let redis_pids: Vec<u32> = redis.iter().map(|(guard, ..)| guard.0.id()).collect();
+    let redis_pids: Vec<u32> = redis.iter().map(|(guard, ..)| guard.child.id()).collect();
     // Each rdkv store gets a fresh cluster (started when its turn comes): the heap a store left
     // behind (a write-heavy run's dead blocks) must not slow the next one.
     let mut cluster_guard: Option<ClusterGuard> = None;
