@@ -6,7 +6,7 @@
 #       defaults: 300 s, 100000 records of 1 KB, heap 220M (2 × 109 MB of live blocks),
 #       target/release
 #
-# It writes a one-node cluster file (loopback, free ports) to a temporary run directory, starts
+# It writes a one-node cluster file (loopback, reserved ports) to a temporary run directory, starts
 # the node, loads RECORDS records with 16 tasks, and runs workload A with 64 tasks for SECONDS
 # seconds. It prints the samples, then the run's errors, median ops/s and the seconds under half
 # of it. Exit code 0 only when no operation failed and no second fell under half the median.
@@ -20,14 +20,25 @@ work=$(mktemp -d)
 cleanup() {
   "$binaries/rdkv-cluster" down "$work/soak.toml" --run-dir "$work/run" >/dev/null 2>&1 || true
   [ -n "${runner:-}" ] && kill "$runner" 2>/dev/null || true
+  [ -n "${port_holder:-}" ] && kill "$port_holder" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
-read -r control fabric metrics < <(python3 -c '
-import socket
+# The node's three ports, bound to port 0 and held (SO_REUSEADDR, never listened on) by a
+# helper until cleanup: the node binds them alongside, and no other process can take one
+# before it does (rdkv_common::ports explains why this is sound on Linux).
+exec {ports_fd}< <(exec python3 -c '
+import signal, socket, sys
 sockets = [socket.socket() for _ in range(3)]
-for s in sockets: s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in sockets])')
+for s in sockets:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in sockets], flush=True)
+sys.stdout.close()
+signal.pause()')
+port_holder=$!
+read -r control fabric metrics <&"$ports_fd"
+exec {ports_fd}<&-
 cat >"$work/soak.toml" <<TOML
 [cluster]
 name = "soak"

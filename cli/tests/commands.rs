@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use rdkv_common::ports::ReservedPorts;
 use rdkv_server::{RunningServer, ServerConfig};
 
 const SECRET: &str = "cli-test-secret";
@@ -198,10 +199,11 @@ fn errors_are_one_line_with_exit_code_two() {
     assert_one_line(&stderr);
     assert!(stderr.contains("No such file"), "the cause: {stderr}");
 
-    // A node that is not listening: the operation and the cause, on one line.
-    let closed_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port");
+    // A node that is not listening: the operation and the cause, on one line. The address is
+    // reserved (bound, never listened on) until the end of the test, so no other test's
+    // listener can take it meanwhile (`rdkv_common::ports`).
+    let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+    let closed_port = reserved.addresses()[0];
     let text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
     let control_line = text
         .lines()

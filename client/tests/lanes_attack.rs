@@ -11,6 +11,7 @@ mod support;
 use support::{eventually, eventually_showing};
 
 use rdkv_client::{CasOutcome, Client, ClusterConfig};
+use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
@@ -20,7 +21,7 @@ const SECRET: &[u8] = b"lanes-attack-secret";
 const DEADLINE: Duration = Duration::from_secs(2);
 
 /// A loopback node (lanes active), with `max_connections` (and one unauthenticated slot less),
-/// at `address` (port 0 picks one).
+/// at `address` (port 0 when `None`).
 async fn start_loopback(address: Option<SocketAddr>, max_connections: usize) -> RunningServer {
     let mut config = ServerConfig::local(SECRET);
     config.fabric = Backend::Loopback;
@@ -93,8 +94,11 @@ async fn put_and_get_from_many_tasks(client: &Arc<Client>, tasks: u32, per_task:
 #[test]
 fn a_node_restarted_mid_load_is_reconnected_on_every_lane() {
     runtime(2).block_on(async {
-        let node = start_loopback(None, 64).await;
-        let address = node.control_address();
+        // Reserved for the node and its restart (`rdkv_common::ports`): no other test's socket
+        // can take the port while the node is down.
+        let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+        let address = reserved.addresses()[0];
+        let node = start_loopback(Some(address), 64).await;
         let client = Arc::new(Client::for_cluster(&cluster(address)));
         client.connect_all().await.expect("connect");
         // The second lane opens in the background; other tests' threads may have made both
@@ -552,8 +556,11 @@ fn the_last_acknowledged_put_of_some_writer_is_what_remains() {
 #[test]
 fn operations_against_a_stopped_node_back_off_their_connects() {
     runtime(2).block_on(async {
-        let node = start_loopback(None, 64).await;
-        let address = node.control_address();
+        // Reserved for the node and its restart (`rdkv_common::ports`): no other test's socket
+        // can take the port while the node is down.
+        let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+        let address = reserved.addresses()[0];
+        let node = start_loopback(Some(address), 64).await;
         let client = Client::for_cluster(&cluster(address));
         client.put(b"before", b"value").await.expect("put");
         node.shutdown().await;

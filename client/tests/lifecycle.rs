@@ -9,6 +9,7 @@ mod support;
 use support::eventually;
 
 use rdkv_client::{Client, ClientConfig, ClusterConfig, Error};
+use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
@@ -30,11 +31,12 @@ fn cluster(control_addresses: &[SocketAddr]) -> ClusterConfig {
     support::cluster("lifecycle-test", SECRET, Backend::Soft, control_addresses)
 }
 
-/// An address where nothing listens (a port just released).
-fn closed_address() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
+/// An address where nothing listens, and the reservation that keeps it so: a port bound and
+/// held, never listened on (a port merely released could be taken by another test's listener).
+fn closed_address() -> (ReservedPorts, SocketAddr) {
+    let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+    let address = reserved.addresses()[0];
+    (reserved, address)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,7 +83,7 @@ async fn connect_all_connects_every_node_up_front() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_all_names_the_node_it_cannot_reach() {
     let live = start_server().await;
-    let closed = closed_address();
+    let (_reserved, closed) = closed_address();
     let client = Client::for_cluster(&cluster(&[live.control_address(), closed]));
     let error = client.connect_all().await.expect_err("node 2 is down");
     match &error {
@@ -148,7 +150,8 @@ async fn dropping_a_client_says_goodbye() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_operations_are_counted_under_their_kind_and_as_failures() {
-    let client = Client::for_cluster(&cluster(&[closed_address()]));
+    let (_reserved, closed) = closed_address();
+    let client = Client::for_cluster(&cluster(&[closed]));
     client.get(b"key").await.expect_err("nothing listens");
     client
         .put(b"key", b"value")
@@ -187,7 +190,8 @@ async fn a_node_that_names_another_id_is_refused() {
     // Node 1 of this server answers at the address the cluster file gives node 2: a wrong
     // address, or a relay that passes node 1's challenge on to get a proof for it.
     let server = start_server().await;
-    let client = Client::for_cluster(&cluster(&[closed_address(), server.control_address()]));
+    let (_reserved, closed) = closed_address();
+    let client = Client::for_cluster(&cluster(&[closed, server.control_address()]));
     let key = (0..1_000u32)
         .map(|index| format!("relay-{index}"))
         .find(|key| client.node_of(key.as_bytes()) == 2)

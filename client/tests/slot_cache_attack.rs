@@ -20,6 +20,7 @@ use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step as FaultStep, StepKind};
 use rdkv_client::{CasOutcome, Client, ClientConfig, InsertOutcome, SharedMemory};
 use rdkv_common::layout::{KeyLocation, TableGeometry};
+use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::sync::{Notify, Semaphore};
@@ -72,6 +73,15 @@ fn tiny_heap_config(fabric: Fabric) -> ServerConfig {
     config.heap_size = 8 * 16 * 1024;
     config.collector_interval = Duration::from_millis(5);
     config
+}
+
+/// A loopback control address for a node and its restart, reserved (bound, never listened on)
+/// until the reservation is dropped: while the node is down between the two, no other test's
+/// socket can take the port (`rdkv_common::ports`).
+fn reserved_address() -> (ReservedPorts, SocketAddr) {
+    let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+    let address = reserved.addresses()[0];
+    (reserved, address)
 }
 
 async fn start(config: ServerConfig) -> RunningServer {
@@ -135,8 +145,10 @@ async fn restart_with_a_smaller_heap(fabric: Fabric) {
     config.hash_seed = Some(0x0510_7CAC);
     config.heap_size = 4 * 1024 * 1024;
     config.chunk_size = 64 * 1024;
+    let (_reserved, address) = reserved_address();
+    config.control_address = address;
     let first = start(config.clone()).await;
-    let address = first.control_address();
+    assert_eq!(first.control_address(), address);
     let old = connect(address, fabric, entries).await;
     // Fill well over 256 KiB of heap first (never changed again, so never compacted): the
     // targets' blocks lie past the end of a 4-chunk heap.
@@ -280,8 +292,10 @@ async fn restart_puts_another_key_under_the_same_word(fabric: Fabric) {
     // Same length: same block units, so the same slot word.
     let (value, twin_value) = (&b"value-of-the-key"[..], &b"value-of-the-twn"[..]);
 
+    let (_reserved, address) = reserved_address();
+    config.control_address = address;
     let first = start(config.clone()).await;
-    let address = first.control_address();
+    assert_eq!(first.control_address(), address);
     let cached = connect(address, fabric, entries).await;
     cached.put(key, value).await.expect("put");
     assert_eq!(cached.get(key).await.expect("get").as_deref(), Some(value));
@@ -405,8 +419,10 @@ async fn restart_with_another_table(fabric: Fabric) {
     let entries = fresh_cache();
     let mut config = server_config(fabric);
     config.hash_seed = Some(1);
+    let (_reserved, address) = reserved_address();
+    config.control_address = address;
     let first = start(config.clone()).await;
-    let address = first.control_address();
+    assert_eq!(first.control_address(), address);
     let old = connect(address, fabric, entries).await;
     const KEYS: usize = 200;
     for index in 0..KEYS {

@@ -7,6 +7,8 @@
 //!   node held its lease when it was read).
 //! - [`process`]: logging and shutdown signals shared by the binaries (cargo feature `process`,
 //!   so that the client library does not pull in a logging backend).
+//! - [`ports`]: loopback ports held for the processes a test or a benchmark starts, so none is
+//!   lost between choosing it and binding it.
 //! - [`error`]: the control-plane error enum.
 //!
 //! The fabric (verbs model, registered memory, providers) is the crate `rdkv-fabric`; this crate
@@ -16,6 +18,7 @@
 pub mod error;
 pub mod layout;
 pub mod lease;
+pub mod ports;
 #[cfg(feature = "process")]
 pub mod process;
 pub mod protocol;

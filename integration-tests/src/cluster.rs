@@ -1,6 +1,6 @@
 //! A cluster launched from `examples/local-3node.toml` through the `rdkv-cluster` binary, on
-//! free ports, for tests that need real node processes: detached ([`Cluster`]) or with `up`
-//! in the foreground ([`ForegroundUp`]).
+//! ports reserved for it, for tests that need real node processes: detached ([`Cluster`]) or
+//! with `up` in the foreground ([`ForegroundUp`]).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -10,22 +10,31 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use rdkv_common::ports::ReservedPorts;
+
 use crate::process::workspace_binary;
 
-/// The example file with every port replaced by a free one, written into `directory`.
-pub fn generate_cluster_file(directory: &Path) -> PathBuf {
+/// The example file with every port replaced by a reserved one, written into `directory`; and
+/// the reservation, which the caller holds until the cluster is stopped.
+///
+/// The nodes' ports must be in the file before they start (each node dials its peers, clients
+/// read it), so the nodes cannot bind port 0 themselves: the ports are bound to port 0 here and
+/// held ([`ReservedPorts`]), and the nodes bind them alongside the reservation. No other
+/// process can take one before a node binds it, or while `rdkv-cluster restart` has a node
+/// down.
+pub fn generate_cluster_file(directory: &Path) -> (PathBuf, ReservedPorts) {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/local-3node.toml");
     let mut text = std::fs::read_to_string(example).expect("read the example");
     let example_ports = [
         "7400", "7401", "7402", "7410", "7411", "7412", "7420", "7421", "7422",
     ];
-    let free = rdkv_common::process::free_loopback_ports(example_ports.len()).expect("free ports");
-    for (port, free) in example_ports.iter().zip(free) {
-        text = text.replace(&format!(":{port}\""), &format!(":{free}\""));
+    let reserved = ReservedPorts::loopback(example_ports.len()).expect("reserve loopback ports");
+    for (port, reserved) in example_ports.iter().zip(reserved.ports()) {
+        text = text.replace(&format!(":{port}\""), &format!(":{reserved}\""));
     }
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text).expect("write the cluster file");
-    path
+    (path, reserved)
 }
 
 /// Scrapes a node's metrics endpoint (`GET /metrics`, within 5 s) and parses every sample;
@@ -73,6 +82,9 @@ pub struct Cluster {
     pub file: PathBuf,
     /// The run directory.
     pub run_directory: PathBuf,
+    /// The ports the file names, held until the nodes are stopped (dropped after `down`, as
+    /// fields drop after `drop`).
+    pub ports: ReservedPorts,
 }
 
 impl Drop for Cluster {
@@ -99,7 +111,7 @@ impl Cluster {
     pub fn up_with(tag: &str, edit: impl FnOnce(String) -> String) -> Self {
         let directory = std::env::temp_dir().join(format!("rdkv-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&directory).expect("directory");
-        let file = generate_cluster_file(&directory);
+        let (file, ports) = generate_cluster_file(&directory);
         let text = std::fs::read_to_string(&file).expect("read the generated file");
         std::fs::write(&file, edit(text)).expect("write the edited file");
         let run_directory = directory.join("run");
@@ -115,6 +127,7 @@ impl Cluster {
         let cluster = Self {
             file,
             run_directory,
+            ports,
         };
         assert!(
             up.status.success(),

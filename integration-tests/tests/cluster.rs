@@ -1,5 +1,5 @@
 //! A three-node cluster started from `examples/local-3node.toml` through the `rdkv-cluster`
-//! binary (on free ports, in a generated copy of the file): 10,000 keys written and read back by
+//! binary (on reserved ports, in a generated copy of the file): 10,000 keys written and read back by
 //! a fresh client, spread over all nodes; one node killed with SIGKILL: its keys fail fast with
 //! `node unreachable`, the others keep working, and `status` shows it down; the metrics
 //! endpoint is scraped and parsed.
@@ -18,7 +18,7 @@ use rdkv_integration_tests::process::workspace_binary;
 async fn a_three_node_cluster_from_the_example_file() {
     let directory = std::env::temp_dir().join(format!("rdkv-cluster-test-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
-    let file = generate_cluster_file(&directory);
+    let (file, ports) = generate_cluster_file(&directory);
     let run_directory = directory.join("run");
     let file_text = file.to_str().expect("utf-8 path").to_string();
     let run_text = run_directory.to_str().expect("utf-8 path").to_string();
@@ -31,6 +31,7 @@ async fn a_three_node_cluster_from_the_example_file() {
     let _cluster = Cluster {
         file: file.clone(),
         run_directory: run_directory.clone(),
+        ports,
     };
     let table = String::from_utf8_lossy(&up.stdout);
     assert_eq!(table.matches("ready").count(), 3, "{table}");

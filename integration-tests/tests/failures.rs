@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientConfig, Error};
+use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_integration_tests::process::ServerProcess;
 
@@ -51,13 +52,16 @@ async fn a_killed_node_fails_fast_with_node_unreachable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_node_is_reconnected_automatically() {
-    let mut server = ServerProcess::start(SECRET, &["--heap-size", "4M"]);
+    // Reserved and held for both processes: while the node is down its ports cannot be taken
+    // by another test's socket (`rdkv_common::ports`).
+    let reserved = ReservedPorts::loopback(2).expect("reserve loopback ports");
+    let (control, fabric) = (
+        reserved.addresses()[0].to_string(),
+        reserved.addresses()[1].to_string(),
+    );
+    let mut server = ServerProcess::start_at(SECRET, &control, &fabric, &["--heap-size", "4M"]);
     let client = client_of(&server).await;
     client.put(b"before", b"restart").await.expect("put");
-    let (control, fabric) = (
-        server.control_address.to_string(),
-        server.fabric_address.to_string(),
-    );
     server.kill();
     let _restarted = ServerProcess::start_at(SECRET, &control, &fabric, &["--heap-size", "4M"]);
     let reconnects_before = client.counters().reconnects;
@@ -147,18 +151,18 @@ fn wait_until_stopped(pid: u32) {
 /// for a view that no node can give (it waited 2 s per command before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_replicated_cluster_fails_at_once_saying_it_is_down() {
-    // Three addresses nothing listens on: bound, then closed.
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-    };
-    let nodes: String = (1..=3)
-        .map(|id| {
+    // Six addresses nothing listens on: reserved (bound, never listened on) for the whole test,
+    // so no other socket can start listening there meanwhile.
+    let reserved = ReservedPorts::loopback(6).expect("reserve loopback ports");
+    let nodes: String = reserved
+        .addresses()
+        .chunks(2)
+        .zip(1..=3)
+        .map(|(pair, id)| {
             format!(
                 "[[node]]\nid = {id}\ncontrol_address = \"{}\"\nfabric_address = \"{}\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n",
-                free(),
-                free()
+                pair[0],
+                pair[1]
             )
         })
         .collect();

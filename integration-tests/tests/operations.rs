@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::Client;
+use rdkv_common::ports::ReservedPorts;
 use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster, ForegroundUp};
 use rdkv_integration_tests::process::workspace_binary;
 
@@ -224,7 +225,8 @@ async fn restart_brings_one_node_back_refilled_while_the_others_serve() {
 fn the_systemd_unit_passes_systemd_analyze_or_parses_as_a_unit() {
     let directory = std::env::temp_dir().join(format!("rdkv-systemd-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
-    let file = generate_cluster_file(&directory);
+    // Nothing is started: the ports are released at once.
+    let (file, _) = generate_cluster_file(&directory);
     let output = rdkv_cluster(&["systemd", text(&file), "--node", "2"]);
     assert!(output.status.success(), "{}", stderr(&output));
     let unit = stdout(&output);
@@ -269,6 +271,9 @@ struct SshServer {
     child: Child,
     directory: PathBuf,
     config: PathBuf,
+    /// Its port, reserved before sshd binds it and held until sshd is killed (sshd cannot
+    /// report a port it chose itself; see `rdkv_common::ports`). Dropped after `drop`.
+    _port: ReservedPorts,
 }
 
 impl Drop for SshServer {
@@ -285,7 +290,7 @@ fn run_ok(command: &mut Command) {
 }
 
 impl SshServer {
-    /// Starts `sshd -D` on a free loopback port, accepting one fresh key; writes an ssh config
+    /// Starts `sshd -D` on a reserved loopback port, accepting one fresh key; writes an ssh config
     /// with the hosts `rdkv-remote-a` and `rdkv-remote-b` pointing at it. `None` when sshd is
     /// not installed (outside CI).
     fn start(directory: &Path) -> Option<Self> {
@@ -313,7 +318,8 @@ impl SshServer {
             directory.join("authorized_keys"),
         )
         .expect("authorized_keys");
-        let port = rdkv_common::process::free_loopback_ports(1).expect("a free port")[0];
+        let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
+        let port = reserved.ports()[0];
         let path = |name: &str| directory.join(name).display().to_string();
         std::fs::write(
             directory.join("sshd_config"),
@@ -347,6 +353,7 @@ impl SshServer {
             child,
             directory: directory.to_path_buf(),
             config,
+            _port: reserved,
         };
         // Ready when an ssh round trip works (bounded: sshd binds within milliseconds).
         let started = Instant::now();
@@ -388,7 +395,7 @@ fn two_nodes_on_remote_hosts_through_sshd_on_loopback() {
     let Some(sshd) = SshServer::start(&directory.join("sshd")) else {
         return;
     };
-    let local = generate_cluster_file(&directory);
+    let (local, ports) = generate_cluster_file(&directory);
     let remote_run_directory = directory.join("remote run dir");
     let settings = format!(
         "operation_deadline = \"2s\"\nssh_options = [\"-F\", \"{}\"]\nremote_binary = \"{}\"\nremote_run_dir = \"{}\"",
@@ -413,6 +420,7 @@ fn two_nodes_on_remote_hosts_through_sshd_on_loopback() {
     let cluster = Cluster {
         file: file.clone(),
         run_directory: run_directory.clone(),
+        ports,
     };
     let run_dir = text(&run_directory);
 
@@ -572,12 +580,13 @@ fn process_state(pid: i32) -> Option<(String, i32)> {
 fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
     let directory = std::env::temp_dir().join(format!("rdkv-foreground-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
-    let file = generate_cluster_file(&directory);
+    let (file, ports) = generate_cluster_file(&directory);
     let run_directory = directory.join("run");
     // Made first, so that its `down` runs after `up` has been interrupted.
     let _cluster = Cluster {
         file: file.clone(),
         run_directory: run_directory.clone(),
+        ports,
     };
     let mut up = ForegroundUp::start(&file, &run_directory);
     up.wait_for_line(

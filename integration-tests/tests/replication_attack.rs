@@ -627,7 +627,8 @@ async fn a_one_millisecond_client_leaves_no_key_stuck() {
 }
 
 /// Deletes and re-puts of 1 KiB values on 4 MiB heaps: tombstones pile up and must be cleared
-/// (and their blocks reclaimed) fast enough that the heap never fills.
+/// (and their blocks reclaimed) fast enough that the heap never fills. Each key is put and then
+/// deleted, so none is read back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_heavy_writes_do_not_fill_a_small_heap() {
     let _serial = SERIAL.lock().await;
@@ -643,7 +644,11 @@ async fn delete_heavy_writes_do_not_fill_a_small_heap() {
             let mut errors = Vec::new();
             let mut done = 0u64;
             for number in 0..15_000u64 {
-                if started.elapsed() > Duration::from_secs(20) {
+                // Bounded in time (the run's length is not what is checked), but only ever
+                // between a key's delete and the next put: a run cut after a put left that key
+                // behind, and a loaded machine (fewer operations in the time) cut them at
+                // random.
+                if number % 2 == 0 && started.elapsed() > Duration::from_secs(20) {
                     break;
                 }
                 let key = format!("d{task}-{}-{}", (number / 2) % 200, number / 2_000);
@@ -702,8 +707,8 @@ async fn delete_heavy_writes_do_not_fill_a_small_heap() {
         back.len(),
         back.first()
     );
-    assert!(errors.is_empty());
-    assert!(back.is_empty());
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(back.is_empty(), "deleted keys read back: {back:?}");
 }
 
 /// The example cluster (real processes, clients over shm): 100 keys put and deleted leave 200

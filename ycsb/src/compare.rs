@@ -1,6 +1,6 @@
 //! `rdkv-ycsb compare`: rdkv and Redis side by side in one run, on this machine.
 //!
-//! It starts a local rdkv cluster (a generated cluster file on free loopback ports, through the
+//! It starts a local rdkv cluster (a generated cluster file on reserved loopback ports, through the
 //! same launcher as `rdkv-cluster`) and `redis-server` (loopback TCP and a Unix socket,
 //! persistence off), loads the same records into each store, runs the chosen workloads against
 //! each in turn at equal concurrency, prints one table with the ratios, and stops what it
@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdkv_common::ports::ReservedPorts;
 use serde::{Deserialize, Serialize};
 
 use crate::comparison::{Comparison, Settings};
@@ -101,12 +102,17 @@ impl Store {
 }
 
 /// Stops a child on drop.
-struct ChildGuard(Child);
+struct ChildGuard {
+    /// The child.
+    child: Child,
+    /// Its ports (`rdkv_common::ports`): held until it is stopped, as fields drop after `drop`.
+    _ports: ReservedPorts,
+}
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -180,11 +186,18 @@ pub fn node_heap_size(options: &CompareOptions, record_size: usize) -> u64 {
 /// The peak write rate per node the heap is sized for, when not given.
 const ASSUMED_WRITES_PER_SECOND: u64 = 100_000;
 
+/// Writes the benchmark's cluster file into `directory`; returns its path and the ports it
+/// names, reserved: hold them until the last cluster started from the file is stopped.
+///
+/// The nodes' ports must be in the file before they start (peers and clients read it), so they
+/// are bound to port 0 here and held while the nodes bind them alongside (`rdkv_common::ports`):
+/// none can be taken by another process before a node binds it, or between one store's
+/// cluster and the next one's on the same ports.
 fn write_cluster_file(
     directory: &Path,
     options: &CompareOptions,
     record_size: usize,
-) -> anyhow::Result<PathBuf> {
+) -> anyhow::Result<(PathBuf, ReservedPorts)> {
     let per_node = (options.records * options.replicas.max(1) as u64)
         .div_ceil(u64::from(options.nodes.max(1)));
     let heap = node_heap_size(options, record_size);
@@ -194,8 +207,8 @@ fn write_cluster_file(
         options.replicas.max(1)
     );
     let nodes = options.nodes.max(1);
-    let ports = rdkv_common::process::free_loopback_ports(2 * nodes as usize)?;
-    for (node, pair) in (1..=nodes).zip(ports.chunks(2)) {
+    let reserved = ReservedPorts::loopback(2 * nodes as usize)?;
+    for (node, pair) in (1..=nodes).zip(reserved.ports().chunks(2)) {
         text.push_str(&format!(
             "\n[[node]]\nid = {node}\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = {index}\nheap_size = {heap}\nchunk_size = {CHUNK_SIZE}\n",
             pair[0],
@@ -204,13 +217,16 @@ fn write_cluster_file(
     }
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text)?;
-    Ok(path)
+    Ok((path, reserved))
 }
 
-/// Starts `redis-server` on a free loopback port and on a Unix socket in `directory`; returns
+/// Starts `redis-server` on a reserved loopback port (held by the guard) and on a Unix socket in `directory`; returns
 /// its TCP and Unix-socket URLs.
 fn start_redis(program: &Path, directory: &Path) -> anyhow::Result<(ChildGuard, String, String)> {
-    let port = rdkv_common::process::free_loopback_ports(1)?[0];
+    // Reserved before redis-server binds it, which it does alongside the reservation
+    // (`rdkv_common::ports`: redis-server sets SO_REUSEADDR).
+    let reserved = ReservedPorts::loopback(1)?;
+    let port = reserved.ports()[0];
     let socket = directory.join("redis.sock");
     let mut child = Command::new(program)
         .args([
@@ -240,7 +256,10 @@ fn start_redis(program: &Path, directory: &Path) -> anyhow::Result<(ChildGuard, 
         .stdout
         .take()
         .ok_or_else(|| anyhow::anyhow!("redis-server has no stdout"))?;
-    let guard = ChildGuard(child);
+    let guard = ChildGuard {
+        child,
+        _ports: reserved,
+    };
     let (sender, receiver) = std::sync::mpsc::sync_channel(1);
     std::thread::spawn(move || {
         let mut ready = false;
@@ -329,6 +348,9 @@ struct Servers {
     record_size: usize,
     /// The rdkv cluster, when an rdkv store is compared.
     cluster: Option<rdkv_cluster_config::ClusterConfig>,
+    /// The cluster's ports, held until every cluster started from its file is stopped (the
+    /// stores' cluster guards drop first: they live in `StartedStore`s).
+    _cluster_ports: Option<ReservedPorts>,
     /// `redis-server`, when a Redis store is compared.
     redis: Option<RedisServer>,
 }
@@ -376,15 +398,12 @@ impl Servers {
         if !started.is_empty() {
             eprintln!("starting {} on loopback", started.join(" and "));
         }
-        let cluster = if rdkv_wanted {
-            let cluster_file = write_cluster_file(&directory, options, record_size)?;
-            Some(rdkv_cluster_config::config::load_to_start(
-                &cluster_file,
-                None,
-                None,
-            )?)
+        let (cluster, cluster_ports) = if rdkv_wanted {
+            let (cluster_file, ports) = write_cluster_file(&directory, options, record_size)?;
+            let cluster = rdkv_cluster_config::config::load_to_start(&cluster_file, None, None)?;
+            (Some(cluster), Some(ports))
         } else {
-            None
+            (None, None)
         };
         let redis = if redis_wanted {
             let (child, tcp_url, unix_url) = start_redis(&options.redis_server, &directory)?;
@@ -400,6 +419,7 @@ impl Servers {
             directory,
             record_size,
             cluster,
+            _cluster_ports: cluster_ports,
             redis,
         })
     }
@@ -425,7 +445,7 @@ impl Servers {
                 };
                 StartedStore {
                     driver: Arc::new(Driver::redis(url).await?),
-                    server_pids: vec![redis.child.0.id()],
+                    server_pids: vec![redis.child.child.id()],
                     // Both Redis stores are one server: TCP loads, Unix reads the same records.
                     load: store == Store::RedisTcp || !options.stores.contains(&Store::RedisTcp),
                     _cluster: None,

@@ -6,11 +6,14 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// A cluster file whose nodes listen on loopback ports that were free a moment ago and that
-/// nothing binds: every operation fails with "connection refused".
+/// A cluster file whose node is at loopback ports where nothing listens: every operation fails
+/// with "connection refused".
 struct StoppedCluster {
     directory: PathBuf,
     file: PathBuf,
+    /// The node's ports, bound and held but never listened on, so that no other test's
+    /// listener takes one meanwhile (`rdkv_common::ports`).
+    _ports: rdkv_common::ports::ReservedPorts,
 }
 
 impl StoppedCluster {
@@ -20,14 +23,20 @@ impl StoppedCluster {
             std::process::id()
         ));
         std::fs::create_dir_all(&directory).expect("create the test directory");
-        let ports = rdkv_common::process::free_loopback_ports(2).expect("free loopback ports");
+        let reserved =
+            rdkv_common::ports::ReservedPorts::loopback(2).expect("reserve loopback ports");
+        let ports = reserved.ports();
         let text = format!(
             "[cluster]\nname = \"stopped\"\nsecret = \"rdkv-ycsb-exit-codes\"\nfabric = \"soft\"\noperation_deadline = \"2s\"\n\n[[node]]\nid = 1\ncontrol_address = \"127.0.0.1:{}\"\nfabric_address = \"127.0.0.1:{}\"\nindex_size = \"1M\"\nheap_size = \"4M\"\nchunk_size = \"256K\"\n",
             ports[0], ports[1]
         );
         let file = directory.join("cluster.toml");
         std::fs::write(&file, text).expect("write the cluster file");
-        Self { directory, file }
+        Self {
+            directory,
+            file,
+            _ports: reserved,
+        }
     }
 }
 
