@@ -10,3 +10,4 @@ pub mod cluster;
 pub mod linearizability;
 pub mod process;
 pub mod view;
+pub mod workload;

@@ -11,24 +11,17 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
-use rdkv_client::{CasOutcome, Client, FabricChoice};
+use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
+use rdkv_integration_tests::workload::{random_operation, Mix};
 use rdkv_integration_tests::view::{
     cluster_command, pid_of, signal, state_of, up_settled, wait_for_view, wait_torn_down,
 };
 
 const CLIENTS: u64 = 16;
 const KEYS: u64 = 24;
-
-fn decode(value: Option<bytes::Bytes>) -> Option<u64> {
-    value.map(|bytes| {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(&bytes[..8]);
-        u64::from_le_bytes(word)
-    })
-}
 
 /// What one client saw: its events, and the errors of operations that did not apply, by
 /// whether their key was the dead node's.
@@ -93,57 +86,15 @@ async fn failover_history(tag: &str, fabric: FabricChoice) {
             while !stop.load(Ordering::Relaxed) {
                 counter += 1;
                 let key = random.gen_range(0..KEYS);
-                let key_bytes = format!("key-{key}");
                 let unique = (client_index << 32) | counter;
-                let choice = random.gen_range(0..100);
                 let call = start.elapsed().as_nanos() as u64;
-                let (operation, result) = if choice < 40 {
-                    let result = client
-                        .get(key_bytes.as_bytes())
-                        .await
-                        .map(|value| Outcome::Value(decode(value)));
-                    (Operation::Get, result)
-                } else if choice < 70 {
-                    let result = client
-                        .put(key_bytes.as_bytes(), &unique.to_le_bytes())
-                        .await
-                        .map(|()| Outcome::Written);
-                    (Operation::Put(unique), result)
-                } else if choice < 82 {
-                    let result = client
-                        .delete(key_bytes.as_bytes())
-                        .await
-                        .map(Outcome::Deleted);
-                    (Operation::Delete, result)
-                } else {
-                    let expected = seen
-                        .events
-                        .iter()
-                        .rev()
-                        .find_map(|event| match (event.key == key, event.outcome) {
-                            (true, Outcome::Value(Some(value))) => Some(value),
-                            _ => None,
-                        })
-                        .unwrap_or(0);
-                    let result = client
-                        .compare_and_swap(
-                            key_bytes.as_bytes(),
-                            &expected.to_le_bytes(),
-                            &unique.to_le_bytes(),
-                        )
-                        .await
-                        .map(|outcome| match outcome {
-                            CasOutcome::Swapped => Outcome::Swapped,
-                            CasOutcome::Mismatch(current) => Outcome::Mismatch(decode(current)),
-                        });
-                    (
-                        Operation::CompareAndSwap {
-                            expected,
-                            new: unique,
-                        },
-                        result,
-                    )
+                let mix = Mix {
+                    gets: 40,
+                    puts: 30,
+                    deletes: 12,
                 };
+                let (operation, result) =
+                    random_operation(&client, &mut random, key, unique, &seen.events, mix).await;
                 let ret = start.elapsed().as_nanos() as u64;
                 match result {
                     Ok(outcome) => seen.events.push(Event {

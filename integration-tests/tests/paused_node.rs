@@ -18,10 +18,11 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
-use rdkv_client::{CasOutcome, Client, FabricChoice};
+use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
+use rdkv_integration_tests::workload::{decode, random_operation, Mix};
 use rdkv_integration_tests::view::{pid_of, up_settled, wait_for_view, Nodes, FAILURE_TIMEOUT};
 
 const WRITERS: u64 = 8;
@@ -70,14 +71,6 @@ impl Drop for ContinueOnDrop {
     fn drop(&mut self) {
         let _ = nix::sys::signal::kill(self.0, Signal::SIGCONT);
     }
-}
-
-fn decode(value: Option<bytes::Bytes>) -> Option<u64> {
-    value.map(|bytes| {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(&bytes[..8]);
-        u64::from_le_bytes(word)
-    })
 }
 
 /// What the clients saw: events, and how many lists the pollers refused by the lease word.
@@ -246,46 +239,18 @@ async fn write_loop(client: Client, writer: u64, start: Instant, stop: Arc<Atomi
     let mut random = rand::rngs::StdRng::seed_from_u64(writer);
     let mut seen = Seen::default();
     let mut counter = 0u64;
+    let mix = Mix {
+        gets: 30,
+        puts: 45,
+        deletes: 10,
+    };
     while !stop.load(Ordering::Relaxed) {
         counter += 1;
         let key = random.gen_range(0..KEYS);
-        let key_bytes = format!("key-{key}");
         let unique = ((writer + 1) << 32) | counter;
-        let choice = random.gen_range(0..100);
         let call = start.elapsed().as_nanos() as u64;
-        let (operation, result) = if choice < 30 {
-            let result = client.get(key_bytes.as_bytes()).await;
-            (
-                Operation::Get,
-                result.map(|value| Outcome::Value(decode(value))),
-            )
-        } else if choice < 75 {
-            let result = client
-                .put(key_bytes.as_bytes(), &unique.to_le_bytes())
-                .await;
-            (Operation::Put(unique), result.map(|()| Outcome::Written))
-        } else if choice < 85 {
-            let result = client.delete(key_bytes.as_bytes()).await;
-            (Operation::Delete, result.map(Outcome::Deleted))
-        } else {
-            let expected = last_value(&seen.events, key);
-            let result = client
-                .compare_and_swap(
-                    key_bytes.as_bytes(),
-                    &expected.to_le_bytes(),
-                    &unique.to_le_bytes(),
-                )
-                .await
-                .map(|outcome| match outcome {
-                    CasOutcome::Swapped => Outcome::Swapped,
-                    CasOutcome::Mismatch(current) => Outcome::Mismatch(decode(current)),
-                });
-            let operation = Operation::CompareAndSwap {
-                expected,
-                new: unique,
-            };
-            (operation, result)
-        };
+        let (operation, result) =
+            random_operation(&client, &mut random, key, unique, &seen.events, mix).await;
         let ret = start.elapsed().as_nanos() as u64;
         match result {
             Ok(outcome) => seen.events.push(Event {
@@ -311,16 +276,4 @@ async fn write_loop(client: Client, writer: u64, start: Instant, stop: Arc<Atomi
     }
     client.close().await;
     seen
-}
-
-/// The last value this writer read of `key` (0 if none): what its compare-and-swap expects.
-fn last_value(events: &[Event], key: u64) -> u64 {
-    events
-        .iter()
-        .rev()
-        .find_map(|event| match (event.key == key, event.outcome) {
-            (true, Outcome::Value(Some(value))) => Some(value),
-            _ => None,
-        })
-        .unwrap_or(0)
 }
