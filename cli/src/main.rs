@@ -288,9 +288,9 @@ async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> 
                             );
                         }
                     }
-                    Err(error @ rdkv_client::Error::AuthenticationFailed { .. }) => {
+                    Err(rdkv_client::Error::AuthenticationFailed { reason, .. }) => {
                         down += 1;
-                        rdkv_common::outln!("{id:<5} {:<6} {error}", "auth failed");
+                        rdkv_common::outln!("{id:<5} {:<6} {reason}", "auth failed");
                     }
                     Err(error) => {
                         down += 1;

@@ -145,6 +145,23 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error and each of its causes, on one line (`what failed: why: why`): what to print
+    /// for a user, since `Display` alone leaves the causes out (`ConnectFailed` says which node,
+    /// its cause says why).
+    pub fn with_causes(&self) -> String {
+        let mut line = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(inner) = cause {
+            let text = inner.to_string();
+            if !line.ends_with(&text) {
+                line.push_str(": ");
+                line.push_str(&text);
+            }
+            cause = inner.source();
+        }
+        line
+    }
+
     /// Whether retrying on a fresh connection is safe and may succeed, for an operation that
     /// posted no CAS yet.
     pub fn is_retryable(&self) -> bool {

@@ -55,7 +55,10 @@ pub async fn random_operation(
     let choice = random.gen_range(0..100);
     if choice < mix.gets {
         let result = client.get(key_bytes).await;
-        (Operation::Get, result.map(|value| Outcome::Value(decode(value))))
+        (
+            Operation::Get,
+            result.map(|value| Outcome::Value(decode(value))),
+        )
     } else if choice < mix.gets + mix.puts {
         let result = client.put(key_bytes, &unique.to_le_bytes()).await;
         (Operation::Put(unique), result.map(|()| Outcome::Written))

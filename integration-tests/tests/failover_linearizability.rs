@@ -15,10 +15,10 @@ use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
-use rdkv_integration_tests::workload::{random_operation, Mix};
 use rdkv_integration_tests::view::{
     cluster_command, pid_of, signal, state_of, up_settled, wait_for_view, wait_torn_down,
 };
+use rdkv_integration_tests::workload::{random_operation, Mix};
 
 const CLIENTS: u64 = 16;
 const KEYS: u64 = 24;

@@ -22,8 +22,8 @@ use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
-use rdkv_integration_tests::workload::{decode, random_operation, Mix};
 use rdkv_integration_tests::view::{pid_of, up_settled, wait_for_view, Nodes, FAILURE_TIMEOUT};
+use rdkv_integration_tests::workload::{decode, random_operation, Mix};
 
 const WRITERS: u64 = 8;
 const KEYS: u64 = 24;
