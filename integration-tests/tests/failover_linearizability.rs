@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rdkv_client::{Client, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
-use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
+use rdkv_integration_tests::linearizability::{check, Event, Outcome, Verdict};
 use rdkv_integration_tests::view::{
     cluster_command, pid_of, signal, state_of, up_settled, wait_for_view, wait_torn_down,
 };

@@ -230,8 +230,8 @@ async fn keys_die_with_their_connection_on(server: RunningServer) {
     let old_keys = leaving.disconnect().await;
     assert_eq!(
         server.stats().live_memory_windows,
-        windows_before - 4,
-        "index, heap, announce and chunk windows are gone"
+        windows_before - 5,
+        "index, heap, announce, lease word and chunk windows are gone"
     );
 
     for (name, key, write) in [
@@ -239,6 +239,7 @@ async fn keys_die_with_their_connection_on(server: RunningServer) {
         ("heap", old_keys.heap_key, false),
         ("chunk", chunk, true),
         ("announce", old_keys.announce_key, true),
+        ("lease word", old_keys.lease_key, false),
     ] {
         let other = RawClient::connect(&server).await;
         let status = if write {

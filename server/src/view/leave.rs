@@ -20,16 +20,18 @@ pub const LEAVE_BOUND: Duration = Duration::from_secs(2);
 
 impl ViewService {
     /// Stops serving, then asks the leader to commit this node down, within [`LEAVE_BOUND`].
-    /// Logs the outcome; a node outside consensus (one node) only stops serving.
+    /// Logs the outcome; a node outside consensus (one node) does nothing here.
     pub async fn leave(&self) {
+        if self.raft.is_none() {
+            // One node: no view to leave and no copies to move to; the shutdown's teardown
+            // ends its connections (as `server shutting down`).
+            return;
+        }
         self.leaving
             .store(true, std::sync::atomic::Ordering::Release);
         self.publish_lease();
         let reason = "this node is leaving the cluster (a clean stop)".to_string();
         let _previous = self.serving.send_replace(Err(reason));
-        if self.raft.is_none() {
-            return;
-        }
         let started = std::time::Instant::now();
         let command = ViewCommand::MarkDown {
             node_id: self.node_id,
