@@ -159,10 +159,17 @@ pub fn view(statuses: &[NodeStatus]) -> Option<&ClusterView> {
         .map(|(view, _)| view)
 }
 
-/// The `view:` line under the table.
-pub fn view_line(view: Option<&ClusterView>) -> String {
+/// The `view:` line under the table: the view, or why none is known (nodes that answered but
+/// refused this file's secret are not "no answer").
+pub fn view_line(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> String {
     match view {
         Some(view) => format!("view: {}", view.summary()),
+        None if statuses
+            .iter()
+            .any(|status| matches!(status.state, NodeState::Refused(_))) =>
+        {
+            "view: not known: the nodes that answered refused this file's secret".to_string()
+        }
         None => "view: no node answered".to_string(),
     }
 }
@@ -413,7 +420,11 @@ mod tests {
             statuses[1].view.as_ref().expect("node 2's view")
         ));
         let nobody = [node(1, NodeState::Down("refused".into()))];
-        assert_eq!(view_line(view(&nobody)), "view: no node answered");
+        assert_eq!(view_line(view(&nobody), &nobody), "view: no node answered");
+        let wrong_secret = [node(1, NodeState::Refused("authentication failed".into()))];
+        assert!(
+            view_line(view(&wrong_secret), &wrong_secret).contains("refused this file's secret")
+        );
     }
 
     #[test]

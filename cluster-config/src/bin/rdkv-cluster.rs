@@ -219,7 +219,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             let statuses = status::status(&config).await;
             say(&status::status_table(&statuses));
             let view = status::view(&statuses);
-            say(&status::view_line(view));
+            say(&status::view_line(view, &statuses));
             for line in status::refill_lines(view, &statuses) {
                 say(&line);
             }
