@@ -8,10 +8,13 @@
 //!   leader counts the old one's silence from `election_timeout_max` before its election; so a
 //!   leader publishes its lease less that much, which runs out before any leader it voted for
 //!   can commit it down even if it is paused the instant after it voted.
-//! - **`since`** restarts whenever the interval may have broken: the last published `until`
-//!   had passed (a paused process, a lapse), the lease was dropped (the node stopped leading),
-//!   or the view changed this node's own record (down, filling, back). So a reader that
-//!   accepts a word knows that nothing of that kind happened between its post and its READ of
+//! - **`since`** restarts whenever the interval may have broken: the node stopped serving
+//!   (it wrote 0), the last published `until` had passed (a paused process, a lapse), or the
+//!   lease was dropped (the node stopped leading). A view has the node down only after its
+//!   lease ran out or after it wrote 0 to leave, so a change of its own record (its first
+//!   join, a promotion) is no break, and does not restart it: restarting there refused the
+//!   lists in flight at a fresh cluster's joins, and a write among them ended unresolved. So a
+//!   reader that accepts a word knows that no break happened between its post and its READ of
 //!   the word.
 //! - **0** is written the moment the node finds it may not serve (every 20 ms, on every lease
 //!   renewal, and when it steps down).
@@ -34,8 +37,6 @@ pub(super) struct Published {
     until: Option<Instant>,
     /// The lease generation the interval was published under ([`ViewService::lease_drops`]).
     lease_generation: u64,
-    /// This node's record's `since` epoch the interval was published under.
-    record_since: u64,
 }
 
 /// The end of a published interval.
@@ -69,7 +70,6 @@ impl ViewService {
         } else {
             None
         };
-        let record_since = self.own_record().map_or(0, |record| record.since);
         let lease_generation = self.lease_drops.load(std::sync::atomic::Ordering::Acquire);
         let now = Instant::now();
         let Some(until) = until else {
@@ -80,15 +80,16 @@ impl ViewService {
             }
             return;
         };
+        // The node's own record changing (its first join, a promotion) is no break: it served
+        // throughout. Every change that follows a break comes after one of the above (a view
+        // has it down only once its lease ran out, or once it published 0 to leave).
         let continues = published.since.is_some()
             && published.until.is_none_or(|last| last > now)
-            && published.lease_generation == lease_generation
-            && published.record_since == record_since;
+            && published.lease_generation == lease_generation;
         if !continues {
             published.since = Some(now);
         }
         published.lease_generation = lease_generation;
-        published.record_since = record_since;
         let since = published.since.unwrap_or(now);
         let (until_instant, until_ms) = match until {
             Until::At(instant) => (Some(instant), self.clock.floor_ms(instant)),
