@@ -8,8 +8,8 @@ use rdkv_common::protocol::ClientCounters;
 
 /// Shards per counter. Each thread adds to its own shard (threads take shards in turn), so the
 /// workers of a runtime do not meet on one cache line at every operation: seven shared atomic
-/// adds per GET were part of what two workers cost each other (`docs/benchmarks.md`, *Two
-/// workers on one queue pair*).
+/// adds per GET were part of what two workers cost each other
+/// (`docs/history/benchmarks-passes.md`, *Two workers on one queue pair*).
 const SHARDS: usize = 8;
 
 /// One shard, alone on its cache lines (128 bytes: adjacent-line prefetch pairs 64-byte lines).

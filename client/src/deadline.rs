@@ -2,8 +2,8 @@
 //!
 //! `tokio::time::timeout` puts an entry in tokio's timer wheel for every operation that waits
 //! once and takes it out again when the operation ends: about 900 instructions of a GET's
-//! 16,000 (`docs/benchmarks.md`, *Sixth pass*). Operations end far inside their deadlines, so
-//! here one watchdog thread per process wakes those whose deadline has passed:
+//! 16,000 (`docs/history/benchmarks-passes.md`, *Sixth pass*). Operations end far inside their
+//! deadlines, so here one watchdog thread per process wakes those whose deadline has passed:
 //! - an operation reads the clock at its first poll, and if it waits, takes an entry (its
 //!   waker and its deadline) in its thread's shard of the watchdog's table; it gives the entry
 //!   back when it ends;

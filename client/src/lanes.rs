@@ -2,9 +2,9 @@
 //! operation uses the lane of the thread it runs on. Two workers posting to one queue pair
 //! meet on its requester lock, its pending queue, its completion queue and its announce word,
 //! and READ data lands in one worker's buffers from the other core: with two tokio workers
-//! that doubled the client's CPU per GET over `shm` (`docs/benchmarks.md`, *Two workers on one
-//! queue pair*). A lane opens on its first operation, so a thread that never uses the client
-//! costs the node nothing.
+//! that doubled the client's CPU per GET over `shm` (`docs/history/benchmarks-passes.md`, *Two
+//! workers on one queue pair*). A lane opens on its first operation, so a thread that never uses
+//! the client costs the node nothing.
 //!
 //! Only the first lane opens on an operation's path. An operation whose lane is not connected
 //! while another is uses that one, and its own lane opens in the background: a node at
@@ -12,12 +12,12 @@
 //! must not wait for that (a failed attempt is retried after [`LANE_RETRY_INTERVAL`], doubling
 //! with each failure in a row up to [`LANE_RETRY_MOST`]).
 //!
-//! Every fabric gets a lane per worker. `soft` had one until one doorbell carried a batch:
-//! with a write per post, two connections from one client halved its engine's batches and
-//! raised the node's CPU per operation by 40% (`docs/benchmarks.md`, *Lanes*); with one
-//! doorbell per batch a lane per worker gave YCSB-C +17–27% on two workers and left the node's
-//! CPU per operation unchanged (*Seventh pass*, *Eighth pass*). `ClientConfig::lanes` caps
-//! them.
+//! Every fabric gets a lane per worker. Over `soft` that pays only because one doorbell carries
+//! a batch: with a write per post, two connections from one client halve the node engine's
+//! batches and raise its CPU per operation by 40%; with batching, a lane per worker gives
+//! YCSB-C +17–27% on two workers and leaves the node's CPU per operation unchanged
+//! (`docs/history/benchmarks-passes.md`, *Lanes*, *Seventh pass*, *Eighth pass*).
+//! `ClientConfig::lanes` caps them.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

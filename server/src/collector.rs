@@ -1,6 +1,6 @@
 //! The heap collector: one task that settles sealed extents, scans the index, clears abandoned
 //! tentative slots, returns unreferenced extents and compacts sparse segments
-//! (`docs/layout.md`, *Extents and grants*; `docs/protocol.md`, *Heap space*).
+//! (`docs/layout.md`, *Heap extents and grants*; `docs/protocol.md`, *Heap space*).
 //!
 //! Its pace follows what it finds. While writes change the index, or extents wait to settle or
 //! to come back, or a tentative slot is in the index, it passes every `collector_interval`

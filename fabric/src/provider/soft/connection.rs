@@ -140,8 +140,8 @@ impl SoftConnection {
     /// waits on another thread's scheduling.
     ///
     /// One ring per batch of posts, however the runtime orders their tasks: with a yield and
-    /// a ring per post, one tokio worker wrote 0.9 times per GET (`docs/benchmarks.md`,
-    /// *Seventh pass*).
+    /// a ring per post, one tokio worker wrote 0.9 times per GET
+    /// (`docs/history/benchmarks-passes.md`, *Seventh pass*).
     pub(crate) fn append_post(&self, encode: impl FnOnce(&mut Vec<u8>) -> usize) -> bool {
         let mut outgoing = lock(&self.outgoing);
         let frames = encode(&mut outgoing.bytes);
