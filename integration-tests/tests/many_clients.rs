@@ -56,6 +56,10 @@ async fn a_thousand_clients_on_one_node() {
             "1024",
             "--max-pending-per-address",
             "1024",
+            // The node's deadline caps the clients' (10 s below): the default 2 s ends a hang,
+            // and with both cores busy a put of the thousand-at-once burst waited past it.
+            "--deadline-ms",
+            "10000",
         ],
     );
     let pid = server.id();

@@ -222,7 +222,7 @@ impl NodeConnection {
             .create_queue_pair(&completion_queue, QueuePairConfig::default())?;
         let slots = config.concurrency.max(1);
         // The announce word's source bytes; scratch buffers come from the pool per operation.
-        let announce_region = fabric.announce_block()?;
+        let announce_region = fabric.announce_block().await?;
         let connect_queue_pair = ClientMessage::ConnectQueuePair {
             endpoint: queue_pair.endpoint(),
         };

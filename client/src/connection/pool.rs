@@ -29,6 +29,18 @@ pub(crate) const IDLE_BUFFERS_KEPT: usize = 4;
 /// Bytes of a connection's announce source block (one page; 16 bytes are used).
 const ANNOUNCE_BLOCK_SIZE: u64 = 4096;
 
+/// How many scratch buffers a connection's announce block may unpin to find room (one is
+/// 16 blocks' worth; more are needed only when other registrations take the room first).
+const MAKE_ROOM_ATTEMPTS: usize = 4;
+
+/// Whether pinning failed at a limit that memory given back lifts.
+fn at_a_memory_limit(error: &rdkv_fabric::Error) -> bool {
+    matches!(
+        error,
+        rdkv_fabric::Error::MemlockLimit { .. } | rdkv_fabric::Error::InsufficientMemory { .. }
+    )
+}
+
 /// What makes two connections' fabrics the same.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct FabricKey {
@@ -150,11 +162,7 @@ impl ClientFabric {
             None => match self.register(SCRATCH_SIZE) {
                 Ok(region) => return Ok(ScratchBuffer { region }),
                 Err(error) => {
-                    let limited = matches!(
-                        error,
-                        rdkv_fabric::Error::MemlockLimit { .. }
-                            | rdkv_fabric::Error::InsufficientMemory { .. }
-                    );
+                    let limited = at_a_memory_limit(&error);
                     let mut state = lock(&self.state);
                     state.busy -= 1;
                     if !limited || state.busy == 0 {
@@ -224,9 +232,41 @@ impl ClientFabric {
         state.busy = state.busy.saturating_sub(1);
     }
 
-    /// A connection's announce source block.
-    pub(crate) fn announce_block(&self) -> rdkv_fabric::Result<MemoryRegion> {
-        self.register(ANNOUNCE_BLOCK_SIZE)
+    /// A connection's announce source block. When the memlock limit (or the machine's memory)
+    /// stops it, the pool has grown to the limit: it makes room by taking a scratch buffer
+    /// (waiting in line, within the operation's deadline, when every buffer is in use) and
+    /// unpinning it, then registers again. A connection opened while the pool is at the limit
+    /// (a lane reconnecting after its node restarted, or after a lease refusal) so waits for
+    /// memory instead of failing its operation.
+    ///
+    /// # Errors
+    /// The pinning error when nothing is in use to make room from, or when other registrations
+    /// took the room [`MAKE_ROOM_ATTEMPTS`] times.
+    pub(crate) async fn announce_block(&self) -> crate::error::Result<MemoryRegion> {
+        for _ in 0..MAKE_ROOM_ATTEMPTS {
+            match self.register(ANNOUNCE_BLOCK_SIZE) {
+                Ok(region) => return Ok(region),
+                Err(error) if at_a_memory_limit(&error) => {
+                    tracing::debug!(%error, "at the memlock limit; unpinning a scratch buffer for a connection");
+                    let room = self.take().await?;
+                    self.unpin(room);
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(self.register(ANNOUNCE_BLOCK_SIZE)?)
+    }
+
+    /// Unpins a taken buffer for memory that something else needs: it leaves the pool, which
+    /// stays at its limit (takers keep waiting for buffers given back).
+    fn unpin(&self, buffer: ScratchBuffer) {
+        {
+            let mut state = lock(&self.state);
+            state.busy = state.busy.saturating_sub(1);
+            state.at_limit = true;
+        }
+        // Deregistered and unpinned outside the lock.
+        drop(buffer.region);
     }
 
     /// Pins and registers `length` bytes for local writes.
