@@ -328,6 +328,19 @@ impl Locator<'_> {
         }
     }
 
+    /// A count of connections or hellos: at least 1, `default` when absent.
+    fn count(&self, value: &Option<Spanned<u64>>, field: &str, default: usize) -> Result<usize> {
+        match value {
+            None => Ok(default),
+            Some(value) if *value.get_ref() == 0 => Err(self.error(
+                value.span(),
+                field,
+                "0 would refuse every client: at least 1",
+            )),
+            Some(value) => Ok(usize::try_from(*value.get_ref()).unwrap_or(usize::MAX)),
+        }
+    }
+
     fn address(&self, value: &Spanned<String>, field: String) -> Result<SocketAddr> {
         value.get_ref().parse().map_err(|_| {
             self.error(
@@ -412,6 +425,9 @@ pub fn parse(
     parse_with_secret(path, text, Some(machine), None)
 }
 
+/// Validates a cluster file's text section by section: `[cluster]`, then each `[[node]]`, then
+/// what needs both (`replicas`, the two-node warning). Local nodes' tables must fit `machine`,
+/// when given; `secret_override`, when given, replaces the file's secret.
 fn parse_with_secret(
     path: &Path,
     text: &str,
@@ -423,85 +439,32 @@ fn parse_with_secret(
         let span = error.span().unwrap_or(0..0);
         locator.error(span, "syntax", error.message().to_string())
     })?;
-    let cluster = raw.cluster.get_ref();
-    let mut warnings = Vec::new();
-    let name = cluster.name.get_ref();
-    let name_is_plain = !name.is_empty()
-        && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|character| character.is_ascii_alphanumeric() || "._-".contains(character));
-    if !name_is_plain {
-        return Err(locator.error(
-            cluster.name.span(),
-            "cluster.name",
-            format!(
-                "{name:?}: use letters, digits, '.', '_' and '-', not starting with '.' (the name makes the run directory and the systemd unit names)"
-            ),
+    let mut config = parse_cluster_section(&locator, &raw.cluster, secret_override)?;
+    config.nodes = parse_node_sections(&locator, &raw, config.fabric, machine)?;
+    config.replicas = parse_replicas(&locator, raw.cluster.get_ref(), config.nodes.len())?;
+    if config.nodes.len() == 2 {
+        config.warnings.push(format!(
+            "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",
+            path.display()
         ));
     }
+    Ok(config)
+}
 
-    let fabric = match cluster.fabric.get_ref().parse::<Backend>() {
-        Ok(backend) if backend.crosses_processes() => backend,
-        Ok(backend) => {
-            return Err(locator.error(
-                cluster.fabric.span(),
-                "cluster.fabric",
-                format!(
-                    "fabric `{backend}` works only inside one process: use \"soft\" or \"verbs\""
-                ),
-            ))
-        }
-        Err(error) => {
-            return Err(locator.error(cluster.fabric.span(), "cluster.fabric", error.to_string()))
-        }
-    };
-
-    let secret = match (&cluster.secret, &cluster.secret_file) {
-        _ if secret_override.is_some() => secret_override.unwrap_or_default(),
-        (Some(_), Some(file)) => {
-            return Err(locator.error(
-                file.span(),
-                "cluster.secret_file",
-                "set either secret or secret_file, not both",
-            ))
-        }
-        (None, None) => {
-            return Err(locator.error(
-                raw.cluster.span(),
-                "cluster.secret",
-                "missing: set secret or secret_file",
-            ))
-        }
-        (Some(secret), None) => secret.get_ref().as_bytes().to_vec(),
-        (None, Some(file)) => {
-            let secret_path = path
-                .parent()
-                .map(|directory| directory.join(file.get_ref()))
-                .unwrap_or_else(|| PathBuf::from(file.get_ref()));
-            let bytes = std::fs::read(&secret_path).map_err(|error| {
-                locator.error(
-                    file.span(),
-                    "cluster.secret_file",
-                    format!("cannot read {}: {error}", secret_path.display()),
-                )
-            })?;
-            if let Ok(metadata) = std::fs::metadata(&secret_path) {
-                use std::os::unix::fs::PermissionsExt;
-                let mode = metadata.permissions().mode();
-                if mode & 0o077 != 0 {
-                    warnings.push(format!(
-                        "{}:{}: cluster.secret_file: {} is readable by group or others (mode {:o}); run `chmod 600 {}`",
-                        path.display(),
-                        line_of(text, file.span().start),
-                        secret_path.display(),
-                        mode & 0o777,
-                        secret_path.display()
-                    ));
-                }
-            }
-            bytes.trim_ascii().to_vec()
-        }
+/// The `[cluster]` section, checked in file order: the configuration without its nodes (and
+/// one replica, until the nodes are known).
+fn parse_cluster_section(
+    locator: &Locator<'_>,
+    section: &Spanned<RawCluster>,
+    secret_override: Option<Vec<u8>>,
+) -> Result<ClusterConfig> {
+    let cluster = section.get_ref();
+    check_cluster_name(locator, &cluster.name)?;
+    let fabric = parse_fabric(locator, &cluster.fabric)?;
+    let mut warnings = Vec::new();
+    let secret = match secret_override {
+        Some(secret) => secret,
+        None => read_secret(locator, section, &mut warnings)?,
     };
     if secret.is_empty() {
         let span = cluster
@@ -517,6 +480,127 @@ fn parse_with_secret(
         "cluster.lease_timeout",
         Duration::from_secs(10),
     )?;
+    let failure_timeout = parse_failure_timeout(locator, cluster)?;
+    let operation_deadline = locator.duration(
+        &cluster.operation_deadline,
+        "cluster.operation_deadline",
+        Duration::from_secs(2),
+    )?;
+    let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
+    let limits = connection_limits(locator, cluster)?;
+    check_poll_spin(locator, cluster, poll_spin)?;
+    Ok(ClusterConfig {
+        path: locator.path.to_path_buf(),
+        name: cluster.name.get_ref().clone(),
+        secret,
+        fabric,
+        lease_timeout,
+        failure_timeout,
+        replicas: 1,
+        operation_deadline,
+        poll_spin,
+        limits,
+        ssh: ssh_settings(cluster),
+        nodes: Vec::new(),
+        warnings,
+    })
+}
+
+/// `cluster.name` makes file and unit names: letters, digits, `.`, `_` and `-`, not starting
+/// with `.`.
+fn check_cluster_name(locator: &Locator<'_>, name: &Spanned<String>) -> Result<()> {
+    let text = name.get_ref();
+    let is_plain = !text.is_empty()
+        && !text.starts_with('.')
+        && text
+            .chars()
+            .all(|character| character.is_ascii_alphanumeric() || "._-".contains(character));
+    if is_plain {
+        return Ok(());
+    }
+    Err(locator.error(
+        name.span(),
+        "cluster.name",
+        format!(
+            "{text:?}: use letters, digits, '.', '_' and '-', not starting with '.' (the name makes the run directory and the systemd unit names)"
+        ),
+    ))
+}
+
+/// `cluster.fabric`: a backend that crosses processes.
+fn parse_fabric(locator: &Locator<'_>, fabric: &Spanned<String>) -> Result<Backend> {
+    match fabric.get_ref().parse::<Backend>() {
+        Ok(backend) if backend.crosses_processes() => Ok(backend),
+        Ok(backend) => Err(locator.error(
+            fabric.span(),
+            "cluster.fabric",
+            format!("fabric `{backend}` works only inside one process: use \"soft\" or \"verbs\""),
+        )),
+        Err(error) => Err(locator.error(fabric.span(), "cluster.fabric", error.to_string())),
+    }
+}
+
+/// The section's `secret`, or the contents of its `secret_file`: exactly one of them.
+fn read_secret(
+    locator: &Locator<'_>,
+    section: &Spanned<RawCluster>,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<u8>> {
+    let cluster = section.get_ref();
+    match (&cluster.secret, &cluster.secret_file) {
+        (Some(_), Some(file)) => Err(locator.error(
+            file.span(),
+            "cluster.secret_file",
+            "set either secret or secret_file, not both",
+        )),
+        (None, None) => Err(locator.error(
+            section.span(),
+            "cluster.secret",
+            "missing: set secret or secret_file",
+        )),
+        (Some(secret), None) => Ok(secret.get_ref().as_bytes().to_vec()),
+        (None, Some(file)) => read_secret_file(locator, file, warnings),
+    }
+}
+
+/// `secret_file`'s contents, trimmed; the file is found from the cluster file's directory. A
+/// file readable by group or others is a warning, not an error.
+fn read_secret_file(
+    locator: &Locator<'_>,
+    file: &Spanned<String>,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<u8>> {
+    let secret_path = locator
+        .path
+        .parent()
+        .map(|directory| directory.join(file.get_ref()))
+        .unwrap_or_else(|| PathBuf::from(file.get_ref()));
+    let bytes = std::fs::read(&secret_path).map_err(|error| {
+        locator.error(
+            file.span(),
+            "cluster.secret_file",
+            format!("cannot read {}: {error}", secret_path.display()),
+        )
+    })?;
+    if let Ok(metadata) = std::fs::metadata(&secret_path) {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = metadata.permissions().mode();
+        if mode & 0o077 != 0 {
+            warnings.push(format!(
+                "{}:{}: cluster.secret_file: {} is readable by group or others (mode {:o}); run `chmod 600 {}`",
+                locator.path.display(),
+                line_of(locator.text, file.span().start),
+                secret_path.display(),
+                mode & 0o777,
+                secret_path.display()
+            ));
+        }
+    }
+    Ok(bytes.trim_ascii().to_vec())
+}
+
+/// `cluster.failure_timeout`, between [`MIN_FAILURE_TIMEOUT`] and [`MAX_FAILURE_TIMEOUT`].
+fn parse_failure_timeout(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Duration> {
     let failure_timeout = locator.duration(
         &cluster.failure_timeout,
         "cluster.failure_timeout",
@@ -531,25 +615,75 @@ fn parse_with_secret(
             ),
         ));
     }
-    let operation_deadline = locator.duration(
-        &cluster.operation_deadline,
-        "cluster.operation_deadline",
-        Duration::from_secs(2),
-    )?;
-    let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
-    let limits = connection_limits(&locator, cluster)?;
-    if poll_spin > MAX_POLL_SPIN {
-        let span = span_of(&cluster.poll_spin);
-        return Err(locator.error(
-            span,
-            "cluster.poll_spin",
+    Ok(failure_timeout)
+}
+
+/// `cluster.poll_spin` (parsed) is at most [`MAX_POLL_SPIN`].
+fn check_poll_spin(locator: &Locator<'_>, cluster: &RawCluster, poll_spin: Duration) -> Result<()> {
+    if poll_spin <= MAX_POLL_SPIN {
+        return Ok(());
+    }
+    Err(locator.error(
+        span_of(&cluster.poll_spin),
+        "cluster.poll_spin",
+        format!(
+            "{poll_spin:?} is more than the {MAX_POLL_SPIN:?} allowed: a longer spin only burns \
+             a core; tens of microseconds is what cuts a wake-up (docs/benchmarks.md)"
+        ),
+    ))
+}
+
+/// The `[cluster]` section's ssh keys, defaults where absent.
+fn ssh_settings(cluster: &RawCluster) -> SshSettings {
+    SshSettings {
+        user: cluster.ssh_user.as_ref().map(|user| user.get_ref().clone()),
+        options: cluster
+            .ssh_options
+            .as_ref()
+            .map(|options| options.get_ref().clone())
+            .unwrap_or_default(),
+        remote_binary: cluster.remote_binary.as_ref().map_or_else(
+            || "rdkv-server".to_string(),
+            |binary| binary.get_ref().clone(),
+        ),
+        remote_run_dir: cluster.remote_run_dir.as_ref().map_or_else(
+            || format!(".rdkv/{}", cluster.name.get_ref()),
+            |directory| directory.get_ref().clone(),
+        ),
+    }
+}
+
+/// `cluster.replicas`: 1 to [`MAX_REPLICAS`], and at most the nodes (1 when absent).
+fn parse_replicas(locator: &Locator<'_>, cluster: &RawCluster, node_count: usize) -> Result<usize> {
+    let Some(replicas) = &cluster.replicas else {
+        return Ok(1);
+    };
+    let count = *replicas.get_ref();
+    let limit = MAX_REPLICAS.min(node_count);
+    if count == 0 || count > limit as u64 {
+        let why = if count > MAX_REPLICAS as u64 || count == 0 {
+            format!("rdkv keeps 1 to {MAX_REPLICAS} copies of a key")
+        } else {
             format!(
-                "{poll_spin:?} is more than the {MAX_POLL_SPIN:?} allowed: a longer spin only burns \
-                 a core; tens of microseconds is what cuts a wake-up (docs/benchmarks.md)"
-            ),
+                "the file has {node_count} node(s), and each copy of a key lives on a different node"
+            )
+        };
+        return Err(locator.error(
+            replicas.span(),
+            "cluster.replicas",
+            format!("{count} is not between 1 and {limit}: {why}"),
         ));
     }
+    Ok(count as usize)
+}
 
+/// Every `[[node]]` section, in file order: ids and addresses must be unique across them.
+fn parse_node_sections(
+    locator: &Locator<'_>,
+    raw: &RawFile,
+    fabric: Backend,
+    machine: Option<MachineCheck>,
+) -> Result<Vec<NodeConfig>> {
     if raw.nodes.is_empty() {
         return Err(locator.error(
             raw.cluster.span(),
@@ -560,48 +694,162 @@ fn parse_with_secret(
     let mut nodes = Vec::new();
     let mut ids: HashMap<u32, usize> = HashMap::new();
     let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
-    for (index, spanned) in raw.nodes.iter().enumerate() {
-        let node = spanned.get_ref();
-        let name = |field: &str| format!("node[{index}].{field}");
-        let id = *node.id.get_ref();
-        if let Some(first) = ids.insert(id, index) {
-            return Err(locator.error(
-                node.id.span(),
-                name("id"),
+    for (index, section) in raw.nodes.iter().enumerate() {
+        let node = NodeSection {
+            locator,
+            index,
+            section,
+        };
+        let id = node.section.get_ref().id.get_ref();
+        if let Some(first) = ids.insert(*id, index) {
+            return Err(node.error(
+                node.section.get_ref().id.span(),
+                "id",
                 format!("duplicate id {id} (also node[{first}])"),
             ));
         }
-        let control_address = locator.address(&node.control_address, name("control_address"))?;
-        let fabric_address = node
-            .fabric_address
+        nodes.push(node.parse(fabric, machine, &mut addresses)?);
+    }
+    Ok(nodes)
+}
+
+/// One `[[node]]` section being validated: its errors name `node[index].field`.
+struct NodeSection<'a> {
+    /// Builds errors that point into the file.
+    locator: &'a Locator<'a>,
+    /// The section's place among the file's `[[node]]` sections.
+    index: usize,
+    /// The section as read.
+    section: &'a Spanned<RawNode>,
+}
+
+/// A node's addresses, parsed.
+struct NodeAddresses {
+    /// `control_address`.
+    control: SocketAddr,
+    /// `fabric_address`, when given.
+    fabric: Option<SocketAddr>,
+    /// `metrics_address`, when given.
+    metrics: Option<SocketAddr>,
+}
+
+/// A node's table sizes in bytes, parsed and checked against each other.
+struct NodeSizes {
+    /// `index_size`.
+    index: u64,
+    /// `heap_size`.
+    heap: u64,
+    /// `chunk_size`, or its default for the heap.
+    chunk: u64,
+}
+
+impl NodeSection<'_> {
+    /// The node's configuration, its keys checked in the order the errors should come in.
+    /// `addresses` holds the addresses of the nodes before it (and gets this node's).
+    fn parse(
+        &self,
+        fabric: Backend,
+        machine: Option<MachineCheck>,
+        addresses: &mut HashMap<SocketAddr, String>,
+    ) -> Result<NodeConfig> {
+        let node = self.section.get_ref();
+        let id = *node.id.get_ref();
+        let parsed = self.addresses(fabric, addresses)?;
+        let sizes = self.sizes()?;
+        let hugepages = match &node.hugepages {
+            None => HugepagePolicy::Auto,
+            Some(policy) => policy
+                .get_ref()
+                .parse()
+                .map_err(|message: String| self.error(policy.span(), "hugepages", message))?,
+        };
+        let max_pinned_share = node
+            .max_pinned_share
             .as_ref()
-            .map(|address| locator.address(address, name("fabric_address")))
-            .transpose()?;
-        let metrics_address = node
-            .metrics_address
-            .as_ref()
-            .map(|address| locator.address(address, name("metrics_address")))
-            .transpose()?;
-        if fabric == Backend::Soft && fabric_address.is_none() {
-            return Err(locator.error(
-                spanned.span(),
-                name("fabric_address"),
+            .map_or(0.5, |share| *share.get_ref());
+        let shm = self.shm()?;
+        let shm_socket = self.shm_socket()?;
+        let host = self.host(parsed.control)?;
+        // Only a node whose process starts here pins its table here.
+        let checked =
+            machine.filter(|machine| host.is_none() && machine.only.is_none_or(|only| only == id));
+        if let Some(machine) = checked {
+            self.check_fits(machine, sizes.index + sizes.heap, max_pinned_share)?;
+        }
+        Ok(NodeConfig {
+            id,
+            host,
+            control_address: parsed.control,
+            fabric_address: parsed.fabric,
+            device: node.device.as_ref().map(|device| device.get_ref().clone()),
+            gid_index: node.gid_index.as_ref().map(|index| *index.get_ref()),
+            metrics_address: parsed.metrics,
+            index_size: sizes.index,
+            heap_size: sizes.heap,
+            chunk_size: sizes.chunk,
+            hugepages,
+            max_pinned_share,
+            shm,
+            shm_socket,
+        })
+    }
+
+    /// `node[index].field`.
+    fn field(&self, field: &str) -> String {
+        format!("node[{}].{field}", self.index)
+    }
+
+    /// An error about this node's `field`.
+    fn error(
+        &self,
+        span: std::ops::Range<usize>,
+        field: &str,
+        message: impl Into<String>,
+    ) -> Error {
+        self.locator.error(span, self.field(field), message)
+    }
+
+    /// The node's addresses: a fabric address for the soft fabric, no port 0, none used twice
+    /// in the file.
+    fn addresses(
+        &self,
+        fabric: Backend,
+        seen: &mut HashMap<SocketAddr, String>,
+    ) -> Result<NodeAddresses> {
+        let node = self.section.get_ref();
+        let optional = |address: &Option<Spanned<String>>, field: &str| {
+            address
+                .as_ref()
+                .map(|address| self.locator.address(address, self.field(field)))
+                .transpose()
+        };
+        let parsed = NodeAddresses {
+            control: self
+                .locator
+                .address(&node.control_address, self.field("control_address"))?,
+            fabric: optional(&node.fabric_address, "fabric_address")?,
+            metrics: optional(&node.metrics_address, "metrics_address")?,
+        };
+        if fabric == Backend::Soft && parsed.fabric.is_none() {
+            return Err(self.error(
+                self.section.span(),
+                "fabric_address",
                 "missing: the soft fabric needs an address per node",
             ));
         }
         let spans = [
             (
-                Some(control_address),
+                Some(parsed.control),
                 node.control_address.span(),
                 "control_address",
             ),
             (
-                fabric_address,
+                parsed.fabric,
                 span_of(&node.fabric_address),
                 "fabric_address",
             ),
             (
-                metrics_address,
+                parsed.metrics,
                 span_of(&node.metrics_address),
                 "metrics_address",
             ),
@@ -609,227 +857,143 @@ fn parse_with_secret(
         for (address, span, field) in spans {
             let Some(address) = address else { continue };
             if address.port() == 0 {
-                return Err(locator.error(
+                return Err(self.error(
                     span,
-                    name(field),
+                    field,
                     "port 0 is not allowed here: clients need to know the port",
                 ));
             }
-            if let Some(other) = addresses.insert(address, name(field)) {
-                return Err(locator.error(
+            if let Some(other) = seen.insert(address, self.field(field)) {
+                return Err(self.error(
                     span,
-                    name(field),
+                    field,
                     format!("duplicate address {address} (also {other})"),
                 ));
             }
         }
-        let index_size = locator.size(&node.index_size, name("index_size"))?;
-        let heap_size = locator.size(&node.heap_size, name("heap_size"))?;
-        let chunk_size = node
+        Ok(parsed)
+    }
+
+    /// The node's table sizes: an index of two combined buckets or more, chunks that hold the
+    /// largest block, a heap of [`MIN_HEAP_CHUNKS`] chunks or more.
+    fn sizes(&self) -> Result<NodeSizes> {
+        let node = self.section.get_ref();
+        let index = self
+            .locator
+            .size(&node.index_size, self.field("index_size"))?;
+        let heap = self
+            .locator
+            .size(&node.heap_size, self.field("heap_size"))?;
+        let chunk = node
             .chunk_size
             .as_ref()
-            .map(|size| locator.size(size, name("chunk_size")))
+            .map(|size| self.locator.size(size, self.field("chunk_size")))
             .transpose()?
             .unwrap_or(
                 DEFAULT_CHUNK_SIZE
-                    .min(heap_size / MIN_HEAP_CHUNKS / 4096 * 4096)
+                    .min(heap / MIN_HEAP_CHUNKS / 4096 * 4096)
                     .max(MAX_BLOCK_SIZE.div_ceil(4096) * 4096),
             );
-        if index_size < 2 * COMBINED_BUCKET_SIZE {
-            return Err(locator.error(
+        if index < 2 * COMBINED_BUCKET_SIZE {
+            return Err(self.error(
                 node.index_size.span(),
-                name("index_size"),
+                "index_size",
                 format!(
-                    "{index_size} bytes is too small: at least {} bytes (two combined buckets)",
+                    "{index} bytes is too small: at least {} bytes (two combined buckets)",
                     2 * COMBINED_BUCKET_SIZE
                 ),
             ));
         }
-        if chunk_size < MAX_BLOCK_SIZE || chunk_size % 4096 != 0 {
+        if chunk < MAX_BLOCK_SIZE || chunk % 4096 != 0 {
             let span = node
                 .chunk_size
                 .as_ref()
-                .map_or(spanned.span(), Spanned::span);
-            return Err(locator.error(
+                .map_or(self.section.span(), Spanned::span);
+            return Err(self.error(
                 span,
-                name("chunk_size"),
-                format!("{chunk_size} bytes: a chunk must be a multiple of 4096 and hold the largest block ({MAX_BLOCK_SIZE} bytes)"),
+                "chunk_size",
+                format!("{chunk} bytes: a chunk must be a multiple of 4096 and hold the largest block ({MAX_BLOCK_SIZE} bytes)"),
             ));
         }
-        if heap_size < MIN_HEAP_CHUNKS * chunk_size {
-            return Err(locator.error(
+        if heap < MIN_HEAP_CHUNKS * chunk {
+            return Err(self.error(
                 node.heap_size.span(),
-                name("heap_size"),
-                format!("{heap_size} bytes is too small: at least {MIN_HEAP_CHUNKS} chunks ({} bytes; one is the compactor's, one its reserve); raise heap_size or lower chunk_size", MIN_HEAP_CHUNKS * chunk_size),
+                "heap_size",
+                format!("{heap} bytes is too small: at least {MIN_HEAP_CHUNKS} chunks ({} bytes; one is the compactor's, one its reserve); raise heap_size or lower chunk_size", MIN_HEAP_CHUNKS * chunk),
             ));
         }
-        let hugepages = match &node.hugepages {
-            None => HugepagePolicy::Auto,
-            Some(policy) => policy.get_ref().parse().map_err(|message: String| {
-                locator.error(policy.span(), name("hugepages"), message)
-            })?,
+        Ok(NodeSizes { index, heap, chunk })
+    }
+
+    /// `shm`: `auto` (the default) or `off`.
+    fn shm(&self) -> Result<ShmMode> {
+        let Some(mode) = &self.section.get_ref().shm else {
+            return Ok(ShmMode::Auto);
         };
-        let max_pinned_share = node
-            .max_pinned_share
-            .as_ref()
-            .map_or(0.5, |share| *share.get_ref());
-        let shm = match &node.shm {
-            None => ShmMode::Auto,
-            Some(mode) => match mode.get_ref().as_str() {
-                "auto" => ShmMode::Auto,
-                "off" => ShmMode::Off,
-                other => {
-                    return Err(locator.error(
-                        mode.span(),
-                        name("shm"),
-                        format!("`{other}`: expected \"auto\" (clients on the node's host use shared memory) or \"off\""),
-                    ))
-                }
-            },
-        };
-        let shm_socket = match &node.shm_socket {
-            Some(path) if path.get_ref().trim().is_empty() => {
-                return Err(locator.error(
-                    path.span(),
-                    name("shm_socket"),
-                    "empty: give a path for the node's Unix-domain socket, or leave it out",
-                ))
-            }
-            Some(path) => Some(PathBuf::from(path.get_ref())),
-            None => None,
-        };
-        let host = match &node.host {
-            Some(host) if host.get_ref().trim().is_empty() => {
-                return Err(locator.error(
-                    host.span(),
-                    name("host"),
-                    "empty: name an ssh destination, or leave host out for this machine",
-                ))
-            }
-            Some(host) => (!is_this_machine(host.get_ref())).then(|| host.get_ref().clone()),
+        match mode.get_ref().as_str() {
+            "auto" => Ok(ShmMode::Auto),
+            "off" => Ok(ShmMode::Off),
+            other => Err(self.error(
+                mode.span(),
+                "shm",
+                format!("`{other}`: expected \"auto\" (clients on the node's host use shared memory) or \"off\""),
+            )),
+        }
+    }
+
+    /// `shm_socket`: a path, when given.
+    fn shm_socket(&self) -> Result<Option<PathBuf>> {
+        match &self.section.get_ref().shm_socket {
+            Some(path) if path.get_ref().trim().is_empty() => Err(self.error(
+                path.span(),
+                "shm_socket",
+                "empty: give a path for the node's Unix-domain socket, or leave it out",
+            )),
+            Some(path) => Ok(Some(PathBuf::from(path.get_ref()))),
+            None => Ok(None),
+        }
+    }
+
+    /// The node's ssh destination: `host`, or without it the control address's IP unless that
+    /// is loopback or unspecified; `None` for this machine.
+    fn host(&self, control_address: SocketAddr) -> Result<Option<String>> {
+        match &self.section.get_ref().host {
+            Some(host) if host.get_ref().trim().is_empty() => Err(self.error(
+                host.span(),
+                "host",
+                "empty: name an ssh destination, or leave host out for this machine",
+            )),
+            Some(host) => Ok((!is_this_machine(host.get_ref())).then(|| host.get_ref().clone())),
             None => {
                 let ip = control_address.ip();
-                (!(ip.is_loopback() || ip.is_unspecified())).then(|| ip.to_string())
+                Ok((!(ip.is_loopback() || ip.is_unspecified())).then(|| ip.to_string()))
             }
-        };
-        let pinned = index_size + heap_size;
-        let size_span = node.heap_size.span();
-        // Only a node whose process starts here pins its table here.
-        let checked =
-            machine.filter(|machine| host.is_none() && machine.only.is_none_or(|only| only == id));
-        if let Some(machine) = checked {
-            decide_memlock(pinned, machine.memlock).map_err(|error| {
-                locator.error(
-                    size_span.clone(),
-                    name("heap_size"),
-                    format!("index_size + heap_size is too large for this machine: {error}"),
-                )
-            })?;
-            decide_available_memory(
-                pinned,
-                machine.available_memory,
-                PinLimits { max_pinned_share },
+        }
+    }
+
+    /// The `pinned` bytes of a node started here fit this machine's memlock limit and memory.
+    fn check_fits(&self, machine: MachineCheck, pinned: u64, max_pinned_share: f64) -> Result<()> {
+        let too_large = |error: &dyn std::fmt::Display| {
+            self.error(
+                self.section.get_ref().heap_size.span(),
+                "heap_size",
+                format!("index_size + heap_size is too large for this machine: {error}"),
             )
-            .map_err(|error| {
-                locator.error(
-                    size_span,
-                    name("heap_size"),
-                    format!("index_size + heap_size is too large for this machine: {error}"),
-                )
-            })?;
-        }
-        nodes.push(NodeConfig {
-            id,
-            host,
-            control_address,
-            fabric_address,
-            device: node.device.as_ref().map(|device| device.get_ref().clone()),
-            gid_index: node.gid_index.as_ref().map(|index| *index.get_ref()),
-            metrics_address,
-            index_size,
-            heap_size,
-            chunk_size,
-            hugepages,
-            max_pinned_share,
-            shm,
-            shm_socket,
-        });
+        };
+        decide_memlock(pinned, machine.memlock).map_err(|error| too_large(&error))?;
+        decide_available_memory(
+            pinned,
+            machine.available_memory,
+            PinLimits { max_pinned_share },
+        )
+        .map_err(|error| too_large(&error))?;
+        Ok(())
     }
-    let replicas = match &cluster.replicas {
-        None => 1,
-        Some(replicas) => {
-            let count = *replicas.get_ref();
-            let limit = MAX_REPLICAS.min(nodes.len());
-            if count == 0 || count > limit as u64 {
-                let why = if count > MAX_REPLICAS as u64 || count == 0 {
-                    format!("rdkv keeps 1 to {MAX_REPLICAS} copies of a key")
-                } else {
-                    format!(
-                        "the file has {} node(s), and each copy of a key lives on a different node",
-                        nodes.len()
-                    )
-                };
-                return Err(locator.error(
-                    replicas.span(),
-                    "cluster.replicas",
-                    format!("{count} is not between 1 and {limit}: {why}"),
-                ));
-            }
-            count as usize
-        }
-    };
-    if nodes.len() == 2 {
-        warnings.push(format!(
-            "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",
-            path.display()
-        ));
-    }
-    Ok(ClusterConfig {
-        path: path.to_path_buf(),
-        name: cluster.name.get_ref().clone(),
-        secret,
-        fabric,
-        lease_timeout,
-        failure_timeout,
-        replicas,
-        operation_deadline,
-        poll_spin,
-        limits,
-        ssh: SshSettings {
-            user: cluster.ssh_user.as_ref().map(|user| user.get_ref().clone()),
-            options: cluster
-                .ssh_options
-                .as_ref()
-                .map(|options| options.get_ref().clone())
-                .unwrap_or_default(),
-            remote_binary: cluster.remote_binary.as_ref().map_or_else(
-                || "rdkv-server".to_string(),
-                |binary| binary.get_ref().clone(),
-            ),
-            remote_run_dir: cluster.remote_run_dir.as_ref().map_or_else(
-                || format!(".rdkv/{}", cluster.name.get_ref()),
-                |directory| directory.get_ref().clone(),
-            ),
-        },
-        nodes,
-        warnings,
-    })
 }
 
 /// The `[cluster]` connection limits, defaults where absent, checked against each other.
 fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<ConnectionLimits> {
     let defaults = ConnectionLimits::default();
-    let count = |value: &Option<Spanned<u64>>, field: &str, default: usize| -> Result<usize> {
-        match value {
-            None => Ok(default),
-            Some(value) if *value.get_ref() == 0 => Err(locator.error(
-                value.span(),
-                field,
-                "0 would refuse every client: at least 1",
-            )),
-            Some(value) => Ok(usize::try_from(*value.get_ref()).unwrap_or(usize::MAX)),
-        }
-    };
     if let Some(value) = cluster
         .max_connections
         .as_ref()
@@ -845,7 +1009,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             ),
         ));
     }
-    let max_connections = count(
+    let max_connections = locator.count(
         &cluster.max_connections,
         "cluster.max_connections",
         defaults.max_connections,
@@ -854,12 +1018,12 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
         max_connections,
         // Unset, it follows a smaller max_connections (a quarter of it), so lowering
         // max_connections alone never trips the check below.
-        max_unauthenticated: count(
+        max_unauthenticated: locator.count(
             &cluster.max_unauthenticated_connections,
             "cluster.max_unauthenticated_connections",
             default_unauthenticated(max_connections),
         )?,
-        max_pending_per_address: count(
+        max_pending_per_address: locator.count(
             &cluster.max_pending_per_address,
             "cluster.max_pending_per_address",
             defaults.max_pending_per_address,
@@ -869,52 +1033,72 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "cluster.handshake_deadline",
             defaults.handshake_deadline,
         )?,
-        fabric_engine_threads: match &cluster.fabric_engine_threads {
-            None => defaults.fabric_engine_threads,
-            Some(value) if *value.get_ref() > MAX_ENGINE_THREADS => {
-                return Err(locator.error(
-                    value.span(),
-                    "cluster.fabric_engine_threads",
-                    format!("at most {MAX_ENGINE_THREADS} (0 means one per core)"),
-                ))
-            }
-            Some(value) => *value.get_ref() as usize,
-        },
+        fabric_engine_threads: fabric_engine_threads(locator, cluster)?,
         fabric_hello_deadline: locator.duration(
             &cluster.fabric_hello_deadline,
             "cluster.fabric_hello_deadline",
             defaults.fabric_hello_deadline,
         )?,
-        fabric_max_pending_hellos: match count(
-            &cluster.fabric_max_pending_hellos,
-            "cluster.fabric_max_pending_hellos",
-            defaults.fabric_max_pending_hellos,
-        )? {
-            pending if pending > MAX_PENDING_HELLOS => {
-                let span = span_of(&cluster.fabric_max_pending_hellos);
-                return Err(locator.error(
-                    span,
-                    "cluster.fabric_max_pending_hellos",
-                    format!("at most {MAX_PENDING_HELLOS}: each pending hello holds a socket"),
-                ));
-            }
-            pending => pending,
-        },
-        fabric_response_buffer: match &cluster.fabric_response_buffer {
-            None => defaults.fabric_response_buffer,
-            Some(value) => {
-                let bytes = locator.size(value, "cluster.fabric_response_buffer".into())?;
-                if !(MIN_RESPONSE_BUFFER..=MAX_RESPONSE_BUFFER).contains(&bytes) {
-                    return Err(locator.error(
-                        value.span(),
-                        "cluster.fabric_response_buffer",
-                        "between 64K and 256M: at least a few answers, at most what a connection may hold",
-                    ));
-                }
-                bytes as usize
-            }
-        },
+        fabric_max_pending_hellos: fabric_max_pending_hellos(locator, cluster)?,
+        fabric_response_buffer: fabric_response_buffer(locator, cluster)?,
     };
+    check_limits_against_each_other(locator, cluster, &limits)?;
+    Ok(limits.clamp_per_address())
+}
+
+/// `cluster.fabric_engine_threads`: at most [`MAX_ENGINE_THREADS`].
+fn fabric_engine_threads(locator: &Locator<'_>, cluster: &RawCluster) -> Result<usize> {
+    match &cluster.fabric_engine_threads {
+        None => Ok(ConnectionLimits::default().fabric_engine_threads),
+        Some(value) if *value.get_ref() > MAX_ENGINE_THREADS => Err(locator.error(
+            value.span(),
+            "cluster.fabric_engine_threads",
+            format!("at most {MAX_ENGINE_THREADS} (0 means one per core)"),
+        )),
+        Some(value) => Ok(*value.get_ref() as usize),
+    }
+}
+
+/// `cluster.fabric_max_pending_hellos`: 1 to [`MAX_PENDING_HELLOS`].
+fn fabric_max_pending_hellos(locator: &Locator<'_>, cluster: &RawCluster) -> Result<usize> {
+    let pending = locator.count(
+        &cluster.fabric_max_pending_hellos,
+        "cluster.fabric_max_pending_hellos",
+        ConnectionLimits::default().fabric_max_pending_hellos,
+    )?;
+    if pending > MAX_PENDING_HELLOS {
+        return Err(locator.error(
+            span_of(&cluster.fabric_max_pending_hellos),
+            "cluster.fabric_max_pending_hellos",
+            format!("at most {MAX_PENDING_HELLOS}: each pending hello holds a socket"),
+        ));
+    }
+    Ok(pending)
+}
+
+/// `cluster.fabric_response_buffer`: between [`MIN_RESPONSE_BUFFER`] and
+/// [`MAX_RESPONSE_BUFFER`].
+fn fabric_response_buffer(locator: &Locator<'_>, cluster: &RawCluster) -> Result<usize> {
+    let Some(value) = &cluster.fabric_response_buffer else {
+        return Ok(ConnectionLimits::default().fabric_response_buffer);
+    };
+    let bytes = locator.size(value, "cluster.fabric_response_buffer".into())?;
+    if !(MIN_RESPONSE_BUFFER..=MAX_RESPONSE_BUFFER).contains(&bytes) {
+        return Err(locator.error(
+            value.span(),
+            "cluster.fabric_response_buffer",
+            "between 64K and 256M: at least a few answers, at most what a connection may hold",
+        ));
+    }
+    Ok(bytes as usize)
+}
+
+/// The unauthenticated budget is below the total; the deadlines are within their bounds.
+fn check_limits_against_each_other(
+    locator: &Locator<'_>,
+    cluster: &RawCluster,
+    limits: &ConnectionLimits,
+) -> Result<()> {
     if limits.max_unauthenticated >= limits.max_connections {
         let span = span_of(&cluster.max_unauthenticated_connections);
         return Err(locator.error(
@@ -944,7 +1128,7 @@ fn connection_limits(locator: &Locator<'_>, cluster: &RawCluster) -> Result<Conn
             "between 100ms and 60s: a dialer sends its 40-byte hello at once",
         ));
     }
-    Ok(limits.clamp_per_address())
+    Ok(())
 }
 
 /// Where an optional key is in the file (the file's start when it is absent: the error is
