@@ -235,37 +235,7 @@ pub fn start_nodes(
     let nodes = select(config, only)?;
     let running = running_nodes(&nodes, run_directory);
     if !running.is_empty() {
-        let list: Vec<String> = running
-            .iter()
-            .map(|(id, how)| format!("node {id} ({how})"))
-            .collect();
-        if running.iter().all(|(_, how)| how.contains(" is taken by ")) {
-            let list: Vec<String> = running
-                .iter()
-                .map(|(id, how)| format!("node {id}: {how}"))
-                .collect();
-            return Err(Error::Refused(format!(
-                "cannot start cluster `{}`: {}; free the port, or change control_address in {}",
-                config.name,
-                list.join(", "),
-                config.path.display()
-            )));
-        }
-        let fix = match only {
-            Some(id) => format!(
-                "restart it with `rdkv-cluster restart {} --node {id}`",
-                config.path.display()
-            ),
-            None => format!(
-                "stop it with `rdkv-cluster down {}`, or start a stopped node with `up --node N`",
-                config.path.display()
-            ),
-        };
-        return Err(Error::Refused(format!(
-            "cluster `{}` is already running: {}; {fix}",
-            config.name,
-            list.join(", "),
-        )));
+        return Err(already_running(config, only, &running));
     }
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(
@@ -282,18 +252,7 @@ pub fn start_nodes(
     let mut started: Vec<StartedNode> = Vec::new();
     for node in nodes {
         let outcome = match (&node.host, &binary) {
-            (Some(host), _) => remote::start(config, node, host).and_then(|(ready_line, pid)| {
-                confirm_control_port(node)?;
-                Ok(StartedNode {
-                    ready: ReadyNode {
-                        id: node.id,
-                        pid,
-                        host: Some(host.clone()),
-                        ready_line,
-                    },
-                    child: None,
-                })
-            }),
+            (Some(host), _) => start_remote(config, node, host),
             (None, Some(binary)) => start_local(binary, &config_path, node, run_directory, detach),
             (None, None) => Err(Error::Refused("rdkv-server was not located".into())),
         };
@@ -318,6 +277,56 @@ pub fn start_nodes(
         }
     }
     Ok(started)
+}
+
+/// Why nodes that already run (or whose ports are taken) are not started, and the fix.
+fn already_running(config: &ClusterConfig, only: Option<u32>, running: &[(u32, String)]) -> Error {
+    let list: Vec<String> = running
+        .iter()
+        .map(|(id, how)| format!("node {id} ({how})"))
+        .collect();
+    if running.iter().all(|(_, how)| how.contains(" is taken by ")) {
+        let list: Vec<String> = running
+            .iter()
+            .map(|(id, how)| format!("node {id}: {how}"))
+            .collect();
+        return Error::Refused(format!(
+            "cannot start cluster `{}`: {}; free the port, or change control_address in {}",
+            config.name,
+            list.join(", "),
+            config.path.display()
+        ));
+    }
+    let fix = match only {
+        Some(id) => format!(
+            "restart it with `rdkv-cluster restart {} --node {id}`",
+            config.path.display()
+        ),
+        None => format!(
+            "stop it with `rdkv-cluster down {}`, or start a stopped node with `up --node N`",
+            config.path.display()
+        ),
+    };
+    Error::Refused(format!(
+        "cluster `{}` is already running: {}; {fix}",
+        config.name,
+        list.join(", "),
+    ))
+}
+
+/// Starts a node on another host through ssh and confirms its control port from here.
+fn start_remote(config: &ClusterConfig, node: &NodeConfig, host: &str) -> Result<StartedNode> {
+    let (ready_line, pid) = remote::start(config, node, host)?;
+    confirm_control_port(node)?;
+    Ok(StartedNode {
+        ready: ReadyNode {
+            id: node.id,
+            pid,
+            host: Some(host.to_string()),
+            ready_line,
+        },
+        child: None,
+    })
 }
 
 /// The ready line comes after the control listener is bound; confirm over the port itself
