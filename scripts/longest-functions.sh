@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the workspace's longest non-test functions, longest first, as clippy's `too_many_lines`
 # counts them (lines of code: no blank or comment-only lines), and fails when one is over the
-# limit (docs/architecture.md, Code habits: about 80 lines, never over 100 unless a table).
+# limit (the habit: functions a reader can hold, about 80 lines, never over 100 unless a table).
 #
 #   scripts/longest-functions.sh [LIMIT] [TOP]
 #       defaults: LIMIT 100, TOP 20; every function over LIMIT is printed, even past TOP
