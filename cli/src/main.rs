@@ -1,6 +1,7 @@
 //! `rdkv`: get, put, insert, delete, compare-and-swap and stats against a cluster from its file.
-//! Arguments and dispatch live here; `input` reads keys and values (text, hex, files, stdin),
-//! `output` prints values and describes keys, `hex` spells bytes.
+//! Arguments and dispatch live here; `commands` runs the key commands and `stats` the table,
+//! `input` reads keys and values (text, hex, files, stdin), `output` prints values and describes
+//! keys, `hex` spells bytes.
 //!
 //! Exit codes (also in `--help` and `docs/operations.md`): 0 done, 1 not found (get, del), not
 //! swapped (cas) or present (insert), 2 error.
@@ -9,17 +10,16 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rdkv_client::{CasOutcome, Client, InsertOutcome};
-use rdkv_common::protocol::ClientCounters;
+use rdkv_client::Client;
 
+mod commands;
 mod hex;
 mod input;
 mod output;
+mod stats;
 
 use input::KeyArgument;
-use output::{describe_key, describe_value, print_value};
 
 /// What `rdkv --help` prints after the options.
 const AFTER_HELP: &str = "\
@@ -140,186 +140,29 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
     outcome
 }
 
+/// Runs one command: the dispatch to its function.
 async fn execute(client: &Client, command: Command) -> anyhow::Result<ExitCode> {
-    let code = match command {
-        Command::Get { key, hex } => {
-            let key = key.bytes()?;
-            let shown = describe_key(&key);
-            match client
-                .get(&key)
-                .await
-                .with_context(|| format!("get {shown}"))?
-            {
-                Some(value) => {
-                    print_value(&value, hex).context("write the value to stdout")?;
-                    ExitCode::SUCCESS
-                }
-                None => {
-                    eprintln!("rdkv: {shown}: not found");
-                    ExitCode::from(1)
-                }
-            }
-        }
+    match command {
+        Command::Get { key, hex } => commands::get(client, key, hex).await,
         Command::Put {
             key,
             value,
             value_hex,
-        } => {
-            let value = input::value_or_stdin(value, value_hex, &key)?;
-            let key = key.bytes()?;
-            client
-                .put(&key, &value)
-                .await
-                .with_context(|| format!("put {}", describe_key(&key)))?;
-            ExitCode::SUCCESS
-        }
+        } => commands::put(client, key, value, value_hex).await,
         Command::Insert {
             key,
             value,
             value_hex,
             hex,
-        } => {
-            let value = input::value_or_stdin(value, value_hex, &key)?;
-            let key = key.bytes()?;
-            let shown = describe_key(&key);
-            match client
-                .insert_or_get(&key, &value)
-                .await
-                .with_context(|| format!("insert {shown}"))?
-            {
-                InsertOutcome::Inserted => ExitCode::SUCCESS,
-                InsertOutcome::Present(present) => {
-                    eprintln!("rdkv: {shown}: present, not inserted");
-                    print_value(&present, hex).context("write the value to stdout")?;
-                    ExitCode::from(1)
-                }
-            }
-        }
-        Command::Del { key } => {
-            let key = key.bytes()?;
-            let shown = describe_key(&key);
-            if client
-                .delete(&key)
-                .await
-                .with_context(|| format!("delete {shown}"))?
-            {
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("rdkv: {shown}: not found");
-                ExitCode::from(1)
-            }
-        }
+        } => commands::insert(client, key, value, value_hex, hex).await,
+        Command::Del { key } => commands::delete(client, key).await,
         Command::Cas {
             key,
             expected,
             new,
             value_hex,
             hex,
-        } => {
-            let expected = input::value_bytes(expected, value_hex, "EXPECTED")?;
-            let new = input::value_bytes(new, value_hex, "NEW")?;
-            let key = key.bytes()?;
-            let shown = describe_key(&key);
-            match client
-                .compare_and_swap(&key, &expected, &new)
-                .await
-                .with_context(|| format!("compare-and-swap {shown}"))?
-            {
-                CasOutcome::Swapped => ExitCode::SUCCESS,
-                CasOutcome::Mismatch(current) => {
-                    match current {
-                        Some(current) => eprintln!(
-                            "rdkv: {shown}: not swapped; the value is {}",
-                            describe_value(&current, hex)
-                        ),
-                        None => eprintln!("rdkv: {shown}: not swapped; the key is absent"),
-                    }
-                    ExitCode::from(1)
-                }
-            }
-        }
-        Command::Stats => {
-            let mut total = ClientCounters::default();
-            let mut down = 0;
-            // Data connections first, as every other command opens them: the table then shows
-            // the fabric this host's clients get from each node (a node that is down shows so
-            // below).
-            let _ = client.connect_all().await;
-            rdkv_common::outln!(
-                "{:<5} {:<6} {:>9} {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10}",
-                "node",
-                "state",
-                "uptime",
-                "via",
-                "conns",
-                "data conns",
-                "keys",
-                "heap used",
-                "client ops",
-                "round trips",
-                "rt/op"
-            );
-            for (id, stats) in client.cluster_stats().await {
-                match stats {
-                    Ok(stats) => {
-                        let counters = stats.client_counters;
-                        total.add(&counters);
-                        rdkv_common::outln!(
-                            "{:<5} {:<6} {:>8}s {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
-                            id,
-                            "up",
-                            stats.uptime_seconds,
-                            client
-                                .connection_fabric(id)
-                                .map_or_else(|| "-".to_string(), |fabric| fabric.to_string()),
-                            stats.connections,
-                            output::data_connections(&stats),
-                            stats.keys,
-                            rdkv_cluster_file::units::format_bytes(stats.heap_used_bytes),
-                            counters.operations,
-                            counters.round_trips,
-                            counters.round_trips_per_operation()
-                        );
-                        if stats.heap_low() {
-                            rdkv_common::outln!(
-                                "      warning: heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
-                                rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
-                                rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
-                            );
-                        }
-                    }
-                    Err(rdkv_client::Error::AuthenticationFailed { reason, .. }) => {
-                        down += 1;
-                        rdkv_common::outln!("{id:<5} {:<6} {reason}", "auth failed");
-                    }
-                    Err(error) => {
-                        down += 1;
-                        rdkv_common::outln!("{id:<5} {:<6} {error}", "down");
-                    }
-                }
-            }
-            rdkv_common::outln!(
-                "cluster: {} client operations ({} GETs, {} mutations, {} failed), {:.2} round trips per operation, {:.2} per GET, {:.2} work requests per operation, {} CAS races lost, {} checksum retries",
-                total.operations,
-                total.gets,
-                total.mutations,
-                total.failures,
-                total.round_trips_per_operation(),
-                total.round_trips_per_get(),
-                total.verbs_per_operation(),
-                total.cas_failures,
-                total.checksum_retries
-            );
-            match client.view().await {
-                Ok(view) => rdkv_common::outln!("view: {}", view.summary()),
-                Err(error) => rdkv_common::outln!("view: {error}"),
-            }
-            if down > 0 {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            }
-        }
-    };
-    Ok(code)
+        } => commands::compare_and_swap(client, key, expected, new, value_hex, hex).await,
+        Command::Stats => Ok(stats::stats(client).await),
+    }
 }

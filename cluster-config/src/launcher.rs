@@ -235,37 +235,7 @@ pub fn start_nodes(
     let nodes = select(config, only)?;
     let running = running_nodes(&nodes, run_directory);
     if !running.is_empty() {
-        let list: Vec<String> = running
-            .iter()
-            .map(|(id, how)| format!("node {id} ({how})"))
-            .collect();
-        if running.iter().all(|(_, how)| how.contains(" is taken by ")) {
-            let list: Vec<String> = running
-                .iter()
-                .map(|(id, how)| format!("node {id}: {how}"))
-                .collect();
-            return Err(Error::Refused(format!(
-                "cannot start cluster `{}`: {}; free the port, or change control_address in {}",
-                config.name,
-                list.join(", "),
-                config.path.display()
-            )));
-        }
-        let fix = match only {
-            Some(id) => format!(
-                "restart it with `rdkv-cluster restart {} --node {id}`",
-                config.path.display()
-            ),
-            None => format!(
-                "stop it with `rdkv-cluster down {}`, or start a stopped node with `up --node N`",
-                config.path.display()
-            ),
-        };
-        return Err(Error::Refused(format!(
-            "cluster `{}` is already running: {}; {fix}",
-            config.name,
-            list.join(", "),
-        )));
+        return Err(already_running(config, only, &running));
     }
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(
@@ -282,18 +252,7 @@ pub fn start_nodes(
     let mut started: Vec<StartedNode> = Vec::new();
     for node in nodes {
         let outcome = match (&node.host, &binary) {
-            (Some(host), _) => remote::start(config, node, host).and_then(|(ready_line, pid)| {
-                confirm_control_port(node)?;
-                Ok(StartedNode {
-                    ready: ReadyNode {
-                        id: node.id,
-                        pid,
-                        host: Some(host.clone()),
-                        ready_line,
-                    },
-                    child: None,
-                })
-            }),
+            (Some(host), _) => start_remote(config, node, host),
             (None, Some(binary)) => start_local(binary, &config_path, node, run_directory, detach),
             (None, None) => Err(Error::Refused("rdkv-server was not located".into())),
         };
@@ -320,6 +279,56 @@ pub fn start_nodes(
     Ok(started)
 }
 
+/// Why nodes that already run (or whose ports are taken) are not started, and the fix.
+fn already_running(config: &ClusterConfig, only: Option<u32>, running: &[(u32, String)]) -> Error {
+    let list: Vec<String> = running
+        .iter()
+        .map(|(id, how)| format!("node {id} ({how})"))
+        .collect();
+    if running.iter().all(|(_, how)| how.contains(" is taken by ")) {
+        let list: Vec<String> = running
+            .iter()
+            .map(|(id, how)| format!("node {id}: {how}"))
+            .collect();
+        return Error::Refused(format!(
+            "cannot start cluster `{}`: {}; free the port, or change control_address in {}",
+            config.name,
+            list.join(", "),
+            config.path.display()
+        ));
+    }
+    let fix = match only {
+        Some(id) => format!(
+            "restart it with `rdkv-cluster restart {} --node {id}`",
+            config.path.display()
+        ),
+        None => format!(
+            "stop it with `rdkv-cluster down {}`, or start a stopped node with `up --node N`",
+            config.path.display()
+        ),
+    };
+    Error::Refused(format!(
+        "cluster `{}` is already running: {}; {fix}",
+        config.name,
+        list.join(", "),
+    ))
+}
+
+/// Starts a node on another host through ssh and confirms its control port from here.
+fn start_remote(config: &ClusterConfig, node: &NodeConfig, host: &str) -> Result<StartedNode> {
+    let (ready_line, pid) = remote::start(config, node, host)?;
+    confirm_control_port(node)?;
+    Ok(StartedNode {
+        ready: ReadyNode {
+            id: node.id,
+            pid,
+            host: Some(host.to_string()),
+            ready_line,
+        },
+        child: None,
+    })
+}
+
 /// The ready line comes after the control listener is bound; confirm over the port itself
 /// (which the node does not log: a probe that says nothing is not a client).
 fn confirm_control_port(node: &NodeConfig) -> Result<()> {
@@ -335,6 +344,7 @@ fn confirm_control_port(node: &NodeConfig) -> Result<()> {
     })
 }
 
+/// Starts a node on this machine and waits for its ready line and its control port.
 fn start_local(
     binary: &Path,
     config_path: &Path,
@@ -346,6 +356,71 @@ fn start_local(
         node: node.id,
         message,
     };
+    let mut command = server_command(binary, config_path, node, run_directory);
+    if detach {
+        let log = fs::File::create(log_file(run_directory, node.id))
+            .map_err(|error| failure(format!("create its log file: {error}")))?;
+        command.stderr(log);
+    } else {
+        command.stderr(Stdio::piped());
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|error| failure(format!("spawn {}: {error}", binary.display())))?;
+    let pid = child.id();
+    let log = ForwardedLog::start(child.stderr.take(), node.id);
+    fs::write(pid_file(run_directory, node.id), format!("{pid}\n"))
+        .map_err(|error| failure(format!("write its pid file: {error}")))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| failure("no stdout".into()))?;
+    let (sender, receiver) = mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let outcome = BufReader::new(stdout).read_line(&mut line).map(|_| line);
+        let _ = sender.send(outcome);
+    });
+    let ready_line = match receiver.recv_timeout(READY_TIMEOUT) {
+        Ok(Ok(line)) if line.starts_with("rdkv-server ready") => line.trim().to_string(),
+        outcome => {
+            discard_child(&mut child, run_directory, node.id);
+            // Its last line says why (`rdkv-server: error: …`): the report stays one line.
+            let last_line = log.last_line(run_directory, node.id);
+            let detail = if last_line.trim().is_empty() {
+                String::new()
+            } else {
+                format!(": {}", last_line.trim())
+            };
+            let why = match outcome {
+                Err(_) => format!("no ready line within {READY_TIMEOUT:?}"),
+                Ok(_) => "it exited before it was ready".to_string(),
+            };
+            return Err(failure(format!("failed to start: {why}{detail}")));
+        }
+    };
+    if let Err(error) = confirm_control_port(node) {
+        discard_child(&mut child, run_directory, node.id);
+        return Err(error);
+    }
+    Ok(StartedNode {
+        ready: ReadyNode {
+            id: node.id,
+            pid,
+            host: None,
+            ready_line,
+        },
+        child: Some(child),
+    })
+}
+
+/// The `rdkv-server` command line of a local node (its stderr is the caller's to set).
+fn server_command(
+    binary: &Path,
+    config_path: &Path,
+    node: &NodeConfig,
+    run_directory: &Path,
+) -> Command {
     let mut command = Command::new(binary);
     command
         .args(["--config"])
@@ -364,100 +439,70 @@ fn start_local(
             .arg("--shm-socket")
             .arg(shm_socket_file(run_directory, node.id));
     }
-    if detach {
-        let log = fs::File::create(log_file(run_directory, node.id))
-            .map_err(|error| failure(format!("create its log file: {error}")))?;
-        command.stderr(log);
-    } else {
-        command.stderr(Stdio::piped());
-    }
-    let mut child = command
-        .spawn()
-        .map_err(|error| failure(format!("spawn {}: {error}", binary.display())))?;
-    let pid = child.id();
-    // In the foreground, forward the node's log from the start: a pipe nobody reads fills up,
-    // and a node that logs into a full pipe waits (rdkv-server drops lines rather than wait,
-    // but other servers may not). The last lines are kept for a failure report.
-    let recent: Arc<Mutex<VecDeque<String>>> = Arc::default();
-    let forwarder = child.stderr.take().map(|stderr| {
-        let (recent, id) = (recent.clone(), node.id);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr)
-                .lines()
-                .map_while(std::result::Result::ok)
-            {
-                eprintln!("[node {id}] {line}");
-                let mut recent = recent
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-                if recent.len() == 8 {
-                    recent.pop_front();
-                }
-                recent.push_back(line);
-            }
-        })
-    });
-    fs::write(pid_file(run_directory, node.id), format!("{pid}\n"))
-        .map_err(|error| failure(format!("write its pid file: {error}")))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| failure("no stdout".into()))?;
-    let (sender, receiver) = mpsc::sync_channel(1);
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let outcome = BufReader::new(stdout).read_line(&mut line).map(|_| line);
-        let _ = sender.send(outcome);
-    });
-    let ready_line = match receiver.recv_timeout(READY_TIMEOUT) {
-        Ok(Ok(line)) if line.starts_with("rdkv-server ready") => line.trim().to_string(),
-        outcome => {
-            let _ = child.kill();
-            let _ = child.wait();
-            let _ = fs::remove_file(pid_file(run_directory, node.id));
-            // Its last line says why (`rdkv-server: error: …`): the report stays one line.
-            let last_line = match forwarder {
-                Some(forwarder) => {
-                    let _ = forwarder.join();
-                    let recent = recent
+    command
+}
+
+/// Kills a node that failed to start, reaps it and removes its pid file.
+fn discard_child(child: &mut Child, run_directory: &Path, id: u32) {
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = fs::remove_file(pid_file(run_directory, id));
+}
+
+/// A foreground node's log, forwarded from the start: a pipe nobody reads fills up, and a node
+/// that logs into a full pipe waits (rdkv-server drops lines rather than wait, but other
+/// servers may not). The last lines are kept for a failure report.
+struct ForwardedLog {
+    /// The thread that forwards the lines; `None` for a detached node (its log is a file).
+    forwarder: Option<std::thread::JoinHandle<()>>,
+    /// The last 8 lines.
+    recent: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl ForwardedLog {
+    /// Forwards `stderr`, when piped, each line prefixed with the node's id.
+    fn start(stderr: Option<std::process::ChildStderr>, id: u32) -> Self {
+        let recent: Arc<Mutex<VecDeque<String>>> = Arc::default();
+        let forwarder = stderr.map(|stderr| {
+            let recent = recent.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr)
+                    .lines()
+                    .map_while(std::result::Result::ok)
+                {
+                    eprintln!("[node {id}] {line}");
+                    let mut recent = recent
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner());
-                    recent.back().cloned().unwrap_or_default()
+                    if recent.len() == 8 {
+                        recent.pop_front();
+                    }
+                    recent.push_back(line);
                 }
-                None => fs::read_to_string(log_file(run_directory, node.id))
-                    .unwrap_or_default()
-                    .lines()
-                    .last()
-                    .unwrap_or_default()
-                    .to_string(),
-            };
-            let detail = if last_line.trim().is_empty() {
-                String::new()
-            } else {
-                format!(": {}", last_line.trim())
-            };
-            let why = match outcome {
-                Err(_) => format!("no ready line within {READY_TIMEOUT:?}"),
-                Ok(_) => "it exited before it was ready".to_string(),
-            };
-            return Err(failure(format!("failed to start: {why}{detail}")));
-        }
-    };
-    if let Err(error) = confirm_control_port(node) {
-        let _ = child.kill();
-        let _ = child.wait();
-        let _ = fs::remove_file(pid_file(run_directory, node.id));
-        return Err(error);
+            })
+        });
+        Self { forwarder, recent }
     }
-    Ok(StartedNode {
-        ready: ReadyNode {
-            id: node.id,
-            pid,
-            host: None,
-            ready_line,
-        },
-        child: Some(child),
-    })
+
+    /// The log's last line once the node has exited: the last forwarded, or the log file's.
+    fn last_line(self, run_directory: &Path, id: u32) -> String {
+        match self.forwarder {
+            Some(forwarder) => {
+                let _ = forwarder.join();
+                let recent = self
+                    .recent
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                recent.back().cloned().unwrap_or_default()
+            }
+            None => fs::read_to_string(log_file(run_directory, id))
+                .unwrap_or_default()
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .to_string(),
+        }
+    }
 }
 
 /// Stops one started local child: SIGTERM, wait, SIGKILL after the timeout; removes its pid

@@ -155,124 +155,136 @@ struct Entry {
     next: Option<usize>,
 }
 
-/// Checks one key's history starting from an absent key.
-pub fn check_key(events: &[Event]) -> bool {
-    let count = events.len();
-    // Calls sort before returns at equal times: equal stamps count as concurrent.
-    let mut order: Vec<(u64, bool, usize)> = Vec::with_capacity(2 * count);
-    for (index, event) in events.iter().enumerate() {
-        order.push((event.call, true, index));
-        order.push((event.ret, false, index));
-    }
-    order.sort_by_key(|(time, is_call, index)| (*time, !*is_call, *index));
-    let mut entries: Vec<Entry> = order
-        .iter()
-        .map(|(_, is_call, operation)| Entry {
-            operation: *operation,
-            is_call: *is_call,
-            previous: None,
-            next: None,
-        })
-        .collect();
-    let mut return_of = vec![0usize; count];
-    for (position, entry) in entries.iter().enumerate() {
-        if !entry.is_call {
-            return_of[entry.operation] = position;
+/// The calls and returns not linearized yet, in time order: a doubly linked list over
+/// `entries`. Linearizing a call takes it and its return out; backtracking puts them back.
+struct CallList {
+    /// Every call and return, in time order.
+    entries: Vec<Entry>,
+    /// The first entry still in the list.
+    head: Option<usize>,
+    /// Where each operation's return is in `entries`.
+    return_of: Vec<usize>,
+}
+
+impl CallList {
+    /// Every call and return of `events`, linked in time order.
+    fn new(events: &[Event]) -> Self {
+        let count = events.len();
+        // Calls sort before returns at equal times: equal stamps count as concurrent.
+        let mut order: Vec<(u64, bool, usize)> = Vec::with_capacity(2 * count);
+        for (index, event) in events.iter().enumerate() {
+            order.push((event.call, true, index));
+            order.push((event.ret, false, index));
+        }
+        order.sort_by_key(|(time, is_call, index)| (*time, !*is_call, *index));
+        let mut entries: Vec<Entry> = order
+            .iter()
+            .map(|(_, is_call, operation)| Entry {
+                operation: *operation,
+                is_call: *is_call,
+                previous: None,
+                next: None,
+            })
+            .collect();
+        let mut return_of = vec![0usize; count];
+        for (position, entry) in entries.iter().enumerate() {
+            if !entry.is_call {
+                return_of[entry.operation] = position;
+            }
+        }
+        let length = entries.len();
+        for (position, entry) in entries.iter_mut().enumerate() {
+            entry.previous = position.checked_sub(1);
+            entry.next = (position + 1 < length).then_some(position + 1);
+        }
+        Self {
+            entries,
+            head: (length > 0).then_some(0usize),
+            return_of,
         }
     }
-    let length = entries.len();
-    for (position, entry) in entries.iter_mut().enumerate() {
-        entry.previous = position.checked_sub(1);
-        entry.next = (position + 1 < length).then_some(position + 1);
-    }
-    let mut head = (length > 0).then_some(0usize);
 
-    let words = count.div_ceil(64);
-    let mut linearized = vec![0u64; words];
+    /// Takes the call at `call` and its return out of the list.
+    fn remove_operation(&mut self, call: usize) {
+        let operation = self.entries[call].operation;
+        self.unlink(call);
+        self.unlink(self.return_of[operation]);
+    }
+
+    /// Puts the call at `call` and its return back, as they were before
+    /// [`CallList::remove_operation`].
+    fn restore_operation(&mut self, call: usize) {
+        let operation = self.entries[call].operation;
+        self.relink(self.return_of[operation]);
+        self.relink(call);
+    }
+
+    /// Removes one entry from the list (it keeps its own links, for [`CallList::relink`]).
+    fn unlink(&mut self, position: usize) {
+        let Entry { previous, next, .. } = self.entries[position];
+        match previous {
+            Some(previous) => self.entries[previous].next = next,
+            None => self.head = next,
+        }
+        if let Some(next) = next {
+            self.entries[next].previous = previous;
+        }
+    }
+
+    /// Puts an unlinked entry back between its neighbours.
+    fn relink(&mut self, position: usize) {
+        let Entry { previous, next, .. } = self.entries[position];
+        match previous {
+            Some(previous) => self.entries[previous].next = Some(position),
+            None => self.head = Some(position),
+        }
+        if let Some(next) = next {
+            self.entries[next].previous = Some(position);
+        }
+    }
+}
+
+/// Checks one key's history starting from an absent key.
+pub fn check_key(events: &[Event]) -> bool {
+    let mut calls = CallList::new(events);
+    let mut linearized = vec![0u64; events.len().div_ceil(64)];
     let mut state: Option<u64> = None;
     let mut seen: HashSet<(Vec<u64>, Option<u64>)> = HashSet::new();
     let mut stack: Vec<(usize, Option<u64>)> = Vec::new();
-    let mut cursor = head;
-
-    // Removes a call entry and its return from the list; `restore` puts them back.
-    fn unlink(entries: &mut [Entry], head: &mut Option<usize>, position: usize) {
-        let Entry { previous, next, .. } = entries[position];
-        match previous {
-            Some(previous) => entries[previous].next = next,
-            None => *head = next,
-        }
-        if let Some(next) = next {
-            entries[next].previous = previous;
-        }
-    }
-    fn relink(entries: &mut [Entry], head: &mut Option<usize>, position: usize) {
-        let Entry { previous, next, .. } = entries[position];
-        match previous {
-            Some(previous) => entries[previous].next = Some(position),
-            None => *head = Some(position),
-        }
-        if let Some(next) = next {
-            entries[next].previous = Some(position);
-        }
-    }
-
-    // Takes back the linearization of the call at `call`.
-    fn undo(
-        entries: &mut [Entry],
-        head: &mut Option<usize>,
-        linearized: &mut [u64],
-        return_of: &[usize],
-        call: usize,
-    ) {
-        let operation = entries[call].operation;
-        relink(entries, head, return_of[operation]);
-        relink(entries, head, call);
-        linearized[operation / 64] &= !(1 << (operation % 64));
-    }
-
+    let mut cursor = calls.head;
     loop {
-        let Some(position) = cursor else {
-            // Walked off the end with calls left: impossible when returns follow calls, but
-            // treat it as needing a backtrack.
-            if head.is_none() {
-                return true;
-            }
-            let Some((call, previous_state)) = stack.pop() else {
-                return false;
-            };
-            undo(&mut entries, &mut head, &mut linearized, &return_of, call);
-            state = previous_state;
-            cursor = entries[call].next;
-            continue;
-        };
-        if head.is_none() {
+        if calls.head.is_none() {
             return true;
         }
-        let entry = entries[position];
-        if entry.is_call {
-            let event = events[entry.operation];
-            if let Some(next_state) = step(state, event.operation, event.outcome) {
-                let mut next_linearized = linearized.clone();
-                next_linearized[entry.operation / 64] |= 1 << (entry.operation % 64);
-                if seen.insert((next_linearized.clone(), next_state)) {
-                    stack.push((position, state));
-                    state = next_state;
-                    linearized = next_linearized;
-                    unlink(&mut entries, &mut head, position);
-                    unlink(&mut entries, &mut head, return_of[entry.operation]);
-                    cursor = head;
-                    continue;
+        match cursor.map(|position| (position, calls.entries[position])) {
+            Some((position, entry)) if entry.is_call => {
+                let event = events[entry.operation];
+                if let Some(next_state) = step(state, event.operation, event.outcome) {
+                    let mut next_linearized = linearized.clone();
+                    next_linearized[entry.operation / 64] |= 1 << (entry.operation % 64);
+                    if seen.insert((next_linearized.clone(), next_state)) {
+                        stack.push((position, state));
+                        state = next_state;
+                        linearized = next_linearized;
+                        calls.remove_operation(position);
+                        cursor = calls.head;
+                        continue;
+                    }
                 }
+                cursor = entry.next;
             }
-            cursor = entry.next;
-        } else {
-            // A return whose call is not linearized yet: undo the last choice.
-            let Some((call, previous_state)) = stack.pop() else {
-                return false;
-            };
-            undo(&mut entries, &mut head, &mut linearized, &return_of, call);
-            state = previous_state;
-            cursor = entries[call].next;
+            // A return whose call is not linearized yet, or the end of the list walked off with
+            // calls left (impossible when returns follow calls): undo the last choice.
+            _ => {
+                let Some((call, previous_state)) = stack.pop() else {
+                    return false;
+                };
+                calls.restore_operation(call);
+                let operation = calls.entries[call].operation;
+                linearized[operation / 64] &= !(1 << (operation % 64));
+                state = previous_state;
+                cursor = calls.entries[call].next;
+            }
         }
     }
 }

@@ -730,7 +730,8 @@ impl ReplicationModel {
         }
     }
 
-    /// One step of client `client` under [`ReplicationProtocol::Lock`] (and its variant).
+    /// One step of client `client` under [`ReplicationProtocol::Lock`] (and its variants): the
+    /// dispatch to its stage's step.
     fn step_lock(
         &self,
         state: &mut ReplicationState,
@@ -740,146 +741,33 @@ impl ReplicationModel {
     ) {
         // The client's own view: an unfenced client of the old one still uses it.
         let view = replicas(state.clients[client].epoch);
-        let primary = view[0];
-        let holds = |state: &ReplicationState, lock: Word, lock_location: u8| {
-            (state.words[primary], state.locations[primary]) == (lock, lock_location)
+        let mut step = ClientStep {
+            model: self,
+            state,
+            client,
+            operation,
+            view,
         };
         match stage {
-            Stage::ReadPrimary => {
-                let word = state.words[primary];
-                let seen_location = state.locations[primary];
-                if let Word::Locked { stored } = word {
-                    if let Operation::Get { .. } = operation {
-                        return Self::finish(state, client, Some(Outcome::Found(stored.visible())));
-                    }
-                    // Another write holds the key: take its lock and roll it back.
-                    state.clients[client].stage = Stage::Steal {
-                        seen: word,
-                        seen_location,
-                        old: stored,
-                    };
-                    return;
-                }
-                let old = word.stored().expect("no intents under the lock protocol");
-                // The delete's tombstone gets its own value when its block is placed.
-                let Some(new) =
-                    Self::plan(state, client, operation, old, Stored::Tombstone(Value(0)))
-                else {
-                    return;
-                };
-                state.clients[client].stage = if view.len() > 1 {
-                    Stage::ReadBackup {
-                        seen: word,
-                        seen_location,
-                        old,
-                        new,
-                    }
-                } else {
-                    Stage::Place {
-                        seen: word,
-                        seen_location,
-                        old,
-                        new,
-                        backup: None,
-                    }
-                };
-            }
+            Stage::ReadPrimary => step.lock_read_primary(),
             Stage::ReadBackup {
                 seen,
                 seen_location,
                 old,
                 new,
-            } => {
-                let backup = view[1];
-                state.clients[client].stage = Stage::Place {
-                    seen,
-                    seen_location,
-                    old,
-                    new,
-                    backup: Some((state.words[backup], state.locations[backup])),
-                };
-            }
+            } => step.read_backup(seen, seen_location, old, new),
             Stage::Place {
                 seen,
                 seen_location,
                 old,
                 new,
                 backup,
-            } => {
-                if (state.words[primary], state.locations[primary]) != (seen, seen_location) {
-                    return self.restart(state, client);
-                }
-                // The lock keeps the committed word's block: a committed word never comes back
-                // (every write and every unlock puts a new block in place), so neither does a
-                // lock on it, and the lock is unique to its holder.
-                let lock_location = seen_location;
-                let target_location = Self::fresh(state, client);
-                let target = Self::retarget(new, target_location);
-                let lock = Word::Locked { stored: old };
-                state.words[primary] = lock;
-                state.locations[primary] = lock_location;
-                state.clients[client].held = Some(Held {
-                    lock,
-                    lock_location,
-                    old,
-                    target,
-                    target_location: Some(target_location),
-                    confirmed: true,
-                    commit_posted: false,
-                });
-                state.clients[client].stage = match backup {
-                    Some(expected) => Stage::Swap {
-                        lock,
-                        lock_location,
-                        target,
-                        target_location,
-                        expected,
-                        own: true,
-                    },
-                    None => Stage::Release {
-                        lock,
-                        lock_location,
-                        target,
-                        target_location,
-                        own: true,
-                    },
-                };
-            }
+            } => step.lock_place(seen, seen_location, old, new, backup),
             Stage::Steal {
                 seen,
                 seen_location,
                 old,
-            } => {
-                if (state.words[primary], state.locations[primary]) != (seen, seen_location) {
-                    return self.restart(state, client);
-                }
-                // The thief's lock is on one fresh copy of the old value and its unlock puts
-                // another in place: a lock on a word that was never committed, and a committed
-                // word no writer has locked, so no lock word ever comes back.
-                let location = Self::fresh(state, client);
-                let target_location = Self::fresh(state, client);
-                let lock = Word::Locked { stored: old };
-                state.words[primary] = lock;
-                state.locations[primary] = location;
-                let target = Self::copy_of(old, target_location);
-                state.clients[client].stage = if view.len() > 1 {
-                    Stage::Reread {
-                        lock,
-                        lock_location: location,
-                        target,
-                        target_location,
-                        own: false,
-                    }
-                } else {
-                    Stage::Release {
-                        lock,
-                        lock_location: location,
-                        target,
-                        target_location,
-                        own: false,
-                    }
-                };
-            }
+            } => step.steal(seen, seen_location, old),
             Stage::Swap {
                 lock,
                 lock_location,
@@ -887,46 +775,14 @@ impl ReplicationModel {
                 target_location,
                 expected,
                 own,
-            } => {
-                let backup = view[1];
-                state.clients[client].stage =
-                    if (state.words[backup], state.locations[backup]) == expected {
-                        Self::set(state, backup, target, target_location);
-                        state.clients[client].placed |= own;
-                        Stage::Release {
-                            lock,
-                            lock_location,
-                            target,
-                            target_location,
-                            own,
-                        }
-                    } else {
-                        Stage::Reread {
-                            lock,
-                            lock_location,
-                            target,
-                            target_location,
-                            own,
-                        }
-                    };
-            }
+            } => step.swap(lock, lock_location, target, target_location, expected, own),
             Stage::Reread {
                 lock,
                 lock_location,
                 target,
                 target_location,
                 own,
-            } => {
-                let backup = view[1];
-                state.clients[client].stage = Stage::LockCheck {
-                    lock,
-                    lock_location,
-                    target,
-                    target_location,
-                    backup: (state.words[backup], state.locations[backup]),
-                    own,
-                };
-            }
+            } => step.reread(lock, lock_location, target, target_location, own),
             Stage::LockCheck {
                 lock,
                 lock_location,
@@ -934,40 +790,15 @@ impl ReplicationModel {
                 target_location,
                 backup,
                 own,
-            } => {
-                let checked = self.protocol != ReplicationProtocol::UncheckedRollback;
-                if checked && !holds(state, lock, lock_location) {
-                    // The lock was stolen: this write is rolled back by its thief.
-                    return self.restart(state, client);
-                }
-                state.clients[client].stage = Stage::Swap {
-                    lock,
-                    lock_location,
-                    target,
-                    target_location,
-                    expected: backup,
-                    own,
-                };
-            }
+            } => step.lock_check(lock, lock_location, target, target_location, backup, own),
             Stage::Release {
                 lock,
                 lock_location,
                 target,
                 target_location,
                 own,
-            } => {
-                if !holds(state, lock, lock_location) {
-                    // Stolen and rolled back: the write did not happen.
-                    return self.restart(state, client);
-                }
-                Self::set(state, primary, target, target_location);
-                if own {
-                    Self::finish(state, client, Some(Self::applied(operation)));
-                } else {
-                    self.restart(state, client);
-                }
-            }
-            Stage::Resume { held } => self.resume(state, client, operation, held),
+            } => step.release(lock, lock_location, target, target_location, own),
+            Stage::Resume { held } => self.resume(step.state, client, operation, held),
             Stage::Idle
             | Stage::Finished
             | Stage::IntentCheck { .. }
@@ -1153,7 +984,8 @@ impl ReplicationModel {
         }
     }
 
-    /// One step of client `client`.
+    /// One step of client `client`: the next operation of its script when it is idle, the
+    /// fence when the view changed under it, else its protocol's step.
     fn step(&self, state: &mut ReplicationState, client: usize) {
         let script = &self.scripts[client];
         let current = state.clients[client].clone();
@@ -1187,30 +1019,19 @@ impl ReplicationModel {
             Stage::ReadBackup { .. } | Stage::Swap { .. } | Stage::Reread { .. }
         );
         let unfenced = self.protocol == ReplicationProtocol::Unfenced && backup_access;
-        if current.epoch != state.epoch && !unfenced && self.protocol.locks() {
-            let primary_moved = replicas(state.epoch)[0] != replicas(current.epoch)[0];
-            match Self::fenced_hold(&current) {
-                // The key's primary died with the lock: with a backup holding the write, the
-                // client reports it unresolved; with none, it starts again.
-                Some(_) if primary_moved && current.placed => Self::finish(state, client, None),
-                Some(_) if primary_moved => self.restart(state, client),
-                Some(held) => {
-                    let current = &mut state.clients[client];
-                    current.epoch = state.epoch;
-                    current.stage = Stage::Resume { held };
-                }
-                // A lock this operation placed earlier was taken over, and its thief may not
-                // have rolled the backup back before the primary died: the backup, primary
-                // now, may show the write (found by the model once the client stopped
-                // reporting every fenced operation unresolved).
-                None if current.placed && primary_moved => {
-                    Self::finish(state, client, None);
-                }
-                None => self.restart(state, client),
-            }
-            return;
-        }
         if current.epoch != state.epoch && !unfenced {
+            return self.fence(state, client, &current);
+        }
+        if self.protocol.locks() {
+            return self.step_lock(state, client, operation, current.stage);
+        }
+        self.step_intent(state, client, operation, id, current.stage);
+    }
+
+    /// A client whose view changed since its operation began: the access fails, and the
+    /// operation resumes, starts again or ends unresolved.
+    fn fence(&self, state: &mut ReplicationState, client: usize, current: &Client) {
+        if !self.protocol.locks() {
             if current.placed {
                 Self::finish(state, client, None);
             } else {
@@ -1218,12 +1039,47 @@ impl ReplicationModel {
             }
             return;
         }
-        if self.protocol.locks() {
-            return self.step_lock(state, client, operation, current.stage);
+        let primary_moved = replicas(state.epoch)[0] != replicas(current.epoch)[0];
+        match Self::fenced_hold(current) {
+            // The key's primary died with the lock: with a backup holding the write, the
+            // client reports it unresolved; with none, it starts again.
+            Some(_) if primary_moved && current.placed => Self::finish(state, client, None),
+            Some(_) if primary_moved => self.restart(state, client),
+            Some(held) => {
+                let current = &mut state.clients[client];
+                current.epoch = state.epoch;
+                current.stage = Stage::Resume { held };
+            }
+            // A lock this operation placed earlier was taken over, and its thief may not have
+            // rolled the backup back before the primary died: the backup, primary now, may
+            // show the write (found by the model once the client stopped reporting every
+            // fenced operation unresolved).
+            None if current.placed && primary_moved => {
+                Self::finish(state, client, None);
+            }
+            None => self.restart(state, client),
         }
+    }
+
+    /// One step of client `client` under the intent protocols (and commit-first): the
+    /// dispatch to its stage's step.
+    fn step_intent(
+        &self,
+        state: &mut ReplicationState,
+        client: usize,
+        operation: Operation,
+        id: OperationId,
+        stage: Stage,
+    ) {
         let view = replicas(state.epoch);
-        let primary = view[0];
-        match current.stage {
+        let mut step = ClientStep {
+            model: self,
+            state,
+            client,
+            operation,
+            view,
+        };
+        match stage {
             Stage::Idle | Stage::Finished => {}
             Stage::Steal { .. }
             | Stage::Swap { .. }
@@ -1231,218 +1087,533 @@ impl ReplicationModel {
             | Stage::LockCheck { .. }
             | Stage::Release { .. }
             | Stage::Resume { .. } => unreachable!("a stage of the lock protocol"),
-            Stage::ReadPrimary => {
-                let word = state.words[primary];
-                if let Operation::Get { .. } = operation {
-                    let visible = match word {
-                        Word::Intent { new, .. }
-                            if self.protocol == ReplicationProtocol::ReadIntentNew =>
-                        {
-                            new.visible()
-                        }
-                        word => word.visible(),
-                    };
-                    return Self::finish(state, client, Some(Outcome::Found(visible)));
-                }
-                if let Word::Intent { old, new, location } = word {
-                    // Help the write in progress, then start again.
-                    state.clients[client].stage =
-                        Self::after_intent(view, old, new, location, false);
-                    return;
-                }
-                let old = word.stored().expect("not an intent");
-                let tombstone = match self.protocol {
-                    ReplicationProtocol::EmptyDeletes => Stored::Empty,
-                    _ => Stored::Tombstone(Self::tombstone(id)),
-                };
-                let Some(new) = Self::plan(state, client, operation, old, tombstone) else {
-                    return;
-                };
-                let seen_location = state.locations[primary];
-                state.clients[client].stage = if view.len() > 1 {
-                    Stage::ReadBackup {
-                        seen: word,
-                        seen_location,
-                        old,
-                        new,
-                    }
-                } else {
-                    Stage::Place {
-                        seen: word,
-                        seen_location,
-                        old,
-                        new,
-                        backup: None,
-                    }
-                };
-            }
+            Stage::ReadPrimary => step.intent_read_primary(id),
             Stage::ReadBackup {
                 seen,
                 seen_location,
                 old,
                 new,
-            } => {
-                let backup = view[1];
-                state.clients[client].stage = Stage::Place {
-                    seen,
-                    seen_location,
-                    old,
-                    new,
-                    backup: Some((state.words[backup], state.locations[backup])),
-                };
-            }
+            } => step.read_backup(seen, seen_location, old, new),
             Stage::Place {
                 seen,
                 seen_location,
                 old,
                 new,
                 backup,
-            } => {
-                if state.words[primary] != seen || state.locations[primary] != seen_location {
-                    return self.restart(state, client);
-                }
-                state.clients[client].placed = true;
-                let location = Self::own_location(client);
-                if self.protocol == ReplicationProtocol::CommitFirst {
-                    Self::set(state, primary, new, location);
-                    if view.len() == 1 {
-                        return Self::finish(state, client, Some(Self::applied(operation)));
-                    }
-                    state.clients[client].stage = Stage::BackupSwap {
-                        old,
-                        new,
-                        location,
-                        expected: backup.unwrap_or((Word::Empty, 0)),
-                        own: true,
-                    };
-                    return;
-                }
-                state.words[primary] = Word::Intent { old, new, location };
-                state.clients[client].stage = match backup {
-                    Some(expected) => Stage::BackupSwap {
-                        old,
-                        new,
-                        location,
-                        expected,
-                        own: true,
-                    },
-                    None => Stage::Commit {
-                        old,
-                        new,
-                        location,
-                        own: true,
-                    },
-                };
-            }
+            } => step.intent_place(seen, seen_location, old, new, backup),
             Stage::BackupSwap {
                 old,
                 new,
                 location,
                 expected,
                 own,
-            } => {
-                let backup = view[1];
-                if self.protocol == ReplicationProtocol::CommitFirst {
-                    // A plain WRITE of the backup's slot.
-                    Self::set(state, backup, new, Self::own_location(client));
-                    return Self::finish(state, client, Some(Self::applied(operation)));
-                }
-                if (state.words[backup], state.locations[backup]) == expected {
-                    // The CAS swapped: the backup points at this client's copy of `new`.
-                    Self::set(state, backup, new, Self::own_location(client));
-                    state.clients[client].stage = Stage::Commit {
-                        old,
-                        new,
-                        location,
-                        own,
-                    };
-                } else if self.protocol == ReplicationProtocol::ExactOnly {
-                    state.clients[client].stage = Stage::Commit {
-                        old,
-                        new,
-                        location,
-                        own,
-                    };
-                } else {
-                    state.clients[client].stage = Stage::BackupRead {
-                        old,
-                        new,
-                        location,
-                        own,
-                    };
-                }
-            }
+            } => step.backup_swap(old, new, location, expected, own),
             Stage::BackupRead {
                 old,
                 new,
                 location,
                 own,
-            } => {
-                let backup = view[1];
-                state.clients[client].stage = Stage::IntentCheck {
-                    old,
-                    new,
-                    location,
-                    backup: (state.words[backup], state.locations[backup]),
-                    own,
-                };
-            }
+            } => step.backup_read(old, new, location, own),
             Stage::IntentCheck {
                 old,
                 new,
                 location,
                 backup,
                 own,
-            } => {
-                let intent = Word::Intent { old, new, location };
-                let next = if state.words[primary] != intent {
-                    // Committed by someone else meanwhile: the backup is not this write's to
-                    // touch any more.
-                    Stage::Commit {
-                        old,
-                        new,
-                        location,
-                        own,
-                    }
-                } else if backup.0 == new.word() {
-                    // Another helper swapped it (its copy, maybe since moved): done.
-                    Stage::Commit {
-                        old,
-                        new,
-                        location,
-                        own,
-                    }
-                } else if backup.0 == old.word() {
-                    // Still the old value (maybe moved by the compactor): swap what was read.
-                    Stage::BackupSwap {
-                        old,
-                        new,
-                        location,
-                        expected: backup,
-                        own,
-                    }
-                } else {
-                    // Under a live intent only its helpers change the backup's value.
-                    unreachable!("the backup holds {backup:?} under the intent {intent:?}")
-                };
-                state.clients[client].stage = next;
-            }
+            } => step.intent_check(old, new, location, backup, own),
             Stage::Commit {
                 old,
                 new,
                 location,
                 own,
-            } => {
-                // Fails only when a helper committed it already: applied either way.
-                if state.words[primary] == (Word::Intent { old, new, location }) {
-                    Self::set(state, primary, new, location);
-                }
-                if own {
-                    Self::finish(state, client, Some(Self::applied(operation)));
-                } else {
-                    self.restart(state, client);
-                }
+            } => step.commit(old, new, location, own),
+        }
+    }
+}
+
+/// One step of one client, as its protocol takes it: a method per stage.
+struct ClientStep<'a> {
+    /// The model: its protocol and retry budget.
+    model: &'a ReplicationModel,
+    /// The state the step changes.
+    state: &'a mut ReplicationState,
+    /// The client that steps.
+    client: usize,
+    /// The operation it runs.
+    operation: Operation,
+    /// The key's replicas, the primary first, in the view the step uses: the client's own
+    /// under the lock protocols (an unfenced client of the old view still uses it), the
+    /// current one under the others.
+    view: &'static [usize],
+}
+
+impl ClientStep<'_> {
+    /// The key's primary.
+    fn primary(&self) -> usize {
+        self.view[0]
+    }
+
+    /// Ends the operation with `outcome` (or unresolved, `None`).
+    fn finish(&mut self, outcome: Option<Outcome>) {
+        ReplicationModel::finish(self.state, self.client, outcome);
+    }
+
+    /// Starts the operation again, or gives it up.
+    fn restart(&mut self) {
+        self.model.restart(self.state, self.client);
+    }
+
+    /// Moves the client to its next stage.
+    fn set_stage(&mut self, stage: Stage) {
+        self.state.clients[self.client].stage = stage;
+    }
+
+    /// Whether the primary's slot still holds the lock `lock` at `lock_location`.
+    fn holds(&self, lock: Word, lock_location: u8) -> bool {
+        let primary = self.primary();
+        (self.state.words[primary], self.state.locations[primary]) == (lock, lock_location)
+    }
+
+    /// After the primary's read: the backup's read next, or (no backup) the place.
+    fn after_read_primary(&mut self, seen: Word, seen_location: u8, old: Stored, new: Stored) {
+        self.set_stage(if self.view.len() > 1 {
+            Stage::ReadBackup {
+                seen,
+                seen_location,
+                old,
+                new,
             }
+        } else {
+            Stage::Place {
+                seen,
+                seen_location,
+                old,
+                new,
+                backup: None,
+            }
+        });
+    }
+
+    /// Reads the backup's word and its block's location, which the backup CAS will expect.
+    fn read_backup(&mut self, seen: Word, seen_location: u8, old: Stored, new: Stored) {
+        let backup = self.view[1];
+        let read = (self.state.words[backup], self.state.locations[backup]);
+        self.set_stage(Stage::Place {
+            seen,
+            seen_location,
+            old,
+            new,
+            backup: Some(read),
+        });
+    }
+
+    /// Lock protocol: reads the primary's word. A reader returns a locked word's old value; a
+    /// writer steals a lock it finds, or plans its write.
+    fn lock_read_primary(&mut self) {
+        let primary = self.primary();
+        let word = self.state.words[primary];
+        let seen_location = self.state.locations[primary];
+        if let Word::Locked { stored } = word {
+            if let Operation::Get { .. } = self.operation {
+                return self.finish(Some(Outcome::Found(stored.visible())));
+            }
+            // Another write holds the key: take its lock and roll it back.
+            return self.set_stage(Stage::Steal {
+                seen: word,
+                seen_location,
+                old: stored,
+            });
+        }
+        let old = word.stored().expect("no intents under the lock protocol");
+        // The delete's tombstone gets its own value when its block is placed.
+        let Some(new) = ReplicationModel::plan(
+            self.state,
+            self.client,
+            self.operation,
+            old,
+            Stored::Tombstone(Value(0)),
+        ) else {
+            return;
+        };
+        self.after_read_primary(word, seen_location, old, new);
+    }
+
+    /// Lock protocol: the lock CAS on the primary, expecting the word read; then the backup's
+    /// swap, or (no backup) the release.
+    fn lock_place(
+        &mut self,
+        seen: Word,
+        seen_location: u8,
+        old: Stored,
+        new: Stored,
+        backup: Option<(Word, u8)>,
+    ) {
+        let primary = self.primary();
+        if (self.state.words[primary], self.state.locations[primary]) != (seen, seen_location) {
+            return self.restart();
+        }
+        // The lock keeps the committed word's block: a committed word never comes back (every
+        // write and every unlock puts a new block in place), so neither does a lock on it, and
+        // the lock is unique to its holder.
+        let lock_location = seen_location;
+        let target_location = ReplicationModel::fresh(self.state, self.client);
+        let target = ReplicationModel::retarget(new, target_location);
+        let lock = Word::Locked { stored: old };
+        self.state.words[primary] = lock;
+        self.state.locations[primary] = lock_location;
+        self.state.clients[self.client].held = Some(Held {
+            lock,
+            lock_location,
+            old,
+            target,
+            target_location: Some(target_location),
+            confirmed: true,
+            commit_posted: false,
+        });
+        self.set_stage(match backup {
+            Some(expected) => Stage::Swap {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                expected,
+                own: true,
+            },
+            None => Stage::Release {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                own: true,
+            },
+        });
+    }
+
+    /// Lock protocol: takes over another writer's lock, to roll its write back.
+    fn steal(&mut self, seen: Word, seen_location: u8, old: Stored) {
+        let primary = self.primary();
+        if (self.state.words[primary], self.state.locations[primary]) != (seen, seen_location) {
+            return self.restart();
+        }
+        // The thief's lock is on one fresh copy of the old value and its unlock puts another in
+        // place: a lock on a word that was never committed, and a committed word no writer has
+        // locked, so no lock word ever comes back.
+        let location = ReplicationModel::fresh(self.state, self.client);
+        let target_location = ReplicationModel::fresh(self.state, self.client);
+        let lock = Word::Locked { stored: old };
+        self.state.words[primary] = lock;
+        self.state.locations[primary] = location;
+        let target = ReplicationModel::copy_of(old, target_location);
+        self.set_stage(if self.view.len() > 1 {
+            Stage::Reread {
+                lock,
+                lock_location: location,
+                target,
+                target_location,
+                own: false,
+            }
+        } else {
+            Stage::Release {
+                lock,
+                lock_location: location,
+                target,
+                target_location,
+                own: false,
+            }
+        });
+    }
+
+    /// Lock protocol: the backup's CAS, expecting what was read; read again when it fails.
+    fn swap(
+        &mut self,
+        lock: Word,
+        lock_location: u8,
+        target: Stored,
+        target_location: u8,
+        expected: (Word, u8),
+        own: bool,
+    ) {
+        let backup = self.view[1];
+        let stage = if (self.state.words[backup], self.state.locations[backup]) == expected {
+            ReplicationModel::set(self.state, backup, target, target_location);
+            self.state.clients[self.client].placed |= own;
+            Stage::Release {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                own,
+            }
+        } else {
+            Stage::Reread {
+                lock,
+                lock_location,
+                target,
+                target_location,
+                own,
+            }
+        };
+        self.set_stage(stage);
+    }
+
+    /// Lock protocol: reads the backup again, before checking the lock is still held.
+    fn reread(
+        &mut self,
+        lock: Word,
+        lock_location: u8,
+        target: Stored,
+        target_location: u8,
+        own: bool,
+    ) {
+        let backup = self.view[1];
+        let read = (self.state.words[backup], self.state.locations[backup]);
+        self.set_stage(Stage::LockCheck {
+            lock,
+            lock_location,
+            target,
+            target_location,
+            backup: read,
+            own,
+        });
+    }
+
+    /// Lock protocol: checks the lock is still held before swapping the backup (unless the
+    /// protocol is [`ReplicationProtocol::UncheckedRollback`]).
+    fn lock_check(
+        &mut self,
+        lock: Word,
+        lock_location: u8,
+        target: Stored,
+        target_location: u8,
+        backup: (Word, u8),
+        own: bool,
+    ) {
+        let checked = self.model.protocol != ReplicationProtocol::UncheckedRollback;
+        if checked && !self.holds(lock, lock_location) {
+            // The lock was stolen: this write is rolled back by its thief.
+            return self.restart();
+        }
+        self.set_stage(Stage::Swap {
+            lock,
+            lock_location,
+            target,
+            target_location,
+            expected: backup,
+            own,
+        });
+    }
+
+    /// Lock protocol: the unlock, which puts the write's target in place on the primary.
+    fn release(
+        &mut self,
+        lock: Word,
+        lock_location: u8,
+        target: Stored,
+        target_location: u8,
+        own: bool,
+    ) {
+        if !self.holds(lock, lock_location) {
+            // Stolen and rolled back: the write did not happen.
+            return self.restart();
+        }
+        ReplicationModel::set(self.state, self.primary(), target, target_location);
+        if own {
+            self.finish(Some(ReplicationModel::applied(self.operation)));
+        } else {
+            self.restart();
+        }
+    }
+
+    /// Intent protocols: reads the primary's word. A reader returns it; a writer helps an
+    /// intent it finds, or plans its write.
+    fn intent_read_primary(&mut self, id: OperationId) {
+        let primary = self.primary();
+        let protocol = self.model.protocol;
+        let word = self.state.words[primary];
+        if let Operation::Get { .. } = self.operation {
+            let visible = match word {
+                Word::Intent { new, .. } if protocol == ReplicationProtocol::ReadIntentNew => {
+                    new.visible()
+                }
+                word => word.visible(),
+            };
+            return self.finish(Some(Outcome::Found(visible)));
+        }
+        if let Word::Intent { old, new, location } = word {
+            // Help the write in progress, then start again.
+            let stage = ReplicationModel::after_intent(self.view, old, new, location, false);
+            return self.set_stage(stage);
+        }
+        let old = word.stored().expect("not an intent");
+        let tombstone = match protocol {
+            ReplicationProtocol::EmptyDeletes => Stored::Empty,
+            _ => Stored::Tombstone(ReplicationModel::tombstone(id)),
+        };
+        let Some(new) =
+            ReplicationModel::plan(self.state, self.client, self.operation, old, tombstone)
+        else {
+            return;
+        };
+        let seen_location = self.state.locations[primary];
+        self.after_read_primary(word, seen_location, old, new);
+    }
+
+    /// Intent protocols: the intent CAS on the primary (commit-first: the new word itself).
+    fn intent_place(
+        &mut self,
+        seen: Word,
+        seen_location: u8,
+        old: Stored,
+        new: Stored,
+        backup: Option<(Word, u8)>,
+    ) {
+        let primary = self.primary();
+        if self.state.words[primary] != seen || self.state.locations[primary] != seen_location {
+            return self.restart();
+        }
+        self.state.clients[self.client].placed = true;
+        let location = ReplicationModel::own_location(self.client);
+        if self.model.protocol == ReplicationProtocol::CommitFirst {
+            ReplicationModel::set(self.state, primary, new, location);
+            if self.view.len() == 1 {
+                return self.finish(Some(ReplicationModel::applied(self.operation)));
+            }
+            return self.set_stage(Stage::BackupSwap {
+                old,
+                new,
+                location,
+                expected: backup.unwrap_or((Word::Empty, 0)),
+                own: true,
+            });
+        }
+        self.state.words[primary] = Word::Intent { old, new, location };
+        self.set_stage(match backup {
+            Some(expected) => Stage::BackupSwap {
+                old,
+                new,
+                location,
+                expected,
+                own: true,
+            },
+            None => Stage::Commit {
+                old,
+                new,
+                location,
+                own: true,
+            },
+        });
+    }
+
+    /// Intent protocols: the backup's CAS, expecting what was read (commit-first: a plain
+    /// WRITE); read again when it fails (unless [`ReplicationProtocol::ExactOnly`]).
+    fn backup_swap(
+        &mut self,
+        old: Stored,
+        new: Stored,
+        location: u8,
+        expected: (Word, u8),
+        own: bool,
+    ) {
+        let backup = self.view[1];
+        let own_location = ReplicationModel::own_location(self.client);
+        if self.model.protocol == ReplicationProtocol::CommitFirst {
+            // A plain WRITE of the backup's slot.
+            ReplicationModel::set(self.state, backup, new, own_location);
+            return self.finish(Some(ReplicationModel::applied(self.operation)));
+        }
+        if (self.state.words[backup], self.state.locations[backup]) == expected {
+            // The CAS swapped: the backup points at this client's copy of `new`.
+            ReplicationModel::set(self.state, backup, new, own_location);
+            self.set_stage(Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            });
+        } else if self.model.protocol == ReplicationProtocol::ExactOnly {
+            self.set_stage(Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            });
+        } else {
+            self.set_stage(Stage::BackupRead {
+                old,
+                new,
+                location,
+                own,
+            });
+        }
+    }
+
+    /// Intent protocols: reads the backup again after a failed swap.
+    fn backup_read(&mut self, old: Stored, new: Stored, location: u8, own: bool) {
+        let backup = self.view[1];
+        let read = (self.state.words[backup], self.state.locations[backup]);
+        self.set_stage(Stage::IntentCheck {
+            old,
+            new,
+            location,
+            backup: read,
+            own,
+        });
+    }
+
+    /// Intent protocols: decides from the backup read again whether to swap it again.
+    fn intent_check(
+        &mut self,
+        old: Stored,
+        new: Stored,
+        location: u8,
+        backup: (Word, u8),
+        own: bool,
+    ) {
+        let intent = Word::Intent { old, new, location };
+        let next = if self.state.words[self.primary()] != intent {
+            // Committed by someone else meanwhile: the backup is not this write's to touch any
+            // more.
+            Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            }
+        } else if backup.0 == new.word() {
+            // Another helper swapped it (its copy, maybe since moved): done.
+            Stage::Commit {
+                old,
+                new,
+                location,
+                own,
+            }
+        } else if backup.0 == old.word() {
+            // Still the old value (maybe moved by the compactor): swap what was read.
+            Stage::BackupSwap {
+                old,
+                new,
+                location,
+                expected: backup,
+                own,
+            }
+        } else {
+            // Under a live intent only its helpers change the backup's value.
+            unreachable!("the backup holds {backup:?} under the intent {intent:?}")
+        };
+        self.set_stage(next);
+    }
+
+    /// Intent protocols: the commit CAS on the primary, from the intent to the new word.
+    fn commit(&mut self, old: Stored, new: Stored, location: u8, own: bool) {
+        let primary = self.primary();
+        // Fails only when a helper committed it already: applied either way.
+        if self.state.words[primary] == (Word::Intent { old, new, location }) {
+            ReplicationModel::set(self.state, primary, new, location);
+        }
+        if own {
+            self.finish(Some(ReplicationModel::applied(self.operation)));
+        } else {
+            self.restart();
         }
     }
 }

@@ -204,37 +204,7 @@ impl Workload {
     /// [`PropertyError`] for a value that is not a number, a proportion outside 0..1, an
     /// all-zero mix, or an unknown distribution.
     pub fn from_properties(name: &str, properties: &Properties) -> Result<Self, PropertyError> {
-        let proportion = |key: &str, default: f64| -> Result<f64, PropertyError> {
-            let value: f64 = properties.parsed(key, default, "a number")?;
-            if !(0.0..=1.0).contains(&value) {
-                let (_, source_name, line) = properties.raw(key).cloned().unwrap_or_default();
-                return Err(PropertyError {
-                    source_name,
-                    line,
-                    message: format!("{key} = {value} is outside 0..1"),
-                });
-            }
-            Ok(value)
-        };
-        let proportions = Proportions {
-            read: proportion("readproportion", 0.95)?,
-            update: proportion("updateproportion", 0.05)?,
-            insert: proportion("insertproportion", 0.0)?,
-            scan: proportion("scanproportion", 0.0)?,
-            read_modify_write: proportion("readmodifywriteproportion", 0.0)?,
-        };
-        let total = proportions.read
-            + proportions.update
-            + proportions.insert
-            + proportions.scan
-            + proportions.read_modify_write;
-        if total <= 0.0 {
-            return Err(PropertyError {
-                source_name: name.to_string(),
-                line: 0,
-                message: "every operation proportion is 0: nothing to run".into(),
-            });
-        }
+        let proportions = Proportions::from_properties(name, properties)?;
         let request_distribution = properties.string("requestdistribution", "uniform");
         if let Err(message) = KeyChooser::from_name(&request_distribution) {
             let (_, source_name, line) = properties
@@ -256,27 +226,7 @@ impl Workload {
                 message: format!("insertorder = `{insert_order}`: use hashed or ordered"),
             });
         }
-        let record_count: u64 = properties.parsed("recordcount", 1000, "a whole number")?;
-        let insert_start: u64 = properties.parsed("insertstart", 0, "a whole number")?;
-        let insert_count: u64 = properties.parsed(
-            "insertcount",
-            record_count.saturating_sub(insert_start),
-            "a whole number",
-        )?;
-        if insert_start.saturating_add(insert_count) > record_count {
-            let (_, source_name, line) = properties
-                .raw("insertcount")
-                .or_else(|| properties.raw("insertstart"))
-                .cloned()
-                .unwrap_or_default();
-            return Err(PropertyError {
-                source_name,
-                line,
-                message: format!(
-                    "insertstart = {insert_start} and insertcount = {insert_count} go past recordcount = {record_count}: each loader inserts its part of recordcount"
-                ),
-            });
-        }
+        let (record_count, insert_start, insert_count) = insert_range(properties)?;
         Ok(Self {
             name: name.to_string(),
             record_count,
@@ -339,6 +289,71 @@ impl Workload {
         text[start..start + 4].copy_from_slice(b"user");
         String::from_utf8_lossy(&text[start..]).into_owned()
     }
+}
+
+impl Proportions {
+    /// The `*proportion` properties: each within 0..1, not all 0.
+    fn from_properties(name: &str, properties: &Properties) -> Result<Self, PropertyError> {
+        let proportion = |key: &str, default: f64| -> Result<f64, PropertyError> {
+            let value: f64 = properties.parsed(key, default, "a number")?;
+            if !(0.0..=1.0).contains(&value) {
+                let (_, source_name, line) = properties.raw(key).cloned().unwrap_or_default();
+                return Err(PropertyError {
+                    source_name,
+                    line,
+                    message: format!("{key} = {value} is outside 0..1"),
+                });
+            }
+            Ok(value)
+        };
+        let proportions = Self {
+            read: proportion("readproportion", 0.95)?,
+            update: proportion("updateproportion", 0.05)?,
+            insert: proportion("insertproportion", 0.0)?,
+            scan: proportion("scanproportion", 0.0)?,
+            read_modify_write: proportion("readmodifywriteproportion", 0.0)?,
+        };
+        let total = proportions.read
+            + proportions.update
+            + proportions.insert
+            + proportions.scan
+            + proportions.read_modify_write;
+        if total <= 0.0 {
+            return Err(PropertyError {
+                source_name: name.to_string(),
+                line: 0,
+                message: "every operation proportion is 0: nothing to run".into(),
+            });
+        }
+        Ok(proportions)
+    }
+}
+
+/// `recordcount`, `insertstart` and `insertcount` (by default the rest of `recordcount`): the
+/// records this loader inserts lie within `recordcount`.
+fn insert_range(properties: &Properties) -> Result<(u64, u64, u64), PropertyError> {
+    let record_count: u64 = properties.parsed("recordcount", 1000, "a whole number")?;
+    let insert_start: u64 = properties.parsed("insertstart", 0, "a whole number")?;
+    let insert_count: u64 = properties.parsed(
+        "insertcount",
+        record_count.saturating_sub(insert_start),
+        "a whole number",
+    )?;
+    if insert_start.saturating_add(insert_count) > record_count {
+        let (_, source_name, line) = properties
+            .raw("insertcount")
+            .or_else(|| properties.raw("insertstart"))
+            .cloned()
+            .unwrap_or_default();
+        return Err(PropertyError {
+            source_name,
+            line,
+            message: format!(
+                "insertstart = {insert_start} and insertcount = {insert_count} go past recordcount = {record_count}: each loader inserts its part of recordcount"
+            ),
+        });
+    }
+    Ok((record_count, insert_start, insert_count))
 }
 
 #[cfg(test)]

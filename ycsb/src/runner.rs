@@ -74,6 +74,51 @@ pub async fn run(
     execute(workload, driver, options, Phase::Run).await
 }
 
+/// What every task of a phase shares.
+struct PhaseState {
+    /// The workload (its keys, its mix).
+    workload: Workload,
+    /// The store the operations go to.
+    driver: Arc<Driver>,
+    /// Loading records or running the mix.
+    phase: Phase,
+    /// Tasks issuing operations.
+    threads: usize,
+    /// Operations the phase issues across its tasks, unless its time limit comes first.
+    total: u64,
+    /// What every insert and update writes.
+    value: Arc<Vec<u8>>,
+    /// Operations completed, for the progress and the time series.
+    done: AtomicU64,
+    /// Set when the phase has ended.
+    stop: AtomicBool,
+    /// Insert key numbers handed out, and inserts completed: reads choose among completed ones
+    /// (YCSB's acknowledged counter), so "latest" reads do not chase inserts still in flight.
+    inserted: (AtomicU64, AtomicU64),
+    /// Picks the keys of reads and updates.
+    chooser: KeyChooser,
+    /// The phase's first failure.
+    first_error: OnceLock<String>,
+    /// When the phase began.
+    started: Instant,
+    /// When the phase must stop, if it has a time limit.
+    deadline: Option<Instant>,
+    /// Operations per second for each task, if throttled.
+    per_task_rate: Option<f64>,
+}
+
+/// What the progress loop gathered while the tasks ran.
+struct Gathered {
+    /// Every task's measurements, merged.
+    merged: Measurements,
+    /// (seconds since the start, operations per second over the last interval).
+    timeseries: Vec<(f64, f64)>,
+    /// How long the phase took.
+    runtime: Duration,
+}
+
+/// Runs a phase: `threads` tasks share its operations, and the progress loop gathers what
+/// they measured into the phase's report.
 async fn execute(
     workload: &Workload,
     driver: Arc<Driver>,
@@ -86,112 +131,41 @@ async fn execute(
         Phase::Run => workload.operation_count,
     };
     let value = record_value(workload);
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    // Insert key numbers handed out, and inserts completed: reads choose among completed ones
-    // (YCSB's acknowledged counter), so "latest" reads do not chase inserts still in flight.
-    let inserted = Arc::new((
-        AtomicU64::new(workload.record_count),
-        AtomicU64::new(workload.record_count),
-    ));
     let chooser =
         KeyChooser::from_name(&workload.request_distribution).map_err(anyhow::Error::msg)?;
-    let first_error = Arc::new(OnceLock::new());
     let counters_before = driver.rdkv_counters();
     let cpu_before = rdkv_common::process::cpu_time(None);
     let started = Instant::now();
-    let deadline = options.max_execution_time.map(|limit| started + limit);
-    let per_task_rate = options.target.map(|target| target / threads as f64);
-
+    let state = Arc::new(PhaseState {
+        workload: workload.clone(),
+        driver: driver.clone(),
+        phase,
+        threads,
+        total,
+        value,
+        done: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+        inserted: (
+            AtomicU64::new(workload.record_count),
+            AtomicU64::new(workload.record_count),
+        ),
+        chooser,
+        first_error: OnceLock::new(),
+        started,
+        deadline: options.max_execution_time.map(|limit| started + limit),
+        per_task_rate: options.target.map(|target| target / threads as f64),
+    });
     let mut tasks = tokio::task::JoinSet::new();
     for task in 0..threads as u64 {
-        let driver = driver.clone();
-        let workload = workload.clone();
-        let value = value.clone();
-        let done = done.clone();
-        let stop = stop.clone();
-        let inserted = inserted.clone();
-        let chooser = chooser.clone();
-        let first_error = first_error.clone();
-        tasks.spawn(async move {
-            let mut random = rand::rngs::StdRng::seed_from_u64(0x7964_7362 ^ task);
-            let mut measurements = Measurements::default();
-            let mine = total / threads as u64 + u64::from(task < total % threads as u64);
-            for sequence in 0..mine {
-                if stop.load(Ordering::Relaxed)
-                    || deadline.is_some_and(|deadline| Instant::now() >= deadline)
-                {
-                    break;
-                }
-                if let Some(rate) = per_task_rate {
-                    let due = started + Duration::from_secs_f64(sequence as f64 / rate);
-                    tokio::time::sleep_until(due.into()).await;
-                }
-                let (kind, outcome, latency) = match phase {
-                    Phase::Load => {
-                        let key =
-                            workload.key(workload.insert_start + task + sequence * threads as u64);
-                        let begun = Instant::now();
-                        let outcome = driver.insert(&key, &value).await;
-                        (
-                            OperationKind::Insert,
-                            outcome.map(|()| true),
-                            begun.elapsed(),
-                        )
-                    }
-                    Phase::Run => {
-                        one_operation(&driver, &workload, &chooser, &inserted, &value, &mut random)
-                            .await
-                    }
-                };
-                let outcome = status(outcome, &first_error);
-                measurements.record(kind, latency.as_micros() as u64, outcome);
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            measurements
-        });
+        tasks.spawn(run_task(state.clone(), task));
     }
-
-    let progress = Progress::start(total, options.max_execution_time, options.progress);
-    let mut timeseries = Vec::new();
-    let mut ticks = tokio::time::interval(Duration::from_secs(1));
-    ticks.tick().await;
-    let mut last = 0u64;
-    let mut last_time = 0.0f64;
-    let mut merged = Measurements::default();
-    loop {
-        tokio::select! {
-            joined = tasks.join_next() => match joined {
-                Some(result) => merged.merge(&result?),
-                None => break,
-            },
-            _ = ticks.tick() => {
-                let now = done.load(Ordering::Relaxed);
-                let since_start = started.elapsed();
-                let elapsed = since_start.as_secs_f64();
-                timeseries.push((elapsed, (now - last) as f64 / (elapsed - last_time).max(1e-3)));
-                progress.update(now, now - last, since_start);
-                last = now;
-                last_time = elapsed;
-            }
-        }
-    }
-    stop.store(true, Ordering::Relaxed);
-    progress.finish();
-    let runtime = started.elapsed();
-    // The last, partial second.
-    let final_count = done.load(Ordering::Relaxed);
-    if runtime.as_secs_f64() - last_time > 0.05 {
-        timeseries.push((
-            runtime.as_secs_f64(),
-            (final_count - last) as f64 / (runtime.as_secs_f64() - last_time),
-        ));
-    }
-    let operations = merged.operations();
+    let gathered = gather(&state, tasks, options).await?;
+    let operations = gathered.merged.operations();
     let client_cpu_us_per_operation = cpu_before
         .zip(rdkv_common::process::cpu_time(None))
         .filter(|_| operations > 0)
         .map(|(before, after)| (after - before).as_secs_f64() * 1e6 / operations as f64);
+    let runtime = gathered.runtime;
     Ok(Report {
         client_cpu_us_per_operation,
         server_cpu_us_per_operation: None,
@@ -205,10 +179,108 @@ async fn execute(
         runtime_ms: runtime.as_millis() as u64,
         throughput: operations as f64 / runtime.as_secs_f64().max(1e-9),
         operations,
-        kinds: merged.summaries(),
+        kinds: gathered.merged.summaries(),
         rdkv: Driver::rdkv_figures(counters_before, driver.rdkv_counters()),
+        timeseries: gathered.timeseries,
+        first_error: state.first_error.get().cloned(),
+    })
+}
+
+/// One task's share of the phase: its operations, until the phase stops or its time is up.
+async fn run_task(state: Arc<PhaseState>, task: u64) -> Measurements {
+    let threads = state.threads as u64;
+    let mut random = rand::rngs::StdRng::seed_from_u64(0x7964_7362 ^ task);
+    let mut measurements = Measurements::default();
+    let mine = state.total / threads + u64::from(task < state.total % threads);
+    for sequence in 0..mine {
+        if state.stop.load(Ordering::Relaxed)
+            || state
+                .deadline
+                .is_some_and(|deadline| Instant::now() >= deadline)
+        {
+            break;
+        }
+        if let Some(rate) = state.per_task_rate {
+            let due = state.started + Duration::from_secs_f64(sequence as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let workload = &state.workload;
+        let (kind, outcome, latency) = match state.phase {
+            Phase::Load => {
+                let key = workload.key(workload.insert_start + task + sequence * threads);
+                let begun = Instant::now();
+                let outcome = state.driver.insert(&key, &state.value).await;
+                (
+                    OperationKind::Insert,
+                    outcome.map(|()| true),
+                    begun.elapsed(),
+                )
+            }
+            Phase::Run => {
+                one_operation(
+                    &state.driver,
+                    workload,
+                    &state.chooser,
+                    &state.inserted,
+                    &state.value,
+                    &mut random,
+                )
+                .await
+            }
+        };
+        let outcome = status(outcome, &state.first_error);
+        measurements.record(kind, latency.as_micros() as u64, outcome);
+        state.done.fetch_add(1, Ordering::Relaxed);
+    }
+    measurements
+}
+
+/// Waits for the tasks, sampling the operations done every second for the progress display
+/// and the time series (and the last, partial second at the end).
+async fn gather(
+    state: &PhaseState,
+    mut tasks: tokio::task::JoinSet<Measurements>,
+    options: RunOptions,
+) -> anyhow::Result<Gathered> {
+    let progress = Progress::start(state.total, options.max_execution_time, options.progress);
+    let mut timeseries = Vec::new();
+    let mut ticks = tokio::time::interval(Duration::from_secs(1));
+    ticks.tick().await;
+    let mut last = 0u64;
+    let mut last_time = 0.0f64;
+    let mut merged = Measurements::default();
+    loop {
+        tokio::select! {
+            joined = tasks.join_next() => match joined {
+                Some(result) => merged.merge(&result?),
+                None => break,
+            },
+            _ = ticks.tick() => {
+                let now = state.done.load(Ordering::Relaxed);
+                let since_start = state.started.elapsed();
+                let elapsed = since_start.as_secs_f64();
+                timeseries.push((elapsed, (now - last) as f64 / (elapsed - last_time).max(1e-3)));
+                progress.update(now, now - last, since_start);
+                last = now;
+                last_time = elapsed;
+            }
+        }
+    }
+    state.stop.store(true, Ordering::Relaxed);
+    progress.finish();
+    let runtime = state.started.elapsed();
+    // The last, partial second.
+    let final_count = state.done.load(Ordering::Relaxed);
+    if runtime.as_secs_f64() - last_time > 0.05 {
+        timeseries.push((
+            runtime.as_secs_f64(),
+            (final_count - last) as f64 / (runtime.as_secs_f64() - last_time),
+        ));
+    }
+    Ok(Gathered {
+        merged,
         timeseries,
-        first_error: first_error.get().cloned(),
+        runtime,
     })
 }
 

@@ -135,6 +135,8 @@ fn main() -> ExitCode {
     }
 }
 
+/// Loads the cluster file (checked against this machine for the commands that start nodes
+/// here) and runs the command.
 async fn run(arguments: Arguments) -> anyhow::Result<u8> {
     let file = arguments.command.file().to_path_buf();
     // Starting nodes here pins their tables here: check the machine's memlock limit and
@@ -161,29 +163,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         .unwrap_or_default();
     match arguments.command {
         Action::Up { detach, node, .. } => {
-            // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
-            let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
-            let starting = {
-                let (config, run_directory) = (config.clone(), run_directory.clone());
-                tokio::task::spawn_blocking(move || {
-                    launcher::start_nodes(&config, &run_directory, detach, node)
-                })
-            };
-            let mut nodes = starting.await.context("the start-up task")??;
-            if signal.is_finished() {
-                stop_all(&config, &mut nodes, &run_directory).await;
-                anyhow::bail!("interrupted during start-up: the nodes started were stopped again");
-            }
-            up(
-                &config,
-                nodes,
-                &run_directory,
-                detach,
-                &file,
-                &run_dir_flag,
-                &mut signal,
-            )
-            .await
+            start(&config, &run_directory, detach, node, &file, &run_dir_flag).await
         }
         Action::Down { node, .. } => {
             for line in launcher::stop(&config, &run_directory, node).await? {
@@ -191,30 +171,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             }
             Ok(0)
         }
-        Action::Restart { node, .. } => {
-            let line = launcher::stop(&config, &run_directory, Some(node)).await?;
-            say(&line.join("\n"));
-            let started = launcher::start_nodes(&config, &run_directory, true, Some(node))?;
-            for started in &started {
-                let keys = if config.replicas >= 2 {
-                    "it rejoins the view and is refilled from its peers before it serves (`status` shows the refill)"
-                } else {
-                    "it holds no keys until clients write them (replicas = 1: its keys had no other copy)"
-                };
-                say(&format!(
-                    "node {}: started (pid {}{}); {keys}",
-                    started.ready.id,
-                    started.ready.pid,
-                    started
-                        .ready
-                        .host
-                        .as_ref()
-                        .map(|host| format!(" on {host}"))
-                        .unwrap_or_default()
-                ));
-            }
-            Ok(0)
-        }
+        Action::Restart { node, .. } => restart(&config, &run_directory, node).await,
         Action::Status { .. } => {
             let statuses = status::status(&config).await;
             say(&status::status_table(&statuses));
@@ -237,30 +194,99 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             binary,
             credential,
             ..
-        } => {
-            let node = launcher::select(&config, Some(node))?[0];
-            let binary = match binary {
-                Some(binary) => binary,
-                None => launcher::server_binary()?,
-            };
-            let absolute = |path: &Path| {
-                std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))
-            };
-            let credential = credential
-                .unwrap_or_else(|| PathBuf::from(format!("/etc/rdkv/{}.secret", config.name)));
-            rdkv_common::out!(
-                "{}",
-                systemd::unit(
-                    &config,
-                    node,
-                    &absolute(&binary)?,
-                    &absolute(&file)?,
-                    &credential
-                )
-            );
-            Ok(0)
-        }
+        } => print_systemd_unit(&config, node, binary, credential, &file),
     }
+}
+
+/// `up`: starts the nodes (Ctrl-C during start-up stops those started), then [`up`].
+async fn start(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    detach: bool,
+    node: Option<u32>,
+    file: &Path,
+    run_dir_flag: &str,
+) -> anyhow::Result<u8> {
+    // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
+    let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
+    let starting = {
+        let (config, run_directory) = (config.clone(), run_directory.to_path_buf());
+        tokio::task::spawn_blocking(move || {
+            launcher::start_nodes(&config, &run_directory, detach, node)
+        })
+    };
+    let mut nodes = starting.await.context("the start-up task")??;
+    if signal.is_finished() {
+        stop_all(config, &mut nodes, run_directory).await;
+        anyhow::bail!("interrupted during start-up: the nodes started were stopped again");
+    }
+    up(
+        config,
+        nodes,
+        run_directory,
+        detach,
+        file,
+        run_dir_flag,
+        &mut signal,
+    )
+    .await
+}
+
+/// `restart`: stops one node and starts it again in the background.
+async fn restart(config: &ClusterConfig, run_directory: &Path, node: u32) -> anyhow::Result<u8> {
+    let line = launcher::stop(config, run_directory, Some(node)).await?;
+    say(&line.join("\n"));
+    let started = launcher::start_nodes(config, run_directory, true, Some(node))?;
+    for started in &started {
+        let keys = if config.replicas >= 2 {
+            "it rejoins the view and is refilled from its peers before it serves (`status` shows the refill)"
+        } else {
+            "it holds no keys until clients write them (replicas = 1: its keys had no other copy)"
+        };
+        say(&format!(
+            "node {}: started (pid {}{}); {keys}",
+            started.ready.id,
+            started.ready.pid,
+            started
+                .ready
+                .host
+                .as_ref()
+                .map(|host| format!(" on {host}"))
+                .unwrap_or_default()
+        ));
+    }
+    Ok(0)
+}
+
+/// `systemd`: prints the unit that runs `node`.
+fn print_systemd_unit(
+    config: &ClusterConfig,
+    node: u32,
+    binary: Option<PathBuf>,
+    credential: Option<PathBuf>,
+    file: &Path,
+) -> anyhow::Result<u8> {
+    let node = launcher::select(config, Some(node))?[0];
+    let binary = match binary {
+        Some(binary) => binary,
+        None => launcher::server_binary()?,
+    };
+    let absolute = |path: &Path| {
+        std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))
+    };
+    let credential =
+        credential.unwrap_or_else(|| PathBuf::from(format!("/etc/rdkv/{}.secret", config.name)));
+    rdkv_common::out!(
+        "{}",
+        systemd::unit(
+            config,
+            node,
+            &absolute(&binary)?,
+            &absolute(file)?,
+            &credential
+        )
+    );
+    Ok(0)
 }
 
 /// `up`: the table of started nodes, then (in the foreground) their logs until a signal.

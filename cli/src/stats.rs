@@ -1,0 +1,103 @@
+//! `rdkv stats`: a row per node (its counters, or why it did not answer), the clients' totals,
+//! then the cluster view. Exit 2 when a node is down or refused the secret.
+
+use std::process::ExitCode;
+
+use rdkv_client::Client;
+use rdkv_cluster_file::units::format_bytes;
+use rdkv_common::protocol::{ClientCounters, ServerStats};
+
+use crate::output;
+
+/// Prints the table, the totals and the view.
+pub async fn stats(client: &Client) -> ExitCode {
+    let mut total = ClientCounters::default();
+    let mut down = 0;
+    // Data connections first, as every other command opens them: the table then shows the
+    // fabric this host's clients get from each node (a node that is down shows so below).
+    let _ = client.connect_all().await;
+    rdkv_common::outln!(
+        "{:<5} {:<6} {:>9} {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10}",
+        "node",
+        "state",
+        "uptime",
+        "via",
+        "conns",
+        "data conns",
+        "keys",
+        "heap used",
+        "client ops",
+        "round trips",
+        "rt/op"
+    );
+    for (id, stats) in client.cluster_stats().await {
+        match stats {
+            Ok(stats) => {
+                total.add(&stats.client_counters);
+                print_node(client, id, &stats);
+            }
+            Err(rdkv_client::Error::AuthenticationFailed { reason, .. }) => {
+                down += 1;
+                rdkv_common::outln!("{id:<5} {:<6} {reason}", "auth failed");
+            }
+            Err(error) => {
+                down += 1;
+                rdkv_common::outln!("{id:<5} {:<6} {error}", "down");
+            }
+        }
+    }
+    print_total(&total);
+    match client.view().await {
+        Ok(view) => rdkv_common::outln!("view: {}", view.summary()),
+        Err(error) => rdkv_common::outln!("view: {error}"),
+    }
+    if down > 0 {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// The row of a node that answered, and a warning line under it when its heap is low.
+fn print_node(client: &Client, id: u32, stats: &ServerStats) {
+    let counters = &stats.client_counters;
+    rdkv_common::outln!(
+        "{:<5} {:<6} {:>8}s {:<5} {:>6} {:<18} {:>8} {:>10} {:>14} {:>12} {:>10.2}",
+        id,
+        "up",
+        stats.uptime_seconds,
+        client
+            .connection_fabric(id)
+            .map_or_else(|| "-".to_string(), |fabric| fabric.to_string()),
+        stats.connections,
+        output::data_connections(stats),
+        stats.keys,
+        format_bytes(stats.heap_used_bytes),
+        counters.operations,
+        counters.round_trips,
+        counters.round_trips_per_operation()
+    );
+    if stats.heap_low() {
+        rdkv_common::outln!(
+            "      warning: heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
+            format_bytes(stats.heap_free_bytes),
+            format_bytes(stats.heap_size_bytes)
+        );
+    }
+}
+
+/// The clients' one-sided work over every node that answered.
+fn print_total(total: &ClientCounters) {
+    rdkv_common::outln!(
+        "cluster: {} client operations ({} GETs, {} mutations, {} failed), {:.2} round trips per operation, {:.2} per GET, {:.2} work requests per operation, {} CAS races lost, {} checksum retries",
+        total.operations,
+        total.gets,
+        total.mutations,
+        total.failures,
+        total.round_trips_per_operation(),
+        total.round_trips_per_get(),
+        total.verbs_per_operation(),
+        total.cas_failures,
+        total.checksum_retries
+    );
+}
