@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 use crate::completion::{CompletionQueue, Completions, ListCompletion, PostedList};
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::lock;
 use crate::protection::{
     LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain, ProtectionTable,
 };
@@ -31,6 +30,7 @@ use crate::types::{
     AccessFlags, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
+use crate::{lock, read_lock, write_lock};
 
 /// Settings of one queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,10 +185,7 @@ impl QueuePairShared {
         &self,
         execute: impl FnOnce(&ProtectionTable, u32, u32) -> R,
     ) -> Option<R> {
-        let _gate = self
-            .responder_gate
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _gate = read_lock(&self.responder_gate);
         if !matches!(
             self.state(),
             QueuePairState::ReadyToReceive | QueuePairState::ReadyToSend
@@ -854,11 +851,7 @@ impl QueuePair {
             self.modify_to_error();
         }
         self.shared.provider.drain(&self.shared);
-        let _gate = self
-            .shared
-            .responder_gate
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _gate = write_lock(&self.shared.responder_gate);
     }
 
     /// Requests still outstanding (zero after [`QueuePair::drain`]).

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_common::layout::Slot;
+use rdkv_fabric::lock;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -148,10 +149,7 @@ fn clear_abandoned_tentatives(shared: &Shared, slots: &mut Vec<(u64, Slot)>) {
 fn clear_old_tombstones(shared: &Shared, slots: &mut Vec<(u64, Slot)>, now: Instant) -> bool {
     let pace = &shared.collector;
     let quarantine = shared.heap.quarantine();
-    let mut seen = pace
-        .tombstones
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut seen = lock(&pace.tombstones);
     let mut current = HashMap::new();
     slots.retain(|(index_offset, slot)| {
         if !(slot.is_committed() && slot.is_tombstone()) {

@@ -25,6 +25,7 @@
 use std::sync::atomic::Ordering;
 
 use rdkv_common::layout::Slot;
+use rdkv_fabric::lock;
 
 use crate::heap::{Grant, Heap, EXTENT_SIZE};
 use crate::table::TableRegion;
@@ -130,10 +131,7 @@ impl Compactor {
             return 0;
         }
         let heap_base = table.geometry.heap_offset();
-        let mut destination = self
-            .destination
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut destination = lock(&self.destination);
         let mut moved = 0u64;
         let mut block = Vec::new();
         // Only committed blocks move: a tentative slot belongs to an inserter that may still

@@ -39,6 +39,8 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
 
 /// One pending connection.
@@ -161,9 +163,7 @@ impl PendingHandshakes {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Pending>> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.pending)
     }
 
     /// Admits connection `id` from `source`, whose handshake `evict` cancels and whose socket

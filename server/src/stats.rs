@@ -6,6 +6,7 @@ use std::time::Instant;
 use std::sync::Mutex;
 
 use rdkv_common::protocol::{ClientCounters, ServerStats};
+use rdkv_fabric::lock;
 
 use crate::heap::Heap;
 use crate::table::TableRegion;
@@ -96,12 +97,7 @@ impl Counters {
     /// started after this call (see [`KeyScans`]).
     pub(crate) async fn exact_keys(&self, shared: std::sync::Arc<crate::session::Shared>) -> u64 {
         let asked = Instant::now();
-        let last = |scans: &KeyScans| {
-            *scans
-                .last
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        };
+        let last = |scans: &KeyScans| *lock(&scans.last);
         let Ok(_scan) = self.key_scans.scanning.acquire().await else {
             return self.collector_keys.load(Ordering::Relaxed);
         };
@@ -114,20 +110,13 @@ impl Counters {
         let keys = tokio::task::spawn_blocking(move || shared.table.count_keys())
             .await
             .unwrap_or_else(|_| self.collector_keys.load(Ordering::Relaxed));
-        *self
-            .key_scans
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((started, keys));
+        *lock(&self.key_scans.last) = Some((started, keys));
         keys
     }
 
     /// Adds a client's report.
     pub fn add_client_report(&self, report: &ClientCounters) {
-        self.client_counters
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .add(report);
+        lock(&self.client_counters).add(report);
     }
 
     /// A snapshot with the table's and heap's figures, and `keys` as counted by the caller
@@ -198,10 +187,7 @@ impl Counters {
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
-            client_counters: *self
-                .client_counters
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+            client_counters: *lock(&self.client_counters),
         }
     }
 }

@@ -25,6 +25,7 @@ use std::time::Instant;
 use rdkv_common::layout::Slot;
 use rdkv_common::protocol::{ClusterView, MemberState};
 use rdkv_common::sharding;
+use rdkv_fabric::lock;
 
 use crate::session::Shared;
 
@@ -51,10 +52,7 @@ impl Sweep {
         let view = shared.view.current();
         let epoch = view.epoch;
         let settled = {
-            let mut known = self
-                .known
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut known = lock(&self.known);
             match *known {
                 Some((seen, since)) if seen == epoch => {
                     since.elapsed() >= shared.config.failure_timeout

@@ -39,7 +39,6 @@ use std::time::{Duration, Instant};
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::lock;
 use crate::memory::PinnedMemory;
 use crate::protection::{KeyRights, ProtectionEntry};
 use crate::provider::engine::{self, RemoteRequest};
@@ -48,6 +47,7 @@ use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, 
 use crate::types::{
     AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletionStatus,
 };
+use crate::{lock, read_lock, write_lock};
 
 use socket::{Answer, AnswerStatus, Hello, HelloKind, HELLO_LENGTH, MAX_MEMORY_FILES};
 use state::{EpochMarker, KeyView, QueuePairStatus, SharedState, SharedView};
@@ -474,10 +474,7 @@ impl RemoteDevice {
         descriptors: Vec<OwnedFd>,
         complete: bool,
     ) -> std::result::Result<(), String> {
-        let mut memories = self
-            .memories
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut memories = write_lock(&self.memories);
         if complete {
             memories.retain(|id, _| listed.iter().any(|(listed_id, _)| listed_id == id));
         }
@@ -493,11 +490,7 @@ impl RemoteDevice {
     }
 
     fn memory(&self, id: u64) -> Option<Arc<PinnedMemory>> {
-        self.memories
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&id)
-            .cloned()
+        read_lock(&self.memories).get(&id).cloned()
     }
 }
 
