@@ -34,12 +34,12 @@
 //! never the victim of a flood that says nothing. Only when every candidate has spoken does
 //! the oldest go. An evicted connection is closed and counted.
 
-use rdkv_cluster_config::config::ConnectionLimits;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rdkv_cluster_file::config::ConnectionLimits;
 use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
 
