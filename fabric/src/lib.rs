@@ -10,6 +10,9 @@
 //!   `verbs`).
 //! - `seam`: the traits a provider implements; the model holds providers only through them
 //!   and imports no provider. `provider/mod.rs` ([`Device::open`]) is the one dispatch point.
+//! - [`Capabilities`]: what each provider states about itself (ordered reads, calls that may
+//!   block, shared memory, …), asked of a [`Device`] or a [`Backend`]; callers ask for a
+//!   property, never test a provider's name.
 //! - [`error`]: the crate's error enum.
 //! - `sync`: taking a lock that a panic may have poisoned, the workspace's one definition.
 //!
@@ -36,6 +39,7 @@
 //! or `DashMap`; registered memory is only touched through atomics (see [`crate::memory`]). No
 //! lock is held across an `.await`.
 
+mod capabilities;
 mod completion;
 mod device;
 pub mod error;
@@ -48,6 +52,7 @@ mod send_slots;
 mod sync;
 mod types;
 
+pub use capabilities::Capabilities;
 pub use completion::{CompletionQueue, Completions, PostedList};
 pub use device::{
     Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,

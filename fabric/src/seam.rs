@@ -21,6 +21,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::{DeviceConfig, DeviceInner};
 use crate::error::Result;
@@ -81,6 +82,10 @@ pub(crate) enum Submission {
 pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
     /// Which backend it is.
     fn backend(&self) -> Backend;
+
+    /// What the provider states about itself (its module's `CAPABILITIES`, which
+    /// `Backend::capabilities` also answers): no default, so every provider states its own.
+    fn capabilities(&self) -> Capabilities;
 
     /// Called once the device's shared state exists (a soft NIC starts listening here).
     ///

@@ -11,7 +11,7 @@ use rdkv_common::protocol::{
     ServerMessage, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
-use rdkv_fabric::{Backend, QueuePairConfig};
+use rdkv_fabric::QueuePairConfig;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -208,7 +208,8 @@ impl NodeConnection {
         // The welcome's endpoint says which fabric the node gave this connection: its shm
         // fabric when asked for and offered, else the cluster's.
         let backend = welcome.server_endpoint.backend();
-        if config.node.shared_memory == SharedMemory::Require && backend != Backend::Shm {
+        let capabilities = backend.capabilities();
+        if config.node.shared_memory == SharedMemory::Require && !capabilities.shares_memory {
             return Err(Error::Refused {
                 reason: format!(
                     "the node at {address} answered with its {backend} fabric, not shm; use --fabric soft"
@@ -226,7 +227,7 @@ impl NodeConnection {
         let connect_queue_pair = ClientMessage::ConnectQueuePair {
             endpoint: queue_pair.endpoint(),
         };
-        if backend == Backend::Shm {
+        if capabilities.responder_connects_first {
             // An shm responder takes an attach only once its queue pair is connected to ours:
             // name ours first.
             write_frame(&mut stream, &connect_queue_pair).await?;

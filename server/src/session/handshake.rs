@@ -213,7 +213,7 @@ impl Session {
         let shared = self.shared.clone();
         self.pass.step("handshake: waiting for ConnectQueuePair");
         let table = shared.table_for(self.over_shm);
-        let may_block = shared.config.fabric.control_calls_may_block();
+        let may_block = table.device.capabilities().binds_may_block;
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
             return Err(crate::Error::UnexpectedMessage {

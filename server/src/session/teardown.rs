@@ -44,9 +44,15 @@ impl Session {
             // Its extents and any tentative slot it left are the collector's now.
             shared.collector.wake();
         };
-        // An shm drain and window revocation wait until the client is outside its requests
-        // (at most retry_timeout, for one that stopped inside one): off the async workers.
-        let may_block = self.over_shm || self.shared.config.fabric.control_calls_may_block();
+        // A verbs drain polls the NIC for flushes; an shm drain and window revocation wait
+        // until the client is outside its requests (at most retry_timeout, for one that
+        // stopped inside one): off the async workers.
+        let may_block = self
+            .shared
+            .table_for(self.over_shm)
+            .device
+            .capabilities()
+            .teardown_may_block;
         if !may_block && stall.is_zero() {
             // The emulated fabric drains at once: no blocking thread for it.
             ordered();

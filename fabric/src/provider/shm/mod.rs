@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
@@ -75,6 +76,20 @@ pub(crate) enum Listen {
     At(PathBuf),
 }
 
+/// What shm states (`docs/fabric.md`, *Capabilities*): the requester runs its requests itself,
+/// in order, on the node's memory files; a drain and a revocation wait for the requesters'
+/// epochs (at most `retry_timeout`); the node takes an attach only from the queue pair it was
+/// told of.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities {
+    ordered_reads: true,
+    binds_may_block: false,
+    teardown_may_block: true,
+    completes_inside_post: true,
+    shares_memory: true,
+    crosses_processes: true,
+    responder_connects_first: true,
+};
+
 /// An `shm` device.
 #[derive(Debug)]
 pub(crate) struct ShmDevice {
@@ -99,6 +114,10 @@ impl ShmDevice {
 impl DeviceProvider for ShmDevice {
     fn backend(&self) -> Backend {
         Backend::Shm
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {
