@@ -38,10 +38,17 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use rdkv_cluster_file::config::ConnectionLimits;
 use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
+
+/// How long an accept loop (the control port's, the metrics port's) waits after a failed
+/// accept (out of file descriptors): retrying at once would spin.
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often, at most, a failed accept is logged.
+pub(crate) const ACCEPT_WARNING_EVERY: Duration = Duration::from_secs(1);
 
 /// One pending connection.
 #[derive(Debug)]
