@@ -274,6 +274,13 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// then waits for the responder side). Blocking, bounded by the provider.
     fn drain(&self, _queue_pair: &QueuePairShared) {}
 
+    /// Whether [`QueuePairProvider::drain`] could wait now (requests outstanding on a NIC, a
+    /// requester in another process that may be inside a request): a queue pair dropped inside
+    /// a tokio runtime is then drained on a thread of its own (`Drop for QueuePair`).
+    fn drain_may_wait(&self, _queue_pair: &QueuePairShared) -> bool {
+        false
+    }
+
     /// For the provider's own downcasts.
     fn as_any(&self) -> &dyn Any;
 }

@@ -342,6 +342,11 @@ impl QueuePairProvider for NicQueuePair {
         }
     }
 
+    /// Requests the NIC has not completed yet: the drain polls for their flushes.
+    fn drain_may_wait(&self, queue_pair: &QueuePairShared) -> bool {
+        !lock(&queue_pair.requester).in_flight.is_empty()
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
