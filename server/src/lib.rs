@@ -28,16 +28,16 @@
 //! `grep -rn "crate::" server/src`, per module):
 //!
 //! ```text
-//! error, gate, log_budget, pending           (import no other module)
-//! announce, table, config, collector_pace    (error)
-//! heap                                       (announce)
-//! compactor, stats                           (heap, table, announce)
-//! view                                       (announce, error)
-//! sweep                                      (config, table, view)
-//! node                                       (all of the above: the state it holds)
-//! collector, session, refill                 (node, and the state modules)
-//! metrics                                    (pending)
-//! server                                     (everything: it builds the node and starts the tasks)
+//! error, gate, log_budget, pending, collector_pace   (import no other module)
+//! announce, table, config                            (error)
+//! heap                                               (announce)
+//! compactor, stats                                   (heap, table)
+//! view                                               (announce, error)
+//! sweep                                              (config, table, view)
+//! node                                               (the state it holds: all of the above)
+//! collector, session, refill                         (node, and the state modules)
+//! metrics                                            (pending)
+//! server                                             (everything: it builds the node, starts the tasks)
 //! ```
 //!
 //! The server never handles a GET, PUT, DELETE or CAS: the fabric's NIC engine serves clients'
