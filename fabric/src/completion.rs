@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use crate::device::DeviceInner;
+use crate::lock;
 use crate::seam::ProviderObject;
 use crate::types::WorkCompletion;
 
@@ -43,7 +44,7 @@ impl CompletionQueueInner {
     /// Promises `depth` entries to a new queue pair, or refuses when the CQ could overrun (on a
     /// NIC an overrun breaks every queue pair on the CQ; every backend enforces it alike).
     pub(crate) fn commit(&self, depth: u32) -> crate::Result<()> {
-        let mut committed = crate::lock(&self.committed);
+        let mut committed = lock(&self.committed);
         if *committed + depth as usize > self.capacity {
             return Err(crate::Error::CompletionQueueFull {
                 capacity: self.capacity,
@@ -57,7 +58,7 @@ impl CompletionQueueInner {
 
     /// Returns a destroyed queue pair's entries.
     pub(crate) fn release(&self, depth: u32) {
-        let mut committed = crate::lock(&self.committed);
+        let mut committed = lock(&self.committed);
         *committed = committed.saturating_sub(depth as usize);
     }
 }
@@ -65,10 +66,7 @@ impl CompletionQueueInner {
 impl CompletionQueueInner {
     /// Records completions that nobody awaits any more.
     pub(crate) fn push_unclaimed(&self, completions: impl IntoIterator<Item = WorkCompletion>) {
-        let mut backlog = match self.backlog.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut backlog = lock(&self.backlog);
         for completion in completions {
             if backlog.len() >= self.capacity {
                 backlog.pop_front();
@@ -115,10 +113,7 @@ impl CompletionQueue {
 
     /// Takes up to `max` completions whose posting future was dropped.
     pub fn poll(&self, max: usize) -> Vec<WorkCompletion> {
-        let mut backlog = match self.inner.backlog.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut backlog = lock(&self.inner.backlog);
         let take = max.min(backlog.len());
         backlog.drain(..take).collect()
     }
@@ -173,10 +168,7 @@ impl ListCompletion {
     }
 
     fn state(&self) -> MutexGuard<'_, ListState> {
-        match self.state.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        lock(&self.state)
     }
 
     /// Adds one completion; when it is the list's tail, hands the list to its future, or to the

@@ -11,6 +11,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueue;
 use crate::error::Result;
 use crate::memory::pinned_bytes;
@@ -272,6 +273,12 @@ impl Device {
     /// The backend.
     pub fn backend(&self) -> Backend {
         self.inner.backend
+    }
+
+    /// What the device's provider states about itself: ask for a property here, never test
+    /// [`Device::backend`].
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.provider.capabilities()
     }
 
     /// The device's random id.

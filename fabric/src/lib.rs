@@ -10,7 +10,11 @@
 //!   `verbs`).
 //! - `seam`: the traits a provider implements; the model holds providers only through them
 //!   and imports no provider. `provider/mod.rs` ([`Device::open`]) is the one dispatch point.
+//! - [`Capabilities`]: what each provider states about itself (ordered reads, calls that may
+//!   block, shared memory, …), asked of a [`Device`] or a [`Backend`]; callers ask for a
+//!   property, never test a provider's name.
 //! - [`error`]: the crate's error enum.
+//! - `sync`: taking a lock that a panic may have poisoned, the workspace's one definition.
 //!
 //! `unsafe` code lives only in this crate; each block carries a `// SAFETY:` argument.
 //!
@@ -35,6 +39,7 @@
 //! or `DashMap`; registered memory is only touched through atomics (see [`crate::memory`]). No
 //! lock is held across an `.await`.
 
+mod capabilities;
 mod completion;
 mod device;
 pub mod error;
@@ -44,8 +49,10 @@ mod provider;
 mod queue_pair;
 mod seam;
 mod send_slots;
+mod sync;
 mod types;
 
+pub use capabilities::Capabilities;
 pub use completion::{CompletionQueue, Completions, PostedList};
 pub use device::{
     Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,
@@ -55,17 +62,9 @@ pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use provider::shm::PEER_CHECK_EVERY as SHM_PEER_CHECK_EVERY;
 pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
+pub use sync::{lock, read_lock, write_lock};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,
     RemoteSegment, ShmEndpoint, SoftEndpoint, UnknownBackend, VerbsAddress, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
-
-/// Locks a mutex, recovering the data if a panicking thread poisoned it. The one definition
-/// in the workspace (the server and the client use it too): every mutex in rdkv guards state
-/// that is consistent at every unlock point, so a panic elsewhere never leaves it half-written.
-pub fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}

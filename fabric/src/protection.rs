@@ -660,11 +660,7 @@ impl MemoryWindow {
             access: granted,
             bound_qp: Some(qp_number),
         })?;
-        let previous = self
-            .key
-            .lock()
-            .map(|mut slot| slot.replace(key))
-            .unwrap_or_else(|poisoned| poisoned.into_inner().replace(key));
+        let previous = lock(&self.key).replace(key);
         if let Some(previous) = previous {
             device.table.remove(previous);
         }

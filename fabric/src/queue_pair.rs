@@ -14,14 +14,13 @@
 //! is ERROR, so when it returns no request is executing and none will start.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::completion::{CompletionQueue, Completions, ListCompletion, PostedList};
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::lock;
 use crate::protection::{
     LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain, ProtectionTable,
 };
@@ -31,6 +30,7 @@ use crate::types::{
     AccessFlags, QueuePairEndpoint, QueuePairState, RemoteKey, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
+use crate::{lock, read_lock, write_lock};
 
 /// Settings of one queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +116,9 @@ pub(crate) struct QueuePairShared {
     pub(crate) permits: SendSlots,
     /// Held shared while an emulated responder executes a request for this queue pair.
     responder_gate: RwLock<()>,
+    /// Set once [`QueuePairShared::drain`] has returned: nothing of this queue pair executes,
+    /// and none will (it stays in ERROR). A drop then needs no drain of its own.
+    drained: AtomicBool,
     /// The transport.
     pub(crate) provider: Box<dyn QueuePairProvider>,
 }
@@ -185,10 +188,7 @@ impl QueuePairShared {
         &self,
         execute: impl FnOnce(&ProtectionTable, u32, u32) -> R,
     ) -> Option<R> {
-        let _gate = self
-            .responder_gate
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _gate = read_lock(&self.responder_gate);
         if !matches!(
             self.state(),
             QueuePairState::ReadyToReceive | QueuePairState::ReadyToSend
@@ -669,6 +669,7 @@ impl ProtectionDomain {
             state_mirror: AtomicU8::new(QueuePairState::Reset as u8),
             permits: SendSlots::new(config.max_send_wr as usize),
             responder_gate: RwLock::new(()),
+            drained: AtomicBool::new(false),
             provider,
         });
         shared.provider.attach(&shared);
@@ -850,15 +851,7 @@ impl QueuePair {
     /// most `retry_timeout` + 1 s. Call it from a blocking context (the server's teardown runs
     /// it on tokio's blocking pool).
     pub fn drain(&self) {
-        if self.state() != QueuePairState::Error {
-            self.modify_to_error();
-        }
-        self.shared.provider.drain(&self.shared);
-        let _gate = self
-            .shared
-            .responder_gate
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.shared.drain();
     }
 
     /// Requests still outstanding (zero after [`QueuePair::drain`]).
@@ -867,18 +860,68 @@ impl QueuePair {
     }
 }
 
+/// Dropping a queue pair drains it (as [`QueuePair::drain`], unless that already ran) and
+/// destroys it, and never blocks an async worker on the way.
+///
+/// A drain that may wait (the provider says so for this queue pair now: a NIC with requests
+/// outstanding polls for their flushes, up to `retry_timeout` + 1 s; an `shm` responder waits
+/// for its requester to leave a request, up to `retry_timeout`) is handed, with the rest of
+/// the destruction, to a thread of its own when the drop runs inside a tokio runtime, where it
+/// would stall every task of the worker (all of them, on a current-thread runtime). That is
+/// safe because the thread owns the queue pair's shared state: the in-flight entries keep
+/// their buffers alive until their completions, and the queue pair leaves its device's table
+/// and gauges only once drained, as on any drop. Every other drain is bounded by one request
+/// that an engine thread is executing for this queue pair (CPU work on registered memory, no
+/// I/O), so it runs in place; so does any drain outside a runtime, whose thread may block.
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        self.drain();
-        self.shared.provider.detach(&self.shared);
-        self.shared
-            .completion_queue
-            .inner
-            .release(self.shared.config.max_send_wr);
-        let device = self.shared.device();
-        device.queue_pairs.remove(&self.shared.qp_number);
-        device
-            .gauges
-            .move_queue_pair(Some(self.shared.state()), None);
+        let shared = &self.shared;
+        let drained = shared.drained.load(Ordering::Acquire) && self.outstanding() == 0;
+        if !drained
+            && shared.provider.drain_may_wait(shared)
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            let owned = shared.clone();
+            let handed = std::thread::Builder::new()
+                .name("rdkv-drain".into())
+                .spawn(move || owned.destroy(true));
+            match handed {
+                Ok(_) => return,
+                Err(error) => tracing::warn!(
+                    qp_number = shared.qp_number,
+                    %error,
+                    "no thread to drain a dropped queue pair on: draining it here"
+                ),
+            }
+        }
+        shared.destroy(!drained);
+    }
+}
+
+impl QueuePairShared {
+    /// See [`QueuePair::drain`].
+    fn drain(&self) {
+        if self.provider.nic_in_error() {
+            self.mark_error();
+        }
+        if self.state() != QueuePairState::Error {
+            self.enter_error();
+        }
+        self.provider.drain(self);
+        let _gate = write_lock(&self.responder_gate);
+        self.drained.store(true, Ordering::Release);
+    }
+
+    /// The end of a dropped queue pair: drained (when `drain`), detached from its provider,
+    /// its completion queue entries given back, out of its device's table and gauges.
+    fn destroy(&self, drain: bool) {
+        if drain {
+            self.drain();
+        }
+        self.provider.detach(self);
+        self.completion_queue.inner.release(self.config.max_send_wr);
+        let device = self.device();
+        device.queue_pairs.remove(&self.qp_number);
+        device.gauges.move_queue_pair(Some(self.state()), None);
     }
 }

@@ -21,6 +21,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::{DeviceConfig, DeviceInner};
 use crate::error::Result;
@@ -81,6 +82,10 @@ pub(crate) enum Submission {
 pub(crate) trait DeviceProvider: Send + Sync + Debug + 'static {
     /// Which backend it is.
     fn backend(&self) -> Backend;
+
+    /// What the provider states about itself (its module's `CAPABILITIES`, which
+    /// `Backend::capabilities` also answers): no default, so every provider states its own.
+    fn capabilities(&self) -> Capabilities;
 
     /// Called once the device's shared state exists (a soft NIC starts listening here).
     ///
@@ -268,6 +273,13 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// After ERROR: waits until the NIC has completed every request handed to it (the model
     /// then waits for the responder side). Blocking, bounded by the provider.
     fn drain(&self, _queue_pair: &QueuePairShared) {}
+
+    /// Whether [`QueuePairProvider::drain`] could wait now (requests outstanding on a NIC, a
+    /// requester in another process that may be inside a request): a queue pair dropped inside
+    /// a tokio runtime is then drained on a thread of its own (`Drop for QueuePair`).
+    fn drain_may_wait(&self, _queue_pair: &QueuePairShared) -> bool {
+        false
+    }
 
     /// For the provider's own downcasts.
     fn as_any(&self) -> &dyn Any;

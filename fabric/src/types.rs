@@ -57,17 +57,10 @@ impl Backend {
         }
     }
 
-    /// Whether nodes in other processes can reach a device of this provider (`loopback` lives
-    /// in one process: it serves tests and the fabric benchmark, not a node).
+    /// Whether nodes in other processes can reach a device of this provider: its
+    /// [`Capabilities::crosses_processes`](crate::Capabilities::crosses_processes).
     pub fn crosses_processes(self) -> bool {
-        !matches!(self, Self::Loopback)
-    }
-
-    /// Whether a window bind or a queue pair drain waits for a NIC's completions, and so may
-    /// block its thread for up to `retry_timeout` (verbs). On the emulated providers both
-    /// finish at once, so an async caller need not move them off its worker.
-    pub fn control_calls_may_block(self) -> bool {
-        matches!(self, Self::Verbs)
+        self.capabilities().crosses_processes
     }
 }
 

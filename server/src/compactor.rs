@@ -25,12 +25,12 @@
 use std::sync::atomic::Ordering;
 
 use rdkv_common::layout::Slot;
+use rdkv_fabric::lock;
 
+pub use crate::heap::COMPACTOR;
 use crate::heap::{Grant, Heap, EXTENT_SIZE};
 use crate::table::TableRegion;
 
-/// The owner id of the server's own compaction grants (client connections start at 1).
-pub const COMPACTOR: u64 = 0;
 /// Segments with less than this share of live bytes are compacted.
 pub const MAX_LIVE_SHARE: f64 = 0.5;
 /// The live share under which a segment is compacted when under a quarter of the heap is free
@@ -109,63 +109,15 @@ impl Compactor {
         slots: &[(u64, Slot)],
         now: std::time::Instant,
     ) -> u64 {
-        // Settled: no client is still writing a block it placed there.
-        let share = live_share_now(heap);
-        let min_age = if nearly_full(heap) {
-            FULL_HEAP_COMPACTION_AGE
-        } else {
-            COMPACTION_AGE
-        };
-        let limit = if under_pressure(heap) {
-            PRESSURE_EXTENTS_PER_PASS
-        } else {
-            EXTENTS_PER_PASS
-        };
-        let mut candidates = heap.compaction_candidates(share, min_age, now, limit);
-        if candidates.is_empty() && nearly_full(heap) {
-            // No whole segment is sparse enough: any room is worth more than contiguous room.
-            candidates = heap.sparse_extents(share, min_age, now, limit);
-        }
+        let candidates = candidates(heap, now);
         if candidates.is_empty() {
             return 0;
         }
         let heap_base = table.geometry.heap_offset();
-        let mut destination = self
-            .destination
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut destination = lock(&self.destination);
         let mut moved = 0u64;
         let mut block = Vec::new();
-        // Only committed blocks move: a tentative slot belongs to an inserter that may still
-        // commit it, which would fail against a moved word (its extent stays referenced instead).
-        // One extent at a time, sparsest first: an extent comes back only once every block that
-        // touches it is out (a block may start in the extent before and end in this one), and a
-        // full heap has room to move only a few. A block touching two candidates moves once.
-        let mut by_extent: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
-            .iter()
-            .map(|extent| (*extent, Vec::new()))
-            .collect();
-        for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
-            let first = entry.1.offset() / EXTENT_SIZE;
-            let last = (entry.1.offset() + entry.1.block_length().max(1) - 1) / EXTENT_SIZE;
-            for extent in first..=last {
-                if let Some(blocks) = by_extent.get_mut(&extent) {
-                    blocks.push(entry);
-                }
-            }
-        }
-        let mut seen = std::collections::HashSet::new();
-        let ordered = candidates
-            .iter()
-            .flat_map(|extent| {
-                by_extent
-                    .remove(extent)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(move |entry| (*extent, entry))
-            })
-            .filter(|(_, (index_offset, _))| seen.insert(*index_offset));
-        for (extent, (index_offset, slot)) in ordered {
+        for (extent, (index_offset, slot)) in blocks_to_move(&candidates, slots) {
             let length = slot.block_length();
             if destination
                 .as_ref()
@@ -220,6 +172,69 @@ impl Compactor {
         }
         moved
     }
+}
+
+/// The extents to empty in this pass, sparsest first: settled ones (no client is still
+/// writing a block it placed there) of sparse segments, or when the heap is nearly full and no
+/// whole segment is sparse enough, any sparse extent (any room is worth more than contiguous
+/// room).
+fn candidates(heap: &Heap, now: std::time::Instant) -> Vec<u64> {
+    let share = live_share_now(heap);
+    let min_age = if nearly_full(heap) {
+        FULL_HEAP_COMPACTION_AGE
+    } else {
+        COMPACTION_AGE
+    };
+    let limit = if under_pressure(heap) {
+        PRESSURE_EXTENTS_PER_PASS
+    } else {
+        EXTENTS_PER_PASS
+    };
+    let candidates = heap.compaction_candidates(share, min_age, now, limit);
+    if candidates.is_empty() && nearly_full(heap) {
+        heap.sparse_extents(share, min_age, now, limit)
+    } else {
+        candidates
+    }
+}
+
+/// The committed blocks of `slots` that touch the `candidates` extents, each with the first
+/// candidate it touches, in the candidates' order.
+///
+/// Only committed blocks move: a tentative slot belongs to an inserter that may still commit
+/// it, which would fail against a moved word (its extent stays referenced instead). One
+/// extent at a time, sparsest first: an extent comes back only once every block that touches
+/// it is out (a block may start in the extent before and end in this one), and a full heap has
+/// room to move only a few. A block touching two candidates moves once.
+fn blocks_to_move<'slots>(
+    candidates: &[u64],
+    slots: &'slots [(u64, Slot)],
+) -> Vec<(u64, &'slots (u64, Slot))> {
+    let mut by_extent: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
+        .iter()
+        .map(|extent| (*extent, Vec::new()))
+        .collect();
+    for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
+        let first = entry.1.offset() / EXTENT_SIZE;
+        let last = (entry.1.offset() + entry.1.block_length().max(1) - 1) / EXTENT_SIZE;
+        for extent in first..=last {
+            if let Some(blocks) = by_extent.get_mut(&extent) {
+                blocks.push(entry);
+            }
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    candidates
+        .iter()
+        .flat_map(|extent| {
+            by_extent
+                .remove(extent)
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |entry| (*extent, entry))
+        })
+        .filter(|(_, (index_offset, _))| seen.insert(*index_offset))
+        .collect()
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// The budget of unauthenticated connections and the handshake deadline
     /// (`crate::pending`); its `max_connections` is not used (the field above is).
-    pub limits: rdkv_cluster_config::config::ConnectionLimits,
+    pub limits: rdkv_cluster_file::config::ConnectionLimits,
     /// The hash seed; random when absent.
     pub hash_seed: Option<u64>,
     /// How often the heap collector scans the index.
@@ -74,7 +74,7 @@ pub struct ServerConfig {
     /// The cluster file the node was started from: a node filling after a restart copies
     /// its keys from its peers through a client of this cluster (`crate::refill`). `None`
     /// for a node started without one.
-    pub cluster: Option<std::sync::Arc<rdkv_cluster_config::ClusterConfig>>,
+    pub cluster: Option<std::sync::Arc<rdkv_cluster_file::ClusterConfig>>,
 }
 
 /// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
@@ -104,7 +104,7 @@ impl ServerConfig {
             lease_timeout: Duration::from_secs(10),
             operation_deadline: Duration::from_secs(2),
             max_connections: 1024,
-            limits: rdkv_cluster_config::config::ConnectionLimits::default(),
+            limits: rdkv_cluster_file::config::ConnectionLimits::default(),
             hash_seed: None,
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: None,
@@ -120,10 +120,7 @@ impl ServerConfig {
     ///
     /// # Errors
     /// [`Error::Config`] when the file has no such node.
-    pub fn from_cluster(
-        cluster: &rdkv_cluster_config::ClusterConfig,
-        node_id: u32,
-    ) -> Result<Self> {
+    pub fn from_cluster(cluster: &rdkv_cluster_file::ClusterConfig, node_id: u32) -> Result<Self> {
         let node = cluster.node(node_id).ok_or_else(|| Error::Config {
             field: "node",
             reason: format!(

@@ -8,8 +8,10 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use rdkv_fabric::lock;
 
 /// One holder: who, doing what, since when.
 #[derive(Debug, Clone)]
@@ -27,12 +29,6 @@ struct Holder {
 pub struct Gate {
     holders: Mutex<BTreeMap<u64, Holder>>,
     next: std::sync::atomic::AtomicU64,
-}
-
-fn lock(holders: &Mutex<BTreeMap<u64, Holder>>) -> MutexGuard<'_, BTreeMap<u64, Holder>> {
-    holders
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Gate {

@@ -41,10 +41,13 @@ use rdkv_common::layout::TableGeometry;
 use rdkv_fabric::{lock, MemoryWindow};
 
 use crate::announce::{Announcements, Snapshot};
-use crate::compactor::COMPACTOR;
 
 /// Bytes of one extent: the unit the heap hands out, seals and reclaims.
 pub const EXTENT_SIZE: u64 = 4096;
+
+/// The owner id of the server's own compaction grants (`crate::compactor`; client
+/// connections start at 1): the heap keeps a reserve for it.
+pub const COMPACTOR: u64 = 0;
 
 /// Each grant is at most this share of the extents free to clients (and at least what the block
 /// asking for it needs), so that many writers share a small heap.

@@ -3,18 +3,42 @@
 //!
 //! - [`config`]: settings and their validation.
 //! - [`table`]: the registered region (index + heap).
-//! - [`heap`]: chunk allocation and the collector that reclaims unreferenced chunks.
-//! - [`collector`]: the task that reclaims and compacts the heap, at a pace that follows its work.
+//! - [`heap`]: extent allocation, sealing and reclaiming.
+//! - [`announce`]: each data connection's announce word, and the node's lease word.
 //! - [`compactor`]: moves the few live blocks out of sparse chunks so they can be reclaimed.
-//! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
-//!   heartbeats), ordered teardown.
-//! - [`server`]: start, run, shutdown.
+//! - `collector_pace`: the collector's pace and what it remembers between passes.
+//! - `sweep`: removes the copies the view no longer names on this node.
+//! - [`view`]: the cluster view, agreed by the nodes with Raft (`openraft`).
+//! - [`stats`](crate::stats): counters.
 //! - [`gate`]: what a stopping server still waits for, named in its logs.
 //! - [`pending`]: the limits on connections that have not authenticated yet.
 //! - `log_budget`: at most a line a second for what an outsider can cause at will.
+//! - `node`: the node's state, which every task shares, with its fabric attachments (table,
+//!   announce words and completion queue per fabric).
+//! - [`collector`]: the task that reclaims and compacts the heap, at a pace that follows its work.
+//! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
+//!   heartbeats), ordered teardown.
+//! - `refill`: a returning node copies its keys from its peers.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
-//! - [`stats`](crate::stats): counters.
-//! - [`view`]: the cluster view, agreed by the nodes with Raft (`openraft`).
+//! - [`server`]: start, run, shutdown.
+//!
+//! # Module dependency order
+//!
+//! No module imports one above it, so there are no import circles (check:
+//! `grep -rn "crate::" server/src`, per module):
+//!
+//! ```text
+//! error, gate, log_budget, pending, collector_pace   (import no other module)
+//! announce, table, config                            (error)
+//! heap                                               (announce)
+//! compactor, stats                                   (heap, table)
+//! view                                               (announce, error)
+//! sweep                                              (config, table, view)
+//! node                                               (the state it holds: all of the above)
+//! collector, session, refill                         (node, and the state modules)
+//! metrics                                            (pending)
+//! server                                             (everything: it builds the node, starts the tasks)
+//! ```
 //!
 //! The server never handles a GET, PUT, DELETE or CAS: the fabric's NIC engine serves clients'
 //! one-sided requests against the registered table, and gives server code no callback for them.
@@ -22,6 +46,7 @@
 
 pub mod announce;
 pub mod collector;
+mod collector_pace;
 pub mod compactor;
 pub mod config;
 pub mod error;
@@ -29,6 +54,7 @@ pub mod gate;
 pub mod heap;
 mod log_budget;
 pub mod metrics;
+mod node;
 pub mod pending;
 mod refill;
 pub mod server;

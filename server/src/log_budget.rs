@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use rdkv_fabric::lock;
+
 /// At most one line per `period`; the lines it refuses are counted.
 #[derive(Debug)]
 pub(crate) struct LogBudget {
@@ -28,10 +30,7 @@ impl LogBudget {
     /// Whether a line may be written now: `Some(n)` with the `n` lines left out since the last
     /// one written (the caller says so in its line), `None` when this one is left out.
     pub(crate) fn take(&self) -> Option<u64> {
-        let mut last = self
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut last = lock(&self.last);
         let now = Instant::now();
         if last.is_some_and(|written| now.duration_since(written) < self.period) {
             self.left_out.fetch_add(1, Ordering::Relaxed);

@@ -350,7 +350,7 @@ pub(crate) async fn serve(
                 // Out of file descriptors: back off rather than spin.
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(crate::server::ACCEPT_BACKOFF) => {}
+                    _ = tokio::time::sleep(crate::pending::ACCEPT_BACKOFF) => {}
                 }
                 continue;
             }

@@ -34,12 +34,21 @@
 //! never the victim of a flood that says nothing. Only when every candidate has spoken does
 //! the oldest go. An evicted connection is closed and counted.
 
-use rdkv_cluster_config::config::ConnectionLimits;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rdkv_cluster_file::config::ConnectionLimits;
+use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
+
+/// How long an accept loop (the control port's, the metrics port's) waits after a failed
+/// accept (out of file descriptors): retrying at once would spin.
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often, at most, a failed accept is logged.
+pub(crate) const ACCEPT_WARNING_EVERY: Duration = Duration::from_secs(1);
 
 /// One pending connection.
 #[derive(Debug)]
@@ -161,9 +170,7 @@ impl PendingHandshakes {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Pending>> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.pending)
     }
 
     /// Admits connection `id` from `source`, whose handshake `evict` cancels and whose socket

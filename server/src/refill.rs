@@ -16,7 +16,7 @@ use rdkv_client::{Client, SCAN_BUCKETS};
 use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
 use tokio_util::sync::CancellationToken;
 
-use crate::session::Shared;
+use crate::node::Node;
 
 /// How often the task looks at the view for this node filling, and waits between tries.
 const REFILL_POLL: Duration = Duration::from_millis(200);
@@ -38,8 +38,8 @@ const COPY_ATTEMPTS: u32 = 5;
 
 /// Runs until `shutdown`: whenever the view has this node filling as this incarnation, refills
 /// it and asks for its promotion.
-pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
-    let Some(cluster) = shared.config.cluster.clone() else {
+pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
+    let Some(cluster) = node.config.cluster.clone() else {
         return;
     };
     let mut pause = REFILL_POLL;
@@ -53,7 +53,7 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
         pause = REFILL_POLL;
         // The round names this spell of filling: one that ends (the node marked down) and
         // another that starts while this refill runs must be refilled again.
-        let Some(round) = shared.view.filling_round() else {
+        let Some(round) = node.view.filling_round() else {
             failures = 0;
             continue;
         };
@@ -65,26 +65,22 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
         let client = Client::for_refill(&cluster, REFILL_CONCURRENCY);
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = refill(&shared, &client, round) => outcome,
+            outcome = refill(&node, &client, round) => outcome,
         };
         client.close().await;
         match outcome {
             Ok(copied) => {
                 failures = 0;
                 tracing::info!(
-                    node = shared.config.node_id,
+                    node = node.config.node_id,
                     copied,
                     elapsed = ?started.elapsed(),
                     "refill complete: asking for promotion"
                 );
-                while shared.view.filling_round() == Some(round) {
-                    match shared.view.promote(round).await {
+                while node.view.filling_round() == Some(round) {
+                    match node.view.promote(round).await {
                         Ok(epoch) => {
-                            tracing::info!(
-                                node = shared.config.node_id,
-                                epoch,
-                                "promoted: serving"
-                            );
+                            tracing::info!(node = node.config.node_id, epoch, "promoted: serving");
                             break;
                         }
                         Err(reason) => {
@@ -98,7 +94,7 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
                 }
             }
             Err(reason) => {
-                tracing::warn!(node = shared.config.node_id, %reason, "refill failed; starting over");
+                tracing::warn!(node = node.config.node_id, %reason, "refill failed; starting over");
                 failures += 1;
                 pause = REFILL_POLL
                     .saturating_mul(1 << failures.min(5))
@@ -110,9 +106,9 @@ pub(crate) async fn refill_loop(shared: Arc<Shared>, shutdown: CancellationToken
 
 /// One refill for the filling round that began at epoch `round`: every serving peer's table
 /// scanned, the keys this node will hold copied. Returns the keys copied.
-async fn refill(shared: &Shared, client: &Client, round: u64) -> Result<u64, String> {
-    let me = shared.config.node_id;
-    let counters = &shared.counters;
+async fn refill(node: &Node, client: &Client, round: u64) -> Result<u64, String> {
+    let me = node.config.node_id;
+    let counters = &node.counters;
     // Route by the view that has this node filling, and wait until every serving peer knows
     // it too: each then fenced the connections of older views, so every write from here on
     // reaches this node, and every write before is in the peers' tables.
@@ -139,11 +135,11 @@ async fn refill(shared: &Shared, client: &Client, round: u64) -> Result<u64, Str
         ));
     }
     let peers: Vec<u32> = view.serving();
-    wait_for_peers(shared, &peers, view.epoch).await?;
+    wait_for_peers(node, &peers, view.epoch).await?;
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
-    let forgotten = shared.table.clear_slots();
+    let forgotten = node.table().clear_slots();
     if forgotten > 0 {
         tracing::info!(
             node = me,
@@ -198,8 +194,8 @@ async fn refill(shared: &Shared, client: &Client, round: u64) -> Result<u64, Str
 
 /// Waits until every one of `peers` has applied the view of `epoch` (its data connections
 /// of older views are fenced then).
-async fn wait_for_peers(shared: &Shared, peers: &[u32], epoch: u64) -> Result<(), String> {
-    let Some(cluster) = shared.config.cluster.as_ref() else {
+async fn wait_for_peers(node: &Node, peers: &[u32], epoch: u64) -> Result<(), String> {
+    let Some(cluster) = node.config.cluster.as_ref() else {
         return Ok(());
     };
     let started = Instant::now();

@@ -17,13 +17,18 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::announce::Announcements;
-use crate::compactor;
+use crate::collector_pace::Pace;
+use crate::compactor::Compactor;
 use crate::config::ServerConfig;
 use crate::error::{Error, Result};
 use crate::heap::Heap;
+use crate::log_budget::LogBudget;
 use crate::metrics;
-use crate::session::{self, Shared, ShmFabric};
+use crate::node::{Attachment, Node, MAIN_ATTACHMENT, SEND_QUEUE_DEPTH};
+use crate::pending::{PendingHandshakes, ACCEPT_BACKOFF, ACCEPT_WARNING_EVERY};
+use crate::session;
 use crate::stats::Counters;
+use crate::sweep::Sweep;
 use crate::table::TableRegion;
 
 /// A started server. Dropping it cancels it; [`RunningServer::shutdown`] also waits for every
@@ -40,8 +45,8 @@ pub struct RunningServer {
     shutdown: CancellationToken,
     /// Tracks every task, so shutdown can wait for them.
     tasks: TaskTracker,
-    /// The state connections share.
-    shared: Arc<Shared>,
+    /// The node's state, which its connections and tasks share.
+    node: Arc<Node>,
 }
 
 impl RunningServer {
@@ -62,21 +67,18 @@ impl RunningServer {
 
     /// Whether the node offers an `shm` fabric next to its main one.
     pub fn offers_shm(&self) -> bool {
-        self.shared.shm.is_some()
+        self.node.same_host_attachment().is_some()
     }
 
-    /// The node's `shm` socket, when it offers one.
+    /// The node's `shm` socket, when it offers one next to its main fabric.
     pub fn shm_socket(&self) -> Option<std::path::PathBuf> {
-        self.shared
-            .shm
-            .as_ref()
-            .and_then(|shm| shm.table.device.shm_socket())
+        self.node.same_host_socket()
     }
 
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
         // Tests call this: an index scan on the caller's thread gives the exact key count.
-        self.shared.stats(self.shared.table.count_keys())
+        self.node.stats(self.node.table().count_keys())
     }
 
     /// A token that stops the server when cancelled.
@@ -94,13 +96,13 @@ impl RunningServer {
     pub async fn shutdown(self) {
         self.shutdown.cancel();
         self.tasks.close();
-        let node = self.shared.config.node_id;
+        let node = self.node.config.node_id;
         let started = Instant::now();
         while tokio::time::timeout(SHUTDOWN_REPORT_EVERY, self.tasks.wait())
             .await
             .is_err()
         {
-            let waiting = self.shared.gate.describe();
+            let waiting = self.node.gate.describe();
             if started.elapsed() >= SHUTDOWN_BOUND {
                 tracing::error!(
                     node,
@@ -127,11 +129,6 @@ impl Drop for RunningServer {
     }
 }
 
-/// How long the accept loop waits after a failed accept (out of file descriptors).
-pub(crate) const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
-/// How often, at most, a failed accept is logged.
-pub(crate) const ACCEPT_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// How long a shutdown waits for teardowns before it gives up on them.
 pub const SHUTDOWN_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
 /// How often a slow shutdown says what it waits for.
@@ -147,39 +144,14 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         .hash_seed
         .unwrap_or_else(|| rand::thread_rng().next_u64());
     let geometry = config.geometry(hash_seed)?;
-    let device_config = DeviceConfig {
-        poll_spin: config.poll_spin,
-        engine_threads: config.limits.fabric_engine_threads,
-        hello_deadline: config.limits.fabric_hello_deadline,
-        max_pending_hellos: config.limits.fabric_max_pending_hellos,
-        response_buffer: config.limits.fabric_response_buffer,
-        ..DeviceConfig::default()
-    };
-    let device = match (&config.shm_socket, config.fabric) {
-        // A node whose main fabric is shm offers it on its socket.
-        (Some(socket), Backend::Shm) => Device::shm(Some(socket.clone()), device_config)?,
-        _ => Device::open(
-            config.fabric,
-            Some(config.fabric_address),
-            &config.verbs,
-            device_config,
-        )?,
-    };
-    // The node's shm fabric (when it offers one next to a main fabric that is not shm): the
-    // table and the announce words are then memory files, registered on both devices.
-    let shm_device = match (&config.shm_socket, config.fabric) {
-        (Some(socket), main) if main != Backend::Shm => Some(Device::shm(
-            Some(socket.clone()),
-            DeviceConfig {
-                hello_deadline: config.limits.fabric_hello_deadline,
-                ..DeviceConfig::default()
-            },
-        )?),
-        _ => None,
-    };
-    let shareable = shm_device.is_some() || config.fabric == Backend::Shm;
+    let (main_device, other_devices) = open_devices(&config)?;
+    // The table and the announce words are memory files when a device offers them to
+    // processes of this host, and are then registered on every device.
+    let shareable = std::iter::once(&main_device)
+        .chain(&other_devices)
+        .any(|device| device.capabilities().shares_memory);
     let table = TableRegion::allocate(
-        &device,
+        &main_device,
         geometry,
         config.hugepages,
         PinLimits {
@@ -200,19 +172,9 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     // A data connection each: clients' (max_connections) and refilling peers' (their reserve).
     let data_connections = config.max_connections + crate::pending::PEER_RESERVE;
     let announcements = Announcements::allocate(&table.domain, data_connections, shareable)?;
-    let completion_queue_size =
-        (data_connections * crate::session::SEND_QUEUE_DEPTH as usize).max(1024);
-    let shm = match shm_device {
-        None => None,
-        Some(shm_device) => {
-            let shm_table = table.also_on(&shm_device)?;
-            Some(ShmFabric {
-                announce_region: announcements.register_in(&shm_table.domain)?,
-                completion_queue: shm_device.create_completion_queue(completion_queue_size)?,
-                table: shm_table,
-            })
-        }
-    };
+    // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
+    let completion_queue_size = (data_connections * SEND_QUEUE_DEPTH as usize).max(1024);
+    let attachments = attach(table, &other_devices, &announcements, completion_queue_size)?;
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
     let view = crate::view::ViewService::start(
@@ -227,76 +189,141 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         shutdown.clone(),
     )
     .await?;
-    let shared = Arc::new(Shared {
+    let node = Arc::new(Node {
         heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
         announcements,
-        // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
-        completion_queue: device.create_completion_queue(completion_queue_size)?,
-        table,
+        attachments,
         counters: Counters::new(),
-        compactor: compactor::Compactor::default(),
-        collector: crate::collector::Pace::new(config.collector_interval),
-        sweep: crate::sweep::Sweep::default(),
+        compactor: Compactor::default(),
+        collector: Pace::new(config.collector_interval),
+        sweep: Sweep::default(),
         next_connection: AtomicU64::new(1),
         gate: Arc::default(),
-        pending: crate::pending::PendingHandshakes::new(config.limits, config.max_connections),
-        unauthenticated_ends: crate::log_budget::LogBudget::new(std::time::Duration::from_secs(1)),
-        shm,
+        pending: PendingHandshakes::new(config.limits, config.max_connections),
+        unauthenticated_ends: LogBudget::new(std::time::Duration::from_secs(1)),
         view,
         config,
     });
     // Every list a client posts ends with a READ of this word (`rdkv_common::lease`).
-    shared
-        .view
-        .set_lease_sink(shared.announcements.lease_sink());
+    node.view.set_lease_sink(node.announcements.lease_sink());
     tasks.spawn(accept_loop(
         listener,
-        shared.clone(),
+        node.clone(),
         shutdown.clone(),
         tasks.clone(),
     ));
     tasks.spawn(crate::collector::collect_loop(
-        shared.clone(),
+        node.clone(),
         shutdown.clone(),
     ));
-    tasks.spawn(crate::refill::refill_loop(shared.clone(), shutdown.clone()));
-    let metrics_address = match shared.config.metrics_address {
-        None => None,
-        Some(address) => {
-            let listener = metrics::bind(address)
-                .await
-                .map_err(|source| Error::BindMetrics { address, source })?;
-            let bound = listener.local_addr().ok();
-            let gauges = Arc::new(metrics::Metrics::new(shared.config.node_id));
-            let state = shared.clone();
-            tasks.spawn(metrics::serve(
-                listener,
-                gauges,
-                move || {
-                    // Metrics are unauthenticated: no index scan per scrape, the collector's
-                    // count (at most one collector interval old).
-                    state.stats(state.counters.collector_keys.load(Ordering::Relaxed))
-                },
-                shutdown.clone(),
-            ));
-            bound
-        }
-    };
+    tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
+    let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;
+    let fabric_address = main_device.listen_address();
     tracing::info!(
-        node = shared.config.node_id,
+        node = node.config.node_id,
         control = %control_address,
-        fabric = ?device.listen_address(),
-        shm_socket = ?shared.shm.as_ref().and_then(|shm| shm.table.device.shm_socket()),
+        fabric = ?fabric_address,
+        shm_socket = ?node.same_host_socket(),
         "server ready"
     );
     Ok(RunningServer {
         control_address,
         metrics_address,
-        fabric_address: device.listen_address(),
+        fabric_address,
         shutdown,
         tasks,
-        shared,
+        node,
     })
+}
+
+/// The node's devices: its main fabric's (the cluster's), and the others it serves on. A node
+/// given an `shm` socket offers its memory to clients of its host there: on its main device if
+/// that is `shm`, else on an `shm` device beside it.
+fn open_devices(config: &ServerConfig) -> Result<(Device, Vec<Device>)> {
+    let device_config = DeviceConfig {
+        poll_spin: config.poll_spin,
+        engine_threads: config.limits.fabric_engine_threads,
+        hello_deadline: config.limits.fabric_hello_deadline,
+        max_pending_hellos: config.limits.fabric_max_pending_hellos,
+        response_buffer: config.limits.fabric_response_buffer,
+        ..DeviceConfig::default()
+    };
+    let main = match (&config.shm_socket, config.fabric) {
+        // A node whose main fabric is shm offers it on its socket.
+        (Some(socket), Backend::Shm) => Device::shm(Some(socket.clone()), device_config)?,
+        _ => Device::open(
+            config.fabric,
+            Some(config.fabric_address),
+            &config.verbs,
+            device_config,
+        )?,
+    };
+    let mut others = Vec::new();
+    if let Some(socket) = &config.shm_socket {
+        if !main.capabilities().shares_memory {
+            others.push(Device::shm(
+                Some(socket.clone()),
+                DeviceConfig {
+                    hello_deadline: config.limits.fabric_hello_deadline,
+                    ..DeviceConfig::default()
+                },
+            )?);
+        }
+    }
+    Ok((main, others))
+}
+
+/// The node's attachments: the table's own device first, then `others`, on each of which the
+/// table and the announce words are registered too.
+fn attach(
+    table: TableRegion,
+    others: &[Device],
+    announcements: &Announcements,
+    completion_queue_size: usize,
+) -> Result<Vec<Attachment>> {
+    let main = Attachment::main(table, announcements, completion_queue_size)?;
+    let mut attachments = Vec::with_capacity(1 + others.len());
+    for device in others {
+        attachments.push(Attachment::also_on(
+            device,
+            &main,
+            announcements,
+            completion_queue_size,
+        )?);
+    }
+    attachments.insert(MAIN_ATTACHMENT, main);
+    Ok(attachments)
+}
+
+/// Serves the metrics when the configuration names an address; returns the bound address.
+///
+/// # Errors
+/// [`Error::BindMetrics`].
+async fn serve_metrics(
+    node: &Arc<Node>,
+    tasks: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> Result<Option<SocketAddr>> {
+    let Some(address) = node.config.metrics_address else {
+        return Ok(None);
+    };
+    let listener = metrics::bind(address)
+        .await
+        .map_err(|source| Error::BindMetrics { address, source })?;
+    let bound = listener.local_addr().ok();
+    let gauges = Arc::new(metrics::Metrics::new(node.config.node_id));
+    let state = node.clone();
+    tasks.spawn(metrics::serve(
+        listener,
+        gauges,
+        move || {
+            // Metrics are unauthenticated: no index scan per scrape, the collector's count (at
+            // most one collector interval old).
+            state.stats(state.counters.collector_keys.load(Ordering::Relaxed))
+        },
+        shutdown.clone(),
+    ));
+    Ok(bound)
 }
 
 /// Starts a server and runs it until `shutdown` is cancelled, then stops it in order.
@@ -322,7 +349,7 @@ pub async fn run(
     if signalled {
         // A signal (SIGTERM, `systemctl stop`): out of the view first, so the node's keys move
         // at once (`view/leave.rs`); a `Shutdown` frame did this before it cancelled.
-        server.shared.view.leave().await;
+        server.node.view.leave().await;
     }
     server.shutdown().await;
     Ok(())
@@ -330,13 +357,13 @@ pub async fn run(
 
 async fn accept_loop(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    node: Arc<Node>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
 ) {
     // Authenticated slots and the unauthenticated budget are counted apart (`crate::pending`);
     // this bounds the sockets of both, with one to spare so a new connection can evict.
-    let limit = Arc::new(Semaphore::new(shared.pending.accept_limit()));
+    let limit = Arc::new(Semaphore::new(node.pending.accept_limit()));
     let mut last_accept_warning = None;
     loop {
         let permit = tokio::select! {
@@ -352,10 +379,10 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let shared = shared.clone();
+                let node = node.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
-                    session::serve(shared, stream, peer, shutdown).await;
+                    session::serve(node, stream, peer, shutdown).await;
                     drop(permit);
                 });
             }

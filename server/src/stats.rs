@@ -6,6 +6,7 @@ use std::time::Instant;
 use std::sync::Mutex;
 
 use rdkv_common::protocol::{ClientCounters, ServerStats};
+use rdkv_fabric::lock;
 
 use crate::heap::Heap;
 use crate::table::TableRegion;
@@ -29,10 +30,6 @@ pub struct Counters {
     pub data_path_requests: AtomicU64,
     /// The sum of what clients reported about their one-sided work.
     pub client_counters: Mutex<ClientCounters>,
-    /// Data connections (with a queue pair) on the main fabric now.
-    pub data_connections: AtomicU64,
-    /// Data connections on the `shm` fabric now.
-    pub shm_data_connections: AtomicU64,
     /// Data connections fenced by a view change.
     pub connections_fenced: AtomicU64,
     /// Data connections refused because the node was not serving data (no lease, down, or
@@ -75,8 +72,6 @@ impl Counters {
             authentication_failures: AtomicU64::new(0),
             handshakes_timed_out: AtomicU64::new(0),
             data_path_requests: AtomicU64::new(0),
-            data_connections: AtomicU64::new(0),
-            shm_data_connections: AtomicU64::new(0),
             client_counters: Mutex::new(ClientCounters::default()),
             collector_keys: AtomicU64::new(0),
             connections_fenced: AtomicU64::new(0),
@@ -92,16 +87,15 @@ impl Counters {
         }
     }
 
-    /// Committed keys now, exact when no write is in flight: the result of an index scan that
-    /// started after this call (see [`KeyScans`]).
-    pub(crate) async fn exact_keys(&self, shared: std::sync::Arc<crate::session::Shared>) -> u64 {
+    /// Committed keys now, exact when no write is in flight: the result of an index scan
+    /// (`count_keys`, run on the blocking pool) that started after this call (see
+    /// [`KeyScans`]).
+    pub(crate) async fn exact_keys(
+        &self,
+        count_keys: impl FnOnce() -> u64 + Send + 'static,
+    ) -> u64 {
         let asked = Instant::now();
-        let last = |scans: &KeyScans| {
-            *scans
-                .last
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        };
+        let last = |scans: &KeyScans| *lock(&scans.last);
         let Ok(_scan) = self.key_scans.scanning.acquire().await else {
             return self.collector_keys.load(Ordering::Relaxed);
         };
@@ -111,23 +105,16 @@ impl Counters {
             }
         }
         let started = Instant::now();
-        let keys = tokio::task::spawn_blocking(move || shared.table.count_keys())
+        let keys = tokio::task::spawn_blocking(count_keys)
             .await
             .unwrap_or_else(|_| self.collector_keys.load(Ordering::Relaxed));
-        *self
-            .key_scans
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((started, keys));
+        *lock(&self.key_scans.last) = Some((started, keys));
         keys
     }
 
     /// Adds a client's report.
     pub fn add_client_report(&self, report: &ClientCounters) {
-        self.client_counters
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .add(report);
+        lock(&self.client_counters).add(report);
     }
 
     /// A snapshot with the table's and heap's figures, and `keys` as counted by the caller
@@ -157,7 +144,7 @@ impl Counters {
             extents_reclaimed: heap.reclaimed.load(Ordering::Relaxed),
             blocks_relocated: heap.blocks_relocated.load(Ordering::Relaxed),
             tentatives_cleared: heap.tentatives_cleared.load(Ordering::Relaxed),
-            // Filled in by `Shared::stats`, which knows the collector.
+            // Filled in by `Node::stats`, which knows the collector.
             collector_passes: 0,
             tombstones_cleared: 0,
             extra_copies_removed: 0,
@@ -173,16 +160,17 @@ impl Counters {
             fabric_output_stalls: gauges.output_stalls,
             fabric_responder_errors: gauges.responder_errors,
             fabric: Some(table.device.backend()),
-            data_connections: self.data_connections.load(Ordering::Relaxed),
-            shm_data_connections: self.shm_data_connections.load(Ordering::Relaxed),
+            // Filled in by `Node::stats`, which knows the attachments.
+            data_connections: 0,
+            shm_data_connections: 0,
             authentication_failures: self.authentication_failures.load(Ordering::Relaxed),
             handshakes_timed_out: self.handshakes_timed_out.load(Ordering::Relaxed),
-            // Filled in by `Shared::stats`, which knows the pending handshakes.
+            // Filled in by `Node::stats`, which knows the pending handshakes.
             pending_handshakes: 0,
             handshakes_evicted: 0,
             authenticated_connections: 0,
             connections_refused_full: 0,
-            // Filled in by `Shared::stats`, which knows the view.
+            // Filled in by `Node::stats`, which knows the view.
             view_epoch: 0,
             view_leader: 0,
             view_members_down: 0,
@@ -192,16 +180,13 @@ impl Counters {
                 .connections_refused_not_serving
                 .load(Ordering::Relaxed),
             lanes_refused: self.lanes_refused.load(Ordering::Relaxed),
-            // Filled in by `Shared::stats`, which knows the view.
+            // Filled in by `Node::stats`, which knows the view.
             serving_data: true,
             serving_stops: 0,
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
-            client_counters: *self
-                .client_counters
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+            client_counters: *lock(&self.client_counters),
         }
     }
 }

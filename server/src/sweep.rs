@@ -25,8 +25,11 @@ use std::time::Instant;
 use rdkv_common::layout::Slot;
 use rdkv_common::protocol::{ClusterView, MemberState};
 use rdkv_common::sharding;
+use rdkv_fabric::lock;
 
-use crate::session::Shared;
+use crate::config::ServerConfig;
+use crate::table::TableRegion;
+use crate::view::ViewService;
 
 /// The sweep's state: which view it last completed under, and what it removed.
 #[derive(Debug, Default)]
@@ -47,25 +50,25 @@ impl Sweep {
     }
 
     /// The view to sweep under now, if one is due: see the module's rules.
-    fn due(&self, shared: &Shared, replicas: usize) -> Option<ClusterView> {
-        let view = shared.view.current();
+    fn due(
+        &self,
+        config: &ServerConfig,
+        view_service: &ViewService,
+        replicas: usize,
+    ) -> Option<ClusterView> {
+        let view = view_service.current();
         let epoch = view.epoch;
         let settled = {
-            let mut known = self
-                .known
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut known = lock(&self.known);
             match *known {
-                Some((seen, since)) if seen == epoch => {
-                    since.elapsed() >= shared.config.failure_timeout
-                }
+                Some((seen, since)) if seen == epoch => since.elapsed() >= config.failure_timeout,
                 _ => {
                     *known = Some((epoch, Instant::now()));
                     false
                 }
             }
         };
-        let me = shared.config.node_id;
+        let me = config.node_id;
         let eligible = settled
             && self.swept_epoch.load(Ordering::Relaxed) != epoch
             && view.members.len() > replicas
@@ -77,26 +80,27 @@ impl Sweep {
                 .members
                 .iter()
                 .any(|member| member.node_id == me && member.state == MemberState::Serving)
-            && shared.view.serving_now().is_ok();
+            && view_service.serving_now().is_ok();
         eligible.then_some(view)
     }
 
-    /// Removes the committed slots of `slots` (the collector's scan) whose key's copies under
-    /// the view exclude this node, when a sweep is due; removed slots leave `slots`. Returns
-    /// how many it removed.
-    pub(crate) fn run(&self, shared: &Shared, slots: &mut Vec<(u64, Slot)>) -> u64 {
-        let Some(replicas) = shared
-            .config
-            .cluster
-            .as_ref()
-            .map(|cluster| cluster.replicas)
-        else {
+    /// Removes the committed slots of `slots` (the collector's scan of `table`) whose key's
+    /// copies under the view (`view_service`'s) exclude this node (`config`'s), when a sweep is
+    /// due; removed slots leave `slots`. Returns how many it removed.
+    pub(crate) fn run(
+        &self,
+        config: &ServerConfig,
+        view_service: &ViewService,
+        table: &TableRegion,
+        slots: &mut Vec<(u64, Slot)>,
+    ) -> u64 {
+        let Some(replicas) = config.cluster.as_ref().map(|cluster| cluster.replicas) else {
             return 0;
         };
-        let Some(view) = self.due(shared, replicas) else {
+        let Some(view) = self.due(config, view_service, replicas) else {
             return 0;
         };
-        let me = shared.config.node_id;
+        let me = config.node_id;
         let serving = view.serving();
         let mut block = Vec::new();
         let mut removed = 0u64;
@@ -106,7 +110,7 @@ impl Sweep {
                 return true;
             }
             // Not an intact block (the slot changed since the scan): the next view's sweep.
-            let Some(decoded) = shared.table.read_block(*slot, &mut block) else {
+            let Some(decoded) = table.read_block(*slot, &mut block) else {
                 return true;
             };
             let ours = sharding::replicas(decoded.key, &serving, replicas)
@@ -115,11 +119,11 @@ impl Sweep {
             if ours {
                 return true;
             }
-            if shared.view.epoch() != view.epoch || shared.view.serving_now().is_err() {
+            if view_service.epoch() != view.epoch || view_service.serving_now().is_err() {
                 interrupted = true;
                 return true;
             }
-            let emptied = shared.table.empty_slot(*index_offset, *slot);
+            let emptied = table.empty_slot(*index_offset, *slot);
             removed += u64::from(emptied);
             !emptied
         });

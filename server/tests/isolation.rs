@@ -45,7 +45,7 @@ impl RawClient {
         };
         let backend = welcome.server_endpoint.backend();
         assert_eq!(
-            backend == Backend::Shm,
+            backend.capabilities().shares_memory,
             over_shm,
             "the node's fabric for this client"
         );

@@ -11,7 +11,7 @@ use rdkv_common::protocol::{
     ServerMessage, PROTOCOL_VERSION,
 };
 use rdkv_common::ControlError;
-use rdkv_fabric::{Backend, QueuePairConfig};
+use rdkv_fabric::QueuePairConfig;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -169,6 +169,66 @@ fn reachable_here(socket: &std::path::Path) -> bool {
         && std::os::unix::net::UnixStream::connect(socket).is_ok()
 }
 
+/// [`authenticate`], again when the node closes the connection during it: a node under a flood
+/// of unauthenticated connections evicts the oldest silent one, and ours can be it between the
+/// challenge and our proof. That close (never a wrong secret, which is refused in words) is
+/// worth a few more tries.
+async fn authenticate_with_retries(
+    config: &ClientConfig,
+    purpose: Purpose,
+) -> Result<(TcpStream, Welcome, ClockBound)> {
+    let address = config.node.control_address;
+    let mut attempt = 1;
+    loop {
+        match authenticate(config, purpose).await {
+            Err(Evictable::Closed) if attempt < AUTHENTICATE_ATTEMPTS => {
+                attempt += 1;
+                tracing::debug!(%address, attempt, "closed during authentication; connecting again");
+                tokio::time::sleep(AUTHENTICATE_BACKOFF * attempt).await;
+            }
+            Err(Evictable::Closed) => {
+                return Err(Error::NodeUnreachable {
+                    address,
+                    reason: format!(
+                        "the node closed the connection during authentication, {AUTHENTICATE_ATTEMPTS} times: it is stopping, or a flood of unauthenticated connections evicts ours (docs/protocol.md, Control frames)"
+                    ),
+                })
+            }
+            Err(Evictable::Failed(error)) => return Err(error),
+            Ok(authenticated) => return Ok(authenticated),
+        }
+    }
+}
+
+/// Starts the connection's control task on `stream` (heartbeats every third of the lease,
+/// control requests): returns its request channel, the flag it sets when the connection
+/// breaks, and the lease clock its heartbeats keep.
+fn start_control_task(
+    stream: TcpStream,
+    welcome: &Welcome,
+    clock: ClockBound,
+    counters: Arc<Counters>,
+) -> (
+    mpsc::Sender<ControlRequest>,
+    Arc<AtomicBool>,
+    Arc<Mutex<ClockBound>>,
+) {
+    let (control, requests) = mpsc::channel(16);
+    let heartbeat =
+        Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
+    let broken = Arc::new(AtomicBool::new(false));
+    let lease_clock = Arc::new(Mutex::new(clock));
+    tokio::spawn(control_task(
+        stream,
+        requests,
+        heartbeat,
+        counters,
+        broken.clone(),
+        lease_clock.clone(),
+    ));
+    (control, broken, lease_clock)
+}
+
 impl NodeConnection {
     /// Connects, authenticates, connects the queue pair and starts the control task; writers
     /// take their turns in `writer_stripes`, the node's, and lookups guess from `slot_cache`, the
@@ -184,31 +244,13 @@ impl NodeConnection {
     ) -> Result<Arc<Self>> {
         let address = config.node.control_address;
         let unreachable = |reason: String| Error::NodeUnreachable { address, reason };
-        // A node under a flood of unauthenticated connections evicts the oldest silent one;
-        // ours can be it between the challenge and our proof. That close (never a wrong
-        // secret, which is refused in words) is worth a few more tries.
-        let mut attempt = 1;
-        let (mut stream, welcome, clock) = loop {
-            match authenticate(config, purpose).await {
-                Err(Evictable::Closed) if attempt < AUTHENTICATE_ATTEMPTS => {
-                    attempt += 1;
-                    tracing::debug!(%address, attempt, "closed during authentication; connecting again");
-                    tokio::time::sleep(AUTHENTICATE_BACKOFF * attempt).await;
-                }
-                Err(Evictable::Closed) => {
-                    return Err(unreachable(format!(
-                        "the node closed the connection during authentication, {AUTHENTICATE_ATTEMPTS} times: it is stopping, or a flood of unauthenticated connections evicts ours (docs/protocol.md, Control frames)"
-                    )))
-                }
-                Err(Evictable::Failed(error)) => return Err(error),
-                Ok(authenticated) => break authenticated,
-            }
-        };
+        let (mut stream, welcome, clock) = authenticate_with_retries(config, purpose).await?;
 
         // The welcome's endpoint says which fabric the node gave this connection: its shm
         // fabric when asked for and offered, else the cluster's.
         let backend = welcome.server_endpoint.backend();
-        if config.node.shared_memory == SharedMemory::Require && backend != Backend::Shm {
+        let capabilities = backend.capabilities();
+        if config.node.shared_memory == SharedMemory::Require && !capabilities.shares_memory {
             return Err(Error::Refused {
                 reason: format!(
                     "the node at {address} answered with its {backend} fabric, not shm; use --fabric soft"
@@ -226,7 +268,7 @@ impl NodeConnection {
         let connect_queue_pair = ClientMessage::ConnectQueuePair {
             endpoint: queue_pair.endpoint(),
         };
-        if backend == Backend::Shm {
+        if capabilities.responder_connects_first {
             // An shm responder takes an attach only once its queue pair is connected to ours:
             // name ours first.
             write_frame(&mut stream, &connect_queue_pair).await?;
@@ -262,19 +304,8 @@ impl NodeConnection {
         counters
             .view_epoch
             .fetch_max(welcome.view_epoch, std::sync::atomic::Ordering::Relaxed);
-        let (control, requests) = mpsc::channel(16);
-        let heartbeat =
-            Duration::from_millis(welcome.lease_timeout_ms / 3).max(Duration::from_millis(10));
-        let broken = Arc::new(AtomicBool::new(false));
-        let lease_clock = Arc::new(Mutex::new(clock));
-        tokio::spawn(control_task(
-            stream,
-            requests,
-            heartbeat,
-            counters.clone(),
-            broken.clone(),
-            lease_clock.clone(),
-        ));
+        let (control, broken, lease_clock) =
+            start_control_task(stream, &welcome, clock, counters.clone());
         let announcer = Arc::new(Announcer::new(announce_region, 0, keys.announce_key));
         let connection = Arc::new(Self {
             address,

@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use rdkv_fabric::{lock, Backend};
+use rdkv_fabric::lock;
 
 use super::NodeConnection;
 
@@ -308,10 +308,17 @@ impl SlotCache {
 
 impl NodeConnection {
     /// The slot cache's guess for the key at `location`, checked against this node's heap; none
-    /// over `verbs`, whose NICs may fetch a later READ's data before an earlier one's (the
-    /// ordering the guess relies on holds by construction on soft, shm and loopback only).
+    /// over a provider whose READs may return out of order (verbs: a NIC may fetch a later
+    /// READ's data before an earlier one's; `Capabilities::ordered_reads`), which the guess
+    /// relies on.
     pub(crate) fn guess(&self, location: &KeyLocation) -> Option<Guess> {
-        if self.welcome.server_endpoint.backend() == Backend::Verbs {
+        if !self
+            .welcome
+            .server_endpoint
+            .backend()
+            .capabilities()
+            .ordered_reads
+        {
             return None;
         }
         self.slot_cache

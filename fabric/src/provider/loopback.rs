@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use dashmap::DashMap;
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
@@ -24,6 +25,18 @@ fn devices() -> &'static DashMap<u64, Weak<DeviceInner>> {
     DEVICES.get_or_init(DashMap::new)
 }
 
+/// What loopback states (`docs/fabric.md`, *Capabilities*): a post runs the peer's engine on
+/// the posting thread, in order, and completes before it returns; the peer is in this process.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities {
+    ordered_reads: true,
+    binds_may_block: false,
+    teardown_may_block: false,
+    completes_inside_post: true,
+    shares_memory: false,
+    crosses_processes: false,
+    responder_connects_first: false,
+};
+
 /// A loopback NIC: registered in the process-wide registry while it lives.
 #[derive(Debug, Default)]
 pub(crate) struct LoopbackDevice {
@@ -34,6 +47,10 @@ pub(crate) struct LoopbackDevice {
 impl DeviceProvider for LoopbackDevice {
     fn backend(&self) -> Backend {
         Backend::Loopback
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {

@@ -5,23 +5,39 @@
 //!   memory) that `soft` and `loopback` share.
 //! - [`loopback`]: the model in one process.
 //! - [`soft`]: a user-space RNIC over TCP: listener, connections, and the wire format.
-//! - `verbs` (cargo feature `verbs`): real ibverbs through `sideway`.
+//! - `verbs` (cargo feature `verbs`): real ibverbs through `sideway`; only its capabilities
+//!   are built without the feature.
 //!
-//! Adding a provider is one module here and one arm in [`Device::open`] (see "Adding a
-//! provider" in `docs/architecture.md`).
+//! Adding a provider is one module here and one arm in [`Device::open`] and in
+//! [`Backend::capabilities`] (see "Adding a provider" in `docs/architecture.md`).
 
 pub(crate) mod engine;
 pub(crate) mod loopback;
 pub(crate) mod shm;
 pub(crate) mod soft;
-#[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
 use std::net::SocketAddr;
 
+use crate::capabilities::Capabilities;
 use crate::device::{Device, DeviceConfig, VerbsOptions};
 use crate::error::Result;
 use crate::types::Backend;
+
+impl Backend {
+    /// What the provider states about itself (its module's `CAPABILITIES`; an open device
+    /// answers the same through [`Device::capabilities`]), known without opening a device:
+    /// for checking a configuration, or for a peer's endpoint. Verbs answers in a build
+    /// without the feature too.
+    pub fn capabilities(self) -> Capabilities {
+        match self {
+            Backend::Soft => soft::CAPABILITIES,
+            Backend::Loopback => loopback::CAPABILITIES,
+            Backend::Shm => shm::CAPABILITIES,
+            Backend::Verbs => verbs::CAPABILITIES,
+        }
+    }
+}
 
 impl Device {
     /// Opens a device of `backend`: soft listening on `listen` (when given), loopback, verbs

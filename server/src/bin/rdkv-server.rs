@@ -54,13 +54,13 @@ struct Arguments {
     #[arg(long, default_value_t = 0)]
     poll_spin_us: u64,
     /// Index size in bytes (K, M, G suffixes allowed).
-    #[arg(long, default_value = "4M", value_parser = rdkv_cluster_config::units::parse_size)]
+    #[arg(long, default_value = "4M", value_parser = rdkv_cluster_file::units::parse_size)]
     index_size: u64,
     /// Heap size in bytes (K, M, G suffixes allowed).
-    #[arg(long, default_value = "64M", value_parser = rdkv_cluster_config::units::parse_size)]
+    #[arg(long, default_value = "64M", value_parser = rdkv_cluster_file::units::parse_size)]
     heap_size: u64,
     /// Heap chunk size in bytes (K, M suffixes allowed).
-    #[arg(long, default_value = "1M", value_parser = rdkv_cluster_config::units::parse_size)]
+    #[arg(long, default_value = "1M", value_parser = rdkv_cluster_file::units::parse_size)]
     chunk_size: u64,
     /// Hugepage policy: auto, require or off.
     #[arg(long, default_value = "auto")]
@@ -112,7 +112,7 @@ impl Arguments {
     /// The unauthenticated budget: given, or the default for --max-connections.
     fn max_unauthenticated(&self) -> usize {
         self.max_unauthenticated_connections.map_or_else(
-            || rdkv_cluster_config::config::default_unauthenticated(self.max_connections as usize),
+            || rdkv_cluster_file::config::default_unauthenticated(self.max_connections as usize),
             |given| given as usize,
         )
     }
@@ -181,7 +181,7 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
                 .as_deref()
                 .map(read_secret_file)
                 .transpose()?;
-            let cluster = rdkv_cluster_config::config::load_to_start(path, secret, Some(node))?;
+            let cluster = rdkv_cluster_file::config::load_to_start(path, secret, Some(node))?;
             for warning in &cluster.warnings {
                 tracing::warn!("{warning}");
             }
@@ -284,13 +284,13 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         lease_timeout: Duration::from_millis(arguments.lease_timeout_ms),
         operation_deadline: Duration::from_millis(arguments.deadline_ms),
         max_connections: arguments.max_connections as usize,
-        limits: rdkv_cluster_config::config::ConnectionLimits {
+        limits: rdkv_cluster_file::config::ConnectionLimits {
             max_connections: arguments.max_connections as usize,
             max_unauthenticated: arguments.max_unauthenticated(),
             max_pending_per_address: (arguments.max_pending_per_address as usize)
                 .min(arguments.max_unauthenticated()),
             fabric_engine_threads: arguments.fabric_engine_threads as usize,
-            ..rdkv_cluster_config::config::ConnectionLimits::default()
+            ..rdkv_cluster_file::config::ConnectionLimits::default()
         },
         hash_seed: None,
         collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,

@@ -31,7 +31,7 @@ impl Session {
             return Self::send(
                 writer,
                 &ServerMessage::MonitorReady {
-                    node_id: self.shared.config.node_id,
+                    node_id: self.node.config.node_id,
                 },
             )
             .await;
@@ -47,7 +47,7 @@ impl Session {
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
     ) -> Result<Purpose, crate::Error> {
-        let shared = self.shared.clone();
+        let node = self.node.clone();
         self.pass.step("handshake: waiting for Authenticate");
         let mut nonce = [0u8; PROOF_LENGTH];
         rand::thread_rng().fill_bytes(&mut nonce);
@@ -56,11 +56,8 @@ impl Session {
             &ServerMessage::Challenge {
                 protocol_version: PROTOCOL_VERSION,
                 nonce,
-                node_id: shared.config.node_id,
-                shm_socket: shared
-                    .shm
-                    .as_ref()
-                    .and_then(|shm| shm.table.device.shm_socket()),
+                node_id: node.config.node_id,
+                shm_socket: node.same_host_socket(),
             },
         )
         .await?;
@@ -83,9 +80,8 @@ impl Session {
             );
             return Err(Self::refuse(writer, reason).await);
         }
-        if !verify_proof(&shared.config.secret, shared.config.node_id, &nonce, &proof) {
-            shared
-                .counters
+        if !verify_proof(&node.config.secret, node.config.node_id, &nonce, &proof) {
+            node.counters
                 .authentication_failures
                 .fetch_add(1, Ordering::Relaxed);
             let reason =
@@ -94,7 +90,7 @@ impl Session {
             return Err(Self::refuse(writer, reason).await);
         }
         let client_name = rdkv_common::protocol::loggable_client_name(&client_name);
-        let slot = match shared
+        let slot = match node
             .pending
             .authenticate(self.connection_id, slot_class(purpose))
         {
@@ -110,26 +106,26 @@ impl Session {
             }
         };
         let open = slot.open();
-        if purpose == Purpose::Lane && open > shared.config.max_connections.div_ceil(2) {
+        if purpose == Purpose::Lane && open > node.config.max_connections.div_ceil(2) {
             // Extra lanes take at most half the node: the rest stays for first connections,
             // which would otherwise be refused as the node filled with another client's lanes.
-            shared
-                .counters
-                .lanes_refused
-                .fetch_add(1, Ordering::Relaxed);
+            node.counters.lanes_refused.fetch_add(1, Ordering::Relaxed);
             drop(slot);
             let reason = format!(
                 "no room for an extra lane: {open} of max_connections {} are open, and extra lanes take at most half (the client's first connection serves)",
-                shared.config.max_connections
+                node.config.max_connections
             );
             return Err(Self::refuse(writer, reason).await);
         }
         self.slot = Some(slot);
         // A client that asks for shared memory where none is offered gets the main fabric:
         // the welcome's endpoint says which.
-        self.over_shm = shared_memory && shared.shm.is_some();
+        self.attachment = node
+            .same_host_attachment()
+            .filter(|_| shared_memory)
+            .unwrap_or(MAIN_ATTACHMENT);
         self.routes_by_view = routes_by_view;
-        let fabric = shared.table_for(self.over_shm).device.backend();
+        let fabric = self.attachment().device().backend();
         self.monitor = matches!(purpose, Purpose::Monitor | Purpose::Peer);
         if self.monitor {
             // `rdkv-cluster status` and `up`'s wait poll often: their sessions are not news.
@@ -143,9 +139,9 @@ impl Session {
     /// Creates the client's queue pair (INIT) and sends the welcome with its endpoint. Only an
     /// authenticated client gets here.
     async fn welcome(&mut self, writer: &mut OwnedWriteHalf) -> Result<(), crate::Error> {
-        let shared = self.shared.clone();
-        let serving = shared.view.serving().and_then(|()| {
-            if shared.view.filling() && !self.routes_by_view {
+        let node = self.node.clone();
+        let serving = node.view.serving().and_then(|()| {
+            if node.view.filling() && !self.routes_by_view {
                 Err("this node is filling (being refilled after a restart or an absence) and its table is partial: connect with a cluster client (the cluster file), which reads the key's serving copy".to_string())
             } else {
                 Ok(())
@@ -155,12 +151,11 @@ impl Session {
             // Cut off from the cluster's majority, down in the view, or restarted and not
             // rejoined yet: the client goes to another copy (`docs/protocol.md`, *Views and
             // fencing*).
-            shared
-                .counters
+            node.counters
                 .connections_refused_not_serving
                 .fetch_add(1, Ordering::Relaxed);
             let message = ServerMessage::NotServing {
-                epoch: shared.view.epoch(),
+                epoch: node.view.epoch(),
                 reason: reason.clone(),
             };
             let _ = Self::send(writer, &message).await;
@@ -169,11 +164,12 @@ impl Session {
             });
         }
         self.pass.step("handshake: creating the queue pair");
-        let table = shared.table_for(self.over_shm);
+        let attachment = node.attachment(self.attachment);
+        let table = &attachment.table;
         let queue_pair = table
             .domain
             .create_queue_pair(
-                shared.completion_queue_for(self.over_shm),
+                &attachment.completion_queue,
                 QueuePairConfig {
                     max_send_wr: SEND_QUEUE_DEPTH,
                 },
@@ -182,49 +178,37 @@ impl Session {
         queue_pair
             .modify_to_init()
             .map_err(|source| self.setup_failed("move the queue pair to INIT", source))?;
-        self.view_at_connect = shared
+        self.view_at_connect = node
             .view
             .subscribe()
             .map(|changes| changes.borrow().clone());
         let welcome = Welcome {
-            view_epoch: shared.view.epoch(),
-            node_clock_ms: shared.view.clock().now_ms(),
+            view_epoch: node.view.epoch(),
+            node_clock_ms: node.view.clock().now_ms(),
             connection_id: self.connection_id,
             geometry: table.geometry,
             server_endpoint: queue_pair.endpoint(),
-            lease_timeout_ms: shared.config.lease_timeout.as_millis() as u64,
-            operation_deadline_ms: shared.config.operation_deadline.as_millis() as u64,
+            lease_timeout_ms: node.config.lease_timeout.as_millis() as u64,
+            operation_deadline_ms: node.config.operation_deadline.as_millis() as u64,
         };
         self.queue_pair = Some(queue_pair);
-        shared
-            .data_connections_for(self.over_shm)
-            .fetch_add(1, Ordering::Relaxed);
+        attachment.data_connections.fetch_add(1, Ordering::Relaxed);
         Self::send(writer, &ServerMessage::Welcome(Box::new(welcome))).await
     }
 
-    /// Connects the queue pair to the client's endpoint (RTR, RTS), binds the index and heap
-    /// windows to it (a type-2 bind is a send-queue work request, so only in RTS), and sends
-    /// the keys.
+    /// Connects the queue pair to the client's endpoint (RTR, RTS), binds the client's windows
+    /// to it ([`Session::bind_windows`]), and sends the keys.
     async fn connect_and_bind(
         &mut self,
         writer: &mut OwnedWriteHalf,
         messages: &mut Messages,
     ) -> Result<(), crate::Error> {
-        let shared = self.shared.clone();
         self.pass.step("handshake: waiting for ConnectQueuePair");
-        let table = shared.table_for(self.over_shm);
-        let may_block = shared.config.fabric.control_calls_may_block();
         let ClientMessage::ConnectQueuePair { endpoint } = Self::next_message(messages).await?
         else {
             return Err(crate::Error::UnexpectedMessage {
                 expected: "ConnectQueuePair after Welcome",
             });
-        };
-        let connection_id = self.connection_id;
-        let setup_failed = |step, source| crate::Error::QueuePairSetup {
-            step,
-            connection_id,
-            source,
         };
         // Clients only dial: a soft endpoint naming an address would make this node dial it
         // (anywhere the client chose), so it is refused.
@@ -249,83 +233,111 @@ impl Session {
         queue_pair
             .connect(&endpoint)
             .await
-            .map_err(|source| setup_failed("connect the queue pair", source))?;
+            .map_err(|source| self.setup_failed("connect the queue pair", source))?;
+        let keys = match self.bind_windows() {
+            Ok(keys) => keys,
+            Err(BindFailure::NoAnnounceWord) => {
+                let reason = format!(
+                    "no announce word free: {} data connections are open (max_connections)",
+                    self.node.config.max_connections
+                );
+                return Err(Self::refuse(writer, reason).await);
+            }
+            Err(BindFailure::Setup(error)) => return Err(error),
+        };
+        Self::send(writer, &ServerMessage::QueuePairReady(keys)).await
+    }
+
+    /// Binds the client's windows to its connected queue pair (a type-2 bind is a work request
+    /// on the send queue, so only in RTS), each over the attachment's registration: the index
+    /// and heap READ windows, the announce word's WRITE window, the lease word's READ window.
+    fn bind_windows(&mut self) -> Result<ConnectionKeys, BindFailure> {
         self.pass.step("handshake: binding memory windows");
-        // Bind in RTS: a type-2 bind is a work request on the send queue.
+        let node = self.node.clone();
+        let attachment = node.attachment(self.attachment);
+        let table = &attachment.table;
+        let connection_id = self.connection_id;
+        let Some(queue_pair) = &self.queue_pair else {
+            return Err(BindFailure::Setup(crate::Error::UnexpectedMessage {
+                expected: "Authenticate (this session has no queue pair)",
+            }));
+        };
         // On verbs a bind is a work request whose completion the binder polls for (up to twice
         // the device's retry_timeout): tell tokio, so this worker's other tasks move on.
-        let bind = |access: AccessFlags, address: u64, length: u64| {
+        let may_block = attachment.capabilities().binds_may_block;
+        // Each window joins the session as soon as it is bound: a later failure leaves it to
+        // the ordered teardown (queue pair to ERROR and drained before any key is revoked).
+        let windows = &mut self.windows;
+        let mut bind = |step, region, access, address, length| {
             let window = table.domain.allocate_memory_window();
-            off_async_worker(may_block, || {
-                queue_pair.bind_memory_window(&window, &table.region, address, length, access)
+            let key = off_async_worker(may_block, || {
+                queue_pair.bind_memory_window(&window, region, address, length, access)
             })
-            .map(|key| (window, key))
-            .map_err(|source| setup_failed("bind a memory window", source))
+            .map_err(|source| {
+                BindFailure::Setup(crate::Error::QueuePairSetup {
+                    step,
+                    connection_id,
+                    source,
+                })
+            })?;
+            windows.push(window);
+            Ok(key)
         };
-        let (index_window, index_key) = bind(
+        let index_key = bind(
+            "bind a memory window",
+            &table.region,
             AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
             table.index_address(),
             table.geometry.index_size(),
         )?;
-        let (heap_window, heap_key) = bind(
+        let heap_key = bind(
+            "bind a memory window",
+            &table.region,
             AccessFlags::REMOTE_READ,
             table.heap_address(),
             table.geometry.heap_size,
         )?;
-        self.windows = vec![index_window, heap_window];
         // The announce word: one per connection, bounded by max_connections like the sessions.
-        let Some(announce_address) = shared.announcements.claim(connection_id) else {
-            return Err(Self::refuse(
-                writer,
-                format!(
-                    "no announce word free: {} data connections are open (max_connections)",
-                    shared.config.max_connections
-                ),
-            )
-            .await);
-        };
-        let announce_window = table.domain.allocate_memory_window();
-        let announce_key = off_async_worker(may_block, || {
-            queue_pair.bind_memory_window(
-                &announce_window,
-                shared.announce_region_for(self.over_shm),
-                announce_address,
-                ANNOUNCE_SIZE,
-                AccessFlags::REMOTE_WRITE,
-            )
-        })
-        .map_err(|source| setup_failed("bind the announce window", source))?;
-        self.windows.push(announce_window);
+        let announce_address = node
+            .announcements
+            .claim(connection_id)
+            .ok_or(BindFailure::NoAnnounceWord)?;
+        let announce_key = bind(
+            "bind the announce window",
+            &attachment.announce_region,
+            AccessFlags::REMOTE_WRITE,
+            announce_address,
+            ANNOUNCE_SIZE,
+        )?;
         // The node's lease word, READ at the end of every list (`rdkv_common::lease`).
-        let lease_window = table.domain.allocate_memory_window();
-        let lease_key = off_async_worker(may_block, || {
-            queue_pair.bind_memory_window(
-                &lease_window,
-                shared.announce_region_for(self.over_shm),
-                shared.announcements.lease_word_address(),
-                8,
-                AccessFlags::REMOTE_READ,
-            )
-        })
-        .map_err(|source| setup_failed("bind the lease word's window", source))?;
-        self.windows.push(lease_window);
+        let lease_key = bind(
+            "bind the lease word's window",
+            &attachment.announce_region,
+            AccessFlags::REMOTE_READ,
+            node.announcements.lease_word_address(),
+            8,
+        )?;
         tracing::debug!(
             index_key = index_key.key,
             heap_key = heap_key.key,
             qp_number = queue_pair.qp_number(),
             "keys issued"
         );
-        Self::send(
-            writer,
-            &ServerMessage::QueuePairReady(ConnectionKeys {
-                index_key,
-                heap_key,
-                announce_key,
-                lease_key,
-            }),
-        )
-        .await
+        Ok(ConnectionKeys {
+            index_key,
+            heap_key,
+            announce_key,
+            lease_key,
+        })
     }
+}
+
+/// Why [`Session::bind_windows`] failed.
+enum BindFailure {
+    /// Every announce word is taken: the client is refused, in words.
+    NoAnnounceWord,
+    /// A bind failed.
+    Setup(crate::Error),
 }
 
 impl Session {

@@ -11,179 +11,57 @@
 //!
 //! A file per role: `handshake` (authentication, the queue pair, the window binds), `serve`
 //! (control requests, heartbeats, chunks, lease and queue pair checks), `teardown` (the order
-//! above); here, the session's loop and what every session shares.
+//! above); here, the session's loop. What every session shares is the node's state
+//! (`crate::node`); a session knows the attachment (fabric) its client came through.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rdkv_common::protocol::{read_frame, write_frame, ClientMessage, ServerMessage};
 use rdkv_common::ControlError;
-use rdkv_fabric::{CompletionQueue, MemoryRegion, MemoryWindow, QueuePair};
+use rdkv_fabric::{MemoryWindow, QueuePair};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::announce::Announcements;
-use crate::config::ServerConfig;
-use crate::gate::{Gate, Pass};
-use crate::heap::Heap;
-use crate::stats::Counters;
-use crate::table::TableRegion;
+use crate::gate::Pass;
+use crate::node::{Attachment, Node, MAIN_ATTACHMENT, SEND_QUEUE_DEPTH};
 
 mod handshake;
 mod serve;
 mod teardown;
-
-/// The send queue depth of a server queue pair: the server posts only window binds, one at a
-/// time, on it (clients post their one-sided requests on their own queue pairs).
-pub(crate) const SEND_QUEUE_DEPTH: u32 = 4;
 
 /// How long a client has for each handshake step.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a connection checks its lease and its queue pair.
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
-/// The node's `shm` fabric, next to its main one: the same table and announce words registered
-/// on the `shm` device, and that device's completion queue.
-#[derive(Debug)]
-pub(crate) struct ShmFabric {
-    /// The table, registered on the `shm` device.
-    pub(crate) table: TableRegion,
-    /// The announce words, registered in that table's domain.
-    pub(crate) announce_region: MemoryRegion,
-    /// The completion queue of the `shm` clients' queue pairs.
-    pub(crate) completion_queue: CompletionQueue,
-}
-
-/// What every connection shares.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    /// The configuration.
-    pub(crate) config: ServerConfig,
-    /// The registered table.
-    pub(crate) table: TableRegion,
-    /// Heap chunks.
-    pub(crate) heap: Heap,
-    /// Counters.
-    pub(crate) counters: Counters,
-    /// The completion queue of every client queue pair (the server posts nothing on them).
-    pub(crate) completion_queue: CompletionQueue,
-    /// The next connection id.
-    pub(crate) next_connection: AtomicU64,
-    /// Moves live blocks out of sparse chunks.
-    pub(crate) compactor: crate::compactor::Compactor,
-    /// The collector's pace (and what wakes it).
-    pub(crate) collector: crate::collector::Pace,
-    /// Removes the copies the view no longer names on this node.
-    pub(crate) sweep: crate::sweep::Sweep,
-    /// Each data connection's announce word (what it has in flight).
-    pub(crate) announcements: Announcements,
-    /// What a shutdown waits for: every connection and collector pass, with its step.
-    pub(crate) gate: Arc<Gate>,
-    /// Connections that have not authenticated yet.
-    pub(crate) pending: crate::pending::PendingHandshakes,
-    /// The log lines of unauthenticated connections that ended badly: one a second.
-    pub(crate) unauthenticated_ends: crate::log_budget::LogBudget,
-    /// The `shm` fabric, when the node offers one.
-    pub(crate) shm: Option<ShmFabric>,
-    /// The node's part in the cluster view.
-    pub(crate) view: Arc<crate::view::ViewService>,
-}
-
-impl Shared {
-    /// The gauge of data connections on a session's fabric.
-    pub(crate) fn data_connections_for(&self, over_shm: bool) -> &AtomicU64 {
-        if over_shm && self.shm.is_some() {
-            &self.counters.shm_data_connections
-        } else {
-            &self.counters.data_connections
-        }
-    }
-
-    /// The table as registered on a session's fabric (`over_shm`: the `shm` one).
-    pub(crate) fn table_for(&self, over_shm: bool) -> &TableRegion {
-        match (&self.shm, over_shm) {
-            (Some(shm), true) => &shm.table,
-            _ => &self.table,
-        }
-    }
-
-    /// The announce words as registered on a session's fabric.
-    pub(crate) fn announce_region_for(&self, over_shm: bool) -> &MemoryRegion {
-        match (&self.shm, over_shm) {
-            (Some(shm), true) => &shm.announce_region,
-            _ => self.announcements.region(),
-        }
-    }
-
-    /// The completion queue of a session's fabric.
-    pub(crate) fn completion_queue_for(&self, over_shm: bool) -> &CompletionQueue {
-        match (&self.shm, over_shm) {
-            (Some(shm), true) => &shm.completion_queue,
-            _ => &self.completion_queue,
-        }
-    }
-
-    /// The node's stats, with `keys` as counted by the caller.
-    pub(crate) fn stats(&self, keys: u64) -> rdkv_common::protocol::ServerStats {
-        let mut stats = self
-            .counters
-            .snapshot(self.config.node_id, &self.table, &self.heap, keys);
-        if let Some(shm) = &self.shm {
-            // The shm device's queue pairs, regions and windows count too.
-            let gauges = shm.table.device.gauges();
-            for (total, shm_count) in stats.queue_pairs.iter_mut().zip(gauges.queue_pairs) {
-                *total += shm_count;
-            }
-            stats.live_memory_regions += gauges.live_memory_regions;
-            stats.live_memory_windows += gauges.live_memory_windows;
-        }
-        stats.collector_passes = self.collector.passes();
-        stats.tombstones_cleared = self.collector.tombstones_cleared();
-        stats.extra_copies_removed = self.sweep.removed();
-        stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
-        stats.pending_handshakes = self.pending.count() as u64;
-        stats.authenticated_connections = self.pending.authenticated_count() as u64;
-        stats.connections_refused_full = self.pending.refused_full.load(Ordering::Relaxed);
-        stats.handshakes_evicted = self.pending.evicted.load(Ordering::Relaxed);
-        (
-            stats.view_epoch,
-            stats.view_leader,
-            stats.view_members_down,
-            stats.views_committed,
-        ) = self.view.figures();
-        stats.serving_data = self.view.serving().is_ok();
-        stats.serving_stops = self.view.serving_stops();
-        stats
-    }
-}
-
 /// Serves one control connection until it ends, then tears its resources down.
 pub(crate) async fn serve(
-    shared: Arc<Shared>,
+    node: Arc<Node>,
     stream: TcpStream,
     peer: SocketAddr,
     shutdown: CancellationToken,
 ) {
-    let connection_id = shared.next_connection.fetch_add(1, Ordering::Relaxed);
-    let span = tracing::info_span!("connection", node = shared.config.node_id, connection = connection_id, %peer);
+    let connection_id = node.next_connection.fetch_add(1, Ordering::Relaxed);
+    let span = tracing::info_span!("connection", node = node.config.node_id, connection = connection_id, %peer);
     async move {
-        shared.counters.connections.fetch_add(1, Ordering::Relaxed);
+        node.counters.connections.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
         let mut session = Session {
-            shared: shared.clone(),
+            node: node.clone(),
             connection_id,
             queue_pair: None,
             windows: Vec::new(),
             chunk_window: None,
-            pass: shared.gate.enter_connection(connection_id, peer),
+            pass: node.gate.enter_connection(connection_id, peer),
             slot: None,
             monitor: false,
-            over_shm: false,
+            attachment: MAIN_ATTACHMENT,
             view_at_connect: None,
             routes_by_view: false,
         };
@@ -194,12 +72,12 @@ pub(crate) async fn serve(
             .try_clone_to_owned()
             .ok()
             .map(std::net::TcpStream::from);
-        let spoke = shared
+        let spoke = node
             .pending
             .admit(connection_id, peer.ip(), evict.clone(), socket);
         let reason = session.run(stream, shutdown, evict, spoke).await;
-        shared.pending.settle(connection_id);
-        shared.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        node.pending.settle(connection_id);
+        node.counters.connections.fetch_sub(1, Ordering::Relaxed);
         let quiet = [
             crate::Error::ClientDisconnected.to_string(),
             crate::Error::Evicted.to_string(),
@@ -216,7 +94,7 @@ pub(crate) async fn serve(
             // Garbage, a wrong secret, a handshake that ran out of time: anyone who reaches
             // the port can cause these at will, so at most a line a second says so (the
             // counters, `authentication_failures` among them, count every one).
-            if let Some(left_out) = shared.unauthenticated_ends.take() {
+            if let Some(left_out) = node.unauthenticated_ends.take() {
                 tracing::info!(%reason, left_out, "connection closed before authenticating (at most a line a second: left_out counts the others since the last)");
             }
         } else {
@@ -230,8 +108,8 @@ pub(crate) async fn serve(
 
 /// One connection's server-side resources.
 struct Session {
-    /// Everything shared.
-    shared: Arc<Shared>,
+    /// The node's state.
+    node: Arc<Node>,
     /// This connection's id.
     connection_id: u64,
     /// The client's queue pair, created only after authentication.
@@ -250,8 +128,9 @@ struct Session {
     /// A session without a queue pair (`Purpose::Monitor`, `Purpose::Peer`): logged at debug
     /// level.
     monitor: bool,
-    /// Whether the client's queue pair is on the node's `shm` fabric.
-    over_shm: bool,
+    /// The node's attachment (`Node::attachments`) the client came through: the fabric its
+    /// queue pair, windows and announce word are on.
+    attachment: usize,
     /// The view the data connection was made under (its welcome names the epoch); it is
     /// fenced when a later view moves keys.
     view_at_connect: Option<crate::view::types::ViewState>,
@@ -296,6 +175,11 @@ async fn read_messages(
 }
 
 impl Session {
+    /// The attachment the client came through.
+    fn attachment(&self) -> &Attachment {
+        self.node.attachment(self.attachment)
+    }
+
     async fn run(
         &mut self,
         stream: TcpStream,
@@ -314,13 +198,13 @@ impl Session {
             } else {
                 crate::Error::Evicted
             }),
-            _ = tokio::time::sleep(self.shared.config.limits.handshake_deadline) => {
-                Err(crate::Error::HandshakeTimedOut { timeout: self.shared.config.limits.handshake_deadline })
+            _ = tokio::time::sleep(self.node.config.limits.handshake_deadline) => {
+                Err(crate::Error::HandshakeTimedOut { timeout: self.node.config.limits.handshake_deadline })
             }
             outcome = self.handshake(&mut writer, &mut messages) => outcome,
         };
         if matches!(handshake, Err(crate::Error::HandshakeTimedOut { .. })) {
-            self.shared
+            self.node
                 .counters
                 .handshakes_timed_out
                 .fetch_add(1, Ordering::Relaxed);

@@ -32,6 +32,23 @@ impl Session {
         }
     }
 
+    /// The node stopped serving data (`reason`): the queue pair to ERROR, the client told (best
+    /// effort); returns why the session ends.
+    async fn fence_not_serving(&self, writer: &mut OwnedWriteHalf, reason: String) -> String {
+        self.node
+            .counters
+            .connections_fenced
+            .fetch_add(1, Ordering::Relaxed);
+        let epoch = self.node.view.epoch();
+        self.stop_answering();
+        let notice = ServerMessage::NotServing {
+            epoch,
+            reason: reason.clone(),
+        };
+        let _ = Self::send_notice(writer, &notice).await;
+        format!("fenced: this node stopped serving data ({reason})")
+    }
+
     /// A fence's notice: best effort, within [`NOTICE_TIMEOUT`].
     async fn send_notice(
         writer: &mut OwnedWriteHalf,
@@ -51,44 +68,27 @@ impl Session {
         messages: &mut mpsc::Receiver<Result<ClientMessage, ControlError>>,
         shutdown: &CancellationToken,
     ) -> String {
-        let shared = self.shared.clone();
-        let lease = shared.config.lease_timeout;
+        let node = self.node.clone();
+        let lease = node.config.lease_timeout;
         let mut last_heard = Instant::now();
         let mut checks = tokio::time::interval(CHECK_INTERVAL);
         // A data connection is fenced when the view moves keys (a member down, filling or
         // promoted): every access made under the old view then fails, and its client fetches
         // the view (`docs/protocol.md`, *Views and fencing*).
-        let mut view_changes = shared
-            .view
-            .subscribe()
-            .filter(|_| self.queue_pair.is_some());
+        let mut view_changes = node.view.subscribe().filter(|_| self.queue_pair.is_some());
         let connected_under = self.view_at_connect.clone();
         // A data connection is also fenced when the node stops serving data (no lease, or the
         // view has it down): `crate::view`'s `lease.rs`.
         let mut serving = self
             .queue_pair
             .as_ref()
-            .map(|_| shared.view.serving_changes());
+            .map(|_| node.view.serving_changes());
         loop {
             if let Some(Err(reason)) = serving
                 .as_mut()
                 .map(|serving| serving.borrow_and_update().clone())
             {
-                shared
-                    .counters
-                    .connections_fenced
-                    .fetch_add(1, Ordering::Relaxed);
-                let epoch = shared.view.epoch();
-                self.stop_answering();
-                let _ = Self::send_notice(
-                    writer,
-                    &ServerMessage::NotServing {
-                        epoch,
-                        reason: reason.clone(),
-                    },
-                )
-                .await;
-                return format!("fenced: this node stopped serving data ({reason})");
+                return self.fence_not_serving(writer, reason).await;
             }
             let serving_changed = async {
                 match serving.as_mut() {
@@ -119,7 +119,7 @@ impl Session {
                     }
                     let now = changes.borrow().clone();
                     if now.placement_differs(before) {
-                        shared.counters.connections_fenced.fetch_add(1, Ordering::Relaxed);
+                        node.counters.connections_fenced.fetch_add(1, Ordering::Relaxed);
                         // The client reads it as the answer to its next request (a heartbeat
                         // at the latest), and learns the epoch.
                         self.stop_answering();
@@ -142,35 +142,10 @@ impl Session {
                         Some(Ok(message)) => message,
                     };
                     last_heard = Instant::now();
-                    shared.counters.control_messages.fetch_add(1, Ordering::Relaxed);
-                    let reply = match message {
-                        ClientMessage::AllocateChunk { started, needed } if self.queue_pair.is_some() => self.allocate_chunk(started, needed),
-                        ClientMessage::Heartbeat { counters } => {
-                            shared.counters.add_client_report(&counters);
-                            ServerMessage::HeartbeatAck {
-                                epoch: shared.view.epoch(),
-                                node_clock_ms: shared.view.clock().now_ms(),
-                            }
-                        }
-                        ClientMessage::Stats => {
-                            let keys = shared.counters.exact_keys(shared.clone()).await;
-                            ServerMessage::Stats(Box::new(shared.stats(keys)))
-                        }
-                        ClientMessage::Shutdown => {
-                            tracing::info!("shutdown requested over the control plane");
-                            let _ = Self::send(writer, &ServerMessage::ShuttingDown { node_id: shared.config.node_id }).await;
-                            // Out of the view first, so its keys move at once (`view/leave.rs`).
-                            shared.view.leave().await;
-                            shutdown.cancel();
-                            return "it asked the node to shut down".into();
-                        }
-                        ClientMessage::Goodbye => return GOODBYE.into(),
-                        ClientMessage::FetchView => ServerMessage::View(shared.view.current()),
-                        ClientMessage::Peer { payload } => ServerMessage::Peer { payload: shared.view.handle_peer(&payload).await },
-                        other => {
-                            let reason = format!("unexpected message after the handshake: {}", other.kind());
-                            return Self::refuse(writer, reason).await.to_string();
-                        }
+                    node.counters.control_messages.fetch_add(1, Ordering::Relaxed);
+                    let reply = match self.answer(message, writer, shutdown).await {
+                        Ok(reply) => reply,
+                        Err(reason) => return reason,
                     };
                     if let Err(error) = Self::send(writer, &reply).await {
                         return with_causes(&error);
@@ -180,43 +155,89 @@ impl Session {
         }
     }
 
+    /// The reply to one control request after the handshake, or why the session ends.
+    async fn answer(
+        &mut self,
+        message: ClientMessage,
+        writer: &mut OwnedWriteHalf,
+        shutdown: &CancellationToken,
+    ) -> Result<ServerMessage, String> {
+        let node = self.node.clone();
+        Ok(match message {
+            ClientMessage::AllocateChunk { started, needed } if self.queue_pair.is_some() => {
+                self.allocate_chunk(started, needed)
+            }
+            ClientMessage::Heartbeat { counters } => {
+                node.counters.add_client_report(&counters);
+                ServerMessage::HeartbeatAck {
+                    epoch: node.view.epoch(),
+                    node_clock_ms: node.view.clock().now_ms(),
+                }
+            }
+            ClientMessage::Stats => {
+                let keys = node.exact_keys().await;
+                ServerMessage::Stats(Box::new(node.stats(keys)))
+            }
+            ClientMessage::Shutdown => {
+                tracing::info!("shutdown requested over the control plane");
+                let goodbye = ServerMessage::ShuttingDown {
+                    node_id: node.config.node_id,
+                };
+                let _ = Self::send(writer, &goodbye).await;
+                // Out of the view first, so its keys move at once (`view/leave.rs`).
+                node.view.leave().await;
+                shutdown.cancel();
+                return Err("it asked the node to shut down".into());
+            }
+            ClientMessage::Goodbye => return Err(GOODBYE.into()),
+            ClientMessage::FetchView => ServerMessage::View(node.view.current()),
+            ClientMessage::Peer { payload } => ServerMessage::Peer {
+                payload: node.view.handle_peer(&payload).await,
+            },
+            other => {
+                let reason = format!("unexpected message after the handshake: {}", other.kind());
+                return Err(Self::refuse(writer, reason).await.to_string());
+            }
+        })
+    }
+
     /// Seals the client's grant (its operations up to `started` may still be writing there)
     /// and hands it a new one with room for `needed` bytes (`heap.rs` sizes it).
     fn allocate_chunk(&mut self, started: u64, needed: u64) -> ServerMessage {
-        let shared = &self.shared;
+        let node = &self.node;
         // A writer: its old grant is sealed, or it waits for reclamation.
-        shared.collector.wake();
+        node.collector.wake();
         let Some(queue_pair) = &self.queue_pair else {
             return ServerMessage::Refused {
                 reason: "no queue pair".into(),
             };
         };
-        if needed > shared.heap.chunk_size() {
+        if needed > node.heap.chunk_size() {
             return ServerMessage::Refused {
                 reason: format!(
                     "a block of {needed} bytes is larger than a chunk ({} bytes)",
-                    shared.heap.chunk_size()
+                    node.heap.chunk_size()
                 ),
             };
         }
-        let Some(grant) = shared.heap.allocate(self.connection_id, started, needed) else {
+        let Some(grant) = node.heap.allocate(self.connection_id, started, needed) else {
             return ServerMessage::ChunkUnavailable {
-                reclaimable: shared
+                reclaimable: node
                     .heap
-                    .reclaimable_extents(crate::compactor::live_share_now(&shared.heap)),
+                    .reclaimable_extents(crate::compactor::live_share_now(&node.heap)),
                 reason: format!(
                     "heap full: {} of {} MiB in use or waiting to be reclaimed; raise heap_size (docs/operations.md, Sizing the heap: 2 x live data + (writers + 2) chunks + 0.25 s of writes)",
-                    mebibytes(shared.heap.used_bytes()),
-                    mebibytes(shared.heap.size_bytes()),
+                    mebibytes(node.heap.used_bytes()),
+                    mebibytes(node.heap.size_bytes()),
                 ),
             };
         };
         // The old grant is sealed: its window goes to the heap, revoked when its writers are
         // done.
         if let Some((sealed, window)) = self.chunk_window.take() {
-            shared.heap.keep_window(sealed, window);
+            node.heap.keep_window(sealed, window);
         }
-        let table = shared.table_for(self.over_shm);
+        let table = &self.attachment().table;
         let window = table.domain.allocate_memory_window();
         match queue_pair.bind_memory_window(
             &window,

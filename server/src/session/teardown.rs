@@ -16,15 +16,15 @@ impl Session {
     pub(super) async fn teardown(&mut self) {
         let queue_pair = self.queue_pair.take();
         if queue_pair.is_some() {
-            self.shared
-                .data_connections_for(self.over_shm)
+            self.attachment()
+                .data_connections
                 .fetch_sub(1, Ordering::Relaxed);
         }
         let mut windows: Vec<MemoryWindow> = self.windows.drain(..).collect();
         windows.extend(self.chunk_window.take().map(|(_, window)| window));
-        let shared = self.shared.clone();
+        let node = self.node.clone();
         let connection_id = self.connection_id;
-        let stall = shared.config.teardown_stall;
+        let stall = node.config.teardown_stall;
         let ordered = move || {
             if let Some(queue_pair) = &queue_pair {
                 queue_pair.modify_to_error();
@@ -38,15 +38,16 @@ impl Session {
                 window.invalidate();
             }
             drop(queue_pair);
-            shared.heap.seal_owned_by(connection_id);
+            node.heap.seal_owned_by(connection_id);
             // Drained: nothing of this connection is in flight any more.
-            shared.announcements.release(connection_id);
+            node.announcements.release(connection_id);
             // Its extents and any tentative slot it left are the collector's now.
-            shared.collector.wake();
+            node.collector.wake();
         };
-        // An shm drain and window revocation wait until the client is outside its requests
-        // (at most retry_timeout, for one that stopped inside one): off the async workers.
-        let may_block = self.over_shm || self.shared.config.fabric.control_calls_may_block();
+        // A verbs drain polls the NIC for flushes; an shm drain and window revocation wait
+        // until the client is outside its requests (at most retry_timeout, for one that
+        // stopped inside one): off the async workers.
+        let may_block = self.attachment().capabilities().teardown_may_block;
         if !may_block && stall.is_zero() {
             // The emulated fabric drains at once: no blocking thread for it.
             ordered();

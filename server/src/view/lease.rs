@@ -36,6 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_common::protocol::MemberState;
+use rdkv_fabric::lock;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
@@ -112,10 +113,7 @@ impl ViewService {
             Some(_) => {}
         }
         if self.needs_lease() {
-            let until = *self
-                .lease_until
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let until = *lock(&self.lease_until);
             if until.is_none_or(|until| until <= Instant::now()) {
                 return Err(format!(
                     "no lease: this node has not reached a majority of the cluster's nodes within {:?} (cut off, or the cluster is electing a leader)",
@@ -142,10 +140,7 @@ impl ViewService {
         if !self.lease_as_leader.load(Ordering::Acquire) || self.leader() == Some(self.node_id) {
             return;
         }
-        let mut lease = self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut lease = lock(&self.lease_until);
         // Checked again under the lock: keep_lease sets both under it.
         if self.lease_as_leader.swap(false, Ordering::AcqRel) {
             *lease = None;
@@ -161,10 +156,7 @@ impl ViewService {
     /// the leader, which ends when the node stops leading (set under the lease's lock).
     fn extend_lease(&self, until: Instant, as_leader: bool) {
         {
-            let mut lease = self
-                .lease_until
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut lease = lock(&self.lease_until);
             if lease.is_none_or(|current| current < until) {
                 *lease = Some(until);
             }

@@ -40,6 +40,7 @@ use openraft::error::{ClientWriteError, RaftError};
 use openraft::storage::Adaptor;
 use openraft::{BasicNode, Raft, SnapshotPolicy};
 use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
+use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -617,9 +618,7 @@ impl ViewService {
     pub(super) fn pending_down_lock(
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u32, u64>> {
-        self.pending_down
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.pending_down)
     }
 
     /// How long before its election a new leader may start counting the old leader's

@@ -18,6 +18,7 @@ use openraft::raft::{
 };
 use openraft::BasicNode;
 use rdkv_common::protocol::{MonitoredNode, PeerConnection};
+use rdkv_fabric::lock;
 
 use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
 
@@ -36,65 +37,41 @@ pub struct Liveness {
 impl Liveness {
     /// Records an answer from `node_id`.
     pub fn heard(&self, node_id: u32) {
-        self.heard
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(node_id, Instant::now());
+        lock(&self.heard).insert(node_id, Instant::now());
     }
 
     /// When `node_id` last answered, if ever.
     pub fn last_heard(&self, node_id: u32) -> Option<Instant> {
-        self.heard
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&node_id)
-            .copied()
+        lock(&self.heard).get(&node_id).copied()
     }
 
     /// Records a lease request from `node_id`, arriving now: a sign of life too.
     pub fn lease_requested(&self, node_id: u32) {
         self.heard(node_id);
-        self.lease_requested
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(node_id, Instant::now());
+        lock(&self.lease_requested).insert(node_id, Instant::now());
     }
 
     /// When `node_id`'s newest lease request arrived, if ever.
     pub fn last_lease_request(&self, node_id: u32) -> Option<Instant> {
-        self.lease_requested
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&node_id)
-            .copied()
+        lock(&self.lease_requested).get(&node_id).copied()
     }
 
     /// Records that `node_id` accepted an `AppendEntries` sent at `sent`.
     fn accepted(&self, node_id: u32, sent: Instant) {
-        let mut accepted = self
-            .accepted
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut accepted = lock(&self.accepted);
         let newest = accepted.entry(node_id).or_insert(sent);
         *newest = (*newest).max(sent);
     }
 
     /// When the newest of this node's `AppendEntries` that `node_id` accepted was sent, if any.
     pub fn last_accepted(&self, node_id: u32) -> Option<Instant> {
-        self.accepted
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&node_id)
-            .copied()
+        lock(&self.accepted).get(&node_id).copied()
     }
 
     /// The latest time by which `quorum` nodes, this one (counted as now) and `peers`, had
     /// accepted this node's leadership: every peer's acceptance was sent no earlier.
     pub fn quorum_accepted(&self, peers: &[u32], quorum: usize) -> Option<Instant> {
-        let accepted = self
-            .accepted
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let accepted = lock(&self.accepted);
         let mut times: Vec<Instant> = peers
             .iter()
             .filter_map(|peer| accepted.get(peer).copied())

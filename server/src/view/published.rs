@@ -22,6 +22,7 @@
 use std::time::Instant;
 
 use rdkv_common::lease::{LeaseWord, UNTIL_FURTHER_NOTICE};
+use rdkv_fabric::lock;
 
 use super::ViewService;
 use crate::announce::LeaseSink;
@@ -110,10 +111,7 @@ impl ViewService {
         if self.raft.is_none() || !self.needs_lease() {
             return Some(Until::FurtherNotice);
         }
-        let lease_until = (*self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()))?;
+        let lease_until = (*lock(&self.lease_until))?;
         let until = if self
             .lease_as_leader
             .load(std::sync::atomic::Ordering::Acquire)
@@ -126,9 +124,7 @@ impl ViewService {
     }
 
     fn published_lock(&self) -> std::sync::MutexGuard<'_, Published> {
-        self.published
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.published)
     }
 
     /// The word published now (tests and stats).

@@ -16,6 +16,7 @@ use openraft::{
     AnyError, BasicNode, Entry, EntryPayload, LogId, Membership, RaftStorage, StorageError,
     StorageIOError, StoredMembership, Vote,
 };
+use rdkv_fabric::lock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -169,9 +170,7 @@ impl Store {
     }
 
     fn lock(&self) -> MutexGuard<'_, Persisted> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.state)
     }
 
     /// Writes the state to the file (if any) before returning.

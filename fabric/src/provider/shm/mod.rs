@@ -36,10 +36,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
-use crate::lock;
 use crate::memory::PinnedMemory;
 use crate::protection::{KeyRights, ProtectionEntry};
 use crate::provider::engine::{self, RemoteRequest};
@@ -48,6 +48,7 @@ use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, 
 use crate::types::{
     AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletionStatus,
 };
+use crate::{lock, read_lock, write_lock};
 
 use socket::{Answer, AnswerStatus, Hello, HelloKind, HELLO_LENGTH, MAX_MEMORY_FILES};
 use state::{EpochMarker, KeyView, QueuePairStatus, SharedState, SharedView};
@@ -75,6 +76,20 @@ pub(crate) enum Listen {
     At(PathBuf),
 }
 
+/// What shm states (`docs/fabric.md`, *Capabilities*): the requester runs its requests itself,
+/// in order, on the node's memory files; a drain and a revocation wait for the requesters'
+/// epochs (at most `retry_timeout`); the node takes an attach only from the queue pair it was
+/// told of.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities {
+    ordered_reads: true,
+    binds_may_block: false,
+    teardown_may_block: true,
+    completes_inside_post: true,
+    shares_memory: true,
+    crosses_processes: true,
+    responder_connects_first: true,
+};
+
 /// An `shm` device.
 #[derive(Debug)]
 pub(crate) struct ShmDevice {
@@ -99,6 +114,10 @@ impl ShmDevice {
 impl DeviceProvider for ShmDevice {
     fn backend(&self) -> Backend {
         Backend::Shm
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {
@@ -474,10 +493,7 @@ impl RemoteDevice {
         descriptors: Vec<OwnedFd>,
         complete: bool,
     ) -> std::result::Result<(), String> {
-        let mut memories = self
-            .memories
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut memories = write_lock(&self.memories);
         if complete {
             memories.retain(|id, _| listed.iter().any(|(listed_id, _)| listed_id == id));
         }
@@ -493,11 +509,7 @@ impl RemoteDevice {
     }
 
     fn memory(&self, id: u64) -> Option<Arc<PinnedMemory>> {
-        self.memories
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&id)
-            .cloned()
+        read_lock(&self.memories).get(&id).cloned()
     }
 }
 
@@ -1161,7 +1173,88 @@ impl QueuePairProvider for ShmQueuePair {
         }
     }
 
+    /// A responder with an attached requester: the drain waits for its epoch.
+    fn drain_may_wait(&self, _queue_pair: &QueuePairShared) -> bool {
+        self.offer.is_some() && self.epoch_slot.load(Ordering::Acquire) != NO_EPOCH_SLOT
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{Device, DeviceConfig};
+    use crate::queue_pair::{QueuePair, QueuePairConfig};
+
+    fn queue_pair(device: &Device) -> QueuePair {
+        let domain = device.allocate_protection_domain();
+        let completion_queue = device
+            .create_completion_queue(1024)
+            .expect("completion queue");
+        let queue_pair = domain
+            .create_queue_pair(&completion_queue, QueuePairConfig::default())
+            .expect("queue pair");
+        queue_pair.modify_to_init().expect("INIT");
+        queue_pair
+    }
+
+    fn live_queue_pairs(device: &Device) -> i64 {
+        device.gauges().queue_pairs.iter().sum()
+    }
+
+    /// A responder dropped inside a runtime while its requester is inside a request (its epoch
+    /// odd, as a stopped client's stays) returns before its drain ends: the drain, which waits
+    /// for the requester, runs on a thread of its own. The queue pair leaves its device once
+    /// the requester is out.
+    #[tokio::test]
+    async fn a_dropped_responder_drains_off_the_runtime_while_its_requester_is_inside() {
+        let socket = std::env::temp_dir().join(format!("rdkv-drop-{}.sock", std::process::id()));
+        let config = DeviceConfig {
+            retry_timeout: Duration::from_secs(30),
+            ..DeviceConfig::default()
+        };
+        let responder = Device::shm(Some(socket), config).expect("offering device");
+        let requester = Device::shm(None, config).expect("attaching device");
+        let responder_queue_pair = queue_pair(&responder);
+        let requester_queue_pair = queue_pair(&requester);
+        responder_queue_pair
+            .connect(&requester_queue_pair.endpoint())
+            .await
+            .expect("the responder names its requester");
+        requester_queue_pair
+            .connect(&responder_queue_pair.endpoint())
+            .await
+            .expect("the requester attaches");
+        let part = responder_queue_pair
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .expect("an shm queue pair");
+        let offer = part.offer.clone().expect("a listening device's offer");
+        let slot = part.epoch_slot.load(Ordering::Acquire);
+        assert_ne!(slot, NO_EPOCH_SLOT, "the requester is attached");
+        let inside = EpochMarker::enter(&offer.state.epochs, slot);
+        assert_eq!(live_queue_pairs(&responder), 1);
+        drop(responder_queue_pair);
+        // Drained in place, the drop would have waited for the requester (30 s) and removed the
+        // queue pair before returning.
+        assert_eq!(
+            live_queue_pairs(&responder),
+            1,
+            "the drop returned while the drain waits for the requester"
+        );
+        drop(inside);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while live_queue_pairs(&responder) != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the drain ended once the requester left its request"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
 use crate::error::{Error, Result};
@@ -47,6 +48,19 @@ use wire::{Hello, HelloStatus, HELLO_ACK_LENGTH};
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Dials of one queue pair when the listener closes before its acknowledgement.
 const DIAL_ATTEMPTS: u32 = 3;
+
+/// What soft states (`docs/fabric.md`, *Capabilities*): a queue pair's requests travel on one
+/// TCP connection and the peer's engine runs them one after another, so READs come back in
+/// order; binds and drains are the model's table and its responder gate, at once.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities {
+    ordered_reads: true,
+    binds_may_block: false,
+    teardown_may_block: false,
+    completes_inside_post: false,
+    shares_memory: false,
+    crosses_processes: true,
+    responder_connects_first: false,
+};
 
 /// A soft NIC: listens (when given an address) and serves its queue pairs' connections.
 #[derive(Debug)]
@@ -76,6 +90,10 @@ impl SoftDevice {
 impl DeviceProvider for SoftDevice {
     fn backend(&self) -> Backend {
         Backend::Soft
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn start(&self, device: &Arc<DeviceInner>) -> Result<()> {

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::lock;
 use crate::provider::verbs::context::VerbsContext;
 use crate::provider::verbs::provider::deliver;
-use crate::provider::verbs::status_from_raw;
+use crate::provider::verbs::status::status_from_raw;
 use crate::queue_pair::QueuePairShared;
 
 /// Completions taken per `ibv_poll_cq` call.

@@ -14,6 +14,10 @@
 //! * [`probe`]: the self-test at open that the NIC's atomics work on host-order words.
 //! * [`queue_pair`]: extended RC queue pairs (READ, WRITE, CAS, FETCH_ADD and BIND_MW in the
 //!   send-ops flags), connected by exchanging (QPN, GID, LID, PSN, MTU).
+//! * [`status`]: raw work completion statuses mapped to typed ones.
+//!
+//! Only [`CAPABILITIES`] is built without the feature: a client or a configuration check asks
+//! what verbs states even in a build that cannot open a verbs device.
 //!
 //! Sideway traps avoided on purpose (see `docs/fabric.md`): the completion channel is shared
 //! by `Arc` only (the struct is `Clone` and destroys itself on drop); the extended CQ poller is
@@ -23,60 +27,35 @@
 //! ERROR and a drain, and CQ events are acknowledged at once, so sideway's asserting `Drop`s
 //! succeed.
 
+#[cfg(feature = "verbs")]
 pub(crate) mod completion;
+#[cfg(feature = "verbs")]
 pub(crate) mod context;
+#[cfg(feature = "verbs")]
 pub(crate) mod memory;
+#[cfg(feature = "verbs")]
 pub(crate) mod probe;
+#[cfg(feature = "verbs")]
 pub(crate) mod provider;
+#[cfg(feature = "verbs")]
 pub(crate) mod queue_pair;
+#[cfg(feature = "verbs")]
+pub(crate) mod status;
 
+#[cfg(feature = "verbs")]
 pub(crate) use provider::VerbsDevice;
 
-use rdma_mummy_sys::ibv_wc_status;
+use crate::capabilities::Capabilities;
 
-use crate::types::WorkCompletionStatus;
-
-/// Maps a raw `ibv_wc_status` to rdkv's typed status; unknown values become
-/// [`WorkCompletionStatus::OtherError`] and are logged, never a panic.
-pub(crate) fn status_from_raw(raw: u32) -> WorkCompletionStatus {
-    match raw {
-        ibv_wc_status::IBV_WC_SUCCESS => WorkCompletionStatus::Success,
-        ibv_wc_status::IBV_WC_LOC_LEN_ERR => WorkCompletionStatus::LocalLengthError,
-        ibv_wc_status::IBV_WC_LOC_QP_OP_ERR => WorkCompletionStatus::LocalQueuePairOperationError,
-        ibv_wc_status::IBV_WC_LOC_PROT_ERR | ibv_wc_status::IBV_WC_LOC_ACCESS_ERR => {
-            WorkCompletionStatus::LocalProtectionError
-        }
-        ibv_wc_status::IBV_WC_WR_FLUSH_ERR => WorkCompletionStatus::WorkRequestFlushError,
-        ibv_wc_status::IBV_WC_MW_BIND_ERR => WorkCompletionStatus::MemoryWindowBindError,
-        ibv_wc_status::IBV_WC_REM_INV_REQ_ERR => WorkCompletionStatus::RemoteInvalidRequestError,
-        ibv_wc_status::IBV_WC_REM_ACCESS_ERR => WorkCompletionStatus::RemoteAccessError,
-        ibv_wc_status::IBV_WC_REM_OP_ERR => WorkCompletionStatus::RemoteOperationError,
-        ibv_wc_status::IBV_WC_RETRY_EXC_ERR => WorkCompletionStatus::RetryExceededError,
-        other => {
-            tracing::warn!(
-                raw_status = other,
-                "work completion with an unmapped ibverbs status"
-            );
-            WorkCompletionStatus::OtherError
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_raw_status_maps_without_panicking() {
-        assert_eq!(status_from_raw(0), WorkCompletionStatus::Success);
-        assert_eq!(
-            status_from_raw(ibv_wc_status::IBV_WC_REM_ACCESS_ERR),
-            WorkCompletionStatus::RemoteAccessError
-        );
-        assert_eq!(
-            status_from_raw(ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR),
-            WorkCompletionStatus::OtherError
-        );
-        assert_eq!(status_from_raw(u32::MAX), WorkCompletionStatus::OtherError);
-    }
-}
+/// What verbs states (`docs/fabric.md`, *Capabilities*): the NIC may fetch a later READ's data
+/// before an earlier one's unless it is fenced; a window bind and a drain poll the NIC's
+/// completion queue, bounded by the device's `retry_timeout`.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities {
+    ordered_reads: false,
+    binds_may_block: true,
+    teardown_may_block: true,
+    completes_inside_post: false,
+    shares_memory: false,
+    crosses_processes: true,
+    responder_connects_first: false,
+};

@@ -16,7 +16,7 @@ use crate::provider::verbs::completion::poll_completions;
 use crate::provider::verbs::context::VerbsContext;
 use crate::provider::verbs::memory::VerbsRegion;
 use crate::provider::verbs::queue_pair::VerbsQueuePair;
-use crate::provider::verbs::status_from_raw;
+use crate::provider::verbs::status::status_from_raw;
 use crate::types::{AccessFlags, LocalSegment, RemoteSegment, WorkRequest};
 use crate::WorkCompletionStatus;
 

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::{random_id, DeviceConfig, DeviceInner, VerbsOptions};
 use crate::error::{Error, Result};
@@ -51,6 +52,10 @@ impl VerbsDevice {
 impl DeviceProvider for VerbsDevice {
     fn backend(&self) -> Backend {
         Backend::Verbs
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        super::CAPABILITIES
     }
 
     fn create_completion_queue(
@@ -335,6 +340,11 @@ impl QueuePairProvider for NicQueuePair {
                 "the NIC did not flush every request within {limit:?}; completed them as flushed"
             );
         }
+    }
+
+    /// Requests the NIC has not completed yet: the drain polls for their flushes.
+    fn drain_may_wait(&self, queue_pair: &QueuePairShared) -> bool {
+        !lock(&queue_pair.requester).in_flight.is_empty()
     }
 
     fn as_any(&self) -> &dyn Any {
