@@ -71,7 +71,10 @@ impl TableRegion {
             geometry.region_size(),
             AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
         )?;
+        // One line per fabric the table is registered on (a node with an shm fabric beside
+        // its main one logs two, one memory).
         tracing::info!(
+            fabric = %device.backend(),
             buckets = geometry.bucket_count,
             heap_bytes = geometry.heap_size,
             chunk_bytes = geometry.chunk_size,
