@@ -305,124 +305,129 @@ impl ViewService {
         let reply = match (bincode::deserialize::<PeerRequest>(payload), &self.raft) {
             (Err(error), _) => PeerReply::Malformed(error.to_string()),
             (Ok(_), None) => PeerReply::Malformed("a one-node cluster runs no consensus".into()),
-            (Ok(PeerRequest::AppendEntries(request)), Some(raft)) => {
-                let terms: Vec<u64> = request
-                    .entries
-                    .iter()
-                    .map(|entry| entry.log_id.leader_id.term)
-                    .chain(request.prev_log_id.map(|log_id| log_id.leader_id.term))
-                    .collect();
-                if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
-                    return Self::encode(&PeerReply::Malformed(reason));
-                }
-                let outcome = raft.append_entries(request).await;
-                if outcome.as_ref().is_ok_and(|response| response.is_success()) {
-                    // Only the leader sends entries: it is alive.
-                    if let Some(leader) = self.leader() {
-                        self.liveness.heard(leader);
-                    }
-                }
-                PeerReply::AppendEntries(outcome)
-            }
-            (Ok(PeerRequest::Vote(request)), Some(raft)) => {
+            (Ok(request), Some(raft)) => self.answer_peer(raft, request).await,
+        };
+        Self::encode(&reply)
+    }
+
+    /// The answer to one peer message: Raft's own go to Raft, once [`Self::refuse_vote`] let
+    /// them through; the view's to the service.
+    async fn answer_peer(&self, raft: &Raft<TypeConfig>, request: PeerRequest) -> PeerReply {
+        match request {
+            PeerRequest::AppendEntries(request) => self.answer_append_entries(raft, request).await,
+            PeerRequest::Vote(request) => {
                 let terms: Vec<u64> = request
                     .last_log_id
                     .map(|log_id| log_id.leader_id.term)
                     .into_iter()
                     .collect();
                 if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
-                    return Self::encode(&PeerReply::Malformed(reason));
+                    return PeerReply::Malformed(reason);
                 }
                 PeerReply::Vote(raft.vote(request).await)
             }
-            (Ok(PeerRequest::InstallSnapshot(request)), Some(raft)) => {
+            PeerRequest::InstallSnapshot(request) => {
                 if let Some(reason) = self.refuse_vote(raft, &request.vote, &[]) {
-                    return Self::encode(&PeerReply::Malformed(reason));
+                    return PeerReply::Malformed(reason);
                 }
                 PeerReply::InstallSnapshot(raft.install_snapshot(request).await)
             }
-            (
-                Ok(PeerRequest::Join {
-                    node_id,
-                    incarnation,
-                }),
-                Some(_),
-            ) => {
+            PeerRequest::Join {
+                node_id,
+                incarnation,
+            } => PeerReply::Join(self.answer_join(node_id, incarnation).await),
+            PeerRequest::Lease { node_id, epoch } => self.grant_lease(node_id, epoch),
+            PeerRequest::Leave {
+                node_id,
+                incarnation,
+            } => self.commit_leave(node_id, incarnation).await,
+            PeerRequest::PreVote {
+                node_id,
+                last_log_id,
+            } => self.grant_pre_vote(node_id, last_log_id).await,
+            PeerRequest::Promote {
+                node_id,
+                incarnation,
+                filling_since,
+            } => {
                 if !self.addresses.contains_key(&node_id) {
-                    return Self::encode(&PeerReply::Join(Err(format!(
+                    return PeerReply::Join(Err(format!(
                         "node {node_id} is not a member of this cluster"
-                    ))));
-                }
-                // A node that cannot hear the leader could not apply its join (`lease.rs`).
-                if let Some(reason) = self.missed_heartbeats(node_id) {
-                    return Self::encode(&PeerReply::Join(Err(reason)));
-                }
-                // A node asking to join is alive, whatever the heartbeats' last answer says,
-                // and is counted as if it had asked for a lease: it holds none (its view has it
-                // down, or it restarted), and its first request comes only once it has applied
-                // the join; counted from its last request before, it was committed down again
-                // at once, over and over.
-                self.liveness.heard(node_id);
-                self.liveness.lease_requested(node_id);
-                let applied = {
-                    let view = self.view.borrow();
-                    view.members
-                        .get(&node_id)
-                        .is_some_and(|record| {
-                            record.state != MemberState::Down && record.incarnation == incarnation
-                        })
-                        .then_some(view.epoch)
-                };
-                if let Some(epoch) = applied {
-                    // Already in the view (the joiner has not applied it yet): nothing to
-                    // log, so a node that keeps asking never grows the log.
-                    return Self::encode(&PeerReply::Join(Ok(epoch)));
-                }
-                PeerReply::Join(
-                    self.commit(ViewCommand::Join {
-                        node_id,
-                        incarnation,
-                    })
-                    .await,
-                )
-            }
-            (Ok(PeerRequest::Lease { node_id, epoch }), Some(_)) => {
-                self.grant_lease(node_id, epoch)
-            }
-            (
-                Ok(PeerRequest::Leave {
-                    node_id,
-                    incarnation,
-                }),
-                Some(_),
-            ) => self.commit_leave(node_id, incarnation).await,
-            (
-                Ok(PeerRequest::PreVote {
-                    node_id,
-                    last_log_id,
-                }),
-                Some(_),
-            ) => self.grant_pre_vote(node_id, last_log_id).await,
-            (
-                Ok(PeerRequest::Promote {
-                    node_id,
-                    incarnation,
-                    filling_since,
-                }),
-                Some(_),
-            ) => {
-                if !self.addresses.contains_key(&node_id) {
-                    return Self::encode(&PeerReply::Join(Err(format!(
-                        "node {node_id} is not a member of this cluster"
-                    ))));
+                    )));
                 }
                 PeerReply::Join(
                     self.commit_promotion(node_id, incarnation, filling_since)
                         .await,
                 )
             }
+        }
+    }
+
+    /// Hands the leader's entries (or heartbeat) to Raft, unless [`Self::refuse_vote`] refuses
+    /// them; one that Raft accepts is a sign that the leader is alive.
+    async fn answer_append_entries(
+        &self,
+        raft: &Raft<TypeConfig>,
+        request: openraft::raft::AppendEntriesRequest<TypeConfig>,
+    ) -> PeerReply {
+        let terms: Vec<u64> = request
+            .entries
+            .iter()
+            .map(|entry| entry.log_id.leader_id.term)
+            .chain(request.prev_log_id.map(|log_id| log_id.leader_id.term))
+            .collect();
+        if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
+            return PeerReply::Malformed(reason);
+        }
+        let outcome = raft.append_entries(request).await;
+        if outcome.as_ref().is_ok_and(|response| response.is_success()) {
+            // Only the leader sends entries: it is alive.
+            if let Some(leader) = self.leader() {
+                self.liveness.heard(leader);
+            }
+        }
+        PeerReply::AppendEntries(outcome)
+    }
+
+    /// On the leader: commits a member's join, and answers with the epoch of a view that has
+    /// it as `incarnation`, or why not.
+    async fn answer_join(
+        &self,
+        node_id: u32,
+        incarnation: u64,
+    ) -> std::result::Result<u64, String> {
+        if !self.addresses.contains_key(&node_id) {
+            return Err(format!("node {node_id} is not a member of this cluster"));
+        }
+        // A node that cannot hear the leader could not apply its join (`lease.rs`).
+        if let Some(reason) = self.missed_heartbeats(node_id) {
+            return Err(reason);
+        }
+        // A node asking to join is alive, whatever the heartbeats' last answer says, and is
+        // counted as if it had asked for a lease: it holds none (its view has it down, or it
+        // restarted), and its first request comes only once it has applied the join; counted
+        // from its last request before, it was committed down again at once, over and over.
+        self.liveness.heard(node_id);
+        self.liveness.lease_requested(node_id);
+        let applied = {
+            let view = self.view.borrow();
+            view.members
+                .get(&node_id)
+                .is_some_and(|record| {
+                    record.state != MemberState::Down && record.incarnation == incarnation
+                })
+                .then_some(view.epoch)
         };
-        Self::encode(&reply)
+        if let Some(epoch) = applied {
+            // Already in the view (the joiner has not applied it yet): nothing to log, so a
+            // node that keeps asking never grows the log.
+            return Ok(epoch);
+        }
+        self.commit(ViewCommand::Join {
+            node_id,
+            incarnation,
+        })
+        .await
     }
 
     /// A reply, encoded for its `Peer` frame.
