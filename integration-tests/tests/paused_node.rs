@@ -181,7 +181,9 @@ async fn paused_history(tag: &str, victim: Victim, fabric: FabricChoice) {
         .filter(within_pause)
         .filter(|event| event.operation != Operation::Get)
         .count();
-    eprintln!("during the pause: {victim_reads_in_pause} GETs of its keys, {writes_in_pause} writes");
+    eprintln!(
+        "during the pause: {victim_reads_in_pause} GETs of its keys, {writes_in_pause} writes"
+    );
     assert!(
         victim_reads_in_pause > 0 && writes_in_pause > 0,
         "the history has no read of the paused node's keys ({victim_reads_in_pause}) or no write \

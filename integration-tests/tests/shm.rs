@@ -165,7 +165,11 @@ async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_eve
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let now = baselines(&monitor).await;
-        if now.iter().zip(&before).all(|(node, baseline)| node.at_or_below(baseline)) {
+        if now
+            .iter()
+            .zip(&before)
+            .all(|(node, baseline)| node.at_or_below(baseline))
+        {
             break;
         }
         assert!(

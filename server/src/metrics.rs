@@ -30,242 +30,9 @@ impl Metrics {
     pub fn new(node_id: u32) -> Self {
         let registry = Registry::new_custom(Some("rdkv".into()), None).expect("a valid prefix");
         let node = node_id.to_string();
-        let definitions: [(&str, &str, Reader); 49] = [
-            (
-                "uptime_seconds",
-                "Seconds since the server started",
-                |stats| stats.uptime_seconds as i64,
-            ),
-            ("connections", "Control connections open now", |stats| {
-                stats.connections as i64
-            }),
-            ("memory_regions", "Live memory regions", |stats| {
-                stats.live_memory_regions
-            }),
-            (
-                "memory_windows",
-                "Live memory windows (per-client keys)",
-                |stats| stats.live_memory_windows,
-            ),
-            ("pinned_bytes", "Bytes pinned (mlocked)", |stats| {
-                stats.pinned_bytes as i64
-            }),
-            (
-                "heap_used_bytes",
-                "Heap bytes owned, sealed or quarantined",
-                |stats| stats.heap_used_bytes as i64,
-            ),
-            ("heap_size_bytes", "Heap bytes", |stats| {
-                stats.heap_size_bytes as i64
-            }),
-            ("heap_free_bytes", "Heap bytes free now", |stats| {
-                stats.heap_free_bytes as i64
-            }),
-            (
-                "heap_reuse_delay_p99_milliseconds",
-                "Over the last 1,024 heap extents reclaimed: 99th percentile of the milliseconds from the scan that found an extent unreferenced to its reuse",
-                |stats| stats.heap_reuse_delay_ms[1] as i64,
-            ),
-            ("keys", "Committed keys at the collector's last pass (every 25 ms, up to 200 ms while the index does not change)", |stats| {
-                stats.keys as i64
-            }),
-            (
-                "chunk_allocations_total",
-                "Heap grants handed out",
-                |stats| stats.chunk_allocations as i64,
-            ),
-            ("heap_extents_reclaimed_total", "Heap extents (4 KiB) reclaimed", |stats| {
-                stats.extents_reclaimed as i64
-            }),
-            (
-                "blocks_relocated_total",
-                "Live blocks moved out of sparse heap segments by compaction",
-                |stats| stats.blocks_relocated as i64,
-            ),
-            (
-                "tentatives_cleared_total",
-                "Abandoned tentative slots cleared by the collector",
-                |stats| stats.tentatives_cleared as i64,
-            ),
-            (
-                "tombstones_cleared_total",
-                "Tombstone slots of replicated deletes cleared by the collector a quarantine after they were written",
-                |stats| stats.tombstones_cleared as i64,
-            ),
-            (
-                "extra_copies_removed_total",
-                "Committed keys removed because the view no longer names this node among their copies (a stand-in's, once the member it stood in for serves again)",
-                |stats| stats.extra_copies_removed as i64,
-            ),
-            (
-                "collector_passes_total",
-                "Heap collector passes (index scans)",
-                |stats| stats.collector_passes as i64,
-            ),
-            (
-                "collector_interval_milliseconds",
-                "The collector's interval now: collector_interval while it has work, up to 8 times that while the index does not change",
-                |stats| stats.collector_interval_ms as i64,
-            ),
-            (
-                "control_messages_total",
-                "Control-plane messages handled",
-                |stats| stats.control_messages as i64,
-            ),
-            (
-                "data_path_requests_total",
-                "One-sided requests handled by server code (always 0)",
-                |stats| stats.data_path_requests as i64,
-            ),
-            (
-                "authentication_failures_total",
-                "Refused authentications",
-                |stats| stats.authentication_failures as i64,
-            ),
-            (
-                "pending_handshakes",
-                "Control connections that have not authenticated yet",
-                |stats| stats.pending_handshakes as i64,
-            ),
-            (
-                "handshakes_evicted_total",
-                "Unauthenticated control connections evicted by newer ones (too many at once)",
-                |stats| stats.handshakes_evicted as i64,
-            ),
-            (
-                "handshakes_timed_out_total",
-                "Control connections closed because their handshake passed handshake_deadline",
-                |stats| stats.handshakes_timed_out as i64,
-            ),
-            (
-                "authenticated_connections",
-                "Authenticated control connections (of max_connections): clients, their lanes, monitors, peers",
-                |stats| stats.authenticated_connections as i64,
-            ),
-            (
-                "connections_refused_full_total",
-                "Connections refused after authenticating because all max_connections authenticated slots were taken",
-                |stats| stats.connections_refused_full as i64,
-            ),
-            (
-                "view_epoch",
-                "The epoch of the cluster view this node knows",
-                |stats| stats.view_epoch as i64,
-            ),
-            (
-                "view_leader",
-                "The cluster view's consensus leader this node knows of (0: none)",
-                |stats| i64::from(stats.view_leader),
-            ),
-            (
-                "view_members_down",
-                "Members this node's cluster view has down",
-                |stats| stats.view_members_down as i64,
-            ),
-            (
-                "connections_fenced_total",
-                "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
-                |stats| stats.connections_fenced as i64,
-            ),
-            (
-                "serving_data",
-                "1 while the node serves data (it holds its lease from the cluster's majority and the view has it), else 0",
-                |stats| i64::from(stats.serving_data),
-            ),
-            (
-                "serving_stops_total",
-                "Times the node stopped serving data (lost its lease, or the view had it down); its data connections were fenced",
-                |stats| stats.serving_stops as i64,
-            ),
-            (
-                "connections_refused_not_serving_total",
-                "Data connections refused while the node was not serving data",
-                |stats| stats.connections_refused_not_serving as i64,
-            ),
-            (
-                "lanes_refused_total",
-                "Extra client lanes refused because over half of max_connections were open (their clients use their first connection)",
-                |stats| stats.lanes_refused as i64,
-            ),
-            (
-                "refill_buckets_scanned",
-                "Refill after a restart: peers' index buckets scanned so far (of rdkv_refill_buckets_total)",
-                |stats| stats.refill_buckets_scanned as i64,
-            ),
-            (
-                "refill_buckets_total",
-                "Refill after a restart: peers' index buckets to scan (0: no refill since start)",
-                |stats| stats.refill_buckets_total as i64,
-            ),
-            (
-                "refill_keys_copied_total",
-                "Refill after a restart: keys copied from their primaries",
-                |stats| stats.refill_keys_copied as i64,
-            ),
-            (
-                "views_committed_total",
-                "Views this node committed as the consensus leader (members down and joins)",
-                |stats| stats.views_committed as i64,
-            ),
-            (
-                "data_connections",
-                "Data connections (with a queue pair) on the node's main fabric now",
-                |stats| stats.data_connections as i64,
-            ),
-            (
-                "shm_data_connections",
-                "Data connections on the node's shm fabric now (clients on its host)",
-                |stats| stats.shm_data_connections as i64,
-            ),
-            (
-                "soft_hellos_pending",
-                "Soft NIC connections reading their hello now (bounded by fabric_max_pending_hellos)",
-                |stats| stats.fabric_hellos_pending,
-            ),
-            (
-                "soft_connections",
-                "Soft NIC connections being served now",
-                |stats| stats.fabric_connections,
-            ),
-            (
-                "soft_engine_threads",
-                "The soft NIC's engine threads, which serve every connection",
-                |stats| stats.fabric_engine_threads,
-            ),
-            (
-                "soft_output_stalls_total",
-                "Times a soft NIC connection stopped being read because its peer did not take its answers (fabric_response_buffer)",
-                |stats| stats.fabric_output_stalls,
-            ),
-            (
-                "soft_responder_errors_total",
-                "Soft NIC connections whose responder refused a request (longer than max_message_size, malformed, or outside its key's rights), moving the queue pair to ERROR",
-                |stats| stats.fabric_responder_errors,
-            ),
-            (
-                "soft_hellos_timed_out_total",
-                "Soft NIC connections closed because their whole hello missed fabric_hello_deadline",
-                |stats| stats.fabric_hellos_timed_out,
-            ),
-            (
-                "soft_hellos_refused_total",
-                "Soft NIC connections closed before their hello: evicted by newer ones, too many pending",
-                |stats| stats.fabric_hellos_refused,
-            ),
-            (
-                "client_operations_total",
-                "Operations this node's clients reported as ended (succeeded or failed)",
-                |stats| stats.client_counters.operations as i64,
-            ),
-            (
-                "client_failures_total",
-                "Operations this node's clients reported as failed",
-                |stats| stats.client_counters.failures as i64,
-            ),
-        ];
         let mut gauges = Vec::new();
         let mut counters = Vec::new();
-        for (name, help, read) in definitions {
+        for (name, help, read) in definitions() {
             let options = Opts::new(name, help).const_label("node", node.clone());
             // Prometheus's convention: a `_total` is a counter (it only grows).
             if name.ends_with("_total") {
@@ -317,6 +84,248 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut body);
         body
     }
+}
+
+/// Every gauge and counter: its name (without the `rdkv_` prefix), its help, and how it is read
+/// from a stats snapshot. A name ending in `_total` is a counter.
+#[allow(
+    clippy::too_many_lines,
+    reason = "a table: one entry per metric, and nothing else"
+)]
+fn definitions() -> [(&'static str, &'static str, Reader); 49] {
+    [
+        (
+            "uptime_seconds",
+            "Seconds since the server started",
+            |stats| stats.uptime_seconds as i64,
+        ),
+        ("connections", "Control connections open now", |stats| {
+            stats.connections as i64
+        }),
+        ("memory_regions", "Live memory regions", |stats| {
+            stats.live_memory_regions
+        }),
+        (
+            "memory_windows",
+            "Live memory windows (per-client keys)",
+            |stats| stats.live_memory_windows,
+        ),
+        ("pinned_bytes", "Bytes pinned (mlocked)", |stats| {
+            stats.pinned_bytes as i64
+        }),
+        (
+            "heap_used_bytes",
+            "Heap bytes owned, sealed or quarantined",
+            |stats| stats.heap_used_bytes as i64,
+        ),
+        ("heap_size_bytes", "Heap bytes", |stats| {
+            stats.heap_size_bytes as i64
+        }),
+        ("heap_free_bytes", "Heap bytes free now", |stats| {
+            stats.heap_free_bytes as i64
+        }),
+        (
+            "heap_reuse_delay_p99_milliseconds",
+            "Over the last 1,024 heap extents reclaimed: 99th percentile of the milliseconds from the scan that found an extent unreferenced to its reuse",
+            |stats| stats.heap_reuse_delay_ms[1] as i64,
+        ),
+        ("keys", "Committed keys at the collector's last pass (every 25 ms, up to 200 ms while the index does not change)", |stats| {
+            stats.keys as i64
+        }),
+        (
+            "chunk_allocations_total",
+            "Heap grants handed out",
+            |stats| stats.chunk_allocations as i64,
+        ),
+        ("heap_extents_reclaimed_total", "Heap extents (4 KiB) reclaimed", |stats| {
+            stats.extents_reclaimed as i64
+        }),
+        (
+            "blocks_relocated_total",
+            "Live blocks moved out of sparse heap segments by compaction",
+            |stats| stats.blocks_relocated as i64,
+        ),
+        (
+            "tentatives_cleared_total",
+            "Abandoned tentative slots cleared by the collector",
+            |stats| stats.tentatives_cleared as i64,
+        ),
+        (
+            "tombstones_cleared_total",
+            "Tombstone slots of replicated deletes cleared by the collector a quarantine after they were written",
+            |stats| stats.tombstones_cleared as i64,
+        ),
+        (
+            "extra_copies_removed_total",
+            "Committed keys removed because the view no longer names this node among their copies (a stand-in's, once the member it stood in for serves again)",
+            |stats| stats.extra_copies_removed as i64,
+        ),
+        (
+            "collector_passes_total",
+            "Heap collector passes (index scans)",
+            |stats| stats.collector_passes as i64,
+        ),
+        (
+            "collector_interval_milliseconds",
+            "The collector's interval now: collector_interval while it has work, up to 8 times that while the index does not change",
+            |stats| stats.collector_interval_ms as i64,
+        ),
+        (
+            "control_messages_total",
+            "Control-plane messages handled",
+            |stats| stats.control_messages as i64,
+        ),
+        (
+            "data_path_requests_total",
+            "One-sided requests handled by server code (always 0)",
+            |stats| stats.data_path_requests as i64,
+        ),
+        (
+            "authentication_failures_total",
+            "Refused authentications",
+            |stats| stats.authentication_failures as i64,
+        ),
+        (
+            "pending_handshakes",
+            "Control connections that have not authenticated yet",
+            |stats| stats.pending_handshakes as i64,
+        ),
+        (
+            "handshakes_evicted_total",
+            "Unauthenticated control connections evicted by newer ones (too many at once)",
+            |stats| stats.handshakes_evicted as i64,
+        ),
+        (
+            "handshakes_timed_out_total",
+            "Control connections closed because their handshake passed handshake_deadline",
+            |stats| stats.handshakes_timed_out as i64,
+        ),
+        (
+            "authenticated_connections",
+            "Authenticated control connections (of max_connections): clients, their lanes, monitors, peers",
+            |stats| stats.authenticated_connections as i64,
+        ),
+        (
+            "connections_refused_full_total",
+            "Connections refused after authenticating because all max_connections authenticated slots were taken",
+            |stats| stats.connections_refused_full as i64,
+        ),
+        (
+            "view_epoch",
+            "The epoch of the cluster view this node knows",
+            |stats| stats.view_epoch as i64,
+        ),
+        (
+            "view_leader",
+            "The cluster view's consensus leader this node knows of (0: none)",
+            |stats| i64::from(stats.view_leader),
+        ),
+        (
+            "view_members_down",
+            "Members this node's cluster view has down",
+            |stats| stats.view_members_down as i64,
+        ),
+        (
+            "connections_fenced_total",
+            "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
+            |stats| stats.connections_fenced as i64,
+        ),
+        (
+            "serving_data",
+            "1 while the node serves data (it holds its lease from the cluster's majority and the view has it), else 0",
+            |stats| i64::from(stats.serving_data),
+        ),
+        (
+            "serving_stops_total",
+            "Times the node stopped serving data (lost its lease, or the view had it down); its data connections were fenced",
+            |stats| stats.serving_stops as i64,
+        ),
+        (
+            "connections_refused_not_serving_total",
+            "Data connections refused while the node was not serving data",
+            |stats| stats.connections_refused_not_serving as i64,
+        ),
+        (
+            "lanes_refused_total",
+            "Extra client lanes refused because over half of max_connections were open (their clients use their first connection)",
+            |stats| stats.lanes_refused as i64,
+        ),
+        (
+            "refill_buckets_scanned",
+            "Refill after a restart: peers' index buckets scanned so far (of rdkv_refill_buckets_total)",
+            |stats| stats.refill_buckets_scanned as i64,
+        ),
+        (
+            "refill_buckets_total",
+            "Refill after a restart: peers' index buckets to scan (0: no refill since start)",
+            |stats| stats.refill_buckets_total as i64,
+        ),
+        (
+            "refill_keys_copied_total",
+            "Refill after a restart: keys copied from their primaries",
+            |stats| stats.refill_keys_copied as i64,
+        ),
+        (
+            "views_committed_total",
+            "Views this node committed as the consensus leader (members down and joins)",
+            |stats| stats.views_committed as i64,
+        ),
+        (
+            "data_connections",
+            "Data connections (with a queue pair) on the node's main fabric now",
+            |stats| stats.data_connections as i64,
+        ),
+        (
+            "shm_data_connections",
+            "Data connections on the node's shm fabric now (clients on its host)",
+            |stats| stats.shm_data_connections as i64,
+        ),
+        (
+            "soft_hellos_pending",
+            "Soft NIC connections reading their hello now (bounded by fabric_max_pending_hellos)",
+            |stats| stats.fabric_hellos_pending,
+        ),
+        (
+            "soft_connections",
+            "Soft NIC connections being served now",
+            |stats| stats.fabric_connections,
+        ),
+        (
+            "soft_engine_threads",
+            "The soft NIC's engine threads, which serve every connection",
+            |stats| stats.fabric_engine_threads,
+        ),
+        (
+            "soft_output_stalls_total",
+            "Times a soft NIC connection stopped being read because its peer did not take its answers (fabric_response_buffer)",
+            |stats| stats.fabric_output_stalls,
+        ),
+        (
+            "soft_responder_errors_total",
+            "Soft NIC connections whose responder refused a request (longer than max_message_size, malformed, or outside its key's rights), moving the queue pair to ERROR",
+            |stats| stats.fabric_responder_errors,
+        ),
+        (
+            "soft_hellos_timed_out_total",
+            "Soft NIC connections closed because their whole hello missed fabric_hello_deadline",
+            |stats| stats.fabric_hellos_timed_out,
+        ),
+        (
+            "soft_hellos_refused_total",
+            "Soft NIC connections closed before their hello: evicted by newer ones, too many pending",
+            |stats| stats.fabric_hellos_refused,
+        ),
+        (
+            "client_operations_total",
+            "Operations this node's clients reported as ended (succeeded or failed)",
+            |stats| stats.client_counters.operations as i64,
+        ),
+        (
+            "client_failures_total",
+            "Operations this node's clients reported as failed",
+            |stats| stats.client_counters.failures as i64,
+        ),
+    ]
 }
 
 /// Scrapes served at once; more wait in the listen backlog.

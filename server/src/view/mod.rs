@@ -10,8 +10,9 @@
 //! - **the election timer** (`election.rs`): openraft's own is off; a node that has heard no
 //!   leader for its election timeout stands for election only if a majority answers yes to
 //!   its pre-vote, so a node that comes back never makes a live leader step down;
-//! - **the failure detector**, active on the leader: a member that has not answered the
-//!   leader's heartbeats (every 100 ms) for `failure_timeout` is committed `down`, a new epoch;
+//! - **the failure detector** (`failure_detector.rs`), active on the leader (it checks every
+//!   100 ms): a member not heard from for `failure_timeout` (its lease requests where nodes
+//!   hold leases, else its answers to the leader's heartbeats) is committed `down`, a new epoch;
 //! - **the join loop**: a node whose record in the view is not `serving` under its own
 //!   incarnation (it started, restarted, or was marked down while cut off) asks the leader to
 //!   commit its join, a new epoch.
@@ -23,6 +24,7 @@
 //! A one-node cluster runs no consensus: its view is itself, serving, at epoch 1.
 
 mod election;
+mod failure_detector;
 mod lease;
 mod leave;
 mod network;
@@ -40,7 +42,6 @@ use openraft::error::{ClientWriteError, RaftError};
 use openraft::storage::Adaptor;
 use openraft::{BasicNode, Raft, SnapshotPolicy};
 use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
-use rdkv_fabric::lock;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -305,124 +306,129 @@ impl ViewService {
         let reply = match (bincode::deserialize::<PeerRequest>(payload), &self.raft) {
             (Err(error), _) => PeerReply::Malformed(error.to_string()),
             (Ok(_), None) => PeerReply::Malformed("a one-node cluster runs no consensus".into()),
-            (Ok(PeerRequest::AppendEntries(request)), Some(raft)) => {
-                let terms: Vec<u64> = request
-                    .entries
-                    .iter()
-                    .map(|entry| entry.log_id.leader_id.term)
-                    .chain(request.prev_log_id.map(|log_id| log_id.leader_id.term))
-                    .collect();
-                if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
-                    return Self::encode(&PeerReply::Malformed(reason));
-                }
-                let outcome = raft.append_entries(request).await;
-                if outcome.as_ref().is_ok_and(|response| response.is_success()) {
-                    // Only the leader sends entries: it is alive.
-                    if let Some(leader) = self.leader() {
-                        self.liveness.heard(leader);
-                    }
-                }
-                PeerReply::AppendEntries(outcome)
-            }
-            (Ok(PeerRequest::Vote(request)), Some(raft)) => {
+            (Ok(request), Some(raft)) => self.answer_peer(raft, request).await,
+        };
+        Self::encode(&reply)
+    }
+
+    /// The answer to one peer message: Raft's own go to Raft, once [`Self::refuse_vote`] let
+    /// them through; the view's to the service.
+    async fn answer_peer(&self, raft: &Raft<TypeConfig>, request: PeerRequest) -> PeerReply {
+        match request {
+            PeerRequest::AppendEntries(request) => self.answer_append_entries(raft, request).await,
+            PeerRequest::Vote(request) => {
                 let terms: Vec<u64> = request
                     .last_log_id
                     .map(|log_id| log_id.leader_id.term)
                     .into_iter()
                     .collect();
                 if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
-                    return Self::encode(&PeerReply::Malformed(reason));
+                    return PeerReply::Malformed(reason);
                 }
                 PeerReply::Vote(raft.vote(request).await)
             }
-            (Ok(PeerRequest::InstallSnapshot(request)), Some(raft)) => {
+            PeerRequest::InstallSnapshot(request) => {
                 if let Some(reason) = self.refuse_vote(raft, &request.vote, &[]) {
-                    return Self::encode(&PeerReply::Malformed(reason));
+                    return PeerReply::Malformed(reason);
                 }
                 PeerReply::InstallSnapshot(raft.install_snapshot(request).await)
             }
-            (
-                Ok(PeerRequest::Join {
-                    node_id,
-                    incarnation,
-                }),
-                Some(_),
-            ) => {
+            PeerRequest::Join {
+                node_id,
+                incarnation,
+            } => PeerReply::Join(self.answer_join(node_id, incarnation).await),
+            PeerRequest::Lease { node_id, epoch } => self.grant_lease(node_id, epoch),
+            PeerRequest::Leave {
+                node_id,
+                incarnation,
+            } => self.commit_leave(node_id, incarnation).await,
+            PeerRequest::PreVote {
+                node_id,
+                last_log_id,
+            } => self.grant_pre_vote(node_id, last_log_id).await,
+            PeerRequest::Promote {
+                node_id,
+                incarnation,
+                filling_since,
+            } => {
                 if !self.addresses.contains_key(&node_id) {
-                    return Self::encode(&PeerReply::Join(Err(format!(
+                    return PeerReply::Join(Err(format!(
                         "node {node_id} is not a member of this cluster"
-                    ))));
-                }
-                // A node that cannot hear the leader could not apply its join (`lease.rs`).
-                if let Some(reason) = self.missed_heartbeats(node_id) {
-                    return Self::encode(&PeerReply::Join(Err(reason)));
-                }
-                // A node asking to join is alive, whatever the heartbeats' last answer says,
-                // and is counted as if it had asked for a lease: it holds none (its view has it
-                // down, or it restarted), and its first request comes only once it has applied
-                // the join; counted from its last request before, it was committed down again
-                // at once, over and over.
-                self.liveness.heard(node_id);
-                self.liveness.lease_requested(node_id);
-                let applied = {
-                    let view = self.view.borrow();
-                    view.members
-                        .get(&node_id)
-                        .is_some_and(|record| {
-                            record.state != MemberState::Down && record.incarnation == incarnation
-                        })
-                        .then_some(view.epoch)
-                };
-                if let Some(epoch) = applied {
-                    // Already in the view (the joiner has not applied it yet): nothing to
-                    // log, so a node that keeps asking never grows the log.
-                    return Self::encode(&PeerReply::Join(Ok(epoch)));
-                }
-                PeerReply::Join(
-                    self.commit(ViewCommand::Join {
-                        node_id,
-                        incarnation,
-                    })
-                    .await,
-                )
-            }
-            (Ok(PeerRequest::Lease { node_id, epoch }), Some(_)) => {
-                self.grant_lease(node_id, epoch)
-            }
-            (
-                Ok(PeerRequest::Leave {
-                    node_id,
-                    incarnation,
-                }),
-                Some(_),
-            ) => self.commit_leave(node_id, incarnation).await,
-            (
-                Ok(PeerRequest::PreVote {
-                    node_id,
-                    last_log_id,
-                }),
-                Some(_),
-            ) => self.grant_pre_vote(node_id, last_log_id).await,
-            (
-                Ok(PeerRequest::Promote {
-                    node_id,
-                    incarnation,
-                    filling_since,
-                }),
-                Some(_),
-            ) => {
-                if !self.addresses.contains_key(&node_id) {
-                    return Self::encode(&PeerReply::Join(Err(format!(
-                        "node {node_id} is not a member of this cluster"
-                    ))));
+                    )));
                 }
                 PeerReply::Join(
                     self.commit_promotion(node_id, incarnation, filling_since)
                         .await,
                 )
             }
+        }
+    }
+
+    /// Hands the leader's entries (or heartbeat) to Raft, unless [`Self::refuse_vote`] refuses
+    /// them; one that Raft accepts is a sign that the leader is alive.
+    async fn answer_append_entries(
+        &self,
+        raft: &Raft<TypeConfig>,
+        request: openraft::raft::AppendEntriesRequest<TypeConfig>,
+    ) -> PeerReply {
+        let terms: Vec<u64> = request
+            .entries
+            .iter()
+            .map(|entry| entry.log_id.leader_id.term)
+            .chain(request.prev_log_id.map(|log_id| log_id.leader_id.term))
+            .collect();
+        if let Some(reason) = self.refuse_vote(raft, &request.vote, &terms) {
+            return PeerReply::Malformed(reason);
+        }
+        let outcome = raft.append_entries(request).await;
+        if outcome.as_ref().is_ok_and(|response| response.is_success()) {
+            // Only the leader sends entries: it is alive.
+            if let Some(leader) = self.leader() {
+                self.liveness.heard(leader);
+            }
+        }
+        PeerReply::AppendEntries(outcome)
+    }
+
+    /// On the leader: commits a member's join, and answers with the epoch of a view that has
+    /// it as `incarnation`, or why not.
+    async fn answer_join(
+        &self,
+        node_id: u32,
+        incarnation: u64,
+    ) -> std::result::Result<u64, String> {
+        if !self.addresses.contains_key(&node_id) {
+            return Err(format!("node {node_id} is not a member of this cluster"));
+        }
+        // A node that cannot hear the leader could not apply its join (`lease.rs`).
+        if let Some(reason) = self.missed_heartbeats(node_id) {
+            return Err(reason);
+        }
+        // A node asking to join is alive, whatever the heartbeats' last answer says, and is
+        // counted as if it had asked for a lease: it holds none (its view has it down, or it
+        // restarted), and its first request comes only once it has applied the join; counted
+        // from its last request before, it was committed down again at once, over and over.
+        self.liveness.heard(node_id);
+        self.liveness.lease_requested(node_id);
+        let applied = {
+            let view = self.view.borrow();
+            view.members
+                .get(&node_id)
+                .is_some_and(|record| {
+                    record.state != MemberState::Down && record.incarnation == incarnation
+                })
+                .then_some(view.epoch)
         };
-        Self::encode(&reply)
+        if let Some(epoch) = applied {
+            // Already in the view (the joiner has not applied it yet): nothing to log, so a
+            // node that keeps asking never grows the log.
+            return Ok(epoch);
+        }
+        self.commit(ViewCommand::Join {
+            node_id,
+            incarnation,
+        })
+        .await
     }
 
     /// A reply, encoded for its `Peer` frame.
@@ -462,176 +468,6 @@ impl ViewService {
                 Ok(written.data.epoch)
             }
         }
-    }
-
-    /// On the leader: commits `down` for every serving member not heard from for the
-    /// failure timeout. A follower hears only the leader, so a new leader counts the others'
-    /// silence from its election, and the old leader's from its last heartbeat, but from no
-    /// earlier than [`Self::old_leader_lease_floor`] before its election (others may have
-    /// renewed the old leader's lease after this node last heard it: `lease.rs`): a dead
-    /// leader is marked down `failure_timeout` after it died, or at the election if that
-    /// comes later (followers wait 0.65-0.8 s before they stand: `election.rs`).
-    async fn detect_failures(self: Arc<Self>, shutdown: CancellationToken) {
-        let liveness = self.liveness.clone();
-        let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
-        let mut leader_since: Option<Instant> = None;
-        let mut previous_leader: Option<u32> = None;
-        let mut last_tick = Instant::now();
-        // The last down proposed per member, with the epoch it was proposed under: not again
-        // until the view changes (it applied, or the member rejoined) or 4 timeouts pass.
-        let mut proposed: BTreeMap<u32, (Instant, u64)> = BTreeMap::new();
-        let mut reported_fatal = false;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = ticks.tick() => {}
-            }
-            if last_tick.elapsed() > HEARTBEAT_INTERVAL * 3 {
-                // This process was paused (SIGSTOP, a stalled machine): what it knew of its
-                // peers is stale, and so may its leadership be. Count afresh.
-                leader_since = None;
-            }
-            last_tick = Instant::now();
-            if let Some(raft) = &self.raft {
-                if let Err(fatal) = &raft.metrics().borrow().running_state {
-                    if !reported_fatal {
-                        tracing::error!(
-                            node = self.node_id,
-                            %fatal,
-                            "the cluster view's consensus stopped on this node: it knows no leader and commits nothing; restart the node"
-                        );
-                        reported_fatal = true;
-                    }
-                    continue;
-                }
-            }
-            let leader = self.leader();
-            if leader != Some(self.node_id) {
-                leader_since = None;
-                if leader.is_some() {
-                    previous_leader = leader;
-                }
-                self.pending_down_lock().clear();
-                continue;
-            }
-            // An entry ends once its member's record changed since the decision (marked down,
-            // and perhaps back already; found by CI: a member that rejoined before this check
-            // stayed pending, refused every lease). The view is read first, not held with the
-            // lock: lease grants take the lock, then read the view.
-            let records: Vec<(u32, u64)> = self
-                .view
-                .borrow()
-                .members
-                .iter()
-                .filter(|(_, record)| record.state != MemberState::Down)
-                .map(|(id, record)| (*id, record.since))
-                .collect();
-            self.pending_down_lock()
-                .retain(|id, decided_at| records.contains(&(*id, *decided_at)));
-            let since = *leader_since.get_or_insert_with(Instant::now);
-            let needs_lease = self.needs_lease();
-            let heard_within = |id: u32| {
-                // Where nodes hold leases, a follower is alive when its lease requests
-                // arrive: one whose requests do not (it cannot reach this node, though this
-                // node's heartbeats reach it) serves nothing, and must leave the view so that
-                // its keys move. The previous leader too, once it follows (found by attack: a
-                // leader whose messages to one follower were cut lost an election to it, then
-                // could not reach the new leader, and stayed in the view, serving nothing).
-                let signs = if needs_lease {
-                    liveness.last_lease_request(id)
-                } else {
-                    liveness.last_heard(id)
-                };
-                let counted_from = if Some(id) == previous_leader {
-                    since
-                        .checked_sub(Self::old_leader_lease_floor())
-                        .unwrap_or(since)
-                } else {
-                    since
-                };
-                let heard = signs.map_or(counted_from, |heard| heard.max(counted_from));
-                heard.elapsed() <= self.failure_timeout
-            };
-            let (silent, members, epoch): (Vec<u32>, usize, u64) = {
-                let view = self.view.borrow();
-                let silent = view
-                    .members
-                    .iter()
-                    .filter(|(id, record)| {
-                        **id != self.node_id && record.state != MemberState::Down
-                    })
-                    .map(|(id, _)| *id)
-                    .filter(|id| !heard_within(*id))
-                    .collect();
-                (silent, view.members.len(), view.epoch)
-            };
-            // Only a leader that hears a majority (itself included) can commit anything: without
-            // one, a proposal would sit in its log, be retried, and commit late, after the
-            // member came back (found by attack: a two-node cluster's leader grew its log
-            // every failure_timeout).
-            let heard = 1 + self
-                .addresses
-                .keys()
-                .filter(|id| **id != self.node_id && heard_within(**id))
-                .count();
-            if heard * 2 <= members {
-                continue;
-            }
-            for node_id in silent {
-                if proposed.get(&node_id).is_some_and(|(at, under)| {
-                    *under == epoch && at.elapsed() < self.failure_timeout * 4
-                }) {
-                    continue;
-                }
-                let record_since = self
-                    .view
-                    .borrow()
-                    .members
-                    .get(&node_id)
-                    .map_or(0, |record| record.since);
-                {
-                    // Decided under the lock that lease grants take: a request that arrived
-                    // since the decision above got its grant before this check, and counts; one
-                    // that arrives after gets none (found by review: a grant in the moment
-                    // before the commit let a node serve past the view without it).
-                    let mut pending = self.pending_down_lock();
-                    if heard_within(node_id) {
-                        continue;
-                    }
-                    pending.insert(node_id, record_since);
-                }
-                proposed.insert(node_id, (Instant::now(), epoch));
-                tracing::warn!(
-                    node = self.node_id,
-                    down = node_id,
-                    failure_timeout = ?self.failure_timeout,
-                    "a member missed its heartbeats: committing a view without it"
-                );
-                if let Err(reason) = self.commit(ViewCommand::MarkDown { node_id }).await {
-                    tracing::warn!(node = self.node_id, down = node_id, %reason, "view not committed");
-                }
-            }
-        }
-    }
-
-    /// The members this leader is committing down (their lease requests get no grant).
-    pub(super) fn pending_down_lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u32, u64>> {
-        lock(&self.pending_down)
-    }
-
-    /// How long before its election a new leader may start counting the old leader's
-    /// silence. A follower refuses to vote for `election_timeout_max` after it last accepted
-    /// a leader's heartbeat (openraft's leader lease), so every heartbeat that a majority
-    /// accepted from the old leader was sent that long before the election at least, unless
-    /// the old leader voted for the new one itself (openraft's leader grants a vote for a newer
-    /// term once it has led that long): that old leader dropped its lease when it voted
-    /// (`lease.rs`). The old leader's own lease ends `9/10 × failure_timeout` after such a
-    /// heartbeat at most, so counting its silence from `election_timeout_max` before the
-    /// election commits it down `failure_timeout / 10` after its lease ended, at the earliest.
-    fn old_leader_lease_floor() -> Duration {
-        election::LEADER_LEASE
     }
 
     /// On every node: while the view does not have this node as this incarnation (serving, or

@@ -310,42 +310,10 @@ impl SoftQueuePair {
         local: &SoftEndpoint,
         remote: &SoftEndpoint,
     ) -> Result<()> {
-        // A listening NIC serves its connections from its engine pool, which never blocks;
-        // a dialing-only NIC from tasks on the caller's runtime.
-        let pooled = queue_pair
-            .device()
-            .provider
-            .as_any()
-            .downcast_ref::<SoftDevice>()
-            .is_some_and(|soft| soft.pool.get().is_some());
-        let connection = Arc::new(SoftConnection::new(
-            queue_pair.protection_domain.inner.device.clone(),
-            if pooled {
-                FlushMode::Pooled
-            } else {
-                FlushMode::Blocking
-            },
-        ));
+        let connection = new_connection(queue_pair);
         let _ = self.remote.set(*remote);
         if !local_dials(local, remote) {
-            let parked = {
-                let mut pending = lock(&self.pending_stream);
-                let _ = self.connection.set(connection.clone());
-                pending.take()
-            };
-            if let Some(parked) = parked {
-                if parked.source_device_id == remote.device_id
-                    && parked.source_qp_number == remote.qp_number
-                {
-                    attach(&connection, parked.stream, queue_pair.clone());
-                } else {
-                    // It arrived first but is not the peer named here: the peer still dials.
-                    tracing::debug!(
-                        qp_number = local.qp_number,
-                        "soft NIC dropped an early connection from another source"
-                    );
-                }
-            }
+            self.await_dial(&connection, queue_pair, local, remote);
             return Ok(());
         }
         let Some(address) = remote.address else {
@@ -367,41 +335,7 @@ impl SoftQueuePair {
             source_device_id: local.device_id,
             target_device_id: remote.device_id,
         };
-        // A listener flooded with idle connections may close ours before it reads the hello
-        // (it evicts the oldest pending ones): end of stream before the acknowledgement is
-        // worth another dial or two, not a failed connect.
-        let mut attempts = 0;
-        let (stream, ack) = loop {
-            attempts += 1;
-            let dialed = async {
-                let mut stream =
-                    tokio::time::timeout(DIAL_TIMEOUT, tokio::net::TcpStream::connect(address))
-                        .await
-                        .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
-                stream.set_nodelay(true)?;
-                stream.write_all(&hello.encode()).await?;
-                let mut ack = [0u8; HELLO_ACK_LENGTH];
-                tokio::time::timeout(DIAL_TIMEOUT, stream.read_exact(&mut ack))
-                    .await
-                    .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
-                Ok::<_, std::io::Error>((stream, ack))
-            };
-            match dialed.await {
-                Ok(dialed) => break dialed,
-                Err(error)
-                    if attempts < DIAL_ATTEMPTS
-                        && matches!(
-                            error.kind(),
-                            ErrorKind::UnexpectedEof
-                                | ErrorKind::ConnectionReset
-                                | ErrorKind::BrokenPipe
-                        ) =>
-                {
-                    tracing::debug!(%error, attempts, "soft NIC dial closed before its acknowledgement; dialing again");
-                }
-                Err(error) => return Err(connect_error(error)),
-            }
-        };
+        let (stream, ack) = dial(address, &hello).await.map_err(connect_error)?;
         let status = HelloStatus::decode(&ack);
         if status != HelloStatus::Accepted {
             return Err(Error::EndpointNotFound {
@@ -417,6 +351,102 @@ impl SoftQueuePair {
         attach(&connection, stream, queue_pair.clone());
         Ok(())
     }
+
+    /// The passive side: publishes `connection` for the peer's dial to attach to, or attaches
+    /// the dial that arrived before this connect, if it came from `remote`.
+    fn await_dial(
+        &self,
+        connection: &Arc<SoftConnection>,
+        queue_pair: &Arc<QueuePairShared>,
+        local: &SoftEndpoint,
+        remote: &SoftEndpoint,
+    ) {
+        let parked = {
+            let mut pending = lock(&self.pending_stream);
+            let _ = self.connection.set(connection.clone());
+            pending.take()
+        };
+        if let Some(parked) = parked {
+            if parked.source_device_id == remote.device_id
+                && parked.source_qp_number == remote.qp_number
+            {
+                attach(connection, parked.stream, queue_pair.clone());
+            } else {
+                // It arrived first but is not the peer named here: the peer still dials.
+                tracing::debug!(
+                    qp_number = local.qp_number,
+                    "soft NIC dropped an early connection from another source"
+                );
+            }
+        }
+    }
+}
+
+/// A queue pair's connection, before it has a stream. A listening NIC serves its connections
+/// from its engine pool, which never blocks; a dialing-only NIC from tasks on the caller's
+/// runtime.
+fn new_connection(queue_pair: &QueuePairShared) -> Arc<SoftConnection> {
+    let pooled = queue_pair
+        .device()
+        .provider
+        .as_any()
+        .downcast_ref::<SoftDevice>()
+        .is_some_and(|soft| soft.pool.get().is_some());
+    Arc::new(SoftConnection::new(
+        queue_pair.protection_domain.inner.device.clone(),
+        if pooled {
+            FlushMode::Pooled
+        } else {
+            FlushMode::Blocking
+        },
+    ))
+}
+
+/// Dials the listener at `address` with `hello`, and reads its acknowledgement. A listener
+/// flooded with idle connections may close ours before it reads the hello (it evicts the
+/// oldest pending ones): end of stream before the acknowledgement is worth another dial or two
+/// ([`DIAL_ATTEMPTS`] in all), not a failed connect.
+async fn dial(
+    address: SocketAddr,
+    hello: &Hello,
+) -> std::io::Result<(tokio::net::TcpStream, [u8; HELLO_ACK_LENGTH])> {
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match dial_once(address, hello).await {
+            Ok(dialed) => return Ok(dialed),
+            Err(error)
+                if attempts < DIAL_ATTEMPTS
+                    && matches!(
+                        error.kind(),
+                        ErrorKind::UnexpectedEof
+                            | ErrorKind::ConnectionReset
+                            | ErrorKind::BrokenPipe
+                    ) =>
+            {
+                tracing::debug!(%error, attempts, "soft NIC dial closed before its acknowledgement; dialing again");
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// One dial of [`dial`]: connects, sends the hello and reads the acknowledgement, each within
+/// [`DIAL_TIMEOUT`].
+async fn dial_once(
+    address: SocketAddr,
+    hello: &Hello,
+) -> std::io::Result<(tokio::net::TcpStream, [u8; HELLO_ACK_LENGTH])> {
+    let mut stream = tokio::time::timeout(DIAL_TIMEOUT, tokio::net::TcpStream::connect(address))
+        .await
+        .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+    stream.set_nodelay(true)?;
+    stream.write_all(&hello.encode()).await?;
+    let mut ack = [0u8; HELLO_ACK_LENGTH];
+    tokio::time::timeout(DIAL_TIMEOUT, stream.read_exact(&mut ack))
+        .await
+        .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+    Ok((stream, ack))
 }
 
 /// Attaches a connection's stream to it: sets the write side and builds the engine that will
