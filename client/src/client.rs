@@ -5,7 +5,8 @@
 //! - `runner`: every operation's deadline, retries on a fresh connection and counts;
 //! - `view_following`: the cluster view the client routes by, and how it learns a newer one;
 //! - `replicated`: writes (and GETs) on a replicated cluster;
-//! - `operations`: the one-sided algorithms of a single copy.
+//! - `operations`: the one-sided algorithms of a single copy;
+//! - `refill`: the hidden methods a node's refill uses.
 //!
 //! Keys map to nodes by rendezvous hashing (by the cluster view's ranking when each key has
 //! copies); the client says goodbye to every node when closed or dropped.
@@ -25,7 +26,6 @@ use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
 use crate::node::{connect_first_lanes, Node, GOODBYE_TIMEOUT};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
-use crate::progress::Progress;
 use crate::replicated::Write;
 use crate::runner::Kind;
 use crate::view_following::ViewFollower;
@@ -101,7 +101,7 @@ impl Client {
     }
 
     /// This client's node with id `node_id`.
-    fn node_by_id(&self, node_id: u32) -> Option<&Arc<Node>> {
+    pub(crate) fn node_by_id(&self, node_id: u32) -> Option<&Arc<Node>> {
         self.nodes.iter().find(|node| node.id == node_id)
     }
 
@@ -433,85 +433,6 @@ impl Client {
             .iter()
             .flat_map(|node| node.take_connections())
             .collect()
-    }
-
-    /// Fetches the cluster view and routes by it from now on (a node refilling itself uses
-    /// this to include itself as filling). The view, or why none could be fetched.
-    ///
-    /// # Errors
-    /// As [`Client::view`].
-    #[doc(hidden)]
-    pub async fn follow_view(&self) -> Result<ClusterView> {
-        self.follower.refresh_in_task().await;
-        self.view().await
-    }
-
-    /// The combined buckets of node `node_id`'s index (connecting to it if needed).
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a node not in the cluster; connection errors.
-    #[doc(hidden)]
-    pub async fn combined_buckets_of(&self, node_id: u32) -> Result<u64> {
-        let node = self.node_by_id(node_id).ok_or_else(|| Error::Config {
-            reason: format!("node {node_id} is not in the cluster"),
-        })?;
-        let connection = node.connection().await?;
-        Ok(connection.welcome.geometry.combined_bucket_count())
-    }
-
-    /// The keys and values in combined buckets `first ..` (at most [`crate::SCAN_BUCKETS`])
-    /// of node `node_id`'s index, read one-sided (refill, `docs/protocol.md`).
-    ///
-    /// # Errors
-    /// As [`Client::get`].
-    #[doc(hidden)]
-    pub async fn scan_node(
-        &self,
-        node_id: u32,
-        first: u64,
-        count: u64,
-    ) -> Result<Vec<(Bytes, Bytes)>> {
-        let node = self
-            .node_by_id(node_id)
-            .ok_or_else(|| Error::Config {
-                reason: format!("node {node_id} is not in the cluster"),
-            })?
-            .clone();
-        let progress = Arc::new(Progress::default());
-        let work = async {
-            let connection = node.connection().await?;
-            crate::scan::scan_buckets(&connection, progress.clone(), first, count).await
-        };
-        self.run_replicated(Kind::Scan, "scan", &progress, work)
-            .await
-    }
-
-    /// Whether node `me` must copy `key` from node `source` while it fills: `source` is the
-    /// key's primary and `me` one of the copies the view is heading for.
-    #[doc(hidden)]
-    pub fn refill_target(&self, key: &[u8], source: u32, me: u32) -> bool {
-        let replicas = self.follower.write_replicas(key, self.replicas);
-        replicas.first() == Some(&source) && replicas.contains(&me)
-    }
-
-    /// Copies `key`'s `value` to every replica the view is heading for, through the primary's
-    /// lock (a compare-and-swap of the value with itself): `Ok(false)` when the value changed
-    /// meanwhile (its writer wrote every replica already).
-    ///
-    /// # Errors
-    /// As [`Client::compare_and_swap`].
-    #[doc(hidden)]
-    pub async fn refill_copy(&self, key: &[u8], value: &[u8]) -> Result<bool> {
-        // Counted under its kind like any write, so that a node's counters add up (a
-        // restarted node's refill copies showed as operations of no kind in `rdkv stats`).
-        let outcome = self
-            .mutate_replicated(
-                "refill",
-                key,
-                Write::Value(value, Mutation::CompareAndSwap { expected: value }),
-            )
-            .await?;
-        Ok(outcome == MutationOutcome::Applied)
     }
 }
 

@@ -32,7 +32,7 @@
 //!   task.
 //! - `operations`: the one-sided algorithms of a single copy.
 //! - `block`: writing blocks into, and reading them to, scratch buffers.
-//! - `scan`: reading a node's whole table (refill).
+//! - `refill`: what a node's refill asks of its client; `scan`: reading a node's whole table.
 //! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
@@ -54,6 +54,7 @@ pub mod lanes;
 mod node;
 mod operations;
 mod progress;
+mod refill;
 mod replicated;
 mod runner;
 mod scan;
