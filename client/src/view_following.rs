@@ -19,7 +19,7 @@ use crate::error::Error;
 /// The cluster view as a client knows it: the epoch and the serving members, whose ranking
 /// places each key (`docs/protocol.md`, *Placement*).
 #[derive(Debug, Clone)]
-pub(crate) struct Membership {
+struct Membership {
     /// The view's epoch (0: the cluster file's nodes, all serving, before any fetch).
     epoch: u64,
     /// The serving members' ids, in id order.
