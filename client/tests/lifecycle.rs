@@ -49,8 +49,16 @@ async fn connect_all_connects_every_node_up_front() {
     ]))
     .build()
     .expect("a cluster client");
-    assert_eq!(first.stats().connections, 0, "for_cluster connects lazily");
-    assert_eq!(second.stats().connections, 0, "for_cluster connects lazily");
+    assert_eq!(
+        first.stats().connections,
+        0,
+        "a built cluster client connects lazily"
+    );
+    assert_eq!(
+        second.stats().connections,
+        0,
+        "a built cluster client connects lazily"
+    );
     client.connect_all().await.expect("connect every node");
     assert!(
         first.stats().connections >= 1,
@@ -117,13 +125,12 @@ async fn dropping_a_client_says_goodbye() {
     let mut config = ServerConfig::local(SECRET);
     config.lease_timeout = Duration::from_secs(120);
     let server = rdkv_server::start(config).await.expect("start server");
-    let client = Client::connect(ClientConfig::new(
-        server.control_address(),
-        Backend::Soft,
-        SECRET,
-    ))
-    .await
-    .expect("connect");
+    // One lane: a second lane, opened in the background by the first put on another worker's
+    // lane, would send its first heartbeat at once, with the counters so far (this test
+    // failed so whenever the test thread's lane was not the first).
+    let mut client_config = ClientConfig::new(server.control_address(), Backend::Soft, SECRET);
+    client_config.lanes = Some(1);
+    let client = Client::connect(client_config).await.expect("connect");
     // The connection's first heartbeat goes out at once (and reports nothing yet); the next
     // one is a third of the lease away.
     eventually("the first heartbeat", || {
@@ -137,9 +144,7 @@ async fn dropping_a_client_says_goodbye() {
             .expect("put");
     }
     assert_eq!(server.stats().client_counters.operations, 0);
-    // The first lane, and the test thread's lane if it is another (it opens in the
-    // background).
-    assert!(server.stats().connections >= 1);
+    assert_eq!(server.stats().connections, 1);
     drop(client);
     eventually(
         "the dropped client's goodbye reported its 10 operations",
@@ -364,4 +369,44 @@ fn extra_lanes_never_shut_other_clients_out() {
             client.close().await;
         }
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_builder_connects_every_node_of_a_cluster_with_its_settings() {
+    let first = start_node(1).await;
+    let second = start_node(2).await;
+    let client = ClientBuilder::cluster(&cluster(&[
+        first.control_address(),
+        second.control_address(),
+    ]))
+    .concurrency(4)
+    .lanes(1)
+    .fabric(rdkv_client::FabricChoice::Cluster(Backend::Soft))
+    .connect()
+    .await
+    .expect("connect every node");
+    // One lane each: exactly one connection per node, before any operation.
+    assert_eq!(first.stats().connections, 1);
+    assert_eq!(second.stats().connections, 1);
+    assert_eq!(client.node_ids(), [1, 2]);
+    client.put(b"built", b"value").await.expect("put");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_builder_refuses_a_fabric_the_cluster_does_not_run_and_a_lazy_client_of_one_node() {
+    let config = cluster(&[closed_address().1]);
+    let error = ClientBuilder::cluster(&config)
+        .fabric(rdkv_client::FabricChoice::Cluster(Backend::Loopback))
+        .build()
+        .expect_err("the cluster runs soft");
+    assert!(
+        matches!(&error, Error::Config { reason } if reason.contains("the cluster runs soft")),
+        "{error}"
+    );
+    let one = ClientConfig::new(closed_address().1, Backend::Soft, SECRET);
+    let error = ClientBuilder::node(one)
+        .build()
+        .expect_err("a client of one node connects at once");
+    assert!(matches!(error, Error::Config { .. }), "{error}");
 }
