@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use rdkv_client::Client;
+use rdkv_client::{Client, ClientBuilder};
 
 mod commands;
 mod hex;
@@ -133,7 +133,9 @@ async fn main() -> ExitCode {
 }
 
 async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
-    let client = Client::from_file_with(&arguments.config, arguments.fabric)?;
+    let client = ClientBuilder::cluster_file(&arguments.config)
+        .fabric(arguments.fabric)
+        .build()?;
     let outcome = execute(&client, arguments.command).await;
     // Also after an error: the nodes hear a goodbye instead of a dropped connection.
     client.close().await;

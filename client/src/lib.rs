@@ -14,22 +14,35 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A client of a cluster ([`Client::for_cluster`], [`Client::from_file`]) connects to each node
-//! on first use, or to all of them with [`Client::connect_all`]. [`Client::close`] says goodbye
-//! to every node and waits; dropping the client says it without waiting.
+//! A [`ClientBuilder`] makes every client: of one node ([`ClientBuilder::node`]), of a cluster
+//! ([`ClientBuilder::cluster`], [`ClientBuilder::cluster_file`]), with its settings
+//! (concurrency, lanes, fabric). A client of a cluster connects to each node on first use, or
+//! to all of them with [`Client::connect_all`] (or [`ClientBuilder::connect`]).
+//! [`Client::close`] says goodbye to every node and waits; dropping the client says it without
+//! waiting.
 //!
-//! - [`client`]: the handle, deadlines, reconnects and safe retries.
-//! - `connection`: the handshake, queue pair, scratch buffers, chunks and control task.
-//! - `operations`: the one-sided algorithms.
+//! - [`client`]: the handle, a facade over the parts below.
+//! - [`builder`]: the one way to make a client, [`ClientBuilder`].
+//! - `node`: a node's lanes and how their connections open, re-open and retire.
+//! - [`lanes`]: a connection per runtime worker to each node.
+//! - `runner`: every operation's deadline, safe retries and counts.
+//! - `view_following`: the cluster view the client routes by.
+//! - `replicated`: writes on a replicated cluster (a folder, a file per part).
+//! - `connection`: the handshake, queue pair, scratch buffers, step lists, chunks and control
+//!   task.
+//! - `operations`: the one-sided algorithms of a single copy.
+//! - `block`: writing blocks into, and reading them to, scratch buffers.
+//! - `refill`: what a node's refill asks of its client; `scan`: reading a node's whole table.
 //! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
 //! - [`error`]: the one error enum.
-//! - `deadline`: operation deadlines kept by one watchdog task per client, not a timer each.
+//! - `deadline`: operation deadlines kept by one watchdog thread per process, not a timer each.
 //! - `fairness`: an operation that never waited yields once before it returns.
-//! - [`lanes`]: a connection per runtime worker to each node.
 //! - [`fault`]: fault injection between the steps of an operation (tests).
 #![forbid(unsafe_code)]
 
+mod block;
+pub mod builder;
 pub mod client;
 mod connection;
 pub mod counters;
@@ -38,12 +51,17 @@ pub mod error;
 mod fairness;
 pub mod fault;
 pub mod lanes;
+mod node;
 mod operations;
 mod progress;
+mod refill;
 mod replicated;
+mod runner;
 mod scan;
+mod view_following;
 pub use scan::SCAN_BUCKETS;
 
+pub use builder::ClientBuilder;
 pub use client::Client;
 pub use connection::{
     ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY,

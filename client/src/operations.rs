@@ -25,16 +25,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use rdkv_common::layout::{
-    block_head, check_key_value, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError,
-    Slot, SlotPosition, BLOCK_HEADER_SIZE, BLOCK_UNIT, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH,
-    MAX_VALUE_LENGTH,
+    check_key_value, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError, Slot,
+    SlotPosition, BLOCK_HEADER_SIZE, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
 };
 use rdkv_fabric::WorkRequest;
 use smallvec::{smallvec, SmallVec};
 
+use crate::block::{block_reads, blocks_that_fit, Block, BlockShape};
 use crate::connection::{
-    ExecuteError, Guess, NodeConnection, Scratch, BUCKETS_AT, CAS_RESULTS_AT, READ_BLOCKS_AT,
-    READ_BLOCKS_SIZE, WRITE_BLOCK_AT,
+    BlockPlace, ExecuteError, Guess, NodeConnection, Scratch, StepList, BUCKETS_AT, CAS_RESULTS_AT,
+    READ_BLOCKS_AT, WRITE_BLOCK_AT,
 };
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
@@ -42,6 +42,10 @@ use crate::progress::{Progress, Waiting};
 
 /// Attempts after lost CAS races before giving up.
 pub(crate) const RACE_ATTEMPTS: u32 = 64;
+
+/// The requests a lookup's first list adds to what it starts with: the READs of the key's two
+/// combined buckets and of a guessed block.
+pub(crate) const LOOKUP_REQUESTS: usize = 3;
 
 /// Reads of the buckets in one lookup that may meet a torn slot or a block that fails its
 /// checksum before the lookup gives up with [`Error::Corrupt`].
@@ -152,7 +156,7 @@ pub(crate) struct FirstList {
     /// The step's kind.
     pub(crate) kind: StepKind,
     /// Requests posted ahead of the bucket READs in the same list.
-    pub(crate) before: Vec<WorkRequest>,
+    pub(crate) before: StepList,
     /// A guess at the key's committed slot (the slot cache): its block is READ after the
     /// buckets in the same list. Only for lookups of committed slots.
     pub(crate) guess: Option<Guess>,
@@ -160,7 +164,7 @@ pub(crate) struct FirstList {
 
 impl FirstList {
     /// A first list of `kind` with `before` ahead of the bucket READs, and no guess.
-    pub(crate) fn new(kind: StepKind, before: Vec<WorkRequest>) -> Self {
+    pub(crate) fn new(kind: StepKind, before: StepList) -> Self {
         Self {
             kind,
             before,
@@ -200,7 +204,7 @@ pub(crate) fn step_failure(operation: &'static str) -> impl Fn(ExecuteError) -> 
 }
 
 /// Appends the READs of a key's combined buckets (into the scratch bucket area) to `list`.
-fn push_bucket_reads(scratch: &Scratch, location: &KeyLocation, list: &mut Vec<WorkRequest>) {
+fn push_bucket_reads(scratch: &Scratch, location: &KeyLocation, list: &mut StepList) {
     let connection = scratch.connection();
     let geometry = &connection.welcome.geometry;
     list.extend(
@@ -271,11 +275,9 @@ pub(crate) async fn lookup(
     for _ in 0..LOOKUP_ATTEMPTS {
         let (kind, mut list, guess) = match next.take() {
             Some(first) => (first.kind, first.before, first.guess),
-            None => (StepKind::ReadBuckets, Vec::new(), None),
+            None => (StepKind::ReadBuckets, StepList::new(), None),
         };
-        // The two bucket READs, the guessed block's READ, and the announce WRITE the
-        // operation's first list starts with.
-        list.reserve_exact(4);
+        list.reserve(LOOKUP_REQUESTS);
         push_bucket_reads(scratch, location, &mut list);
         if let Some(guess) = guess {
             list.push(WorkRequest::read(
@@ -347,7 +349,7 @@ async fn lookup_committed(
 ) -> Result<View> {
     let first = FirstList {
         kind: StepKind::ReadBuckets,
-        before: Vec::new(),
+        before: StepList::new(),
         guess,
     };
     lookup(
@@ -359,14 +361,6 @@ async fn lookup_committed(
         Candidates::Committed,
     )
     .await
-}
-
-/// A first list that starts with `before` (a block WRITE, if any), with room for the READs and
-/// the announce WRITE that join it: one allocation per list.
-fn first_list_with(before: Option<WorkRequest>) -> Vec<WorkRequest> {
-    let mut list = Vec::with_capacity(5);
-    list.extend(before);
-    list
 }
 
 /// The work request id of a guessed block's READ (ids only label requests in a list).
@@ -388,14 +382,13 @@ async fn narrow_guess(
     operation: &'static str,
     key: &[u8],
     guess: Guess,
-    before: Vec<WorkRequest>,
+    before: StepList,
 ) -> Result<std::result::Result<View, Slot>> {
     let connection = scratch.connection().clone();
     let slot_offset = connection.welcome.geometry.slot_offset(guess.position);
     let mut list = before;
-    // The slot word's READ, the block's READ, and the announce WRITE the operation's first
-    // list starts with: room for all three at once, not a reallocation per push.
-    list.reserve_exact(3);
+    // The slot word's READ and the block's READ.
+    list.reserve(2);
     list.extend([
         WorkRequest::read(
             GUESS_SLOT_READ_ID,
@@ -448,7 +441,7 @@ async fn narrow_lookup(
     key: &[u8],
     location: &KeyLocation,
     guess: Guess,
-    before: Vec<WorkRequest>,
+    before: StepList,
 ) -> Result<Option<View>> {
     let connection = scratch.connection().clone();
     let mut next = Some(guess);
@@ -598,40 +591,13 @@ async fn read_candidates(
         .collect();
     let mut committed = Vec::new();
     let mut tentative = Vec::new();
-    let heap_key = scratch.connection().keys.heap_key;
     let mut remaining = wanted.as_slice();
     while !remaining.is_empty() {
         // As many candidates as fit the read area go in one list.
-        let mut used = 0u64;
-        let mut count = 0;
-        for (_, slot) in remaining {
-            let length = slot.block_length();
-            if used + length > READ_BLOCKS_SIZE && count > 0 {
-                break;
-            }
-            used += length;
-            count += 1;
-        }
+        let count = blocks_that_fit(remaining.iter().map(|(_, slot)| *slot));
         let (round, rest) = remaining.split_at(count);
         remaining = rest;
-        let mut at = 0u64;
-        let list: Vec<WorkRequest> = round
-            .iter()
-            .enumerate()
-            .map(|(index, (_, slot))| {
-                let request = WorkRequest::read(
-                    index as u64,
-                    scratch.region().segment(
-                        scratch.base + READ_BLOCKS_AT + at,
-                        slot.block_length() as u32,
-                    ),
-                    heap_key.at(slot.offset()),
-                )
-                .with_signaled(index + 1 == round.len());
-                at += slot.block_length();
-                request
-            })
-            .collect();
+        let list = block_reads(scratch, round.iter().map(|(_, slot)| *slot));
         scratch
             .execute(operation, StepKind::ReadBlocks, list)
             .await
@@ -725,7 +691,7 @@ pub(crate) async fn cas_step(
 ) -> Result<bool> {
     let request = slot_cas(scratch, 0, position, expected, new);
     scratch
-        .execute(operation, kind, vec![request])
+        .execute(operation, kind, StepList::of(request))
         .await
         .map_err(step_failure(operation))?;
     let swapped = cas_original(scratch, 0)? == expected;
@@ -761,7 +727,7 @@ pub(crate) async fn get(
     let narrow_first = guess.filter(|_| connection.slot_cache.narrow());
     let narrow = match narrow_first {
         Some(guess) => {
-            narrow_lookup(&mut scratch, "get", key, &location, guess, Vec::new()).await?
+            narrow_lookup(&mut scratch, "get", key, &location, guess, StepList::new()).await?
         }
         None => None,
     };
@@ -787,28 +753,9 @@ pub(crate) async fn get(
         .map(|found| found.value))
 }
 
-/// Writes the block of `key` and `value` to the scratch buffer's write area, part by part, as
-/// [`rdkv_common::layout::encode_block`] lays it out but without building it in a vector
-/// first (one copy of the value, not two); returns its length in units and in bytes.
-fn write_block(scratch: &Scratch, key: &[u8], value: &[u8]) -> Result<(u8, u64)> {
-    let (head, units) = block_head(key, value, false);
-    let length = u64::from(units) * BLOCK_UNIT;
-    let region = scratch.region();
-    let mut at = scratch.base + WRITE_BLOCK_AT;
-    let used = (head.len() + key.len() + value.len()) as u64;
-    for part in [&head[..], key, value] {
-        region.write(at, part)?;
-        at += part.len() as u64;
-    }
-    // Zeros up to the units, as `encode_block` pads: the buffer's last contents never reach
-    // the node's heap.
-    let padding = [0u8; BLOCK_UNIT as usize];
-    let pad = length.saturating_sub(used).min(BLOCK_UNIT) as usize;
-    region.write(at, &padding[..pad])?;
-    Ok((units, length))
-}
-
-/// Every mutation but delete.
+/// Every mutation but delete: the block is written into the scratch buffer and placed in the
+/// heap first, its WRITE rides in the first lookup's list, and each pass decides from what the
+/// lookup found ([`SingleWrite::once`]).
 pub(crate) async fn mutate(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
@@ -823,28 +770,28 @@ pub(crate) async fn mutate(
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress.clone()).await?;
-    let (units, block_length) = write_block(&scratch, key, value)?;
+    let block = Block::new(key, value, false);
+    block.write(&scratch, scratch.base + WRITE_BLOCK_AT)?;
+    let block = block.shape();
     progress.wait_for(Waiting::HeapChunk);
-    let place = scratch.place_block(block_length).await?;
-    let new_slot = Slot::new(location.fingerprint, units, place.heap_offset);
+    let place = scratch.place_block(block.length()).await?;
+    let write = SingleWrite {
+        connection,
+        operation,
+        key,
+        location: &location,
+        mutation,
+        new_slot: block.slot(location.fingerprint, place.heap_offset),
+    };
     // The block WRITE rides in the same list as the first bucket READs.
-    let mut block_write = Some(
-        WorkRequest::write(
-            u64::MAX,
-            scratch
-                .region()
-                .segment(scratch.base + WRITE_BLOCK_AT, block_length as u32),
-            place.remote.at(place.offset_in_chunk),
-        )
-        .with_signaled(false),
-    );
+    let mut block_write = Some(block_write_request(&scratch, block, place));
     // A cached key's first attempt looks by narrow guess, the block WRITE in its first list:
     // a replace then needs the key's slot and word only, which a held guess gives.
     let guess = connection.guess(&location);
     let narrow_first = guess.filter(|_| connection.slot_cache.narrow());
     let mut narrow = match narrow_first {
         Some(guess) => {
-            let before = first_list_with(block_write.take());
+            let before = StepList::starting_with(block_write.take(), LOOKUP_REQUESTS);
             narrow_lookup(&mut scratch, operation, key, &location, guess, before).await?
         }
         None => None,
@@ -855,7 +802,7 @@ pub(crate) async fn mutate(
             None => {
                 let first = FirstList {
                     kind: StepKind::ReadBuckets,
-                    before: first_list_with(block_write.take()),
+                    before: StepList::starting_with(block_write.take(), LOOKUP_REQUESTS),
                     // A wide guess unless a narrow one already went stale.
                     guess: guess.filter(|_| attempt == 0 && narrow_first.is_none()),
                 };
@@ -871,67 +818,8 @@ pub(crate) async fn mutate(
             }
         };
         remember_view(connection, &location, &view);
-        if view.committed.len() > 1 {
-            // Read while the key moved (deleted here, inserted there): look again.
-            back_off(attempt).await;
-            continue;
-        }
-        match (mutation, view.committed.first()) {
-            (Mutation::Insert, Some(current)) => {
-                return Ok(MutationOutcome::Present(current.value.clone()))
-            }
-            (Mutation::Update, None) => return Ok(MutationOutcome::Absent),
-            (Mutation::CompareAndSwap { .. }, None) => return Ok(MutationOutcome::Mismatch(None)),
-            (Mutation::CompareAndSwap { expected }, Some(current))
-                if current.value.as_ref() != expected =>
-            {
-                return Ok(MutationOutcome::Mismatch(Some(current.value.clone())))
-            }
-            (_, Some(current)) => {
-                if cas_step(
-                    &mut scratch,
-                    operation,
-                    StepKind::Replace,
-                    current.position,
-                    current.slot,
-                    new_slot,
-                )
-                .await?
-                {
-                    connection
-                        .slot_cache
-                        .remember(&location, current.position, new_slot);
-                    return Ok(MutationOutcome::Applied);
-                }
-            }
-            (Mutation::Upsert | Mutation::Insert, None) => {
-                let Some(empty) = empty_slot(&view, connection, attempt)? else {
-                    // Inserts in progress hold every candidate slot: wait for one.
-                    back_off(attempt).await;
-                    continue;
-                };
-                match insert_absent(
-                    &mut scratch,
-                    operation,
-                    key,
-                    &location,
-                    empty,
-                    new_slot,
-                    Vec::new(),
-                )
-                .await?
-                {
-                    Inserted::Committed => {
-                        connection.slot_cache.remember(&location, empty, new_slot);
-                        return Ok(MutationOutcome::Applied);
-                    }
-                    Inserted::Present(present) if matches!(mutation, Mutation::Insert) => {
-                        return Ok(MutationOutcome::Present(present))
-                    }
-                    // An upsert that found the key present replaces it on the next pass.
-                    Inserted::Present(_) | Inserted::Lost => {}
-                }
-            }
+        if let Some(outcome) = write.once(&mut scratch, &view, attempt).await? {
+            return Ok(outcome);
         }
         back_off(attempt).await;
     }
@@ -939,6 +827,133 @@ pub(crate) async fn mutate(
         operation,
         attempts: RACE_ATTEMPTS,
     })
+}
+
+/// The WRITE of `block`, written at the scratch buffer's write area, to its `place` in the
+/// node's heap (unsignaled: it rides ahead of requests that report).
+pub(crate) fn block_write_request(
+    scratch: &Scratch,
+    block: BlockShape,
+    place: BlockPlace,
+) -> WorkRequest {
+    WorkRequest::write(
+        u64::MAX,
+        scratch
+            .region()
+            .segment(scratch.base + WRITE_BLOCK_AT, block.length() as u32),
+        place.remote.at(place.offset_in_chunk),
+    )
+    .with_signaled(false)
+}
+
+/// A single-copy write whose block is placed: what each pass of [`mutate`] decides by.
+struct SingleWrite<'a> {
+    /// The key's node.
+    connection: &'a NodeConnection,
+    /// The operation's name, for errors.
+    operation: &'static str,
+    /// The key.
+    key: &'a [u8],
+    /// The key's buckets and fingerprint.
+    location: &'a KeyLocation,
+    /// What the write does.
+    mutation: Mutation<'a>,
+    /// The committed slot word of the placed block.
+    new_slot: Slot,
+}
+
+impl SingleWrite<'_> {
+    /// One pass on what the lookup found in `view`: the outcome, or `None` to look again after
+    /// a back-off (a lost race, a read while the key moved, or every candidate slot held by
+    /// inserts in progress).
+    async fn once(
+        &self,
+        scratch: &mut Scratch,
+        view: &View,
+        attempt: u32,
+    ) -> Result<Option<MutationOutcome>> {
+        if view.committed.len() > 1 {
+            // Read while the key moved (deleted here, inserted there): look again.
+            return Ok(None);
+        }
+        Ok(match (self.mutation, view.committed.first()) {
+            (Mutation::Insert, Some(current)) => {
+                Some(MutationOutcome::Present(current.value.clone()))
+            }
+            (Mutation::Update, None) => Some(MutationOutcome::Absent),
+            (Mutation::CompareAndSwap { .. }, None) => Some(MutationOutcome::Mismatch(None)),
+            (Mutation::CompareAndSwap { expected }, Some(current))
+                if current.value.as_ref() != expected =>
+            {
+                Some(MutationOutcome::Mismatch(Some(current.value.clone())))
+            }
+            (_, Some(current)) => self.replace(scratch, current).await?,
+            (Mutation::Upsert | Mutation::Insert, None) => {
+                self.insert(scratch, view, attempt).await?
+            }
+        })
+    }
+
+    /// Replaces the key's committed slot `current` with the new block; `None`: the race was
+    /// lost.
+    async fn replace(
+        &self,
+        scratch: &mut Scratch,
+        current: &Match,
+    ) -> Result<Option<MutationOutcome>> {
+        let swapped = cas_step(
+            scratch,
+            self.operation,
+            StepKind::Replace,
+            current.position,
+            current.slot,
+            self.new_slot,
+        )
+        .await?;
+        Ok(swapped.then(|| {
+            self.connection
+                .slot_cache
+                .remember(self.location, current.position, self.new_slot);
+            MutationOutcome::Applied
+        }))
+    }
+
+    /// Inserts the absent key into the first empty candidate slot of `view`; `None`: no slot
+    /// was free, the race was lost, or an upsert found the key present (it replaces it on the
+    /// next pass).
+    async fn insert(
+        &self,
+        scratch: &mut Scratch,
+        view: &View,
+        attempt: u32,
+    ) -> Result<Option<MutationOutcome>> {
+        let Some(empty) = empty_slot(view, self.connection, attempt)? else {
+            // Inserts in progress hold every candidate slot: wait for one.
+            return Ok(None);
+        };
+        let inserted = insert_absent(
+            scratch,
+            self.operation,
+            self.key,
+            self.location,
+            empty,
+            self.new_slot,
+            StepList::new(),
+        )
+        .await?;
+        Ok(match inserted {
+            Inserted::Committed => {
+                self.connection
+                    .slot_cache
+                    .remember(self.location, empty, self.new_slot);
+                Some(MutationOutcome::Applied)
+            }
+            Inserted::Present(present) if matches!(self.mutation, Mutation::Insert) => {
+                Some(MutationOutcome::Present(present))
+            }
+            Inserted::Present(_) | Inserted::Lost => None,
+        })
+    }
 }
 
 /// The first empty candidate slot of the key in `view`; `None` when every one is taken but
@@ -998,9 +1013,10 @@ pub(crate) async fn insert_absent(
     location: &KeyLocation,
     empty: SlotPosition,
     new_slot: Slot,
-    mut before: Vec<WorkRequest>,
+    mut before: StepList,
 ) -> Result<Inserted> {
     let tentative = new_slot.tentative();
+    before.reserve(1 + LOOKUP_REQUESTS);
     before.push(slot_cas(scratch, 0, empty, Slot::EMPTY, tentative));
     let mut next = FirstList::new(StepKind::PlaceTentative, before);
     for round in 0..RACE_ATTEMPTS {
@@ -1010,7 +1026,10 @@ pub(crate) async fn insert_absent(
             operation,
             key,
             location,
-            std::mem::replace(&mut next, FirstList::new(StepKind::ReadBuckets, Vec::new())),
+            std::mem::replace(
+                &mut next,
+                FirstList::new(StepKind::ReadBuckets, StepList::new()),
+            ),
             Candidates::AllBut(empty),
         )
         .await?;
@@ -1023,44 +1042,15 @@ pub(crate) async fn insert_absent(
             withdraw(scratch, operation, empty, tentative).await?;
             return Ok(Inserted::Present(present.value.clone()));
         }
-        if !view.tentative.is_empty() {
-            let kills: Vec<WorkRequest> = view
-                .tentative
-                .iter()
-                .take(32)
-                .enumerate()
-                .map(|(index, other)| {
-                    slot_cas(
-                        scratch,
-                        index as u64,
-                        other.position,
-                        other.slot,
-                        Slot::EMPTY,
-                    )
-                    .with_signaled(index + 1 == view.tentative.len().min(32))
-                })
-                .collect();
-            let count = kills.len();
-            scratch
-                .execute(operation, StepKind::KillTentatives, kills)
-                .await
-                .map_err(step_failure(operation))?;
-            let mut all_withdrawn = true;
-            for (index, other) in view.tentative.iter().take(count).enumerate() {
-                let original = cas_original(scratch, index as u64)?;
-                if original == other.slot.committed() {
-                    // Its inserter committed first: the key is present, with the value of the
-                    // block read above (committing changes the slot's state, not its block).
-                    withdraw(scratch, operation, empty, tentative).await?;
-                    return Ok(Inserted::Present(other.value.clone()));
-                }
-                all_withdrawn &= original == other.slot;
+        match withdraw_others(scratch, operation, &view.tentative).await? {
+            Others::Withdrawn => {}
+            Others::Committed(value) => {
+                withdraw(scratch, operation, empty, tentative).await?;
+                return Ok(Inserted::Present(value));
             }
-            if !all_withdrawn || view.tentative.len() > count {
-                // A slot changed under us (committed and then moved, or reused): read again
-                // before deciding.
-                continue;
-            }
+            // A slot changed under us (committed and then moved, or reused): read again
+            // before deciding.
+            Others::Changed => continue,
         }
         let committed = cas_step(
             scratch,
@@ -1081,6 +1071,58 @@ pub(crate) async fn insert_absent(
     }
     withdraw(scratch, operation, empty, tentative).await?;
     Ok(Inserted::Lost)
+}
+
+/// What became of other inserters' tentative slots of the key.
+enum Others {
+    /// None is left (or there were none).
+    Withdrawn,
+    /// One's inserter committed first: the key is present, with the value of the block read
+    /// (committing changes the slot's state, not its block).
+    Committed(Bytes),
+    /// A slot changed under us, or more remain than one list withdraws: read again.
+    Changed,
+}
+
+/// Withdraws the other inserters' tentative slots `others` of the key (CAS each to empty, at
+/// most 32 in one list).
+async fn withdraw_others(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    others: &[Match],
+) -> Result<Others> {
+    if others.is_empty() {
+        return Ok(Others::Withdrawn);
+    }
+    let count = others.len().min(32);
+    let mut kills = StepList::with_room_for(count);
+    kills.extend(others.iter().take(count).enumerate().map(|(index, other)| {
+        slot_cas(
+            scratch,
+            index as u64,
+            other.position,
+            other.slot,
+            Slot::EMPTY,
+        )
+        .with_signaled(index + 1 == count)
+    }));
+    scratch
+        .execute(operation, StepKind::KillTentatives, kills)
+        .await
+        .map_err(step_failure(operation))?;
+    let mut all_withdrawn = true;
+    for (index, other) in others.iter().take(count).enumerate() {
+        let original = cas_original(scratch, index as u64)?;
+        if original == other.slot.committed() {
+            return Ok(Others::Committed(other.value.clone()));
+        }
+        all_withdrawn &= original == other.slot;
+    }
+    Ok(if all_withdrawn && others.len() == count {
+        Others::Withdrawn
+    } else {
+        Others::Changed
+    })
 }
 
 /// Withdraws the operation's own tentative slot (it may already have been withdrawn by another

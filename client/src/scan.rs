@@ -10,7 +10,8 @@ use rdkv_common::layout::{
 };
 use rdkv_fabric::WorkRequest;
 
-use crate::connection::{NodeConnection, READ_BLOCKS_AT, READ_BLOCKS_SIZE};
+use crate::block::{block_reads, blocks_that_fit};
+use crate::connection::{NodeConnection, Scratch, StepList, READ_BLOCKS_AT};
 use crate::error::Result;
 use crate::fault::StepKind;
 use crate::operations::step_failure;
@@ -33,10 +34,13 @@ pub(crate) async fn scan_buckets(
     first: u64,
     count: u64,
 ) -> Result<Vec<(Bytes, Bytes)>> {
-    let geometry = &connection.welcome.geometry;
-    let count = count
-        .min(SCAN_BUCKETS)
-        .min(geometry.combined_bucket_count().saturating_sub(first));
+    let count = count.min(SCAN_BUCKETS).min(
+        connection
+            .welcome
+            .geometry
+            .combined_bucket_count()
+            .saturating_sub(first),
+    );
     if count == 0 {
         return Ok(Vec::new());
     }
@@ -45,102 +49,99 @@ pub(crate) async fn scan_buckets(
     let mut found = Vec::new();
     for _ in 0..SCAN_ATTEMPTS {
         found.clear();
-        let length = count * COMBINED_BUCKET_SIZE;
-        let request = WorkRequest::read(
-            0,
-            scratch
-                .region()
-                .segment(scratch.base + READ_BLOCKS_AT, length as u32),
-            connection
-                .keys
-                .index_key
-                .at(geometry.combined_bucket_offset(first)),
-        );
-        scratch
-            .execute("scan", StepKind::ReadBuckets, vec![request])
-            .await
-            .map_err(step_failure("scan"))?;
-        let mut bytes = vec![0u8; length as usize];
-        scratch
-            .region()
-            .read(scratch.base + READ_BLOCKS_AT, &mut bytes)?;
-        let mut slots: Vec<(u64, Slot)> = Vec::new();
-        for (index, bucket) in bytes
-            .chunks_exact(COMBINED_BUCKET_SIZE as usize)
-            .enumerate()
-        {
-            let parsed: [Slot; SLOTS_PER_COMBINED_BUCKET] = parse_combined_bucket(bucket);
-            slots.extend(
-                parsed
-                    .into_iter()
-                    .filter(|slot| slot.is_readable())
-                    .map(|slot| (first + index as u64, slot)),
-            );
-        }
-        let mut intact = true;
-        let mut remaining = slots.as_slice();
-        while !remaining.is_empty() && intact {
-            let mut used = 0u64;
-            let mut taken = 0;
-            for (_, slot) in remaining {
-                if used + slot.block_length() > READ_BLOCKS_SIZE && taken > 0 {
-                    break;
-                }
-                used += slot.block_length();
-                taken += 1;
-            }
-            let (round, rest) = remaining.split_at(taken);
-            remaining = rest;
-            let mut at = 0u64;
-            let list: Vec<WorkRequest> = round
-                .iter()
-                .enumerate()
-                .map(|(index, (_, slot))| {
-                    let request = WorkRequest::read(
-                        index as u64,
-                        scratch.region().segment(
-                            scratch.base + READ_BLOCKS_AT + at,
-                            slot.block_length() as u32,
-                        ),
-                        connection.keys.heap_key.at(slot.offset()),
-                    )
-                    .with_signaled(index + 1 == round.len());
-                    at += slot.block_length();
-                    request
-                })
-                .collect();
-            scratch
-                .execute("scan", StepKind::ReadBlocks, list)
-                .await
-                .map_err(step_failure("scan"))?;
-            let mut at = 0u64;
-            for (bucket, slot) in round {
-                let mut block = vec![0u8; slot.block_length() as usize];
-                scratch
-                    .region()
-                    .read(scratch.base + READ_BLOCKS_AT + at, &mut block)?;
-                at += slot.block_length();
-                match decode_block(&block) {
-                    Ok(decoded) => {
-                        let lives_here = geometry
-                            .locate(decoded.key)
-                            .combined_buckets
-                            .contains(bucket);
-                        if lives_here && !decoded.tombstone {
-                            found.push((
-                                Bytes::copy_from_slice(decoded.key),
-                                Bytes::copy_from_slice(decoded.value),
-                            ));
-                        }
-                    }
-                    // Moved or replaced while it was read: read the range again.
-                    Err(_) => intact = false,
-                }
-            }
-        }
-        if intact {
+        let slots = read_range(&mut scratch, first, count).await?;
+        if read_entries(&mut scratch, &slots, &mut found).await? {
             break;
         }
     }
     Ok(found)
+}
+
+/// READs combined buckets `first .. first + count` in one list: their readable slots, each
+/// with its combined bucket.
+async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec<(u64, Slot)>> {
+    let connection = scratch.connection().clone();
+    let length = count * COMBINED_BUCKET_SIZE;
+    let request = WorkRequest::read(
+        0,
+        scratch
+            .region()
+            .segment(scratch.base + READ_BLOCKS_AT, length as u32),
+        connection
+            .keys
+            .index_key
+            .at(connection.welcome.geometry.combined_bucket_offset(first)),
+    );
+    scratch
+        .execute("scan", StepKind::ReadBuckets, StepList::of(request))
+        .await
+        .map_err(step_failure("scan"))?;
+    let mut bytes = vec![0u8; length as usize];
+    scratch
+        .region()
+        .read(scratch.base + READ_BLOCKS_AT, &mut bytes)?;
+    let mut slots: Vec<(u64, Slot)> = Vec::new();
+    for (index, bucket) in bytes
+        .chunks_exact(COMBINED_BUCKET_SIZE as usize)
+        .enumerate()
+    {
+        let parsed: [Slot; SLOTS_PER_COMBINED_BUCKET] = parse_combined_bucket(bucket);
+        slots.extend(
+            parsed
+                .into_iter()
+                .filter(|slot| slot.is_readable())
+                .map(|slot| (first + index as u64, slot)),
+        );
+    }
+    Ok(slots)
+}
+
+/// READs the blocks of `slots` (as many at once as fit the read area) and adds to `found` the
+/// key and value of each that is intact, lives in its slot's bucket and is not a tombstone.
+/// `Ok(false)`: a block was moved or replaced while it was read (the range is read again).
+async fn read_entries(
+    scratch: &mut Scratch,
+    slots: &[(u64, Slot)],
+    found: &mut Vec<(Bytes, Bytes)>,
+) -> Result<bool> {
+    let connection = scratch.connection().clone();
+    let mut remaining = slots;
+    let mut intact = true;
+    while !remaining.is_empty() && intact {
+        let taken = blocks_that_fit(remaining.iter().map(|(_, slot)| *slot));
+        let (round, rest) = remaining.split_at(taken);
+        remaining = rest;
+        let list = block_reads(scratch, round.iter().map(|(_, slot)| *slot));
+        scratch
+            .execute("scan", StepKind::ReadBlocks, list)
+            .await
+            .map_err(step_failure("scan"))?;
+        let mut at = 0u64;
+        for (bucket, slot) in round {
+            let mut block = vec![0u8; slot.block_length() as usize];
+            scratch
+                .region()
+                .read(scratch.base + READ_BLOCKS_AT + at, &mut block)?;
+            at += slot.block_length();
+            let Ok(decoded) = decode_block(&block) else {
+                // Moved or replaced while it was read: the range is read again (this round's
+                // other blocks still count, for a last attempt that keeps what it read).
+                intact = false;
+                continue;
+            };
+            let lives_here = connection
+                .welcome
+                .geometry
+                .locate(decoded.key)
+                .combined_buckets
+                .contains(bucket);
+            if lives_here && !decoded.tombstone {
+                found.push((
+                    Bytes::copy_from_slice(decoded.key),
+                    Bytes::copy_from_slice(decoded.value),
+                ));
+            }
+        }
+    }
+    Ok(intact)
 }

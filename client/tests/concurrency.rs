@@ -1,5 +1,5 @@
 //! Operations in flight per connection for a client made from a cluster file: as many as it was
-//! asked for (`Client::from_file_with_concurrency`; the YCSB driver asks for its task count),
+//! asked for (`ClientBuilder::concurrency`; the YCSB driver asks for its task count),
 //! and 16 by default. Before, a client from a file always had 16, so `rdkv-ycsb run --threads
 //! 64` ran 16 operations per connection while the other tasks waited for scratch buffers.
 
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step};
-use rdkv_client::{Backend, Client, FabricChoice};
+use rdkv_client::{Backend, ClientBuilder, FabricChoice};
 use rdkv_server::ServerConfig;
 use tokio::sync::Semaphore;
 
@@ -55,21 +55,18 @@ async fn in_flight(concurrency: Option<usize>) -> usize {
         server.control_address(),
     );
     std::fs::write(&path, text).expect("write the cluster file");
-    let client = match concurrency {
-        Some(concurrency) => Client::from_file_with_concurrency(
-            &path,
-            FabricChoice::Cluster(Backend::Soft),
-            concurrency,
-        ),
-        None => Client::from_file_with(&path, FabricChoice::Cluster(Backend::Soft)),
-    }
-    .expect("a valid cluster file");
-    std::fs::remove_file(&path).expect("remove the cluster file");
     let gate = Arc::new(Gate {
         arrived: AtomicUsize::new(0),
         release: Arc::new(Semaphore::new(0)),
     });
-    let client = Arc::new(client.with_fault_injector(gate.clone()));
+    let mut builder = ClientBuilder::cluster_file(&path)
+        .fabric(FabricChoice::Cluster(Backend::Soft))
+        .fault_injector(gate.clone());
+    if let Some(concurrency) = concurrency {
+        builder = builder.concurrency(concurrency);
+    }
+    let client = Arc::new(builder.build().expect("a valid cluster file"));
+    std::fs::remove_file(&path).expect("remove the cluster file");
     // Connect first: the gate holds GETs, not the handshake.
     client.connect_all().await.expect("connect");
     let gets: Vec<_> = (0..40)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 mod support;
 use support::{eventually, eventually_showing};
 
-use rdkv_client::{CasOutcome, Client, ClusterConfig};
+use rdkv_client::{CasOutcome, Client, ClientBuilder, ClusterConfig};
 use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
@@ -99,7 +99,11 @@ fn a_node_restarted_mid_load_is_reconnected_on_every_lane() {
         let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
         let address = reserved.addresses()[0];
         let node = start_loopback(Some(address), 64).await;
-        let client = Arc::new(Client::for_cluster(&cluster(address)));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(address))
+                .build()
+                .expect("a cluster client"),
+        );
         client.connect_all().await.expect("connect");
         // The second lane opens in the background; other tests' threads may have made both
         // workers share a lane (lanes.rs), so at least one.
@@ -196,7 +200,11 @@ fn a_node_restarted_mid_load_is_reconnected_on_every_lane() {
 fn eight_workers_against_a_node_with_room_for_three() {
     runtime(8).block_on(async {
         let node = Arc::new(start_loopback(None, 3).await);
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         let watching = Arc::new(AtomicBool::new(true));
         let most = Arc::new(AtomicU64::new(0));
         let handle = {
@@ -247,7 +255,9 @@ fn eight_workers_against_a_node_with_room_for_three() {
 fn connect_all_against_a_full_node_returns_promptly() {
     runtime(8).block_on(async {
         let node = start_loopback(None, 3).await;
-        let client = Client::for_cluster(&cluster(node.control_address()));
+        let client = ClientBuilder::cluster(&cluster(node.control_address()))
+            .build()
+            .expect("a cluster client");
         let started = Instant::now();
         client.connect_all().await.expect("lane 0 connects");
         let elapsed = started.elapsed();
@@ -279,7 +289,11 @@ fn cancelled_operations_on_every_lane_leave_nothing_behind() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 64).await;
         let baseline = node.stats();
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         client.connect_all().await.expect("connect");
         let mut set = tokio::task::JoinSet::new();
         for task in 0..16u32 {
@@ -350,7 +364,11 @@ fn cancelled_operations_on_every_lane_leave_nothing_behind() {
 fn close_leaves_no_connection_behind_when_a_lane_was_opening() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 1).await;
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         // Operations from both workers: lane 0 opens on the path, the other in the background
         // (and waits in the node's backlog).
         put_and_get_from_many_tasks(&client, 32, 2).await;
@@ -384,7 +402,7 @@ fn close_right_after_lanes_started_opening() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 64).await;
         for round in 0..20u32 {
-            let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+            let client = Arc::new(ClientBuilder::cluster(&cluster(node.control_address())).build().expect("a cluster client"));
             let mut set = tokio::task::JoinSet::new();
             for task in 0..8u32 {
                 let client = client.clone();
@@ -420,7 +438,11 @@ fn close_right_after_lanes_started_opening() {
 fn drop_while_a_lane_is_opening_leaves_nothing_behind() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 1).await;
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         put_and_get_from_many_tasks(&client, 32, 2).await;
         drop(client);
         eventually("dropped", || node.stats().connections == 0).await;
@@ -445,7 +467,11 @@ fn drop_while_a_lane_is_opening_leaves_nothing_behind() {
 fn compare_and_swap_increments_from_both_workers_are_never_lost() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 64).await;
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         client.connect_all().await.expect("connect");
         const TASKS: u64 = 16;
         const INCREMENTS: u64 = 40;
@@ -493,7 +519,11 @@ fn compare_and_swap_increments_from_both_workers_are_never_lost() {
 fn the_last_acknowledged_put_of_some_writer_is_what_remains() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 64).await;
-        let client = Arc::new(Client::for_cluster(&cluster(node.control_address())));
+        let client = Arc::new(
+            ClientBuilder::cluster(&cluster(node.control_address()))
+                .build()
+                .expect("a cluster client"),
+        );
         client.connect_all().await.expect("connect");
         const WRITERS: u32 = 12;
         const KEYS: u32 = 4;
@@ -561,7 +591,7 @@ fn operations_against_a_stopped_node_back_off_their_connects() {
         let reserved = ReservedPorts::loopback(1).expect("reserve a loopback port");
         let address = reserved.addresses()[0];
         let node = start_loopback(Some(address), 64).await;
-        let client = Client::for_cluster(&cluster(address));
+        let client = ClientBuilder::cluster(&cluster(address)).build().expect("a cluster client");
         client.put(b"before", b"value").await.expect("put");
         node.shutdown().await;
 
@@ -620,18 +650,20 @@ fn a_full_node_refuses_with_a_reason_without_a_handshake_per_operation() {
     runtime(2).block_on(async {
         let node = start_loopback(None, 1).await;
         let address = node.control_address();
-        let holder = Client::for_cluster_with_lanes(
-            &cluster(address),
-            8,
-            rdkv_client::SharedMemory::Off,
-            Some(1),
-        );
+        let holder = ClientBuilder::cluster(&cluster(address))
+            .concurrency(8)
+            .fabric(rdkv_client::FabricChoice::Cluster(Backend::Loopback))
+            .lanes(1)
+            .build()
+            .expect("a cluster client");
         holder
             .put(b"held", b"value")
             .await
             .expect("the holder's put");
 
-        let refused = Client::for_cluster(&cluster(address));
+        let refused = ClientBuilder::cluster(&cluster(address))
+            .build()
+            .expect("a cluster client");
         let started = Instant::now();
         for _ in 0..2_000 {
             let error = refused.get(b"held").await.expect_err("the node is full");
@@ -648,7 +680,11 @@ fn a_full_node_refuses_with_a_reason_without_a_handshake_per_operation() {
             "{handshakes} refused handshakes in {elapsed_ms} ms"
         );
 
-        let refill = Client::for_refill(&cluster(address), 4);
+        let refill = ClientBuilder::cluster(&cluster(address))
+            .concurrency(4)
+            .refill_peer()
+            .build()
+            .expect("a cluster client");
         assert_eq!(
             refill
                 .get(b"held")

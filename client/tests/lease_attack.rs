@@ -14,7 +14,7 @@ mod support;
 
 use support::partition::{Partitionable, FAILURE_TIMEOUT, NODES};
 
-use rdkv_client::Client;
+use rdkv_client::{Client, ClientBuilder};
 use rdkv_common::protocol::{MemberState, MonitoredNode, PeerConnection};
 use rdkv_common::sharding;
 use rdkv_server::RunningServer;
@@ -124,7 +124,9 @@ async fn flapping(
     let keys = Arc::new(keys_with_primary(target as usize - 1, 4, "flap"));
     let acked: Arc<Vec<AtomicU64>> = Arc::new(keys.iter().map(|_| AtomicU64::new(0)).collect());
     let issued = Arc::new(AtomicU64::new(0));
-    let writer_client = Client::for_cluster(&cluster.cluster);
+    let writer_client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     for (slot, key) in keys.iter().enumerate() {
         let number = issued.fetch_add(1, Ordering::SeqCst) + 1;
         writer_client
@@ -174,7 +176,9 @@ async fn flapping(
             stop.clone(),
             violations.clone(),
         );
-        let client = Client::for_cluster(&cluster.cluster);
+        let client = ClientBuilder::cluster(&cluster.cluster)
+            .build()
+            .expect("a cluster client");
         tokio::spawn(async move {
             let (mut ok, mut failed) = (0u64, 0u64);
             let mut slot = 0;
@@ -311,7 +315,9 @@ async fn flapping(
         println!("observation: {line}");
     }
     // Every acknowledged write is readable at the end, through the cluster and on the node.
-    let final_client = Client::for_cluster(&cluster.cluster);
+    let final_client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     let direct = timeout(Duration::from_secs(5), cluster.direct(target))
         .await
         .expect("connect in time")
@@ -380,7 +386,9 @@ async fn a_cluster_split_three_ways_serves_nothing_then_recovers_every_write() {
     let cluster = Partitionable::start("lease-attack", SECRET).await;
     cluster.converged(Duration::from_secs(10), "at start").await;
     let epoch_before = cluster.nodes[0].stats().view_epoch;
-    let client = Client::for_cluster(&cluster.cluster);
+    let client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     let keys: Vec<Vec<u8>> = (0..3)
         .flat_map(|index| keys_with_primary(index, 5, "split"))
         .collect();
@@ -520,7 +528,9 @@ async fn leader_cut_from_one_follower(link: Link) {
     let third = (1..=NODES)
         .find(|id| *id != leader && *id != follower)
         .unwrap_or(1);
-    let client = Client::for_cluster(&cluster.cluster);
+    let client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     let keys: Vec<Vec<u8>> = (0..3)
         .flat_map(|index| keys_with_primary(index, 3, "one-link"))
         .collect();
@@ -726,7 +736,9 @@ async fn forged_lease_requests_grant_nothing_and_keep_no_dead_node_in_the_view()
     println!("3000 forged lease requests took {flood_took:?}, {granted} granted; no node stopped serving");
     // The victim is cut off; forged requests for it keep arriving at the leader.
     let victim_key = keys_with_primary(victim as usize - 1, 1, "forged").remove(0);
-    let client = Client::for_cluster(&cluster.cluster);
+    let client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     client.put(&victim_key, b"before").await.expect("put");
     let cut_at = Instant::now();
     cluster.isolate(victim, true);
@@ -791,7 +803,9 @@ async fn a_client_of_a_filling_node_alone_reads_nothing_replaced() {
     let leader = cluster.nodes[0].stats().view_leader;
     let follower = (1..=NODES).find(|id| *id != leader).unwrap_or(1);
     let keys = keys_with_primary(follower as usize - 1, 20, "filling");
-    let client = Client::for_cluster(&cluster.cluster);
+    let client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     for key in &keys {
         client.put(key, b"before the cut").await.expect("put");
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 mod support;
 use support::eventually;
 
-use rdkv_client::{Client, ClientConfig, ClusterConfig, Error};
+use rdkv_client::{Client, ClientBuilder, ClientConfig, ClusterConfig, Error};
 use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
@@ -43,12 +43,22 @@ fn closed_address() -> (ReservedPorts, SocketAddr) {
 async fn connect_all_connects_every_node_up_front() {
     let first = start_node(1).await;
     let second = start_node(2).await;
-    let client = Client::for_cluster(&cluster(&[
+    let client = ClientBuilder::cluster(&cluster(&[
         first.control_address(),
         second.control_address(),
-    ]));
-    assert_eq!(first.stats().connections, 0, "for_cluster connects lazily");
-    assert_eq!(second.stats().connections, 0, "for_cluster connects lazily");
+    ]))
+    .build()
+    .expect("a cluster client");
+    assert_eq!(
+        first.stats().connections,
+        0,
+        "a built cluster client connects lazily"
+    );
+    assert_eq!(
+        second.stats().connections,
+        0,
+        "a built cluster client connects lazily"
+    );
     client.connect_all().await.expect("connect every node");
     assert!(
         first.stats().connections >= 1,
@@ -84,7 +94,9 @@ async fn connect_all_connects_every_node_up_front() {
 async fn connect_all_names_the_node_it_cannot_reach() {
     let live = start_server().await;
     let (_reserved, closed) = closed_address();
-    let client = Client::for_cluster(&cluster(&[live.control_address(), closed]));
+    let client = ClientBuilder::cluster(&cluster(&[live.control_address(), closed]))
+        .build()
+        .expect("a cluster client");
     let error = client.connect_all().await.expect_err("node 2 is down");
     match &error {
         Error::ConnectFailed {
@@ -113,13 +125,12 @@ async fn dropping_a_client_says_goodbye() {
     let mut config = ServerConfig::local(SECRET);
     config.lease_timeout = Duration::from_secs(120);
     let server = rdkv_server::start(config).await.expect("start server");
-    let client = Client::connect(ClientConfig::new(
-        server.control_address(),
-        Backend::Soft,
-        SECRET,
-    ))
-    .await
-    .expect("connect");
+    // One lane: a second lane, opened in the background by the first put on another worker's
+    // lane, would send its first heartbeat at once, with the counters so far (this test
+    // failed so whenever the test thread's lane was not the first).
+    let mut client_config = ClientConfig::new(server.control_address(), Backend::Soft, SECRET);
+    client_config.lanes = Some(1);
+    let client = Client::connect(client_config).await.expect("connect");
     // The connection's first heartbeat goes out at once (and reports nothing yet); the next
     // one is a third of the lease away.
     eventually("the first heartbeat", || {
@@ -133,9 +144,7 @@ async fn dropping_a_client_says_goodbye() {
             .expect("put");
     }
     assert_eq!(server.stats().client_counters.operations, 0);
-    // The first lane, and the test thread's lane if it is another (it opens in the
-    // background).
-    assert!(server.stats().connections >= 1);
+    assert_eq!(server.stats().connections, 1);
     drop(client);
     eventually(
         "the dropped client's goodbye reported its 10 operations",
@@ -151,7 +160,9 @@ async fn dropping_a_client_says_goodbye() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_operations_are_counted_under_their_kind_and_as_failures() {
     let (_reserved, closed) = closed_address();
-    let client = Client::for_cluster(&cluster(&[closed]));
+    let client = ClientBuilder::cluster(&cluster(&[closed]))
+        .build()
+        .expect("a cluster client");
     client.get(b"key").await.expect_err("nothing listens");
     client
         .put(b"key", b"value")
@@ -171,7 +182,9 @@ async fn failed_operations_are_counted_under_their_kind_and_as_failures() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_count_is_exact_at_rest() {
     let server = start_server().await;
-    let client = Client::for_cluster(&cluster(&[server.control_address()]));
+    let client = ClientBuilder::cluster(&cluster(&[server.control_address()]))
+        .build()
+        .expect("a cluster client");
     for index in 0..37u32 {
         client
             .put(format!("counted-{index}").as_bytes(), b"value")
@@ -191,7 +204,9 @@ async fn a_node_that_names_another_id_is_refused() {
     // address, or a relay that passes node 1's challenge on to get a proof for it.
     let server = start_server().await;
     let (_reserved, closed) = closed_address();
-    let client = Client::for_cluster(&cluster(&[closed, server.control_address()]));
+    let client = ClientBuilder::cluster(&cluster(&[closed, server.control_address()]))
+        .build()
+        .expect("a cluster client");
     let key = (0..1_000u32)
         .map(|index| format!("relay-{index}"))
         .find(|key| client.node_of(key.as_bytes()) == 2)
@@ -241,7 +256,11 @@ async fn a_client_opens_a_lane_per_worker_over_every_fabric() {
         let node = rdkv_server::start(config).await.expect("start server");
         let mut node_cluster = cluster(&[node.control_address()]);
         node_cluster.fabric = fabric;
-        let client = std::sync::Arc::new(Client::for_cluster(&node_cluster));
+        let client = std::sync::Arc::new(
+            ClientBuilder::cluster(&node_cluster)
+                .build()
+                .expect("a cluster client"),
+        );
         client.connect_all().await.expect("connect every lane");
         // The first lane opened in connect_all, the second in the background.
         eventually("a lane per tokio worker", || node.stats().connections == 2).await;
@@ -269,7 +288,11 @@ async fn a_lane_the_node_has_no_room_for_never_holds_an_operation() {
         let node = rdkv_server::start(config).await.expect("start server");
         let mut node_cluster = cluster(&[node.control_address()]);
         node_cluster.fabric = fabric;
-        let client = std::sync::Arc::new(Client::for_cluster(&node_cluster));
+        let client = std::sync::Arc::new(
+            ClientBuilder::cluster(&node_cluster)
+                .build()
+                .expect("a cluster client"),
+        );
         let started = Instant::now();
         put_and_get_from_many_tasks(&client).await;
         assert!(
@@ -300,7 +323,11 @@ fn extra_lanes_never_shut_other_clients_out() {
         config.limits.max_unauthenticated = 3;
         let node = rdkv_server::start(config).await.expect("start server");
         let node_cluster = cluster(&[node.control_address()]);
-        let first = std::sync::Arc::new(Client::for_cluster(&node_cluster));
+        let first = std::sync::Arc::new(
+            ClientBuilder::cluster(&node_cluster)
+                .build()
+                .expect("a cluster client"),
+        );
         put_and_get_from_many_tasks(&first).await;
         // Its extra lanes open in the background until the node refuses them at its half
         // (they retry every second); without that they took all four slots.
@@ -310,7 +337,13 @@ fn extra_lanes_never_shut_other_clients_out() {
         })
         .await;
         let others: Vec<_> = (0..2)
-            .map(|_| std::sync::Arc::new(Client::for_cluster(&node_cluster)))
+            .map(|_| {
+                std::sync::Arc::new(
+                    ClientBuilder::cluster(&node_cluster)
+                        .build()
+                        .expect("a cluster client"),
+                )
+            })
             .collect();
         let started = Instant::now();
         for client in &others {
@@ -336,4 +369,44 @@ fn extra_lanes_never_shut_other_clients_out() {
             client.close().await;
         }
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_builder_connects_every_node_of_a_cluster_with_its_settings() {
+    let first = start_node(1).await;
+    let second = start_node(2).await;
+    let client = ClientBuilder::cluster(&cluster(&[
+        first.control_address(),
+        second.control_address(),
+    ]))
+    .concurrency(4)
+    .lanes(1)
+    .fabric(rdkv_client::FabricChoice::Cluster(Backend::Soft))
+    .connect()
+    .await
+    .expect("connect every node");
+    // One lane each: exactly one connection per node, before any operation.
+    assert_eq!(first.stats().connections, 1);
+    assert_eq!(second.stats().connections, 1);
+    assert_eq!(client.node_ids(), [1, 2]);
+    client.put(b"built", b"value").await.expect("put");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_builder_refuses_a_fabric_the_cluster_does_not_run_and_a_lazy_client_of_one_node() {
+    let config = cluster(&[closed_address().1]);
+    let error = ClientBuilder::cluster(&config)
+        .fabric(rdkv_client::FabricChoice::Cluster(Backend::Loopback))
+        .build()
+        .expect_err("the cluster runs soft");
+    assert!(
+        matches!(&error, Error::Config { reason } if reason.contains("the cluster runs soft")),
+        "{error}"
+    );
+    let one = ClientConfig::new(closed_address().1, Backend::Soft, SECRET);
+    let error = ClientBuilder::node(one)
+        .build()
+        .expect_err("a client of one node connects at once");
+    assert!(matches!(error, Error::Config { .. }), "{error}");
 }

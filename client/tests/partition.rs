@@ -14,7 +14,7 @@ mod support;
 use support::partition::{Partitionable, NODES};
 
 use bytes::Bytes;
-use rdkv_client::Client;
+use rdkv_client::ClientBuilder;
 use rdkv_common::sharding;
 
 const SECRET: &[u8] = b"partition-test-secret";
@@ -71,7 +71,9 @@ async fn cut_off(which: Cut) {
         .map(|number| format!("partition-key-{number}").into_bytes())
         .find(|key| sharding::replicas(key, &[1, 2, 3], 2)[0] == index)
         .expect("a key with that node as its primary");
-    let client = Client::for_cluster(&cluster.cluster);
+    let client = ClientBuilder::cluster(&cluster.cluster)
+        .build()
+        .expect("a cluster client");
     client.put(&key, b"before the cut").await.expect("put");
     let direct = cluster.direct(cut).await.expect("connect to the node");
     assert_eq!(

@@ -11,7 +11,7 @@ mod support;
 
 use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
-use rdkv_client::{CasOutcome, Client, ClusterConfig, InsertOutcome};
+use rdkv_client::{CasOutcome, Client, ClientBuilder, ClusterConfig, InsertOutcome};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_server::RunningServer;
 use support::replicas::replica_ids;
@@ -51,7 +51,9 @@ async fn holders(direct: &[Client], key: &[u8]) -> Vec<(u32, Option<Bytes>)> {
 async fn every_write_reaches_each_replica_and_no_other_node() {
     let nodes = start_nodes().await;
     for replicas in [2usize, 3] {
-        let client = Client::for_cluster(&cluster(&nodes, replicas));
+        let client = ClientBuilder::cluster(&cluster(&nodes, replicas))
+            .build()
+            .expect("a cluster client");
         let direct = [
             node_client(&nodes, 1).await,
             node_client(&nodes, 2).await,
@@ -115,7 +117,9 @@ async fn every_write_reaches_each_replica_and_no_other_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleted_keys_leave_tombstones_that_the_collectors_clear_after_a_quarantine() {
     let nodes = start_nodes().await;
-    let client = Client::for_cluster(&cluster(&nodes, 2));
+    let client = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
     for index in 0..100u32 {
         client
             .put(format!("gone-{index}").as_bytes(), b"value")
@@ -165,7 +169,9 @@ async fn deleted_keys_leave_tombstones_that_the_collectors_clear_after_a_quarant
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_takes_two_round_trips_and_an_update_five() {
     let nodes = start_nodes().await;
-    let client = Client::for_cluster(&cluster(&nodes, 2));
+    let client = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
     client.connect_all().await.expect("connect");
     client.put(b"counted", b"v1").await.expect("put");
     let before = client.counters();
@@ -212,13 +218,18 @@ async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree(
     let gate = Arc::new(Semaphore::new(0));
     let reached = Arc::new(Notify::new());
     let stalled = Arc::new(
-        Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(HoldAfterLock {
-            gate: gate.clone(),
-            held: Mutex::new(false),
-            reached: reached.clone(),
-        })),
+        ClientBuilder::cluster(&cluster(&nodes, 2))
+            .fault_injector(Arc::new(HoldAfterLock {
+                gate: gate.clone(),
+                held: Mutex::new(false),
+                reached: reached.clone(),
+            }))
+            .build()
+            .expect("a cluster client"),
     );
-    let other = Client::for_cluster(&cluster(&nodes, 2));
+    let other = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
     let key = b"contended";
     other.put(key, b"before").await.expect("put");
     let writer = {
@@ -303,20 +314,20 @@ async fn a_write_cut_while_it_holds_its_lock_resumes_and_succeeds() {
     {
         // One lane per node: the cut connection's reconnect is what this watches (with a lane
         // per worker, the retry could take the other lane instead).
-        let client = Client::for_cluster_with_lanes(
-            &cluster(&nodes, 2),
-            rdkv_client::DEFAULT_CONCURRENCY,
-            rdkv_client::SharedMemory::Auto,
-            Some(1),
-        )
-        .with_fault_injector(Arc::new(FailOnceAfter {
-            kind,
-            done: Mutex::new(false),
-        }));
+        let client = ClientBuilder::cluster(&cluster(&nodes, 2))
+            .lanes(1)
+            .fault_injector(Arc::new(FailOnceAfter {
+                kind,
+                done: Mutex::new(false),
+            }))
+            .build()
+            .expect("a cluster client");
         let key = format!("resumed-{index}");
         let key = key.as_bytes();
         // Present first (the failure then hits an update's lock, backup or commit).
-        Client::for_cluster(&cluster(&nodes, 2))
+        ClientBuilder::cluster(&cluster(&nodes, 2))
+            .build()
+            .expect("a cluster client")
             .put(key, b"before")
             .await
             .expect("put");
@@ -379,15 +390,18 @@ async fn a_write_cut_before_its_commit_whose_lock_was_taken_over_starts_again() 
     let gate = Arc::new(Semaphore::new(0));
     let reached = Arc::new(Notify::new());
     let cut = Arc::new(
-        Client::for_cluster(&cluster(&nodes, 2)).with_fault_injector(Arc::new(
-            CutAfterBackupThenHold {
+        ClientBuilder::cluster(&cluster(&nodes, 2))
+            .fault_injector(Arc::new(CutAfterBackupThenHold {
                 gate: gate.clone(),
                 stage: Mutex::new(0),
                 reached: reached.clone(),
-            },
-        )),
+            }))
+            .build()
+            .expect("a cluster client"),
     );
-    let other = Client::for_cluster(&cluster(&nodes, 2));
+    let other = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
     let key = b"taken-over-while-cut";
     other.put(key, b"before").await.expect("put");
     let writer = {

@@ -10,7 +10,7 @@ mod support;
 
 use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step, StepKind};
-use rdkv_client::{Client, ClusterConfig};
+use rdkv_client::{Client, ClientBuilder, ClusterConfig};
 use rdkv_fabric::{Backend, WorkCompletionStatus};
 use rdkv_server::RunningServer;
 use tokio::sync::{Notify, Semaphore};
@@ -125,7 +125,12 @@ impl FaultInjector for Script {
 }
 
 fn scripted(nodes: &[RunningServer], script: &Arc<Script>) -> Arc<Client> {
-    Arc::new(Client::for_cluster(&cluster(nodes)).with_fault_injector(script.clone()))
+    Arc::new(
+        ClientBuilder::cluster(&cluster(nodes))
+            .fault_injector(script.clone())
+            .build()
+            .expect("a cluster client"),
+    )
 }
 
 async fn fired(notify: &Notify, what: &str) {
@@ -168,7 +173,9 @@ async fn absent_key_put_cut_after_its_tombstone_commit() {
 async fn deletes_and_inserts_cut_at_each_step_complete_and_agree() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let mut failures = Vec::new();
     let mut case = 0;
     for kind in [
@@ -251,7 +258,9 @@ async fn deletes_and_inserts_cut_at_each_step_complete_and_agree() {
 async fn commit_cut_before_posting_then_taken_over_starts_again() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let other = Client::for_cluster(&cluster(&nodes));
+    let other = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let key = b"commit-never-posted";
     other.put(key, b"before").await.expect("put");
     let gate = Arc::new(Semaphore::new(0));
@@ -288,7 +297,9 @@ async fn commit_cut_before_posting_then_taken_over_starts_again() {
 async fn resume_commit_failing_non_retryably_is_honest() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     for (index, first_cut) in [StepKind::Backup, StepKind::Lock].into_iter().enumerate() {
         // Lock: the resume steals and starts again; its commit is then the mutate path's.
         let key = format!("resume-commit-fatal-{index}");
@@ -323,7 +334,9 @@ async fn resume_commit_failing_non_retryably_is_honest() {
 async fn resume_backup_failing_non_retryably_is_honest() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let key = b"resume-backup-fatal";
     plain.put(key, b"before").await.expect("put");
     let script = Arc::new(Script::default());
@@ -357,7 +370,9 @@ async fn resume_backup_failing_non_retryably_is_honest() {
 async fn a_resume_cut_again_resumes_again() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let mut failures = Vec::new();
     for (index, second) in [
         StepKind::CheckLock,
@@ -411,7 +426,9 @@ async fn a_resume_cut_again_resumes_again() {
 async fn cut_after_a_lock_that_lost_to_another_writers_identical_lock() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let key = b"identical-locks";
     plain.put(key, b"before").await.expect("put");
     let gate_a = Arc::new(Semaphore::new(0));
@@ -475,7 +492,9 @@ async fn cut_after_a_lock_that_lost_to_another_writers_identical_lock() {
 async fn a_thief_cut_during_its_takeover() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let plain = Client::for_cluster(&cluster(&nodes));
+    let plain = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     let mut failures = Vec::new();
     for (index, kind) in [StepKind::Steal, StepKind::Backup, StepKind::Unlock]
         .into_iter()
@@ -550,7 +569,9 @@ async fn a_thief_cut_during_its_takeover() {
 async fn commit_cut_then_lock_or_value_replaced() {
     let nodes = start_nodes().await;
     let direct = direct_clients(&nodes).await;
-    let other = Client::for_cluster(&cluster(&nodes));
+    let other = ClientBuilder::cluster(&cluster(&nodes))
+        .build()
+        .expect("a cluster client");
     // (a) commit ran, then overwritten.
     let key = b"commit-ran-then-overwritten";
     other.put(key, b"before").await.expect("put");

@@ -18,7 +18,7 @@ use support::eventually_showing;
 
 use bytes::Bytes;
 use rdkv_client::fault::{FaultInjector, Injection, Moment, Step as FaultStep, StepKind};
-use rdkv_client::{CasOutcome, Client, ClientConfig, InsertOutcome, SharedMemory};
+use rdkv_client::{CasOutcome, Client, ClientBuilder, ClientConfig, InsertOutcome, SharedMemory};
 use rdkv_common::layout::{KeyLocation, TableGeometry};
 use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
@@ -1224,8 +1224,16 @@ async fn replicated_writes_under_guessing_readers() {
     let addresses: Vec<SocketAddr> = nodes.iter().map(RunningServer::control_address).collect();
     let mut cluster = support::cluster("slot-cache-attack", SECRET, Backend::Soft, &addresses);
     cluster.replicas = 2;
-    let first = Arc::new(Client::for_cluster(&cluster));
-    let second = Arc::new(Client::for_cluster(&cluster));
+    let first = Arc::new(
+        ClientBuilder::cluster(&cluster)
+            .build()
+            .expect("a cluster client"),
+    );
+    let second = Arc::new(
+        ClientBuilder::cluster(&cluster)
+            .build()
+            .expect("a cluster client"),
+    );
     let mut tasks = tokio::task::JoinSet::new();
     for task in 0..3u64 {
         let (first, second) = (first.clone(), second.clone());
@@ -1565,10 +1573,19 @@ async fn chases_through_locks_and_tombstones() {
     let addresses: Vec<SocketAddr> = nodes.iter().map(RunningServer::control_address).collect();
     let mut cluster = support::cluster("slot-cache-chase", SECRET, Backend::Soft, &addresses);
     cluster.replicas = 2;
-    let reader = Client::for_cluster(&cluster);
-    let writer = Client::for_cluster(&cluster);
+    let reader = ClientBuilder::cluster(&cluster)
+        .build()
+        .expect("a cluster client");
+    let writer = ClientBuilder::cluster(&cluster)
+        .build()
+        .expect("a cluster client");
     let hold = Arc::new(HoldAfter::new("put", StepKind::Lock));
-    let stalled = Arc::new(Client::for_cluster(&cluster).with_fault_injector(hold.clone()));
+    let stalled = Arc::new(
+        ClientBuilder::cluster(&cluster)
+            .fault_injector(hold.clone())
+            .build()
+            .expect("a cluster client"),
+    );
     const KEY: &[u8] = b"chased";
 
     writer.put(KEY, b"one").await.expect("put");

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
-use rdkv_client::{Client, FabricChoice};
+use rdkv_client::{Client, ClientBuilder, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Outcome, Verdict};
@@ -75,7 +75,10 @@ async fn failover_history(tag: &str, fabric: FabricChoice) {
     for client_index in 0..CLIENTS {
         // One client per task: writers of one key race (a shared client would make them take
         // turns).
-        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
+        let client = ClientBuilder::cluster_file(&cluster.file)
+            .fabric(fabric)
+            .build()
+            .expect("client");
         client.connect_all().await.expect("connect");
         let stop = stop.clone();
         let affected = affected.clone();

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkv_client::Client;
+use rdkv_client::ClientBuilder;
 use rdkv_common::ports::ReservedPorts;
 use rdkv_integration_tests::cluster::{generate_cluster_file, rdkv_cluster, Cluster, ForegroundUp};
 use rdkv_integration_tests::process::workspace_binary;
@@ -120,7 +120,11 @@ fn status_exits_zero_only_when_every_node_is_up_and_names_a_wrong_secret() {
 async fn restart_brings_one_node_back_refilled_while_the_others_serve() {
     let cluster = Cluster::up("restart");
     let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
-    let client = Arc::new(Client::for_cluster(&config));
+    let client = Arc::new(
+        ClientBuilder::cluster(&config)
+            .build()
+            .expect("a cluster client"),
+    );
     let keys: Vec<Vec<u8>> = (0..300)
         .map(|index| format!("restart-{index}").into_bytes())
         .collect();
@@ -441,7 +445,9 @@ fn two_nodes_on_remote_hosts_through_sshd_on_loopback() {
 
     // A CLI round trip on keys of every node.
     let config = rdkv_cluster_config::load(&file).expect("the cluster file");
-    let router = Client::for_cluster(&config);
+    let router = ClientBuilder::cluster(&config)
+        .build()
+        .expect("a cluster client");
     let mut keys_by_node = std::collections::BTreeMap::new();
     for index in 0..64 {
         let key = format!("ssh-{index}");

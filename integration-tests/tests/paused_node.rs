@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rand::{Rng, SeedableRng};
-use rdkv_client::{Client, FabricChoice};
+use rdkv_client::{Client, ClientBuilder, FabricChoice};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::linearizability::{check, Event, Operation, Outcome, Verdict};
@@ -101,7 +101,10 @@ async fn paused_history(tag: &str, victim: Victim, fabric: FabricChoice) {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for writer in 0..WRITERS {
-        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
+        let client = ClientBuilder::cluster_file(&cluster.file)
+            .fabric(fabric)
+            .build()
+            .expect("client");
         client.connect_all().await.expect("connect");
         tasks.push(tokio::spawn(write_loop(
             client,
@@ -111,7 +114,10 @@ async fn paused_history(tag: &str, victim: Victim, fabric: FabricChoice) {
         )));
     }
     for key in 0..KEYS {
-        let client = Client::from_file_with(&cluster.file, fabric).expect("client");
+        let client = ClientBuilder::cluster_file(&cluster.file)
+            .fabric(fabric)
+            .build()
+            .expect("client");
         tasks.push(tokio::spawn(poll_loop(client, key, start, stop.clone())));
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use rdkv_client::{Client, ClientConfig};
+use rdkv_client::{Client, ClientBuilder, ClientConfig};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::view::{
@@ -240,7 +240,12 @@ async fn paused_node_comes_back_clean(tag: &str, fabric: rdkv_client::FabricChoi
     let victim = settled.follower();
     let (cluster, nodes, secret, ids, _, leader) = settled.parts();
     let config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
-    let client = Arc::new(Client::from_file_with(&cluster.file, fabric).expect("client"));
+    let client = Arc::new(
+        ClientBuilder::cluster_file(&cluster.file)
+            .fabric(fabric)
+            .build()
+            .expect("client"),
+    );
     // Keys whose primary is the victim.
     let mine: Vec<u32> = (0..2_000)
         .filter(|number| client.node_of(format!("key-{number}").as_bytes()) == victim)

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use rdkv_client::Client;
+use rdkv_client::{Client, ClientBuilder};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::view::*;
@@ -572,7 +572,11 @@ async fn a_one_millisecond_client_leaves_no_key_stuck() {
     let (cluster, ..) = up_settled("ra-one-ms", 3).await.parts();
     let mut config = rdkv_cluster_config::load(&cluster.file).expect("the cluster file");
     config.operation_deadline = Duration::from_millis(1);
-    let hasty = Arc::new(Client::for_cluster(&config));
+    let hasty = Arc::new(
+        ClientBuilder::cluster(&config)
+            .build()
+            .expect("a cluster client"),
+    );
     let _ = hasty.connect_all().await;
     let mut tasks = Vec::new();
     for task in 0..4u64 {
@@ -777,7 +781,10 @@ async fn an_idle_client_writes_promptly_after_a_view_change() {
         rdkv_client::FabricChoice::Auto,
         rdkv_client::FabricChoice::Cluster(rdkv_fabric::Backend::Soft),
     ] {
-        let client = Client::from_file_with(&cluster.file, choice).expect("client");
+        let client = ClientBuilder::cluster_file(&cluster.file)
+            .fabric(choice)
+            .build()
+            .expect("client");
         client.connect_all().await.expect("connect");
         for key in &keys {
             client.put(key.as_bytes(), b"before").await.expect("put");

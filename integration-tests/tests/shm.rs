@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, FabricChoice};
+use rdkv_client::{Client, ClientBuilder, FabricChoice};
 use rdkv_common::protocol::ServerStats;
 use rdkv_integration_tests::cluster::Cluster;
 use rdkv_integration_tests::process::{workspace_binary, ServerProcess};
@@ -122,7 +122,10 @@ const RECORDS: u64 = 20_000;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_every_record_valid() {
     let cluster = Cluster::up("shm-kill");
-    let monitor = Client::from_file_with(&cluster.file, FabricChoice::Auto).expect("the file");
+    let monitor = ClientBuilder::cluster_file(&cluster.file)
+        .fabric(FabricChoice::Auto)
+        .build()
+        .expect("the file");
     let before = baselines(&monitor).await;
     assert!(before.iter().all(|node| node.shm_data_connections == 0));
 
@@ -180,7 +183,10 @@ async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_eve
     }
 
     // Every record the load wrote reads back whole (checksummed) over shm; none is corrupt.
-    let reader = Client::from_file_with(&cluster.file, FabricChoice::Shm).expect("the file");
+    let reader = ClientBuilder::cluster_file(&cluster.file)
+        .fabric(FabricChoice::Shm)
+        .build()
+        .expect("the file");
     let mut found = 0;
     for number in 0..RECORDS {
         let key = format!("user{number}");

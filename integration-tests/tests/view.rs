@@ -37,7 +37,9 @@ async fn dead_members_leave_the_view_within_the_failure_timeout_and_rejoin_as_ne
 
     // Clients fetch the view (the leader's), and `rdkv stats` prints it.
     let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
-    let client = rdkv_client::Client::for_cluster(&config);
+    let client = rdkv_client::ClientBuilder::cluster(&config)
+        .build()
+        .expect("a cluster client");
     let fetched = client.view().await.expect("the client fetches the view");
     assert_eq!((fetched.epoch, fetched.leader), (view.epoch, view.leader));
     // Connected, it hears of new epochs in its heartbeats' answers.

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, SCAN_BUCKETS};
+use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
 use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
 use tokio_util::sync::CancellationToken;
 
@@ -62,7 +62,11 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
         // loop, and each lane would be a connection and a heap chunk on the peer. Its
         // connections take the peers' reserved slots: a peer full of clients still lets this
         // node fill.
-        let client = Client::for_refill(&cluster, REFILL_CONCURRENCY);
+        let client = ClientBuilder::cluster(&cluster)
+            .concurrency(REFILL_CONCURRENCY)
+            .refill_peer()
+            .build()
+            .expect("a client of a cluster, with no fabric choice, is always made");
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
             outcome = refill(&node, &client, round) => outcome,

@@ -500,12 +500,15 @@ impl Servers {
             .iter()
             .filter_map(|node| node.child.as_ref().map(Child::id))
             .collect();
-        let shared_memory = if store == Store::RdkvShm {
-            rdkv_client::SharedMemory::Require
+        let fabric = if store == Store::RdkvShm {
+            rdkv_client::FabricChoice::Shm
         } else {
-            rdkv_client::SharedMemory::Off
+            rdkv_client::FabricChoice::Cluster(cluster.fabric)
         };
-        let client = rdkv_client::Client::for_cluster_with(cluster, options.threads, shared_memory);
+        let client = rdkv_client::ClientBuilder::cluster(cluster)
+            .concurrency(options.threads)
+            .fabric(fabric)
+            .build()?;
         Ok(StartedStore {
             driver: Arc::new(Driver::Rdkv {
                 client: Arc::new(client),

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use rdkv_client::{CasOutcome, Client, ClientConfig};
+use rdkv_client::{CasOutcome, Client, ClientBuilder, ClientConfig};
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 
@@ -46,11 +46,12 @@ impl Driver {
         concurrency: usize,
     ) -> anyhow::Result<Self> {
         Ok(Self::Rdkv {
-            client: Arc::new(Client::from_file_with_concurrency(
-                cluster_file,
-                fabric,
-                concurrency.clamp(1, 64),
-            )?),
+            client: Arc::new(
+                ClientBuilder::cluster_file(cluster_file)
+                    .fabric(fabric)
+                    .concurrency(concurrency.clamp(1, 64))
+                    .build()?,
+            ),
             _server: None,
             name: "rdkv",
         })

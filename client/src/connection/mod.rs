@@ -6,6 +6,7 @@
 //!   that go through it;
 //! - `pool`: the process's shared device, protection domain and scratch buffer pool;
 //! - `scratch`: a scratch buffer per operation and the posting of lists through it;
+//! - `step_list`: one step's requests, with room for the two that posting adds;
 //! - `writer_stripes`: the per-key writer turns of this process;
 //! - `slot_cache`: the process's cache of where it last saw each key's committed slot;
 //! - here: the connection itself and its heap chunk cursor.
@@ -32,6 +33,7 @@ mod handshake;
 mod pool;
 mod scratch;
 mod slot_cache;
+mod step_list;
 mod writer_stripes;
 
 use announce::Announcer;
@@ -46,6 +48,7 @@ pub(crate) use scratch::{
 pub(crate) use slot_cache::slot_cache_entries_from_environment;
 pub(crate) use slot_cache::{shared as shared_slot_cache, Guess, SlotCache};
 pub use slot_cache::{DEFAULT_SLOT_CACHE_ENTRIES, MAX_SLOT_CACHE_ENTRIES};
+pub(crate) use step_list::StepList;
 pub(crate) use writer_stripes::WriterStripes;
 
 /// How long to wait before asking again for a chunk when the heap's free chunks are all

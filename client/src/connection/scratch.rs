@@ -2,7 +2,8 @@
 //! stays out of the pool until every list posted through it has completed, even when the
 //! operation that used it is cancelled: its drop hands the outstanding completion to a task
 //! that returns the buffer afterwards. Every list of an operation is posted through
-//! [`Scratch::execute`].
+//! [`Scratch::execute`], as a [`StepList`] (which adds the announce WRITE and the lease word's
+//! READ, `step_list.rs`).
 
 use std::sync::Arc;
 
@@ -116,7 +117,7 @@ impl Scratch {
         &mut self,
         operation: &'static str,
         kind: StepKind,
-        mut list: Vec<WorkRequest>,
+        list: StepList,
     ) -> Result<rdkv_fabric::Completions, ExecuteError> {
         let number = self.round_trips as u32;
         self.reached_fabric = false;
@@ -125,13 +126,11 @@ impl Scratch {
         if injecting {
             self.inject(operation, kind, number, Moment::Before).await?;
         }
-        if !self.announced {
-            // Before any READ or CAS of this operation: the node learns it started.
-            list.insert(0, self.connection.announcer.request());
-            self.announced = true;
-        }
-        // Last, after every other request of the list ran: the node's lease word.
-        list.push(self.lease_word_request());
+        // Before any READ or CAS of this operation: the node learns it started. Last, after
+        // every other request of the list ran: the node's lease word.
+        let announce = (!self.announced).then(|| self.connection.announcer.request());
+        self.announced = true;
+        let list = list.into_posted(announce, self.lease_word_request());
         let counters = &self.connection.counters;
         counters.round_trips.add(1);
         self.round_trips += 1;

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, ClientConfig, ClusterConfig};
+use rdkv_client::{Client, ClientBuilder, ClientConfig, ClusterConfig};
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
 use tokio::net::{TcpListener, TcpStream};
@@ -196,7 +196,10 @@ impl Partitionable {
             let every_serving = done
                 && timeout(
                     Duration::from_secs(3),
-                    Client::for_cluster(&self.cluster).view(),
+                    ClientBuilder::cluster(&self.cluster)
+                        .build()
+                        .expect("a cluster client")
+                        .view(),
                 )
                 .await
                 .is_ok_and(|view| view.is_ok_and(|view| view.serving().len() == NODES as usize));

@@ -1,0 +1,132 @@
+//! Blocks in a scratch buffer. [`Block`] is the one block writer of every write: a
+//! single-copy write's block, each replica's copy of a replicated write's block, the tombstone
+//! a replicated write locks an absent key on, and a takeover's copy of the old block are all
+//! written by [`Block::write`], straight into the operation's scratch buffer. [`blocks_that_fit`] and
+//! [`block_reads`] make the lists that READ slots' blocks into the read area (a lookup's
+//! candidates, a scan's range).
+
+use rdkv_common::layout::{block_head, Slot, BLOCK_HEADER_SIZE, BLOCK_UNIT};
+use rdkv_fabric::WorkRequest;
+
+use crate::connection::{Scratch, StepList, READ_BLOCKS_AT, READ_BLOCKS_SIZE};
+use crate::error::Result;
+
+/// A block's length in units and whether it is a tombstone: what its slot word says of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockShape {
+    /// Its length in 64-byte units.
+    pub(crate) units: u8,
+    /// Whether it is a tombstone (a replicated delete: the key is absent).
+    pub(crate) tombstone: bool,
+}
+
+impl BlockShape {
+    /// Its length in bytes.
+    pub(crate) fn length(self) -> u64 {
+        u64::from(self.units) * BLOCK_UNIT
+    }
+
+    /// The committed slot word of a block of this shape at heap offset `offset`.
+    pub(crate) fn slot(self, fingerprint: u8, offset: u64) -> Slot {
+        let slot = Slot::new(fingerprint, self.units, offset);
+        if self.tombstone {
+            slot.tombstone()
+        } else {
+            slot
+        }
+    }
+}
+
+/// A block to write: its head (header word and checksum) computed once, then written with its
+/// key and value into as many scratch buffers as the operation needs (one per replica).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Block<'a> {
+    /// The header word and the checksum.
+    head: [u8; BLOCK_HEADER_SIZE],
+    /// The key.
+    key: &'a [u8],
+    /// The value (empty for a tombstone).
+    value: &'a [u8],
+    /// Its length and kind.
+    shape: BlockShape,
+}
+
+impl<'a> Block<'a> {
+    /// The block of `key` and `value`, a tombstone if `tombstone` (its value is then empty).
+    pub(crate) fn new(key: &'a [u8], value: &'a [u8], tombstone: bool) -> Self {
+        let (head, units) = block_head(key, value, tombstone);
+        Self {
+            head,
+            key,
+            value,
+            shape: BlockShape { units, tombstone },
+        }
+    }
+
+    /// Its length and kind.
+    pub(crate) fn shape(&self) -> BlockShape {
+        self.shape
+    }
+
+    /// Writes the block to offset `at` of the scratch buffer's region, part by part, as
+    /// [`rdkv_common::layout::encode_block_with`] lays it out but without building it in a
+    /// vector first (one copy of the value, not two).
+    ///
+    /// # Errors
+    /// [`crate::Error::Fabric`] when the block does not fit the region at `at`.
+    pub(crate) fn write(&self, scratch: &Scratch, at: u64) -> Result<()> {
+        let region = scratch.region();
+        let mut next = at;
+        for part in [&self.head[..], self.key, self.value] {
+            region.write(next, part)?;
+            next += part.len() as u64;
+        }
+        // Zeros up to the units, as `encode_block_with` pads: the buffer's last contents never
+        // reach the node's heap.
+        let used = (self.head.len() + self.key.len() + self.value.len()) as u64;
+        let padding = [0u8; BLOCK_UNIT as usize];
+        let pad = self.shape.length().saturating_sub(used).min(BLOCK_UNIT) as usize;
+        region.write(next, &padding[..pad])?;
+        Ok(())
+    }
+}
+
+/// How many of `slots`' blocks, from the first, fit the scratch buffer's read area together:
+/// at least one (every block fits alone).
+pub(crate) fn blocks_that_fit(slots: impl Iterator<Item = Slot>) -> usize {
+    let mut used = 0u64;
+    let mut count = 0;
+    for slot in slots {
+        let length = slot.block_length();
+        if used + length > READ_BLOCKS_SIZE && count > 0 {
+            break;
+        }
+        used += length;
+        count += 1;
+    }
+    count
+}
+
+/// The READs of `slots`' blocks into the read area, one after another from its start, the
+/// last one signaled; request `index` has id `index`.
+pub(crate) fn block_reads(
+    scratch: &Scratch,
+    slots: impl ExactSizeIterator<Item = Slot>,
+) -> StepList {
+    let heap_key = scratch.connection().keys.heap_key;
+    let count = slots.len();
+    let mut list = StepList::with_room_for(count);
+    let mut at = scratch.base + READ_BLOCKS_AT;
+    list.extend(slots.enumerate().map(|(index, slot)| {
+        let length = slot.block_length();
+        let request = WorkRequest::read(
+            index as u64,
+            scratch.region().segment(at, length as u32),
+            heap_key.at(slot.offset()),
+        )
+        .with_signaled(index + 1 == count);
+        at += length;
+        request
+    }));
+    list
+}

@@ -1,0 +1,99 @@
+//! What a node's refill (`server/src/refill.rs`, `docs/protocol.md`, *Refill*) asks of its
+//! client of the cluster: to follow the view at once, each peer's table size, one-sided scans
+//! of a peer's table (`scan.rs`), which keys the node must copy, and the copy of one key
+//! through its primary's lock. Hidden from the documentation: applications have no use for
+//! them.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rdkv_common::protocol::ClusterView;
+
+use crate::client::Client;
+use crate::error::{Error, Result};
+use crate::operations::{Mutation, MutationOutcome};
+use crate::progress::Progress;
+use crate::replicated::Write;
+use crate::runner::Kind;
+
+impl Client {
+    /// Fetches the cluster view and routes by it from now on (a node refilling itself uses
+    /// this to include itself as filling). The view, or why none could be fetched.
+    ///
+    /// # Errors
+    /// As [`Client::view`].
+    #[doc(hidden)]
+    pub async fn follow_view(&self) -> Result<ClusterView> {
+        self.follower.refresh_in_task().await;
+        self.view().await
+    }
+
+    /// The combined buckets of node `node_id`'s index (connecting to it if needed).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a node not in the cluster; connection errors.
+    #[doc(hidden)]
+    pub async fn combined_buckets_of(&self, node_id: u32) -> Result<u64> {
+        let node = self.node_by_id(node_id).ok_or_else(|| Error::Config {
+            reason: format!("node {node_id} is not in the cluster"),
+        })?;
+        let connection = node.connection().await?;
+        Ok(connection.welcome.geometry.combined_bucket_count())
+    }
+
+    /// The keys and values in combined buckets `first ..` (at most [`crate::SCAN_BUCKETS`])
+    /// of node `node_id`'s index, read one-sided (refill, `docs/protocol.md`).
+    ///
+    /// # Errors
+    /// As [`Client::get`].
+    #[doc(hidden)]
+    pub async fn scan_node(
+        &self,
+        node_id: u32,
+        first: u64,
+        count: u64,
+    ) -> Result<Vec<(Bytes, Bytes)>> {
+        let node = self
+            .node_by_id(node_id)
+            .ok_or_else(|| Error::Config {
+                reason: format!("node {node_id} is not in the cluster"),
+            })?
+            .clone();
+        let progress = Arc::new(Progress::default());
+        let work = async {
+            let connection = node.connection().await?;
+            crate::scan::scan_buckets(&connection, progress.clone(), first, count).await
+        };
+        self.run_replicated(Kind::Scan, "scan", &progress, work)
+            .await
+    }
+
+    /// Whether node `me` must copy `key` from node `source` while it fills: `source` is the
+    /// key's primary and `me` one of the copies the view is heading for.
+    #[doc(hidden)]
+    pub fn refill_target(&self, key: &[u8], source: u32, me: u32) -> bool {
+        let replicas = self.follower.write_replicas(key, self.replicas);
+        replicas.first() == Some(&source) && replicas.contains(&me)
+    }
+
+    /// Copies `key`'s `value` to every replica the view is heading for, through the primary's
+    /// lock (a compare-and-swap of the value with itself): `Ok(false)` when the value changed
+    /// meanwhile (its writer wrote every replica already).
+    ///
+    /// # Errors
+    /// As [`Client::compare_and_swap`].
+    #[doc(hidden)]
+    pub async fn refill_copy(&self, key: &[u8], value: &[u8]) -> Result<bool> {
+        // Counted under its kind like any write (by the runner), so that a node's counters add
+        // up (a restarted node's refill copies showed as operations of no kind in `rdkv
+        // stats`).
+        let outcome = self
+            .mutate_replicated(
+                "refill",
+                key,
+                Write::Value(value, Mutation::CompareAndSwap { expected: value }),
+            )
+            .await?;
+        Ok(outcome == MutationOutcome::Applied)
+    }
+}

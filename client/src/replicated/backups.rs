@@ -1,0 +1,159 @@
+//! Putting a replicated write's block in the backups: one CAS each, all at once, from what the
+//! lookup read ([`write_backups`]); then, for each whose slot changed first, READ, check that
+//! the primary still holds the lock, and only then CAS ([`settle`]). A backup that lacks the
+//! key gets it by an insert ([`swap_once`]).
+
+use rdkv_common::layout::{Slot, SlotPosition};
+use rdkv_fabric::WorkRequest;
+
+use super::replicas::{count_overlap, round_trips, Replica};
+use super::CHECK_AT;
+use crate::connection::{Scratch, StepList};
+use crate::error::{Error, Result};
+use crate::fault::StepKind;
+use crate::operations::{
+    back_off, cas_step, empty_slot, insert_absent, lookup, step_failure, Candidates, FirstList,
+    Inserted, View, LOOKUP_REQUESTS, RACE_ATTEMPTS,
+};
+use futures_util::future::try_join_all;
+
+/// One try at putting the operation's block in a backup's slot, from exactly what `view` read
+/// there: a CAS of the key's slot, or an insert where the backup lacks the key. `Ok(false)`:
+/// the slot changed first.
+pub(super) async fn swap_once(
+    copy: &mut Replica,
+    view: &View,
+    operation: &'static str,
+    key: &[u8],
+    attempt: u32,
+) -> Result<bool> {
+    match view.committed.as_slice() {
+        [current] => {
+            cas_step(
+                &mut copy.scratch,
+                operation,
+                StepKind::Backup,
+                current.position,
+                current.slot,
+                copy.slot,
+            )
+            .await
+        }
+        [] => {
+            let Some(empty) = empty_slot(view, copy.scratch.connection(), attempt)? else {
+                return Ok(false);
+            };
+            let before = StepList::starting_with(copy.write.take(), 1 + LOOKUP_REQUESTS);
+            copy.scratch.backup_posting();
+            let inserted = insert_absent(
+                &mut copy.scratch,
+                operation,
+                key,
+                &copy.location,
+                empty,
+                copy.slot,
+                before,
+            )
+            .await?;
+            Ok(inserted == Inserted::Committed)
+        }
+        // Read while the key moved: read again.
+        _ => Ok(false),
+    }
+}
+
+/// READs the primary's slot at `position` (after `before`, in the same list): whether it
+/// still holds `lock`.
+pub(super) async fn holds_lock(
+    primary: &mut Scratch,
+    operation: &'static str,
+    position: SlotPosition,
+    lock: Slot,
+    before: StepList,
+) -> Result<bool> {
+    let connection = primary.connection().clone();
+    let mut list = before;
+    list.reserve(1);
+    list.push(WorkRequest::read(
+        0,
+        primary.region().segment(primary.base + CHECK_AT, 8),
+        connection
+            .keys
+            .index_key
+            .at(connection.welcome.geometry.slot_offset(position)),
+    ));
+    primary
+        .execute(operation, StepKind::CheckLock, list)
+        .await
+        .map_err(step_failure(operation))?;
+    Ok(Slot(primary.region().load_u64(primary.base + CHECK_AT)?) == lock)
+}
+
+/// Puts the operation's block in a backup by READ, check, CAS: READ the backup's slot, check
+/// that the primary still holds `lock`, and only then swap from what was just read; until it
+/// swaps. `Ok(false)`: the lock is no longer the operation's (stolen), so the backup is not
+/// its to touch. (Swapping without the check lets a stalled thief undo the next writer's
+/// value: the model's `unchecked-rollback`.)
+pub(super) async fn settle(
+    primary: &mut Scratch,
+    copy: &mut Replica,
+    operation: &'static str,
+    key: &[u8],
+    position: SlotPosition,
+    lock: Slot,
+) -> Result<bool> {
+    for attempt in 0..RACE_ATTEMPTS {
+        let first = FirstList::new(
+            StepKind::ReadBuckets,
+            StepList::starting_with(copy.write.take(), LOOKUP_REQUESTS),
+        );
+        let view = lookup(
+            &mut copy.scratch,
+            operation,
+            key,
+            &copy.location,
+            first,
+            Candidates::Committed,
+        )
+        .await?;
+        if !holds_lock(primary, operation, position, lock, StepList::new()).await? {
+            return Ok(false);
+        }
+        if swap_once(copy, &view, operation, key, attempt).await? {
+            return Ok(true);
+        }
+        back_off(attempt).await;
+    }
+    Err(Error::Contention {
+        operation,
+        attempts: RACE_ATTEMPTS,
+    })
+}
+
+/// Writes every backup: one CAS each, all at once, from what the lookup read; then READ,
+/// check, CAS for each whose slot changed first. `Ok(false)`: the lock was stolen.
+pub(super) async fn write_backups(
+    primary: &mut Scratch,
+    backups: &mut [Replica],
+    views: &[View],
+    operation: &'static str,
+    key: &[u8],
+    position: SlotPosition,
+    lock: Slot,
+) -> Result<bool> {
+    let before = round_trips(backups);
+    let swapped = try_join_all(
+        backups
+            .iter_mut()
+            .zip(views)
+            .map(|(copy, view)| swap_once(copy, view, operation, key, 0)),
+    )
+    .await?;
+    count_overlap(backups, &before);
+    for (copy, swapped) in backups.iter_mut().zip(swapped) {
+        if !swapped && !settle(primary, copy, operation, key, position, lock).await? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}

@@ -1,0 +1,336 @@
+//! How a client follows the cluster view ([`ViewFollower`]): the membership it routes by
+//! ([`Membership`]: the epoch, the serving and the filling members, whose ranking places each
+//! key, `docs/protocol.md`, *Placement*), fetching a newer view when a node's heartbeat
+//! answer reports one or an operation meets a node that failed, and watching a replicated
+//! operation's key while it runs, so that a view that moves the key ends the attempt.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkv_common::protocol::{fetch_view, ClusterView, MemberState, MonitoredNode};
+use rdkv_common::sharding;
+use rdkv_common::ControlError;
+
+use crate::counters::Counters;
+use crate::error::Error;
+
+/// The cluster view as a client knows it: the epoch and the serving members, whose ranking
+/// places each key (`docs/protocol.md`, *Placement*).
+#[derive(Debug, Clone)]
+struct Membership {
+    /// The view's epoch (0: the cluster file's nodes, all serving, before any fetch).
+    epoch: u64,
+    /// The serving members' ids, in id order.
+    serving: Vec<u32>,
+    /// The filling members' ids (back after a restart or an absence), in id order.
+    filling: Vec<u32>,
+}
+
+impl Membership {
+    /// `key`'s copies under this view, primary first: the first `count` of its ranking over
+    /// the serving members; while members fill, also those of the ranking over serving and
+    /// filling members, which the view is heading for (so a filling node gets every write of
+    /// the keys it will hold). A filling node is never the primary.
+    fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
+        let mut replicas: Vec<u32> = sharding::replicas(key, &self.serving, count)
+            .into_iter()
+            .map(|index| self.serving[index])
+            .collect();
+        if !self.filling.is_empty() {
+            let mut heading: Vec<u32> = self.serving.clone();
+            heading.extend(&self.filling);
+            heading.sort_unstable();
+            for index in sharding::replicas(key, &heading, count) {
+                if !replicas.contains(&heading[index]) {
+                    replicas.push(heading[index]);
+                }
+            }
+        }
+        replicas
+    }
+}
+
+/// How a client learns the cluster view: its nodes, and the membership it routes by. Shared
+/// with the tasks that fetch the view.
+#[derive(Debug)]
+pub(crate) struct ViewFollower {
+    /// The nodes' control addresses and ids, for monitoring connections.
+    nodes: Vec<(SocketAddr, Option<u32>)>,
+    /// The cluster secret.
+    secret: Vec<u8>,
+    /// Their ids.
+    node_ids: Vec<u32>,
+    /// The view the client routes by.
+    membership: Mutex<Membership>,
+    /// The client's counters (view refreshes).
+    counters: Arc<Counters>,
+    /// Held by the fetch in progress.
+    refreshing: tokio::sync::Mutex<()>,
+    /// When the last fetch of the view reached no node: the first node's error.
+    unanswered: Mutex<Option<String>>,
+    /// Whether the last fetch of the view found every node refusing the connection outright
+    /// (nothing listens on any node's port: the cluster is down).
+    all_refused: AtomicBool,
+}
+
+impl ViewFollower {
+    /// A follower of the view of the nodes at `nodes` (control addresses and ids, for
+    /// monitoring connections; none for a client of one node), whose ids are `node_ids` in
+    /// cluster-file order, all serving until a view says otherwise.
+    pub(crate) fn new(
+        nodes: Vec<(SocketAddr, Option<u32>)>,
+        secret: Vec<u8>,
+        node_ids: Vec<u32>,
+        counters: Arc<Counters>,
+    ) -> Self {
+        let mut serving = node_ids.clone();
+        serving.sort_unstable();
+        Self {
+            nodes,
+            secret,
+            node_ids,
+            membership: Mutex::new(Membership {
+                epoch: 0,
+                serving,
+                filling: Vec::new(),
+            }),
+            counters,
+            refreshing: tokio::sync::Mutex::new(()),
+            unanswered: Mutex::new(None),
+            all_refused: AtomicBool::new(false),
+        }
+    }
+
+    /// The membership the client routes by.
+    fn membership(&self) -> std::sync::MutexGuard<'_, Membership> {
+        self.membership
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The view's epoch the client routes by.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.membership().epoch
+    }
+
+    /// Whether a node reported a newer view, in a heartbeat's answer, than the one the client
+    /// routes by.
+    pub(crate) fn newer_view_reported(&self) -> bool {
+        self.counters.view_epoch.load(Ordering::Relaxed) > self.epoch()
+    }
+
+    /// `key`'s copies under the view (node ids, primary first): `count` of them, and while
+    /// members fill, those too ([`Membership::write_replicas`]); one, the primary, when
+    /// `count` is 1. With no member serving (the view says the whole cluster is down), the
+    /// key's node by the cluster file.
+    pub(crate) fn replica_ids(&self, key: &[u8], count: usize) -> Vec<u32> {
+        let mut ids = self.write_replicas(key, count);
+        if count == 1 {
+            ids.truncate(1);
+        }
+        ids.retain(|id| self.node_ids.contains(id));
+        if ids.is_empty() {
+            let owner = sharding::owner(key, &self.node_ids).unwrap_or(0);
+            ids.extend(self.node_ids.get(owner));
+        }
+        ids
+    }
+
+    /// `key`'s copies under the view, primary first, with the filling members' that the view
+    /// is heading for ([`Membership::write_replicas`]).
+    pub(crate) fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
+        self.membership().write_replicas(key, count)
+    }
+
+    /// The newest view the nodes answer with, all asked at once (epochs only grow, and a view
+    /// is committed before any node shows it). It returns once a majority of the nodes
+    /// answered, or every node answered or failed, each within [`VIEW_FETCH_TIMEOUT`]: a
+    /// paused or cut-off node costs the fetch nothing (waiting for its timeout stalled every
+    /// operation that needed the view for half a second while it was being marked down).
+    async fn newest_view(&self) -> Option<ClusterView> {
+        use futures_util::stream::StreamExt;
+        let majority = self.nodes.len() / 2 + 1;
+        let mut fetches: futures_util::stream::FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|(address, id)| async move {
+                let node = MonitoredNode {
+                    address: *address,
+                    id: *id,
+                    secret: &self.secret,
+                };
+                fetch_view(node, VIEW_FETCH_TIMEOUT).await.map_err(|error| {
+                    let refused = matches!(
+                        &error,
+                        ControlError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused
+                    );
+                    (format!("node at {address}: {error}"), refused)
+                })
+            })
+            .collect();
+        let mut answers = Vec::with_capacity(self.nodes.len());
+        let mut answered = 0;
+        while let Some(answer) = fetches.next().await {
+            answered += usize::from(answer.is_ok());
+            answers.push(answer);
+            if answered >= majority {
+                break;
+            }
+        }
+        let all_refused = answers.len() == self.nodes.len()
+            && answers
+                .iter()
+                .all(|answer| matches!(answer, Err((_, true))));
+        self.all_refused.store(all_refused, Ordering::Relaxed);
+        let unanswered = if answers.iter().all(Result::is_err) {
+            answers
+                .iter()
+                .find_map(|answer| answer.as_ref().err().map(|(text, _)| text.clone()))
+        } else {
+            None
+        };
+        *self
+            .unanswered
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = unanswered;
+        answers.into_iter().flatten().max_by_key(|view| view.epoch)
+    }
+
+    /// When the last fetch of the view reached no node: the first node's error.
+    pub(crate) fn unanswered(&self) -> Option<String> {
+        self.unanswered
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
+    /// client has. Whether it was newer.
+    async fn refresh(&self) -> bool {
+        // One fetch at a time: the others wait for it, and find the view it brought.
+        let _refreshing = self.refreshing.lock().await;
+        self.counters.view_refreshes.add(1);
+        let Some(view) = self.newest_view().await else {
+            return false;
+        };
+        let mut membership = self.membership();
+        if view.epoch <= membership.epoch {
+            return false;
+        }
+        let mut members: Vec<u32> = view.members.iter().map(|member| member.node_id).collect();
+        let mut known = self.node_ids.clone();
+        members.sort_unstable();
+        known.sort_unstable();
+        if members != known {
+            // Nodes that are not one cluster (each its own one-node view, as in-process test
+            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
+            membership.epoch = view.epoch;
+            return false;
+        }
+        let serving = view.serving();
+        let filling: Vec<u32> = view
+            .members
+            .iter()
+            .filter(|member| member.state == MemberState::Filling)
+            .map(|member| member.node_id)
+            .collect();
+        tracing::debug!(
+            epoch = view.epoch,
+            ?serving,
+            ?filling,
+            "routing by a new cluster view"
+        );
+        *membership = Membership {
+            epoch: view.epoch,
+            serving,
+            filling,
+        };
+        true
+    }
+}
+
+/// How long a client waits before it asks for the view again while a node it needs does not
+/// answer and the view still names it (the failure detector has not committed it down yet).
+const VIEW_POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// How long a replicated operation runs before the client checks, and then every this long,
+/// whether the view moved its key (a node that stopped answering without failing its
+/// connections, as a paused or cut-off one does, is committed down meanwhile).
+const VIEW_WATCH_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How long one node may take to answer a view fetch (all are asked at once).
+const VIEW_FETCH_TIMEOUT: Duration = Duration::from_millis(500);
+
+impl ViewFollower {
+    /// Fetches the cluster view and routes by it from now on, if it is newer than the one the
+    /// client has. Whether it was newer. The fetch runs in a task of its own, so that it
+    /// completes even when the operation that asked is cancelled by its deadline (an operation
+    /// with a deadline shorter than a fetch would otherwise never let the client learn a view:
+    /// found with 1 ms deadlines).
+    pub(crate) async fn refresh_in_task(self: &Arc<Self>) -> bool {
+        let follower = self.clone();
+        tokio::spawn(async move { follower.refresh().await })
+            .await
+            .unwrap_or(false)
+    }
+
+    /// After an operation met a node that failed: fetch the view; if it did not change, wait a
+    /// little (the failure detector commits a dead node down within `failure_timeout`). The
+    /// operation's deadline bounds the waiting.
+    pub(crate) async fn await_new_view(self: &Arc<Self>) {
+        if !self.refresh_in_task().await {
+            tokio::time::sleep(VIEW_POLL_INTERVAL).await;
+        }
+    }
+
+    /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
+    pub(crate) async fn follow_reported_epoch(self: &Arc<Self>) {
+        if self.newer_view_reported() {
+            self.refresh_in_task().await;
+        }
+    }
+
+    /// When the last view fetch found every node of the cluster file refusing the connection
+    /// outright, the error that says the cluster is down: nothing listens on any node, so
+    /// waiting out the deadline for a view would only cost the caller its deadline.
+    pub(crate) fn cluster_down(&self, operation: &'static str) -> Option<Error> {
+        if !self.all_refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let address = self.nodes.first()?.0;
+        Some(Error::NodeUnreachable {
+            address,
+            reason: format!(
+                "{operation}: every node of the cluster refused the connection: the cluster is down (start it with `rdkv-cluster up FILE`); it did not apply"
+            ),
+        })
+    }
+
+    /// Runs `attempt` on `key`'s copies `planned` (node ids, primary first, `count` asked
+    /// for), checking every [`VIEW_WATCH_INTERVAL`] whether a newer view moved them; `None`:
+    /// it did, and the attempt was dropped (the caller decides from the operation's progress
+    /// what that means).
+    pub(crate) async fn watched<T>(
+        self: &Arc<Self>,
+        key: &[u8],
+        count: usize,
+        planned: &[u32],
+        attempt: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        let mut attempt = std::pin::pin!(attempt);
+        let start = tokio::time::Instant::now() + VIEW_WATCH_INTERVAL;
+        let mut ticks = tokio::time::interval_at(start, VIEW_WATCH_INTERVAL);
+        loop {
+            tokio::select! {
+                outcome = &mut attempt => return Some(outcome),
+                _ = ticks.tick() => {
+                    if self.refresh_in_task().await && self.replica_ids(key, count) != planned {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}
