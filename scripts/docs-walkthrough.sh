@@ -247,6 +247,7 @@ as_user "redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --d
 doc "target/release/rdkv-ycsb run  --driver redis --redis-url redis://127.0.0.1:6379 -P workloadb --load --threads 16"
 as_user "redis-cli -p 6379 shutdown nosave" >/dev/null 2>&1 || true
 doc "target/release/rdkv-ycsb run  --driver memory -P workloadc -p recordcount=1000 --threads 16"
+doc "target/release/rdkv-ycsb run  --driver map -P workloadc -p recordcount=1000 --threads 16"
 doc "target/release/rdkv-ycsb plot -o a.svg a.json"
 as_user "test -s a.svg" || fail "plot wrote no a.svg"
 doc "target/release/rdkv-cluster down examples/local-3node.toml"

@@ -1,5 +1,5 @@
-//! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis or an in-process rdkv, plots,
-//! and a side-by-side comparison with Redis.
+//! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis, an in-process rdkv or an
+//! in-process map, plots, and a side-by-side comparison with Redis.
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
@@ -109,6 +109,9 @@ enum DriverName {
     Redis,
     /// An in-process rdkv server on the loopback fabric (the ceiling); `run` loads first.
     Memory,
+    /// An in-process hash map (the harness's own ceiling: no store protocol); `run` loads
+    /// first.
+    Map,
 }
 
 #[derive(Debug, Args)]
@@ -196,6 +199,7 @@ async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Resu
             )
             .await?
         }
+        DriverName::Map => Driver::map(workload.record_count),
     })
 }
 
@@ -306,14 +310,15 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
     })
 }
 
-/// `run`'s phases: the load first when asked (always for the memory driver), then the run.
+/// `run`'s phases: the load first when asked (always for the in-process drivers, which start
+/// empty), then the run.
 async fn load_and_run(
     arguments: &PhaseArguments,
     workload: &Workload,
     driver: Arc<Driver>,
 ) -> anyhow::Result<(Option<Report>, Report)> {
     let mut loaded = None;
-    if arguments.load || matches!(arguments.driver, DriverName::Memory) {
+    if arguments.load || matches!(arguments.driver, DriverName::Memory | DriverName::Map) {
         let report = runner::load(
             workload,
             driver.clone(),
