@@ -90,12 +90,13 @@ enum Action {
         #[arg(long)]
         allow_errors: bool,
         /// The stores, run in this order: rdkv over shm and over soft, Redis over TCP and over
-        /// its Unix socket, and the in-process ceiling (memory).
+        /// its Unix socket, the in-process ceiling (memory), and the harness's own ceiling
+        /// (map: an in-process hash map, which every line is also compared to).
         #[arg(
             long,
             value_enum,
             value_delimiter = ',',
-            default_value = "rdkv-shm,rdkv-soft,redis-tcp,redis-unix,memory"
+            default_value = "rdkv-shm,rdkv-soft,redis-tcp,redis-unix,memory,map"
         )]
         stores: Vec<compare::Store>,
     },

@@ -1,5 +1,7 @@
 //! The `map` store, the harness over an in-process hash map: `rdkv-ycsb run --driver map` loads
-//! and runs every operation of a workload, and the update-only mix.
+//! and runs every operation of a workload (and the update-only mix that
+//! `scripts/bench/instructions.sh` counts), and `compare --stores map,…` measures every line
+//! against it, in the table and in the JSON, keyed `map`.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -116,4 +118,59 @@ fn run_on_the_map_loads_then_counts_every_operation() {
     ]);
     assert_eq!(operations(&output.stdout, "UPDATE"), Some(2000));
     assert_eq!(operations(&output.stdout, "READ"), None);
+}
+
+#[test]
+fn compare_measures_every_line_against_the_map() {
+    let directory = TestDirectory::new("map-compare");
+    let json = directory.file("compare.json");
+    let output = ycsb(&[
+        "compare",
+        "--stores",
+        "memory,map",
+        "--workloads",
+        "c",
+        "--records",
+        "200",
+        "--seconds",
+        "0.3",
+        "--threads",
+        "2",
+        "--json",
+        &json,
+    ]);
+    let table = String::from_utf8_lossy(&output.stdout);
+    let cells = |store: &str| -> Vec<String> {
+        let line = table
+            .lines()
+            .find(|line| line.starts_with(&format!("| C | {store} |")))
+            .unwrap_or_else(|| panic!("a C line for {store}:\n{table}"));
+        line.split('|')
+            .map(|cell| cell.trim().to_string())
+            .collect()
+    };
+    // No Redis ran: `-` against it; the map against itself is 1.
+    assert_eq!(&cells("map")[4..6], ["-", "1.00×"]);
+    let memory = cells("memory (ceiling)");
+    assert_eq!(memory[4], "-");
+    assert!(memory[5].ends_with('×'), "{memory:?}");
+
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON is written")).expect("JSON");
+    let stores = &written["workloads"][0]["stores"];
+    let map = &stores["map"];
+    assert!(
+        map["median_throughput"]
+            .as_f64()
+            .is_some_and(|ops| ops > 0.0),
+        "{map}"
+    );
+    assert_eq!(map["vs_map"], 1.0, "{map}");
+    assert_eq!(map["rounds"][0]["driver"], "map", "{map}");
+    assert!(
+        stores["memory (ceiling)"]["vs_map"]
+            .as_f64()
+            .is_some_and(|ratio| ratio > 0.0),
+        "{stores}"
+    );
 }
