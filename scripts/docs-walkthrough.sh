@@ -325,7 +325,7 @@ covered_elsewhere = [
     (r"^target/release/rdkv-ycsb compare (--records \d+ --threads \d+ )?--seconds \d+$", "a measurement (every workload and store, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^scripts/bench/replication\.sh ", "the replication cost measurement (release, minutes): .ci/run runs replication.sh in a debug smoke run"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
-    (r"scripts/bench/callgrind-get\.sh", ".ci/run's instructions-per-GET step runs callgrind-get.sh"),
+    (r"^(TOKIO_WORKER_THREADS=\d+ )?scripts/bench/instructions\.sh ", "a measurement under valgrind (about 2 minutes): .ci/run's instructions step runs instructions.sh --check on the release build"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
     (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
 ]
