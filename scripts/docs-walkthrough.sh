@@ -247,6 +247,7 @@ as_user "redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --d
 doc "target/release/rdkv-ycsb run  --driver redis --redis-url redis://127.0.0.1:6379 -P workloadb --load --threads 16"
 as_user "redis-cli -p 6379 shutdown nosave" >/dev/null 2>&1 || true
 doc "target/release/rdkv-ycsb run  --driver memory -P workloadc -p recordcount=1000 --threads 16"
+doc "target/release/rdkv-ycsb run  --driver map -P workloadc -p recordcount=1000 --threads 16"
 doc "target/release/rdkv-ycsb plot -o a.svg a.json"
 as_user "test -s a.svg" || fail "plot wrote no a.svg"
 doc "target/release/rdkv-cluster down examples/local-3node.toml"
@@ -320,11 +321,11 @@ covered_elsewhere = [
     (r"^target/release/rdkv-ycsb compare --workloads a,f --heap-size (218|870)M$", "the 2x/8x heap measurement (870 MiB pinned, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^((TOKIO_WORKER_THREADS|RDKV_SLOT_CACHE_ENTRIES)=\d+ )?target/release/rdkv-ycsb compare --workloads [a-f,]+ --seconds \d+ --stores [a-z,-]+$", "a measurement (seconds per store and workload, memlock raised): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^target/release/rdkv-ycsb compare --stores [a-z,-]+$", "a measurement (every workload, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
-    (r"^target/release/rdkv-ycsb compare$", "the full default run, a measurement (every workload and store, about 5 minutes): checked above to refuse 8 MiB at once; the README's compare above runs the same workloads and stores"),
+    (r"^target/release/rdkv-ycsb compare$", "the full default run, a measurement (every workload and store, about 6 minutes): checked above to refuse 8 MiB at once; the README's compare above runs the same workloads and stores"),
     (r"^target/release/rdkv-ycsb compare (--records \d+ --threads \d+ )?--seconds \d+$", "a measurement (every workload and store, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^scripts/bench/replication\.sh ", "the replication cost measurement (release, minutes): .ci/run runs replication.sh in a debug smoke run"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
-    (r"scripts/bench/callgrind-get\.sh", ".ci/run's instructions-per-GET step runs callgrind-get.sh"),
+    (r"^(TOKIO_WORKER_THREADS=\d+ )?scripts/bench/instructions\.sh ", "a measurement under valgrind (about 2 minutes): .ci/run's instructions step runs instructions.sh --check on the release build"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
     (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
 ]

@@ -8,7 +8,9 @@
 //! again, so that drift on the machine hits every store alike; [`crate::comparison`] keeps the
 //! rounds and sums them up. The stores (`--stores`, all by default): rdkv over its `shm` fabric (this process is
 //! on the nodes' host), rdkv over `soft`, Redis over TCP, Redis over its Unix socket (the same
-//! multiplexed client), and the `memory` ceiling (an in-process rdkv server on `loopback`).
+//! multiplexed client), the `memory` ceiling (an in-process rdkv server on `loopback`), and the
+//! `map`, an in-process hash map: the harness's own ceiling, which every line is also measured
+//! against.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -67,16 +69,19 @@ pub enum Store {
     RedisUnix,
     /// An in-process rdkv server on the `loopback` fabric: the ceiling.
     Memory,
+    /// An in-process hash map: the harness's own ceiling.
+    Map,
 }
 
 impl Store {
     /// Every store, in the default order.
-    pub const ALL: [Store; 5] = [
+    pub const ALL: [Store; 6] = [
         Store::RdkvShm,
         Store::RdkvSoft,
         Store::RedisTcp,
         Store::RedisUnix,
         Store::Memory,
+        Store::Map,
     ];
 
     /// The name in tables.
@@ -87,6 +92,7 @@ impl Store {
             Store::RedisTcp => "Redis TCP",
             Store::RedisUnix => "Redis unix",
             Store::Memory => "memory (ceiling)",
+            Store::Map => "map",
         }
     }
 
@@ -369,8 +375,8 @@ struct RedisServer {
 struct StartedStore {
     /// Its driver.
     driver: Arc<Driver>,
-    /// The server processes each run's server CPU is read from (none for `memory`: its server is
-    /// this process).
+    /// The server processes each run's server CPU is read from (none for `memory` and `map`:
+    /// their store is this process).
     server_pids: Vec<u32>,
     /// Whether its turn loads the records (the Unix socket's Redis reads those loaded over TCP).
     load: bool,
@@ -461,6 +467,12 @@ impl Servers {
                     )
                     .await?,
                 ),
+                server_pids: Vec::new(),
+                load: true,
+                _cluster: None,
+            },
+            Store::Map => StartedStore {
+                driver: Arc::new(Driver::map(options.records + inserted_records(options))),
                 server_pids: Vec::new(),
                 load: true,
                 _cluster: None,

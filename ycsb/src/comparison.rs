@@ -8,13 +8,16 @@
 //!                   "heap_size", "rounds" },
 //!   "workloads": [ { "workload": "C",
 //!                    "stores": { "rdkv shm": { "median_throughput", "min_throughput",
-//!                                              "max_throughput", "rounds": [report, …] },
+//!                                              "max_throughput", "vs_better_redis", "vs_map",
+//!                                              "rounds": [report, …] },
 //!                                … } } ] }
 //! ```
 //!
-//! Store keys are the names the table prints, in the order the stores ran; each round is a
-//! report as `run --json` writes it. The median, minimum and maximum are derived from the rounds
-//! (and recomputed from them when the file is read).
+//! Store keys are the names the table prints (`"rdkv shm"`, …, `"map"`), in the order the stores
+//! ran; each round is a report as `run --json` writes it. The median, minimum and maximum are
+//! derived from the rounds, and so are the ratios of the median to the better Redis's and to the
+//! map's (`null` when no Redis, or no map, ran); all are recomputed from the rounds when the file
+//! is read.
 
 use std::fmt;
 
@@ -211,8 +214,8 @@ impl Comparison {
             .collect()
     }
 
-    /// The table: one line per workload and store, each against the better Redis, then the
-    /// noise notes. With several rounds each figure is the median of the rounds, and a last
+    /// The table: one line per workload and store, each against the better Redis and against
+    /// the map (the harness's own ceiling), then the noise notes. With several rounds each figure is the median of the rounds, and a last
     /// column gives the rounds' range of ops/s.
     pub fn table(&self) -> String {
         let settings = &self.settings;
@@ -233,16 +236,16 @@ impl Comparison {
             },
         );
         let several = settings.rounds > 1;
-        out.push_str("| workload | store | ops/s | vs better Redis | READ p50 µs | READ p99 µs | round trips/op | round trips/READ | client CPU µs/op | server CPU µs/op | server CPU % of a core | errors |");
+        out.push_str("| workload | store | ops/s | vs better Redis | vs map | READ p50 µs | READ p99 µs | round trips/op | round trips/READ | client CPU µs/op | server CPU µs/op | server CPU % of a core | errors |");
         out.push_str(if several {
             " rounds' ops/s (spread) |\n"
         } else {
             "\n"
         });
-        out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         out.push_str(if several { "---:|\n" } else { "\n" });
         for workload in &self.workloads {
-            let best_redis = workload.best_redis();
+            let references = References::of(&workload.stores);
             for figures in workload
                 .stores
                 .iter()
@@ -251,7 +254,7 @@ impl Comparison {
                 out.push_str(&table_line(
                     &workload.workload,
                     figures,
-                    best_redis,
+                    references,
                     several,
                 ));
             }
@@ -276,11 +279,39 @@ impl WorkloadFigures {
 
     /// The better Redis median throughput (TCP or Unix socket), if either ran.
     pub fn best_redis(&self) -> Option<f64> {
-        self.stores
-            .iter()
-            .filter(|figures| figures.store.is_redis() && !figures.rounds.is_empty())
-            .map(StoreFigures::median_throughput)
-            .reduce(f64::max)
+        References::of(&self.stores).best_redis
+    }
+}
+
+/// What every store of a workload is measured against: the median ops/s of the better Redis and
+/// of the map, where they ran.
+#[derive(Debug, Clone, Copy)]
+struct References {
+    /// The better Redis (TCP or Unix socket).
+    best_redis: Option<f64>,
+    /// The map: the harness's own ceiling.
+    map: Option<f64>,
+}
+
+impl References {
+    /// The references among one workload's `stores`.
+    fn of(stores: &[StoreFigures]) -> Self {
+        let ran = || stores.iter().filter(|figures| !figures.rounds.is_empty());
+        Self {
+            best_redis: ran()
+                .filter(|figures| figures.store.is_redis())
+                .map(StoreFigures::median_throughput)
+                .reduce(f64::max),
+            map: ran()
+                .find(|figures| figures.store == Store::Map)
+                .map(StoreFigures::median_throughput),
+        }
+    }
+
+    /// `throughput` against the better Redis and against the map.
+    fn ratios(self, throughput: f64) -> (Option<f64>, Option<f64>) {
+        let ratio = |reference: Option<f64>| reference.map(|ops| throughput / ops.max(1e-9));
+        (ratio(self.best_redis), ratio(self.map))
     }
 }
 
@@ -296,7 +327,7 @@ fn read_percentiles(report: &Report) -> Option<(f64, f64)> {
 fn table_line(
     workload: &str,
     figures: &StoreFigures,
-    best_redis: Option<f64>,
+    references: References,
     several: bool,
 ) -> String {
     let shown = |value: Option<f64>, decimals: usize| {
@@ -317,13 +348,14 @@ fn table_line(
             .server_cpu_us_per_operation
             .map(|us| us * report.throughput / 1e6 * 100.0)
     });
-    let ratio = best_redis.map_or_else(
-        || "-".to_string(),
-        |best| format!("{:.2}×", throughput / best.max(1e-9)),
-    );
+    let ratio =
+        |ratio: Option<f64>| ratio.map_or_else(|| "-".to_string(), |ratio| format!("{ratio:.2}×"));
+    let (against_redis, against_map) = references.ratios(throughput);
     let mut line = format!(
-        "| {workload} | {} | {throughput:.0} | {ratio} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} |",
+        "| {workload} | {} | {throughput:.0} | {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} |",
         figures.store.name(),
+        ratio(against_redis),
+        ratio(against_map),
         percentile(|(p50, _)| p50),
         percentile(|(_, p99)| p99),
         rdkv(|rdkv| rdkv.round_trips_per_operation),
@@ -355,7 +387,7 @@ mod by_store_name {
     use serde::ser::SerializeMap;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::{fmt, Report, Store, StoreFigures};
+    use super::{fmt, References, Report, Store, StoreFigures};
 
     /// A store's entry as written: the figures derived from its rounds, then the rounds.
     #[derive(Serialize)]
@@ -363,6 +395,10 @@ mod by_store_name {
         median_throughput: f64,
         min_throughput: f64,
         max_throughput: f64,
+        /// The median against the better Redis's, as the table's `vs better Redis`.
+        vs_better_redis: Option<f64>,
+        /// The median against the map's, as the table's `vs map`.
+        vs_map: Option<f64>,
         rounds: &'a [Report],
     }
 
@@ -376,12 +412,16 @@ mod by_store_name {
         stores: &[StoreFigures],
         serializer: S,
     ) -> Result<S::Ok, S::Error> {
+        let references = References::of(stores);
         let mut map = serializer.serialize_map(Some(stores.len()))?;
         for figures in stores {
+            let (vs_better_redis, vs_map) = references.ratios(figures.median_throughput());
             let entry = WrittenEntry {
                 median_throughput: figures.median_throughput(),
                 min_throughput: figures.min_throughput(),
                 max_throughput: figures.max_throughput(),
+                vs_better_redis: vs_better_redis.filter(|_| !figures.rounds.is_empty()),
+                vs_map: vs_map.filter(|_| !figures.rounds.is_empty()),
                 rounds: &figures.rounds,
             };
             map.serialize_entry(figures.store.name(), &entry)?;
@@ -572,9 +612,49 @@ pub(crate) mod tests {
             .lines()
             .find(|line| line.starts_with("| C | rdkv soft |"))
             .expect("a C line for rdkv soft");
-        // .ci/run reads these cells: the store in 2, round trips per READ in 8.
+        // .ci/run reads these cells: the store in 2, round trips per READ in 9.
         let cells: Vec<&str> = soft.split('|').map(str::trim).collect();
-        assert_eq!(cells.len(), 14, "{soft}");
-        assert_eq!(&cells[2..5], ["rdkv soft", "100", "0.25×"]);
+        assert_eq!(cells.len(), 15, "{soft}");
+        assert_eq!(&cells[2..6], ["rdkv soft", "100", "0.25×", "-"]);
+    }
+
+    #[test]
+    fn every_line_is_measured_against_the_map_and_so_is_its_json() {
+        let compared = comparison(&[
+            (Store::RdkvShm, &[300.0]),
+            (Store::RedisTcp, &[200.0]),
+            (Store::RedisUnix, &[250.0]),
+            (Store::Map, &[1000.0]),
+        ]);
+        let table = compared.table();
+        assert!(
+            table.contains("| ops/s | vs better Redis | vs map |"),
+            "{table}"
+        );
+        let ratios = |store: &str| {
+            let line = table
+                .lines()
+                .find(|line| line.starts_with(&format!("| C | {store} |")))
+                .unwrap_or_else(|| panic!("a C line for {store}: {table}"));
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            (cells[4].to_string(), cells[5].to_string())
+        };
+        assert_eq!(ratios("rdkv shm"), ("1.20×".into(), "0.30×".into()));
+        assert_eq!(ratios("Redis TCP"), ("0.80×".into(), "0.20×".into()));
+        assert_eq!(ratios("map"), ("4.00×".into(), "1.00×".into()));
+
+        let value = serde_json::to_value(&compared).expect("JSON");
+        let stores = &value["workloads"][0]["stores"];
+        assert_eq!(stores["map"]["median_throughput"], 1000.0);
+        assert_eq!(stores["map"]["vs_map"], 1.0);
+        assert_eq!(stores["rdkv shm"]["vs_map"], 0.3);
+        assert_eq!(stores["rdkv shm"]["vs_better_redis"], 1.2);
+        // Without a map (or a Redis) the ratio to it is null, in the JSON as in the table.
+        let alone = serde_json::to_value(comparison(&[(Store::RdkvSoft, &[100.0])])).expect("JSON");
+        let soft = &alone["workloads"][0]["stores"]["rdkv soft"];
+        assert!(
+            soft["vs_map"].is_null() && soft["vs_better_redis"].is_null(),
+            "{soft}"
+        );
     }
 }

@@ -1,9 +1,12 @@
 //! The stores a workload runs against: `rdkv` (a cluster file), `redis` (a URL, one multiplexed
-//! async connection) and `memory` (an in-process rdkv server on the `loopback` fabric: the
-//! ceiling of the protocol's CPU cost). Every driver stores one value blob per record.
+//! async connection), `memory` (an in-process rdkv server on the `loopback` fabric: the
+//! ceiling of the protocol's CPU cost) and `map` (an in-process `DashMap`: the harness's own
+//! ceiling, no store protocol at all). Every driver stores one value blob per record.
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+use dashmap::DashMap;
 use rdkv_client::{CasOutcome, Client, ClientBuilder, ClientConfig};
 use rdkv_fabric::Backend;
 use rdkv_server::{RunningServer, ServerConfig};
@@ -29,6 +32,21 @@ pub enum Driver {
         /// A multiplexed connection shared by every task.
         connection: redis::aio::MultiplexedConnection,
     },
+    /// An in-process `DashMap`: what the harness costs by itself (key choice, measurement,
+    /// tasks), with a store that does the least an in-memory store can.
+    Map {
+        /// Each record's value by key. A value is [`Bytes`]: a GET clones it (a reference
+        /// count, no copy of the value), an insert or update copies the written value in and
+        /// replaces the old one.
+        records: DashMap<String, Bytes>,
+    },
+}
+
+/// Lets the runtime run something else once the task has used its budget (128 operations of
+/// the map driver, whose operations never wait): the other tasks and the phase's progress
+/// ticks get their turn, as they do while a real store's operation waits.
+async fn give_way() {
+    tokio::task::consume_budget().await;
 }
 
 /// What an operation returned.
@@ -117,6 +135,13 @@ impl Driver {
         })
     }
 
+    /// An empty in-process map, with room for `records` records.
+    pub fn map(records: u64) -> Self {
+        Self::Map {
+            records: DashMap::with_capacity(usize::try_from(records).unwrap_or(usize::MAX)),
+        }
+    }
+
     /// Redis at `url` (for example `redis://127.0.0.1:6379`).
     ///
     /// # Errors
@@ -132,6 +157,7 @@ impl Driver {
         match self {
             Self::Rdkv { name, .. } => name,
             Self::Redis { .. } => "redis",
+            Self::Map { .. } => "map",
         }
     }
 
@@ -140,6 +166,7 @@ impl Driver {
         Some(match self {
             Self::Rdkv { .. } => "workload E (scans) cannot run on rdkv: its index is a hash table with no key order; run A, B, C, D or F".to_string(),
             Self::Redis { .. } => "workload E (scans) is not implemented for the redis driver: records are plain keys with no ordered index".to_string(),
+            Self::Map { .. } => "workload E (scans) cannot run on the map driver: a hash map has no key order".to_string(),
         })
     }
 
@@ -168,6 +195,18 @@ impl Driver {
                     .await
                     .map_err(|error| error.to_string())
             }
+            Self::Map { records } => {
+                let value = Bytes::copy_from_slice(value);
+                // An update finds its key: no new key string.
+                match records.get_mut(key) {
+                    Some(mut record) => *record = value,
+                    None => {
+                        records.insert(key.to_string(), value);
+                    }
+                }
+                give_way().await;
+                Ok(())
+            }
         }
     }
 
@@ -188,11 +227,17 @@ impl Driver {
                     .map(|value| value.is_some())
                     .map_err(|error| error.to_string())
             }
+            Self::Map { records } => {
+                let value = records.get(key).map(|record| record.value().clone());
+                give_way().await;
+                Ok(value.is_some())
+            }
         }
     }
 
     /// Reads a record, then writes `value` over it: rdkv with `compare_and_swap` (retried when
-    /// it loses a race), Redis with GET then SET (as YCSB's Redis binding does).
+    /// it loses a race), Redis with GET then SET (as YCSB's Redis binding does), the map under
+    /// its entry's lock.
     pub async fn read_modify_write(&self, key: &str, value: &[u8]) -> DriverResult<bool> {
         match self {
             Self::Rdkv { client, .. } => {
@@ -223,6 +268,18 @@ impl Driver {
                 }
                 self.write(key, value).await.map(|()| true)
             }
+            Self::Map { records } => {
+                let found = match records.get_mut(key) {
+                    Some(mut record) => {
+                        let _current = record.value().clone();
+                        *record = Bytes::copy_from_slice(value);
+                        true
+                    }
+                    None => false,
+                };
+                give_way().await;
+                Ok(found)
+            }
         }
     }
 
@@ -230,7 +287,7 @@ impl Driver {
     pub fn rdkv_counters(&self) -> Option<rdkv_client::CounterSnapshot> {
         match self {
             Self::Rdkv { client, .. } => Some(client.counters()),
-            Self::Redis { .. } => None,
+            Self::Redis { .. } | Self::Map { .. } => None,
         }
     }
 

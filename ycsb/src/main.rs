@@ -1,5 +1,5 @@
-//! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis or an in-process rdkv, plots,
-//! and a side-by-side comparison with Redis.
+//! `rdkv-ycsb`: YCSB-style load and run phases against rdkv, Redis, an in-process rdkv or an
+//! in-process map, plots, and a side-by-side comparison with Redis.
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
@@ -90,12 +90,13 @@ enum Action {
         #[arg(long)]
         allow_errors: bool,
         /// The stores, run in this order: rdkv over shm and over soft, Redis over TCP and over
-        /// its Unix socket, and the in-process ceiling (memory).
+        /// its Unix socket, the in-process ceiling (memory), and the harness's own ceiling
+        /// (map: an in-process hash map, which every line is also compared to).
         #[arg(
             long,
             value_enum,
             value_delimiter = ',',
-            default_value = "rdkv-shm,rdkv-soft,redis-tcp,redis-unix,memory"
+            default_value = "rdkv-shm,rdkv-soft,redis-tcp,redis-unix,memory,map"
         )]
         stores: Vec<compare::Store>,
     },
@@ -109,6 +110,9 @@ enum DriverName {
     Redis,
     /// An in-process rdkv server on the loopback fabric (the ceiling); `run` loads first.
     Memory,
+    /// An in-process hash map (the harness's own ceiling: no store protocol); `run` loads
+    /// first.
+    Map,
 }
 
 #[derive(Debug, Args)]
@@ -196,6 +200,7 @@ async fn driver(arguments: &PhaseArguments, workload: &Workload) -> anyhow::Resu
             )
             .await?
         }
+        DriverName::Map => Driver::map(workload.record_count),
     })
 }
 
@@ -306,14 +311,15 @@ async fn execute(command: Action) -> anyhow::Result<ExitStatus> {
     })
 }
 
-/// `run`'s phases: the load first when asked (always for the memory driver), then the run.
+/// `run`'s phases: the load first when asked (always for the in-process drivers, which start
+/// empty), then the run.
 async fn load_and_run(
     arguments: &PhaseArguments,
     workload: &Workload,
     driver: Arc<Driver>,
 ) -> anyhow::Result<(Option<Report>, Report)> {
     let mut loaded = None;
-    if arguments.load || matches!(arguments.driver, DriverName::Memory) {
+    if arguments.load || matches!(arguments.driver, DriverName::Memory | DriverName::Map) {
         let report = runner::load(
             workload,
             driver.clone(),
