@@ -101,7 +101,7 @@ pub(super) async fn control_task(
 ) {
     /// Marks the connection broken however the task ends: a heartbeat has nobody to hear its
     /// failure (a fence read as its answer, a failed write, no reply), and the data path must
-    /// stop using the connection then too (found by review).
+    /// stop using the connection then too.
     struct BrokenOnExit(Arc<AtomicBool>);
     impl Drop for BrokenOnExit {
         fn drop(&mut self) {
@@ -122,38 +122,14 @@ pub(super) async fn control_task(
             // Peeking consumes nothing, so losing this branch of the select loses no byte.
             peeked = stream.peek(&mut probe) => {
                 if matches!(peeked, Ok(length) if length > 0) {
-                    let notice = tokio::time::timeout(
-                        CONNECT_TIMEOUT,
-                        read_frame::<_, ServerMessage>(&mut stream),
-                    )
-                    .await;
-                    if let Ok(Ok(
-                        ServerMessage::Fenced { epoch } | ServerMessage::NotServing { epoch, .. },
-                    )) = notice
-                    {
-                        // Recorded before the guard marks the connection broken, so an
-                        // operation that finds it broken also finds the newer epoch.
-                        counters
-                            .view_epoch
-                            .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
-                    }
+                    read_unasked_notice(&mut stream, &counters).await;
                 }
                 return;
             }
         };
         let goodbye = message == ClientMessage::Goodbye;
         if goodbye {
-            // Report the last counters before leaving.
-            let report = ClientMessage::Heartbeat {
-                counters: counters.take_report(),
-            };
-            if write_frame(&mut stream, &report).await.is_ok() {
-                let _ = tokio::time::timeout(
-                    CONNECT_TIMEOUT,
-                    read_frame::<_, ServerMessage>(&mut stream),
-                )
-                .await;
-            }
+            report_last_counters(&mut stream, &counters).await;
         }
         let asked = std::time::Instant::now();
         let outcome = match write_frame(&mut stream, &message).await {
@@ -175,46 +151,7 @@ pub(super) async fn control_task(
             }
             Err(error) => Err(error),
         };
-        let outcome = match outcome {
-            Ok(ServerMessage::HeartbeatAck {
-                epoch,
-                node_clock_ms,
-            }) => {
-                counters
-                    .view_epoch
-                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
-                // The node read its clock between our write and its answer's arrival.
-                let calibration = rdkv_common::lease::ClockBound::new(
-                    asked,
-                    std::time::Instant::now(),
-                    node_clock_ms,
-                );
-                *rdkv_fabric::lock(&lease_clock) = calibration;
-                Ok(ServerMessage::HeartbeatAck {
-                    epoch,
-                    node_clock_ms,
-                })
-            }
-            Ok(ServerMessage::NotServing { epoch, reason }) => {
-                counters
-                    .view_epoch
-                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
-                Err(ControlError::Unexpected(format!(
-                    "the node stopped serving data and fenced this connection: {reason}"
-                )))
-            }
-            Ok(ServerMessage::Fenced { epoch }) => {
-                // The view moved keys: this connection is done; the next operation fetches
-                // the view and connects again.
-                counters
-                    .view_epoch
-                    .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
-                Err(ControlError::Unexpected(format!(
-                    "the node fenced this connection: the cluster view moved keys (epoch {epoch})"
-                )))
-            }
-            other => other,
-        };
+        let outcome = interpret_reply(outcome, asked, &counters, &lease_clock);
         let failed = outcome.is_err();
         if let Some(reply) = reply {
             let _ = reply.send(outcome);
@@ -222,5 +159,81 @@ pub(super) async fn control_task(
         if failed {
             return;
         }
+    }
+}
+
+/// Reads the one frame a node sends unasked (a fence, a stop notice) and records its epoch
+/// before the task ends, so an operation that finds the connection broken also finds the newer
+/// epoch.
+async fn read_unasked_notice(stream: &mut TcpStream, counters: &Counters) {
+    let notice =
+        tokio::time::timeout(CONNECT_TIMEOUT, read_frame::<_, ServerMessage>(stream)).await;
+    if let Ok(Ok(ServerMessage::Fenced { epoch } | ServerMessage::NotServing { epoch, .. })) =
+        notice
+    {
+        counters
+            .view_epoch
+            .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Before a goodbye: reports the last counters, and waits (bounded) for the node's answer.
+async fn report_last_counters(stream: &mut TcpStream, counters: &Counters) {
+    let report = ClientMessage::Heartbeat {
+        counters: counters.take_report(),
+    };
+    if write_frame(stream, &report).await.is_ok() {
+        let _ = tokio::time::timeout(CONNECT_TIMEOUT, read_frame::<_, ServerMessage>(stream)).await;
+    }
+}
+
+/// What a reply means for the request's sender: a heartbeat's answer records the view epoch
+/// and calibrates the lease clock (the node read its clock between `asked` and now); a fence or
+/// a stop notice is an error that ends the connection.
+fn interpret_reply(
+    outcome: Result<ServerMessage, ControlError>,
+    asked: std::time::Instant,
+    counters: &Counters,
+    lease_clock: &std::sync::Mutex<rdkv_common::lease::ClockBound>,
+) -> Result<ServerMessage, ControlError> {
+    match outcome {
+        Ok(ServerMessage::HeartbeatAck {
+            epoch,
+            node_clock_ms,
+        }) => {
+            counters
+                .view_epoch
+                .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+            // The node read its clock between our write and its answer's arrival.
+            let calibration = rdkv_common::lease::ClockBound::new(
+                asked,
+                std::time::Instant::now(),
+                node_clock_ms,
+            );
+            *rdkv_fabric::lock(lease_clock) = calibration;
+            Ok(ServerMessage::HeartbeatAck {
+                epoch,
+                node_clock_ms,
+            })
+        }
+        Ok(ServerMessage::NotServing { epoch, reason }) => {
+            counters
+                .view_epoch
+                .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+            Err(ControlError::Unexpected(format!(
+                "the node stopped serving data and fenced this connection: {reason}"
+            )))
+        }
+        Ok(ServerMessage::Fenced { epoch }) => {
+            // The view moved keys: this connection is done; the next operation fetches
+            // the view and connects again.
+            counters
+                .view_epoch
+                .fetch_max(epoch, std::sync::atomic::Ordering::Relaxed);
+            Err(ControlError::Unexpected(format!(
+                "the node fenced this connection: the cluster view moved keys (epoch {epoch})"
+            )))
+        }
+        other => other,
     }
 }
