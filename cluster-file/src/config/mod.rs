@@ -261,9 +261,9 @@ impl NodeConfig {
     /// Where the node offers its `shm` fabric: `shm_socket`, or by default
     /// `rdkv-<cluster>-node-<id>.sock` in the temporary directory (`rdkv-cluster` passes a
     /// path in its run directory instead); `None` with `shm = "off"`, or when the cluster's
-    /// fabric is `shm` itself.
+    /// fabric shares memory itself (`shm`).
     pub fn offered_shm_socket(&self, cluster: &ClusterConfig) -> Option<PathBuf> {
-        if self.shm == ShmMode::Off || cluster.fabric == Backend::Shm {
+        if self.shm == ShmMode::Off || cluster.fabric.capabilities().shares_memory {
             return None;
         }
         Some(self.shm_socket.clone().unwrap_or_else(|| {
