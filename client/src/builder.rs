@@ -21,7 +21,9 @@ use std::sync::Arc;
 use rdkv_cluster_file::{ClusterConfig, NodeConfig, ShmMode};
 
 use crate::client::Client;
-use crate::connection::{ClientConfig, FabricChoice, SharedMemory, DEFAULT_CONCURRENCY};
+use crate::connection::{
+    ClientConfig, FabricChoice, SharedMemory, DEFAULT_CONCURRENCY, MAX_CONCURRENCY,
+};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::fault::FaultInjector;
@@ -97,7 +99,8 @@ impl ClientBuilder {
     /// default [`DEFAULT_CONCURRENCY`], 16). Each holds a 64 KiB registered scratch buffer
     /// while it runs, from the process's shared pool, which grows with the operations in
     /// flight and shrinks back (`docs/memory.md`): an application that runs more tasks than
-    /// this at once sets it to its task count, or its tasks wait for each other's buffers.
+    /// this at once sets it to its task count, or its tasks wait for each other's buffers. From
+    /// 1 to [`MAX_CONCURRENCY`] (4,096): values outside are taken as the nearer bound.
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.settings.concurrency = Some(concurrency);
         self
@@ -282,7 +285,10 @@ impl Settings {
         };
         config.operation_deadline = Some(cluster.operation_deadline);
         config.poll_spin = cluster.poll_spin;
-        config.concurrency = self.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1);
+        config.concurrency = self
+            .concurrency
+            .unwrap_or(DEFAULT_CONCURRENCY)
+            .clamp(1, MAX_CONCURRENCY);
         config.refill_peer = self.refill_peer;
         config.fault_injector.clone_from(&self.fault_injector);
         config

@@ -65,7 +65,7 @@ pub use builder::ClientBuilder;
 pub use client::Client;
 pub use connection::{
     ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY,
-    DEFAULT_SLOT_CACHE_ENTRIES, MAX_SLOT_CACHE_ENTRIES,
+    DEFAULT_SLOT_CACHE_ENTRIES, MAX_CONCURRENCY, MAX_SLOT_CACHE_ENTRIES,
 };
 pub use counters::CounterSnapshot;
 pub use error::{Error, Result};

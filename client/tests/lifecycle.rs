@@ -410,3 +410,29 @@ async fn a_builder_refuses_a_fabric_the_cluster_does_not_run_and_a_lazy_client_o
         .expect_err("a client of one node connects at once");
     assert!(matches!(error, Error::Config { .. }), "{error}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_out_of_bounds_is_taken_as_the_nearer_bound() {
+    let node = start_node(1).await;
+    for concurrency in [0, usize::MAX] {
+        let mut config = ClientConfig::new(node.control_address(), Backend::Soft, SECRET);
+        config.concurrency = concurrency;
+        let client = ClientBuilder::node(config)
+            .connect()
+            .await
+            .unwrap_or_else(|error| panic!("concurrency {concurrency}: {error}"));
+        client.put(b"bounded", b"value").await.expect("put");
+        client.close().await;
+        let client = ClientBuilder::cluster(&cluster(&[node.control_address()]))
+            .concurrency(concurrency)
+            .fabric(rdkv_client::FabricChoice::Cluster(Backend::Soft))
+            .connect()
+            .await
+            .unwrap_or_else(|error| panic!("cluster, concurrency {concurrency}: {error}"));
+        assert_eq!(
+            client.get(b"bounded").await.expect("get").as_deref(),
+            Some(&b"value"[..])
+        );
+        client.close().await;
+    }
+}

@@ -12,6 +12,10 @@ use crate::fault::FaultInjector;
 /// Operations in flight per connection unless configured otherwise.
 pub const DEFAULT_CONCURRENCY: usize = 16;
 
+/// The most operations in flight per connection: a larger `concurrency` is taken as this (and
+/// 0 as 1). 4,096 operations hold 256 MiB of scratch buffers; more would only queue for them.
+pub const MAX_CONCURRENCY: usize = 4096;
+
 /// How a client reaches one node.
 #[derive(Debug, Clone)]
 pub struct NodeAddress {
@@ -57,7 +61,8 @@ pub struct ClientConfig {
     /// A name for the server's logs.
     pub name: String,
     /// Operations in flight at once per connection (each holds one 64 KiB scratch buffer from
-    /// the process's shared pool while it runs; idle connections hold none).
+    /// the process's shared pool while it runs; idle connections hold none), from 1 to
+    /// [`MAX_CONCURRENCY`] (values outside are taken as the nearer bound).
     pub concurrency: usize,
     /// Connections (lanes) to the node: by default one per tokio worker of the runtime the
     /// client is made on, at most [`crate::lanes::MAX_LANES`]. An operation uses its thread's lane

@@ -262,7 +262,7 @@ impl NodeConnection {
         let queue_pair = fabric
             .domain
             .create_queue_pair(&completion_queue, QueuePairConfig::default())?;
-        let slots = config.concurrency.max(1);
+        let slots = config.concurrency.clamp(1, super::config::MAX_CONCURRENCY);
         // The announce word's source bytes; scratch buffers come from the pool per operation.
         let announce_region = fabric.announce_block().await?;
         let connect_queue_pair = ClientMessage::ConnectQueuePair {

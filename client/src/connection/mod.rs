@@ -37,7 +37,9 @@ mod step_list;
 mod writer_stripes;
 
 use announce::Announcer;
-pub use config::{ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY};
+pub use config::{
+    ClientConfig, FabricChoice, NodeAddress, SharedMemory, DEFAULT_CONCURRENCY, MAX_CONCURRENCY,
+};
 use control::{control_task, ControlRequest};
 use handshake::CONNECT_TIMEOUT;
 use pool::ClientFabric;
