@@ -866,13 +866,22 @@ impl QueuePair {
 /// A drain that may wait (the provider says so for this queue pair now: a NIC with requests
 /// outstanding polls for their flushes, up to `retry_timeout` + 1 s; an `shm` responder waits
 /// for its requester to leave a request, up to `retry_timeout`) is handed, with the rest of
-/// the destruction, to a thread of its own when the drop runs inside a tokio runtime, where it
+/// the destruction, to a thread of its own (at most [`MAX_DRAIN_THREADS`] at once) when the drop
+/// runs inside a tokio runtime, where it
 /// would stall every task of the worker (all of them, on a current-thread runtime). That is
 /// safe because the thread owns the queue pair's shared state: the in-flight entries keep
 /// their buffers alive until their completions, and the queue pair leaves its device's table
 /// and gauges only once drained, as on any drop. Every other drain is bounded by one request
 /// that an engine thread is executing for this queue pair (CPU work on registered memory, no
 /// I/O), so it runs in place; so does any drain outside a runtime, whose thread may block.
+/// Drain threads running at once, at most [`MAX_DRAIN_THREADS`]: connections closed in a burst
+/// (a client's churn, a node's restart) cannot make a process start threads without a bound;
+/// past it, a drop drains in place (each drain is bounded by `retry_timeout` + 1 s).
+static DRAIN_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The most drain threads at once (see [`DRAIN_THREADS`]).
+const MAX_DRAIN_THREADS: usize = 64;
+
 impl Drop for QueuePair {
     fn drop(&mut self) {
         let shared = &self.shared;
@@ -882,16 +891,28 @@ impl Drop for QueuePair {
             && tokio::runtime::Handle::try_current().is_ok()
         {
             let owned = shared.clone();
-            let handed = std::thread::Builder::new()
-                .name("rdkv-drain".into())
-                .spawn(move || owned.destroy(true));
+            let handed = if DRAIN_THREADS.fetch_add(1, Ordering::AcqRel) < MAX_DRAIN_THREADS {
+                std::thread::Builder::new()
+                    .name("rdkv-drain".into())
+                    .spawn(move || {
+                        owned.destroy(true);
+                        DRAIN_THREADS.fetch_sub(1, Ordering::AcqRel);
+                    })
+            } else {
+                Err(std::io::Error::other(format!(
+                    "{MAX_DRAIN_THREADS} drain threads are running"
+                )))
+            };
             match handed {
                 Ok(_) => return,
-                Err(error) => tracing::warn!(
+                Err(error) => {
+                    DRAIN_THREADS.fetch_sub(1, Ordering::AcqRel);
+                    tracing::warn!(
                     qp_number = shared.qp_number,
                     %error,
                     "no thread to drain a dropped queue pair on: draining it here"
-                ),
+                    );
+                }
             }
         }
         shared.destroy(!drained);
