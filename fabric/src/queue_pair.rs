@@ -867,8 +867,8 @@ impl QueuePair {
 /// outstanding polls for their flushes, up to `retry_timeout` + 1 s; an `shm` responder waits
 /// for its requester to leave a request, up to `retry_timeout`) is handed, with the rest of
 /// the destruction, to a thread of its own (at most [`MAX_DRAIN_THREADS`] at once) when the drop
-/// runs inside a tokio runtime, where it
-/// would stall every task of the worker (all of them, on a current-thread runtime). That is
+/// runs inside a tokio runtime, where it would stall every task of the worker (all of them, on
+/// a current-thread runtime). That is
 /// safe because the thread owns the queue pair's shared state: the in-flight entries keep
 /// their buffers alive until their completions, and the queue pair leaves its device's table
 /// and gauges only once drained, as on any drop. Every other drain is bounded by one request
