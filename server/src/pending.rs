@@ -83,8 +83,8 @@ pub struct PendingHandshakes {
     /// Authenticated connections at once.
     max_connections: usize,
     pending: Mutex<BTreeMap<u64, Pending>>,
-    /// Authenticated connections now (each `AuthenticatedSlot` counts one).
-    open: Arc<AtomicUsize>,
+    /// Authenticated connections now, by class (each `AuthenticatedSlot` counts one).
+    open: Arc<OpenByClass>,
     /// Connections evicted since start.
     pub evicted: AtomicU64,
     /// Connections refused since start because every authenticated slot was taken.
@@ -109,22 +109,36 @@ pub enum SlotClass {
     Peer,
 }
 
-/// One of the `max_connections` authenticated slots, held by its session until it ends.
+/// Authenticated connections now, by `SlotClass` (indexed by `SlotClass::index`).
+type OpenByClass = [AtomicUsize; 3];
+
+/// One authenticated slot, held by its session until it ends.
 #[derive(Debug)]
 pub struct AuthenticatedSlot {
-    open: Arc<AtomicUsize>,
+    open: Arc<OpenByClass>,
+    class: SlotClass,
 }
 
 impl AuthenticatedSlot {
-    /// Authenticated connections now, this one included.
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+    /// Authenticated connections of this slot's class now, this one included.
+    pub fn open_of_its_class(&self) -> usize {
+        self.open[self.class.index()].load(Ordering::Acquire)
     }
 }
 
 impl Drop for AuthenticatedSlot {
     fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::AcqRel);
+        self.open[self.class.index()].fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl SlotClass {
+    fn index(self) -> usize {
+        match self {
+            SlotClass::Client => 0,
+            SlotClass::Monitor => 1,
+            SlotClass::Peer => 2,
+        }
     }
 }
 
@@ -147,7 +161,7 @@ impl PendingHandshakes {
             limits,
             max_connections,
             pending: Mutex::new(BTreeMap::new()),
-            open: Arc::new(AtomicUsize::new(0)),
+            open: Arc::new(Default::default()),
             evicted: AtomicU64::new(0),
             refused_full: AtomicU64::new(0),
         }
@@ -160,7 +174,9 @@ impl PendingHandshakes {
         self.authenticated_limit(SlotClass::Peer) + self.limits.max_unauthenticated + 1
     }
 
-    /// The authenticated connections at which `class` is refused.
+    /// The authenticated connections at which `class` is refused: clients count only
+    /// clients (a monitor never takes a client's slot, not even while the node has yet to
+    /// handle its close), monitors count clients and monitors, peers count every one.
     pub fn authenticated_limit(&self, class: SlotClass) -> usize {
         match class {
             SlotClass::Client => self.max_connections,
@@ -244,16 +260,27 @@ impl PendingHandshakes {
         // Under the lock, so two authentications cannot both take the last slot; a slot
         // dropped meanwhile only makes room.
         let limit = self.authenticated_limit(class);
-        if self.open.load(Ordering::Acquire) >= limit {
+        if self.counted_against(class) >= limit {
             self.refused_full.fetch_add(1, Ordering::Relaxed);
             return Err(Refusal::Full {
                 max_connections: limit,
             });
         }
-        self.open.fetch_add(1, Ordering::AcqRel);
+        self.open[class.index()].fetch_add(1, Ordering::AcqRel);
         Ok(AuthenticatedSlot {
             open: self.open.clone(),
+            class,
         })
+    }
+
+    /// The authenticated connections that count against `class`'s limit.
+    fn counted_against(&self, class: SlotClass) -> usize {
+        let open = |class: SlotClass| self.open[class.index()].load(Ordering::Acquire);
+        match class {
+            SlotClass::Client => open(SlotClass::Client),
+            SlotClass::Monitor => open(SlotClass::Client) + open(SlotClass::Monitor),
+            SlotClass::Peer => self.authenticated_count(),
+        }
     }
 
     /// Unauthenticated connections now.
@@ -261,9 +288,12 @@ impl PendingHandshakes {
         self.lock().len()
     }
 
-    /// Authenticated connections now.
+    /// Authenticated connections now, of every class.
     pub fn authenticated_count(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+        self.open
+            .iter()
+            .map(|open| open.load(Ordering::Acquire))
+            .sum()
     }
 }
 
@@ -385,6 +415,33 @@ mod tests {
         assert!(!tokens[0].is_cancelled(), "bytes waiting: spared");
         assert!(tokens[1].is_cancelled(), "the oldest silent one went");
         assert!(!tokens[2].is_cancelled());
+    }
+
+    #[test]
+    fn a_monitor_never_takes_a_clients_slot() {
+        let pending = PendingHandshakes::new(ConnectionLimits::default(), 2);
+        let source = IpAddr::from([127, 0, 0, 1]);
+        let mut admitted = 0..;
+        let mut authenticate = |class| {
+            let id = admitted.next().expect("ids");
+            pending.admit(id, source, CancellationToken::new(), None);
+            pending.authenticate(id, class)
+        };
+        // Monitors first (a status poll whose close the node has not handled yet), then the
+        // clients: every client slot is still there.
+        let monitors: Vec<_> = (0..3)
+            .map(|_| authenticate(SlotClass::Monitor).expect("a monitor"))
+            .collect();
+        let clients: Vec<_> = (0..2)
+            .map(|_| authenticate(SlotClass::Client).expect("a client's slot"))
+            .collect();
+        assert_eq!(
+            authenticate(SlotClass::Client).map(drop),
+            Err(Refusal::Full { max_connections: 2 })
+        );
+        assert_eq!(clients[1].open_of_its_class(), 2);
+        assert_eq!(monitors[0].open_of_its_class(), 3);
+        assert_eq!(pending.authenticated_count(), 5);
     }
 
     #[test]

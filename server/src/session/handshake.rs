@@ -100,12 +100,12 @@ impl Session {
             Err(Refusal::Evicted) => return Err(crate::Error::Evicted),
             Err(Refusal::Full { max_connections }) => {
                 let reason = format!(
-                    "the node is full: {max_connections} authenticated connections are open (cluster.max_connections); close idle clients or raise max_connections"
+                    "the node is full: {max_connections} authenticated connections are open (cluster.max_connections; monitors and peers have reserves of their own); close idle clients or raise max_connections"
                 );
                 return Err(Self::refuse(writer, reason).await);
             }
         };
-        let open = slot.open();
+        let open = slot.open_of_its_class();
         if purpose == Purpose::Lane && open > node.config.max_connections.div_ceil(2) {
             // Extra lanes take at most half the node: the rest stays for first connections,
             // which would otherwise be refused as the node filled with another client's lanes.
