@@ -501,7 +501,8 @@ async fn the_collector_clears_an_abandoned_tentative_slot() {
         .expect_err("the injected failure");
     assert_eq!(abandon.steps()[3].kind, StepKind::PlaceTentative);
     assert!(!error.may_have_applied(), "{error}");
-    assert_eq!(server.stats().tentatives_cleared, 0);
+    // The collector may already have cleared it (a 200 ms deadline passes quickly on a busy
+    // machine): it is waited for, and counted once.
     let started = std::time::Instant::now();
     while server.stats().tentatives_cleared == 0 {
         assert!(
