@@ -61,7 +61,9 @@ pub use device::{
 pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use provider::shm::PEER_CHECK_EVERY as SHM_PEER_CHECK_EVERY;
-pub use queue_pair::{QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR};
+pub use queue_pair::{
+    InlineFailure, InlineOutcome, QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR,
+};
 pub use sync::{lock, read_lock, write_lock};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,

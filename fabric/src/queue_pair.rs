@@ -51,6 +51,20 @@ impl Default for QueuePairConfig {
     }
 }
 
+/// How a list run inside its post ended ([`QueuePair::post_inline`]): every request
+/// succeeded, or the first did not (the queue pair is then in ERROR, and the list's later
+/// requests did not run).
+pub type InlineOutcome = std::result::Result<(), InlineFailure>;
+
+/// The first request of a list run inside its post that did not succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InlineFailure {
+    /// Its position in the list.
+    pub index: usize,
+    /// Its completion.
+    pub completion: WorkCompletion,
+}
+
 /// One posted request, from post until completion.
 #[derive(Debug)]
 pub(crate) struct InFlight {
@@ -254,18 +268,8 @@ impl QueuePairShared {
             self.finish(entry, WorkCompletionStatus::Success);
         };
         let mut status = status;
-        if status == WorkCompletionStatus::Success && entry.request.opcode.writes_local_buffer() {
-            if let (Ok(Some(target)), Some(payload)) = (&entry.local, payload) {
-                if payload.len() != target.length as usize
-                    || target
-                        .entry
-                        .memory
-                        .write_from(target.memory_offset, payload)
-                        .is_err()
-                {
-                    status = WorkCompletionStatus::RemoteOperationError;
-                }
-            }
+        if let Some(payload) = payload {
+            status = place_payload(status, &entry.request, &entry.local, payload);
         }
         self.finish(entry, status);
         if status == WorkCompletionStatus::Success {
@@ -308,6 +312,27 @@ impl QueuePairShared {
         for (entry, entry_status) in retired {
             self.finish(entry, entry_status);
         }
+    }
+
+    /// Counts a completion of a list run inside its post (`post_inline`), as `finish` counts
+    /// a queued one: `request`'s, when it produces one.
+    pub(crate) fn count_inline_completion(
+        &self,
+        request: &WorkRequest,
+        status: WorkCompletionStatus,
+    ) {
+        if request.signaled || status != WorkCompletionStatus::Success {
+            self.completion_queue.inner.count();
+        }
+    }
+
+    /// Whether a list may run inside its post now: the queue pair is RTS and nothing of it is
+    /// outstanding (so the list would be its next, and no failure is queued before it).
+    pub(crate) fn idle_and_sendable(&self) -> bool {
+        let requester = lock(&self.requester);
+        requester.state == QueuePairState::ReadyToSend
+            && requester.in_flight.is_empty()
+            && !requester.poisoned
     }
 
     /// Reports one request's completion, if it produces one, and frees its send queue slot.
@@ -457,8 +482,9 @@ impl QueuePairShared {
             .map(|entry| entry.posted_at.elapsed())
     }
 
-    /// Posts a list; see [`QueuePair::post`].
-    async fn post(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
+    /// The rules every posted list keeps: not empty, its last request signaled, no deeper
+    /// than the send queue.
+    fn check_list(&self, list: &[WorkRequest]) -> Result<()> {
         let invalid = |reason: String| Error::InvalidWorkRequest {
             qp_number: self.qp_number,
             reason,
@@ -479,6 +505,20 @@ impl QueuePairShared {
                 self.config.max_send_wr
             )));
         }
+        Ok(())
+    }
+
+    /// Runs a list inside the call; see [`QueuePair::post_inline`].
+    fn post_inline(&self, list: &[WorkRequest]) -> Option<Result<InlineOutcome>> {
+        if let Err(error) = self.check_list(list) {
+            return Some(Err(error));
+        }
+        self.provider.run_inline(self, list).map(Ok)
+    }
+
+    /// Posts a list; see [`QueuePair::post`].
+    async fn post(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
+        self.check_list(&list)?;
         let state = self.state();
         if !matches!(state, QueuePairState::ReadyToSend | QueuePairState::Error) {
             return Err(Error::InvalidQueuePairState {
@@ -575,6 +615,66 @@ impl Drop for Doorbell<'_> {
         if !self.rung {
             self.queue_pair.provider.ring(self.queue_pair);
         }
+    }
+}
+
+/// The completions a list run inside its post produced, as its queued completions would have
+/// been: each signaled request that succeeded, then the failed one, then every later request
+/// of the list, which did not run: `NotExecuted` behind a stopped responder (as
+/// `QueuePairShared::responder_stopped` completes them), flushed behind any other failure.
+fn inline_completions(list: &[WorkRequest], qp_number: u32, outcome: InlineOutcome) -> Completions {
+    let completion = |request: &WorkRequest, status| WorkCompletion {
+        work_request_id: request.id,
+        qp_number,
+        opcode: request.opcode,
+        status,
+    };
+    let failed_at = outcome.map_or_else(|failure| failure.index, |()| list.len());
+    let mut completions: Completions = list[..failed_at]
+        .iter()
+        .filter(|request| request.signaled)
+        .map(|request| completion(request, WorkCompletionStatus::Success))
+        .collect();
+    if let Err(failure) = outcome {
+        completions.push(failure.completion);
+        let behind = if failure.completion.status == WorkCompletionStatus::NotExecuted {
+            WorkCompletionStatus::NotExecuted
+        } else {
+            WorkCompletionStatus::WorkRequestFlushError
+        };
+        completions.extend(
+            list.iter()
+                .skip(failed_at + 1)
+                .map(|request| completion(request, behind)),
+        );
+    }
+    completions
+}
+
+/// The status of a request that completed with `status`, once the responder's `payload` (READ
+/// data, an atomic's original) is in its local buffer: a payload that does not fit, or cannot
+/// be written there, fails it REM_OP_ERR.
+pub(crate) fn place_payload(
+    status: WorkCompletionStatus,
+    request: &WorkRequest,
+    local: &std::result::Result<Option<LocalTarget>, WorkCompletionStatus>,
+    payload: &[u8],
+) -> WorkCompletionStatus {
+    if status != WorkCompletionStatus::Success || !request.opcode.writes_local_buffer() {
+        return status;
+    }
+    match local {
+        Ok(Some(target))
+            if payload.len() != target.length as usize
+                || target
+                    .entry
+                    .memory
+                    .write_from(target.memory_offset, payload)
+                    .is_err() =>
+        {
+            WorkCompletionStatus::RemoteOperationError
+        }
+        _ => status,
     }
 }
 
@@ -782,11 +882,36 @@ impl QueuePair {
         self.shared.post(list).await
     }
 
-    /// Posts a list and waits for its completions.
+    /// Runs `list` inside this call, without queuing it, when the provider completes inside
+    /// the post (`shm`: the requester runs its requests on the responder's memory itself) and
+    /// nothing of this queue pair is queued or running: `Some` with how the list ended, as its
+    /// completions would have told (the first failed request's completion; the queue pair is
+    /// then in ERROR, and the list's later requests did not run). Signaled completions are
+    /// counted on the completion queue as usual but not queued: nothing waits for them. `None`:
+    /// not now (another thread runs this queue pair's requests, some are queued, it is not
+    /// RTS, the peer is gone, or the provider never completes inside a post); post the list
+    /// with [`QueuePair::post`]. A list that breaks `post`'s rules is `Some(Err)`, as `post`
+    /// refuses it. Same semantics as `post` then awaiting the list, for the cost of a function
+    /// call per request: no in-flight entry, no send queue slot, no completion entry, no
+    /// wake-up.
+    ///
+    /// # Errors
+    /// [`Error::InvalidWorkRequest`] for a list `post` would refuse.
+    pub fn post_inline(&self, list: &[WorkRequest]) -> Option<Result<InlineOutcome>> {
+        self.shared.post_inline(list)
+    }
+
+    /// Posts a list and waits for its completions: run inside the call where the provider can
+    /// ([`QueuePair::post_inline`]), with the completions the list would have produced, else
+    /// posted and awaited.
     ///
     /// # Errors
     /// As [`QueuePair::post`]. Failed completions are returned, not turned into errors.
     pub async fn execute(&self, list: Vec<WorkRequest>) -> Result<Completions> {
+        if let Some(outcome) = self.post_inline(&list) {
+            return outcome
+                .map(|outcome| inline_completions(&list, self.shared.qp_number, outcome));
+        }
         Ok(self.post(list).await?.await)
     }
 

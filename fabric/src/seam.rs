@@ -27,8 +27,8 @@ use crate::device::{DeviceConfig, DeviceInner};
 use crate::error::Result;
 use crate::memory::PinnedMemory;
 use crate::protection::{MemoryRegion, MemoryWindow, ProtectionEntry};
-use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
-use crate::types::{AccessFlags, Backend, QueuePairEndpoint, RemoteKey};
+use crate::queue_pair::{InFlight, InlineOutcome, QueuePairConfig, QueuePairShared};
+use crate::types::{AccessFlags, Backend, QueuePairEndpoint, RemoteKey, WorkRequest};
 
 /// A provider's own object behind a model object (a NIC's CQ, a region's registration, a
 /// window's binding). The model only keeps it alive and drops it; its provider downcasts it.
@@ -230,6 +230,21 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
 
     /// Rings the doorbell: hands what [`QueuePairProvider::submit`] queued to the transport.
     fn ring(&self, _queue_pair: &QueuePairShared) {}
+
+    /// Runs a whole checked list on the posting thread, when the provider completes inside
+    /// the post and nothing of this queue pair is queued or running, so that the list is the
+    /// queue pair's next: no in-flight entries, no completion entries, no wake-up
+    /// (`QueuePair::post_inline`). A failed request moves the queue pair to ERROR as its
+    /// completion would (`enter_error`, `responder_stopped`) and ends the list. `None`: not
+    /// now (another thread runs this queue pair's requests, some are queued, the peer is
+    /// gone); the caller posts the list the ordinary way.
+    fn run_inline(
+        &self,
+        _queue_pair: &QueuePairShared,
+        _list: &[WorkRequest],
+    ) -> Option<InlineOutcome> {
+        None
+    }
 
     /// Rings the doorbell unless that would wait for another thread; `false`: not rung, the
     /// post yields once more and tries again (what it queued may have been handed on by that

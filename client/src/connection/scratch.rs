@@ -113,12 +113,16 @@ impl Scratch {
     /// trip. Any failed status marks the connection broken and is returned as the first failed
     /// status. The connection's fault injector, if any, may stall or fail the step before it is
     /// posted or after it ran.
+    ///
+    /// Where the provider can run the list inside the post (`shm` with its executor free:
+    /// [`rdkv_fabric::QueuePair::post_inline`]) it does, with the same outcome and no
+    /// completion to wait for; otherwise the list is posted and its completions awaited.
     pub(crate) async fn execute(
         &mut self,
         operation: &'static str,
         kind: StepKind,
         list: StepList,
-    ) -> Result<rdkv_fabric::Completions, ExecuteError> {
+    ) -> Result<(), ExecuteError> {
         let number = self.round_trips as u32;
         self.reached_fabric = false;
         self.progress.wait_for(Waiting::Step(kind));
@@ -136,8 +140,52 @@ impl Scratch {
         self.round_trips += 1;
         counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
-        self.posting = true;
         let posted_at = std::time::Instant::now();
+        let failed = match self.connection.queue_pair.post_inline(&list) {
+            Some(Ok(outcome)) => {
+                self.reached_fabric = true;
+                outcome.err().map(|failure| failure.completion.status)
+            }
+            Some(Err(error)) => {
+                self.progress.not_posted(kind);
+                return Err(ExecuteError::Post(error));
+            }
+            None => self.post_and_wait(kind, list.into_vec()).await?,
+        };
+        if let Some(status) = failed {
+            self.connection.mark_broken();
+            if status == WorkCompletionStatus::NotExecuted {
+                // The responder stopped before it ran this request and every later one of
+                // the list (its CAS, last): for certain, the step had no effect.
+                self.progress.not_posted(kind);
+                self.reached_fabric = false;
+            }
+            return Err(ExecuteError::Completion(status));
+        }
+        if !self.lease_covers(posted_at) {
+            // What the list read may be stale, and what it wrote may be hidden: the node did
+            // not serve under its lease throughout (paused, cut off, or stopped serving).
+            self.connection.mark_broken();
+            self.connection.counters.lease_refusals.add(1);
+            return Err(ExecuteError::LeaseLapsed {
+                address: self.connection.address,
+            });
+        }
+        if injecting {
+            self.inject(operation, kind, number, Moment::After).await?;
+        }
+        Ok(())
+    }
+
+    /// Posts `list` through the queue pair and waits for its completions: the status of the
+    /// first that failed, if any. Cancelled meanwhile, the drop keeps the buffer until the list
+    /// completes (`outstanding`) or retires it (`posting`).
+    async fn post_and_wait(
+        &mut self,
+        kind: StepKind,
+        list: Vec<WorkRequest>,
+    ) -> Result<Option<WorkCompletionStatus>, ExecuteError> {
+        self.posting = true;
         let posted = self.connection.queue_pair.post(list).await;
         self.posting = false;
         let posted = match posted {
@@ -154,32 +202,10 @@ impl Scratch {
             None => rdkv_fabric::Completions::new(),
         };
         self.outstanding = None;
-        if let Some(failed) = completions
+        Ok(completions
             .iter()
             .find(|completion| completion.status != WorkCompletionStatus::Success)
-        {
-            self.connection.mark_broken();
-            if failed.status == WorkCompletionStatus::NotExecuted {
-                // The responder stopped before it ran this request and every later one of
-                // the list (its CAS, last): for certain, the step had no effect.
-                self.progress.not_posted(kind);
-                self.reached_fabric = false;
-            }
-            return Err(ExecuteError::Completion(failed.status));
-        }
-        if !self.lease_covers(posted_at) {
-            // What the list read may be stale, and what it wrote may be hidden: the node did
-            // not serve under its lease throughout (paused, cut off, or stopped serving).
-            self.connection.mark_broken();
-            self.connection.counters.lease_refusals.add(1);
-            return Err(ExecuteError::LeaseLapsed {
-                address: self.connection.address,
-            });
-        }
-        if injecting {
-            self.inject(operation, kind, number, Moment::After).await?;
-        }
-        Ok(completions)
+            .map(|completion| completion.status))
     }
 
     /// The READ of the node's lease word into this operation's area, fenced: on a NIC it runs

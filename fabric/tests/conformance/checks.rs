@@ -1276,3 +1276,89 @@ pub async fn a_stopped_responder_reports_what_it_did_not_run(fabric: Backend) {
         "it did not run"
     );
 }
+
+/// `post_inline` runs a list inside the call only where the provider completes inside a post
+/// (`shm` always does while the queue pair is idle), with the outcome the posted list would
+/// have had: data in place, a CAS's original in the local buffer, and a failure that names
+/// its request and moves the queue pair to ERROR, after which later lists flush. (Every other
+/// check runs through `execute`, which takes the same path where it can.)
+pub async fn a_list_runs_inside_its_post_only_where_the_provider_completes_there(fabric: Backend) {
+    let connected = connect(fabric).await;
+    let queue_pair = &connected.client_queue_pair;
+    let data = pattern(64, 9);
+    connected.local.write(0, &data).expect("fill");
+    let write = [WorkRequest::write(
+        1,
+        connected.local_at(0, 64),
+        connected.remote_at(128),
+    )];
+    let outcome = queue_pair.post_inline(&write);
+    if !connected.server_device.capabilities().completes_inside_post {
+        assert!(
+            outcome.is_none(),
+            "{fabric:?} cannot run a list inside a post"
+        );
+        return;
+    }
+    let Some(outcome) = outcome else {
+        assert_ne!(
+            fabric,
+            Backend::Shm,
+            "an idle shm queue pair runs the list inline"
+        );
+        return;
+    };
+    assert_eq!(outcome.expect("a valid list"), Ok(()));
+    let mut on_server = vec![0u8; 64];
+    connected.remote.read(128, &mut on_server).expect("server");
+    assert_eq!(on_server, data);
+
+    let read_and_swap = [
+        WorkRequest::read(2, connected.local_at(4096, 64), connected.remote_at(128))
+            .with_signaled(false),
+        WorkRequest::compare_and_swap(3, connected.local_at(8192, 8), connected.remote_at(0), 0, 7),
+    ];
+    let outcome = queue_pair
+        .post_inline(&read_and_swap)
+        .expect("idle: inline");
+    assert_eq!(outcome.expect("a valid list"), Ok(()));
+    let mut read_back = vec![0u8; 64];
+    connected.local.read(4096, &mut read_back).expect("local");
+    assert_eq!(read_back, data);
+    assert_eq!(connected.local.load_u64(8192).expect("original"), 0);
+    assert_eq!(connected.remote.load_u64(0).expect("swapped"), 7);
+
+    let mut unknown = connected.remote_at(0);
+    unknown.remote_key ^= 0x00F0_0F00;
+    let failing = [
+        WorkRequest::read(4, connected.local_at(0, 8), connected.remote_at(0)).with_signaled(false),
+        WorkRequest::read(5, connected.local_at(0, 8), unknown),
+        WorkRequest::read(6, connected.local_at(0, 8), connected.remote_at(0)),
+    ];
+    let failure = queue_pair
+        .post_inline(&failing)
+        .expect("idle: inline")
+        .expect("a valid list")
+        .expect_err("an unknown rkey fails");
+    assert_eq!(failure.index, 1);
+    assert_eq!(failure.completion.work_request_id, 5);
+    assert_eq!(
+        failure.completion.status,
+        WorkCompletionStatus::RemoteAccessError
+    );
+    assert_eq!(queue_pair.state(), QueuePairState::Error);
+    assert!(
+        queue_pair.post_inline(&write).is_none(),
+        "in ERROR, a list goes the ordinary way"
+    );
+    let later = queue_pair
+        .execute(write.to_vec())
+        .await
+        .expect("post in ERROR");
+    assert_eq!(
+        statuses(&later),
+        [WorkCompletionStatus::WorkRequestFlushError]
+    );
+    let empty = queue_pair.post_inline(&[]).expect("refused at once");
+    assert!(empty.is_err(), "an empty list is refused, as by post");
+}

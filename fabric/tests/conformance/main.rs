@@ -52,6 +52,7 @@ macro_rules! conformance_suite {
                 concurrent_compare_and_swap_increments_are_exact,
                 reads_racing_compare_and_swap_never_tear,
                 send_queue_depth_is_enforced,
+                a_list_runs_inside_its_post_only_where_the_provider_completes_there,
             );
         }
     };

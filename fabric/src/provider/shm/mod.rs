@@ -43,10 +43,13 @@ use crate::error::{Error, Result};
 use crate::memory::PinnedMemory;
 use crate::protection::{KeyRights, ProtectionEntry};
 use crate::provider::engine::{self, RemoteRequest};
-use crate::queue_pair::{InFlight, QueuePairConfig, QueuePairShared};
+use crate::queue_pair::{
+    place_payload, InFlight, InlineFailure, InlineOutcome, QueuePairConfig, QueuePairShared,
+};
 use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, Submission};
 use crate::types::{
-    AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletionStatus,
+    AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletion,
+    WorkCompletionStatus, WorkRequest,
 };
 use crate::{lock, read_lock, write_lock};
 
@@ -693,6 +696,35 @@ impl Attachment {
         ))
     }
 
+    /// As [`Attachment::execute`], mapping the responder's current memory files once when
+    /// the key names a block registered after the attach (never `Outcome::Unmapped`).
+    fn execute_mapping(
+        &self,
+        own_qp: u32,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        request: &RemoteRequest,
+        local: &LocalBuffer,
+        write_payload: &[u8],
+        response: &mut Vec<u8>,
+    ) -> Outcome {
+        let mut refreshed = false;
+        loop {
+            response.clear();
+            match self.execute(cache, request, local, write_payload, response) {
+                Outcome::Unmapped if !refreshed => {
+                    refreshed = true;
+                    if let Err(error) = self.refresh(own_qp) {
+                        tracing::warn!(%error, "shm memory files not refreshed");
+                    }
+                }
+                Outcome::Unmapped => {
+                    return Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
     /// Fetches the responder's current memory files (a key named a block registered after the
     /// attach). Blocking: one local exchange.
     fn refresh(&self, own_qp: u32) -> std::result::Result<(), String> {
@@ -819,22 +851,14 @@ impl ShmQueuePair {
             if request.opcode == Opcode::Write {
                 engine::append_write_payload(payload, &local);
             }
-            let mut refreshed = false;
-            let outcome = loop {
-                response.clear();
-                match attachment.execute(cache, &request, &local, payload, response) {
-                    Outcome::Unmapped if !refreshed => {
-                        refreshed = true;
-                        if let Err(error) = attachment.refresh(queue_pair.qp_number) {
-                            tracing::warn!(%error, "shm memory files not refreshed");
-                        }
-                    }
-                    Outcome::Unmapped => {
-                        break Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
-                    }
-                    outcome => break outcome,
-                }
-            };
+            let outcome = attachment.execute_mapping(
+                queue_pair.qp_number,
+                cache,
+                &request,
+                &local,
+                payload,
+                response,
+            );
             let status = match outcome {
                 Outcome::Answered(status) => {
                     queue_pair.on_response(sequence, status, response);
@@ -858,6 +882,89 @@ impl ShmQueuePair {
             }
         }
         true
+    }
+
+    /// Runs `list` on this thread, holding the executor, when nothing else of the queue pair
+    /// is queued or running (`QueuePairProvider::run_inline`): the same requests, checks and
+    /// outcomes as [`ShmQueuePair::run_batch`], without the in-flight queue.
+    fn run_list_inline(
+        &self,
+        queue_pair: &QueuePairShared,
+        list: &[WorkRequest],
+    ) -> Option<InlineOutcome> {
+        let attachment = self.attachment.get()?;
+        // Held for the whole list: a post meanwhile queues behind it, and its doorbell finds
+        // the executor busy and comes back after a yield (`try_ring`).
+        let mut executor = self.executor.try_lock().ok()?;
+        // A dead peer's failure is the ordinary path's to report (`run_pending`).
+        if !queue_pair.idle_and_sendable()
+            || !lock(&self.pending).is_empty()
+            || !attachment.peer_alive()
+        {
+            return None;
+        }
+        let Executor {
+            cache,
+            payload,
+            response,
+            ..
+        } = &mut *executor;
+        let device = queue_pair.device();
+        let domain = queue_pair.protection_domain.inner.id;
+        for (index, request) in list.iter().enumerate() {
+            let failed = |status| {
+                Some(Err(InlineFailure {
+                    index,
+                    completion: WorkCompletion {
+                        work_request_id: request.id,
+                        qp_number: queue_pair.qp_number,
+                        opcode: request.opcode,
+                        status,
+                    },
+                }))
+            };
+            let local = device.table.check_local(
+                domain,
+                &request.local,
+                request.opcode,
+                device.config.max_message_size,
+            );
+            if let Err(status) = local {
+                queue_pair.enter_error();
+                return failed(status);
+            }
+            payload.clear();
+            if request.opcode == Opcode::Write {
+                engine::append_write_payload(payload, &local);
+            }
+            let remote = engine::remote_request(request);
+            let status = match attachment.execute_mapping(
+                queue_pair.qp_number,
+                cache,
+                &remote,
+                &local,
+                payload,
+                response,
+            ) {
+                Outcome::Answered(status) => place_payload(status, request, &local, response),
+                Outcome::Placed(status) => status,
+                // Requests run in order: this one and the rest of the list did not run.
+                Outcome::Stopped => {
+                    queue_pair.responder_stopped();
+                    return failed(WorkCompletionStatus::NotExecuted);
+                }
+                Outcome::Unanswered | Outcome::Unmapped => {
+                    queue_pair.enter_error();
+                    return failed(WorkCompletionStatus::RetryExceededError);
+                }
+            };
+            queue_pair.count_inline_completion(request, status);
+            if status != WorkCompletionStatus::Success {
+                queue_pair.enter_error();
+                return failed(status);
+            }
+        }
+        Some(Ok(()))
     }
 
     /// As a responder, answers an attach or refresh hello; returns the epoch slot.
@@ -1131,6 +1238,14 @@ impl QueuePairProvider for ShmQueuePair {
         } else {
             Submission::RingAfterYield
         }
+    }
+
+    fn run_inline(
+        &self,
+        queue_pair: &QueuePairShared,
+        list: &[WorkRequest],
+    ) -> Option<InlineOutcome> {
+        self.run_list_inline(queue_pair, list)
     }
 
     fn ring(&self, queue_pair: &QueuePairShared) {
