@@ -140,6 +140,10 @@ impl Scratch {
         self.round_trips += 1;
         counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
+        // A unit of tokio's cooperative budget per list, as `post` spends: an operation over a
+        // provider that completes inside the post still yields now and then, and a deadline
+        // around a loop of steps can fire.
+        tokio::task::consume_budget().await;
         let posted_at = std::time::Instant::now();
         let failed = match self.connection.queue_pair.post_inline(&list) {
             Some(Ok(outcome)) => {

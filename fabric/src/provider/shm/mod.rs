@@ -574,7 +574,16 @@ struct Attachment {
 /// reads, as if they had run just before it died).
 pub const PEER_CHECK_EVERY: Duration = Duration::from_millis(1);
 
+/// A requester inside its epoch, with the responder found receiving.
+struct Inside<'a> {
+    /// Marks the epoch until dropped.
+    _marker: EpochMarker<'a>,
+    /// The responder queue pair's protection domain.
+    protection_domain: u32,
+}
+
 /// What a request needs before it can run.
+#[derive(Debug, Clone, Copy)]
 enum Outcome {
     /// It ran, or failed with this status.
     Answered(WorkCompletionStatus),
@@ -631,23 +640,54 @@ impl Attachment {
         write_payload: &[u8],
         response: &mut Vec<u8>,
     ) -> Outcome {
+        match self.enter() {
+            Ok(inside) => {
+                self.execute_inside(&inside, cache, request, local, write_payload, response)
+            }
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// Enters this requester's epoch and checks that the responder receives: requests run
+    /// while the returned marker lives, and a drain or revocation on the responder's side
+    /// waits for it (`state.rs`, `wait_quiet`). `Err`: what a request meets instead.
+    fn enter(&self) -> std::result::Result<Inside<'_>, Outcome> {
         let remote = &self.remote;
-        let _inside = EpochMarker::enter(&remote.epochs, self.epoch_slot);
+        let marker = EpochMarker::enter(&remote.epochs, self.epoch_slot);
         if !remote.keys.is_open() {
-            return Outcome::Unanswered;
+            return Err(Outcome::Unanswered);
         }
         let Some(responder) = remote.keys.queue_pair(self.responder_qp) else {
-            return Outcome::Unanswered;
+            return Err(Outcome::Unanswered);
         };
         if responder.status == QueuePairStatus::NotReceiving
             && responder.epoch_slot == self.epoch_slot
         {
-            return Outcome::Stopped;
+            return Err(Outcome::Stopped);
         }
         if responder.status != QueuePairStatus::Receiving || responder.epoch_slot != self.epoch_slot
         {
-            return Outcome::Unanswered;
+            return Err(Outcome::Unanswered);
         }
+        Ok(Inside {
+            _marker: marker,
+            protection_domain: responder.protection_domain,
+        })
+    }
+
+    /// Runs one request, inside an epoch entered by [`Attachment::enter`] (for this request
+    /// alone, or for a whole list run inside its post: the responder's drain then waits for
+    /// the list, as a NIC's ERROR transition lets the requests it already took finish).
+    fn execute_inside(
+        &self,
+        inside: &Inside<'_>,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        request: &RemoteRequest,
+        local: &LocalBuffer,
+        write_payload: &[u8],
+        response: &mut Vec<u8>,
+    ) -> Outcome {
+        let remote = &self.remote;
         let length = match engine::request_length(request, remote.keys.max_message_size()) {
             Ok(0) => return Outcome::Answered(WorkCompletionStatus::Success),
             Ok(length) => length,
@@ -657,7 +697,7 @@ impl Attachment {
             return Outcome::Answered(WorkCompletionStatus::RemoteAccessError);
         };
         if let Err(status) = key.rights.check(
-            responder.protection_domain,
+            inside.protection_domain,
             self.responder_qp,
             request.remote_address,
             length,
@@ -665,16 +705,17 @@ impl Attachment {
         ) {
             return Outcome::Answered(status);
         }
-        let memory = match cache.iter().find(|(id, _)| *id == key.memory_id) {
-            Some((_, memory)) => memory.clone(),
+        let index = match cache.iter().position(|(id, _)| *id == key.memory_id) {
+            Some(index) => index,
             None => match remote.memory(key.memory_id) {
                 Some(memory) => {
-                    cache.push((key.memory_id, memory.clone()));
-                    memory
+                    cache.push((key.memory_id, memory));
+                    cache.len() - 1
                 }
                 None => return Outcome::Unmapped,
             },
         };
+        let memory = &cache[index].1;
         let Some(offset) = request.remote_address.checked_sub(key.memory_base) else {
             return Outcome::Answered(WorkCompletionStatus::RemoteOperationError);
         };
@@ -687,7 +728,7 @@ impl Attachment {
             });
         }
         Outcome::Answered(engine::perform(
-            &memory,
+            memory,
             offset,
             request,
             length,
@@ -716,6 +757,47 @@ impl Attachment {
                     if let Err(error) = self.refresh(own_qp) {
                         tracing::warn!(%error, "shm memory files not refreshed");
                     }
+                }
+                Outcome::Unmapped => {
+                    return Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// As [`Attachment::execute_mapping`] for a request of a list run inside its post, in the
+    /// list's epoch `inside` (entered once for the list; left for a refresh and entered again).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one request's parts and the list's buffers"
+    )]
+    fn execute_listed<'a>(
+        &'a self,
+        inside: &mut std::result::Result<Inside<'a>, Outcome>,
+        own_qp: u32,
+        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        request: &RemoteRequest,
+        local: &LocalBuffer,
+        write_payload: &[u8],
+        response: &mut Vec<u8>,
+    ) -> Outcome {
+        let mut refreshed = false;
+        loop {
+            let entered = match inside {
+                Ok(entered) => entered,
+                Err(outcome) => return *outcome,
+            };
+            response.clear();
+            match self.execute_inside(entered, cache, request, local, write_payload, response) {
+                Outcome::Unmapped if !refreshed => {
+                    refreshed = true;
+                    // Out of the epoch while the responder answers the refresh.
+                    *inside = Err(Outcome::Unanswered);
+                    if let Err(error) = self.refresh(own_qp) {
+                        tracing::warn!(%error, "shm memory files not refreshed");
+                    }
+                    *inside = self.enter();
                 }
                 Outcome::Unmapped => {
                     return Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
@@ -911,6 +993,9 @@ impl ShmQueuePair {
         } = &mut *executor;
         let device = queue_pair.device();
         let domain = queue_pair.protection_domain.inner.id;
+        // One epoch and one look at the responder for the whole list (a refresh leaves the
+        // epoch and enters it again).
+        let mut inside = attachment.enter();
         for (index, request) in list.iter().enumerate() {
             let failed = |status| {
                 Some(Err(InlineFailure {
@@ -938,14 +1023,16 @@ impl ShmQueuePair {
                 engine::append_write_payload(payload, &local);
             }
             let remote = engine::remote_request(request);
-            let status = match attachment.execute_mapping(
+            let outcome = attachment.execute_listed(
+                &mut inside,
                 queue_pair.qp_number,
                 cache,
                 &remote,
                 &local,
                 payload,
                 response,
-            ) {
+            );
+            let status = match outcome {
                 Outcome::Answered(status) => place_payload(status, request, &local, response),
                 Outcome::Placed(status) => status,
                 // Requests run in order: this one and the rest of the list did not run.
