@@ -92,6 +92,9 @@ pub struct Counters {
     /// Lists whose results the client threw away because the node's lease word did not cover
     /// them (`rdkv_common::lease`): the node was paused, cut off, or not serving.
     pub lease_refusals: ShardedCounter,
+    /// Announce WRITEs the flusher posted alone, after operations finished with none starting
+    /// (`connection/announce.rs`; also counted under `verbs`): they belong to no operation.
+    pub announce_flushes: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -122,6 +125,8 @@ pub struct CounterSnapshot {
     /// Lists refused because the node's lease word did not cover them
     /// ([`Counters::lease_refusals`]).
     pub lease_refusals: u64,
+    /// Announce WRITEs posted alone by the flusher ([`Counters::announce_flushes`]).
+    pub announce_flushes: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -178,6 +183,7 @@ impl Counters {
             slot_guess_misses: load(&self.slot_guess_misses),
             scratch_waits: load(&self.scratch_waits),
             lease_refusals: load(&self.lease_refusals),
+            announce_flushes: load(&self.announce_flushes),
         }
     }
 }

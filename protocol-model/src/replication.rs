@@ -621,9 +621,11 @@ impl ReplicationModel {
             .collect()
     }
 
-    /// Explores every reachable state; the names of the properties with a counterexample.
+    /// Explores every reachable state, on a thread per CPU; the names of the properties with a
+    /// counterexample.
     pub fn violations(&self) -> Vec<&'static str> {
-        let checker = self.clone().checker().spawn_bfs().join();
+        let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let checker = self.clone().checker().threads(threads).spawn_bfs().join();
         let discoveries = checker.discoveries();
         self.property_names()
             .into_iter()
@@ -1724,63 +1726,68 @@ impl Model for ReplicationModel {
 mod tests {
     use super::*;
 
-    /// The scenarios of `protocol` with a violation, and the properties violated.
-    fn violations(protocol: ReplicationProtocol) -> Vec<(&'static str, Vec<&'static str>)> {
+    /// The properties `protocol` violates in `scenario`.
+    fn violations(protocol: ReplicationProtocol, scenario: &str) -> Vec<&'static str> {
         ReplicationModel::scenarios(protocol)
             .into_iter()
-            .map(|model| (model.name, model.violations()))
-            .filter(|(_, violated)| !violated.is_empty())
-            .collect()
+            .find(|model| model.name == scenario)
+            .unwrap_or_else(|| panic!("no scenario {scenario}"))
+            .violations()
     }
 
-    #[test]
-    fn the_lock_protocol_holds_in_every_scenario_across_a_failover() {
-        assert_eq!(violations(ReplicationProtocol::Lock), Vec::new());
-    }
-
-    #[test]
-    fn the_check_covers_steals_rollbacks_and_stolen_writers() {
-        let model = ReplicationModel::scenarios(ReplicationProtocol::Lock)
-            .into_iter()
-            .find(|model| model.name == "two-writers")
-            .expect("the scenario exists");
-        // A thief rolling a backup back.
-        assert!(reaches(&model, |state| state.clients.iter().any(
-            |client| matches!(client.stage, Stage::Swap { own: false, .. })
-        )));
-        // A writer about to commit whose lock was stolen.
-        assert!(reaches(&model, |state| state.clients.iter().any(
-            |client| {
-                matches!(client.stage, Stage::Release { lock, lock_location, own: true, .. }
-                if (state.words[0], state.locations[0]) != (lock, lock_location))
+    /// One test per scenario of `protocol` (`test => "scenario"`), each asserting that it
+    /// holds there, so that the test threads share the exploration (one test of every
+    /// scenario was the suite's longest), and a test that no scenario of `protocol` is left out.
+    macro_rules! holds_in_every_scenario {
+        ($protocol:expr, $($test:ident => $scenario:literal),* $(,)?) => {
+            #[test]
+            fn every_scenario_has_its_test() {
+                let mut names: Vec<&str> = ReplicationModel::scenarios($protocol)
+                    .iter()
+                    .map(|model| model.name)
+                    .collect();
+                names.sort_unstable();
+                let mut tested = vec![$($scenario),*];
+                tested.sort_unstable();
+                assert_eq!(names, tested, "a new scenario needs its test here");
             }
-        )));
-        // A lock under the second view.
-        assert!(reaches(&model, |state| state.epoch == 1
-            && matches!(state.words[1], Word::Locked { .. })));
+            $(
+                #[test]
+                fn $test() {
+                    assert_eq!(violations($protocol, $scenario), Vec::<&str>::new());
+                }
+            )*
+        };
     }
 
-    #[test]
-    fn a_rollback_that_does_not_check_its_lock_undoes_the_next_write_on_a_backup() {
-        assert_violates(
-            ReplicationProtocol::UncheckedRollback,
-            "two-writers",
-            &[LINEARIZABLE, REPLICAS_AGREE_AT_REST],
+    /// The lock protocol (the design) holds in every scenario across a failover.
+    mod the_lock_protocol_holds_across_a_failover {
+        use super::*;
+        holds_in_every_scenario!(
+            ReplicationProtocol::Lock,
+            write_then_read => "write-then-read",
+            two_writers => "two-writers",
+            delete_and_stalled_helper => "delete-and-stalled-helper",
+            compare_and_swap => "compare-and-swap",
+            write_then_read_compacting => "write-then-read-compacting",
+            two_writers_compacting => "two-writers-compacting",
+            two_writers_fenced => "two-writers-fenced",
+            delete_fenced => "delete-fenced",
         );
     }
 
-    #[test]
-    fn without_fencing_a_stalled_thief_undoes_a_value_the_new_primary_showed() {
-        assert_violates(
-            ReplicationProtocol::Unfenced,
-            "two-writers",
-            &[LINEARIZABLE],
+    /// The intent protocol (the first design) holds in every scenario across a failover.
+    mod the_intent_protocol_holds_across_a_failover {
+        use super::*;
+        holds_in_every_scenario!(
+            ReplicationProtocol::Intent,
+            write_then_read => "write-then-read",
+            two_writers => "two-writers",
+            delete_and_stalled_helper => "delete-and-stalled-helper",
+            compare_and_swap => "compare-and-swap",
+            write_then_read_compacting => "write-then-read-compacting",
+            two_writers_compacting => "two-writers-compacting",
         );
-    }
-
-    #[test]
-    fn the_intent_protocol_holds_in_every_scenario_across_a_failover() {
-        assert_eq!(violations(ReplicationProtocol::Intent), Vec::new());
     }
 
     /// Asserts that `protocol` violates exactly `properties` in `scenario` (only that scenario

@@ -170,6 +170,7 @@ pub(crate) async fn flusher(connection: Weak<NodeConnection>, wakeups: Arc<Notif
             continue;
         }
         connection.counters.verbs.add(1);
+        connection.counters.announce_flushes.add(1);
         let write = announcer.request().with_signaled(true);
         if let Ok(posted) = connection.queue_pair.post(vec![write]).await {
             posted.await;

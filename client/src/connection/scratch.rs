@@ -140,21 +140,21 @@ impl Scratch {
         self.round_trips += 1;
         counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
-        // A unit of tokio's cooperative budget per list, as `post` spends: an operation over a
-        // provider that completes inside the post still yields now and then, and a deadline
-        // around a loop of steps can fire.
-        tokio::task::consume_budget().await;
         let posted_at = std::time::Instant::now();
         let failed = match self.connection.queue_pair.post_inline(&list) {
             Some(Ok(outcome)) => {
                 self.reached_fabric = true;
+                // A unit of tokio's cooperative budget per list, as `post` spends: an operation
+                // whose lists all run inside their posts still yields now and then, and a
+                // deadline around a loop of steps can fire.
+                tokio::task::consume_budget().await;
                 outcome.err().map(|failure| failure.completion.status)
             }
             Some(Err(error)) => {
                 self.progress.not_posted(kind);
                 return Err(ExecuteError::Post(error));
             }
-            None => self.post_and_wait(kind, list.into_vec()).await?,
+            None => self.post_and_wait(kind, list).await?,
         };
         if let Some(status) = failed {
             self.connection.mark_broken();

@@ -6,28 +6,19 @@
 //! this file is the one place that knows they join.
 
 use rdkv_fabric::WorkRequest;
-use smallvec::SmallVec;
 
 /// Requests [`StepList::into_posted`] adds: the announce WRITE and the lease word's READ.
 const ADDED_WHEN_POSTED: usize = 2;
-
-/// Requests a list holds without allocating: a GET's lists (two READs, with the announce and
-/// the lease word) and a write's first list (its block's WRITE, two bucket READs, a guess's
-/// READ) fit.
-const INLINE_REQUESTS: usize = 6;
-
-/// The requests of a list as posted.
-pub(crate) type PostedRequests = SmallVec<[WorkRequest; INLINE_REQUESTS]>;
 
 /// The requests of one step, with room for what posting adds ([`ADDED_WHEN_POSTED`]).
 #[derive(Debug, Default)]
 pub(crate) struct StepList {
     /// The step's own requests, in order.
-    requests: PostedRequests,
+    requests: Vec<WorkRequest>,
 }
 
 impl StepList {
-    /// An empty list; it allocates only past [`INLINE_REQUESTS`] with what posting adds.
+    /// An empty list; it allocates when requests join (with room for what posting adds).
     pub(crate) fn new() -> Self {
         Self::default()
     }
@@ -55,7 +46,7 @@ impl StepList {
 
     /// Makes room for `requests` more of the step's own, and for what posting adds.
     pub(crate) fn reserve(&mut self, requests: usize) {
-        self.requests.reserve(requests + ADDED_WHEN_POSTED);
+        self.requests.reserve_exact(requests + ADDED_WHEN_POSTED);
     }
 
     /// Appends a request.
@@ -74,7 +65,7 @@ impl StepList {
         self,
         announce: Option<WorkRequest>,
         lease_word: WorkRequest,
-    ) -> PostedRequests {
+    ) -> Vec<WorkRequest> {
         let mut list = self.requests;
         if let Some(announce) = announce {
             list.insert(0, announce);
