@@ -326,6 +326,15 @@ impl QueuePairShared {
         }
     }
 
+    /// Counts the completions of a list run inside its post that failed: the failed
+    /// request's, and one for each of the `failed_and_behind - 1` requests behind it, as the
+    /// posted list's flushed (or `NotExecuted`) requests each produce one, signaled or not.
+    pub(crate) fn count_inline_failure(&self, failed_and_behind: usize) {
+        for _ in 0..failed_and_behind {
+            self.completion_queue.inner.count();
+        }
+    }
+
     /// Whether a list may run inside its post now: the queue pair is RTS and nothing of it is
     /// outstanding (so the list would be its next, and no failure is queued before it).
     pub(crate) fn idle_and_sendable(&self) -> bool {
@@ -518,6 +527,15 @@ impl QueuePairShared {
 
     /// Posts a list; see [`QueuePair::post`].
     async fn post(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
+        // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
+        // spent it): a task that only posts to a provider that completes inline (`shm`,
+        // `loopback`) still yields now and then, and a timeout around it can fire.
+        tokio::task::consume_budget().await;
+        self.post_spent(list).await
+    }
+
+    /// As [`QueuePairShared::post`], the caller having spent the post's unit of budget.
+    async fn post_spent(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
         self.check_list(&list)?;
         let state = self.state();
         if !matches!(state, QueuePairState::ReadyToSend | QueuePairState::Error) {
@@ -527,10 +545,6 @@ impl QueuePairShared {
                 operation: "post send requests (it must be RTS)",
             });
         }
-        // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
-        // spent it): a task that only posts to a provider that completes inline (`shm`,
-        // `loopback`) still yields now and then, and a timeout around it can fire.
-        tokio::task::consume_budget().await;
         self.permits.take(list.len()).await;
 
         let (list_completion, posted) =
@@ -886,8 +900,11 @@ impl QueuePair {
     /// the post (`shm`: the requester runs its requests on the responder's memory itself) and
     /// nothing of this queue pair is queued or running: `Some` with how the list ended, as its
     /// completions would have told (the first failed request's completion; the queue pair is
-    /// then in ERROR, and the list's later requests did not run). Signaled completions are
-    /// counted on the completion queue as usual but not queued: nothing waits for them. `None`:
+    /// then in ERROR, and the list's later requests did not run). Its completions are counted
+    /// on the completion queue as the posted list's would be (signaled ones, the failed one,
+    /// one per request behind it) but not queued: nothing waits for them. It spends none of
+    /// tokio's cooperative budget: a caller that loops on it spends a unit per list, as `post`
+    /// does ([`QueuePair::execute`] does). `None`:
     /// not now (another thread runs this queue pair's requests, some are queued, it is not
     /// RTS, the peer is gone, or the provider never completes inside a post); post the list
     /// with [`QueuePair::post`]. A list that breaks `post`'s rules is `Some(Err)`, as `post`
@@ -908,11 +925,15 @@ impl QueuePair {
     /// # Errors
     /// As [`QueuePair::post`]. Failed completions are returned, not turned into errors.
     pub async fn execute(&self, list: Vec<WorkRequest>) -> Result<Completions> {
+        // The unit of tokio's cooperative budget `post` spends: a loop of lists run inside
+        // their post never yields otherwise, and starves its worker's other tasks and any
+        // timeout around it.
+        tokio::task::consume_budget().await;
         if let Some(outcome) = self.post_inline(&list) {
             return outcome
                 .map(|outcome| inline_completions(&list, self.shared.qp_number, outcome));
         }
-        Ok(self.post(list).await?.await)
+        Ok(self.shared.post_spent(list).await?.await)
     }
 
     /// Binds a type-2 memory window to this queue pair over part of `region`; the returned rkey

@@ -48,7 +48,7 @@ use crate::queue_pair::{
 };
 use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, Submission};
 use crate::types::{
-    AccessFlags, Backend, Opcode, QueuePairEndpoint, ShmEndpoint, WorkCompletion,
+    AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, ShmEndpoint, WorkCompletion,
     WorkCompletionStatus, WorkRequest,
 };
 use crate::{lock, read_lock, write_lock};
@@ -929,6 +929,11 @@ impl ShmQueuePair {
         response: &mut Vec<u8>,
     ) -> bool {
         while let Some((sequence, request, local)) = batch.pop_front() {
+            if queue_pair.state() != QueuePairState::ReadyToSend {
+                // Moved to ERROR meanwhile (`modify_to_error`, a teardown): this request and
+                // the rest were completed then, and do not run.
+                return false;
+            }
             payload.clear();
             if request.opcode == Opcode::Write {
                 engine::append_write_payload(payload, &local);
@@ -997,7 +1002,10 @@ impl ShmQueuePair {
         // epoch and enters it again).
         let mut inside = attachment.enter();
         for (index, request) in list.iter().enumerate() {
+            // Counted as the posted list's would be: the failed request's completion and one
+            // for each request behind it (flushed or NotExecuted, signaled or not).
             let failed = |status| {
+                queue_pair.count_inline_failure(list.len() - index);
                 Some(Err(InlineFailure {
                     index,
                     completion: WorkCompletion {
@@ -1008,6 +1016,11 @@ impl ShmQueuePair {
                     },
                 }))
             };
+            if queue_pair.state() != QueuePairState::ReadyToSend {
+                // Moved to ERROR meanwhile by another thread (`modify_to_error`): as in
+                // `run_batch`, nothing more runs, and the rest flush.
+                return failed(WorkCompletionStatus::WorkRequestFlushError);
+            }
             let local = device.table.check_local(
                 domain,
                 &request.local,
@@ -1045,11 +1058,11 @@ impl ShmQueuePair {
                     return failed(WorkCompletionStatus::RetryExceededError);
                 }
             };
-            queue_pair.count_inline_completion(request, status);
             if status != WorkCompletionStatus::Success {
                 queue_pair.enter_error();
                 return failed(status);
             }
+            queue_pair.count_inline_completion(request, status);
         }
         Some(Ok(()))
     }
@@ -1363,6 +1376,11 @@ impl QueuePairProvider for ShmQueuePair {
     }
 
     fn modify_to_error(&self) {
+        // As a requester: what is queued and not yet taken by an executor was completed
+        // (flushed, or NotExecuted) with the move to ERROR, which happened before this call
+        // under the requester lock (no later post queues anything here): it must never run.
+        // Left queued, the next doorbell (the post that queued it, after its yield) ran it.
+        lock(&self.pending).clear();
         lock(&self.responder).receiving = false;
         // The requester's next request sees it.
         self.publish(QueuePairStatus::NotReceiving);
