@@ -78,7 +78,12 @@ impl CompletionQueueInner {
 
     /// Counts one generated completion.
     pub(crate) fn count(&self) {
-        self.generated.fetch_add(1, Ordering::Relaxed);
+        self.count_many(1);
+    }
+
+    /// Counts `completions` generated completions.
+    pub(crate) fn count_many(&self, completions: u64) {
+        self.generated.fetch_add(completions, Ordering::Relaxed);
     }
 }
 

@@ -330,9 +330,9 @@ impl QueuePairShared {
     /// request's, and one for each of the `failed_and_behind - 1` requests behind it, as the
     /// posted list's flushed (or `NotExecuted`) requests each produce one, signaled or not.
     pub(crate) fn count_inline_failure(&self, failed_and_behind: usize) {
-        for _ in 0..failed_and_behind {
-            self.completion_queue.inner.count();
-        }
+        self.completion_queue
+            .inner
+            .count_many(failed_and_behind as u64);
     }
 
     /// Whether a list may run inside its post now: the queue pair is RTS and nothing of it is

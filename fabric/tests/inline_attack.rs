@@ -10,13 +10,27 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use checks::statuses;
 use rdkv_fabric::{AccessFlags, Backend, QueuePairState, WorkCompletionStatus, WorkRequest};
 
-fn statuses(completions: &[rdkv_fabric::WorkCompletion]) -> Vec<WorkCompletionStatus> {
-    completions
-        .iter()
-        .map(|completion| completion.status)
-        .collect()
+/// A block registered after the attach, and a silent connection queued at the responder's
+/// accept thread: a READ of the block makes the requester fetch the memory files (a refresh)
+/// from that thread, behind it, so the post that READs it holds its queue pair's executor for
+/// up to the silent connection's 500 ms hello deadline. (Not longer: the requester gives up on
+/// a refresh after 1 s.)
+fn late_block_behind_a_busy_accept_thread(
+    connected: &checks::Connected,
+) -> (rdkv_fabric::MemoryRegion, UnixStream) {
+    let late = connected
+        .server_domain
+        .register_all(
+            &checks::pinned(4096),
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+        )
+        .expect("register a block after the attach");
+    let socket = connected.server_device.shm_socket().expect("an shm socket");
+    let stall = UnixStream::connect(&socket).expect("occupy the accept thread");
+    (late, stall)
 }
 
 /// A list posted (the ordinary way) by another thread while a list runs inside its post, and
@@ -26,20 +40,12 @@ fn statuses(completions: &[rdkv_fabric::WorkCompletion]) -> Vec<WorkCompletionSt
 ///
 /// The inline list is held inside its post, executor held, by its first request: a READ of a
 /// block registered after the attach, whose memory file the requester fetches (a refresh)
-/// from the responder's accept thread, kept busy meanwhile by a connection that never sends
-/// its hello (up to 500 ms). Its second request fails REM_ACCESS_ERR (an unknown rkey).
+/// from the responder's accept thread, kept busy meanwhile by connections that never send
+/// their hello (`late_block_behind_a_busy_accept_thread`). Its second request fails REM_ACCESS_ERR (an unknown rkey).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_list_queued_behind_a_failing_inline_list_flushes_and_never_runs() {
     let connected = Arc::new(checks::connect(Backend::Shm).await);
-    let late = connected
-        .server_domain
-        .register_all(
-            &checks::pinned(4096),
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
-        )
-        .expect("register a block after the attach");
-    let socket = connected.server_device.shm_socket().expect("an shm socket");
-    let _stall = UnixStream::connect(&socket).expect("occupy the accept thread");
+    let (late, _stall) = late_block_behind_a_busy_accept_thread(&connected);
 
     let mut unknown = connected.remote_at(0);
     unknown.remote_key ^= 0x00F0_0F00;
@@ -233,15 +239,7 @@ async fn a_failed_inline_list_counts_the_completions_a_posted_one_generates() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_list_queued_behind_the_executor_never_runs_after_modify_to_error() {
     let connected = Arc::new(checks::connect(Backend::Shm).await);
-    let late = connected
-        .server_domain
-        .register_all(
-            &checks::pinned(4096),
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
-        )
-        .expect("register a block after the attach");
-    let socket = connected.server_device.shm_socket().expect("an shm socket");
-    let _stall = UnixStream::connect(&socket).expect("occupy the accept thread");
+    let (late, _stall) = late_block_behind_a_busy_accept_thread(&connected);
     let first = vec![WorkRequest::read(
         1,
         connected.local_at(0, 64),

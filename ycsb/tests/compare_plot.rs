@@ -2,48 +2,16 @@
 //! `rdkv-ycsb plot` of the file it wrote: a table with the rounds' range, JSON keyed by the
 //! table's store names, and an SVG with a bar per store.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod support;
 
-/// A directory removed on drop.
-struct TestDirectory(PathBuf);
-
-impl TestDirectory {
-    fn new(name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("rdkv-ycsb-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create the test directory");
-        Self(path)
-    }
-}
-
-impl Drop for TestDirectory {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn ycsb(arguments: &[&str]) -> Output {
-    let output = Command::new(env!("CARGO_BIN_EXE_rdkv-ycsb"))
-        .args(arguments)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run rdkv-ycsb");
-    assert!(
-        output.status.success(),
-        "rdkv-ycsb {}: {}\n{}",
-        arguments.join(" "),
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
-}
+use support::{ycsb, TestDirectory};
 
 #[test]
 fn a_comparison_in_two_rounds_is_tabled_written_and_plotted() {
     let directory = TestDirectory::new("compare-plot");
-    let json = directory.0.join("compare.json");
-    let svg = directory.0.join("compare.svg");
-    let json_argument = json.to_str().expect("a UTF-8 temporary path");
+    let json = directory.file("compare.json");
+    let svg = directory.file("compare.svg");
+    let json_argument = json.as_str();
     let output = ycsb(&[
         "compare",
         "--stores",
@@ -81,7 +49,7 @@ fn a_comparison_in_two_rounds_is_tabled_written_and_plotted() {
         .as_f64()
         .is_some_and(|ops| ops > 0.0));
 
-    ycsb(&["plot", "-o", svg.to_str().expect("UTF-8"), json_argument]);
+    ycsb(&["plot", "-o", &svg, json_argument]);
     let drawn = std::fs::read_to_string(&svg).expect("the SVG is written");
     assert!(
         drawn.contains("<svg") && drawn.contains("memory (ceiling)"),

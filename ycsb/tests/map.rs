@@ -3,50 +3,9 @@
 //! `scripts/bench/instructions.sh` counts), and `compare --stores map,…` measures every line
 //! against it, in the table and in the JSON, keyed `map`.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod support;
 
-/// A directory removed on drop.
-struct TestDirectory(PathBuf);
-
-impl TestDirectory {
-    fn new(name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("rdkv-ycsb-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create the test directory");
-        Self(path)
-    }
-
-    fn file(&self, name: &str) -> String {
-        self.0
-            .join(name)
-            .to_str()
-            .expect("a UTF-8 temporary path")
-            .to_string()
-    }
-}
-
-impl Drop for TestDirectory {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Runs `rdkv-ycsb` and checks that it succeeded.
-fn ycsb(arguments: &[&str]) -> Output {
-    let output = Command::new(env!("CARGO_BIN_EXE_rdkv-ycsb"))
-        .args(arguments)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run rdkv-ycsb");
-    assert!(
-        output.status.success(),
-        "rdkv-ycsb {}: {}\n{}",
-        arguments.join(" "),
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
-}
+use support::{ycsb, TestDirectory};
 
 /// The report `run --json` wrote at `path`.
 fn report(path: &str) -> serde_json::Value {

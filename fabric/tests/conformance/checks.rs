@@ -195,7 +195,8 @@ pub async fn connect_devices(devices: (Device, Device), config: QueuePairConfig)
     }
 }
 
-fn statuses(completions: &[WorkCompletion]) -> Vec<WorkCompletionStatus> {
+/// The statuses of `completions`, in order.
+pub fn statuses(completions: &[WorkCompletion]) -> Vec<WorkCompletionStatus> {
     completions
         .iter()
         .map(|completion| completion.status)

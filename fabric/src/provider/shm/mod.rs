@@ -631,23 +631,6 @@ impl Attachment {
         alive
     }
 
-    /// Runs one request on the responder's memory, as the responder's NIC would.
-    fn execute(
-        &self,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
-        request: &RemoteRequest,
-        local: &LocalBuffer,
-        write_payload: &[u8],
-        response: &mut Vec<u8>,
-    ) -> Outcome {
-        match self.enter() {
-            Ok(inside) => {
-                self.execute_inside(&inside, cache, request, local, write_payload, response)
-            }
-            Err(outcome) => outcome,
-        }
-    }
-
     /// Enters this requester's epoch and checks that the responder receives: requests run
     /// while the returned marker lives, and a drain or revocation on the responder's side
     /// waits for it (`state.rs`, `wait_quiet`). `Err`: what a request meets instead.
@@ -737,42 +720,16 @@ impl Attachment {
         ))
     }
 
-    /// As [`Attachment::execute`], mapping the responder's current memory files once when
-    /// the key names a block registered after the attach (never `Outcome::Unmapped`).
-    fn execute_mapping(
-        &self,
-        own_qp: u32,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
-        request: &RemoteRequest,
-        local: &LocalBuffer,
-        write_payload: &[u8],
-        response: &mut Vec<u8>,
-    ) -> Outcome {
-        let mut refreshed = false;
-        loop {
-            response.clear();
-            match self.execute(cache, request, local, write_payload, response) {
-                Outcome::Unmapped if !refreshed => {
-                    refreshed = true;
-                    if let Err(error) = self.refresh(own_qp) {
-                        tracing::warn!(%error, "shm memory files not refreshed");
-                    }
-                }
-                Outcome::Unmapped => {
-                    return Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
-                }
-                outcome => return outcome,
-            }
-        }
-    }
-
-    /// As [`Attachment::execute_mapping`] for a request of a list run inside its post, in the
-    /// list's epoch `inside` (entered once for the list; left for a refresh and entered again).
+    /// Runs one request on the responder's memory, as the responder's NIC would, in the epoch
+    /// `inside` ([`Attachment::enter`]: entered for this request alone, or once for a list run
+    /// inside its post). A key that names a block registered after the attach maps the
+    /// responder's current memory files once, out of the epoch, then enters it again; never
+    /// `Outcome::Unmapped`.
     #[allow(
         clippy::too_many_arguments,
         reason = "one request's parts and the list's buffers"
     )]
-    fn execute_listed<'a>(
+    fn execute_in<'a>(
         &'a self,
         inside: &mut std::result::Result<Inside<'a>, Outcome>,
         own_qp: u32,
@@ -938,7 +895,8 @@ impl ShmQueuePair {
             if request.opcode == Opcode::Write {
                 engine::append_write_payload(payload, &local);
             }
-            let outcome = attachment.execute_mapping(
+            let outcome = attachment.execute_in(
+                &mut attachment.enter(),
                 queue_pair.qp_number,
                 cache,
                 &request,
@@ -1036,7 +994,7 @@ impl ShmQueuePair {
                 engine::append_write_payload(payload, &local);
             }
             let remote = engine::remote_request(request);
-            let outcome = attachment.execute_listed(
+            let outcome = attachment.execute_in(
                 &mut inside,
                 queue_pair.qp_number,
                 cache,
