@@ -58,6 +58,7 @@ mod node;
 pub mod pending;
 mod refill;
 pub mod server;
+pub mod snapshot;
 mod session;
 pub mod stats;
 mod sweep;

@@ -1,0 +1,2 @@
+//! The snapshot file format: written to a temporary file, fsynced, renamed into place; read
+//! back only whole and checked.
