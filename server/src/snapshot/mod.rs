@@ -2,5 +2,7 @@
 //! into the table before the node serves (`docs/operations.md`, *Persistence*).
 //!
 //! - `file`: the file format (version, checksums), its atomic write and its checked read.
+//! - `table_io`: reading the live table's keys safely, and loading keys into the empty table.
 
 pub mod file;
+pub mod table_io;
