@@ -184,6 +184,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             secret: config.secret.clone(),
             failure_timeout: config.failure_timeout,
             state_file: config.view_state_file.clone(),
+            resume_from: None,
         },
         &tasks,
         shutdown.clone(),

@@ -29,6 +29,7 @@ mod lease;
 mod leave;
 mod network;
 mod published;
+mod stop;
 mod storage;
 pub mod types;
 
@@ -80,6 +81,9 @@ pub struct ViewSettings {
     /// Where the vote, log and view are kept across restarts (`None`: in memory only, which
     /// is safe only for a node that never restarts into a running cluster).
     pub state_file: Option<std::path::PathBuf>,
+    /// The epoch of the cluster stop whose snapshot the node loaded, if it did: it asks to
+    /// resume rather than join (`stop.rs`).
+    pub resume_from: Option<u64>,
 }
 
 /// The node's part in the cluster view.
@@ -88,6 +92,8 @@ pub struct ViewService {
     node_id: u32,
     /// This process's incarnation (random per start).
     incarnation: u64,
+    /// The stop whose snapshot the node loaded (`stop.rs`).
+    resume_from: Option<u64>,
     /// Raft; `None` in a one-node cluster.
     raft: Option<Raft<TypeConfig>>,
     /// The applied view.
@@ -174,6 +180,7 @@ impl ViewService {
         let service = Arc::new(Self {
             node_id: settings.node_id,
             incarnation: rand::random::<u64>() | 1,
+            resume_from: settings.resume_from,
             raft,
             view,
             addresses,
@@ -338,6 +345,9 @@ impl ViewService {
                 incarnation,
             } => PeerReply::Join(self.answer_join(node_id, incarnation).await),
             PeerRequest::Lease { node_id, epoch } => self.grant_lease(node_id, epoch),
+            request @ (PeerRequest::Stop
+            | PeerRequest::Resume { .. }
+            | PeerRequest::PromoteResumed { .. }) => self.answer_stop_request(request).await,
             PeerRequest::Leave {
                 node_id,
                 incarnation,
@@ -485,14 +495,7 @@ impl ViewService {
             if joined {
                 continue;
             }
-            let command = ViewCommand::Join {
-                node_id: self.node_id,
-                incarnation: self.incarnation,
-            };
-            let request = PeerRequest::Join {
-                node_id: self.node_id,
-                incarnation: self.incarnation,
-            };
+            let (command, request) = self.join_command();
             if let Err(reason) = self.ask_leader_to_commit(command, &request).await {
                 tracing::debug!(node = self.node_id, %reason, "join not committed yet");
             }

@@ -57,6 +57,10 @@ pub struct Store {
     file: Option<Arc<PathBuf>>,
     /// The applied view, for readers that must not wait for Raft.
     view: Arc<watch::Sender<ViewState>>,
+    /// The last [`ViewCommand::Stop`](super::types::ViewCommand::Stop) applied by this
+    /// process: its epoch and the members it took from serving (in memory: only the process
+    /// that applied it writes a snapshot for it).
+    last_stop: Arc<Mutex<Option<(u64, Vec<u32>)>>>,
 }
 
 fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
@@ -121,6 +125,7 @@ impl Store {
             state: Arc::new(Mutex::new(state)),
             file: file.map(Arc::new),
             view: Arc::new(view),
+            last_stop: Arc::default(),
         })
     }
 
@@ -162,6 +167,11 @@ impl Store {
             .next_back()
             .map(|entry| entry.log_id)
             .or(state.last_purged)
+    }
+
+    /// The last stop this process applied: its epoch and the members it stopped.
+    pub fn last_stop(&self) -> Option<(u64, Vec<u32>)> {
+        lock(&self.last_stop).clone()
     }
 
     /// The applied view, changing as commands apply.
@@ -331,7 +341,12 @@ impl RaftStorage<TypeConfig> for Store {
                 match &entry.payload {
                     EntryPayload::Blank => {}
                     EntryPayload::Normal(command) => {
-                        state.view.apply(command);
+                        let serving = state.view.serving_members();
+                        let before = state.view.epoch;
+                        let after = state.view.apply(command);
+                        if *command == super::types::ViewCommand::Stop && after != before {
+                            *lock(&self.last_stop) = Some((after, serving));
+                        }
                     }
                     EntryPayload::Membership(membership) => {
                         state.membership =

@@ -53,6 +53,29 @@ pub enum ViewCommand {
         /// promotes nothing.
         filling_since: u64,
     },
+    /// The whole cluster stops cleanly (`rdkv-cluster down`): every serving member is `down`
+    /// since this command's epoch, at once, so no key moves and every node's final snapshot
+    /// holds every acknowledged write of its keys (`docs/operations.md`, *Persistence*).
+    /// Filling and down members are left as they are: their memory is not a whole copy.
+    Stop,
+    /// The member, started again after the stop of `stopped_at` with the snapshot it wrote
+    /// then, is back as `incarnation`: `filling` in the round `stopped_at`, without a refill;
+    /// it serves at [`ViewCommand::PromoteResumed`]. A member whose record changed since the
+    /// stop joins as [`ViewCommand::Join`] does.
+    Resume {
+        /// The member.
+        node_id: u32,
+        /// Its new incarnation.
+        incarnation: u64,
+        /// The epoch of the stop its snapshot was written at.
+        stopped_at: u64,
+    },
+    /// Every member resumed from the stop of `stopped_at` serves, at once: a key's copies
+    /// come back together, so no GET reads a node that lacks a key another one holds.
+    PromoteResumed {
+        /// The stop's epoch.
+        stopped_at: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -120,7 +143,71 @@ impl ViewState {
             ViewCommand::Join {
                 node_id,
                 incarnation,
+            } => self.join(node_id, incarnation, next),
+            ViewCommand::Promote {
+                node_id,
+                incarnation,
+                filling_since,
             } => match self.members.get_mut(&node_id) {
+                Some(record)
+                    if record.state == MemberState::Filling
+                        && record.incarnation == incarnation
+                        && record.since == filling_since =>
+                {
+                    record.state = MemberState::Serving;
+                    record.since = next;
+                    true
+                }
+                _ => false,
+            },
+            ViewCommand::Stop => {
+                let mut changed = false;
+                for record in self.members.values_mut() {
+                    if record.state == MemberState::Serving {
+                        record.state = MemberState::Down;
+                        record.since = next;
+                        changed = true;
+                    }
+                }
+                changed
+            }
+            ViewCommand::Resume {
+                node_id,
+                incarnation,
+                stopped_at,
+            } => match self.members.get_mut(&node_id) {
+                Some(record)
+                    if record.state == MemberState::Down && record.since == stopped_at =>
+                {
+                    // The round stays the stop's epoch: it names the members to promote.
+                    record.state = MemberState::Filling;
+                    record.incarnation = incarnation;
+                    true
+                }
+                _ => self.join(node_id, incarnation, next),
+            },
+            ViewCommand::PromoteResumed { stopped_at } => {
+                let mut changed = false;
+                for record in self.members.values_mut() {
+                    if record.state == MemberState::Filling && record.since == stopped_at {
+                        record.state = MemberState::Serving;
+                        record.since = next;
+                        changed = true;
+                    }
+                }
+                changed
+            }
+        };
+        if changed {
+            self.epoch += 1;
+        }
+        self.epoch
+    }
+
+    /// A [`ViewCommand::Join`] of `node_id` as `incarnation`, at epoch `next`; whether it
+    /// changed the record.
+    fn join(&mut self, node_id: u32, incarnation: u64, next: u64) -> bool {
+        match self.members.get_mut(&node_id) {
                 Some(record)
                     if record.state == MemberState::Down || record.incarnation != incarnation =>
                 {
@@ -138,28 +225,16 @@ impl ViewState {
                     true
                 }
                 _ => false,
-            },
-            ViewCommand::Promote {
-                node_id,
-                incarnation,
-                filling_since,
-            } => match self.members.get_mut(&node_id) {
-                Some(record)
-                    if record.state == MemberState::Filling
-                        && record.incarnation == incarnation
-                        && record.since == filling_since =>
-                {
-                    record.state = MemberState::Serving;
-                    record.since = next;
-                    true
-                }
-                _ => false,
-            },
-        };
-        if changed {
-            self.epoch += 1;
         }
-        self.epoch
+    }
+
+    /// The members serving, by id.
+    pub fn serving_members(&self) -> Vec<u32> {
+        self.members
+            .iter()
+            .filter(|(_, record)| record.state == MemberState::Serving)
+            .map(|(node_id, _)| *node_id)
+            .collect()
     }
 
     /// Whether some member's state differs from `earlier`'s: the keys' replicas changed, and
@@ -239,6 +314,24 @@ pub enum PeerRequest {
         /// The id of the last entry of its log: a peer with a newer log says no.
         last_log_id: Option<LogId<PeerId>>,
     },
+    /// `rdkv-cluster down` asks the leader to commit [`ViewCommand::Stop`].
+    Stop,
+    /// A node started from the snapshot of a stop asks the leader to commit its
+    /// [`ViewCommand::Resume`].
+    Resume {
+        /// The node.
+        node_id: u32,
+        /// Its incarnation.
+        incarnation: u64,
+        /// The stop's epoch.
+        stopped_at: u64,
+    },
+    /// A resumed node, seeing every member of the stop back, asks the leader to commit
+    /// [`ViewCommand::PromoteResumed`].
+    PromoteResumed {
+        /// The stop's epoch.
+        stopped_at: u64,
+    },
 }
 
 /// A leader's lease grant to a follower.
@@ -263,9 +356,9 @@ pub enum PeerReply {
     InstallSnapshot(
         Result<InstallSnapshotResponse<PeerId>, RaftError<PeerId, InstallSnapshotError>>,
     ),
-    /// To [`PeerRequest::Join`], [`PeerRequest::Promote`] and [`PeerRequest::Leave`]: the
-    /// epoch with the change
-    /// committed, or why not.
+    /// To [`PeerRequest::Join`], [`PeerRequest::Promote`], [`PeerRequest::Leave`],
+    /// [`PeerRequest::Stop`], [`PeerRequest::Resume`] and [`PeerRequest::PromoteResumed`]: the
+    /// epoch with the change committed, or why not.
     Join(Result<u64, String>),
     /// The request did not decode.
     Malformed(String),
@@ -366,5 +459,42 @@ mod tests {
         };
         assert_eq!(view.apply(&current), epoch + 1);
         assert_eq!(view.members[&3].state, MemberState::Serving);
+    }
+
+    /// A clean stop of the whole cluster and its start from the stop's snapshots: the members
+    /// that served come back filling in the stop's round and serve together at one promotion;
+    /// a member that filled at the stop, or whose record changed since, joins and fills.
+    #[test]
+    fn members_resumed_from_a_stop_serve_together_and_only_they() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 4,
+        });
+        assert_eq!(view.members[&3].state, MemberState::Filling);
+        let stopped_at = view.apply(&ViewCommand::Stop);
+        assert_eq!(view.members[&1].state, MemberState::Down);
+        assert_eq!(view.members[&2].since, stopped_at);
+        assert_eq!(view.members[&3].state, MemberState::Filling, "not a whole copy");
+        assert_eq!(view.apply(&ViewCommand::Stop), stopped_at, "a repeat changes nothing");
+
+        let resume = |node_id, incarnation| ViewCommand::Resume {
+            node_id,
+            incarnation,
+            stopped_at,
+        };
+        let epoch = view.apply(&resume(1, 11));
+        assert_eq!(view.members[&1].state, MemberState::Filling);
+        assert_eq!(view.members[&1].since, stopped_at, "the stop names the round");
+        assert_eq!(view.apply(&resume(1, 11)), epoch, "a repeat changes nothing");
+        // Node 3 claims the stop too, but it was filling then: it joins as a restart does.
+        view.apply(&resume(3, 13));
+        assert_eq!(view.members[&3].state, MemberState::Filling);
+        assert_ne!(view.members[&3].since, stopped_at);
+        view.apply(&resume(2, 12));
+        view.apply(&ViewCommand::PromoteResumed { stopped_at });
+        assert_eq!(view.public(None).serving(), vec![1, 2]);
+        assert_eq!(view.members[&3].state, MemberState::Filling, "it refills from them");
     }
 }
