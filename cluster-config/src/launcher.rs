@@ -100,6 +100,11 @@ pub fn view_state_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.view"))
 }
 
+/// Where a node keeps its snapshots when the cluster file does not say.
+pub fn data_dir(run_directory: &Path, node: u32) -> PathBuf {
+    run_directory.join(format!("node-{node}.data"))
+}
+
 /// Where a detached local node logs.
 pub fn log_file(run_directory: &Path, node: u32) -> PathBuf {
     run_directory.join(format!("node-{node}.log"))
@@ -432,6 +437,12 @@ fn server_command(
         .stdout(Stdio::piped())
         // Its own process group: Ctrl-C reaches only the launcher, which stops nodes in order.
         .process_group(0);
+    if node.data_dir.is_none() {
+        // The node's snapshots live in the run directory too, unless the file says where.
+        command
+            .arg("--data-dir")
+            .arg(data_dir(run_directory, node.id));
+    }
     if node.shm == rdkv_cluster_file::ShmMode::Auto && node.shm_socket.is_none() {
         // The node's shm socket lives in the run directory, next to its pid and log files
         // (the node ignores it when its file sets shm = "off").
@@ -691,6 +702,9 @@ pub async fn stop(
     only: Option<u32>,
 ) -> Result<Vec<String>> {
     let mut report = Vec::new();
+    if only.is_none() {
+        report.push(stop_the_view(config).await);
+    }
     let mut failed = false;
     // Every node is tried: one that cannot be stopped does not keep the others running.
     for node in select(config, only)? {
@@ -712,6 +726,58 @@ pub async fn stop(
         return Err(Error::Refused(report.join("; ")));
     }
     Ok(report)
+}
+
+/// How long `down` waits for every node to apply the cluster's stop.
+const STOP_APPLIED_WITHIN: Duration = Duration::from_secs(5);
+
+/// The whole cluster's clean stop (`docs/operations.md`, *Persistence*): the view's leader
+/// commits it, every serving node fences its clients at once and keeps its keys, and `down`
+/// waits until each running node has applied it before it stops them, so that each final
+/// snapshot holds every acknowledged write. Returns the line to print.
+async fn stop_the_view(config: &ClusterConfig) -> String {
+    let timeout = config.failure_timeout + Duration::from_secs(2);
+    let mut last_error = String::from("no node answered");
+    let mut stopped_at = None;
+    for node in &config.nodes {
+        let monitored = rdkv_common::protocol::MonitoredNode {
+            address: node.control_address,
+            id: Some(node.id),
+            secret: &config.secret,
+        };
+        match rdkv_common::protocol::request_cluster_stop(monitored, timeout).await {
+            Ok(epoch) => {
+                stopped_at = Some(epoch);
+                break;
+            }
+            Err(error) => last_error = format!("node {}: {error}", node.id),
+        }
+    }
+    let Some(epoch) = stopped_at else {
+        return format!(
+            "warning: the cluster's view was not stopped ({last_error}): the nodes stop one by one, and each keeps its last snapshot; nodes started again refill from each other"
+        );
+    };
+    let started = Instant::now();
+    for node in &config.nodes {
+        let monitored = rdkv_common::protocol::MonitoredNode {
+            address: node.control_address,
+            id: Some(node.id),
+            secret: &config.secret,
+        };
+        while started.elapsed() < STOP_APPLIED_WITHIN {
+            match rdkv_common::protocol::fetch_view(monitored, Duration::from_secs(1)).await {
+                Ok(view) if view.epoch < epoch => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                // Applied, or not running (nothing of it can be served).
+                _ => break,
+            }
+        }
+    }
+    format!(
+        "cluster stopped at view epoch {epoch}: every node fences its clients and writes its final snapshot as it stops"
+    )
 }
 
 /// The last `lines` lines of a node's log: its log file under the run directory (a detached

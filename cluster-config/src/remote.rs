@@ -111,6 +111,11 @@ pub fn start(config: &ClusterConfig, node: &NodeConfig, host: &str) -> Result<(S
     run(config, node, host, &secret_script, &config.secret)?;
     let id = node.id;
     let binary = shell_quote(&config.ssh.remote_binary);
+    // The node's snapshots: where the file says, else beside its other files.
+    let data_dir = match &node.data_dir {
+        Some(_) => String::new(),
+        None => format!(r#" --data-dir "$dir/node-{id}.data""#),
+    };
     let script = format!(
         r#"set -e
 umask 077
@@ -126,7 +131,7 @@ cat > "$dir/cluster.toml"
 chmod 600 "$dir/cluster.toml"
 : > "$dir/node-{id}.out"
 setsid nohup {binary} --config "$dir/cluster.toml" --node {id} --secret-file "$dir/secret" \
-  --view-state "$dir/node-{id}.view" > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
+  --view-state "$dir/node-{id}.view"{data_dir} > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
 pid=$!
 echo "$pid" > "$pidfile"
 tries=0

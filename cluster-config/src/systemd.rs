@@ -56,15 +56,17 @@ Wants=network-online.target
 
 [Service]
 Type=exec
-ExecStart={binary} --config {file} --node {id} --secret-file %d/rdkv-secret --view-state %S/rdkv/{name}/node-{id}.view
+ExecStart={binary} --config {file} --node {id} --secret-file %d/rdkv-secret --view-state %S/rdkv/{name}/node-{id}.view{data_dir}
 LoadCredential=rdkv-secret:{credential}
-# The cluster view's vote and log (/var/lib/rdkv/NAME): kept across restarts.
+# The cluster view's vote and log, and the node's snapshots (/var/lib/rdkv/NAME): kept across
+# restarts.
 StateDirectory=rdkv/{name}
 Environment=RUST_LOG=info
 Restart=on-failure
 RestartSec=2s
-# The node bounds its own shutdown at 10 s.
-TimeoutStopSec=20s
+# The node bounds its connections' teardown at 10 s, then writes its final snapshot (the
+# table's size at disk speed; a second per 100 MiB of heap is allowed here).
+TimeoutStopSec={stop_seconds}s
 # The table ({table} MiB) is pinned: index_size + heap_size, plus headroom.
 LimitMEMLOCK={memlock_mebibytes}M
 LimitNOFILE=65536
@@ -79,6 +81,11 @@ WantedBy=multi-user.target
         credential = credential.display().to_string().replace('%', "%%"),
         unit_name = unit_name(config, node),
         table = (node.index_size + node.heap_size).div_ceil(1 << 20),
+        data_dir = match &node.data_dir {
+            Some(_) => String::new(),
+            None => format!(" --data-dir %S/rdkv/{}/node-{}.data", config.name, node.id),
+        },
+        stop_seconds = 20 + node.heap_size.div_ceil(100 << 20),
     )
 }
 
@@ -165,7 +172,7 @@ mod tests {
         };
         assert_eq!(
             value("ExecStart"),
-            Some("/usr/local/bin/rdkv-server --config /etc/rdkv/prod.toml --node 2 --secret-file %d/rdkv-secret --view-state %S/rdkv/prod/node-2.view")
+            Some("/usr/local/bin/rdkv-server --config /etc/rdkv/prod.toml --node 2 --secret-file %d/rdkv-secret --view-state %S/rdkv/prod/node-2.view --data-dir %S/rdkv/prod/node-2.data")
         );
         assert_eq!(value("StateDirectory"), Some("rdkv/prod"));
         assert_eq!(

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 19;
+pub const PROTOCOL_VERSION: u32 = 20;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -79,6 +79,14 @@ pub enum ClientMessage {
         /// The encoded consensus request.
         payload: Vec<u8>,
     },
+    /// Stop the whole cluster cleanly (`rdkv-cluster down`): the node asks the view's leader
+    /// to commit the stop, at which every serving node fences its clients and keeps its keys
+    /// for its final snapshot (`docs/operations.md`, *Persistence*). Answered with
+    /// [`ServerMessage::ClusterStopped`].
+    StopCluster,
+    /// Write a snapshot now (`rdkv-cluster snapshot`); answered with
+    /// [`ServerMessage::SnapshotWritten`] once it is on disk.
+    Snapshot,
 }
 
 impl ClientMessage {
@@ -94,6 +102,8 @@ impl ClientMessage {
             ClientMessage::Goodbye => "Goodbye",
             ClientMessage::FetchView => "FetchView",
             ClientMessage::Peer { .. } => "Peer",
+            ClientMessage::StopCluster => "StopCluster",
+            ClientMessage::Snapshot => "Snapshot",
         }
     }
 }
@@ -230,6 +240,24 @@ pub enum ServerMessage {
     Peer {
         /// The encoded consensus reply.
         payload: Vec<u8>,
+    },
+    /// The stop of the whole cluster is committed at this epoch.
+    ClusterStopped {
+        /// The view's epoch at the stop.
+        epoch: u64,
+    },
+    /// A snapshot is on disk.
+    SnapshotWritten {
+        /// The node's id.
+        node_id: u32,
+        /// Where.
+        path: String,
+        /// Its keys.
+        keys: u64,
+        /// Its bytes.
+        bytes: u64,
+        /// How long it took, in milliseconds.
+        took_ms: u64,
     },
 }
 
@@ -464,6 +492,23 @@ pub struct ServerStats {
     pub refill_buckets_total: u64,
     /// Refill: keys copied from their primaries.
     pub refill_keys_copied: u64,
+    /// Snapshots written since start (`docs/operations.md`, *Persistence*).
+    pub snapshots_written: u64,
+    /// Snapshots that failed since start (a full disk, say): the previous one is kept.
+    pub snapshots_failed: u64,
+    /// Whether the last snapshot tried failed.
+    pub snapshot_failing: bool,
+    /// When the last snapshot was complete, in milliseconds since the Unix epoch (0: none
+    /// since start).
+    pub last_snapshot_unix_ms: u64,
+    /// How long the last snapshot took, in milliseconds.
+    pub last_snapshot_duration_ms: u64,
+    /// The last snapshot's bytes.
+    pub last_snapshot_bytes: u64,
+    /// The last snapshot's keys.
+    pub last_snapshot_keys: u64,
+    /// Keys loaded from a snapshot at start.
+    pub snapshot_keys_loaded: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
 }
@@ -888,6 +933,65 @@ pub async fn request_shutdown(
         }
     })
     .await
+}
+
+/// Asks a node to have the whole cluster stopped (the view's `Stop`); the epoch of the stop.
+///
+/// # Errors
+/// As [`fetch_stats`]; [`ControlError::Refused`] when the stop cannot be committed (no leader,
+/// no quorum).
+pub async fn request_cluster_stop(
+    node: MonitoredNode<'_>,
+    timeout: std::time::Duration,
+) -> Result<u64, ControlError> {
+    match ask(node, timeout, ClientMessage::StopCluster).await? {
+        ServerMessage::ClusterStopped { epoch } => Ok(epoch),
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// What [`request_snapshot`] reports: where the node wrote its snapshot, and its size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotReport {
+    /// The node.
+    pub node_id: u32,
+    /// The file.
+    pub path: String,
+    /// Keys in it.
+    pub keys: u64,
+    /// Its bytes.
+    pub bytes: u64,
+    /// Milliseconds it took.
+    pub took_ms: u64,
+}
+
+/// Asks a node to write a snapshot now; returns once it is on disk.
+///
+/// # Errors
+/// As [`fetch_stats`]; [`ControlError::Refused`] when the node has no data directory or the
+/// write failed (the reason says why).
+pub async fn request_snapshot(
+    node: MonitoredNode<'_>,
+    timeout: std::time::Duration,
+) -> Result<SnapshotReport, ControlError> {
+    match ask(node, timeout, ClientMessage::Snapshot).await? {
+        ServerMessage::SnapshotWritten {
+            node_id,
+            path,
+            keys,
+            bytes,
+            took_ms,
+        } => Ok(SnapshotReport {
+            node_id,
+            path,
+            keys,
+            bytes,
+            took_ms,
+        }),
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
 }
 
 /// Fetches the cluster view a node knows, over a monitoring connection.

@@ -71,10 +71,29 @@ pub struct ServerConfig {
     pub failure_timeout: Duration,
     /// Where the view's consensus keeps its vote and log across restarts.
     pub view_state_file: Option<PathBuf>,
+    /// Where the node keeps its snapshots; `None`: it writes none and starts empty
+    /// (`crate::persistence`).
+    pub data_dir: Option<PathBuf>,
+    /// How often it writes one; zero: only on request and at a clean shutdown.
+    pub snapshot_interval: Duration,
+    /// Which snapshot it starts from.
+    pub start_from: StartFrom,
     /// The cluster file the node was started from: a node filling after a restart copies
     /// its keys from its peers through a client of this cluster (`crate::refill`). `None`
     /// for a node started without one.
     pub cluster: Option<std::sync::Arc<rdkv_cluster_file::ClusterConfig>>,
+}
+
+/// Which snapshot a node loads at start (`--from-snapshot`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum StartFrom {
+    /// The last one written (the default); a damaged one stops the start with the choices.
+    #[default]
+    Latest,
+    /// The one before it, kept beside it.
+    Previous,
+    /// None: the node starts empty (its files stay until its next snapshot replaces them).
+    Empty,
 }
 
 /// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
@@ -112,6 +131,9 @@ impl ServerConfig {
             members: Vec::new(),
             failure_timeout: DEFAULT_FAILURE_TIMEOUT,
             view_state_file: None,
+            data_dir: None,
+            snapshot_interval: Duration::ZERO,
+            start_from: StartFrom::Latest,
             cluster: None,
         }
     }
@@ -164,6 +186,9 @@ impl ServerConfig {
                 .collect(),
             failure_timeout: cluster.failure_timeout,
             view_state_file: None,
+            data_dir: node.data_dir.clone(),
+            snapshot_interval: cluster.snapshot_interval,
+            start_from: StartFrom::Latest,
             cluster: Some(std::sync::Arc::new(cluster.clone())),
         })
     }

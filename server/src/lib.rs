@@ -19,6 +19,9 @@
 //! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
 //!   heartbeats), ordered teardown.
 //! - `refill`: a returning node copies its keys from its peers.
+//! - [`snapshot`]: the snapshot file and reading and loading the table for it.
+//! - `persistence`: snapshots written (on a schedule, on request, at a clean shutdown) and
+//!   loaded before the node serves.
 //! - [`metrics`]: Prometheus gauges served over HTTP.
 //! - [`server`]: start, run, shutdown.
 //!
@@ -35,7 +38,8 @@
 //! view                                               (announce, error)
 //! sweep                                              (config, table, view)
 //! node                                               (the state it holds: all of the above)
-//! collector, session, refill                         (node, and the state modules)
+//! snapshot                                           (error, heap, table)
+collector, session, refill, persistence            (node, and the state modules)
 //! metrics                                            (pending)
 //! server                                             (everything: it builds the node, starts the tasks)
 //! ```
@@ -56,6 +60,7 @@ mod log_budget;
 pub mod metrics;
 mod node;
 pub mod pending;
+mod persistence;
 mod refill;
 pub mod server;
 pub mod snapshot;

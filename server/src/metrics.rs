@@ -161,6 +161,46 @@ fn definitions() -> [(&'static str, &'static str, Reader); 49] {
             |stats| stats.extra_copies_removed as i64,
         ),
         (
+            "snapshots_written_total",
+            "Snapshots written since start (docs/operations.md, Persistence)",
+            |stats| stats.snapshots_written as i64,
+        ),
+        (
+            "snapshots_failed_total",
+            "Snapshots that failed since start (the previous one is kept; the log says why)",
+            |stats| stats.snapshots_failed as i64,
+        ),
+        (
+            "snapshot_failing",
+            "1 while the last snapshot tried failed",
+            |stats| i64::from(stats.snapshot_failing),
+        ),
+        (
+            "last_snapshot_timestamp_seconds",
+            "When the last snapshot was complete, Unix time (0: none since start)",
+            |stats| (stats.last_snapshot_unix_ms / 1000) as i64,
+        ),
+        (
+            "last_snapshot_duration_milliseconds",
+            "How long the last snapshot took",
+            |stats| stats.last_snapshot_duration_ms as i64,
+        ),
+        (
+            "last_snapshot_bytes",
+            "The last snapshot's size",
+            |stats| stats.last_snapshot_bytes as i64,
+        ),
+        (
+            "last_snapshot_keys",
+            "Keys in the last snapshot",
+            |stats| stats.last_snapshot_keys as i64,
+        ),
+        (
+            "snapshot_keys_loaded",
+            "Keys loaded from a snapshot at start",
+            |stats| stats.snapshot_keys_loaded as i64,
+        ),
+        (
             "collector_passes_total",
             "Heap collector passes (index scans)",
             |stats| stats.collector_passes as i64,

@@ -138,9 +138,25 @@ pub(crate) struct Node {
     pub(crate) unauthenticated_ends: LogBudget,
     /// The node's part in the cluster view.
     pub(crate) view: Arc<ViewService>,
+    /// Its snapshots (`crate::persistence`).
+    pub(crate) snapshots: crate::snapshot::SnapshotState,
 }
 
 impl Node {
+    /// The snapshot figures of `stats`.
+    fn snapshot_figures(&self, stats: &mut ServerStats) {
+        let snapshots = &self.snapshots;
+        (stats.snapshots_written, stats.snapshots_failed) = snapshots.counts();
+        stats.snapshot_failing = snapshots.last_failure().is_some();
+        stats.snapshot_keys_loaded = snapshots.loaded_keys.load(Ordering::Relaxed);
+        if let Some(last) = snapshots.last() {
+            stats.last_snapshot_unix_ms = last.finished_unix_ms;
+            stats.last_snapshot_duration_ms = last.duration.as_millis() as u64;
+            stats.last_snapshot_bytes = last.bytes;
+            stats.last_snapshot_keys = last.keys;
+        }
+    }
+
     /// The attachment at `index` (a session's), or the main one for an index the node does
     /// not have.
     pub(crate) fn attachment(&self, index: usize) -> &Attachment {
@@ -208,6 +224,7 @@ impl Node {
             stats.live_memory_windows += gauges.live_memory_windows;
             stats.shm_data_connections += attachment.data_connections.load(Ordering::Relaxed);
         }
+        self.snapshot_figures(&mut stats);
         stats.collector_passes = self.collector.passes();
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.extra_copies_removed = self.sweep.removed();

@@ -17,6 +17,7 @@ use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
+use crate::view::RESUME_BOUND;
 
 /// How often the task looks at the view for this node filling, and waits between tries.
 const REFILL_POLL: Duration = Duration::from_millis(200);
@@ -45,6 +46,8 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
     let mut pause = REFILL_POLL;
     // Failed refills in a row.
     let mut failures: u32 = 0;
+    // The filling round and when this loop first saw it.
+    let mut round_seen: Option<(u64, Instant)> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -57,7 +60,18 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
             failures = 0;
             continue;
         };
+        if node.view.resumed_round() == Some(round) {
+            // Back from a cluster stop with its snapshot: nothing to copy.
+            if resume(&node, round, &shutdown).await.is_err() {
+                return;
+            }
+            continue;
+        }
         let started = Instant::now();
+        if round_seen.is_none_or(|(seen, _)| seen != round) {
+            round_seen = Some((round, started));
+        }
+        let alone_allowed = round_seen.is_some_and(|(_, since)| since.elapsed() >= RESUME_BOUND);
         // One lane to each peer, as before soft got a lane per worker: a refill is one copy
         // loop, and each lane would be a connection and a heap chunk on the peer. Its
         // connections take the peers' reserved slots: a peer full of clients still lets this
@@ -69,7 +83,7 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
             .expect("a client of a cluster, with no fabric choice, is always made");
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = refill(&node, &client, round) => outcome,
+            outcome = refill(&node, &client, round, alone_allowed) => outcome,
         };
         client.close().await;
         match outcome {
@@ -108,9 +122,52 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
     }
 }
 
+/// A node resumed from the stop of `stopped_at` (`crate::view`, `stop.rs`): waits until no
+/// member is left down since the stop, or [`RESUME_BOUND`], then asks for the resumed members'
+/// promotion, all at once. `Err` when the node stops meanwhile.
+async fn resume(node: &Node, stopped_at: u64, shutdown: &CancellationToken) -> Result<(), ()> {
+    let me = node.config.node_id;
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    tracing::info!(node = me, stopped_at, "resumed from the cluster stop's snapshot: waiting for the other members of the stop");
+    while node.view.resumed_round() == Some(stopped_at) {
+        let missing = node.view.not_back_from(stopped_at);
+        let due = missing.is_empty() || started.elapsed() >= RESUME_BOUND;
+        if due {
+            if !missing.is_empty() {
+                tracing::error!(
+                    node = me,
+                    ?missing,
+                    waited = ?RESUME_BOUND,
+                    "serving without the members of the stop that did not come back: keys only they held are missing until they return"
+                );
+            }
+            match node.view.promote_resumed(stopped_at).await {
+                Ok(epoch) => tracing::info!(node = me, epoch, took = ?started.elapsed(), "resumed members serve"),
+                Err(reason) => tracing::debug!(%reason, "promotion of the resumed members not committed yet"),
+            }
+        } else if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            tracing::info!(node = me, ?missing, waited = ?started.elapsed(), bound = ?RESUME_BOUND, "still waiting for members of the stop to come back");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(()),
+            _ = tokio::time::sleep(REFILL_POLL) => {}
+        }
+    }
+    Ok(())
+}
+
 /// One refill for the filling round that began at epoch `round`: every serving peer's table
-/// scanned, the keys this node will hold copied. Returns the keys copied.
-async fn refill(node: &Node, client: &Client, round: u64) -> Result<u64, String> {
+/// scanned, the keys this node will hold copied. Returns the keys copied. With no serving peer
+/// while some member is down, it waits for them (their keys may be only there) unless
+/// `alone_allowed`: it then serves without them, and says so.
+async fn refill(
+    node: &Node,
+    client: &Client,
+    round: u64,
+    alone_allowed: bool,
+) -> Result<u64, String> {
     let me = node.config.node_id;
     let counters = &node.counters;
     // Route by the view that has this node filling, and wait until every serving peer knows
@@ -139,6 +196,26 @@ async fn refill(node: &Node, client: &Client, round: u64) -> Result<u64, String>
         ));
     }
     let peers: Vec<u32> = view.serving();
+    let down: Vec<u32> = view
+        .members
+        .iter()
+        .filter(|member| member.state == MemberState::Down)
+        .map(|member| member.node_id)
+        .collect();
+    if peers.is_empty() && !down.is_empty() {
+        // Nobody to copy from, and the keys may be on the nodes that are down (a stopped
+        // cluster that is starting again): promoted now, this node would serve without them.
+        if !alone_allowed {
+            return Err(format!(
+                "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {RESUME_BOUND:?})"
+            ));
+        }
+        tracing::error!(
+            node = me,
+            ?down,
+            "no serving peer after {RESUME_BOUND:?}: serving without the nodes that are down; keys only they held are missing until they return"
+        );
+    }
     wait_for_peers(node, &peers, view.epoch).await?;
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it

@@ -27,6 +27,7 @@ use crate::metrics;
 use crate::node::{Attachment, Node, MAIN_ATTACHMENT, SEND_QUEUE_DEPTH};
 use crate::pending::{PendingHandshakes, ACCEPT_BACKOFF, ACCEPT_WARNING_EVERY};
 use crate::session;
+use crate::snapshot::SnapshotState;
 use crate::stats::Counters;
 use crate::sweep::Sweep;
 use crate::table::TableRegion;
@@ -110,6 +111,8 @@ impl RunningServer {
                     still = %waiting.join("; "),
                     "shutdown bound reached: stopping without these"
                 );
+                // The best copy there is, though a write of those connections may miss it.
+                crate::persistence::final_snapshot(&self.node).await;
                 return;
             }
             tracing::warn!(
@@ -119,6 +122,9 @@ impl RunningServer {
                 "shutdown still waiting"
             );
         }
+        // Every connection is torn down: no client can write, so every write the node
+        // acknowledged is in the table, and goes into the final snapshot.
+        crate::persistence::final_snapshot(&self.node).await;
         tracing::info!(node, "server stopped");
     }
 }
@@ -175,6 +181,12 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
     let completion_queue_size = (data_connections * SEND_QUEUE_DEPTH as usize).max(1024);
     let attachments = attach(table, &other_devices, &announcements, completion_queue_size)?;
+    // The snapshot is checked whole before anything starts: a damaged one stops the start.
+    let to_load = crate::persistence::snapshot_to_load(
+        config.data_dir.as_deref(),
+        config.start_from,
+        config.node_id,
+    )?;
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
     let view = crate::view::ViewService::start(
@@ -184,7 +196,9 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             secret: config.secret.clone(),
             failure_timeout: config.failure_timeout,
             state_file: config.view_state_file.clone(),
-            resume_from: None,
+            resume_from: to_load
+                .as_ref()
+                .and_then(|(_, loaded)| loaded.meta.stopped_at),
         },
         &tasks,
         shutdown.clone(),
@@ -203,8 +217,16 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         pending: PendingHandshakes::new(config.limits, config.max_connections),
         unauthenticated_ends: LogBudget::new(std::time::Duration::from_secs(1)),
         view,
+        snapshots: SnapshotState::new(config.data_dir.clone(), config.snapshot_interval),
         config,
     });
+    if let Some((path, _)) = &to_load {
+        // Before the first connection is accepted: no client sees a half-loaded table.
+        let keys = crate::persistence::load_snapshot(path, node.table(), &node.heap)?;
+        node.snapshots
+            .loaded_keys
+            .store(keys, std::sync::atomic::Ordering::Relaxed);
+    }
     // Every list a client posts ends with a READ of this word (`rdkv_common::lease`).
     node.view.set_lease_sink(node.announcements.lease_sink());
     tasks.spawn(accept_loop(
@@ -218,6 +240,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         shutdown.clone(),
     ));
     tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
+    tasks.spawn(crate::persistence::snapshot_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;
     let fabric_address = main_device.listen_address();
     tracing::info!(

@@ -53,6 +53,11 @@ pub(super) fn parse_cluster_section(
         "cluster.operation_deadline",
         Duration::from_secs(2),
     )?;
+    let snapshot_interval = locator.duration(
+        &cluster.snapshot_interval,
+        "cluster.snapshot_interval",
+        super::DEFAULT_SNAPSHOT_INTERVAL,
+    )?;
     let poll_spin = locator.duration(&cluster.poll_spin, "cluster.poll_spin", Duration::ZERO)?;
     let limits = connection_limits(locator, cluster)?;
     check_poll_spin(locator, cluster, poll_spin)?;
@@ -65,6 +70,7 @@ pub(super) fn parse_cluster_section(
         failure_timeout,
         replicas: 1,
         operation_deadline,
+        snapshot_interval,
         poll_spin,
         limits,
         ssh: ssh_settings(cluster),

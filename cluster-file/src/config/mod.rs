@@ -11,6 +11,8 @@
 //! replicas = 2                    # copies of each key, 1 to 3 and at most the nodes (default 1)
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
+//! snapshot_interval = "60s"       # a snapshot of each node's keys this often ("0s": only at
+//!                                 # a clean stop and on request; default 60s)
 //! ssh_user = "rdkv"               # remote nodes only: ssh as this user (default: your ssh config)
 //! ssh_options = ["-p", "2222"]    # remote nodes only: extra ssh arguments
 //! remote_binary = "rdkv-server"   # remote nodes only: the server binary there (default: on PATH)
@@ -29,6 +31,8 @@
 //! hugepages = "auto"                  # auto | require | off
 //! shm = "auto"                        # auto | off: clients on this host use shared memory
 //! shm_socket = "/run/rdkv/node-1.sock" # optional (default: in rdkv-cluster's run directory)
+//! data_dir = "/var/lib/rdkv/node-1"   # optional: its snapshots (default: in rdkv-cluster's
+//!                                     # run directory, node-1.data)
 //! ```
 //!
 //! This file holds the schema, the validated types and the entry points; `cluster_section`
@@ -82,6 +86,7 @@ struct RawCluster {
     failure_timeout: Option<Spanned<String>>,
     replicas: Option<Spanned<u64>>,
     operation_deadline: Option<Spanned<String>>,
+    snapshot_interval: Option<Spanned<String>>,
     poll_spin: Option<Spanned<String>>,
     max_connections: Option<Spanned<u64>>,
     max_unauthenticated_connections: Option<Spanned<u64>>,
@@ -114,6 +119,7 @@ struct RawNode {
     max_pinned_share: Option<Spanned<f64>>,
     shm: Option<Spanned<String>>,
     shm_socket: Option<Spanned<String>>,
+    data_dir: Option<Spanned<String>>,
 }
 
 /// The failure timeout when the file gives none.
@@ -122,6 +128,11 @@ pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest failure timeout.
 pub const MAX_FAILURE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often a node writes a snapshot when the file does not say: a crash of every node
+/// loses at most about this much (a whole-cluster stop by `rdkv-cluster down` loses nothing),
+/// for a scan and a write of the node's keys once a minute (64 MiB/s at most).
+pub const DEFAULT_SNAPSHOT_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The most copies of a key a cluster file may ask for.
 pub const MAX_REPLICAS: usize = 3;
@@ -147,6 +158,9 @@ pub struct ClusterConfig {
     pub replicas: usize,
     /// Per-operation deadline.
     pub operation_deadline: Duration,
+    /// How often each node writes a snapshot of its keys; zero: only at a clean stop and on
+    /// request (`docs/operations.md`, *Persistence*).
+    pub snapshot_interval: Duration,
     /// How long the fabric busy-polls before it sleeps: soft, the nodes' engine threads; verbs,
     /// every completion queue poller (clients' included).
     pub poll_spin: Duration,
@@ -246,6 +260,9 @@ pub struct NodeConfig {
     pub shm: ShmMode,
     /// The node's `shm` socket, when the file names one.
     pub shm_socket: Option<PathBuf>,
+    /// Where the node keeps its snapshots, when the file names it (else `rdkv-cluster` gives
+    /// it one in its run directory).
+    pub data_dir: Option<PathBuf>,
 }
 
 /// Whether a node offers its `shm` fabric to clients on its host.

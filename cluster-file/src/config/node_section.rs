@@ -108,6 +108,7 @@ impl NodeSection<'_> {
             .map_or(0.5, |share| *share.get_ref());
         let shm = self.shm()?;
         let shm_socket = self.shm_socket()?;
+        let data_dir = self.data_dir()?;
         let host = self.host(parsed.control)?;
         // Only a node whose process starts here pins its table here.
         let checked =
@@ -130,6 +131,7 @@ impl NodeSection<'_> {
             max_pinned_share,
             shm,
             shm_socket,
+            data_dir,
         })
     }
 
@@ -287,6 +289,19 @@ impl NodeSection<'_> {
                 path.span(),
                 "shm_socket",
                 "empty: give a path for the node's Unix-domain socket, or leave it out",
+            )),
+            Some(path) => Ok(Some(PathBuf::from(path.get_ref()))),
+            None => Ok(None),
+        }
+    }
+
+    /// `data_dir`: a path, when given.
+    fn data_dir(&self) -> Result<Option<PathBuf>> {
+        match &self.section.get_ref().data_dir {
+            Some(path) if path.get_ref().trim().is_empty() => Err(self.error(
+                path.span(),
+                "data_dir",
+                "empty: give a directory for the node's snapshots, or leave it out",
             )),
             Some(path) => Ok(Some(PathBuf::from(path.get_ref()))),
             None => Ok(None),

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{CommandFactory, Parser};
 use rdkv_fabric::memory::HugepagePolicy;
 use rdkv_fabric::{Backend, VerbsOptions};
+use rdkv_server::config::StartFrom;
 use rdkv_server::ServerConfig;
 use tokio_util::sync::CancellationToken;
 
@@ -106,6 +107,19 @@ struct Arguments {
     /// kept in memory, which is safe only for a node that never rejoins a running cluster.
     #[arg(long, requires = "config")]
     view_state: Option<PathBuf>,
+    /// Where the node keeps its snapshots, and loads the last one from at start (with
+    /// --config it replaces the file's `data_dir`; `rdkv-cluster` passes one in its run
+    /// directory). Without one, the node writes none and starts empty.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Which snapshot to start from: `latest`, `previous` (the one before, kept beside it) or
+    /// `empty` (none), when the latest one is damaged. `rdkv-cluster up` passes the
+    /// environment variable on to its nodes.
+    #[arg(long, value_enum, default_value_t = StartFrom::Latest, env = "RDKV_FROM_SNAPSHOT")]
+    from_snapshot: StartFrom,
+    /// Without --config: seconds between snapshots (0: only at a clean stop).
+    #[arg(long, default_value_t = 60, conflicts_with = "config")]
+    snapshot_interval_s: u64,
 }
 
 impl Arguments {
@@ -187,6 +201,9 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
             }
             let mut config = ServerConfig::from_cluster(&cluster, node)?;
             config.view_state_file = arguments.view_state.clone();
+            if let Some(data_dir) = &arguments.data_dir {
+                config.data_dir = Some(data_dir.clone());
+            }
             if config.shm_socket.is_some() {
                 // The file offers shm (not "off"): the command line says where.
                 if let Some(socket) = &arguments.shm_socket {
@@ -196,6 +213,10 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
             config
         }
         _ => config_from_flags(arguments)?,
+    };
+    let config = ServerConfig {
+        start_from: arguments.from_snapshot,
+        ..config
     };
     let node_id = config.node_id;
     let shutdown = CancellationToken::new();
@@ -300,6 +321,9 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         members: Vec::new(),
         failure_timeout: rdkv_server::config::DEFAULT_FAILURE_TIMEOUT,
         view_state_file: None,
+        data_dir: arguments.data_dir.clone(),
+        snapshot_interval: Duration::from_secs(arguments.snapshot_interval_s),
+        start_from: arguments.from_snapshot,
         cluster: None,
     })
 }

@@ -189,6 +189,16 @@ impl Session {
                 shutdown.cancel();
                 return Err("it asked the node to shut down".into());
             }
+            ClientMessage::StopCluster => match node.view.stop_cluster().await {
+                Ok(epoch) => {
+                    tracing::info!(epoch, "the whole cluster stops (asked over the control plane)");
+                    ServerMessage::ClusterStopped { epoch }
+                }
+                Err(reason) => ServerMessage::Refused {
+                    reason: format!("the cluster's stop was not committed: {reason}"),
+                },
+            },
+            ClientMessage::Snapshot => crate::persistence::snapshot_on_request(node).await,
             ClientMessage::Goodbye => return Err(GOODBYE.into()),
             ClientMessage::FetchView => ServerMessage::View(node.view.current()),
             ClientMessage::Peer { payload } => ServerMessage::Peer {

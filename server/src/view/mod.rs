@@ -48,6 +48,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
 pub use lease::Serving;
+pub use stop::RESUME_BOUND;
 use network::{ask_leader, Liveness, Network};
 use storage::Store;
 use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};

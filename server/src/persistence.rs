@@ -1,0 +1,292 @@
+//! Persistence: the node's snapshots written (every `snapshot_interval`, on request, and at a
+//! clean shutdown once its clients are fenced) and loaded back before it serves
+//! (`docs/operations.md`, *Persistence*). The file format is `crate::snapshot::file`; reading
+//! the live table safely is `crate::snapshot::table_io`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkv_common::protocol::ServerMessage;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::StartFrom;
+use crate::error::{Error, Result};
+use crate::heap::Heap;
+use crate::node::Node;
+use crate::snapshot::file::{
+    read_snapshot, verify_snapshot, LoadedSnapshot, SnapshotMeta, SnapshotWriter,
+    WrittenSnapshot, PREVIOUS_FILE, SNAPSHOT_FILE,
+};
+use crate::snapshot::table_io::{scan_table, Loader};
+use crate::snapshot::LastSnapshot;
+use crate::table::TableRegion;
+
+/// The most bytes a second a snapshot writes: the scan sleeps to keep to it, so a snapshot
+/// takes at most about half a core and leaves the disk to others (100,000 × 1 KB, about
+/// 110 MB, takes about 2 s).
+pub const SNAPSHOT_BYTES_PER_SECOND: u64 = 64 << 20;
+
+/// How often the pace is checked, in bytes written.
+const PACE_STEP: u64 = 1 << 20;
+
+/// Why a snapshot is written, for the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// `snapshot_interval` passed.
+    Interval,
+    /// `rdkv-cluster snapshot`.
+    Requested,
+    /// A clean shutdown, after the node's clients were fenced.
+    Shutdown,
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Reason::Interval => "interval",
+            Reason::Requested => "requested",
+            Reason::Shutdown => "shutdown",
+        })
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
+}
+
+/// Writes a snapshot of the node's table now (blocking: run it on a blocking thread), one at a
+/// time. `Ok(None)` when the node has no data directory.
+///
+/// # Errors
+/// [`Error::Snapshot`] when it cannot be written: the previous snapshot is left as it was.
+pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<WrittenSnapshot>> {
+    let state = &node.snapshots;
+    let Some(data_dir) = state.data_dir.as_deref() else {
+        return Ok(None);
+    };
+    let _one_at_a_time = rdkv_fabric::lock(&state.writing);
+    let started = Instant::now();
+    let meta = SnapshotMeta {
+        cluster: node
+            .config
+            .cluster
+            .as_ref()
+            .map(|cluster| cluster.name.clone())
+            .unwrap_or_default(),
+        node_id: node.config.node_id,
+        view_epoch: node.view.epoch(),
+        stopped_at: node.view.stopped_at(),
+        created_unix_ms: unix_ms(),
+    };
+    let outcome = write_paced(node.table(), data_dir, &meta);
+    match outcome {
+        Ok(written) => {
+            state.succeeded(LastSnapshot {
+                finished_unix_ms: unix_ms(),
+                duration: started.elapsed(),
+                bytes: written.bytes,
+                keys: written.keys,
+            });
+            tracing::info!(
+                node = node.config.node_id,
+                %reason,
+                keys = written.keys,
+                bytes = written.bytes,
+                took = ?started.elapsed(),
+                stopped_at = ?meta.stopped_at,
+                file = %written.path.display(),
+                "snapshot written"
+            );
+            Ok(Some(written))
+        }
+        Err(error) => {
+            state.failed(error.to_string());
+            tracing::warn!(
+                node = node.config.node_id,
+                %reason,
+                %error,
+                "snapshot failed: the previous one is kept; the node keeps serving"
+            );
+            Err(error)
+        }
+    }
+}
+
+/// Scans `table` into a new snapshot in `data_dir`, at most [`SNAPSHOT_BYTES_PER_SECOND`].
+fn write_paced(table: &TableRegion, data_dir: &Path, meta: &SnapshotMeta) -> Result<WrittenSnapshot> {
+    let mut writer = SnapshotWriter::create(data_dir, meta)?;
+    let started = Instant::now();
+    let mut next_check = PACE_STEP;
+    scan_table(table, |key, value| {
+        writer.append(key, value)?;
+        let written = writer.bytes_written();
+        if written >= next_check {
+            next_check = written + PACE_STEP;
+            let due = Duration::from_secs_f64(written as f64 / SNAPSHOT_BYTES_PER_SECOND as f64);
+            if let Some(ahead) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(ahead);
+            }
+        }
+        Ok::<(), Error>(())
+    })?;
+    writer.finish()
+}
+
+/// Writes a snapshot every `interval` of the node's [`crate::snapshot::SnapshotState`] until
+/// `shutdown` (the shutdown's own snapshot is [`final_snapshot`]'s).
+pub(crate) async fn snapshot_loop(node: Arc<Node>, shutdown: CancellationToken) {
+    let interval = node.snapshots.interval;
+    if node.snapshots.data_dir.is_none() || interval.is_zero() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let writing = node.clone();
+        let gate = node.gate.enter("snapshot".into());
+        gate.step("writing a snapshot");
+        let _ = tokio::task::spawn_blocking(move || {
+            let _gate = gate;
+            take_snapshot(&writing, Reason::Interval)
+        })
+        .await;
+    }
+}
+
+/// The snapshot a clean shutdown writes once the node serves nothing: every write it
+/// acknowledged is in it. Bounded by nothing but the table's size, and logged.
+pub(crate) async fn final_snapshot(node: &Arc<Node>) {
+    let writing = node.clone();
+    let _ = tokio::task::spawn_blocking(move || take_snapshot(&writing, Reason::Shutdown)).await;
+}
+
+/// A snapshot written because a client asked (`rdkv-cluster snapshot`): the answer to send.
+pub(crate) async fn snapshot_on_request(node: &Arc<Node>) -> ServerMessage {
+    let node_id = node.config.node_id;
+    if node.snapshots.data_dir.is_none() {
+        return ServerMessage::Refused {
+            reason: format!("node {node_id} has no data directory: start it with --data-dir (rdkv-cluster gives every node one)"),
+        };
+    }
+    let started = Instant::now();
+    let writing = node.clone();
+    let outcome =
+        tokio::task::spawn_blocking(move || take_snapshot(&writing, Reason::Requested)).await;
+    match outcome {
+        Ok(Ok(Some(written))) => ServerMessage::SnapshotWritten {
+            node_id,
+            path: written.path.display().to_string(),
+            keys: written.keys,
+            bytes: written.bytes,
+            took_ms: started.elapsed().as_millis() as u64,
+        },
+        Ok(Ok(None)) => ServerMessage::Refused {
+            reason: format!("node {node_id} has no data directory"),
+        },
+        Ok(Err(error)) => ServerMessage::Refused {
+            reason: error.to_string(),
+        },
+        Err(error) => ServerMessage::Refused {
+            reason: format!("the snapshot task failed: {error}"),
+        },
+    }
+}
+
+/// The snapshot a node starts from, checked whole: `Ok(None)` when there is none to load (no
+/// data directory, no file, or `StartFrom::Empty`).
+///
+/// # Errors
+/// [`Error::Snapshot`] when the file is damaged, of another node, or of another format: one
+/// line naming the file and the choices.
+pub fn snapshot_to_load(
+    data_dir: Option<&Path>,
+    start_from: StartFrom,
+    node_id: u32,
+) -> Result<Option<(PathBuf, LoadedSnapshot)>> {
+    let Some(data_dir) = data_dir else {
+        return Ok(None);
+    };
+    let path = match start_from {
+        StartFrom::Empty => return Ok(None),
+        StartFrom::Latest => data_dir.join(SNAPSHOT_FILE),
+        StartFrom::Previous => data_dir.join(PREVIOUS_FILE),
+    };
+    if !path.exists() {
+        if start_from == StartFrom::Previous {
+            return Err(Error::Snapshot {
+                path,
+                reason: "no previous snapshot to start from: start with RDKV_FROM_SNAPSHOT=latest or empty".into(),
+            });
+        }
+        return Ok(None);
+    }
+    let loaded = verify_snapshot(&path).map_err(|error| with_choices(error, start_from))?;
+    if loaded.meta.node_id != node_id {
+        return Err(Error::Snapshot {
+            path,
+            reason: format!(
+                "written by node {}, not node {node_id}: check data_dir in the cluster file",
+                loaded.meta.node_id
+            ),
+        });
+    }
+    Ok(Some((path, loaded)))
+}
+
+/// A damaged snapshot's error, with what the operator may do.
+fn with_choices(error: Error, start_from: StartFrom) -> Error {
+    match error {
+        Error::Snapshot { path, reason } => {
+            let choices = if start_from == StartFrom::Latest {
+                "start from the previous snapshot with `RDKV_FROM_SNAPSHOT=previous rdkv-cluster up ...` (rdkv-server --from-snapshot previous), or empty with `RDKV_FROM_SNAPSHOT=empty`"
+            } else {
+                "start empty with `RDKV_FROM_SNAPSHOT=empty rdkv-cluster up ...` (rdkv-server --from-snapshot empty)"
+            };
+            Error::Snapshot {
+                path,
+                reason: format!("{reason}; {choices}"),
+            }
+        }
+        other => other,
+    }
+}
+
+/// Loads the checked snapshot at `path` into the empty table; the keys loaded.
+///
+/// # Errors
+/// [`Error::Snapshot`]: the file changed since it was checked, or the table cannot hold it
+/// (the message names the setting to raise).
+pub fn load_snapshot(path: &Path, table: &TableRegion, heap: &Heap) -> Result<u64> {
+    let started = Instant::now();
+    let mut loader = Loader::new(table, heap);
+    let mut failure = None;
+    let loaded = read_snapshot(path, |key, value| {
+        if failure.is_none() {
+            if let Err(reason) = loader.insert(key, value) {
+                failure = Some(reason);
+            }
+        }
+    })?;
+    if let Some(reason) = failure {
+        return Err(Error::Snapshot {
+            path: path.to_path_buf(),
+            reason,
+        });
+    }
+    let keys = loader.finish();
+    tracing::info!(
+        file = %path.display(),
+        keys,
+        bytes = loaded.bytes,
+        written_at_ms = loaded.meta.created_unix_ms,
+        stopped_at = ?loaded.meta.stopped_at,
+        took = ?started.elapsed(),
+        "snapshot loaded"
+    );
+    Ok(keys)
+}

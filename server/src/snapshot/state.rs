@@ -1,0 +1,81 @@
+//! What a node knows of its snapshots: where they go, how often, the last one written, and
+//! the failures; the figures `rdkv stats`, `rdkv-cluster status` and the metrics show.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rdkv_fabric::lock;
+
+/// The snapshot a node wrote last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastSnapshot {
+    /// When it was complete, in milliseconds since the Unix epoch.
+    pub finished_unix_ms: u64,
+    /// How long writing it took.
+    pub duration: Duration,
+    /// The file's bytes.
+    pub bytes: u64,
+    /// The keys in it.
+    pub keys: u64,
+}
+
+/// A node's snapshots.
+#[derive(Debug, Default)]
+pub struct SnapshotState {
+    /// Where they are written; `None`: nowhere (a node started without a data directory).
+    pub data_dir: Option<PathBuf>,
+    /// How often one is written; zero: only on request and at a clean shutdown.
+    pub interval: Duration,
+    /// Held while one is written: one at a time.
+    pub(crate) writing: Mutex<()>,
+    last: Mutex<Option<LastSnapshot>>,
+    last_failure: Mutex<Option<String>>,
+    written: AtomicU64,
+    failed: AtomicU64,
+    /// Keys loaded from a snapshot at start.
+    pub(crate) loaded_keys: AtomicU64,
+}
+
+impl SnapshotState {
+    /// Snapshots into `data_dir` every `interval`.
+    pub fn new(data_dir: Option<PathBuf>, interval: Duration) -> Self {
+        Self {
+            data_dir,
+            interval,
+            ..Self::default()
+        }
+    }
+
+    /// Records a snapshot written.
+    pub(crate) fn succeeded(&self, snapshot: LastSnapshot) {
+        *lock(&self.last) = Some(snapshot);
+        *lock(&self.last_failure) = None;
+        self.written.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a snapshot that failed, and why.
+    pub(crate) fn failed(&self, reason: String) {
+        *lock(&self.last_failure) = Some(reason);
+        self.failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The last snapshot written by this process.
+    pub fn last(&self) -> Option<LastSnapshot> {
+        lock(&self.last).clone()
+    }
+
+    /// Why the last snapshot failed, while no later one succeeded.
+    pub fn last_failure(&self) -> Option<String> {
+        lock(&self.last_failure).clone()
+    }
+
+    /// Snapshots written, and failed, by this process.
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.written.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
