@@ -56,6 +56,15 @@ pub enum Error {
         /// What is wrong, and the fix.
         reason: String,
     },
+    /// A snapshot file cannot be written, read, or trusted (`snapshot/file.rs`).
+    #[error("snapshot {}: {reason}", path.display())]
+    Snapshot {
+        /// The file (or the data directory, when creating it failed).
+        path: std::path::PathBuf,
+        /// What is wrong, concretely: the step and the OS error, or the damage and where it
+        /// is. The caller adds the fix.
+        reason: String,
+    },
 
     /// The view's consensus did not start.
     #[error("the cluster view's consensus: {reason}")]
