@@ -95,7 +95,7 @@ impl Drop for Cluster {
             "--run-dir",
             self.run_directory.to_str().unwrap_or_default(),
         ]);
-        let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent")));
+        if std::env::var_os("RDKV_KEEP_TEST_DIRS").is_none() { let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent"))); }
     }
 }
 

@@ -37,9 +37,9 @@
 //! compactor, stats                                   (heap, table)
 //! view                                               (announce, error)
 //! sweep                                              (config, table, view)
-//! node                                               (the state it holds: all of the above)
 //! snapshot                                           (error, heap, table)
-collector, session, refill, persistence            (node, and the state modules)
+//! node                                               (the state it holds: all of the above)
+//! collector, session, refill, persistence            (node, and the state modules)
 //! metrics                                            (pending)
 //! server                                             (everything: it builds the node, starts the tasks)
 //! ```

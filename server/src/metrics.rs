@@ -92,7 +92,7 @@ impl Metrics {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 49] {
+fn definitions() -> [(&'static str, &'static str, Reader); 57] {
     [
         (
             "uptime_seconds",

@@ -220,6 +220,18 @@ async fn refill(
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
+    if peers.is_empty() {
+        // Nobody newer to copy from (every node of a cluster starting again without a clean
+        // stop behind it): what this node holds, loaded from its snapshot, is the best copy
+        // there is. Copies of a key on two such nodes may be from different moments
+        // (`docs/operations.md`, *Persistence*).
+        tracing::warn!(
+            node = me,
+            keys = node.table().count_keys(),
+            "no serving peer to refill from: serving what this node holds (its snapshot)"
+        );
+        return Ok(0);
+    }
     let forgotten = node.table().clear_slots();
     if forgotten > 0 {
         tracing::info!(

@@ -187,6 +187,8 @@ impl Counters {
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
             client_counters: *lock(&self.client_counters),
+            // The node's snapshot state fills these (`Node::stats`).
+            ..ServerStats::default()
         }
     }
 }

@@ -198,7 +198,7 @@ impl Session {
                     reason: format!("the cluster's stop was not committed: {reason}"),
                 },
             },
-            ClientMessage::Snapshot => crate::persistence::snapshot_on_request(node).await,
+            ClientMessage::Snapshot => crate::persistence::snapshot_on_request(&node).await,
             ClientMessage::Goodbye => return Err(GOODBYE.into()),
             ClientMessage::FetchView => ServerMessage::View(node.view.current()),
             ClientMessage::Peer { payload } => ServerMessage::Peer {

@@ -20,7 +20,7 @@
 //! All integers are little-endian. Checksums are `xxh3_64`. The file is a header, frames of
 //! records, and a trailer.
 //!
-//! Header (`48 + C` bytes):
+//! Header (`56 + C` bytes):
 //!
 //! | offset   | size | field                                                 |
 //! |----------|------|-------------------------------------------------------|
@@ -29,9 +29,10 @@
 //! | 18       | 4    | node id (`u32`)                                       |
 //! | 22       | 8    | view epoch (`u64`)                                    |
 //! | 30       | 8    | created, milliseconds since the Unix epoch (`u64`)    |
-//! | 38       | 2    | cluster name length `C` (`u16`)                       |
-//! | 40       | C    | cluster name, UTF-8                                   |
-//! | 40 + C   | 8    | header checksum: `xxh3_64` of bytes `0..40 + C`       |
+//! | 38       | 8    | the cluster stop it was written at (`u64`, 0: none)   |
+//! | 46       | 2    | cluster name length `C` (`u16`)                       |
+//! | 48       | C    | cluster name, UTF-8                                   |
+//! | 48 + C   | 8    | header checksum: `xxh3_64` of bytes `0..48 + C`       |
 //!
 //! Frame (`20 + L` bytes), repeated, each holding at least one record:
 //!
@@ -104,7 +105,7 @@ const FRAME_TAG: [u8; 4] = *b"FRAM";
 /// The first bytes of the trailer.
 const TRAILER_TAG: [u8; 4] = *b"TAIL";
 /// The header's bytes before the cluster name: magic, version, node id, epoch, time, length.
-const HEADER_FIXED_LENGTH: usize = 40;
+const HEADER_FIXED_LENGTH: usize = 48;
 /// Tag, byte length, record count, checksum.
 const FRAME_HEADER_LENGTH: usize = 20;
 /// Key length and value length.
@@ -125,6 +126,9 @@ pub struct SnapshotMeta {
     pub view_epoch: u64,
     /// When the writing began, in milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
+    /// The epoch of the whole cluster's stop the snapshot was written at, once the node served
+    /// nothing (`crate::view`, `stop.rs`): it holds every acknowledged write of its keys.
+    pub stopped_at: Option<u64>,
 }
 
 /// A snapshot made current by [`SnapshotWriter::finish`].
@@ -441,6 +445,7 @@ fn encode_header(meta: &SnapshotMeta) -> std::result::Result<EncodedHeader, Stri
     bytes.extend_from_slice(&meta.node_id.to_le_bytes());
     bytes.extend_from_slice(&meta.view_epoch.to_le_bytes());
     bytes.extend_from_slice(&meta.created_unix_ms.to_le_bytes());
+    bytes.extend_from_slice(&meta.stopped_at.unwrap_or(0).to_le_bytes());
     bytes.extend_from_slice(&cluster_length.to_le_bytes());
     bytes.extend_from_slice(meta.cluster.as_bytes());
     let checksum = xxh3_64(&bytes);
@@ -666,8 +671,19 @@ impl SnapshotReader {
         }
         let fields: [u8; HEADER_FIXED_LENGTH - MAGIC.len() - 4] = self.read_array("the header")?;
         let mut cursor = FieldCursor { remaining: &fields };
-        let (Some(node_id), Some(view_epoch), Some(created_unix_ms), Some(cluster_length)) =
-            (cursor.u32(), cursor.u64(), cursor.u64(), cursor.u16())
+        let (
+            Some(node_id),
+            Some(view_epoch),
+            Some(created_unix_ms),
+            Some(stopped_at),
+            Some(cluster_length),
+        ) = (
+            cursor.u32(),
+            cursor.u64(),
+            cursor.u64(),
+            cursor.u64(),
+            cursor.u16(),
+        )
         else {
             return Err(self.damaged("the header's fields could not be decoded"));
         };
@@ -689,6 +705,7 @@ impl SnapshotReader {
             node_id,
             view_epoch,
             created_unix_ms,
+            stopped_at: (stopped_at != 0).then_some(stopped_at),
         };
         Ok((meta, stored_checksum))
     }
@@ -902,6 +919,7 @@ mod tests {
             node_id: 7,
             view_epoch,
             created_unix_ms: 1_700_000_000_123,
+            stopped_at: Some(view_epoch + 1),
         }
     }
 

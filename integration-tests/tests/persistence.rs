@@ -1,0 +1,172 @@
+//! Persistence (`docs/operations.md`, *Persistence*): a whole cluster stopped by
+//! `rdkv-cluster down` and started again by `up` keeps every key with its last value, with one
+//! copy of each key and with two; a damaged snapshot stops the start with one line that names
+//! the file and the choices, and the previous snapshot can be chosen instead.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rdkv_client::Client;
+use rdkv_integration_tests::cluster::Cluster;
+use rdkv_integration_tests::view::{cluster_command, wait_settled, Nodes};
+
+/// Keys written before the stop.
+const KEYS: usize = 2_000;
+/// Of them, overwritten, and deleted.
+const OVERWRITTEN: usize = 200;
+const DELETED: usize = 20;
+
+fn key(index: usize) -> Vec<u8> {
+    format!("persist-{index:05}").into_bytes()
+}
+
+/// Writes the keys, overwrites some and deletes some; the values the cluster must hold.
+async fn write_history(client: &Client) -> BTreeMap<Vec<u8>, Option<Vec<u8>>> {
+    let mut expected = BTreeMap::new();
+    for index in 0..KEYS {
+        let value = format!("first-{index}").into_bytes();
+        client.put(&key(index), &value).await.expect("put");
+        expected.insert(key(index), Some(value));
+    }
+    for index in (0..KEYS).step_by(KEYS / OVERWRITTEN) {
+        let value = vec![b'x'; 100 + index % 900];
+        client.put(&key(index), &value).await.expect("overwrite");
+        expected.insert(key(index), Some(value));
+    }
+    for index in (1..KEYS).step_by(KEYS / DELETED) {
+        client.delete(&key(index)).await.expect("delete");
+        expected.insert(key(index), None);
+    }
+    expected
+}
+
+/// Every key reads back as `expected` says (a fresh client: the cluster's processes are new),
+/// once every node serves again.
+async fn check(cluster: &Cluster, expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>) {
+    let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
+    let nodes: Nodes = config
+        .nodes
+        .iter()
+        .map(|node| (node.id, node.control_address))
+        .collect();
+    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
+    wait_settled(&nodes, &config.secret, &ids, Duration::from_secs(60))
+        .await
+        .expect("every node serves again");
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let mut wrong = Vec::new();
+    for (key, value) in expected {
+        let read = client.get(key).await.expect("get after the restart");
+        if read.as_deref() != value.as_deref() {
+            wrong.push(String::from_utf8_lossy(key).to_string());
+        }
+    }
+    client.close().await;
+    assert!(
+        wrong.is_empty(),
+        "{} of {} keys differ after the restart, first {:?}",
+        wrong.len(),
+        expected.len(),
+        wrong.first()
+    );
+}
+
+fn succeeded(output: &std::process::Output, what: &str) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "{what} failed: {text}");
+    text
+}
+
+async fn clean_restart_keeps_every_key(replicas: usize) {
+    let cluster = Cluster::up_with(&format!("persistence-{replicas}"), |text| {
+        text.replace("replicas = 2", &format!("replicas = {replicas}"))
+    });
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let expected = write_history(&client).await;
+    client.close().await;
+    let down = succeeded(&cluster_command(&cluster, "down", None), "down");
+    assert!(down.contains("cluster stopped at view epoch"), "{down}");
+    succeeded(&cluster_command(&cluster, "up", None), "up");
+    check(&cluster, &expected).await;
+    let status = succeeded(&cluster_command(&cluster, "status", None), "status");
+    assert!(status.contains("1 serving, 2 serving, 3 serving"), "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_restart_of_the_whole_cluster_keeps_every_key_with_two_copies() {
+    clean_restart_keeps_every_key(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_restart_of_the_whole_cluster_keeps_every_key_with_one_copy() {
+    clean_restart_keeps_every_key(1).await;
+}
+
+fn snapshot_file(cluster: &Cluster, node: u32, name: &str) -> PathBuf {
+    cluster
+        .run_directory
+        .join(format!("node-{node}.data"))
+        .join(name)
+}
+
+/// A flipped byte in a node's latest snapshot stops `up` with the file and the choices; with
+/// `RDKV_FROM_SNAPSHOT=previous` the node starts from the snapshot before it, and every key is
+/// there (the node refills what the previous one lacks from its peers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
+    let cluster = Cluster::up("persistence-damaged");
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let expected = write_history(&client).await;
+    client.close().await;
+    let snapshot = succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
+    assert_eq!(snapshot.matches("keys").count(), 3, "{snapshot}");
+    succeeded(&cluster_command(&cluster, "down", None), "down");
+    let latest = snapshot_file(&cluster, 1, "snapshot.rdkv");
+    let mut bytes = std::fs::read(&latest).expect("node 1's snapshot");
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 1;
+    std::fs::write(&latest, bytes).expect("damage it");
+
+    let refused = cluster_command(&cluster, "up", None);
+    let text = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert!(!refused.status.success(), "up started from a damaged snapshot");
+    assert!(
+        text.contains(latest.to_str().expect("utf-8")) && text.contains("RDKV_FROM_SNAPSHOT=previous"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    // Nodes 2 and 3 start from the stop's snapshots and wait for node 1; node 1 starts from
+    // its previous snapshot, joins, and is refilled from them.
+    for node in ["2", "3"] {
+        let file = cluster.file.to_str().expect("utf-8");
+        let run = cluster.run_directory.to_str().expect("utf-8");
+        succeeded(
+            &rdkv_integration_tests::cluster::rdkv_cluster(&[
+                "up", file, "--run-dir", run, "--node", node, "--detach",
+            ]),
+            "up of a node with an intact snapshot",
+        );
+    }
+    let output = std::process::Command::new(rdkv_integration_tests::process::workspace_binary(
+        "rdkv-cluster",
+    ))
+    .args([
+        "up",
+        cluster.file.to_str().expect("utf-8"),
+        "--run-dir",
+        cluster.run_directory.to_str().expect("utf-8"),
+        "--node",
+        "1",
+        "--detach",
+    ])
+    .env("RDKV_FROM_SNAPSHOT", "previous")
+    .output()
+    .expect("run rdkv-cluster");
+    succeeded(&output, "up of node 1 from its previous snapshot");
+    check(&cluster, &expected).await;
+}
