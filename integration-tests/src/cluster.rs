@@ -95,7 +95,11 @@ impl Drop for Cluster {
             "--run-dir",
             self.run_directory.to_str().unwrap_or_default(),
         ]);
-        if std::env::var_os("RDKV_KEEP_TEST_DIRS").is_none() { let _ = std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent"))); }
+        // RDKV_KEEP_TEST_DIRS=1 keeps the cluster file and the nodes' logs and data for a look.
+        if std::env::var_os("RDKV_KEEP_TEST_DIRS").is_none() {
+            let _ =
+                std::fs::remove_dir_all(self.file.parent().unwrap_or(Path::new("/nonexistent")));
+        }
     }
 }
 

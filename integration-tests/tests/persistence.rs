@@ -94,7 +94,10 @@ async fn clean_restart_keeps_every_key(replicas: usize) {
     succeeded(&cluster_command(&cluster, "up", None), "up");
     check(&cluster, &expected).await;
     let status = succeeded(&cluster_command(&cluster, "status", None), "status");
-    assert!(status.contains("1 serving, 2 serving, 3 serving"), "{status}");
+    assert!(
+        status.contains("1 serving, 2 serving, 3 serving"),
+        "{status}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,9 +137,13 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
 
     let refused = cluster_command(&cluster, "up", None);
     let text = String::from_utf8_lossy(&refused.stderr).to_string();
-    assert!(!refused.status.success(), "up started from a damaged snapshot");
     assert!(
-        text.contains(latest.to_str().expect("utf-8")) && text.contains("RDKV_FROM_SNAPSHOT=previous"),
+        !refused.status.success(),
+        "up started from a damaged snapshot"
+    );
+    assert!(
+        text.contains(latest.to_str().expect("utf-8"))
+            && text.contains("RDKV_FROM_SNAPSHOT=previous"),
         "{text}"
     );
     assert!(!text.contains("panicked"), "{text}");
@@ -147,7 +154,13 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
         let run = cluster.run_directory.to_str().expect("utf-8");
         succeeded(
             &rdkv_integration_tests::cluster::rdkv_cluster(&[
-                "up", file, "--run-dir", run, "--node", node, "--detach",
+                "up",
+                file,
+                "--run-dir",
+                run,
+                "--node",
+                node,
+                "--detach",
             ]),
             "up of a node with an intact snapshot",
         );

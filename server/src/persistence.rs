@@ -15,8 +15,8 @@ use crate::error::{Error, Result};
 use crate::heap::Heap;
 use crate::node::Node;
 use crate::snapshot::file::{
-    read_snapshot, verify_snapshot, LoadedSnapshot, SnapshotMeta, SnapshotWriter,
-    WrittenSnapshot, PREVIOUS_FILE, SNAPSHOT_FILE,
+    read_snapshot, verify_snapshot, LoadedSnapshot, SnapshotMeta, SnapshotWriter, WrittenSnapshot,
+    PREVIOUS_FILE, SNAPSHOT_FILE,
 };
 use crate::snapshot::table_io::{scan_table, Loader};
 use crate::snapshot::LastSnapshot;
@@ -116,7 +116,11 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
 }
 
 /// Scans `table` into a new snapshot in `data_dir`, at most [`SNAPSHOT_BYTES_PER_SECOND`].
-fn write_paced(table: &TableRegion, data_dir: &Path, meta: &SnapshotMeta) -> Result<WrittenSnapshot> {
+fn write_paced(
+    table: &TableRegion,
+    data_dir: &Path,
+    meta: &SnapshotMeta,
+) -> Result<WrittenSnapshot> {
     let mut writer = SnapshotWriter::create(data_dir, meta)?;
     let started = Instant::now();
     let mut next_check = PACE_STEP;

@@ -129,7 +129,11 @@ async fn resume(node: &Node, stopped_at: u64, shutdown: &CancellationToken) -> R
     let me = node.config.node_id;
     let started = Instant::now();
     let mut last_report = Instant::now();
-    tracing::info!(node = me, stopped_at, "resumed from the cluster stop's snapshot: waiting for the other members of the stop");
+    tracing::info!(
+        node = me,
+        stopped_at,
+        "resumed from the cluster stop's snapshot: waiting for the other members of the stop"
+    );
     while node.view.resumed_round() == Some(stopped_at) {
         let missing = node.view.not_back_from(stopped_at);
         let due = missing.is_empty() || started.elapsed() >= RESUME_BOUND;
@@ -143,8 +147,12 @@ async fn resume(node: &Node, stopped_at: u64, shutdown: &CancellationToken) -> R
                 );
             }
             match node.view.promote_resumed(stopped_at).await {
-                Ok(epoch) => tracing::info!(node = me, epoch, took = ?started.elapsed(), "resumed members serve"),
-                Err(reason) => tracing::debug!(%reason, "promotion of the resumed members not committed yet"),
+                Ok(epoch) => {
+                    tracing::info!(node = me, epoch, took = ?started.elapsed(), "resumed members serve")
+                }
+                Err(reason) => {
+                    tracing::debug!(%reason, "promotion of the resumed members not committed yet")
+                }
             }
         } else if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
@@ -196,42 +204,12 @@ async fn refill(
         ));
     }
     let peers: Vec<u32> = view.serving();
-    let down: Vec<u32> = view
-        .members
-        .iter()
-        .filter(|member| member.state == MemberState::Down)
-        .map(|member| member.node_id)
-        .collect();
-    if peers.is_empty() && !down.is_empty() {
-        // Nobody to copy from, and the keys may be on the nodes that are down (a stopped
-        // cluster that is starting again): promoted now, this node would serve without them.
-        if !alone_allowed {
-            return Err(format!(
-                "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {RESUME_BOUND:?})"
-            ));
-        }
-        tracing::error!(
-            node = me,
-            ?down,
-            "no serving peer after {RESUME_BOUND:?}: serving without the nodes that are down; keys only they held are missing until they return"
-        );
+    if !peers_to_copy_from(node, &view, &peers, alone_allowed).await? {
+        return Ok(0);
     }
-    wait_for_peers(node, &peers, view.epoch).await?;
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
-    if peers.is_empty() {
-        // Nobody newer to copy from (every node of a cluster starting again without a clean
-        // stop behind it): what this node holds, loaded from its snapshot, is the best copy
-        // there is. Copies of a key on two such nodes may be from different moments
-        // (`docs/operations.md`, *Persistence*).
-        tracing::warn!(
-            node = me,
-            keys = node.table().count_keys(),
-            "no serving peer to refill from: serving what this node holds (its snapshot)"
-        );
-        return Ok(0);
-    }
     let forgotten = node.table().clear_slots();
     if forgotten > 0 {
         tracing::info!(
@@ -283,6 +261,52 @@ async fn refill(
         }
     }
     Ok(copied)
+}
+
+/// Whether the refill copies from `peers` (it then waits for them to apply its view first):
+/// `Ok(false)` when there is no serving peer and the node serves what it holds; an error (the
+/// refill starts over) while it waits for members that are down, unless `alone_allowed`.
+async fn peers_to_copy_from(
+    node: &Node,
+    view: &rdkv_common::protocol::ClusterView,
+    peers: &[u32],
+    alone_allowed: bool,
+) -> Result<bool, String> {
+    let me = node.config.node_id;
+    let down: Vec<u32> = view
+        .members
+        .iter()
+        .filter(|member| member.state == MemberState::Down)
+        .map(|member| member.node_id)
+        .collect();
+    if peers.is_empty() && !down.is_empty() {
+        // Nobody to copy from, and the keys may be on the nodes that are down (a stopped
+        // cluster that is starting again): promoted now, this node would serve without them.
+        if !alone_allowed {
+            return Err(format!(
+                "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {RESUME_BOUND:?})"
+            ));
+        }
+        tracing::error!(
+            node = me,
+            ?down,
+            "no serving peer after {RESUME_BOUND:?}: serving without the nodes that are down; keys only they held are missing until they return"
+        );
+    }
+    wait_for_peers(node, peers, view.epoch).await?;
+    if peers.is_empty() {
+        // Nobody newer to copy from (every node of a cluster starting again without a clean
+        // stop behind it): what this node holds, loaded from its snapshot, is the best copy
+        // there is. Copies of a key on two such nodes may be from different moments
+        // (`docs/operations.md`, *Persistence*).
+        tracing::warn!(
+            node = me,
+            keys = node.table().count_keys(),
+            "no serving peer to refill from: serving what this node holds (its snapshot)"
+        );
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// Waits until every one of `peers` has applied the view of `epoch` (its data connections

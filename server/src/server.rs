@@ -227,23 +227,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             .loaded_keys
             .store(keys, std::sync::atomic::Ordering::Relaxed);
     }
-    // Every list a client posts ends with a READ of this word (`rdkv_common::lease`).
-    node.view.set_lease_sink(node.announcements.lease_sink());
-    tasks.spawn(accept_loop(
-        listener,
-        node.clone(),
-        shutdown.clone(),
-        tasks.clone(),
-    ));
-    tasks.spawn(crate::collector::collect_loop(
-        node.clone(),
-        shutdown.clone(),
-    ));
-    tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
-    tasks.spawn(crate::persistence::snapshot_loop(
-        node.clone(),
-        shutdown.clone(),
-    ));
+    spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;
     let fabric_address = main_device.listen_address();
     tracing::info!(
@@ -261,6 +245,32 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         tasks,
         node,
     })
+}
+
+/// The node's tasks: accepting clients, collecting the heap, refilling, snapshots.
+fn spawn_tasks(
+    node: &Arc<Node>,
+    listener: TcpListener,
+    tasks: &TaskTracker,
+    shutdown: &CancellationToken,
+) {
+    // Every list a client posts ends with a READ of this word (`rdkv_common::lease`).
+    node.view.set_lease_sink(node.announcements.lease_sink());
+    tasks.spawn(accept_loop(
+        listener,
+        node.clone(),
+        shutdown.clone(),
+        tasks.clone(),
+    ));
+    tasks.spawn(crate::collector::collect_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
+    tasks.spawn(crate::persistence::snapshot_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
 }
 
 /// The node's devices: its main fabric's (the cluster's), and the others it serves on. A node

@@ -31,6 +31,7 @@ pub fn cluster(
         failure_timeout: Duration::from_secs(2),
         replicas: 1,
         operation_deadline: Duration::from_secs(2),
+        snapshot_interval: Duration::ZERO,
         poll_spin: Duration::ZERO,
         limits: rdkv_cluster_file::config::ConnectionLimits::default(),
         ssh: rdkv_cluster_file::config::SshSettings {
@@ -57,6 +58,7 @@ pub fn cluster(
                 max_pinned_share: 0.5,
                 shm: rdkv_client::ShmMode::Auto,
                 shm_socket: None,
+                data_dir: None,
             })
             .collect(),
         warnings: Vec::new(),

@@ -191,7 +191,10 @@ impl Session {
             }
             ClientMessage::StopCluster => match node.view.stop_cluster().await {
                 Ok(epoch) => {
-                    tracing::info!(epoch, "the whole cluster stops (asked over the control plane)");
+                    tracing::info!(
+                        epoch,
+                        "the whole cluster stops (asked over the control plane)"
+                    );
                     ServerMessage::ClusterStopped { epoch }
                 }
                 Err(reason) => ServerMessage::Refused {

@@ -11,8 +11,8 @@
 //! checksum, which a copy that mixed two blocks fails. A slot that changed is read again.
 
 use rdkv_common::layout::{
-    block_units, check_key_value, encode_block, Slot, SlotPosition, BLOCK_UNIT,
-    HASH_CHOICES, SLOTS_PER_COMBINED_BUCKET,
+    block_units, check_key_value, encode_block, Slot, SlotPosition, BLOCK_UNIT, HASH_CHOICES,
+    SLOTS_PER_COMBINED_BUCKET,
 };
 
 use crate::heap::{Grant, Heap, COMPACTOR};
@@ -271,7 +271,11 @@ mod tests {
         table.for_each_slot(|offset, slot| words.push((offset, slot)));
         let mut buffer = Vec::new();
         for (offset, slot) in words {
-            let key = table.read_block(slot, &mut buffer).expect("intact").key.to_vec();
+            let key = table
+                .read_block(slot, &mut buffer)
+                .expect("intact")
+                .key
+                .to_vec();
             let replaced = match key.as_slice() {
                 b"locked" => slot.locked(),
                 b"tombstone" => slot.tombstone(),

@@ -48,8 +48,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
 pub use lease::Serving;
-pub use stop::RESUME_BOUND;
 use network::{ask_leader, Liveness, Network};
+pub use stop::RESUME_BOUND;
 use storage::Store;
 use types::{PeerId, PeerReply, PeerRequest, TypeConfig, ViewCommand};
 

@@ -48,6 +48,9 @@ struct Persisted {
     snapshot: Option<(SnapshotMeta<PeerId, BasicNode>, Vec<u8>)>,
 }
 
+/// A cluster stop applied: its epoch and the members it took from serving.
+pub type StopApplied = (u64, Vec<u32>);
+
 /// The storage shared by Raft's log store, state machine, log readers and snapshot builders.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -60,7 +63,7 @@ pub struct Store {
     /// The last [`ViewCommand::Stop`](super::types::ViewCommand::Stop) applied by this
     /// process: its epoch and the members it took from serving (in memory: only the process
     /// that applied it writes a snapshot for it).
-    last_stop: Arc<Mutex<Option<(u64, Vec<u32>)>>>,
+    last_stop: Arc<Mutex<Option<StopApplied>>>,
 }
 
 fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
@@ -170,7 +173,7 @@ impl Store {
     }
 
     /// The last stop this process applied: its epoch and the members it stopped.
-    pub fn last_stop(&self) -> Option<(u64, Vec<u32>)> {
+    pub fn last_stop(&self) -> Option<StopApplied> {
         lock(&self.last_stop).clone()
     }
 

@@ -176,9 +176,7 @@ impl ViewState {
                 incarnation,
                 stopped_at,
             } => match self.members.get_mut(&node_id) {
-                Some(record)
-                    if record.state == MemberState::Down && record.since == stopped_at =>
-                {
+                Some(record) if record.state == MemberState::Down && record.since == stopped_at => {
                     // The round stays the stop's epoch: it names the members to promote.
                     record.state = MemberState::Filling;
                     record.incarnation = incarnation;
@@ -208,23 +206,22 @@ impl ViewState {
     /// changed the record.
     fn join(&mut self, node_id: u32, incarnation: u64, next: u64) -> bool {
         match self.members.get_mut(&node_id) {
-                Some(record)
-                    if record.state == MemberState::Down || record.incarnation != incarnation =>
-                {
-                    // A node's first start (never joined, serving in the initial view) serves;
-                    // after a restart or an absence its memory may lack writes: it fills.
-                    let first_start =
-                        record.incarnation == 0 && record.state == MemberState::Serving;
-                    record.state = if first_start {
-                        MemberState::Serving
-                    } else {
-                        MemberState::Filling
-                    };
-                    record.incarnation = incarnation;
-                    record.since = next;
-                    true
-                }
-                _ => false,
+            Some(record)
+                if record.state == MemberState::Down || record.incarnation != incarnation =>
+            {
+                // A node's first start (never joined, serving in the initial view) serves;
+                // after a restart or an absence its memory may lack writes: it fills.
+                let first_start = record.incarnation == 0 && record.state == MemberState::Serving;
+                record.state = if first_start {
+                    MemberState::Serving
+                } else {
+                    MemberState::Filling
+                };
+                record.incarnation = incarnation;
+                record.since = next;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -476,8 +473,16 @@ mod tests {
         let stopped_at = view.apply(&ViewCommand::Stop);
         assert_eq!(view.members[&1].state, MemberState::Down);
         assert_eq!(view.members[&2].since, stopped_at);
-        assert_eq!(view.members[&3].state, MemberState::Filling, "not a whole copy");
-        assert_eq!(view.apply(&ViewCommand::Stop), stopped_at, "a repeat changes nothing");
+        assert_eq!(
+            view.members[&3].state,
+            MemberState::Filling,
+            "not a whole copy"
+        );
+        assert_eq!(
+            view.apply(&ViewCommand::Stop),
+            stopped_at,
+            "a repeat changes nothing"
+        );
 
         let resume = |node_id, incarnation| ViewCommand::Resume {
             node_id,
@@ -486,8 +491,15 @@ mod tests {
         };
         let epoch = view.apply(&resume(1, 11));
         assert_eq!(view.members[&1].state, MemberState::Filling);
-        assert_eq!(view.members[&1].since, stopped_at, "the stop names the round");
-        assert_eq!(view.apply(&resume(1, 11)), epoch, "a repeat changes nothing");
+        assert_eq!(
+            view.members[&1].since, stopped_at,
+            "the stop names the round"
+        );
+        assert_eq!(
+            view.apply(&resume(1, 11)),
+            epoch,
+            "a repeat changes nothing"
+        );
         // Node 3 claims the stop too, but it was filling then: it joins as a restart does.
         view.apply(&resume(3, 13));
         assert_eq!(view.members[&3].state, MemberState::Filling);
@@ -495,6 +507,10 @@ mod tests {
         view.apply(&resume(2, 12));
         view.apply(&ViewCommand::PromoteResumed { stopped_at });
         assert_eq!(view.public(None).serving(), vec![1, 2]);
-        assert_eq!(view.members[&3].state, MemberState::Filling, "it refills from them");
+        assert_eq!(
+            view.members[&3].state,
+            MemberState::Filling,
+            "it refills from them"
+        );
     }
 }
