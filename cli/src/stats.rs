@@ -77,6 +77,7 @@ fn print_node(client: &Client, id: u32, stats: &ServerStats) {
         counters.round_trips,
         counters.round_trips_per_operation()
     );
+    rdkv_common::outln!("      {}", snapshot_line(stats));
     if stats.heap_low() {
         rdkv_common::outln!(
             "      warning: heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)",
@@ -84,6 +85,34 @@ fn print_node(client: &Client, id: u32, stats: &ServerStats) {
             format_bytes(stats.heap_size_bytes)
         );
     }
+}
+
+/// `snapshot: 12 s ago, 1234 keys, 1.2 MiB in 0.10 s (3 written, 0 failed)`, and a warning
+/// while the last one failed (`docs/operations.md`, *Persistence*).
+fn snapshot_line(stats: &ServerStats) -> String {
+    let last = if stats.last_snapshot_unix_ms == 0 {
+        "none since start".to_string()
+    } else {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
+        format!(
+            "{} s ago, {} keys, {} in {:.2} s",
+            now_ms.saturating_sub(stats.last_snapshot_unix_ms) / 1000,
+            stats.last_snapshot_keys,
+            format_bytes(stats.last_snapshot_bytes),
+            stats.last_snapshot_duration_ms as f64 / 1000.0
+        )
+    };
+    let failing = if stats.snapshot_failing {
+        "; warning: the last snapshot failed (the node's log says why)"
+    } else {
+        ""
+    };
+    format!(
+        "snapshot: {last} ({} written, {} failed since start; {} keys loaded at start){failing}",
+        stats.snapshots_written, stats.snapshots_failed, stats.snapshot_keys_loaded
+    )
 }
 
 /// The clients' one-sided work over every node that answered.

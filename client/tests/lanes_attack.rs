@@ -372,7 +372,9 @@ fn close_leaves_no_connection_behind_when_a_lane_was_opening() {
         // Operations from both workers: lane 0 opens on the path, the other in the background
         // (and waits in the node's backlog).
         put_and_get_from_many_tasks(&client, 32, 2).await;
-        assert_eq!(node.stats().connections, 1);
+        // One lane in; the other waits, in the backlog or (on a loaded machine, where the node
+        // accepted it meanwhile) as a handshake not yet answered.
+        assert_eq!(node.stats().authenticated_connections, 1);
         client.close().await;
         // The node tears lane 0 down and takes the waiting lane's handshake in its place.
         let started = Instant::now();

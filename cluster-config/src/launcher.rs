@@ -35,8 +35,15 @@ use crate::remote;
 /// How long a node may take to print its ready line.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a node may take to stop after SIGTERM or a `Shutdown` before it gets SIGKILL. A
-/// node bounds its own shutdown at 10 s (`rdkv_server::server::SHUTDOWN_BOUND`).
+/// node bounds its connections' teardown at 10 s (`rdkv_server::server::SHUTDOWN_BOUND`), then
+/// writes its final snapshot ([`stop_timeout`] adds the time for that).
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// [`STOP_TIMEOUT`] and a second per 100 MiB of the node's heap: its final snapshot, written
+/// at disk speed (`docs/operations.md`, *Persistence*).
+fn stop_timeout(node: &NodeConfig) -> Duration {
+    STOP_TIMEOUT + Duration::from_secs(node.heap_size.div_ceil(100 << 20))
+}
 /// How long a node has to acknowledge a `Shutdown`.
 const SHUTDOWN_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -599,14 +606,12 @@ pub async fn stop_node(
                 if !running {
                     break;
                 }
-                if started.elapsed() > STOP_TIMEOUT {
-                    return stop_by_signal(
-                        config,
-                        node,
-                        run_directory,
-                        "it acknowledged the shutdown but did not exit within 15s",
-                    )
-                    .await;
+                if started.elapsed() > stop_timeout(node) {
+                    let why = format!(
+                        "it acknowledged the shutdown but did not exit within {:?}",
+                        stop_timeout(node)
+                    );
+                    return stop_by_signal(config, node, run_directory, &why).await;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -678,12 +683,12 @@ async fn stop_by_signal(
     }
     let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
     let started = Instant::now();
-    while is_alive(pid) && started.elapsed() < STOP_TIMEOUT {
+    while is_alive(pid) && started.elapsed() < stop_timeout(node) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let line = if is_alive(pid) {
         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-        format!("killed (pid {pid}) after {STOP_TIMEOUT:?} ({why})")
+        format!("killed (pid {pid}) after {:?} ({why})", stop_timeout(node))
     } else {
         format!("stopped by SIGTERM (pid {pid}; {why})")
     };

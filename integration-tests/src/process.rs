@@ -79,9 +79,17 @@ impl ServerProcess {
     /// Starts `rdkv-server` on the given control and fabric addresses (to restart a node where
     /// it was), with `extra` arguments, and waits for its ready line.
     pub fn start_at(secret: &str, control: &str, fabric: &str, extra: &[&str]) -> Self {
-        let mut child = Command::new(server_binary())
+        let mut command = Command::new(server_binary());
+        command
             .args(["--listen", control, "--fabric-listen", fabric])
-            .args(extra)
+            .args(extra);
+        Self::start_command(secret, command)
+    }
+
+    /// Starts `command`, which runs `rdkv-server` (through a shell that sets a limit, say),
+    /// with the secret in its environment, and waits for its ready line.
+    pub fn start_command(secret: &str, mut command: Command) -> Self {
+        let mut child = command
             .env("RDKV_SECRET", secret)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

@@ -49,6 +49,12 @@ pub const EXTENT_SIZE: u64 = 4096;
 /// connections start at 1): the heap keeps a reserve for it.
 pub const COMPACTOR: u64 = 0;
 
+/// The owner id of the grants a node loads its snapshot into before it serves
+/// (`crate::snapshot::table_io`): a client's, as far as the heap's reserve goes (the loaded
+/// keys leave the compactor its reserve), and no connection's (its writes are done when it
+/// seals them).
+pub const LOADER: u64 = u64::MAX;
+
 /// Each grant is at most this share of the extents free to clients (and at least what the block
 /// asking for it needs), so that many writers share a small heap.
 const GRANT_SHARE_OF_FREE: u64 = 8;

@@ -4,6 +4,7 @@
 //! the live table safely is `crate::snapshot::table_io`.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,8 +38,11 @@ pub enum Reason {
     Interval,
     /// `rdkv-cluster snapshot`.
     Requested,
-    /// A clean shutdown, after the node's clients were fenced.
+    /// A clean shutdown, after every connection of the node was torn down.
     Shutdown,
+    /// A shutdown whose teardowns passed their bound: a write may be missing, so it names no
+    /// cluster stop.
+    ShutdownUnfenced,
 }
 
 impl std::fmt::Display for Reason {
@@ -47,6 +51,7 @@ impl std::fmt::Display for Reason {
             Reason::Interval => "interval",
             Reason::Requested => "requested",
             Reason::Shutdown => "shutdown",
+            Reason::ShutdownUnfenced => "shutdown, teardowns unfinished",
         })
     }
 }
@@ -78,12 +83,24 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
             .unwrap_or_default(),
         node_id: node.config.node_id,
         view_epoch: node.view.epoch(),
-        stopped_at: node.view.stopped_at(),
+        // Only a snapshot written once every connection is torn down holds every write the
+        // node acknowledged before the stop.
+        stopped_at: (reason == Reason::Shutdown)
+            .then(|| node.view.stopped_at())
+            .flatten(),
         created_unix_ms: unix_ms(),
     };
-    let outcome = write_paced(node.table(), data_dir, &meta);
+    let shutting_down = matches!(reason, Reason::Shutdown | Reason::ShutdownUnfenced);
+    // A shutdown's snapshot runs at disk speed (no client is left to share the machine with);
+    // the others keep to the pace and give way to it.
+    let pace = (!shutting_down).then_some(&state.stopping);
+    let outcome = write_paced(node.table(), data_dir, &meta, pace);
     match outcome {
-        Ok(written) => {
+        Ok(None) => {
+            tracing::info!(node = node.config.node_id, %reason, "snapshot abandoned: the node is stopping, and writes its final one");
+            Ok(None)
+        }
+        Ok(Some(written)) => {
             state.succeeded(LastSnapshot {
                 finished_unix_ms: unix_ms(),
                 duration: started.elapsed(),
@@ -115,28 +132,55 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
     }
 }
 
-/// Scans `table` into a new snapshot in `data_dir`, at most [`SNAPSHOT_BYTES_PER_SECOND`].
+/// Scans `table` into a new snapshot in `data_dir`; with `pace`, at most
+/// [`SNAPSHOT_BYTES_PER_SECOND`], and abandoned (`Ok(None)`, the previous snapshot kept) once
+/// `pace` is set (the node is stopping).
 fn write_paced(
     table: &TableRegion,
     data_dir: &Path,
     meta: &SnapshotMeta,
-) -> Result<WrittenSnapshot> {
+    pace: Option<&AtomicBool>,
+) -> Result<Option<WrittenSnapshot>> {
     let mut writer = SnapshotWriter::create(data_dir, meta)?;
     let started = Instant::now();
     let mut next_check = PACE_STEP;
-    scan_table(table, |key, value| {
+    let mut abandoned = false;
+    let counts = scan_table(table, |key, value| {
         writer.append(key, value)?;
+        let Some(stopping) = pace else {
+            return Ok(());
+        };
         let written = writer.bytes_written();
         if written >= next_check {
             next_check = written + PACE_STEP;
+            if stopping.load(Ordering::Acquire) {
+                abandoned = true;
+                return Err(Error::Snapshot {
+                    path: data_dir.to_path_buf(),
+                    reason: "abandoned".into(),
+                });
+            }
             let due = Duration::from_secs_f64(written as f64 / SNAPSHOT_BYTES_PER_SECOND as f64);
             if let Some(ahead) = due.checked_sub(started.elapsed()) {
                 std::thread::sleep(ahead);
             }
         }
         Ok::<(), Error>(())
-    })?;
-    writer.finish()
+    });
+    match counts {
+        // Dropping the writer removes its temporary file.
+        Err(_) if abandoned => Ok(None),
+        Err(error) => Err(error),
+        Ok(counts) => {
+            if counts.skipped > 0 {
+                tracing::warn!(
+                    skipped = counts.skipped,
+                    "snapshot: keys whose slot changed on every read are not in it (written thousands of times a second); the next snapshot takes them"
+                );
+            }
+            writer.finish().map(Some)
+        }
+    }
 }
 
 /// Writes a snapshot every `interval` of the node's [`crate::snapshot::SnapshotState`] until
@@ -162,11 +206,17 @@ pub(crate) async fn snapshot_loop(node: Arc<Node>, shutdown: CancellationToken) 
     }
 }
 
-/// The snapshot a clean shutdown writes once the node serves nothing: every write it
-/// acknowledged is in it. Bounded by nothing but the table's size, and logged.
-pub(crate) async fn final_snapshot(node: &Arc<Node>) {
+/// The snapshot a shutdown writes once the node serves nothing: `complete` when every
+/// connection was torn down (then every write it acknowledged is in it, and it names the
+/// cluster's stop, if any). Logged; a failure is kept in the node's snapshot state.
+pub(crate) async fn final_snapshot(node: &Arc<Node>, complete: bool) {
     let writing = node.clone();
-    let _ = tokio::task::spawn_blocking(move || take_snapshot(&writing, Reason::Shutdown)).await;
+    let reason = if complete {
+        Reason::Shutdown
+    } else {
+        Reason::ShutdownUnfenced
+    };
+    let _ = tokio::task::spawn_blocking(move || take_snapshot(&writing, reason)).await;
 }
 
 /// A snapshot written because a client asked (`rdkv-cluster snapshot`): the answer to send.
@@ -190,7 +240,9 @@ pub(crate) async fn snapshot_on_request(node: &Arc<Node>) -> ServerMessage {
             took_ms: started.elapsed().as_millis() as u64,
         },
         Ok(Ok(None)) => ServerMessage::Refused {
-            reason: format!("node {node_id} has no data directory"),
+            reason: format!(
+                "node {node_id} wrote no snapshot: it is stopping, and writes its final one"
+            ),
         },
         Ok(Err(error)) => ServerMessage::Refused {
             reason: error.to_string(),
@@ -211,6 +263,7 @@ pub fn snapshot_to_load(
     data_dir: Option<&Path>,
     start_from: StartFrom,
     node_id: u32,
+    cluster: &str,
 ) -> Result<Option<(PathBuf, LoadedSnapshot)>> {
     let Some(data_dir) = data_dir else {
         return Ok(None);
@@ -239,6 +292,15 @@ pub fn snapshot_to_load(
             ),
         });
     }
+    if !cluster.is_empty() && !loaded.meta.cluster.is_empty() && loaded.meta.cluster != cluster {
+        return Err(Error::Snapshot {
+            path,
+            reason: format!(
+                "written by a node of cluster `{}`, not `{cluster}`: check data_dir in the cluster file",
+                loaded.meta.cluster
+            ),
+        });
+    }
     Ok(Some((path, loaded)))
 }
 
@@ -258,6 +320,46 @@ fn with_choices(error: Error, start_from: StartFrom) -> Error {
         }
         other => other,
     }
+}
+
+/// What a node loaded at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    /// Keys loaded.
+    pub keys: u64,
+    /// The cluster stop the snapshot was written at, if any.
+    pub stopped_at: Option<u64>,
+}
+
+/// Checks the node's snapshot whole and loads it into the empty table and heap; `None` when
+/// there is none to load.
+///
+/// # Errors
+/// As [`snapshot_to_load`] and [`load_snapshot`].
+pub fn start_from_snapshot(
+    config: &crate::config::ServerConfig,
+    table: &TableRegion,
+    heap: &Heap,
+) -> Result<Option<Loaded>> {
+    let cluster = config
+        .cluster
+        .as_ref()
+        .map(|cluster| cluster.name.as_str())
+        .unwrap_or_default();
+    let Some((path, checked)) = snapshot_to_load(
+        config.data_dir.as_deref(),
+        config.start_from,
+        config.node_id,
+        cluster,
+    )?
+    else {
+        return Ok(None);
+    };
+    let keys = load_snapshot(&path, table, heap)?;
+    Ok(Some(Loaded {
+        keys,
+        stopped_at: checked.meta.stopped_at,
+    }))
 }
 
 /// Loads the checked snapshot at `path` into the empty table; the keys loaded.

@@ -71,7 +71,7 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
         if round_seen.is_none_or(|(seen, _)| seen != round) {
             round_seen = Some((round, started));
         }
-        let alone_allowed = round_seen.is_some_and(|(_, since)| since.elapsed() >= RESUME_BOUND);
+        let waited = round_seen.map_or(Duration::ZERO, |(_, since)| since.elapsed());
         // One lane to each peer, as before soft got a lane per worker: a refill is one copy
         // loop, and each lane would be a connection and a heap chunk on the peer. Its
         // connections take the peers' reserved slots: a peer full of clients still lets this
@@ -83,32 +83,23 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
             .expect("a client of a cluster, with no fabric choice, is always made");
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = refill(&node, &client, round, alone_allowed) => outcome,
+            outcome = refill(&node, &client, round, waited) => outcome,
         };
         client.close().await;
         match outcome {
-            Ok(copied) => {
+            Ok(refilled) => {
                 failures = 0;
                 tracing::info!(
                     node = node.config.node_id,
-                    copied,
+                    ?refilled,
                     elapsed = ?started.elapsed(),
                     "refill complete: asking for promotion"
                 );
-                while node.view.filling_round() == Some(round) {
-                    match node.view.promote(round).await {
-                        Ok(epoch) => {
-                            tracing::info!(node = node.config.node_id, epoch, "promoted: serving");
-                            break;
-                        }
-                        Err(reason) => {
-                            tracing::debug!(%reason, "promotion not committed yet");
-                            tokio::select! {
-                                _ = shutdown.cancelled() => return,
-                                _ = tokio::time::sleep(REFILL_POLL) => {}
-                            }
-                        }
-                    }
+                if ask_promotion(&node, round, refilled, &shutdown)
+                    .await
+                    .is_err()
+                {
+                    return;
                 }
             }
             Err(reason) => {
@@ -121,6 +112,57 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
         }
     }
 }
+
+/// Asks for this node's promotion until the view no longer has it filling in `round`: its own
+/// after a refill, every filling member's at once when nobody serves. `Err` when the node
+/// stops meanwhile.
+async fn ask_promotion(
+    node: &Node,
+    round: u64,
+    refilled: Refilled,
+    shutdown: &CancellationToken,
+) -> Result<(), ()> {
+    while node.view.filling_round() == Some(round) {
+        let asked = match refilled {
+            Refilled::Copied(_) => node.view.promote(round).await,
+            Refilled::NobodyServes => node.view.promote_filling().await,
+        };
+        match asked {
+            Ok(epoch) => {
+                tracing::info!(node = node.config.node_id, epoch, "promoted: serving");
+                break;
+            }
+            Err(reason) => {
+                tracing::debug!(%reason, "promotion not committed yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(()),
+                    _ = tokio::time::sleep(REFILL_POLL) => {}
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How a refill ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refilled {
+    /// It copied this many keys from the serving peers.
+    Copied(u64),
+    /// No member serves (every node of the cluster started again after a crash): every
+    /// filling member is to serve at once, with what it holds.
+    NobodyServes,
+}
+
+/// How long a filling node with no serving peer waits for members that are down (their keys
+/// may be only there): longer than resumed members wait for the rest of their stop
+/// ([`RESUME_BOUND`]), so that they, whose snapshots are the stop's, serve first.
+const DOWN_MEMBERS_BOUND: Duration = Duration::from_secs(60);
+
+/// How long a filling node with no serving peer, and no member down, waits before every
+/// filling member serves: members resumed from a stop are promoted within a poll of the last
+/// one's return, and this node then refills from them instead.
+const NOBODY_SERVES_GRACE: Duration = Duration::from_secs(5);
 
 /// A node resumed from the stop of `stopped_at` (`crate::view`, `stop.rs`): waits until no
 /// member is left down since the stop, or [`RESUME_BOUND`], then asks for the resumed members'
@@ -169,13 +211,13 @@ async fn resume(node: &Node, stopped_at: u64, shutdown: &CancellationToken) -> R
 /// One refill for the filling round that began at epoch `round`: every serving peer's table
 /// scanned, the keys this node will hold copied. Returns the keys copied. With no serving peer
 /// while some member is down, it waits for them (their keys may be only there) unless
-/// `alone_allowed`: it then serves without them, and says so.
+/// past [`DOWN_MEMBERS_BOUND`] since the round began (`waited`).
 async fn refill(
     node: &Node,
     client: &Client,
     round: u64,
-    alone_allowed: bool,
-) -> Result<u64, String> {
+    waited: Duration,
+) -> Result<Refilled, String> {
     let me = node.config.node_id;
     let counters = &node.counters;
     // Route by the view that has this node filling, and wait until every serving peer knows
@@ -204,13 +246,25 @@ async fn refill(
         ));
     }
     let peers: Vec<u32> = view.serving();
-    if !peers_to_copy_from(node, &view, &peers, alone_allowed).await? {
-        return Ok(0);
+    if !peers_to_copy_from(node, &view, &peers, waited).await? {
+        return Ok(Refilled::NobodyServes);
     }
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
-    let forgotten = node.table().clear_slots();
+    // With one copy of each key, no peer holds this node's keys (a stand-in holds only the
+    // ones written while it was away, which the copy below brings over): what it loaded from
+    // its snapshot stays.
+    let one_copy = node
+        .config
+        .cluster
+        .as_ref()
+        .is_some_and(|cluster| cluster.replicas == 1);
+    let forgotten = if one_copy {
+        0
+    } else {
+        node.table().clear_slots()
+    };
     if forgotten > 0 {
         tracing::info!(
             node = me,
@@ -260,53 +314,51 @@ async fn refill(
                 .fetch_add(count, Ordering::Relaxed);
         }
     }
-    Ok(copied)
+    Ok(Refilled::Copied(copied))
 }
 
-/// Whether the refill copies from `peers` (it then waits for them to apply its view first):
-/// `Ok(false)` when there is no serving peer and the node serves what it holds; an error (the
-/// refill starts over) while it waits for members that are down, unless `alone_allowed`.
+/// Whether the refill copies from `peers` (it waits for them to apply its view first):
+/// `Ok(false)` when no member serves and every filling member is to serve with what it holds;
+/// an error (the refill starts over) while it waits for a member that is down
+/// ([`DOWN_MEMBERS_BOUND`]) or for resumed members to serve ([`NOBODY_SERVES_GRACE`]).
 async fn peers_to_copy_from(
     node: &Node,
     view: &rdkv_common::protocol::ClusterView,
     peers: &[u32],
-    alone_allowed: bool,
+    waited: Duration,
 ) -> Result<bool, String> {
     let me = node.config.node_id;
+    if !peers.is_empty() {
+        wait_for_peers(node, peers, view.epoch).await?;
+        return Ok(true);
+    }
     let down: Vec<u32> = view
         .members
         .iter()
         .filter(|member| member.state == MemberState::Down)
         .map(|member| member.node_id)
         .collect();
-    if peers.is_empty() && !down.is_empty() {
-        // Nobody to copy from, and the keys may be on the nodes that are down (a stopped
-        // cluster that is starting again): promoted now, this node would serve without them.
-        if !alone_allowed {
-            return Err(format!(
-                "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {RESUME_BOUND:?})"
-            ));
-        }
-        tracing::error!(
-            node = me,
-            ?down,
-            "no serving peer after {RESUME_BOUND:?}: serving without the nodes that are down; keys only they held are missing until they return"
-        );
+    if !down.is_empty() && waited < DOWN_MEMBERS_BOUND {
+        return Err(format!(
+            "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {DOWN_MEMBERS_BOUND:?})"
+        ));
     }
-    wait_for_peers(node, peers, view.epoch).await?;
-    if peers.is_empty() {
-        // Nobody newer to copy from (every node of a cluster starting again without a clean
-        // stop behind it): what this node holds, loaded from its snapshot, is the best copy
-        // there is. Copies of a key on two such nodes may be from different moments
-        // (`docs/operations.md`, *Persistence*).
-        tracing::warn!(
-            node = me,
-            keys = node.table().count_keys(),
-            "no serving peer to refill from: serving what this node holds (its snapshot)"
-        );
-        return Ok(false);
+    if waited < NOBODY_SERVES_GRACE {
+        return Err(format!(
+            "no serving peer yet: waiting {NOBODY_SERVES_GRACE:?} for members resumed from a stop"
+        ));
     }
-    Ok(true)
+    // Nobody newer to copy from (every node of a cluster started again after a crash): what
+    // each node holds, loaded from its snapshot, is the best copy there is, and all serve at
+    // once. Copies of a key on two nodes may be from different moments (`docs/operations.md`,
+    // *Persistence*).
+    tracing::warn!(
+        node = me,
+        ?down,
+        keys = node.table().count_keys(),
+        "no member serves: every filling member serves what it holds (its snapshot); keys only the members down held are missing until they return"
+    );
+    Ok(false)
 }
 
 /// Waits until every one of `peers` has applied the view of `epoch` (its data connections

@@ -95,6 +95,8 @@ impl RunningServer {
     /// device's `retry_timeout` plus a second). Past the bound it logs what is left and
     /// returns; the process then exits and the kernel releases what remains.
     pub async fn shutdown(self) {
+        // A snapshot on a schedule or on request gives way to the final one.
+        self.node.snapshots.stop_writing();
         self.shutdown.cancel();
         self.tasks.close();
         let node = self.node.config.node_id;
@@ -111,8 +113,9 @@ impl RunningServer {
                     still = %waiting.join("; "),
                     "shutdown bound reached: stopping without these"
                 );
-                // The best copy there is, though a write of those connections may miss it.
-                crate::persistence::final_snapshot(&self.node).await;
+                // The best copy there is, though a write of those connections may miss it (it
+                // names no stop: a node started from it refills).
+                crate::persistence::final_snapshot(&self.node, false).await;
                 return;
             }
             tracing::warn!(
@@ -124,7 +127,7 @@ impl RunningServer {
         }
         // Every connection is torn down: no client can write, so every write the node
         // acknowledged is in the table, and goes into the final snapshot.
-        crate::persistence::final_snapshot(&self.node).await;
+        crate::persistence::final_snapshot(&self.node, true).await;
         tracing::info!(node, "server stopped");
     }
 }
@@ -165,6 +168,11 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         },
         shareable,
     )?;
+    let heap = Heap::new(&geometry, config.operation_deadline.mul_f64(1.25));
+    // Before the view starts (a node that resumes from a stop must hold what it says it does)
+    // and before any client: the snapshot is checked whole, then loaded; a damaged one, or one
+    // the table cannot hold, stops the start.
+    let loaded = crate::persistence::start_from_snapshot(&config, &table, &heap)?;
     let listener = TcpListener::bind(config.control_address)
         .await
         .map_err(|source| Error::BindControl {
@@ -181,12 +189,6 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     // Room for every connection's send queue: on a NIC, a CQ overrun breaks them all.
     let completion_queue_size = (data_connections * SEND_QUEUE_DEPTH as usize).max(1024);
     let attachments = attach(table, &other_devices, &announcements, completion_queue_size)?;
-    // The snapshot is checked whole before anything starts: a damaged one stops the start.
-    let to_load = crate::persistence::snapshot_to_load(
-        config.data_dir.as_deref(),
-        config.start_from,
-        config.node_id,
-    )?;
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
     let view = crate::view::ViewService::start(
@@ -196,16 +198,14 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             secret: config.secret.clone(),
             failure_timeout: config.failure_timeout,
             state_file: config.view_state_file.clone(),
-            resume_from: to_load
-                .as_ref()
-                .and_then(|(_, loaded)| loaded.meta.stopped_at),
+            resume_from: loaded.and_then(|loaded| loaded.stopped_at),
         },
         &tasks,
         shutdown.clone(),
     )
     .await?;
     let node = Arc::new(Node {
-        heap: Heap::new(&geometry, config.operation_deadline.mul_f64(1.25)),
+        heap,
         announcements,
         attachments,
         counters: Counters::new(),
@@ -220,12 +220,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         snapshots: SnapshotState::new(config.data_dir.clone(), config.snapshot_interval),
         config,
     });
-    if let Some((path, _)) = &to_load {
-        // Before the first connection is accepted: no client sees a half-loaded table.
-        let keys = crate::persistence::load_snapshot(path, node.table(), &node.heap)?;
+    if let Some(loaded) = loaded {
         node.snapshots
             .loaded_keys
-            .store(keys, std::sync::atomic::Ordering::Relaxed);
+            .store(loaded.keys, std::sync::atomic::Ordering::Relaxed);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;
@@ -388,8 +386,17 @@ pub async fn run(
         // at once (`view/leave.rs`); a `Shutdown` frame did this before it cancelled.
         server.node.view.leave().await;
     }
+    let node = server.node.clone();
     server.shutdown().await;
-    Ok(())
+    // A final snapshot that failed (a full disk) is the process's failure: `rdkv-server`
+    // exits 1 with the reason, and the node's previous snapshot is what a start loads.
+    match node.snapshots.last_failure() {
+        Some(reason) => Err(Error::Snapshot {
+            path: node.snapshots.data_dir.clone().unwrap_or_default(),
+            reason: format!("the final snapshot failed, the previous one is kept: {reason}"),
+        }),
+        None => Ok(()),
+    }
 }
 
 async fn accept_loop(

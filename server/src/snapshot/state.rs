@@ -2,7 +2,7 @@
 //! the failures; the figures `rdkv stats`, `rdkv-cluster status` and the metrics show.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -36,6 +36,9 @@ pub struct SnapshotState {
     failed: AtomicU64,
     /// Keys loaded from a snapshot at start.
     pub(crate) loaded_keys: AtomicU64,
+    /// Set when the node stops: a snapshot on a schedule or on request gives way to the final
+    /// one.
+    pub(crate) stopping: AtomicBool,
 }
 
 impl SnapshotState {
@@ -46,6 +49,12 @@ impl SnapshotState {
             interval,
             ..Self::default()
         }
+    }
+
+    /// Makes a snapshot on a schedule or on request give way: the node stops, and writes its
+    /// final one.
+    pub(crate) fn stop_writing(&self) {
+        self.stopping.store(true, Ordering::Release);
     }
 
     /// Records a snapshot written.

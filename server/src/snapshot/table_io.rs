@@ -11,11 +11,11 @@
 //! checksum, which a copy that mixed two blocks fails. A slot that changed is read again.
 
 use rdkv_common::layout::{
-    block_units, check_key_value, encode_block, Slot, SlotPosition, BLOCK_UNIT, HASH_CHOICES,
-    SLOTS_PER_COMBINED_BUCKET,
+    block_units, check_key_value, encode_block, KeyLocation, Slot, SlotPosition, BLOCK_UNIT,
+    HASH_CHOICES, SLOTS_PER_COMBINED_BUCKET,
 };
 
-use crate::heap::{Grant, Heap, COMPACTOR};
+use crate::heap::{Grant, Heap, LOADER};
 use crate::table::TableRegion;
 
 /// Tries per slot before the scan gives up on a key that keeps changing (a hot key written
@@ -81,8 +81,10 @@ pub fn scan_table<E>(
 }
 
 /// Writes keys into a table that no client uses yet: each block into heap space the loader
-/// owns (as the compactor does, synchronously), then its slot, committed. Drop it, or call
-/// [`Loader::finish`], to seal its last grant.
+/// owns (synchronously, as the compactor writes), then its slot, committed. A key already in
+/// the table is replaced: a snapshot written while clients wrote may hold a key twice (deleted
+/// and inserted again into a slot the scan had not reached), and the later copy is the newer.
+/// Drop it, or call [`Loader::finish`], to seal its last grant.
 #[derive(Debug)]
 pub struct Loader<'table> {
     table: &'table TableRegion,
@@ -128,6 +130,9 @@ impl<'table> Loader<'table> {
             .map_err(|error| format!("writing a block into the heap: {error}"))?;
         let location = self.table.geometry.locate(key);
         let slot = Slot::new(location.fingerprint, units, offset);
+        if self.replace(key, location, slot) {
+            return Ok(());
+        }
         for choice in 0..HASH_CHOICES {
             for position in 0..SLOTS_PER_COMBINED_BUCKET {
                 let index_offset = self.table.geometry.slot_offset(SlotPosition {
@@ -152,6 +157,39 @@ impl<'table> Loader<'table> {
         ))
     }
 
+    /// Points the slot already holding `key`, if any, at `slot`'s block; whether it did.
+    fn replace(&mut self, key: &[u8], location: KeyLocation, slot: Slot) -> bool {
+        let mut buffer = Vec::new();
+        for choice in 0..HASH_CHOICES {
+            for position in 0..SLOTS_PER_COMBINED_BUCKET {
+                let index_offset = self.table.geometry.slot_offset(SlotPosition {
+                    choice,
+                    combined_bucket: location.combined_buckets[choice],
+                    slot: position,
+                });
+                let Ok(word) = self.table.region.load_u64(index_offset) else {
+                    continue;
+                };
+                let found = Slot(word);
+                if found.is_empty() || found.fingerprint() != location.fingerprint {
+                    continue;
+                }
+                let same_key = self
+                    .table
+                    .read_block(found, &mut buffer)
+                    .is_some_and(|block| block.key == key);
+                if same_key {
+                    return self
+                        .table
+                        .region
+                        .compare_exchange_u64(index_offset, word, slot.0)
+                        .is_ok_and(|original| original == word);
+                }
+            }
+        }
+        false
+    }
+
     /// The heap offset of `length` free bytes in the loader's grant, taking a new one (a
     /// chunk) when it is full.
     fn reserve(&mut self, length: u64) -> Result<u64, String> {
@@ -162,7 +200,7 @@ impl<'table> Loader<'table> {
                 return Ok(offset);
             }
         }
-        let Some(grant) = self.heap.allocate(COMPACTOR, 0, length) else {
+        let Some(grant) = self.heap.allocate(LOADER, 0, length) else {
             return Err(format!(
                 "the heap is full after {} keys ({} bytes used of {}): this node's heap_size is too small for the snapshot; raise it (docs/operations.md, Sizing the heap)",
                 self.keys,
@@ -182,7 +220,7 @@ impl<'table> Loader<'table> {
 
 impl Drop for Loader<'_> {
     fn drop(&mut self) {
-        self.heap.seal_owned_by(COMPACTOR);
+        self.heap.seal_owned_by(LOADER);
     }
 }
 
@@ -256,6 +294,25 @@ mod tests {
         drop(loader);
         assert_eq!(scanned(&second), expected);
         assert_eq!(second.count_keys(), 300);
+    }
+
+    /// A key twice in a snapshot (moved between its buckets during the scan) loads once, with
+    /// the later value.
+    #[test]
+    fn a_key_loaded_twice_keeps_the_later_value() {
+        let (table, heap) = table(64, 16, 9);
+        let mut loader = Loader::new(&table, &heap);
+        loader.insert(b"twice", b"first").expect("room");
+        loader.insert(b"other", b"value").expect("room");
+        loader.insert(b"twice", b"second").expect("room");
+        drop(loader);
+        assert_eq!(
+            scanned(&table),
+            vec![
+                (b"other".to_vec(), b"value".to_vec()),
+                (b"twice".to_vec(), b"second".to_vec())
+            ]
+        );
     }
 
     /// Tombstones and tentative slots are not keys; a locked slot's committed value is.

@@ -348,7 +348,8 @@ impl ViewService {
             PeerRequest::Lease { node_id, epoch } => self.grant_lease(node_id, epoch),
             request @ (PeerRequest::Stop
             | PeerRequest::Resume { .. }
-            | PeerRequest::PromoteResumed { .. }) => self.answer_stop_request(request).await,
+            | PeerRequest::PromoteResumed { .. }
+            | PeerRequest::PromoteFilling) => self.answer_stop_request(request).await,
             PeerRequest::Leave {
                 node_id,
                 incarnation,
@@ -493,7 +494,9 @@ impl ViewService {
             let joined = self.own_record().is_some_and(|record| {
                 record.state != MemberState::Down && record.incarnation == self.incarnation
             });
-            if joined {
+            // A node the whole cluster's stop took down stays down until it exits: its final
+            // snapshot names the stop, and its next process resumes from it (`stop.rs`).
+            if joined || self.stopped_at().is_some() {
                 continue;
             }
             let (command, request) = self.join_command();

@@ -79,6 +79,15 @@ impl ViewService {
         .await
     }
 
+    /// Asks the leader to let every filling member serve, while no member serves.
+    ///
+    /// # Errors
+    /// Why not.
+    pub async fn promote_filling(&self) -> std::result::Result<u64, String> {
+        self.ask_leader_to_commit(ViewCommand::PromoteFilling, &PeerRequest::PromoteFilling)
+            .await
+    }
+
     /// The command and request that bring this node back into the view: a resume when it
     /// started from the snapshot of the stop its record is still `down` since, else a join.
     pub(super) fn join_command(&self) -> (ViewCommand, PeerRequest) {
@@ -120,6 +129,7 @@ impl ViewService {
             PeerRequest::PromoteResumed { stopped_at } => {
                 ViewCommand::PromoteResumed { stopped_at }
             }
+            PeerRequest::PromoteFilling => ViewCommand::PromoteFilling,
             PeerRequest::Resume {
                 node_id,
                 incarnation,

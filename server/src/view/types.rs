@@ -76,6 +76,11 @@ pub enum ViewCommand {
         /// The stop's epoch.
         stopped_at: u64,
     },
+    /// While no member serves (every node of the cluster started again after a crash, with
+    /// no clean stop behind it), every filling member serves, at once, with what it holds: no
+    /// peer is newer to refill from, and promoted one by one, the first would be refilled from
+    /// by the others, which would drop their own keys first.
+    PromoteFilling,
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -187,7 +192,28 @@ impl ViewState {
             ViewCommand::PromoteResumed { stopped_at } => {
                 let mut changed = false;
                 for record in self.members.values_mut() {
-                    if record.state == MemberState::Filling && record.since == stopped_at {
+                    // The stop is over: a member still down since it joins, and is refilled,
+                    // when it comes back (its snapshot misses the writes from here on).
+                    if record.since == stopped_at
+                        && matches!(record.state, MemberState::Filling | MemberState::Down)
+                    {
+                        if record.state == MemberState::Filling {
+                            record.state = MemberState::Serving;
+                        }
+                        record.since = next;
+                        changed = true;
+                    }
+                }
+                changed
+            }
+            ViewCommand::PromoteFilling => {
+                let nobody_serves = self
+                    .members
+                    .values()
+                    .all(|record| record.state != MemberState::Serving);
+                let mut changed = false;
+                for record in self.members.values_mut() {
+                    if nobody_serves && record.state == MemberState::Filling {
                         record.state = MemberState::Serving;
                         record.since = next;
                         changed = true;
@@ -329,6 +355,9 @@ pub enum PeerRequest {
         /// The stop's epoch.
         stopped_at: u64,
     },
+    /// A filling node that found no serving peer asks the leader to commit
+    /// [`ViewCommand::PromoteFilling`].
+    PromoteFilling,
 }
 
 /// A leader's lease grant to a follower.
@@ -354,7 +383,8 @@ pub enum PeerReply {
         Result<InstallSnapshotResponse<PeerId>, RaftError<PeerId, InstallSnapshotError>>,
     ),
     /// To [`PeerRequest::Join`], [`PeerRequest::Promote`], [`PeerRequest::Leave`],
-    /// [`PeerRequest::Stop`], [`PeerRequest::Resume`] and [`PeerRequest::PromoteResumed`]: the
+    /// [`PeerRequest::Stop`], [`PeerRequest::Resume`], [`PeerRequest::PromoteResumed`] and
+    /// [`PeerRequest::PromoteFilling`]: the
     /// epoch with the change committed, or why not.
     Join(Result<u64, String>),
     /// The request did not decode.
@@ -512,5 +542,66 @@ mod tests {
             MemberState::Filling,
             "it refills from them"
         );
+        let epoch = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::PromoteFilling),
+            epoch,
+            "node 1 and 2 serve"
+        );
+    }
+
+    /// A member the stop took down that comes back after the others serve without it holds a
+    /// snapshot that misses their writes since: it joins and fills.
+    #[test]
+    fn a_member_back_after_the_stop_ended_fills() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        let stopped_at = view.apply(&ViewCommand::Stop);
+        for node_id in [1, 2] {
+            view.apply(&ViewCommand::Resume {
+                node_id,
+                incarnation: u64::from(node_id),
+                stopped_at,
+            });
+        }
+        view.apply(&ViewCommand::PromoteResumed { stopped_at });
+        assert_eq!(view.members[&3].state, MemberState::Down);
+        view.apply(&ViewCommand::Resume {
+            node_id: 3,
+            incarnation: 3,
+            stopped_at,
+        });
+        assert_eq!(view.members[&3].state, MemberState::Filling);
+        assert_ne!(
+            view.members[&3].since, stopped_at,
+            "a join's round, not the stop's"
+        );
+    }
+
+    /// After a crash of every node (all filling, nobody serving), one command promotes them
+    /// all; while any member serves, it changes nothing.
+    #[test]
+    fn filling_members_serve_together_only_while_nobody_serves() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        // Each node's first start serves; started again (a new incarnation), each fills.
+        for incarnation in [10, 20] {
+            for node_id in [1, 2, 3] {
+                view.apply(&ViewCommand::Join {
+                    node_id,
+                    incarnation: incarnation + u64::from(node_id),
+                });
+            }
+        }
+        assert_eq!(view.public(None).serving(), Vec::<u32>::new());
+        let filling = view.epoch;
+        assert_eq!(view.apply(&ViewCommand::PromoteFilling), filling + 1);
+        assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 33,
+        });
+        let before = view.epoch;
+        assert_eq!(view.apply(&ViewCommand::PromoteFilling), before);
+        assert_eq!(view.members[&3].state, MemberState::Filling);
     }
 }
