@@ -707,7 +707,13 @@ pub async fn stop(
     only: Option<u32>,
 ) -> Result<Vec<String>> {
     let mut report = Vec::new();
-    if only.is_none() {
+    // A cluster with no node running has no view to stop.
+    if only.is_none()
+        && config
+            .nodes
+            .iter()
+            .any(|node| answers(node.control_address))
+    {
         report.push(stop_the_view(config).await);
     }
     let mut failed = false;

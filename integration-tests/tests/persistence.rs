@@ -135,9 +135,10 @@ fn snapshot_file(cluster: &Cluster, node: u32, name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A flipped byte in a node's latest snapshot stops `up` with the file and the choices; with
-/// `RDKV_FROM_SNAPSHOT=previous` the node starts from the snapshot before it, and every key is
-/// there (the node refills what the previous one lacks from its peers).
+/// A flipped byte in node 2's latest snapshot stops `up` with the file and the choices (after
+/// node 1 started and resumed: `up` stops it again, and it resumes again later); with
+/// `RDKV_FROM_SNAPSHOT=previous` node 2 starts from the snapshot before it, and every key is
+/// there (node 2 refills from the others, which resume from the stop).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
     let cluster = Cluster::up("persistence-damaged");
@@ -147,8 +148,8 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
     let snapshot = succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
     assert_eq!(snapshot.matches("keys").count(), 3, "{snapshot}");
     succeeded(&cluster_command(&cluster, "down", None), "down");
-    let latest = snapshot_file(&cluster, 1, "snapshot.rdkv");
-    let mut bytes = std::fs::read(&latest).expect("node 1's snapshot");
+    let latest = snapshot_file(&cluster, 2, "snapshot.rdkv");
+    let mut bytes = std::fs::read(&latest).expect("node 2's snapshot");
     let middle = bytes.len() / 2;
     bytes[middle] ^= 1;
     std::fs::write(&latest, bytes).expect("damage it");
@@ -165,9 +166,9 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
         "{text}"
     );
     assert!(!text.contains("panicked"), "{text}");
-    // Nodes 2 and 3 start from the stop's snapshots and wait for node 1; node 1 starts from
+    // Nodes 1 and 3 start from the stop's snapshots and wait for node 2; node 2 starts from
     // its previous snapshot, joins, and is refilled from them.
-    for node in ["2", "3"] {
+    for node in ["1", "3"] {
         let file = cluster.file.to_str().expect("utf-8");
         let run = cluster.run_directory.to_str().expect("utf-8");
         succeeded(
@@ -192,14 +193,18 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
         "--run-dir",
         cluster.run_directory.to_str().expect("utf-8"),
         "--node",
-        "1",
+        "2",
         "--detach",
     ])
     .env("RDKV_FROM_SNAPSHOT", "previous")
     .output()
     .expect("run rdkv-cluster");
-    succeeded(&output, "up of node 1 from its previous snapshot");
+    succeeded(&output, "up of node 2 from its previous snapshot");
     check(&cluster, &expected).await;
+    assert!(
+        snapshot_file(&cluster, 2, "snapshot.replaced.rdkv").exists(),
+        "the damaged snapshot is set aside"
+    );
 }
 
 /// After a snapshot and more writes, `kill -9` of every node, then `up`: with one copy of each
@@ -231,6 +236,9 @@ async fn a_crash_of_every_node_keeps_every_key_as_of_the_snapshot_with_one_copy(
             .status()
             .expect("kill");
         assert!(killed.success());
+        // Until the kernel has torn the process down, its ports still answer.
+        let pid = nix::unistd::Pid::from_raw(pid.trim().parse().expect("a pid"));
+        rdkv_integration_tests::view::wait_torn_down(pid, Duration::from_secs(10));
     }
     succeeded(&cluster_command(&cluster, "up", None), "up after the crash");
     let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");

@@ -17,7 +17,7 @@ use crate::heap::Heap;
 use crate::node::Node;
 use crate::snapshot::file::{
     read_snapshot, verify_snapshot, LoadedSnapshot, SnapshotMeta, SnapshotWriter, WrittenSnapshot,
-    PREVIOUS_FILE, SNAPSHOT_FILE,
+    PREVIOUS_FILE, REPLACED_FILE, SNAPSHOT_FILE,
 };
 use crate::snapshot::table_io::{scan_table, Loader};
 use crate::snapshot::LastSnapshot;
@@ -264,6 +264,7 @@ pub fn snapshot_to_load(
     start_from: StartFrom,
     node_id: u32,
     cluster: &str,
+    cluster_file: Option<&Path>,
 ) -> Result<Option<(PathBuf, LoadedSnapshot)>> {
     let Some(data_dir) = data_dir else {
         return Ok(None);
@@ -282,7 +283,8 @@ pub fn snapshot_to_load(
         }
         return Ok(None);
     }
-    let loaded = verify_snapshot(&path).map_err(|error| with_choices(error, start_from))?;
+    let loaded = verify_snapshot(&path)
+        .map_err(|error| with_choices(error, start_from, node_id, cluster_file))?;
     if loaded.meta.node_id != node_id {
         return Err(Error::Snapshot {
             path,
@@ -304,22 +306,65 @@ pub fn snapshot_to_load(
     Ok(Some((path, loaded)))
 }
 
-/// A damaged snapshot's error, with what the operator may do.
-fn with_choices(error: Error, start_from: StartFrom) -> Error {
-    match error {
-        Error::Snapshot { path, reason } => {
-            let choices = if start_from == StartFrom::Latest {
-                "start from the previous snapshot with `RDKV_FROM_SNAPSHOT=previous rdkv-cluster up ...` (rdkv-server --from-snapshot previous), or empty with `RDKV_FROM_SNAPSHOT=empty`"
-            } else {
-                "start empty with `RDKV_FROM_SNAPSHOT=empty rdkv-cluster up ...` (rdkv-server --from-snapshot empty)"
-            };
-            Error::Snapshot {
-                path,
-                reason: format!("{reason}; {choices}"),
-            }
-        }
-        other => other,
+/// A damaged snapshot's error, with what the operator may do: `up` names the cluster file and
+/// the node (`rdkv-cluster up FILE --node N`), the server's own flag otherwise.
+fn with_choices(
+    error: Error,
+    start_from: StartFrom,
+    node_id: u32,
+    cluster_file: Option<&Path>,
+) -> Error {
+    let Error::Snapshot { path, reason } = error else {
+        return error;
+    };
+    let command = |choice: &str| match cluster_file {
+        Some(file) => format!(
+            "`RDKV_FROM_SNAPSHOT={choice} rdkv-cluster up {} --node {node_id}`",
+            file.display()
+        ),
+        None => format!("`rdkv-server --from-snapshot {choice}`"),
+    };
+    let choices = if start_from == StartFrom::Latest {
+        format!(
+            "start the node from its previous snapshot with {} (its peers refill what that lacks), or empty with {}",
+            command("previous"),
+            command("empty")
+        )
+    } else {
+        format!("start the node empty with {}", command("empty"))
+    };
+    Error::Snapshot {
+        path,
+        reason: format!("{reason}; {choices}"),
     }
+}
+
+/// Starting from the previous snapshot (or none) replaces the latest: it is kept as
+/// `snapshot.replaced.rdkv`, and the previous one becomes the latest, so that a restart before
+/// the node's next snapshot starts from the same one, not from the file it was told to skip.
+fn replace_latest(data_dir: &Path, start_from: StartFrom) -> Result<()> {
+    let latest = data_dir.join(SNAPSHOT_FILE);
+    if start_from == StartFrom::Latest || !latest.exists() {
+        return Ok(());
+    }
+    let step = |what: &str, outcome: std::io::Result<()>| {
+        outcome.map_err(|error| Error::Snapshot {
+            path: latest.clone(),
+            reason: format!("{what}: {error}"),
+        })
+    };
+    step(
+        "keep it as snapshot.replaced.rdkv",
+        std::fs::rename(&latest, data_dir.join(REPLACED_FILE)),
+    )?;
+    if start_from == StartFrom::Previous {
+        step(
+            "make the previous snapshot the latest",
+            std::fs::hard_link(data_dir.join(PREVIOUS_FILE), &latest),
+        )?;
+    }
+    tracing::warn!(file = %latest.display(), ?start_from, "the latest snapshot is set aside as snapshot.replaced.rdkv");
+    Ok(())
 }
 
 /// What a node loaded at start.
@@ -346,16 +391,27 @@ pub fn start_from_snapshot(
         .as_ref()
         .map(|cluster| cluster.name.as_str())
         .unwrap_or_default();
+    let cluster_file = config
+        .cluster
+        .as_ref()
+        .map(|cluster| cluster.path.as_path());
     let Some((path, checked)) = snapshot_to_load(
         config.data_dir.as_deref(),
         config.start_from,
         config.node_id,
         cluster,
+        cluster_file,
     )?
     else {
+        if let Some(data_dir) = config.data_dir.as_deref() {
+            replace_latest(data_dir, config.start_from)?;
+        }
         return Ok(None);
     };
     let keys = load_snapshot(&path, table, heap)?;
+    if let Some(data_dir) = config.data_dir.as_deref() {
+        replace_latest(data_dir, config.start_from)?;
+    }
     Ok(Some(Loaded {
         keys,
         stopped_at: checked.meta.stopped_at,

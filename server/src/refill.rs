@@ -345,7 +345,7 @@ async fn peers_to_copy_from(
     }
     if waited < NOBODY_SERVES_GRACE {
         return Err(format!(
-            "no serving peer yet: waiting {NOBODY_SERVES_GRACE:?} for members resumed from a stop"
+            "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} (members resumed from a stop serve first)"
         ));
     }
     // Nobody newer to copy from (every node of a cluster started again after a crash): what

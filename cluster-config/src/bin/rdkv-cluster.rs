@@ -18,12 +18,14 @@ const EXIT_CODES: &str = "Exit codes:
   2  invalid command line
   3  `status`: a node refused the cluster file's secret (authentication failed)";
 
-/// Start, stop, restart and inspect an rdkv cluster from its cluster file: nodes on this
-/// machine as child processes, nodes on other hosts through ssh.
+/// Start, stop, restart, snapshot and inspect an rdkv cluster from its cluster file: nodes on
+/// this machine as child processes, nodes on other hosts through ssh.
 #[derive(Debug, Parser)]
 #[command(version, about, after_help = EXIT_CODES)]
 struct Arguments {
-    /// Where pid and log files go (default: .rdkv/<cluster name> in the current directory).
+    /// Where pid and log files go, and the nodes' snapshots unless the cluster file sets
+    /// data_dir (default: .rdkv/<cluster name> in the current directory: start and stop a
+    /// cluster from the same directory, or its snapshots are not found).
     #[arg(long, global = true)]
     run_dir: Option<PathBuf>,
     #[command(subcommand)]
@@ -258,11 +260,11 @@ async fn snapshot(config: &ClusterConfig, only: Option<u32>) -> anyhow::Result<u
         };
         match rdkv_common::protocol::request_snapshot(monitored, SNAPSHOT_TIMEOUT).await {
             Ok(report) => say(&format!(
-                "node {}: snapshot {}: {} keys, {:.1} MiB, {:.2} s",
+                "node {}: snapshot {}: {} keys, {}, {:.2} s",
                 node.id,
                 report.path,
                 report.keys,
-                report.bytes as f64 / f64::from(1 << 20),
+                rdkv_cluster_file::units::format_bytes(report.bytes),
                 report.took_ms as f64 / 1000.0
             )),
             Err(error) => {

@@ -303,7 +303,14 @@ impl NodeSection<'_> {
                 "data_dir",
                 "empty: give a directory for the node's snapshots, or leave it out",
             )),
-            Some(path) => Ok(Some(PathBuf::from(path.get_ref()))),
+            // Relative to the cluster file, as `secret_file` is.
+            Some(path) => Ok(Some(
+                self.locator
+                    .path
+                    .parent()
+                    .unwrap_or(std::path::Path::new("."))
+                    .join(path.get_ref()),
+            )),
             None => Ok(None),
         }
     }

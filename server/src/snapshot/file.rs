@@ -89,6 +89,8 @@ use crate::error::{Error, Result};
 pub const SNAPSHOT_FILE: &str = "snapshot.rdkv";
 /// The snapshot before the current one, in `data_dir`.
 pub const PREVIOUS_FILE: &str = "snapshot.previous.rdkv";
+/// The latest snapshot, set aside when a node was started from the previous one or from none.
+pub const REPLACED_FILE: &str = "snapshot.replaced.rdkv";
 /// The version of the layout above; a reader refuses any other.
 pub const FORMAT_VERSION: u32 = 1;
 /// The most record bytes a frame holds (a single larger record gets a frame of its own).

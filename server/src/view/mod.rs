@@ -496,7 +496,7 @@ impl ViewService {
             });
             // A node the whole cluster's stop took down stays down until it exits: its final
             // snapshot names the stop, and its next process resumes from it (`stop.rs`).
-            if joined || self.stopped_at().is_some() {
+            if joined || self.stop_applied_here().is_some() {
                 continue;
             }
             let (command, request) = self.join_command();

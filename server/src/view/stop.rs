@@ -41,6 +41,22 @@ impl ViewService {
     /// The epoch of the stop this node served until, while its record is still `down` since
     /// it: a snapshot written now holds every acknowledged write of its keys.
     pub fn stopped_at(&self) -> Option<u64> {
+        // Started from a stop's snapshot and not serving since (resumed and waiting, or not
+        // resumed yet: no leader): what it holds is still that stop's.
+        if let Some(stopped_at) = self.resume_from {
+            let unchanged = self.own_record().is_some_and(|record| {
+                record.state != MemberState::Serving && record.since == stopped_at
+            });
+            if unchanged {
+                return Some(stopped_at);
+            }
+        }
+        self.stop_applied_here()
+    }
+
+    /// The epoch of the stop this process applied while it served, while its record is still
+    /// `down` since it: the process does not rejoin (its next one resumes).
+    pub(super) fn stop_applied_here(&self) -> Option<u64> {
         let (epoch, stopped) = self.store.last_stop()?;
         let record = self.own_record()?;
         (stopped.contains(&self.node_id)
@@ -93,7 +109,8 @@ impl ViewService {
     pub(super) fn join_command(&self) -> (ViewCommand, PeerRequest) {
         let resumes = self.resume_from.filter(|stopped_at| {
             self.own_record().is_some_and(|record| {
-                record.state == MemberState::Down && record.since == *stopped_at
+                matches!(record.state, MemberState::Down | MemberState::Filling)
+                    && record.since == *stopped_at
             })
         });
         match resumes {

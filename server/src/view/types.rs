@@ -27,7 +27,8 @@ pub type PeerId = u64;
 /// A change to the view, committed through the log.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ViewCommand {
-    /// The member missed its peers' heartbeats for `failure_timeout`.
+    /// The member missed its peers' heartbeats for `failure_timeout`, or left. A serving
+    /// member's record changes epoch; a filling one keeps its round.
     MarkDown {
         /// The member.
         node_id: u32,
@@ -139,8 +140,13 @@ impl ViewState {
         let changed = match *command {
             ViewCommand::MarkDown { node_id } => match self.members.get_mut(&node_id) {
                 Some(record) if record.state != MemberState::Down => {
+                    // A filling member keeps its round: one resumed from a stop and marked down
+                    // before the stop's members serve may resume again (nothing was written
+                    // meanwhile: nobody served); any other comes back by a join, a new round.
+                    if record.state == MemberState::Serving {
+                        record.since = next;
+                    }
                     record.state = MemberState::Down;
-                    record.since = next;
                     true
                 }
                 _ => false,
@@ -181,7 +187,16 @@ impl ViewState {
                 incarnation,
                 stopped_at,
             } => match self.members.get_mut(&node_id) {
-                Some(record) if record.state == MemberState::Down && record.since == stopped_at => {
+                // Down since the stop, or filling in its round (resumed before, and stopped or
+                // restarted before the stop's members served: nothing was written meanwhile).
+                Some(record)
+                    if matches!(record.state, MemberState::Down | MemberState::Filling)
+                        && record.since == stopped_at =>
+                {
+                    if record.state == MemberState::Filling && record.incarnation == incarnation {
+                        // Resumed already as this process.
+                        return self.epoch;
+                    }
                     // The round stays the stop's epoch: it names the members to promote.
                     record.state = MemberState::Filling;
                     record.incarnation = incarnation;
@@ -575,6 +590,30 @@ mod tests {
             view.members[&3].since, stopped_at,
             "a join's round, not the stop's"
         );
+    }
+
+    /// A member resumed from a stop and stopped again before the stop's members serve (an
+    /// `up` that failed on another node stops the ones it started) resumes again.
+    #[test]
+    fn a_resumed_member_stopped_before_anyone_serves_resumes_again() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        let stopped_at = view.apply(&ViewCommand::Stop);
+        let resume = |incarnation| ViewCommand::Resume {
+            node_id: 1,
+            incarnation,
+            stopped_at,
+        };
+        view.apply(&resume(7));
+        view.apply(&ViewCommand::MarkDown { node_id: 1 });
+        assert_eq!(view.members[&1].state, MemberState::Down);
+        assert_eq!(view.members[&1].since, stopped_at, "the round is kept");
+        view.apply(&resume(9));
+        assert_eq!(view.members[&1].state, MemberState::Filling);
+        assert_eq!(view.members[&1].since, stopped_at);
+        // Restarted again without being marked down first.
+        view.apply(&resume(11));
+        assert_eq!(view.members[&1].incarnation, 11);
+        assert_eq!(view.members[&1].since, stopped_at);
     }
 
     /// After a crash of every node (all filling, nobody serving), one command promotes them
