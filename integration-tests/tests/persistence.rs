@@ -11,11 +11,25 @@ use rdkv_client::Client;
 use rdkv_integration_tests::cluster::{scrape, Cluster};
 use rdkv_integration_tests::view::{cluster_command, wait_settled, Nodes};
 
-/// Keys written before the stop.
+/// Keys written before the stop, by default; `RDKV_PERSISTENCE_KEYS=100000` runs the issue's
+/// full size (with 64 MiB heaps). A tenth of them are overwritten and a hundredth deleted.
 const KEYS: usize = 2_000;
-/// Of them, overwritten, and deleted.
-const OVERWRITTEN: usize = 200;
-const DELETED: usize = 20;
+
+fn keys() -> usize {
+    std::env::var("RDKV_PERSISTENCE_KEYS")
+        .ok()
+        .and_then(|keys| keys.parse().ok())
+        .unwrap_or(KEYS)
+}
+
+/// The example's heaps, or larger ones for the full size.
+fn sized(text: String) -> String {
+    if keys() > KEYS {
+        text.replace("heap_size = \"4M\"", "heap_size = \"64M\"")
+    } else {
+        text
+    }
+}
 
 fn key(index: usize) -> Vec<u8> {
     format!("persist-{index:05}").into_bytes()
@@ -24,17 +38,18 @@ fn key(index: usize) -> Vec<u8> {
 /// Writes the keys, overwrites some and deletes some; the values the cluster must hold.
 async fn write_history(client: &Client) -> BTreeMap<Vec<u8>, Option<Vec<u8>>> {
     let mut expected = BTreeMap::new();
-    for index in 0..KEYS {
+    let keys = keys();
+    for index in 0..keys {
         let value = format!("first-{index}").into_bytes();
         client.put(&key(index), &value).await.expect("put");
         expected.insert(key(index), Some(value));
     }
-    for index in (0..KEYS).step_by(KEYS / OVERWRITTEN) {
+    for index in (0..keys).step_by(10) {
         let value = vec![b'x'; 100 + index % 900];
         client.put(&key(index), &value).await.expect("overwrite");
         expected.insert(key(index), Some(value));
     }
-    for index in (1..KEYS).step_by(KEYS / DELETED) {
+    for index in (1..keys).step_by(100) {
         client.delete(&key(index)).await.expect("delete");
         expected.insert(key(index), None);
     }
@@ -84,7 +99,7 @@ fn succeeded(output: &std::process::Output, what: &str) -> String {
 
 async fn clean_restart_keeps_every_key(replicas: usize) {
     let cluster = Cluster::up_with(&format!("persistence-{replicas}"), |text| {
-        text.replace("replicas = 2", &format!("replicas = {replicas}"))
+        sized(text.replace("replicas = 2", &format!("replicas = {replicas}")))
     });
     let client = Client::from_file(&cluster.file).expect("a client");
     let expected = write_history(&client).await;
@@ -108,7 +123,7 @@ async fn clean_restart_keeps_every_key(replicas: usize) {
             samples[&format!("rdkv_snapshot_keys_loaded{{node=\"{}\"}}", node.id)]
         })
         .sum();
-    assert_eq!(loaded as usize, replicas * (KEYS - DELETED));
+    assert_eq!(loaded as usize, replicas * (keys() - keys() / 100));
     let stats =
         std::process::Command::new(rdkv_integration_tests::process::workspace_binary("rdkv"))
             .args(["--config", cluster.file.to_str().expect("utf-8"), "stats"])
