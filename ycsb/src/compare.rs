@@ -204,7 +204,9 @@ fn write_cluster_file(
     options: &CompareOptions,
     record_size: usize,
 ) -> anyhow::Result<(PathBuf, ReservedPorts)> {
-    let per_node = (options.records * options.replicas.max(1) as u64)
+    // The index holds the inserts too: sized for the records alone, a fast store's inserts in
+    // D filled both candidate buckets of a key (`table full`) at 56% of the slots.
+    let per_node = ((options.records + inserted_records(options)) * options.replicas.max(1) as u64)
         .div_ceil(u64::from(options.nodes.max(1)));
     let heap = node_heap_size(options, record_size);
     let index = (per_node * 64).max(1 << 20).next_power_of_two();
