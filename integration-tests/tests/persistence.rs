@@ -12,7 +12,7 @@ use rdkv_integration_tests::cluster::{scrape, Cluster};
 use rdkv_integration_tests::view::{cluster_command, wait_settled, Nodes};
 
 /// Keys written before the stop, by default; `RDKV_PERSISTENCE_KEYS=100000` runs the issue's
-/// full size (with 64 MiB heaps). A tenth of them are overwritten and a hundredth deleted.
+/// full size (with 64 MiB heaps and 8 MiB indexes). A tenth of them are overwritten and a hundredth deleted.
 const KEYS: usize = 2_000;
 
 fn keys() -> usize {
@@ -26,6 +26,7 @@ fn keys() -> usize {
 fn sized(text: String) -> String {
     if keys() > KEYS {
         text.replace("heap_size = \"4M\"", "heap_size = \"64M\"")
+            .replace("index_size = \"1M\"", "index_size = \"8M\"")
     } else {
         text
     }
