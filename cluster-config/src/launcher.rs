@@ -720,7 +720,15 @@ pub async fn stop(
     // Every node is tried: one that cannot be stopped does not keep the others running.
     for node in select(config, only)? {
         let started = Instant::now();
+        let since = std::time::SystemTime::now();
         let line = match stop_node(config, node, run_directory).await {
+            Ok(Stopped::ByRequest) if !final_snapshot_written(node, run_directory, since).await => {
+                failed = true;
+                format!(
+                    "stopped, but wrote no final snapshot (a full disk?): its log ({}) says why; its previous snapshot is kept",
+                    log_file(run_directory, node.id).display()
+                )
+            }
             Ok(Stopped::ByRequest) => format!(
                 "stopped (shutdown over the control plane, {:.1}s)",
                 started.elapsed().as_secs_f64()
@@ -737,6 +745,38 @@ pub async fn stop(
         return Err(Error::Refused(report.join("; ")));
     }
     Ok(report)
+}
+
+/// How long `down` waits for a node's final snapshot once its control port is closed (without
+/// its pid file, that is all `down` sees of its exit).
+const FINAL_SNAPSHOT_WITHIN: Duration = Duration::from_secs(5);
+
+/// Whether a local node that stopped on request wrote its final snapshot (its file changed
+/// since `since`, within [`FINAL_SNAPSHOT_WITHIN`]); a node on another host is not checked.
+async fn final_snapshot_written(
+    node: &NodeConfig,
+    run_directory: &Path,
+    since: std::time::SystemTime,
+) -> bool {
+    if node.host.is_some() {
+        return true;
+    }
+    let file = node
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| data_dir(run_directory, node.id))
+        .join("snapshot.rdkv");
+    let started = Instant::now();
+    loop {
+        let written = fs::metadata(&file)
+            .and_then(|metadata| metadata.modified())
+            // File times advance by the kernel's tick: allow one.
+            .is_ok_and(|modified| modified + Duration::from_millis(50) >= since);
+        if written || started.elapsed() >= FINAL_SNAPSHOT_WITHIN {
+            return written;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// How long `down` waits for every node to apply the cluster's stop.

@@ -31,13 +31,19 @@ pub fn up(tag: &str, count: usize) -> (Cluster, Nodes, Vec<u8>) {
             text
         }
     });
+    let (nodes, secret) = nodes_of(&cluster);
+    (cluster, nodes, secret)
+}
+
+/// Every node of `cluster`'s file with its control address, and the cluster secret.
+pub fn nodes_of(cluster: &Cluster) -> (Nodes, Vec<u8>) {
     let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
     let nodes = config
         .nodes
         .iter()
         .map(|node| (node.id, node.control_address))
         .collect();
-    (cluster, nodes, config.secret)
+    (nodes, config.secret)
 }
 
 /// Node `id`'s control address.

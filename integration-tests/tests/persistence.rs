@@ -7,9 +7,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
 use rdkv_client::Client;
 use rdkv_integration_tests::cluster::{scrape, Cluster};
-use rdkv_integration_tests::view::{cluster_command, wait_settled, Nodes};
+use rdkv_integration_tests::view::{
+    cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
+};
 
 /// Keys written before the stop, by default; `RDKV_PERSISTENCE_KEYS=100000` runs the issue's
 /// full size (with 64 MiB heaps and 8 MiB indexes). A tenth of them are overwritten and a hundredth deleted.
@@ -57,28 +60,42 @@ async fn write_history(client: &Client) -> BTreeMap<Vec<u8>, Option<Vec<u8>>> {
     expected
 }
 
-/// Every key reads back as `expected` says (a fresh client: the cluster's processes are new),
-/// once every node serves again.
-async fn check(cluster: &Cluster, expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>) {
-    let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
-    let nodes: Nodes = config
-        .nodes
-        .iter()
-        .map(|node| (node.id, node.control_address))
-        .collect();
+/// Waits until every node of `cluster` serves again (after a restart), within `limit`.
+async fn wait_serving(cluster: &Cluster, limit: Duration) {
+    let (nodes, secret) = nodes_of(cluster);
     let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
-    wait_settled(&nodes, &config.secret, &ids, Duration::from_secs(60))
+    wait_settled(&nodes, &secret, &ids, limit)
         .await
         .expect("every node serves again");
+}
+
+/// The keys that do not read back as `expected` says, nor as `newer` does where it names the
+/// key (a fresh client: the cluster's processes are new).
+async fn keys_read_wrong(
+    cluster: &Cluster,
+    expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    newer: &BTreeMap<Vec<u8>, Vec<u8>>,
+) -> Vec<String> {
     let client = Client::from_file(&cluster.file).expect("a client");
     let mut wrong = Vec::new();
     for (key, value) in expected {
         let read = client.get(key).await.expect("get after the restart");
-        if read.as_deref() != value.as_deref() {
+        let fine = read.as_deref() == value.as_deref()
+            || newer
+                .get(key)
+                .is_some_and(|after| read.as_deref() == Some(after));
+        if !fine {
             wrong.push(String::from_utf8_lossy(key).to_string());
         }
     }
     client.close().await;
+    wrong
+}
+
+/// Every key reads back as `expected` says, once every node serves again.
+async fn check(cluster: &Cluster, expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>) {
+    wait_serving(cluster, Duration::from_secs(60)).await;
+    let wrong = keys_read_wrong(cluster, expected, &BTreeMap::new()).await;
     assert!(
         wrong.is_empty(),
         "{} of {} keys differ after the restart, first {:?}",
@@ -246,41 +263,13 @@ async fn a_crash_of_every_node_keeps_every_key_as_of_the_snapshot_with_one_copy(
     }
     client.close().await;
     for node in 1..=3 {
-        let pid_file = cluster.run_directory.join(format!("node-{node}.pid"));
-        let pid = std::fs::read_to_string(&pid_file).expect("a pid file");
-        let killed = std::process::Command::new("kill")
-            .args(["-9", pid.trim()])
-            .status()
-            .expect("kill");
-        assert!(killed.success());
+        signal(&cluster, node, Signal::SIGKILL);
         // Until the kernel has torn the process down, its ports still answer.
-        let pid = nix::unistd::Pid::from_raw(pid.trim().parse().expect("a pid"));
-        rdkv_integration_tests::view::wait_torn_down(pid, Duration::from_secs(10));
+        wait_torn_down(pid_of(&cluster, node), Duration::from_secs(10));
     }
     succeeded(&cluster_command(&cluster, "up", None), "up after the crash");
-    let config = rdkv_cluster_config::load(&cluster.file).expect("the generated file is valid");
-    let nodes: Nodes = config
-        .nodes
-        .iter()
-        .map(|node| (node.id, node.control_address))
-        .collect();
-    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
-    wait_settled(&nodes, &config.secret, &ids, Duration::from_secs(90))
-        .await
-        .expect("every node serves again");
-    let client = Client::from_file(&cluster.file).expect("a client");
-    let mut wrong = Vec::new();
-    for (key, value) in &expected {
-        let read = client.get(key).await.expect("get after the crash");
-        let fine = read.as_deref() == value.as_deref()
-            || newer
-                .get(key)
-                .is_some_and(|after| read.as_deref() == Some(after));
-        if !fine {
-            wrong.push(String::from_utf8_lossy(key).to_string());
-        }
-    }
-    client.close().await;
+    wait_serving(&cluster, Duration::from_secs(90)).await;
+    let wrong = keys_read_wrong(&cluster, &expected, &newer).await;
     assert!(
         wrong.is_empty(),
         "{} keys are older than the snapshot, first {:?}",

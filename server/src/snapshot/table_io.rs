@@ -92,6 +92,8 @@ pub struct Loader<'table> {
     /// The grant being filled and the bytes used in it.
     place: Option<(Grant, u64)>,
     block: Vec<u8>,
+    /// The blocks read to find a key already loaded.
+    lookup: Vec<u8>,
     keys: u64,
 }
 
@@ -103,6 +105,7 @@ impl<'table> Loader<'table> {
             heap,
             place: None,
             block: Vec::new(),
+            lookup: Vec::new(),
             keys: 0,
         }
     }
@@ -159,7 +162,6 @@ impl<'table> Loader<'table> {
 
     /// Points the slot already holding `key`, if any, at `slot`'s block; whether it did.
     fn replace(&mut self, key: &[u8], location: KeyLocation, slot: Slot) -> bool {
-        let mut buffer = Vec::new();
         for choice in 0..HASH_CHOICES {
             for position in 0..SLOTS_PER_COMBINED_BUCKET {
                 let index_offset = self.table.geometry.slot_offset(SlotPosition {
@@ -176,7 +178,7 @@ impl<'table> Loader<'table> {
                 }
                 let same_key = self
                     .table
-                    .read_block(found, &mut buffer)
+                    .read_block(found, &mut self.lookup)
                     .is_some_and(|block| block.key == key);
                 if same_key {
                     return self

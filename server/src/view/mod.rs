@@ -422,16 +422,7 @@ impl ViewService {
         // from its last request before, it was committed down again at once, over and over.
         self.liveness.heard(node_id);
         self.liveness.lease_requested(node_id);
-        let applied = {
-            let view = self.view.borrow();
-            view.members
-                .get(&node_id)
-                .is_some_and(|record| {
-                    record.state != MemberState::Down && record.incarnation == incarnation
-                })
-                .then_some(view.epoch)
-        };
-        if let Some(epoch) = applied {
+        if let Some(epoch) = self.back_as(node_id, incarnation) {
             // Already in the view (the joiner has not applied it yet): nothing to log, so a
             // node that keeps asking never grows the log.
             return Ok(epoch);
@@ -441,6 +432,18 @@ impl ViewService {
             incarnation,
         })
         .await
+    }
+
+    /// The epoch of the view this node knows, if it has `node_id` back as `incarnation`
+    /// (serving or filling): a join or resume asked again needs no new log entry.
+    fn back_as(&self, node_id: u32, incarnation: u64) -> Option<u64> {
+        let view = self.view.borrow();
+        view.members
+            .get(&node_id)
+            .is_some_and(|record| {
+                record.state != MemberState::Down && record.incarnation == incarnation
+            })
+            .then_some(view.epoch)
     }
 
     /// A reply, encoded for its `Peer` frame.

@@ -160,16 +160,7 @@ impl ViewService {
                 // Alive, as a joiner is (`answer_join`).
                 self.liveness.heard(node_id);
                 self.liveness.lease_requested(node_id);
-                let applied = {
-                    let view = self.view.borrow();
-                    view.members
-                        .get(&node_id)
-                        .is_some_and(|record| {
-                            record.state != MemberState::Down && record.incarnation == incarnation
-                        })
-                        .then_some(view.epoch)
-                };
-                if let Some(epoch) = applied {
+                if let Some(epoch) = self.back_as(node_id, incarnation) {
                     // Back already (the node has not applied it yet): nothing to log.
                     return PeerReply::Join(Ok(epoch));
                 }
