@@ -12,7 +12,7 @@ use rdkv_fabric::WorkRequest;
 
 use crate::block::{block_reads, blocks_that_fit};
 use crate::connection::{NodeConnection, Scratch, StepList, READ_BLOCKS_AT};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fault::StepKind;
 use crate::operations::step_failure;
 use crate::progress::{Progress, Waiting};
@@ -21,13 +21,14 @@ use crate::progress::{Progress, Waiting};
 pub const SCAN_BUCKETS: u64 = 128;
 
 /// Reads of a range that may meet a block failing its checksum (moved or replaced while it
-/// was read) before the range is given up as it was read.
+/// was read) before the scan fails ([`Error::Corrupt`]).
 const SCAN_ATTEMPTS: u32 = 4;
 
 /// The keys and values held in combined buckets `first .. first + count` of the node
 /// (`count` ≤ [`SCAN_BUCKETS`], clamped to the index): every committed or locked slot whose
 /// block is intact, holds a key that lives in that bucket, and is not a tombstone. A range
-/// whose blocks changed while they were read is read again.
+/// whose blocks changed while they were read is read again; after [`SCAN_ATTEMPTS`] the scan
+/// fails ([`Error::Corrupt`]) rather than leave a key out.
 pub(crate) async fn scan_buckets(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
@@ -51,10 +52,14 @@ pub(crate) async fn scan_buckets(
         found.clear();
         let slots = read_range(&mut scratch, first, count).await?;
         if read_entries(&mut scratch, &slots, &mut found).await? {
-            break;
+            return Ok(found);
         }
     }
-    Ok(found)
+    // Never a range with a key left out: the caller (a refill) starts over.
+    Err(Error::Corrupt {
+        operation: "scan",
+        attempts: SCAN_ATTEMPTS,
+    })
 }
 
 /// READs combined buckets `first .. first + count` in one list: their readable slots, each
@@ -124,8 +129,7 @@ async fn read_entries(
                 .read(scratch.base + READ_BLOCKS_AT + at, &mut block)?;
             at += slot.block_length();
             let Ok(decoded) = decode_block(&block) else {
-                // Moved or replaced while it was read: the range is read again (this round's
-                // other blocks still count, for a last attempt that keeps what it read).
+                // Moved or replaced while it was read: the range is read again.
                 intact = false;
                 continue;
             };

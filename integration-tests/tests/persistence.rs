@@ -85,7 +85,17 @@ async fn keys_read_wrong(
                 .get(key)
                 .is_some_and(|after| read.as_deref() == Some(after));
         if !fine {
-            wrong.push(String::from_utf8_lossy(key).to_string());
+            let shown = |bytes: Option<&[u8]>| {
+                bytes.map_or("absent".to_string(), |bytes| {
+                    String::from_utf8_lossy(bytes).chars().take(24).collect()
+                })
+            };
+            wrong.push(format!(
+                "{} (read {}, expected {})",
+                String::from_utf8_lossy(key),
+                shown(read.as_deref()),
+                shown(value.as_deref())
+            ));
         }
     }
     client.close().await;
@@ -98,10 +108,10 @@ async fn check(cluster: &Cluster, expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>)
     let wrong = keys_read_wrong(cluster, expected, &BTreeMap::new()).await;
     assert!(
         wrong.is_empty(),
-        "{} of {} keys differ after the restart, first {:?}",
+        "{} of {} keys differ after the restart: {:?}",
         wrong.len(),
         expected.len(),
-        wrong.first()
+        &wrong[..wrong.len().min(5)]
     );
 }
 
