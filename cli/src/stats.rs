@@ -1,5 +1,6 @@
 //! `rdkv stats`: a row per node (its counters, or why it did not answer), the clients' totals,
-//! then the cluster view. Exit 2 when a node is down or refused the secret.
+//! then the cluster view and the losses it records. Exit 2 when a node is down or refused the
+//! secret.
 
 use std::process::ExitCode;
 
@@ -48,7 +49,13 @@ pub async fn stats(client: &Client) -> ExitCode {
     }
     print_total(&total);
     match client.view().await {
-        Ok(view) => rdkv_common::outln!("view: {}", view.summary()),
+        Ok(view) => {
+            rdkv_common::outln!("view: {}", view.summary());
+            // Why a key written before may now read as not found.
+            for loss in &view.losses {
+                rdkv_common::outln!("{loss}: a key whose copies were all there reads as not found, or older, unless they come back with it (`rdkv-cluster status`, `ack-loss`)");
+            }
+        }
         Err(error) => rdkv_common::outln!("view: {error}"),
     }
     if down > 0 {

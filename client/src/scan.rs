@@ -20,15 +20,24 @@ use crate::progress::{Progress, Waiting};
 /// Combined buckets one scan step READs (16 KiB).
 pub const SCAN_BUCKETS: u64 = 128;
 
-/// Reads of a range that may meet a block failing its checksum (moved or replaced while it
-/// was read) before the scan fails ([`Error::Corrupt`]).
-const SCAN_ATTEMPTS: u32 = 4;
+/// Reads of a range's changed slots (a block moved by the compactor, or rewritten) before the
+/// scan fails ([`Error::Corrupt`]).
+const SCAN_ATTEMPTS: u32 = 8;
+
+/// A readable slot of a scanned range: its place in the range (combined bucket `first +
+/// place / SLOTS_PER_COMBINED_BUCKET`) and its word.
+type RangeSlot = (usize, Slot);
 
 /// The keys and values held in combined buckets `first .. first + count` of the node
 /// (`count` ≤ [`SCAN_BUCKETS`], clamped to the index): every committed or locked slot whose
-/// block is intact, holds a key that lives in that bucket, and is not a tombstone. A range
-/// whose blocks changed while they were read is read again; after [`SCAN_ATTEMPTS`] the scan
-/// fails ([`Error::Corrupt`]) rather than leave a key out.
+/// block holds a key that lives in that bucket and is not a tombstone.
+///
+/// An entry counts only if its slot held the same word before and after its block was read:
+/// a referenced block is never reused, so the block read is the slot's. (Without the second
+/// read, a block that the compactor moved, and whose old place a new block then took, read as
+/// another key, and the slot's own key was left out of a refill.) A slot that changed is read
+/// again with its new word; after [`SCAN_ATTEMPTS`] the scan fails rather than leave a key
+/// out.
 pub(crate) async fn scan_buckets(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
@@ -48,23 +57,51 @@ pub(crate) async fn scan_buckets(
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
     let mut found = Vec::new();
+    let mut pending = read_range(&mut scratch, first, count).await?;
     for _ in 0..SCAN_ATTEMPTS {
-        found.clear();
-        let slots = read_range(&mut scratch, first, count).await?;
-        if read_entries(&mut scratch, &slots, &mut found).await? {
+        let blocks = read_blocks(&mut scratch, &pending).await?;
+        let now = read_range(&mut scratch, first, count).await?;
+        let mut changed = Vec::new();
+        for ((place, slot), block) in pending.iter().zip(blocks) {
+            let current = now
+                .binary_search_by_key(place, |(at, _)| *at)
+                .ok()
+                .map(|index| now[index].1);
+            match (current, block) {
+                (Some(word), Some((key, value))) if word == *slot => {
+                    let bucket = first + (place / SLOTS_PER_COMBINED_BUCKET) as u64;
+                    let lives_here = connection
+                        .welcome
+                        .geometry
+                        .locate(&key)
+                        .combined_buckets
+                        .contains(&bucket);
+                    if lives_here {
+                        found.push((key, value));
+                    }
+                }
+                // Unchanged, and a tombstone: the key is absent.
+                (Some(word), None) if word == *slot && slot.is_tombstone() => {}
+                // Changed (moved, rewritten) or unreadable: read again by its new word.
+                (Some(word), _) => changed.push((*place, word)),
+                // Emptied meanwhile: the key was deleted or swept.
+                (None, _) => {}
+            }
+        }
+        if changed.is_empty() {
             return Ok(found);
         }
+        pending = changed;
     }
-    // Never a range with a key left out: the caller (a refill) starts over.
     Err(Error::Corrupt {
         operation: "scan",
         attempts: SCAN_ATTEMPTS,
     })
 }
 
-/// READs combined buckets `first .. first + count` in one list: their readable slots, each
-/// with its combined bucket.
-async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec<(u64, Slot)>> {
+/// READs combined buckets `first .. first + count` in one list: their readable slots, in
+/// place order.
+async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec<RangeSlot>> {
     let connection = scratch.connection().clone();
     let length = count * COMBINED_BUCKET_SIZE;
     let request = WorkRequest::read(
@@ -85,7 +122,7 @@ async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec
     scratch
         .region()
         .read(scratch.base + READ_BLOCKS_AT, &mut bytes)?;
-    let mut slots: Vec<(u64, Slot)> = Vec::new();
+    let mut slots = Vec::new();
     for (index, bucket) in bytes
         .chunks_exact(COMBINED_BUCKET_SIZE as usize)
         .enumerate()
@@ -94,25 +131,24 @@ async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec
         slots.extend(
             parsed
                 .into_iter()
-                .filter(|slot| slot.is_readable())
-                .map(|slot| (first + index as u64, slot)),
+                .enumerate()
+                .filter(|(_, slot)| slot.is_readable())
+                .map(|(position, slot)| (index * SLOTS_PER_COMBINED_BUCKET + position, slot)),
         );
     }
     Ok(slots)
 }
 
-/// READs the blocks of `slots` (as many at once as fit the read area) and adds to `found` the
-/// key and value of each that is intact, lives in its slot's bucket and is not a tombstone.
-/// `Ok(false)`: a block was moved or replaced while it was read (the range is read again).
-async fn read_entries(
+/// READs the blocks of `slots` (as many at once as fit the read area): for each, its key and
+/// value, or `None` when it is a tombstone or fails its checksum (moved or replaced while it
+/// was read).
+async fn read_blocks(
     scratch: &mut Scratch,
-    slots: &[(u64, Slot)],
-    found: &mut Vec<(Bytes, Bytes)>,
-) -> Result<bool> {
-    let connection = scratch.connection().clone();
+    slots: &[RangeSlot],
+) -> Result<Vec<Option<(Bytes, Bytes)>>> {
+    let mut blocks = Vec::with_capacity(slots.len());
     let mut remaining = slots;
-    let mut intact = true;
-    while !remaining.is_empty() && intact {
+    while !remaining.is_empty() {
         let taken = blocks_that_fit(remaining.iter().map(|(_, slot)| *slot));
         let (round, rest) = remaining.split_at(taken);
         remaining = rest;
@@ -122,30 +158,24 @@ async fn read_entries(
             .await
             .map_err(step_failure("scan"))?;
         let mut at = 0u64;
-        for (bucket, slot) in round {
+        for (_, slot) in round {
             let mut block = vec![0u8; slot.block_length() as usize];
             scratch
                 .region()
                 .read(scratch.base + READ_BLOCKS_AT + at, &mut block)?;
             at += slot.block_length();
-            let Ok(decoded) = decode_block(&block) else {
-                // Moved or replaced while it was read: the range is read again.
-                intact = false;
-                continue;
-            };
-            let lives_here = connection
-                .welcome
-                .geometry
-                .locate(decoded.key)
-                .combined_buckets
-                .contains(bucket);
-            if lives_here && !decoded.tombstone {
-                found.push((
-                    Bytes::copy_from_slice(decoded.key),
-                    Bytes::copy_from_slice(decoded.value),
-                ));
-            }
+            blocks.push(
+                decode_block(&block)
+                    .ok()
+                    .filter(|decoded| !decoded.tombstone)
+                    .map(|decoded| {
+                        (
+                            Bytes::copy_from_slice(decoded.key),
+                            Bytes::copy_from_slice(decoded.value),
+                        )
+                    }),
+            );
         }
     }
-    Ok(intact)
+    Ok(blocks)
 }

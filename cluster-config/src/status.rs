@@ -205,6 +205,19 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
         .collect()
 }
 
+/// A line for each loss the view records and nobody acknowledged yet: `keys may have been
+/// lost: the copies on nodes 2 and 3 were down together at epoch 9 (…)`.
+pub fn loss_lines(view: Option<&ClusterView>) -> Vec<String> {
+    view.map_or_else(Vec::new, |view| {
+        view.losses
+            .iter()
+            .map(|loss| {
+                format!("{loss} (keys held only by them are missing or older; `rdkv-cluster ack-loss FILE` once seen)")
+            })
+            .collect()
+    })
+}
+
 /// Renders rows as a table with aligned columns.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|title| title.len()).collect();
@@ -400,6 +413,7 @@ mod tests {
                     state: MemberState::Serving,
                 })
                 .collect(),
+            losses: Vec::new(),
         };
         let answered = |id, known: ClusterView| NodeStatus {
             view: Some(known),
@@ -439,6 +453,7 @@ mod tests {
                 member(2, MemberState::Filling),
                 member(3, MemberState::Filling),
             ],
+            losses: Vec::new(),
         };
         let stats = ServerStats {
             refill_buckets_scanned: 4_096,

@@ -61,6 +61,9 @@ pub fn exit_with(outcome: anyhow::Result<()>, program: &str) -> std::process::Ex
     match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
+            // The queued log lines first: the error must be the last line (a launcher reports
+            // a node's last line as why it did not start).
+            flush_log();
             eprintln!("{program}: error: {error:#}");
             std::process::ExitCode::from(1)
         }

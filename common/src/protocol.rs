@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 20;
+pub const PROTOCOL_VERSION: u32 = 21;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -87,6 +87,13 @@ pub enum ClientMessage {
     /// Write a snapshot now (`rdkv-cluster snapshot`); answered with
     /// [`ServerMessage::SnapshotWritten`] once it is on disk.
     Snapshot,
+    /// The operator has seen the view's [`CopySetLoss`] records up to `up_to_epoch`
+    /// (`rdkv-cluster ack-loss`): the node asks the view's leader to clear them. Answered
+    /// with [`ServerMessage::LossesAcknowledged`].
+    AcknowledgeLosses {
+        /// Records of this epoch and earlier are cleared.
+        up_to_epoch: u64,
+    },
 }
 
 impl ClientMessage {
@@ -104,6 +111,7 @@ impl ClientMessage {
             ClientMessage::Peer { .. } => "Peer",
             ClientMessage::StopCluster => "StopCluster",
             ClientMessage::Snapshot => "Snapshot",
+            ClientMessage::AcknowledgeLosses { .. } => "AcknowledgeLosses",
         }
     }
 }
@@ -259,6 +267,37 @@ pub enum ServerMessage {
         /// How long it took, in milliseconds.
         took_ms: u64,
     },
+    /// The view's loss records up to the epoch asked for are cleared.
+    LossesAcknowledged {
+        /// How many records were cleared.
+        cleared: u64,
+    },
+}
+
+/// A view in which every copy of some keys was down (or still filling) at once: those keys
+/// may be lost, or be older than what was acknowledged (`docs/operations.md`, *When copies are
+/// lost*). The view keeps it until an operator acknowledges it (`rdkv-cluster ack-loss`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopySetLoss {
+    /// The epoch of the view that had them all down.
+    pub epoch: u64,
+    /// The members that held no whole copy then (down, or filling), in id order.
+    pub nodes: Vec<u32>,
+}
+
+impl std::fmt::Display for CopySetLoss {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes: Vec<String> = self.nodes.iter().map(u32::to_string).collect();
+        let nodes = match nodes.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => nodes.join(""),
+        };
+        write!(
+            formatter,
+            "keys may have been lost: the copies on nodes {nodes} were down together at epoch {}",
+            self.epoch
+        )
+    }
 }
 
 /// The cluster view: which nodes serve, agreed by the nodes' consensus (`docs/architecture.md`,
@@ -272,7 +311,14 @@ pub struct ClusterView {
     pub leader: Option<u32>,
     /// Every node of the cluster file, in id order, with its state.
     pub members: Vec<ViewMember>,
+    /// Views that had every copy of some keys down at once, not acknowledged yet (the most
+    /// recent [`MAX_LOSSES_KEPT`]).
+    pub losses: Vec<CopySetLoss>,
 }
+
+/// The loss records a view keeps until they are acknowledged: the oldest give way (the count
+/// of every one is [`ServerStats::copy_sets_lost`]).
+pub const MAX_LOSSES_KEPT: usize = 16;
 
 impl ClusterView {
     /// The ids of the serving members, in id order: the ranking's candidates.
@@ -509,6 +555,9 @@ pub struct ServerStats {
     pub last_snapshot_keys: u64,
     /// Keys loaded from a snapshot at start.
     pub snapshot_keys_loaded: u64,
+    /// Views the cluster committed in which every copy of some keys was down at once, since
+    /// the view began (kept by the view: the same on every node that applied it).
+    pub copy_sets_lost: u64,
     /// What this node's clients reported about their one-sided work.
     pub client_counters: ClientCounters,
 }
@@ -946,6 +995,29 @@ pub async fn request_cluster_stop(
 ) -> Result<u64, ControlError> {
     match ask(node, timeout, ClientMessage::StopCluster).await? {
         ServerMessage::ClusterStopped { epoch } => Ok(epoch),
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Asks a node to have the view's loss records up to `up_to_epoch` cleared
+/// (`rdkv-cluster ack-loss`); how many were cleared.
+///
+/// # Errors
+/// As [`request_cluster_stop`].
+pub async fn request_loss_acknowledgement(
+    node: MonitoredNode<'_>,
+    up_to_epoch: u64,
+    timeout: std::time::Duration,
+) -> Result<u64, ControlError> {
+    match ask(
+        node,
+        timeout,
+        ClientMessage::AcknowledgeLosses { up_to_epoch },
+    )
+    .await?
+    {
+        ServerMessage::LossesAcknowledged { cleared } => Ok(cleared),
         ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
         other => Err(ControlError::Unexpected(format!("{other:?}"))),
     }

@@ -92,7 +92,7 @@ impl Metrics {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 57] {
+fn definitions() -> [(&'static str, &'static str, Reader); 58] {
     [
         (
             "uptime_seconds",
@@ -199,6 +199,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 57] {
             "snapshot_keys_loaded",
             "Keys loaded from a snapshot at start",
             |stats| stats.snapshot_keys_loaded as i64,
+        ),
+        (
+            "copy_sets_lost_total",
+            "Views committed with every copy of some keys down at once (rdkv-cluster status names them until ack-loss)",
+            |stats| stats.copy_sets_lost as i64,
         ),
         (
             "collector_passes_total",

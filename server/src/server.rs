@@ -199,6 +199,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             failure_timeout: config.failure_timeout,
             state_file: config.view_state_file.clone(),
             resume_from: loaded.and_then(|loaded| loaded.stopped_at),
+            replicas: config
+                .cluster
+                .as_ref()
+                .map_or(1, |cluster| cluster.replicas),
         },
         &tasks,
         shutdown.clone(),

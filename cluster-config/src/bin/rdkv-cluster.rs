@@ -77,13 +77,25 @@ enum Action {
         node: Option<u32>,
     },
     /// One row per node: up, not-serving, down, no answer or auth failed, uptime, connections,
-    /// queue pairs, keys, memory; then the newest view the answering nodes know. Every node is
-    /// asked at once and given 1 s, so `status` returns within about a second even when a node
-    /// is stopped or hung (`no answer`). Exits 0 only when every node answers (up or
-    /// not-serving).
+    /// queue pairs, keys, memory; then the newest view the answering nodes know, and any loss
+    /// it records (every copy of some keys down at once). Every node is asked at once and
+    /// given 1 s, so `status` returns within about a second even when a node is stopped or
+    /// hung (`no answer`). Exits 0 when every node answers (up or not-serving) and no loss is
+    /// recorded, 1 when a node does not, 3 when a node refused the secret, 4 when every node
+    /// answers but a loss is recorded and not acknowledged (`ack-loss`).
     Status {
         /// The cluster file.
         file: PathBuf,
+    },
+    /// Acknowledge the losses `status` shows (views in which every copy of some keys was
+    /// down at once): they are cleared from the view, and `status` exits 0 again. The
+    /// metric `rdkv_copy_sets_lost_total` keeps counting them.
+    AckLoss {
+        /// The cluster file.
+        file: PathBuf,
+        /// Clear the losses of this epoch and earlier only (default: every loss shown now).
+        #[arg(long)]
+        epoch: Option<u64>,
     },
     /// The last lines of a node's log (a detached local node's log file, or through ssh).
     Logs {
@@ -122,6 +134,7 @@ impl Action {
             | Action::Restart { file, .. }
             | Action::Snapshot { file, .. }
             | Action::Status { file }
+            | Action::AckLoss { file, .. }
             | Action::Logs { file, .. }
             | Action::Systemd { file, .. } => file,
         }
@@ -195,8 +208,16 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             for line in status::refill_lines(view, &statuses) {
                 say(&line);
             }
-            Ok(status::exit_code(&statuses))
+            let losses = status::loss_lines(view);
+            for line in &losses {
+                say(line);
+            }
+            match status::exit_code(&statuses) {
+                0 if !losses.is_empty() => Ok(4),
+                code => Ok(code),
+            }
         }
+        Action::AckLoss { epoch, .. } => acknowledge_losses(&config, epoch).await,
         Action::Logs { node, lines, .. } => {
             let text = tokio::task::block_in_place(|| {
                 launcher::logs(&config, &run_directory, node, lines)
@@ -276,6 +297,44 @@ async fn snapshot(config: &ClusterConfig, only: Option<u32>) -> anyhow::Result<u
     Ok(code)
 }
 
+/// `ack-loss`: clears the view's loss records up to `epoch` (default: the newest shown now).
+async fn acknowledge_losses(config: &ClusterConfig, epoch: Option<u64>) -> anyhow::Result<u8> {
+    let statuses = status::status(config).await;
+    let shown = status::view(&statuses).map(|view| view.losses.clone());
+    let Some(shown) = shown else {
+        say(&status::view_line(None, &statuses));
+        return Ok(1);
+    };
+    let Some(up_to_epoch) = epoch.or_else(|| shown.iter().map(|loss| loss.epoch).max()) else {
+        say("no loss recorded: nothing to acknowledge");
+        return Ok(0);
+    };
+    let mut last_error = String::from("no node answered");
+    for node in &config.nodes {
+        let monitored = rdkv_common::protocol::MonitoredNode {
+            address: node.control_address,
+            id: Some(node.id),
+            secret: &config.secret,
+        };
+        let timeout = config.failure_timeout + std::time::Duration::from_secs(2);
+        match rdkv_common::protocol::request_loss_acknowledgement(monitored, up_to_epoch, timeout)
+            .await
+        {
+            Ok(_) => {
+                for loss in shown.iter().filter(|loss| loss.epoch <= up_to_epoch) {
+                    say(&format!("acknowledged: {loss}"));
+                }
+                return Ok(0);
+            }
+            Err(error) => last_error = format!("node {}: {error}", node.id),
+        }
+    }
+    say(&format!(
+        "the acknowledgement was not committed: {last_error}"
+    ));
+    Ok(1)
+}
+
 /// `restart`: stops one node and starts it again in the background.
 async fn restart(config: &ClusterConfig, run_directory: &Path, node: u32) -> anyhow::Result<u8> {
     let line = launcher::stop(config, run_directory, Some(node)).await?;
@@ -285,7 +344,7 @@ async fn restart(config: &ClusterConfig, run_directory: &Path, node: u32) -> any
         let keys = if config.replicas >= 2 {
             "it rejoins the view and is refilled from its peers before it serves (`status` shows the refill)"
         } else {
-            "it holds no keys until clients write them (replicas = 1: its keys had no other copy)"
+            "it loads the snapshot it wrote as it stopped, and copies what other nodes took for it meanwhile, before it serves"
         };
         say(&format!(
             "node {}: started (pid {}{}); {keys}",

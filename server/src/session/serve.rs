@@ -202,6 +202,21 @@ impl Session {
                 },
             },
             ClientMessage::Snapshot => crate::persistence::snapshot_on_request(&node).await,
+            ClientMessage::AcknowledgeLosses { up_to_epoch } => {
+                match node.view.acknowledge_losses(up_to_epoch).await {
+                    Ok(cleared) => {
+                        tracing::warn!(
+                            up_to_epoch,
+                            cleared,
+                            "loss records acknowledged (over the control plane)"
+                        );
+                        ServerMessage::LossesAcknowledged { cleared }
+                    }
+                    Err(reason) => ServerMessage::Refused {
+                        reason: format!("the acknowledgement was not committed: {reason}"),
+                    },
+                }
+            }
             ClientMessage::Goodbye => return Err(GOODBYE.into()),
             ClientMessage::FetchView => ServerMessage::View(node.view.current()),
             ClientMessage::Peer { payload } => ServerMessage::Peer {

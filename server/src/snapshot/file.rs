@@ -415,7 +415,15 @@ fn keep_previous(data_dir: &Path, snapshot_path: &Path) -> Result<()> {
             &format!("rename {} over it", link_path.display()),
             &source,
         )
-    })
+    })?;
+    // When both names were one file already (a start from the previous snapshot links it as
+    // the latest), the rename does nothing and leaves the link: remove it.
+    match fs::remove_file(&link_path) {
+        Err(source) if source.kind() != io::ErrorKind::NotFound => {
+            Err(io_error(&link_path, "remove the link", &source))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Makes the names in `directory` durable (the renames and links done in it).

@@ -27,6 +27,7 @@ mod election;
 mod failure_detector;
 mod lease;
 mod leave;
+mod losses;
 mod network;
 mod published;
 mod stop;
@@ -85,6 +86,9 @@ pub struct ViewSettings {
     /// The epoch of the cluster stop whose snapshot the node loaded, if it did: it asks to
     /// resume rather than join (`stop.rs`).
     pub resume_from: Option<u64>,
+    /// The cluster's `replicas`: this many members down at once lose keys (the view records
+    /// it).
+    pub replicas: usize,
 }
 
 /// The node's part in the cluster view.
@@ -167,7 +171,7 @@ impl ViewService {
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>> {
         let node_ids: Vec<u32> = settings.members.iter().map(|(id, _)| *id).collect();
-        let store = Store::open(settings.state_file.clone(), &node_ids)?;
+        let store = Store::open(settings.state_file.clone(), &node_ids, settings.replicas)?;
         let had_history = store.has_history();
         let view = store.view();
         let addresses: BTreeMap<u32, SocketAddr> = settings.members.iter().copied().collect();
@@ -278,6 +282,7 @@ impl ViewService {
                     node_id: self.node_id,
                     state: MemberState::Serving,
                 }],
+                losses: Vec::new(),
             };
         }
         let leader = self.leader();
@@ -349,7 +354,8 @@ impl ViewService {
             request @ (PeerRequest::Stop
             | PeerRequest::Resume { .. }
             | PeerRequest::PromoteResumed { .. }
-            | PeerRequest::PromoteFilling) => self.answer_stop_request(request).await,
+            | PeerRequest::PromoteFilling
+            | PeerRequest::AcknowledgeLosses { .. }) => self.answer_stop_request(request).await,
             PeerRequest::Leave {
                 node_id,
                 incarnation,

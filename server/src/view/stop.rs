@@ -147,6 +147,9 @@ impl ViewService {
                 ViewCommand::PromoteResumed { stopped_at }
             }
             PeerRequest::PromoteFilling => ViewCommand::PromoteFilling,
+            PeerRequest::AcknowledgeLosses { up_to_epoch } => {
+                ViewCommand::AcknowledgeLosses { up_to_epoch }
+            }
             PeerRequest::Resume {
                 node_id,
                 incarnation,

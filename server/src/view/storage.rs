@@ -20,12 +20,19 @@ use rdkv_fabric::lock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use rdkv_common::protocol::MemberState;
+
 use super::types::{PeerId, TypeConfig, ViewReply, ViewState};
 
 /// The state file's first bytes: its format. Version 2 added the epoch at which each member's
-/// record last changed (`MemberRecord::since`) and the filling round to `Promote`; a file of
-/// another format is refused with a one-line error, never misread.
-const FILE_HEADER: &[u8] = b"rdkv-view-state 2\n";
+/// record last changed (`MemberRecord::since`) and the filling round to `Promote`; version 3
+/// the last stop and the loss records (`ViewState`), and reads a version 2 file
+/// ([`upgraded_from_2`]). A file of another format is refused with a one-line error, never
+/// misread.
+const FILE_HEADER: &[u8] = b"rdkv-view-state 3\n";
+
+/// The header of the format before [`FILE_HEADER`].
+const FILE_HEADER_2: &[u8] = b"rdkv-view-state 2\n";
 
 /// Everything the node must remember.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -48,6 +55,76 @@ struct Persisted {
     snapshot: Option<(SnapshotMeta<PeerId, BasicNode>, Vec<u8>)>,
 }
 
+/// Decodes a state file's bytes, of this format or the one before.
+fn decode(path: &std::path::Path, bytes: &[u8]) -> Result<Persisted, crate::Error> {
+    let undecodable = |error: bincode::Error| crate::Error::ViewState {
+        path: path.to_path_buf(),
+        reason: format!("{error}; delete the file to start this node's view afresh"),
+    };
+    if let Some(body) = bytes.strip_prefix(FILE_HEADER) {
+        return bincode::deserialize(body).map_err(undecodable);
+    }
+    if let Some(body) = bytes.strip_prefix(FILE_HEADER_2) {
+        let before: PersistedBefore3 = bincode::deserialize(body).map_err(undecodable)?;
+        return Ok(upgraded_from_2(before));
+    }
+    Err(crate::Error::ViewState {
+        path: path.to_path_buf(),
+        reason: "written by another version of rdkv, or not a view state file; stop every node of the cluster and delete their view state files to start the view afresh".into(),
+    })
+}
+
+/// A state file of format 2: [`Persisted`] with the view as it was then.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
+struct PersistedBefore3 {
+    vote: Option<Vote<PeerId>>,
+    committed: Option<LogId<PeerId>>,
+    log: BTreeMap<u64, Entry<TypeConfig>>,
+    last_purged: Option<LogId<PeerId>>,
+    last_applied: Option<LogId<PeerId>>,
+    membership: StoredMembership<PeerId, BasicNode>,
+    view: ViewStateBefore3,
+    #[allow(dead_code)] // Read to reach the end; the snapshot is of the old view's format.
+    snapshot: Option<(SnapshotMeta<PeerId, BasicNode>, Vec<u8>)>,
+}
+
+/// The view of format 2: the epoch and the records.
+#[derive(Debug, Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
+struct ViewStateBefore3 {
+    epoch: u64,
+    members: BTreeMap<u32, super::types::MemberRecord>,
+}
+
+/// Format 2's state in this format: no loss recorded; the last stop is the one every member
+/// is still down or resumed since, if there is one (a cluster stopped by `down`, then upgraded);
+/// the old snapshot is dropped (the log is never purged: it holds every entry).
+fn upgraded_from_2(before: PersistedBefore3) -> Persisted {
+    let members = before.view.members;
+    let mut since = members.values().map(|record| record.since);
+    let first = since.next();
+    let one_stop = members
+        .values()
+        .all(|record| record.state != MemberState::Serving)
+        && since.all(|epoch| Some(epoch) == first);
+    Persisted {
+        vote: before.vote,
+        committed: before.committed,
+        log: before.log,
+        last_purged: before.last_purged,
+        last_applied: before.last_applied,
+        membership: before.membership,
+        view: ViewState {
+            epoch: before.view.epoch,
+            members,
+            last_stop: first.filter(|_| one_stop),
+            ..ViewState::default()
+        },
+        snapshot: None,
+    }
+}
+
 /// A cluster stop applied: its epoch and the members it took from serving.
 pub type StopApplied = (u64, Vec<u32>);
 
@@ -64,6 +141,8 @@ pub struct Store {
     /// process: its epoch and the members it took from serving (in memory: only the process
     /// that applied it writes a snapshot for it).
     last_stop: Arc<Mutex<Option<StopApplied>>>,
+    /// The cluster's `replicas`: this many members without a whole copy at once lose keys.
+    replicas: usize,
 }
 
 fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
@@ -79,7 +158,11 @@ impl Store {
     ///
     /// # Errors
     /// The state file exists but cannot be read or decoded.
-    pub fn open(file: Option<PathBuf>, node_ids: &[u32]) -> Result<Self, crate::Error> {
+    pub fn open(
+        file: Option<PathBuf>,
+        node_ids: &[u32],
+        replicas: usize,
+    ) -> Result<Self, crate::Error> {
         let fresh = Persisted {
             view: ViewState::initial(node_ids),
             ..Persisted::default()
@@ -90,19 +173,7 @@ impl Store {
                     path: path.clone(),
                     reason: source.to_string(),
                 })?;
-                let Some(body) = bytes.strip_prefix(FILE_HEADER) else {
-                    return Err(crate::Error::ViewState {
-                        path: path.clone(),
-                        reason: "written by another version of rdkv, or not a view state file; stop every node of the cluster and delete their view state files to start the view afresh".into(),
-                    });
-                };
-                let persisted: Persisted =
-                    bincode::deserialize(body).map_err(|error| crate::Error::ViewState {
-                        path: path.clone(),
-                        reason: format!(
-                            "{error}; delete the file to start this node's view afresh"
-                        ),
-                    })?;
+                let persisted = decode(path, &bytes)?;
                 let known: Vec<u32> = persisted.view.members.keys().copied().collect();
                 let mut wanted = node_ids.to_vec();
                 wanted.sort_unstable();
@@ -129,6 +200,7 @@ impl Store {
             file: file.map(Arc::new),
             view: Arc::new(view),
             last_stop: Arc::default(),
+            replicas,
         })
     }
 
@@ -346,9 +418,19 @@ impl RaftStorage<TypeConfig> for Store {
                     EntryPayload::Normal(command) => {
                         let serving = state.view.serving_members();
                         let before = state.view.epoch;
+                        let without_whole_copy = state.view.without_whole_copy();
                         let after = state.view.apply(command);
                         if *command == super::types::ViewCommand::Stop && after != before {
                             *lock(&self.last_stop) = Some((after, serving));
+                        }
+                        if let Some(loss) =
+                            state.view.record_loss(&without_whole_copy, self.replicas)
+                        {
+                            tracing::error!(
+                                epoch = loss.epoch,
+                                nodes = ?loss.nodes,
+                                "{loss}: keys whose copies were all on them are missing, or older than acknowledged, unless those nodes come back with them; `rdkv-cluster ack-loss FILE` clears this once seen"
+                            );
                         }
                     }
                     EntryPayload::Membership(membership) => {
@@ -426,7 +508,7 @@ mod tests {
         std::fs::create_dir_all(&directory).expect("directory");
         let file = directory.join("node-1.view");
         let _ = std::fs::remove_file(&file);
-        let mut store = Store::open(Some(file.clone()), &[1, 2, 3]).expect("open");
+        let mut store = Store::open(Some(file.clone()), &[1, 2, 3], 2).expect("open");
         assert!(!store.has_history());
         store.save_vote(&Vote::new(3, 2)).await.expect("vote");
         let entries = vec![
@@ -443,7 +525,7 @@ mod tests {
         store.apply_to_state_machine(&entries).await.expect("apply");
         drop(store);
 
-        let mut reopened = Store::open(Some(file.clone()), &[3, 2, 1]).expect("reopen");
+        let mut reopened = Store::open(Some(file.clone()), &[3, 2, 1], 2).expect("reopen");
         assert!(reopened.has_history());
         assert_eq!(
             reopened.read_vote().await.expect("vote"),
@@ -457,7 +539,7 @@ mod tests {
         drop(reopened);
 
         // The cluster file now names other nodes: a fresh start, the old state kept aside.
-        let other = Store::open(Some(file.clone()), &[1, 2]).expect("open for other nodes");
+        let other = Store::open(Some(file.clone()), &[1, 2], 2).expect("open for other nodes");
         assert!(!other.has_history());
         assert!(file.with_extension("old").exists());
         let _ = std::fs::remove_dir_all(&directory);
@@ -472,16 +554,53 @@ mod tests {
         let mut corrupt = FILE_HEADER.to_vec();
         corrupt.extend_from_slice(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff");
         std::fs::write(&file, &corrupt).expect("write");
-        let error = Store::open(Some(file.clone()), &[1, 2]).expect_err("corrupt");
+        let error = Store::open(Some(file.clone()), &[1, 2], 2).expect_err("corrupt");
         let message = error.to_string();
         assert!(message.contains("delete the file"), "{message}");
         assert!(!message.contains('\n'));
         // A file of an earlier format (no header) is refused, not misread.
         std::fs::write(&file, b"\x01\x00\x00\x00\x00\x00\x00\x00\x02").expect("write");
-        let error = Store::open(Some(file), &[1, 2]).expect_err("an earlier format");
+        let error = Store::open(Some(file), &[1, 2], 2).expect_err("an earlier format");
         let message = error.to_string();
         assert!(message.contains("another version of rdkv"), "{message}");
         assert!(!message.contains('\n'));
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
+    /// A node of the version before (format 2), stopped by `down` and upgraded, reads its
+    /// state file: the log and the records stay, and the stop is known (its resume is no loss).
+    #[test]
+    fn a_state_file_of_format_2_is_read_and_its_stop_kept() {
+        let directory =
+            std::env::temp_dir().join(format!("rdkv-view-format-2-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("directory");
+        let file = directory.join("node-1.view");
+        let record = |since| super::super::types::MemberRecord {
+            state: MemberState::Down,
+            incarnation: 7,
+            since,
+        };
+        let before = PersistedBefore3 {
+            vote: Some(Vote::new(2, 1)),
+            committed: None,
+            log: BTreeMap::new(),
+            last_purged: None,
+            last_applied: None,
+            membership: StoredMembership::default(),
+            view: ViewStateBefore3 {
+                epoch: 9,
+                members: (1..=3).map(|id| (id, record(9))).collect(),
+            },
+            snapshot: None,
+        };
+        let mut bytes = FILE_HEADER_2.to_vec();
+        bytes.extend(bincode::serialize(&before).expect("encode"));
+        std::fs::write(&file, bytes).expect("write");
+        let store = Store::open(Some(file), &[1, 2, 3], 2).expect("a format 2 file opens");
+        let view = store.view().borrow().clone();
+        assert_eq!(view.epoch, 9);
+        assert_eq!(view.last_stop, Some(9));
+        assert!(view.without_whole_copy().is_empty());
         let _ = std::fs::remove_dir_all(&directory);
     }
 }

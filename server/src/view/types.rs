@@ -1,7 +1,7 @@
 //! The consensus's types: the Raft type configuration, the commands that change the view, the
 //! view state they change, and the messages between peer nodes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 
 use openraft::error::{InstallSnapshotError, RaftError};
@@ -10,7 +10,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::LogId;
-use rdkv_common::protocol::{ClusterView, MemberState, ViewMember};
+use rdkv_common::protocol::{ClusterView, CopySetLoss, MemberState, ViewMember, MAX_LOSSES_KEPT};
 use serde::{Deserialize, Serialize};
 
 openraft::declare_raft_types!(
@@ -82,6 +82,12 @@ pub enum ViewCommand {
     /// peer is newer to refill from, and promoted one by one, the first would be refilled from
     /// by the others, which would drop their own keys first.
     PromoteFilling,
+    /// The operator has seen the loss records of epochs up to `up_to_epoch`
+    /// (`rdkv-cluster ack-loss`): they are cleared. No member changes, so the epoch stays.
+    AcknowledgeLosses {
+        /// Records of this epoch and earlier are cleared.
+        up_to_epoch: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -109,6 +115,14 @@ pub struct ViewState {
     pub epoch: u64,
     /// Every node of the cluster file.
     pub members: BTreeMap<u32, MemberRecord>,
+    /// The epoch of the last [`ViewCommand::Stop`] that changed the view: members down or
+    /// resumed since it hold their keys in the stop's snapshots.
+    pub last_stop: Option<u64>,
+    /// Views in which every copy of some keys was down at once, not acknowledged yet (the
+    /// most recent [`MAX_LOSSES_KEPT`]).
+    pub losses: Vec<CopySetLoss>,
+    /// Every such view since the view began, acknowledged or not.
+    pub losses_total: u64,
 }
 
 impl ViewState {
@@ -129,6 +143,7 @@ impl ViewState {
                     )
                 })
                 .collect(),
+            ..Self::default()
         }
     }
 
@@ -180,6 +195,9 @@ impl ViewState {
                         changed = true;
                     }
                 }
+                if changed {
+                    self.last_stop = Some(next);
+                }
                 changed
             }
             ViewCommand::Resume {
@@ -220,6 +238,10 @@ impl ViewState {
                     }
                 }
                 changed
+            }
+            ViewCommand::AcknowledgeLosses { up_to_epoch } => {
+                self.losses.retain(|loss| loss.epoch > up_to_epoch);
+                false
             }
             ViewCommand::PromoteFilling => {
                 let nobody_serves = self
@@ -266,6 +288,52 @@ impl ViewState {
         }
     }
 
+    /// The members that hold no whole copy of their keys in this view: down, or filling (a
+    /// refill empties a node before it copies), except those down or resumed since the last
+    /// stop (each holds the stop's snapshot: every acknowledged write of its keys).
+    pub fn without_whole_copy(&self) -> BTreeSet<u32> {
+        self.members
+            .iter()
+            .filter(|(_, record)| {
+                // A member that never joined held nothing: writes went to the others.
+                record.incarnation != 0
+                    && record.state != MemberState::Serving
+                    && Some(record.since) != self.last_stop
+            })
+            .map(|(node_id, _)| *node_id)
+            .collect()
+    }
+
+    /// After a command, with `before` the members [`Self::without_whole_copy`] named before
+    /// it: when `replicas` or more members hold no whole copy, and one of them held one
+    /// before, every copy of some keys was down at once (a key's copies can be any
+    /// `replicas` members). Records it and returns the record; a loss that grows (a third
+    /// node down with two) widens the last record instead.
+    pub fn record_loss(&mut self, before: &BTreeSet<u32>, replicas: usize) -> Option<CopySetLoss> {
+        let replicas = replicas.max(1);
+        let now = self.without_whole_copy();
+        if now.len() < replicas || now.is_subset(before) {
+            return None;
+        }
+        if before.len() >= replicas {
+            if let Some(last) = self.losses.last_mut() {
+                let nodes: BTreeSet<u32> = last.nodes.iter().copied().chain(now).collect();
+                last.nodes = nodes.into_iter().collect();
+                return None;
+            }
+        }
+        let loss = CopySetLoss {
+            epoch: self.epoch,
+            nodes: now.into_iter().collect(),
+        };
+        if self.losses.len() >= MAX_LOSSES_KEPT {
+            self.losses.remove(0);
+        }
+        self.losses.push(loss.clone());
+        self.losses_total += 1;
+        Some(loss)
+    }
+
     /// The members serving, by id.
     pub fn serving_members(&self) -> Vec<u32> {
         self.members
@@ -300,6 +368,7 @@ impl ViewState {
                     state: record.state,
                 })
                 .collect(),
+            losses: self.losses.clone(),
         }
     }
 }
@@ -373,6 +442,11 @@ pub enum PeerRequest {
     /// A filling node that found no serving peer asks the leader to commit
     /// [`ViewCommand::PromoteFilling`].
     PromoteFilling,
+    /// `rdkv-cluster ack-loss` asks the leader to commit [`ViewCommand::AcknowledgeLosses`].
+    AcknowledgeLosses {
+        /// Records of this epoch and earlier are cleared.
+        up_to_epoch: u64,
+    },
 }
 
 /// A leader's lease grant to a follower.
@@ -642,5 +716,132 @@ mod tests {
         let before = view.epoch;
         assert_eq!(view.apply(&ViewCommand::PromoteFilling), before);
         assert_eq!(view.members[&3].state, MemberState::Filling);
+    }
+
+    /// Applies `command` as the store does: the loss rule after it.
+    fn apply_noting_loss(view: &mut ViewState, command: ViewCommand, replicas: usize) {
+        let before = view.without_whole_copy();
+        view.apply(&command);
+        view.record_loss(&before, replicas);
+    }
+
+    /// With two copies of each key, two members down at once lose the keys they alone held:
+    /// recorded once, widened by a third, kept until acknowledged; one member down, a clean
+    /// stop and its resume, and members that never joined are no loss.
+    #[test]
+    fn two_members_down_at_once_with_two_copies_is_a_recorded_loss() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Join {
+                    node_id,
+                    incarnation: 10 + u64::from(node_id),
+                },
+                2,
+            );
+        }
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 2 }, 2);
+        assert!(view.losses.is_empty(), "one copy of each key is left");
+        apply_noting_loss(
+            &mut view,
+            ViewCommand::Join {
+                node_id: 2,
+                incarnation: 22,
+            },
+            2,
+        );
+        assert!(
+            view.losses.is_empty(),
+            "filling, with its peers serving every key"
+        );
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 3 }, 2);
+        let epoch = view.epoch;
+        assert_eq!(
+            view.losses,
+            vec![CopySetLoss {
+                epoch,
+                nodes: vec![2, 3]
+            }]
+        );
+        assert_eq!(view.losses_total, 1);
+        assert_eq!(
+            view.losses[0].to_string(),
+            format!("keys may have been lost: the copies on nodes 2 and 3 were down together at epoch {epoch}")
+        );
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 1 }, 2);
+        assert_eq!(view.losses.len(), 1, "the same loss, wider");
+        assert_eq!(view.losses[0].nodes, vec![1, 2, 3]);
+        assert_eq!(view.public(None).losses, view.losses);
+
+        let acknowledged = view.epoch;
+        view.apply(&ViewCommand::AcknowledgeLosses {
+            up_to_epoch: epoch - 1,
+        });
+        assert_eq!(view.losses.len(), 1, "a later loss stays");
+        assert_eq!(
+            view.apply(&ViewCommand::AcknowledgeLosses { up_to_epoch: epoch }),
+            acknowledged,
+            "no epoch: no member changed"
+        );
+        assert!(view.losses.is_empty());
+        assert_eq!(view.losses_total, 1, "the count stays");
+    }
+
+    #[test]
+    fn a_clean_stop_and_its_resume_lose_nothing_and_a_member_that_never_came_back_does() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Join {
+                    node_id,
+                    incarnation: u64::from(node_id),
+                },
+                2,
+            );
+        }
+        apply_noting_loss(&mut view, ViewCommand::Stop, 2);
+        let stopped_at = view.epoch;
+        assert!(
+            view.losses.is_empty(),
+            "every node keeps its keys in the stop's snapshot"
+        );
+        for node_id in [1, 2] {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Resume {
+                    node_id,
+                    incarnation: 20 + u64::from(node_id),
+                    stopped_at,
+                },
+                2,
+            );
+        }
+        apply_noting_loss(&mut view, ViewCommand::PromoteResumed { stopped_at }, 2);
+        assert!(
+            view.losses.is_empty(),
+            "node 3 alone is down: one copy is left"
+        );
+
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 2 }, 2);
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 3 }, 2);
+        assert!(
+            view.losses.is_empty(),
+            "nodes that never joined held nothing"
+        );
+
+        let mut view = ViewState::initial(&[1, 2]);
+        apply_noting_loss(
+            &mut view,
+            ViewCommand::Join {
+                node_id: 1,
+                incarnation: 1,
+            },
+            1,
+        );
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 1 }, 1);
+        assert_eq!(view.losses.len(), 1, "with one copy, any member down");
     }
 }
