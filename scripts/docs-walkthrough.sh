@@ -164,6 +164,8 @@ doc "target/release/rdkv --config examples/local-3node.toml del user:1"
 doc "target/release/rdkv --config examples/local-3node.toml stats"
 expect_output "client operations"
 doc "target/release/rdkv-cluster status examples/local-3node.toml"
+doc "target/release/rdkv-cluster ack-loss examples/local-3node.toml"
+expect_output "no loss recorded"
 
 echo "--- docs/operations.md, The CLI ---"
 doc "target/release/rdkv --config examples/local-3node.toml put user:1 ada"
