@@ -46,7 +46,7 @@ pub fn scrape(address: SocketAddr) -> HashMap<String, f64> {
         .set_read_timeout(Some(Duration::from_secs(5)))
         .expect("a read timeout");
     stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: rdkv\r\n\r\n")
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: rdkv\r\nConnection: close\r\n\r\n")
         .expect("request");
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("response");

@@ -59,6 +59,8 @@ pub struct ServerConfig {
     pub collector_interval: Duration,
     /// Where Prometheus metrics are served, if anywhere.
     pub metrics_address: Option<SocketAddr>,
+    /// What one outsider can make the metrics endpoint hold (`crate::metrics`).
+    pub metrics_limits: MetricsLimits,
     /// Fault injection for tests: each session's teardown is held this long after its drain,
     /// as a verbs drain that waits for the NIC's flushes can be (up to `retry_timeout` + 1 s).
     /// Zero, the default, everywhere else; neither the command line nor the cluster file sets
@@ -96,6 +98,30 @@ pub enum StartFrom {
     Empty,
 }
 
+/// The bounds of the metrics endpoint, which anyone who reaches its address can connect to
+/// (`docs/operations.md`, *Metrics*).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsLimits {
+    /// Connections open at once; a new one past this closes the oldest open one.
+    pub max_connections: usize,
+    /// The time a connection has to send a whole request head, from its accept or from the end
+    /// of its previous response: it bounds slow heads and idle keep-alive alike.
+    pub header_read_timeout: Duration,
+    /// How long one connection is served: then it finishes the response it is writing (within
+    /// `header_read_timeout` more) and is closed.
+    pub connection_lifetime: Duration,
+}
+
+impl Default for MetricsLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 64,
+            header_read_timeout: Duration::from_secs(5),
+            connection_lifetime: Duration::from_secs(60),
+        }
+    }
+}
+
 /// How often the collector settles, scans and frees heap chunks by default: a chunk comes back
 /// about two intervals after its last block dies, once no operation that saw it is running.
 pub const DEFAULT_COLLECTOR_INTERVAL: Duration = Duration::from_millis(25);
@@ -127,6 +153,7 @@ impl ServerConfig {
             hash_seed: None,
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: None,
+            metrics_limits: MetricsLimits::default(),
             teardown_stall: Duration::ZERO,
             members: Vec::new(),
             failure_timeout: DEFAULT_FAILURE_TIMEOUT,
@@ -178,6 +205,7 @@ impl ServerConfig {
             hash_seed: None,
             collector_interval: DEFAULT_COLLECTOR_INTERVAL,
             metrics_address: node.metrics_address,
+            metrics_limits: MetricsLimits::default(),
             teardown_stall: Duration::ZERO,
             members: cluster
                 .nodes
@@ -243,6 +271,18 @@ impl ServerConfig {
                 ),
             });
         }
+        if self.metrics_limits.max_connections == 0
+            || self.metrics_limits.header_read_timeout.is_zero()
+            || self.metrics_limits.connection_lifetime.is_zero()
+        {
+            return Err(Error::Config {
+                field: "metrics_limits",
+                reason: format!(
+                    "{:?}: the metrics endpoint needs at least one connection and non-zero timeouts",
+                    self.metrics_limits
+                ),
+            });
+        }
         let buckets = self.index_size / 64;
         let bucket_count = 1u64 << (63 - buckets.leading_zeros());
         let chunks = self.heap_size / self.chunk_size;
@@ -299,5 +339,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("secret"));
+        let mut config = ServerConfig::local(b"s");
+        config.metrics_limits.max_connections = 0;
+        assert!(config
+            .geometry(1)
+            .unwrap_err()
+            .to_string()
+            .contains("metrics_limits"));
     }
 }

@@ -40,7 +40,7 @@
 //! snapshot                                           (error, heap, table)
 //! node                                               (the state it holds: all of the above)
 //! collector, session, refill, persistence            (node, and the state modules)
-//! metrics                                            (pending)
+//! metrics                                            (config, pending)
 //! server                                             (everything: it builds the node, starts the tasks)
 //! ```
 //!

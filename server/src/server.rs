@@ -360,6 +360,7 @@ async fn serve_metrics(
             // most one collector interval old).
             state.stats(state.counters.collector_keys.load(Ordering::Relaxed))
         },
+        node.config.metrics_limits,
         shutdown.clone(),
     ));
     Ok(bound)

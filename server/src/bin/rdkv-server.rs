@@ -316,6 +316,7 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         hash_seed: None,
         collector_interval: rdkv_server::config::DEFAULT_COLLECTOR_INTERVAL,
         metrics_address: arguments.metrics_listen,
+        metrics_limits: rdkv_server::config::MetricsLimits::default(),
         teardown_stall: Duration::ZERO,
         // A node started from flags is a cluster of one.
         members: Vec::new(),

@@ -1,15 +1,20 @@
 //! Prometheus metrics over HTTP: `GET /metrics` on the node's metrics address returns the
 //! server's counters in the Prometheus text format (encoded by the `prometheus` crate).
+//!
+//! - this file: the registry, and every metric read from a stats snapshot;
+//! - `endpoint`: the HTTP endpoint (`hyper`) and its bounds;
+//! - `connections`: its open connections, oldest first, and the limit on them.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+mod connections;
+mod endpoint;
+
+pub(crate) use endpoint::{bind, serve};
 
 use prometheus::{Encoder, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use rdkv_common::protocol::ServerStats;
 use rdkv_fabric::QueuePairState;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+
+use connections::EndpointCounters;
 
 /// Reads one gauge's value from a snapshot.
 type Reader = fn(&ServerStats) -> i64;
@@ -20,6 +25,9 @@ pub struct Metrics {
     gauges: Vec<(IntGauge, Reader)>,
     counters: Vec<(IntCounter, Reader)>,
     queue_pairs: IntGaugeVec,
+    /// What the metrics endpoint reports about itself, kept live by the endpoint (not read from
+    /// a snapshot).
+    endpoint: EndpointCounters,
 }
 
 impl Metrics {
@@ -50,18 +58,20 @@ impl Metrics {
             }
         }
         let queue_pairs = IntGaugeVec::new(
-            Opts::new("queue_pairs", "Queue pairs by state").const_label("node", node),
+            Opts::new("queue_pairs", "Queue pairs by state").const_label("node", node.clone()),
             &["state"],
         )
         .expect("a valid gauge vector");
         registry
             .register(Box::new(queue_pairs.clone()))
             .expect("registered once");
+        let endpoint = endpoint_counters(&registry, &node);
         Self {
             registry,
             gauges,
             counters,
             queue_pairs,
+            endpoint,
         }
     }
 
@@ -83,6 +93,37 @@ impl Metrics {
         let mut body = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut body);
         body
+    }
+}
+
+/// Registers the metrics endpoint's own gauge and counters, labelled with the node's id.
+fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
+    let options = |name: &str, help: &str| Opts::new(name, help).const_label("node", node);
+    let counter = |name: &str, help: &str| {
+        let counter = IntCounter::with_opts(options(name, help)).expect("a valid counter");
+        registry
+            .register(Box::new(counter.clone()))
+            .expect("registered once");
+        counter
+    };
+    let connections = IntGauge::with_opts(options(
+        "metrics_connections",
+        "Connections to this metrics endpoint open now (at most its max_connections)",
+    ))
+    .expect("a valid gauge");
+    registry
+        .register(Box::new(connections.clone()))
+        .expect("registered once");
+    EndpointCounters {
+        connections,
+        evicted: counter(
+            "metrics_connections_evicted_total",
+            "Metrics connections closed to make room for a newer one (max_connections were open)",
+        ),
+        timed_out: counter(
+            "metrics_connections_timed_out_total",
+            "Metrics connections closed because no whole request head arrived within header_read_timeout (a slow head, or an idle keep-alive connection)",
+        ),
     }
 }
 
@@ -371,84 +412,6 @@ fn definitions() -> [(&'static str, &'static str, Reader); 58] {
             |stats| stats.client_counters.failures as i64,
         ),
     ]
-}
-
-/// Scrapes served at once; more wait in the listen backlog.
-const MAX_SCRAPES: usize = 16;
-
-/// Serves `GET /metrics` until `shutdown`.
-pub(crate) async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    snapshot: impl Fn() -> ServerStats + Send + Sync + 'static,
-    shutdown: CancellationToken,
-) {
-    let snapshot = Arc::new(snapshot);
-    // Scrapes are unauthenticated: a few at a time, each bounded by the 5 s head timeout.
-    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    loop {
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            permit = limit.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => return,
-            },
-        };
-        let accepted = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        let mut stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(_) => {
-                // Out of file descriptors: back off rather than spin.
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(crate::pending::ACCEPT_BACKOFF) => {}
-                }
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        let snapshot = snapshot.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let mut head = Vec::with_capacity(1024);
-            let mut buffer = [0u8; 1024];
-            // Read the request head (bounded), then answer one request and close.
-            while !head.windows(4).any(|window| window == b"\r\n\r\n") && head.len() < 8192 {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    stream.read(&mut buffer),
-                )
-                .await
-                {
-                    Ok(Ok(read)) if read > 0 => head.extend_from_slice(&buffer[..read]),
-                    _ => return,
-                }
-            }
-            let request_line = head.split(|byte| *byte == b'\r').next().unwrap_or_default();
-            let response = if request_line.starts_with(b"GET /metrics ") {
-                let body = metrics.render(&snapshot());
-                let mut response = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    TextEncoder::new().format_type(),
-                    body.len()
-                )
-                .into_bytes();
-                response.extend_from_slice(&body);
-                response
-            } else {
-                b"HTTP/1.1 404 Not Found\r\nContent-Length: 22\r\nConnection: close\r\n\r\ntry GET /metrics here\n".to_vec()
-            };
-            let _ = stream.write_all(&response).await;
-        });
-    }
-}
-
-/// Binds the metrics listener.
-pub(crate) async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(address).await
 }
 
 #[cfg(test)]
