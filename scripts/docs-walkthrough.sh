@@ -269,7 +269,7 @@ doc "target/release/rdkv-cluster systemd examples/local-3node.toml --node 1 > rd
 as_user "grep -q '^LimitMEMLOCK=' rdkv-local-3node-node-1.service" || fail "no unit written"
 
 echo "=== README: a single server by hand (SIGTERM stops it in order, exit 0) ==="
-doc_background "RDKV_SECRET=change-me target/release/rdkv-server --listen 127.0.0.1:7400 --fabric-listen 127.0.0.1:7401 --index-size 1M --heap-size 4M --chunk-size 256K --hugepages auto" single
+doc_background "RDKV_SECRET=change-me-to-32-random-bytes target/release/rdkv-server --listen 127.0.0.1:7400 --fabric-listen 127.0.0.1:7401 --index-size 1M --heap-size 4M --chunk-size 256K --hugepages auto" single
 single=$started_pid
 single_waiter=$waiter
 wait_for "$work/single.out" "rdkv-server ready node=1"

@@ -42,7 +42,7 @@ exec {ports_fd}<&-
 cat >"$work/soak.toml" <<TOML
 [cluster]
 name = "soak"
-secret = "rdkv-soak"
+secret = "rdkv-soak-test-secret"
 fabric = "soft"
 
 [[node]]

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use rdkv_common::ports::ReservedPorts;
 use rdkv_server::{RunningServer, ServerConfig};
 
-const SECRET: &str = "cli-test-secret";
+const SECRET: &str = "cli-test-secret-0";
 
 /// A one-node cluster: the server, the runtime it runs on, and its cluster file in a directory
 /// of its own (removed on drop).

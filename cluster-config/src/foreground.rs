@@ -10,7 +10,8 @@
 //!   after [`report_until`] has returned, so it prints nothing here.
 //! - A node that is no longer `up`'s child: one thread per such node checks its pid file every
 //!   [`FOLLOW_POLL`] until the file names a new running `rdkv-server` of that node, says so,
-//!   and follows its log file (`node-N.log`, where `restart` sends it) from the start: lines
+//!   and follows its log file (`node-N.log`, where `restart` sends it) from that process's
+//!   start line (the file holds the earlier runs' lines before it): lines
 //!   of at most [`MAX_LINE`] bytes (a longer one is printed in pieces), waiting
 //!   [`FOLLOW_POLL`] at the end of the file, until that process has gone; then it waits for
 //!   the next one. A process whose stderr is not that file (`up --node N` in another
@@ -19,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::future::Future;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::ExitStatus;
@@ -245,7 +246,9 @@ fn follow_log(id: u32, pid: i32, path: &Path, stopped: &Receiver<()>) -> bool {
         // Looked at before reading: the lines written before the process went are read too.
         let running = is_alive(pid);
         if log.is_none() {
-            log = File::open(path).ok().map(LogReader::new);
+            log = File::open(path)
+                .ok()
+                .map(|file| LogReader::from_run_of(file, pid));
         }
         let at_end = log.as_mut().is_none_or(|log| log.print_new_lines(id));
         if !running && at_end {
@@ -259,6 +262,13 @@ fn follow_log(id: u32, pid: i32, path: &Path, stopped: &Receiver<()>) -> bool {
             return false;
         }
     }
+}
+
+/// Where the last `needle` starts in `haystack`.
+fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .rposition(|window| window == needle)
 }
 
 /// Reads a growing log file line by line, holding at most [`MAX_LINE`] bytes.
@@ -275,6 +285,21 @@ impl LogReader {
             reader: BufReader::new(file),
             partial: Vec::new(),
         }
+    }
+
+    /// A reader of the lines of process `pid`'s run: from its start line (a node appends to
+    /// its log, after the earlier runs' lines), or from the end of the file when that line is
+    /// not written yet (then everything after it is this run's).
+    fn from_run_of(mut file: File, pid: i32) -> Self {
+        // The line `rdkv_server::log_file::RotatingLog` writes first.
+        let marker = format!("rdkv-server (pid {pid}) started: ");
+        let mut text = Vec::new();
+        let start = match file.read_to_end(&mut text) {
+            Ok(_) => find_last(&text, marker.as_bytes()).unwrap_or(text.len()),
+            Err(_) => 0,
+        };
+        let _ = file.seek(SeekFrom::Start(start as u64));
+        Self::new(file)
     }
 
     /// Prints the complete lines written since the last call, up to [`READ_BEFORE_CHECK`]
@@ -329,6 +354,28 @@ mod tests {
             describe_exit(dumped),
             "exited: killed by signal 11 (SIGSEGV, core dumped)"
         );
+    }
+
+    #[test]
+    fn a_run_is_followed_from_its_start_line_after_the_earlier_runs() {
+        let path = std::env::temp_dir().join(format!("rdkv-log-run-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "rdkv-server (pid 41) started: x\nold run\nrdkv-server (pid 42) started: x\nnew run\n",
+        )
+        .expect("write the log");
+        let mut reader = LogReader::from_run_of(File::open(&path).expect("open"), 42);
+        let mut rest = String::new();
+        reader.reader.read_to_string(&mut rest).expect("read");
+        assert_eq!(rest, "rdkv-server (pid 42) started: x\nnew run\n");
+        let mut reader = LogReader::from_run_of(File::open(&path).expect("open"), 43);
+        let mut rest = String::new();
+        reader.reader.read_to_string(&mut rest).expect("read");
+        assert_eq!(
+            rest, "",
+            "a run whose start line is not written yet: from the end"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //!   under the run directory; `up` waits for each node's ready line (no sleeping). In the
 //!   foreground it forwards local nodes' log lines with a `[node ID]` prefix, reports and
 //!   reaps a node that exits ([`crate::foreground`]), and stops the nodes in order on Ctrl-C or
-//!   SIGTERM; with `--detach` the logs go to `node-ID.log` and the launcher exits. A remote
-//!   node always runs in the background on its host.
+//!   SIGTERM; with `--detach` each node logs into `node-ID.log` (`rdkv-server --log-file`:
+//!   appended to, never truncated, rotated by size) and the launcher exits. A remote node
+//!   always runs in the background on its host, logging the same way.
 //! - `down` (and the stop half of `restart`) first asks each node to shut down over the
 //!   control plane, authenticated with the cluster secret: no pid file and no ssh needed. A
 //!   node that does not answer is stopped by its pid file (SIGTERM, SIGKILL after 15 s), or
@@ -17,6 +18,7 @@ use std::collections::VecDeque;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -370,9 +372,17 @@ fn start_local(
     };
     let mut command = server_command(binary, config_path, node, run_directory);
     if detach {
-        let log = fs::File::create(log_file(run_directory, node.id))
-            .map_err(|error| failure(format!("create its log file: {error}")))?;
-        command.stderr(log);
+        // The node appends to its log and rotates it by size (`rdkv_server::log_file`);
+        // what it writes before it has opened the file (a command-line error) is appended
+        // here: the earlier runs' lines stay.
+        let path = log_file(run_directory, node.id);
+        let log = fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|error| failure(format!("open its log file {}: {error}", path.display())))?;
+        command.arg("--log-file").arg(&path).stderr(log);
     } else {
         command.stderr(Stdio::piped());
     }

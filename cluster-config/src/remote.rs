@@ -4,7 +4,7 @@
 //! HOST sh -c SCRIPT`: the user's own ssh config, keys and agent; never a password prompt. On the
 //! host, the node's files live in `remote_run_dir` (relative paths are from the login
 //! directory): the cluster file, the secret (mode 0600), `node-ID.pid`, `node-ID.out` (the
-//! ready line) and `node-ID.log`.
+//! ready line) and `node-ID.log` (`rdkv-server --log-file`: appended to, rotated by size).
 //!
 //! - start: one call writes the secret, a second writes the cluster file and starts
 //!   `remote_binary --config FILE --node ID --secret-file SECRET` under `setsid nohup`, then
@@ -131,7 +131,8 @@ cat > "$dir/cluster.toml"
 chmod 600 "$dir/cluster.toml"
 : > "$dir/node-{id}.out"
 setsid nohup {binary} --config "$dir/cluster.toml" --node {id} --secret-file "$dir/secret" \
-  --view-state "$dir/node-{id}.view"{data_dir} > "$dir/node-{id}.out" 2> "$dir/node-{id}.log" < /dev/null &
+  --view-state "$dir/node-{id}.view"{data_dir} --log-file "$dir/node-{id}.log" \
+  > "$dir/node-{id}.out" 2>> "$dir/node-{id}.log" < /dev/null &
 pid=$!
 echo "$pid" > "$pidfile"
 tries=0

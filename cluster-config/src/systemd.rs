@@ -138,7 +138,7 @@ mod tests {
     use super::*;
 
     fn example() -> ClusterConfig {
-        let text = "[cluster]\nname = \"prod\"\nsecret = \"s\"\nfabric = \"soft\"\n\n[[node]]\nid = 2\ncontrol_address = \"127.0.0.1:7410\"\nfabric_address = \"127.0.0.1:7411\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
+        let text = "[cluster]\nname = \"prod\"\nsecret = \"sixteen-byte-key\"\nfabric = \"soft\"\n\n[[node]]\nid = 2\ncontrol_address = \"127.0.0.1:7410\"\nfabric_address = \"127.0.0.1:7411\"\nindex_size = \"1M\"\nheap_size = \"4M\"\n";
         let figures = rdkv_fabric::memory::limits::MemlockFigures {
             soft_limit: u64::MAX,
             hard_limit: u64::MAX,

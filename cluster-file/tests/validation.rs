@@ -27,7 +27,7 @@ heap_size = "4M"
 "#;
 
 fn file(cluster_extra: &str, nodes: &str) -> String {
-    format!("[cluster]\nname = \"test\"\nsecret = \"s\"\nfabric = \"soft\"\n{cluster_extra}{nodes}")
+    format!("[cluster]\nname = \"test\"\nsecret = \"sixteen-byte-key\"\nfabric = \"soft\"\n{cluster_extra}{nodes}")
 }
 
 fn invalid(text: &str) -> (usize, String, String) {
@@ -49,7 +49,98 @@ fn the_shipped_example_is_valid() {
     assert_eq!(config.nodes.len(), 3);
     assert_eq!(config.name, "local-3node");
     assert_eq!(config.replicas, 2);
-    assert!(config.warnings.is_empty());
+    // Its inline secret warns while the file is readable by others (a fresh checkout), until
+    // `chmod 600` (docs/operations.md).
+    assert!(
+        config
+            .warnings
+            .iter()
+            .all(|warning| warning.contains("cluster.secret") && warning.contains("chmod 600")),
+        "{:?}",
+        config.warnings
+    );
+    assert!(config.secret.len() >= rdkv_cluster_file::config::MIN_SECRET_LENGTH);
+}
+
+#[test]
+fn node_id_0_is_refused() {
+    let (line, field, message) = invalid(&file("", &NODE_1.replace("id = 1", "id = 0")));
+    assert_eq!((line, field.as_str()), (7, "node[0].id"));
+    assert!(message.contains("node ids start at 1"), "{message}");
+}
+
+#[test]
+fn a_secret_shorter_than_16_bytes_is_refused_with_how_to_make_one() {
+    let text = file("", NODE_1).replace("sixteen-byte-key", "fifteen-byte-ke");
+    let (line, field, message) = invalid(&text);
+    assert_eq!((line, field.as_str()), (3, "cluster.secret"));
+    assert!(
+        message.contains("15 bytes") && message.contains("head -c 32 /dev/urandom | base64"),
+        "{message}"
+    );
+    assert!(!message.contains('\n'), "one line: {message}");
+}
+
+#[test]
+fn an_inline_secret_in_a_file_readable_by_others_is_a_warning() {
+    use std::os::unix::fs::PermissionsExt;
+    let directory = std::env::temp_dir().join(format!("rdkv-inline-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let cluster = directory.join("cluster.toml");
+    std::fs::write(&cluster, file("", NODE_1)).expect("write");
+    std::fs::set_permissions(&cluster, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let warnings = load(&cluster).expect("valid, with a warning").warnings;
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("cluster.secret") && warnings[0].contains("chmod 600"),
+        "{}",
+        warnings[0]
+    );
+    std::fs::set_permissions(&cluster, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    assert!(load(&cluster).expect("valid").warnings.is_empty());
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+#[test]
+fn a_failure_timeout_not_below_the_operation_deadline_is_a_warning() {
+    let second = NODE_1
+        .replace("id = 1", "id = 2")
+        .replace("7400", "7500")
+        .replace("7401", "7501");
+    let nodes = format!("{NODE_1}{second}");
+    let late = "replicas = 2\nfailure_timeout = \"3s\"\noperation_deadline = \"3s\"\n";
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file(late, &nodes),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid, with a warning");
+    let warning = config
+        .warnings
+        .iter()
+        .find(|warning| warning.contains("cluster.failure_timeout"));
+    assert!(
+        warning.is_some_and(|warning| warning.contains("lower failure_timeout")),
+        "{:?}",
+        config.warnings
+    );
+    let in_time = late.replace("failure_timeout = \"3s\"", "failure_timeout = \"2s\"");
+    let config = parse(
+        Path::new("cluster.toml"),
+        &file(&in_time, &nodes),
+        roomy(),
+        64 * 1024 * MIB,
+    )
+    .expect("valid");
+    assert!(
+        !config
+            .warnings
+            .iter()
+            .any(|warning| warning.contains("failure_timeout")),
+        "{:?}",
+        config.warnings
+    );
 }
 
 #[test]
@@ -152,7 +243,7 @@ fn the_loopback_fabric_is_refused_for_nodes() {
 #[test]
 fn a_missing_secret_file_is_refused() {
     let text = file("", NODE_1).replace(
-        "secret = \"s\"",
+        "secret = \"sixteen-byte-key\"",
         "secret_file = \"/nonexistent/rdkv-secret\"",
     );
     let (line, field, message) = invalid(&text);
@@ -169,16 +260,16 @@ fn a_secret_file_readable_by_others_is_a_warning() {
     let directory = std::env::temp_dir().join(format!("rdkv-validation-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
     let secret = directory.join("secret");
-    std::fs::write(&secret, "from-a-file\n").expect("write");
+    std::fs::write(&secret, "from-a-file-of-32-random-bytes\n").expect("write");
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let cluster = directory.join("cluster.toml");
     std::fs::write(
         &cluster,
-        file("", NODE_1).replace("secret = \"s\"", "secret_file = \"secret\""),
+        file("", NODE_1).replace("secret = \"sixteen-byte-key\"", "secret_file = \"secret\""),
     )
     .expect("write");
     let config = load(&cluster).expect("valid, with a warning");
-    assert_eq!(config.secret, b"from-a-file");
+    assert_eq!(config.secret, b"from-a-file-of-32-random-bytes");
     assert_eq!(config.warnings.len(), 1);
     assert!(
         config.warnings[0].contains("chmod 600"),

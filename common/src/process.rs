@@ -38,15 +38,25 @@ pub fn exit_now(code: i32) -> ! {
 /// the queue is full: a reader that stops reading a node's stderr (a launcher suspended with
 /// Ctrl-Z, a full pipe) can delay its log but never stall the node, and so never its shutdown.
 pub fn init_logging(default_level: &str) -> LogGuard {
+    let colours = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    init_logging_to(default_level, std::io::stderr(), colours)
+}
+
+/// Logs as [`init_logging`] does, into `writer` (a node's log file), with or without colours.
+pub fn init_logging_to(
+    default_level: &str,
+    writer: impl std::io::Write + Send + 'static,
+    colours: bool,
+) -> LogGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(true)
-        .finish(std::io::stderr());
+        .finish(writer);
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_ansi(colours)
         .try_init();
     *LOG_WRITER
         .lock()

@@ -34,6 +34,9 @@ pub fn generate_cluster_file(directory: &Path) -> (PathBuf, ReservedPorts) {
     }
     let path = directory.join("cluster.toml");
     std::fs::write(&path, text).expect("write the cluster file");
+    // It holds the secret: readable by its owner only (else every command warns).
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod 600 the cluster file");
     (path, reserved)
 }
 

@@ -185,14 +185,15 @@ pub struct ObservedServer {
 }
 
 impl ObservedServer {
-    /// Spawns `rdkv-server` on loopback with port 0, `RUST_LOG=info` and `extra` arguments;
+    /// Spawns `rdkv-server` on loopback with port 0 and `extra` arguments, logging at INFO
+    /// and each session's lines (DEBUG: `client authenticated`, `connection closed`) too;
     /// returns at once, without waiting for it to be ready.
     pub fn spawn(secret: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(server_binary())
             .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
             .args(extra)
             .env("RDKV_SECRET", secret)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", "info,rdkv_server::session=debug")
             .env("RUST_BACKTRACE", "0")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

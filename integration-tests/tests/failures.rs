@@ -9,7 +9,7 @@ use rdkv_common::ports::ReservedPorts;
 use rdkv_fabric::Backend;
 use rdkv_integration_tests::process::ServerProcess;
 
-const SECRET: &str = "failures-secret";
+const SECRET: &str = "failures-test-secret";
 
 async fn client_of(server: &ServerProcess) -> Client {
     let mut config = ClientConfig::new(server.control_address, Backend::Soft, SECRET.as_bytes());

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rdkv_common::protocol::{fetch_stats, MonitoredNode};
 use rdkv_integration_tests::process::{raise_open_files, workspace_binary, ServerProcess};
 
-const SECRET: &str = "flood-secret";
+const SECRET: &str = "flood-test-secret";
 const FLOOD: usize = 2_000;
 const PUTS: usize = 100;
 

@@ -90,7 +90,7 @@ fn status_exits_zero_only_when_every_node_is_up_and_names_a_wrong_secret() {
     let original = std::fs::read_to_string(&cluster.file).expect("the cluster file");
     std::fs::write(
         &wrong,
-        original.replace("local-dev-secret-change-me", "not-the-secret"),
+        original.replace("local-dev-secret-change-me", "not-the-cluster-secret"),
     )
     .expect("write");
     let refused = rdkv_cluster(&["status", text(&wrong)]);

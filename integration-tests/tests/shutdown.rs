@@ -18,7 +18,7 @@ use rdkv_integration_tests::process::{ObservedServer, Stopped};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
-const SECRET: &str = "shutdown-secret";
+const SECRET: &str = "shutdown-test-secret";
 /// How long a node may take to exit after it is told to stop.
 const EXIT_BOUND: Duration = Duration::from_secs(3);
 /// Small tables: start-up and teardown have little to pin and unpin.

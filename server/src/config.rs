@@ -295,9 +295,115 @@ impl ServerConfig {
     }
 }
 
+/// The soft NIC's address when only the control address is given (`rdkv-server --listen`):
+/// the same IP, the next port (7400 gives 7401), or port 0 for port 0.
+///
+/// # Errors
+/// [`Error::Config`] for control port 65535, which has no next port.
+pub fn fabric_address_beside(control_address: SocketAddr) -> Result<SocketAddr> {
+    let port = match control_address.port() {
+        0 => 0,
+        port => port.checked_add(1).ok_or_else(|| Error::Config {
+            field: "fabric_listen",
+            reason: format!(
+                "the control port {port} has no next port for the fabric: pass --fabric-listen ADDRESS"
+            ),
+        })?,
+    };
+    Ok(SocketAddr::new(control_address.ip(), port))
+}
+
+/// Makes `directory` the private directory of a node's default `shm` socket: created mode
+/// 0700 when absent, and refused unless it is a directory (not a link) that this user owns
+/// and nobody else may enter, so that no other user can put a socket of theirs in the node's
+/// place.
+///
+/// # Errors
+/// [`Error::Config`] naming the directory and the fix.
+pub fn prepare_private_directory(directory: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let refuse = |reason: String| Error::Config {
+        field: "shm_socket",
+        reason,
+    };
+    if let Err(error) = std::fs::DirBuilder::new().mode(0o700).create(directory) {
+        if error.kind() != std::io::ErrorKind::AlreadyExists {
+            return Err(refuse(format!(
+                "create {} (mode 0700) for the node's shm socket: {error}; set shm_socket in the cluster file (or pass --shm-socket)",
+                directory.display()
+            )));
+        }
+    }
+    let metadata = std::fs::symlink_metadata(directory)
+        .map_err(|error| refuse(format!("inspect {}: {error}", directory.display())))?;
+    // The owner of /proc/self is this process's effective user.
+    let user = std::fs::metadata("/proc/self").map_or(u32::MAX, |own| own.uid());
+    if !metadata.is_dir() || metadata.uid() != user || metadata.mode() & 0o077 != 0 {
+        return Err(refuse(format!(
+            "{} is not a private directory of this user (owner uid {}, mode {:o}; it must be a directory of uid {user} with mode 0700): remove it, or set shm_socket in the cluster file (or pass --shm-socket)",
+            directory.display(),
+            metadata.uid(),
+            metadata.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fabric_port_follows_the_control_port() {
+        let beside = |text: &str| fabric_address_beside(text.parse().expect("an address"));
+        assert_eq!(
+            beside("127.0.0.1:7400").expect("valid"),
+            "127.0.0.1:7401".parse().expect("an address")
+        );
+        assert_eq!(
+            beside("10.0.0.2:9000").expect("valid"),
+            "10.0.0.2:9001".parse().expect("an address")
+        );
+        assert_eq!(
+            beside("127.0.0.1:0").expect("valid"),
+            "127.0.0.1:0".parse().expect("an address")
+        );
+        let error = beside("127.0.0.1:65535")
+            .expect_err("no next port")
+            .to_string();
+        assert!(error.contains("--fabric-listen"), "{error}");
+    }
+
+    #[test]
+    fn the_private_socket_directory_is_made_0700_and_a_shared_one_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = std::env::temp_dir().join(format!("rdkv-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&parent);
+        std::fs::create_dir_all(&parent).expect("a test directory");
+        let private = parent.join("rdkv");
+        prepare_private_directory(&private).expect("created");
+        let mode = std::fs::metadata(&private)
+            .expect("made")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+        prepare_private_directory(&private).expect("an existing private directory is kept");
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let error = prepare_private_directory(&private)
+            .expect_err("others may enter")
+            .to_string();
+        assert!(
+            error.contains("remove it") && error.contains("mode 777"),
+            "{error}"
+        );
+        let link = parent.join("link");
+        std::os::unix::fs::symlink(&private, &link).expect("a link");
+        assert!(
+            prepare_private_directory(&link).is_err(),
+            "a link is not the directory"
+        );
+        let _ = std::fs::remove_dir_all(&parent);
+    }
 
     #[test]
     fn geometry_rounds_to_powers_of_two_and_whole_chunks() {

@@ -113,6 +113,14 @@ pub enum Error {
         #[source]
         source: rdkv_fabric::Error,
     },
+    /// The node's log file cannot be opened or written.
+    #[error("the log file {}: {reason}", path.display())]
+    LogFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed, and the fix.
+        reason: String,
+    },
 }
 
 /// The result type of `rdkv-server`.

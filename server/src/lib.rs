@@ -13,6 +13,7 @@
 //! - [`gate`]: what a stopping server still waits for, named in its logs.
 //! - [`pending`]: the limits on connections that have not authenticated yet.
 //! - `log_budget`: at most a line a second for what an outsider can cause at will.
+//! - `connection_summary`: clients' connections in one log line a minute.
 //! - `node`: the node's state, which every task shares, with its fabric attachments (table,
 //!   announce words and completion queue per fabric).
 //! - [`collector`]: the task that reclaims and compacts the heap, at a pace that follows its work.
@@ -32,6 +33,7 @@
 //!
 //! ```text
 //! error, gate, log_budget, pending, collector_pace   (import no other module)
+//! log_file                                           (error)
 //! announce, table, config                            (error)
 //! heap                                               (announce)
 //! compactor, stats                                   (heap, table)
@@ -40,6 +42,7 @@
 //! snapshot                                           (error, heap, table)
 //! node                                               (the state it holds: all of the above)
 //! collector, session, refill, persistence            (node, and the state modules)
+//! connection_summary                                 (node)
 //! metrics                                            (config, pending)
 //! server                                             (everything: it builds the node, starts the tasks)
 //! ```
@@ -53,10 +56,12 @@ pub mod collector;
 mod collector_pace;
 pub mod compactor;
 pub mod config;
+mod connection_summary;
 pub mod error;
 pub mod gate;
 pub mod heap;
 mod log_budget;
+pub mod log_file;
 pub mod metrics;
 mod node;
 pub mod pending;

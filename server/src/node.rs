@@ -136,6 +136,8 @@ pub(crate) struct Node {
     pub(crate) pending: PendingHandshakes,
     /// The log lines of unauthenticated connections that ended badly: one a second.
     pub(crate) unauthenticated_ends: LogBudget,
+    /// Clients' connections opened and closed, for the summary line a minute.
+    pub(crate) connection_summary: crate::connection_summary::ConnectionSummary,
     /// The node's part in the cluster view.
     pub(crate) view: Arc<ViewService>,
     /// Its snapshots (`crate::persistence`).

@@ -220,6 +220,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         gate: Arc::default(),
         pending: PendingHandshakes::new(config.limits, config.max_connections),
         unauthenticated_ends: LogBudget::new(std::time::Duration::from_secs(1)),
+        connection_summary: crate::connection_summary::ConnectionSummary::default(),
         view,
         snapshots: SnapshotState::new(config.data_dir.clone(), config.snapshot_interval),
         config,
@@ -249,7 +250,8 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     })
 }
 
-/// The node's tasks: accepting clients, collecting the heap, refilling, snapshots.
+/// The node's tasks: accepting clients, collecting the heap, refilling, snapshots, the
+/// connections' summary line.
 fn spawn_tasks(
     node: &Arc<Node>,
     listener: TcpListener,
@@ -270,6 +272,10 @@ fn spawn_tasks(
     ));
     tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
     tasks.spawn(crate::persistence::snapshot_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(crate::connection_summary::summary_loop(
         node.clone(),
         shutdown.clone(),
     ));

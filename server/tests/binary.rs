@@ -49,7 +49,7 @@ fn the_verbs_fabric_without_a_device_or_the_feature_is_a_clear_error() {
     }
     let output = Command::new(BINARY)
         .args(VERBS_NODE)
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("run");
@@ -69,7 +69,7 @@ fn the_verbs_fabric_with_a_device_gets_ready() {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(BINARY)
         .args(VERBS_NODE)
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("run");
@@ -110,7 +110,7 @@ fn the_verbs_fabric_without_the_verbs_library_is_a_clear_error() {
     );
     let output = Command::new("unshare")
         .args(["-m", "sh", "-c", &script])
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("run unshare (util-linux)");
@@ -133,7 +133,7 @@ fn a_bad_size_names_the_field() {
             "--index-size",
             "64",
         ])
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .output()
         .expect("run");
     assert!(!output.status.success());
@@ -147,7 +147,7 @@ fn connection_limit_mistakes_are_command_line_errors() {
         let output = Command::new(BINARY)
             .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
             .args(arguments)
-            .env("RDKV_SECRET", "s")
+            .env("RDKV_SECRET", "binary-test-secret")
             .output()
             .expect("run");
         (
@@ -194,7 +194,7 @@ fn start_node(extra: &[&str], stderr: Stdio) -> (std::process::Child, String) {
     let mut child = Command::new(BINARY)
         .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
         .args(extra)
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .stdout(Stdio::piped())
         .stderr(stderr)
         .spawn()
@@ -279,7 +279,7 @@ fn the_memlock_trap_is_reported_with_its_fix() {
             "--heap-size",
             &heap,
         ])
-        .env("RDKV_SECRET", "s")
+        .env("RDKV_SECRET", "binary-test-secret")
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("run as an unprivileged user");

@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 
 mod support;
 
-const SECRET: &[u8] = b"deadline-secret";
+const SECRET: &[u8] = b"deadline-test-secret";
 const DEADLINE: Duration = Duration::from_secs(2);
 
 async fn server() -> RunningServer {

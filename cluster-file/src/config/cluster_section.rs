@@ -11,7 +11,7 @@ use toml::Spanned;
 use super::{
     default_unauthenticated, line_of, span_of, ClusterConfig, ConnectionLimits, Locator,
     RawCluster, SshSettings, DEFAULT_FAILURE_TIMEOUT, MAX_FAILURE_TIMEOUT, MAX_REPLICAS,
-    MIN_FAILURE_TIMEOUT,
+    MIN_FAILURE_TIMEOUT, MIN_SECRET_LENGTH,
 };
 use crate::error::Result;
 
@@ -33,15 +33,8 @@ pub(super) fn parse_cluster_section(
         Some(secret) => secret,
         None => read_secret(locator, section, &mut warnings)?,
     };
-    if secret.is_empty() {
-        let span = cluster
-            .secret
-            .as_ref()
-            .map(Spanned::span)
-            .or_else(|| cluster.secret_file.as_ref().map(Spanned::span))
-            .unwrap_or(0..0);
-        return Err(locator.error(span, "cluster.secret", "the secret is empty"));
-    }
+    check_secret(locator, cluster, &secret)?;
+    warn_of_inline_secret(locator, cluster, &mut warnings);
     let lease_timeout = locator.duration(
         &cluster.lease_timeout,
         "cluster.lease_timeout",
@@ -111,6 +104,69 @@ fn parse_fabric(locator: &Locator<'_>, fabric: &Spanned<String>) -> Result<Backe
         )),
         Err(error) => Err(locator.error(fabric.span(), "cluster.fabric", error.to_string())),
     }
+}
+
+/// How to make a good secret, for the errors that refuse one.
+const MAKE_A_SECRET: &str = "make one with `head -c 32 /dev/urandom | base64 > secret && chmod 600 secret` and set secret_file = \"secret\"";
+
+/// The secret is at least [`MIN_SECRET_LENGTH`] bytes.
+fn check_secret(locator: &Locator<'_>, cluster: &RawCluster, secret: &[u8]) -> Result<()> {
+    if secret.len() >= MIN_SECRET_LENGTH {
+        return Ok(());
+    }
+    let span = cluster
+        .secret
+        .as_ref()
+        .map(Spanned::span)
+        .or_else(|| cluster.secret_file.as_ref().map(Spanned::span))
+        .unwrap_or(0..0);
+    let what = match secret.len() {
+        0 => "the secret is empty".to_string(),
+        length => format!("the secret is {length} bytes, shorter than {MIN_SECRET_LENGTH}"),
+    };
+    Err(locator.error(span, "cluster.secret", format!("{what}: {MAKE_A_SECRET}")))
+}
+
+/// A warning when the file holds its secret inline (`secret = ...`) and group or others may
+/// read it (as for `secret_file`).
+fn warn_of_inline_secret(locator: &Locator<'_>, cluster: &RawCluster, warnings: &mut Vec<String>) {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(secret) = &cluster.secret else {
+        return;
+    };
+    let Ok(metadata) = std::fs::metadata(locator.path) else {
+        return;
+    };
+    let mode = metadata.permissions().mode();
+    if mode & 0o077 != 0 {
+        warnings.push(format!(
+            "{}:{}: cluster.secret: the file holds the secret and is readable by group or others (mode {:o}); run `chmod 600 {}`, or move the secret to a secret_file of mode 0600",
+            locator.path.display(),
+            line_of(locator.text, secret.span().start),
+            mode & 0o777,
+            locator.path.display()
+        ));
+    }
+}
+
+/// A warning when keys have copies (`replicas` ≥ 2) and `failure_timeout` is not below
+/// `operation_deadline`: an operation on a dead node's key waits for the view that marks the
+/// node down, and would run out of time first.
+pub(super) fn warn_of_late_failure_timeout(
+    locator: &Locator<'_>,
+    cluster: &RawCluster,
+    config: &mut ClusterConfig,
+) {
+    let (failure_timeout, operation_deadline) = (config.failure_timeout, config.operation_deadline);
+    if config.replicas < 2 || failure_timeout < operation_deadline {
+        return;
+    }
+    let span = span_of(&cluster.failure_timeout);
+    config.warnings.push(format!(
+        "{}:{}: cluster.failure_timeout: {failure_timeout:?} is not below operation_deadline ({operation_deadline:?}): an operation on a dead node's key times out before the view moves the key to its next copy; lower failure_timeout or raise operation_deadline",
+        locator.path.display(),
+        line_of(locator.text, span.start),
+    ));
 }
 
 /// The section's `secret`, or the contents of its `secret_file`: exactly one of them.

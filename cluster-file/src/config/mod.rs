@@ -54,7 +54,7 @@ use crate::units::{parse_duration, parse_size};
 mod cluster_section;
 mod node_section;
 
-use cluster_section::{parse_cluster_section, parse_replicas};
+use cluster_section::{parse_cluster_section, parse_replicas, warn_of_late_failure_timeout};
 use node_section::parse_node_sections;
 
 /// A size written as a number of bytes or as text with a unit.
@@ -121,6 +121,9 @@ struct RawNode {
     shm_socket: Option<Spanned<String>>,
     data_dir: Option<Spanned<String>>,
 }
+
+/// The shortest secret a cluster accepts, in bytes: an HMAC key too long to guess.
+pub const MIN_SECRET_LENGTH: usize = 16;
 
 /// The failure timeout when the file gives none.
 pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -276,17 +279,35 @@ pub enum ShmMode {
 
 impl NodeConfig {
     /// Where the node offers its `shm` fabric: `shm_socket`, or by default
-    /// `rdkv-<cluster>-node-<id>.sock` in the temporary directory (`rdkv-cluster` passes a
-    /// path in its run directory instead); `None` with `shm = "off"`, or when the cluster's
+    /// `rdkv-<cluster>-node-<id>.sock` in [`private_socket_directory`] (`rdkv-cluster` passes
+    /// a path in its run directory instead); `None` with `shm = "off"`, or when the cluster's
     /// fabric shares memory itself (`shm`).
     pub fn offered_shm_socket(&self, cluster: &ClusterConfig) -> Option<PathBuf> {
         if self.shm == ShmMode::Off || cluster.fabric.capabilities().shares_memory {
             return None;
         }
         Some(self.shm_socket.clone().unwrap_or_else(|| {
-            std::env::temp_dir().join(format!("rdkv-{}-node-{}.sock", cluster.name, self.id))
+            private_socket_directory().join(format!("rdkv-{}-node-{}.sock", cluster.name, self.id))
         }))
     }
+}
+
+/// The directory of a node's default `shm` socket, which only its user may enter (the node
+/// creates it mode 0700 and refuses one that another user owns or others may enter, so that
+/// nobody else can put a socket in its place): `$XDG_RUNTIME_DIR/rdkv` (a per-user directory
+/// that the login manager made 0700) when that is set, else `rdkv-<uid>` in the temporary
+/// directory.
+pub fn private_socket_directory() -> PathBuf {
+    if let Some(runtime) = std::env::var_os("XDG_RUNTIME_DIR").filter(|runtime| !runtime.is_empty())
+    {
+        return PathBuf::from(runtime).join("rdkv");
+    }
+    // The owner of /proc/self is this process's effective user.
+    let user = std::fs::metadata("/proc/self").map_or_else(
+        |_| "user".to_string(),
+        |metadata| std::os::unix::fs::MetadataExt::uid(&metadata).to_string(),
+    );
+    std::env::temp_dir().join(format!("rdkv-{user}"))
 }
 
 impl ClusterConfig {
@@ -461,6 +482,7 @@ fn parse_with_secret(
     let mut config = parse_cluster_section(&locator, &raw.cluster, secret_override)?;
     config.nodes = parse_node_sections(&locator, &raw, config.fabric, machine)?;
     config.replicas = parse_replicas(&locator, raw.cluster.get_ref(), config.nodes.len())?;
+    warn_of_late_failure_timeout(&locator, raw.cluster.get_ref(), &mut config);
     if config.nodes.len() == 2 {
         config.warnings.push(format!(
             "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",

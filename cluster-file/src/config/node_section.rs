@@ -40,6 +40,14 @@ pub(super) fn parse_node_sections(
             section,
         };
         let id = node.section.get_ref().id.get_ref();
+        if *id == 0 {
+            // 0 stands for "no node" where a node id is reported (the view's leader).
+            return Err(node.error(
+                node.section.get_ref().id.span(),
+                "id",
+                "0 is not a node id: node ids start at 1",
+            ));
+        }
         if let Some(first) = ids.insert(*id, index) {
             return Err(node.error(
                 node.section.get_ref().id.span(),

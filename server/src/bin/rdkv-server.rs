@@ -26,8 +26,8 @@ struct Arguments {
     /// With --config: which node of the file to run.
     #[arg(long)]
     node: Option<u32>,
-    /// The node's id.
-    #[arg(long, default_value_t = 1)]
+    /// The node's id (from 1).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     node_id: u32,
     /// Prometheus metrics listen address (GET /metrics).
     #[arg(long)]
@@ -39,9 +39,10 @@ struct Arguments {
     /// with `--features verbs`) or `shm` (clients on this host only).
     #[arg(long, default_value = "soft", value_parser = parse_fabric)]
     fabric: Backend,
-    /// Soft NIC listen address (one-sided requests arrive here).
-    #[arg(long, default_value = "127.0.0.1:7401")]
-    fabric_listen: SocketAddr,
+    /// Soft NIC listen address (one-sided requests arrive here); by default the --listen IP
+    /// and the next port (7401 beside 7400; port 0 beside port 0).
+    #[arg(long)]
+    fabric_listen: Option<SocketAddr>,
     /// Verbs: the RDMA device (`ibv_devices` lists them); the first one by default.
     #[arg(long)]
     rdma_device: Option<String>,
@@ -117,6 +118,18 @@ struct Arguments {
     /// environment variable on to its nodes.
     #[arg(long, value_enum, default_value_t = StartFrom::Latest, env = "RDKV_FROM_SNAPSHOT")]
     from_snapshot: StartFrom,
+    /// Log into this file instead of stderr: appended to (a restart keeps the earlier runs'
+    /// lines), rotated by size; stderr is pointed at it too (`rdkv-cluster` passes
+    /// `node-ID.log` in its run directory for a node it starts in the background).
+    #[arg(long)]
+    log_file: Option<PathBuf>,
+    /// With --log-file: the size at which the file is rotated to FILE.1 (K, M, G suffixes).
+    #[arg(long, default_value = "16M", value_parser = rdkv_cluster_file::units::parse_size, requires = "log_file")]
+    log_rotate_size: u64,
+    /// With --log-file: how many rotated files (FILE.1 … FILE.N) are kept; older ones are
+    /// deleted.
+    #[arg(long, default_value_t = rdkv_server::log_file::DEFAULT_KEPT_FILES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100), requires = "log_file")]
+    log_kept_files: usize,
     /// Without --config: seconds between snapshots (0: only at a clean stop).
     #[arg(long, default_value_t = 60, conflicts_with = "config")]
     snapshot_interval_s: u64,
@@ -138,11 +151,29 @@ const EXIT_CODES: &str = "Exit codes:
   1  could not start or failed while running (the one-line error names the cause and the fix)
   2  invalid command line";
 
+/// The log level when `RUST_LOG` says none. openraft logs every failed heartbeat to a dead peer
+/// (1-2 KB/s while a node is down); the view's own lines say what matters
+/// (`RUST_LOG=info,openraft=warn` shows them).
+const DEFAULT_LOG_LEVEL: &str = "info,openraft=off";
+
 fn main() -> std::process::ExitCode {
-    // openraft logs every failed heartbeat to a dead peer (1-2 KB/s while a node is down); the
-    // view's own lines say what matters (`RUST_LOG=info,openraft=warn` shows them).
-    let _logging = rdkv_common::process::init_logging("info,openraft=off");
     let arguments = Arguments::parse();
+    let _logging = match &arguments.log_file {
+        None => rdkv_common::process::init_logging(DEFAULT_LOG_LEVEL),
+        Some(path) => {
+            match rdkv_server::log_file::RotatingLog::open(
+                path,
+                arguments.log_rotate_size,
+                arguments.log_kept_files,
+                true,
+            ) {
+                Ok(log) => rdkv_common::process::init_logging_to(DEFAULT_LOG_LEVEL, log, false),
+                Err(error) => {
+                    return rdkv_common::process::exit_with(Err(error.into()), "rdkv-server")
+                }
+            }
+        }
+    };
     if arguments.max_unauthenticated() >= arguments.max_connections as usize {
         // A command-line mistake: clap's error and exit code 2, like any other.
         Arguments::command()
@@ -189,29 +220,7 @@ fn raise_open_files_limit() {
 async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
     raise_open_files_limit();
     let config = match (&arguments.config, arguments.node) {
-        (Some(path), Some(node)) => {
-            let secret = arguments
-                .secret_file
-                .as_deref()
-                .map(read_secret_file)
-                .transpose()?;
-            let cluster = rdkv_cluster_file::config::load_to_start(path, secret, Some(node))?;
-            for warning in &cluster.warnings {
-                tracing::warn!("{warning}");
-            }
-            let mut config = ServerConfig::from_cluster(&cluster, node)?;
-            config.view_state_file = arguments.view_state.clone();
-            if let Some(data_dir) = &arguments.data_dir {
-                config.data_dir = Some(data_dir.clone());
-            }
-            if config.shm_socket.is_some() {
-                // The file offers shm (not "off"): the command line says where.
-                if let Some(socket) = &arguments.shm_socket {
-                    config.shm_socket = Some(socket.clone());
-                }
-            }
-            config
-        }
+        (Some(path), Some(node)) => config_from_file(arguments, path, node)?,
         _ => config_from_flags(arguments)?,
     };
     let config = ServerConfig {
@@ -254,6 +263,43 @@ async fn serve(arguments: &Arguments) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The configuration of node `node` of the cluster file at `path`, with the command line's
+/// replacements (secret file, view state, data directory, shm socket).
+fn config_from_file(
+    arguments: &Arguments,
+    path: &std::path::Path,
+    node: u32,
+) -> anyhow::Result<ServerConfig> {
+    let secret = arguments
+        .secret_file
+        .as_deref()
+        .map(read_secret_file)
+        .transpose()?;
+    let cluster = rdkv_cluster_file::config::load_to_start(path, secret, Some(node))?;
+    for warning in &cluster.warnings {
+        tracing::warn!("{warning}");
+    }
+    let mut config = ServerConfig::from_cluster(&cluster, node)?;
+    config.view_state_file = arguments.view_state.clone();
+    if let Some(data_dir) = &arguments.data_dir {
+        config.data_dir = Some(data_dir.clone());
+    }
+    if config.shm_socket.is_some() {
+        // The file offers shm (not "off"): the command line says where.
+        if let Some(socket) = &arguments.shm_socket {
+            config.shm_socket = Some(socket.clone());
+        }
+    }
+    // The default socket's directory is this user's alone: nobody else can squat the path.
+    let private = rdkv_cluster_file::config::private_socket_directory();
+    if let Some(socket) = &config.shm_socket {
+        if socket.parent() == Some(private.as_path()) {
+            rdkv_server::config::prepare_private_directory(&private)?;
+        }
+    }
+    Ok(config)
+}
+
 fn parse_fabric(text: &str) -> Result<Backend, String> {
     let backend: Backend = text.parse().map_err(|error| format!("{error}"))?;
     if !backend.crosses_processes() {
@@ -269,26 +315,41 @@ fn read_secret_file(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
         .with_context(|| format!("read the secret file {}", path.display()))?
         .trim_ascii()
         .to_vec();
-    anyhow::ensure!(
-        !secret.is_empty(),
-        "the secret file {} is empty",
-        path.display()
-    );
+    check_secret_length(&secret, &format!("the secret file {}", path.display()))?;
     Ok(secret)
+}
+
+/// Refuses a secret shorter than the cluster file's rule allows, naming how to make one.
+fn check_secret_length(secret: &[u8], source: &str) -> anyhow::Result<()> {
+    let minimum = rdkv_cluster_file::config::MIN_SECRET_LENGTH;
+    anyhow::ensure!(
+        secret.len() >= minimum,
+        "{source} holds {} bytes, fewer than {minimum}: make a secret with `head -c 32 /dev/urandom | base64 > secret && chmod 600 secret`",
+        secret.len()
+    );
+    Ok(())
 }
 
 fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
     let secret = match &arguments.secret_file {
         Some(path) => read_secret_file(path)?,
-        None => std::env::var("RDKV_SECRET")
-            .context("no secret: pass --secret-file FILE or set RDKV_SECRET (or use --config FILE --node ID)")?
-            .into_bytes(),
+        None => {
+            let secret = std::env::var("RDKV_SECRET")
+                .context("no secret: pass --secret-file FILE or set RDKV_SECRET (or use --config FILE --node ID)")?
+                .into_bytes();
+            check_secret_length(&secret, "RDKV_SECRET")?;
+            secret
+        }
+    };
+    let fabric_address = match arguments.fabric_listen {
+        Some(address) => address,
+        None => rdkv_server::config::fabric_address_beside(arguments.listen)?,
     };
     Ok(ServerConfig {
         node_id: arguments.node_id,
         control_address: arguments.listen,
         fabric: arguments.fabric,
-        fabric_address: arguments.fabric_listen,
+        fabric_address,
         verbs: VerbsOptions {
             device: arguments.rdma_device.clone(),
             port: arguments.rdma_port,

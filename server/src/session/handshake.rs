@@ -127,11 +127,11 @@ impl Session {
         self.routes_by_view = routes_by_view;
         let fabric = self.attachment().device().backend();
         self.monitor = matches!(purpose, Purpose::Monitor | Purpose::Peer);
-        if self.monitor {
-            // `rdkv-cluster status` and `up`'s wait poll often: their sessions are not news.
-            tracing::debug!(%client_name, ?purpose, %fabric, "client authenticated");
-        } else {
-            tracing::info!(%client_name, ?purpose, %fabric, "client authenticated");
+        // Not news one by one: monitors poll often, and clients' connections are counted in
+        // a line a minute (`crate::connection_summary`).
+        tracing::debug!(%client_name, ?purpose, %fabric, "client authenticated");
+        if !self.monitor {
+            node.connection_summary.opened();
         }
         Ok(purpose)
     }

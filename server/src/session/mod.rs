@@ -84,8 +84,15 @@ pub(crate) async fn serve(
             // A monitor that closed without a goodbye, after its handshake.
             serve::DISCONNECTED.to_string(),
         ];
+        if session.slot.is_some() && !session.monitor {
+            // A client's connection: counted in the summary line a minute.
+            node.connection_summary.closed();
+        }
         if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
             // A stats poll that ended as it should.
+            tracing::debug!(%reason, "connection closed");
+        } else if session.slot.is_some() && !session.monitor {
+            // A client's connection: in the summary line a minute, and here at DEBUG.
             tracing::debug!(%reason, "connection closed");
         } else if session.slot.is_some() || reason == crate::Error::ShuttingDown.to_string() {
             // A shutdown's cancelled handshakes are logged each: the operator caused them, once.
