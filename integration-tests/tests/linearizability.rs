@@ -33,7 +33,7 @@ fn decode(value: Option<bytes::Bytes>) -> Option<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_history_against_a_server_process_is_linearizable() {
     let server = ServerProcess::start(
-        "linearizability",
+        "linearizability-secret",
         &["--heap-size", "32M", "--chunk-size", "256K"],
     );
     concurrent_history(&server, SharedMemory::Off).await;
@@ -45,7 +45,7 @@ async fn concurrent_history_against_a_server_process_is_linearizable() {
 async fn concurrent_history_over_shm_against_a_server_process_is_linearizable() {
     let socket = rdkv_integration_tests::process::shm_socket_path("linearizability");
     let server = ServerProcess::start(
-        "linearizability",
+        "linearizability-secret",
         &[
             "--heap-size",
             "32M",
@@ -64,13 +64,13 @@ async fn concurrent_history_over_shm_against_a_server_process_is_linearizable() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
     let server = ServerProcess::start(
-        "linearizability",
+        "linearizability-secret",
         &["--heap-size", "512K", "--chunk-size", "16K"],
     );
     let monitor = Client::connect(ClientConfig::new(
         server.control_address,
         Backend::Soft,
-        b"linearizability",
+        b"linearizability-secret",
     ))
     .await
     .expect("connect");
@@ -97,8 +97,11 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
     let start = Instant::now();
     let mut tasks = Vec::new();
     for client_index in 0..CLIENTS {
-        let mut config =
-            ClientConfig::new(server.control_address, Backend::Soft, b"linearizability");
+        let mut config = ClientConfig::new(
+            server.control_address,
+            Backend::Soft,
+            b"linearizability-secret",
+        );
         config.node.shared_memory = shared_memory;
         config.concurrency = 1;
         let client = Arc::new(Client::connect(config).await.expect("connect"));
@@ -256,7 +259,7 @@ const ADVERSARIAL_SECONDS: u64 = 20;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adversarial_history_with_shared_buckets_and_stalled_writers_is_linearizable() {
     let server = ServerProcess::start(
-        "adversarial",
+        "adversarial-test-secret",
         &[
             "--index-size",
             "256",
@@ -270,7 +273,11 @@ async fn adversarial_history_with_shared_buckets_and_stalled_writers_is_lineariz
     let stop_at = start + Duration::from_secs(ADVERSARIAL_SECONDS);
     let mut tasks = Vec::new();
     for client_index in 0..ADVERSARIAL_CLIENTS {
-        let mut config = ClientConfig::new(server.control_address, Backend::Soft, b"adversarial");
+        let mut config = ClientConfig::new(
+            server.control_address,
+            Backend::Soft,
+            b"adversarial-test-secret",
+        );
         config.concurrency = 1;
         config.fault_injector = Some(Arc::new(Staller {
             random: std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(1_000 + client_index)),

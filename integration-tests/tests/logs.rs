@@ -22,7 +22,14 @@ fn a_node_started_twice_keeps_the_first_runs_lines() {
         "{}",
         String::from_utf8_lossy(&restart.stderr)
     );
-    let log = log_of(&cluster, 2);
+    // The node's log lines go through a queue to its writer thread: the ready line on stdout
+    // can come first.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut log = log_of(&cluster, 2);
+    while log.matches("server ready").count() < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        log = log_of(&cluster, 2);
+    }
     assert!(
         log.starts_with(&first_run),
         "the first run's lines were not kept: {log}"

@@ -211,13 +211,13 @@ async fn a_client_killed_mid_load_over_shm_leaves_the_gauges_at_baseline_and_eve
 async fn a_killed_node_answers_nothing_over_shm() {
     let socket = rdkv_integration_tests::process::shm_socket_path("killed");
     let mut server = rdkv_integration_tests::process::ServerProcess::start(
-        "killed-node",
+        "killed-node-test-secret",
         &["--shm-socket", text(&socket)],
     );
     let mut config = rdkv_client::ClientConfig::new(
         server.control_address,
         rdkv_client::Backend::Soft,
-        b"killed-node",
+        b"killed-node-test-secret",
     );
     config.node.shared_memory = rdkv_client::SharedMemory::Require;
     let client = Client::connect(config).await.expect("connect over shm");
@@ -249,7 +249,7 @@ async fn a_killed_node_answers_nothing_over_shm() {
 async fn silent_connections_to_the_shm_socket_never_keep_a_client_out() {
     let socket = rdkv_integration_tests::process::shm_socket_path("silent");
     let server = rdkv_integration_tests::process::ServerProcess::start(
-        "silent-shm",
+        "silent-shm-test-secret",
         &["--shm-socket", text(&socket)],
     );
     // Six silent connections: three seconds of stalls, one after another.
@@ -260,7 +260,7 @@ async fn silent_connections_to_the_shm_socket_never_keep_a_client_out() {
     let config = rdkv_client::ClientConfig::new(
         server.control_address,
         rdkv_client::Backend::Soft,
-        b"silent-shm",
+        b"silent-shm-test-secret",
     );
     let client = Client::connect(config).await.expect("connect in auto mode");
     client.put(b"key", b"value").await.expect("put");
@@ -278,7 +278,7 @@ async fn silent_connections_to_the_shm_socket_never_keep_a_client_out() {
     let mut config = rdkv_client::ClientConfig::new(
         server.control_address,
         rdkv_client::Backend::Soft,
-        b"silent-shm",
+        b"silent-shm-test-secret",
     );
     config.node.shared_memory = rdkv_client::SharedMemory::Require;
     let over_shm = Client::connect(config).await.expect("connect over shm");

@@ -51,6 +51,17 @@ enum Action {
     /// signals by pid file (or ssh) for a node that does not answer. Stopping every node first
     /// stops the cluster's view, so each node's final snapshot holds every acknowledged write
     /// and `up` starts from them (docs/operations.md, Persistence).
+    ///
+    /// What survives (each node's snapshots are in its data_dir, on disk):
+    ///   down, then up               every acknowledged write and delete
+    ///   down --node N, or a restart replicas >= 2: everything (it refills from its peers);
+    ///                               replicas = 1: everything (its final snapshot), but its
+    ///                               keys are unavailable while it is down
+    ///   one node killed, or its     replicas >= 2: everything; replicas = 1: its last
+    ///   host rebooted               snapshot (up to snapshot_interval of writes lost)
+    ///   every node killed at once   replicas = 1: each node's last snapshot; replicas >= 2:
+    ///                               keys may be lost, and status says so (ack-loss)
+    #[command(verbatim_doc_comment)]
     Down {
         /// The cluster file.
         file: PathBuf,
@@ -195,6 +206,11 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         Action::Down { node, .. } => {
             for line in launcher::stop(&config, &run_directory, node).await? {
                 say(&line);
+            }
+            if let (Some(node), 1) = (node, config.replicas) {
+                say(&format!(
+                    "node {node}'s keys have no other copy (replicas = 1): they read as not found until `up --node {node}` loads its final snapshot"
+                ));
             }
             Ok(0)
         }
