@@ -12,7 +12,7 @@ use rdkv_fabric::WorkRequest;
 
 use crate::block::{block_reads, blocks_that_fit};
 use crate::connection::{NodeConnection, Scratch, StepList, READ_BLOCKS_AT};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fault::StepKind;
 use crate::operations::step_failure;
 use crate::progress::{Progress, Waiting};
@@ -21,7 +21,7 @@ use crate::progress::{Progress, Waiting};
 pub const SCAN_BUCKETS: u64 = 128;
 
 /// Reads of a range's changed slots (a block moved by the compactor, or rewritten) before the
-/// scan fails ([`Error::Corrupt`]).
+/// scan leaves them to their writers.
 const SCAN_ATTEMPTS: u32 = 8;
 
 /// A readable slot of a scanned range: its place in the range (combined bucket `first +
@@ -36,8 +36,10 @@ type RangeSlot = (usize, Slot);
 /// a referenced block is never reused, so the block read is the slot's. (Without the second
 /// read, a block that the compactor moved, and whose old place a new block then took, read as
 /// another key, and the slot's own key was left out of a refill.) A slot that changed is read
-/// again with its new word; after [`SCAN_ATTEMPTS`] the scan fails rather than leave a key
-/// out.
+/// again with its new word. One still changing after [`SCAN_ATTEMPTS`] reads is a key written
+/// that often: every write under the view a refill runs by reaches the filling node too, so it
+/// is left to its writers (logged); a slot whose word stays but whose block never passes its
+/// checksum is damaged on the peer, and is logged as a warning.
 pub(crate) async fn scan_buckets(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
@@ -58,10 +60,11 @@ pub(crate) async fn scan_buckets(
     let mut scratch = connection.scratch(progress).await?;
     let mut found = Vec::new();
     let mut pending = read_range(&mut scratch, first, count).await?;
-    for _ in 0..SCAN_ATTEMPTS {
+    for attempt in 0..SCAN_ATTEMPTS {
         let blocks = read_blocks(&mut scratch, &pending).await?;
         let now = read_range(&mut scratch, first, count).await?;
         let mut changed = Vec::new();
+        let mut unreadable = 0usize;
         for ((place, slot), block) in pending.iter().zip(blocks) {
             let current = now
                 .binary_search_by_key(place, |(at, _)| *at)
@@ -82,7 +85,12 @@ pub(crate) async fn scan_buckets(
                 }
                 // Unchanged, and a tombstone: the key is absent.
                 (Some(word), None) if word == *slot && slot.is_tombstone() => {}
-                // Changed (moved, rewritten) or unreadable: read again by its new word.
+                // Unchanged, and its block failed its checksum: a torn read, or damage.
+                (Some(word), None) if word == *slot => {
+                    unreadable += 1;
+                    changed.push((*place, word));
+                }
+                // Changed (moved, rewritten): read again by its new word.
                 (Some(word), _) => changed.push((*place, word)),
                 // Emptied meanwhile: the key was deleted or swept.
                 (None, _) => {}
@@ -91,12 +99,28 @@ pub(crate) async fn scan_buckets(
         if changed.is_empty() {
             return Ok(found);
         }
+        if attempt + 1 == SCAN_ATTEMPTS {
+            if unreadable > 0 {
+                tracing::warn!(
+                    node = %connection.address,
+                    first_bucket = first,
+                    slots = unreadable,
+                    "scan: blocks that fail their checksum on every read (damaged on that node): their keys are not copied"
+                );
+            }
+            let changing = changed.len() - unreadable;
+            if changing > 0 {
+                tracing::info!(
+                    node = %connection.address,
+                    first_bucket = first,
+                    slots = changing,
+                    "scan: slots still changing after {SCAN_ATTEMPTS} reads are left to their writers (each write reaches the node being filled)"
+                );
+            }
+        }
         pending = changed;
     }
-    Err(Error::Corrupt {
-        operation: "scan",
-        attempts: SCAN_ATTEMPTS,
-    })
+    Ok(found)
 }
 
 /// READs combined buckets `first .. first + count` in one list: their readable slots, in

@@ -380,6 +380,7 @@ fn start_local(
             .append(true)
             .create(true)
             .mode(0o600)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
             .open(&path)
             .map_err(|error| failure(format!("open its log file {}: {error}", path.display())))?;
         command.arg("--log-file").arg(&path).stderr(log);

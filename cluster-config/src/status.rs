@@ -144,6 +144,65 @@ pub async fn wait_serving(
     }
 }
 
+/// How long `restart` waits for the node it started to serve again: its refill copies its keys
+/// from its peers (about a second for 10,000 keys; a large table takes longer, and `status`
+/// shows the progress).
+pub const REFILL_WAIT: Duration = Duration::from_secs(300);
+
+/// Waits, up to `timeout`, until node `id`'s own view has it serving (refilled and promoted),
+/// calling `progress` with a line every 5 s meanwhile; `Err` with the last state seen.
+pub async fn wait_member_serving(
+    config: &ClusterConfig,
+    id: u32,
+    timeout: Duration,
+    progress: impl Fn(&str),
+) -> Result<(), String> {
+    let Some(node) = config.nodes.iter().find(|node| node.id == id) else {
+        return Err(format!("node {id} is not in the cluster file"));
+    };
+    let monitored = MonitoredNode {
+        address: node.control_address,
+        id: Some(node.id),
+        secret: &config.secret,
+    };
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    let mut last_state = String::from("it did not answer");
+    loop {
+        if let Ok(report) = fetch_report(monitored, ANSWER_DEADLINE).await {
+            let state = report
+                .view
+                .members
+                .iter()
+                .find(|member| member.node_id == id)
+                .map(|member| member.state);
+            if state == Some(rdkv_common::protocol::MemberState::Serving)
+                && report.stats.serving_data
+            {
+                return Ok(());
+            }
+            let statuses = [NodeStatus {
+                id,
+                address: node.control_address,
+                state: NodeState::Up(Box::new(report.stats)),
+                view: Some(report.view.clone()),
+            }];
+            last_state = refill_lines(Some(&report.view), &statuses)
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| format!("node {id}: {}", report.view.summary()));
+        }
+        if started.elapsed() >= timeout {
+            return Err(last_state);
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            progress(&last_state);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The cluster view for the `view:` line: the newest (highest epoch) that the nodes which
 /// answered know, the leader's own among equals (the leader learns a commit first); `None`
 /// when no node answered. No node is asked again: a stopped leader that the others still

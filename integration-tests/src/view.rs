@@ -214,7 +214,8 @@ pub fn log_of(cluster: &Cluster, id: u32) -> String {
         .unwrap_or_default()
 }
 
-/// Runs `rdkv-cluster COMMAND FILE --run-dir DIR` (with `--node N`; `up` detached).
+/// Runs `rdkv-cluster COMMAND FILE --run-dir DIR` (with `--node N`; `up` detached, `restart`
+/// without waiting for the node to serve).
 pub fn cluster_command(
     cluster: &Cluster,
     command: &str,
@@ -229,6 +230,10 @@ pub fn cluster_command(
     }
     if command == "up" {
         arguments.push("--detach");
+    }
+    if command == "restart" {
+        // The tests watch the refill themselves.
+        arguments.push("--no-wait");
     }
     rdkv_cluster(&arguments)
 }

@@ -81,7 +81,8 @@ impl RotatingLog {
             AppendCount::new(kept_files),
             ContentLimit::None,
             Compression::None,
-            None,
+            // Each new file as private as the first (file-rotate's default follows the umask).
+            Some(private_file_options()),
         );
         let mut log = Self {
             path,
@@ -144,12 +145,21 @@ impl Write for RotatingLog {
 
 /// Opens `path` for appending, creating it mode 0600 (a log names clients and addresses).
 fn open_append(path: &Path) -> io::Result<std::fs::File> {
+    private_file_options().open(path)
+}
+
+/// Appending, created 0600, never through a symbolic link (one planted at the log's path by
+/// someone who may write the run directory would send the node's lines elsewhere).
+fn private_file_options() -> std::fs::OpenOptions {
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
+    let mut options = std::fs::OpenOptions::new();
+    options
+        .read(true)
         .append(true)
         .create(true)
         .mode(0o600)
-        .open(path)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits());
+    options
 }
 
 #[cfg(test)]
@@ -187,7 +197,7 @@ mod tests {
     }
 
     #[test]
-    fn rotation_keeps_whole_lines_in_a_bounded_number_of_files() {
+    fn rotation_keeps_whole_private_lines_in_a_bounded_number_of_files() {
         let directory = directory("rotate");
         let path = directory.join("node-1.log");
         let mut log = RotatingLog::open(&path, 300, 3, false).expect("open");
@@ -213,6 +223,12 @@ mod tests {
             ["node-1.log", "node-1.log.1", "node-1.log.2", "node-1.log.3"]
         );
         for name in &names {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(directory.join(name))
+                .expect("metadata")
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{name}: {mode:o}");
             let text = std::fs::read_to_string(directory.join(name)).expect("read");
             assert!(text.len() <= 300, "{name}: {} bytes", text.len());
             assert!(
@@ -226,6 +242,17 @@ mod tests {
             newest.ends_with("line 0199 of the log, about forty bytes\n"),
             "{newest}"
         );
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
+    #[test]
+    fn a_symbolic_link_at_the_log_path_is_refused() {
+        let directory = directory("link");
+        let target = directory.join("elsewhere");
+        let path = directory.join("node-1.log");
+        std::os::unix::fs::symlink(&target, &path).expect("link");
+        assert!(RotatingLog::open(&path, 300, 3, false).is_err());
+        assert!(!target.exists(), "nothing written through the link");
         let _ = std::fs::remove_dir_all(&directory);
     }
 }

@@ -70,13 +70,19 @@ enum Action {
         node: Option<u32>,
     },
     /// Stop one node and start it again in the background; the others keep serving. The
-    /// restarted node copies its keys back from its peers before it serves.
+    /// restarted node copies its keys back from its peers before it serves; `restart` waits
+    /// until it does (at most 5 minutes, with its refill's progress every 5 s), so that a
+    /// rolling restart never stops the next node while this one is still filling. Exits 1 if
+    /// it is not serving by then.
     Restart {
         /// The cluster file.
         file: PathBuf,
         /// The node to restart.
         #[arg(long)]
         node: u32,
+        /// Return once the node is started, without waiting for it to serve.
+        #[arg(long)]
+        no_wait: bool,
     },
     /// Write a snapshot of every node's keys (or one node's) now, into its data directory;
     /// exits 0 when every node wrote one.
@@ -214,7 +220,9 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             }
             Ok(0)
         }
-        Action::Restart { node, .. } => restart(&config, &run_directory, node).await,
+        Action::Restart { node, no_wait, .. } => {
+            restart(&config, &run_directory, node, !no_wait).await
+        }
         Action::Snapshot { node, .. } => snapshot(&config, node).await,
         Action::Status { .. } => {
             let statuses = status::status(&config).await;
@@ -352,7 +360,12 @@ async fn acknowledge_losses(config: &ClusterConfig, epoch: Option<u64>) -> anyho
 }
 
 /// `restart`: stops one node and starts it again in the background.
-async fn restart(config: &ClusterConfig, run_directory: &Path, node: u32) -> anyhow::Result<u8> {
+async fn restart(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node: u32,
+    wait: bool,
+) -> anyhow::Result<u8> {
     let line = launcher::stop(config, run_directory, Some(node)).await?;
     say(&line.join("\n"));
     let started = launcher::start_nodes(config, run_directory, true, Some(node))?;
@@ -374,7 +387,24 @@ async fn restart(config: &ClusterConfig, run_directory: &Path, node: u32) -> any
                 .unwrap_or_default()
         ));
     }
-    Ok(0)
+    if !wait {
+        return Ok(0);
+    }
+    // A rolling restart must not stop the next node before this one holds its keys again: it
+    // waits until the view has it serving.
+    match status::wait_member_serving(config, node, status::REFILL_WAIT, |line| say(line)).await {
+        Ok(()) => {
+            say(&format!("node {node}: serving again"));
+            Ok(0)
+        }
+        Err(last) => {
+            say(&format!(
+                "node {node}: not serving after {:?} ({last}); `status` shows its refill",
+                status::REFILL_WAIT
+            ));
+            Ok(1)
+        }
+    }
 }
 
 /// `systemd`: prints the unit that runs `node`.

@@ -28,6 +28,9 @@ pub struct Metrics {
     /// What the metrics endpoint reports about itself, kept live by the endpoint (not read from
     /// a snapshot).
     endpoint: EndpointCounters,
+    /// One render at a time: a counter gains what its figure gained since the last render
+    /// (read, then add), and two at once would both add it.
+    rendering: std::sync::Mutex<()>,
 }
 
 impl Metrics {
@@ -72,11 +75,13 @@ impl Metrics {
             counters,
             queue_pairs,
             endpoint,
+            rendering: std::sync::Mutex::new(()),
         }
     }
 
     /// The text exposition of `stats`.
     pub fn render(&self, stats: &ServerStats) -> Vec<u8> {
+        let _one_at_a_time = rdkv_fabric::lock(&self.rendering);
         for (gauge, read) in &self.gauges {
             gauge.set(read(stats));
         }

@@ -42,7 +42,7 @@ impl ViewService {
             return;
         }
         let started = std::time::Instant::now();
-        let command = ViewCommand::MarkDown {
+        let command = ViewCommand::Leave {
             node_id: self.node_id,
         };
         let request = PeerRequest::Leave {
@@ -93,6 +93,6 @@ impl ViewService {
             }
         };
         self.pending_down_lock().insert(node_id, record_since);
-        PeerReply::Join(self.commit(ViewCommand::MarkDown { node_id }).await)
+        PeerReply::Join(self.commit(ViewCommand::Leave { node_id }).await)
     }
 }

@@ -117,6 +117,12 @@ fn upgraded_from_2(before: PersistedBefore3) -> Persisted {
         membership: before.membership,
         view: ViewState {
             epoch: before.view.epoch,
+            // Format 2 kept no such set: a member that ever joined may have served.
+            ever_served: members
+                .iter()
+                .filter(|(_, record)| record.incarnation != 0)
+                .map(|(node_id, _)| *node_id)
+                .collect(),
             members,
             last_stop: first.filter(|_| one_stop),
             ..ViewState::default()
@@ -418,13 +424,13 @@ impl RaftStorage<TypeConfig> for Store {
                     EntryPayload::Normal(command) => {
                         let serving = state.view.serving_members();
                         let before = state.view.epoch;
-                        let without_whole_copy = state.view.without_whole_copy();
+                        let at_risk = state.view.at_risk(self.replicas);
                         let after = state.view.apply(command);
                         if *command == super::types::ViewCommand::Stop && after != before {
                             *lock(&self.last_stop) = Some((after, serving));
                         }
                         if let Some(loss) =
-                            state.view.record_loss(&without_whole_copy, self.replicas)
+                            state.view.record_loss(&at_risk, self.replicas)
                         {
                             tracing::error!(
                                 epoch = loss.epoch,

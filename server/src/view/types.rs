@@ -88,6 +88,13 @@ pub enum ViewCommand {
         /// Records of this epoch and earlier are cleared.
         up_to_epoch: u64,
     },
+    /// The member stops cleanly (`view/leave.rs`): down as [`ViewCommand::MarkDown`] makes it,
+    /// and its final snapshot holds its keys (with one copy of each key, its absence loses
+    /// nothing: it loads them when it is back).
+    Leave {
+        /// The member.
+        node_id: u32,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -121,8 +128,13 @@ pub struct ViewState {
     /// Views in which every copy of some keys was down at once, not acknowledged yet (the
     /// most recent [`MAX_LOSSES_KEPT`]).
     pub losses: Vec<CopySetLoss>,
-    /// Every such view since the view began, acknowledged or not.
+    /// Every such view since the view began, acknowledged or not (a loss that widens counts
+    /// again).
     pub losses_total: u64,
+    /// Members that have served since the view began: one that never did held no key.
+    pub ever_served: BTreeSet<u32>,
+    /// Members down since a clean stop of their own ([`ViewCommand::Leave`]).
+    pub left_cleanly: BTreeSet<u32>,
 }
 
 impl ViewState {
@@ -153,19 +165,21 @@ impl ViewState {
     pub fn apply(&mut self, command: &ViewCommand) -> u64 {
         let next = self.epoch + 1;
         let changed = match *command {
-            ViewCommand::MarkDown { node_id } => match self.members.get_mut(&node_id) {
-                Some(record) if record.state != MemberState::Down => {
-                    // A filling member keeps its round: one resumed from a stop and marked down
-                    // before the stop's members serve may resume again (nothing was written
-                    // meanwhile: nobody served); any other comes back by a join, a new round.
-                    if record.state == MemberState::Serving {
-                        record.since = next;
+            ViewCommand::MarkDown { node_id } | ViewCommand::Leave { node_id } => {
+                match self.members.get_mut(&node_id) {
+                    Some(record) if record.state != MemberState::Down => {
+                        // A filling member keeps its round: one resumed from a stop and marked down
+                        // before the stop's members serve may resume again (nothing was written
+                        // meanwhile: nobody served); any other comes back by a join, a new round.
+                        if record.state == MemberState::Serving {
+                            record.since = next;
+                        }
+                        record.state = MemberState::Down;
+                        true
                     }
-                    record.state = MemberState::Down;
-                    true
+                    _ => false,
                 }
-                _ => false,
-            },
+            }
             ViewCommand::Join {
                 node_id,
                 incarnation,
@@ -262,7 +276,29 @@ impl ViewState {
         if changed {
             self.epoch += 1;
         }
+        self.note_members(command);
         self.epoch
+    }
+
+    /// Keeps [`Self::ever_served`] and [`Self::left_cleanly`] after `command`.
+    fn note_members(&mut self, command: &ViewCommand) {
+        for (node_id, record) in &self.members {
+            if record.state == MemberState::Serving && record.incarnation != 0 {
+                self.ever_served.insert(*node_id);
+            }
+            if record.state != MemberState::Down {
+                self.left_cleanly.remove(node_id);
+            }
+        }
+        if let ViewCommand::Leave { node_id } = *command {
+            if self
+                .members
+                .get(&node_id)
+                .is_some_and(|record| record.state == MemberState::Down)
+            {
+                self.left_cleanly.insert(node_id);
+            }
+        }
     }
 
     /// A [`ViewCommand::Join`] of `node_id` as `incarnation`, at epoch `next`; whether it
@@ -294,9 +330,9 @@ impl ViewState {
     pub fn without_whole_copy(&self) -> BTreeSet<u32> {
         self.members
             .iter()
-            .filter(|(_, record)| {
-                // A member that never joined held nothing: writes went to the others.
-                record.incarnation != 0
+            .filter(|(node_id, record)| {
+                // A member that never served held nothing: writes went to the others.
+                self.ever_served.contains(node_id)
                     && record.state != MemberState::Serving
                     && Some(record.since) != self.last_stop
             })
@@ -304,22 +340,44 @@ impl ViewState {
             .collect()
     }
 
-    /// After a command, with `before` the members [`Self::without_whole_copy`] named before
-    /// it: when `replicas` or more members hold no whole copy, and one of them held one
-    /// before, every copy of some keys was down at once (a key's copies can be any
-    /// `replicas` members). Records it and returns the record; a loss that grows (a third
-    /// node down with two) widens the last record instead.
+    /// The members whose absence can lose keys with `replicas` copies of each: those
+    /// [`Self::without_whole_copy`] names; with one copy, only those down without a clean stop
+    /// (one that stopped cleanly comes back with its final snapshot, and a filling one keeps
+    /// what it loaded).
+    pub fn at_risk(&self, replicas: usize) -> BTreeSet<u32> {
+        let mut members = self.without_whole_copy();
+        if replicas <= 1 {
+            members.retain(|node_id| {
+                !self.left_cleanly.contains(node_id)
+                    && self
+                        .members
+                        .get(node_id)
+                        .is_some_and(|record| record.state == MemberState::Down)
+            });
+        }
+        members
+    }
+
+    /// After a command, with `before` the members [`Self::at_risk`] named before it: when
+    /// `replicas` or more members hold no whole copy, and one of them held one before, every
+    /// copy of some keys was down at once (a key's copies can be any `replicas` members).
+    /// Records it and returns the record. A loss that grows (a third node down with two)
+    /// widens the last record, which then takes this epoch (an acknowledgement of what was
+    /// shown before leaves it) and counts again.
     pub fn record_loss(&mut self, before: &BTreeSet<u32>, replicas: usize) -> Option<CopySetLoss> {
         let replicas = replicas.max(1);
-        let now = self.without_whole_copy();
+        let now = self.at_risk(replicas);
         if now.len() < replicas || now.is_subset(before) {
             return None;
         }
+        let epoch = self.epoch;
         if before.len() >= replicas {
             if let Some(last) = self.losses.last_mut() {
                 let nodes: BTreeSet<u32> = last.nodes.iter().copied().chain(now).collect();
                 last.nodes = nodes.into_iter().collect();
-                return None;
+                last.epoch = epoch;
+                self.losses_total += 1;
+                return Some(last.clone());
             }
         }
         let loss = CopySetLoss {
@@ -720,7 +778,7 @@ mod tests {
 
     /// Applies `command` as the store does: the loss rule after it.
     fn apply_noting_loss(view: &mut ViewState, command: ViewCommand, replicas: usize) {
-        let before = view.without_whole_copy();
+        let before = view.at_risk(replicas);
         view.apply(&command);
         view.record_loss(&before, replicas);
     }
@@ -772,20 +830,27 @@ mod tests {
         apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 1 }, 2);
         assert_eq!(view.losses.len(), 1, "the same loss, wider");
         assert_eq!(view.losses[0].nodes, vec![1, 2, 3]);
+        let widened = view.epoch;
+        assert_eq!(view.losses[0].epoch, widened, "wider: a new epoch");
+        assert_eq!(view.losses_total, 2, "and counted again");
         assert_eq!(view.public(None).losses, view.losses);
 
         let acknowledged = view.epoch;
-        view.apply(&ViewCommand::AcknowledgeLosses {
-            up_to_epoch: epoch - 1,
-        });
-        assert_eq!(view.losses.len(), 1, "a later loss stays");
+        view.apply(&ViewCommand::AcknowledgeLosses { up_to_epoch: epoch });
         assert_eq!(
-            view.apply(&ViewCommand::AcknowledgeLosses { up_to_epoch: epoch }),
+            view.losses.len(),
+            1,
+            "the widened loss was not shown at `epoch`"
+        );
+        assert_eq!(
+            view.apply(&ViewCommand::AcknowledgeLosses {
+                up_to_epoch: widened
+            }),
             acknowledged,
             "no epoch: no member changed"
         );
         assert!(view.losses.is_empty());
-        assert_eq!(view.losses_total, 1, "the count stays");
+        assert_eq!(view.losses_total, 2, "the count stays");
     }
 
     #[test]
@@ -843,5 +908,57 @@ mod tests {
         );
         apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 1 }, 1);
         assert_eq!(view.losses.len(), 1, "with one copy, any member down");
+    }
+
+    /// A member that stops cleanly comes back with its final snapshot: with one copy of each
+    /// key, no loss (killed, it is one); a member that starts late for its first time never
+    /// held a key.
+    #[test]
+    fn a_clean_leave_with_one_copy_and_a_late_first_start_lose_nothing() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=2 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Join {
+                    node_id,
+                    incarnation: u64::from(node_id),
+                },
+                1,
+            );
+        }
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 3 }, 1);
+        apply_noting_loss(
+            &mut view,
+            ViewCommand::Join {
+                node_id: 3,
+                incarnation: 3,
+            },
+            1,
+        );
+        assert!(
+            view.losses.is_empty(),
+            "node 3 never served: it held nothing"
+        );
+        apply_noting_loss(&mut view, ViewCommand::Leave { node_id: 2 }, 1);
+        assert!(
+            view.losses.is_empty(),
+            "node 2 keeps its keys in its final snapshot"
+        );
+        apply_noting_loss(
+            &mut view,
+            ViewCommand::Join {
+                node_id: 2,
+                incarnation: 22,
+            },
+            1,
+        );
+        assert!(view.losses.is_empty(), "back, filling: still no loss");
+        assert!(view.left_cleanly.is_empty());
+        apply_noting_loss(&mut view, ViewCommand::MarkDown { node_id: 1 }, 1);
+        assert_eq!(
+            view.losses.len(),
+            1,
+            "node 1 killed: its writes since its snapshot"
+        );
     }
 }
