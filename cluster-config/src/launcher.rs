@@ -797,7 +797,7 @@ const STOP_APPLIED_WITHIN: Duration = Duration::from_secs(5);
 /// commits it, every serving node fences its clients at once and keeps its keys, and `down`
 /// waits until each running node has applied it before it stops them, so that each final
 /// snapshot holds every acknowledged write. Returns the line to print.
-async fn stop_the_view(config: &ClusterConfig) -> String {
+pub async fn stop_the_view(config: &ClusterConfig) -> String {
     let timeout = config.failure_timeout + Duration::from_secs(2);
     let mut last_error = String::from("no node answered");
     let mut stopped_at = None;

@@ -702,3 +702,68 @@ fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
         "the restarted node 3 (pid {restarted}) still runs:\n{transcript}"
     );
 }
+
+/// Ctrl-C on the foreground `up` stops the cluster as `down` does (the view first): the next
+/// `up` resumes from the final snapshots with every key, and no loss is recorded.
+#[test]
+fn ctrl_c_on_the_foreground_up_keeps_every_key() {
+    let directory = std::env::temp_dir().join(format!("rdkv-ctrl-c-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("directory");
+    let (file, ports) = generate_cluster_file(&directory);
+    let run_directory = directory.join("run");
+    let cluster = Cluster {
+        file: file.clone(),
+        run_directory: run_directory.clone(),
+        ports,
+    };
+    let mut up = ForegroundUp::start(&file, &run_directory);
+    up.wait_for_line(
+        0,
+        |line| line.starts_with("forwarding node logs"),
+        FOREGROUND_START_BOUND,
+    );
+    let rdkv = |arguments: &[&str]| {
+        Command::new(workspace_binary("rdkv"))
+            .args(["--config", text(&file)])
+            .args(arguments)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run rdkv")
+    };
+    for index in 0..20 {
+        let put = rdkv(&["put", &format!("ctrl-c:{index}"), &format!("value {index}")]);
+        assert!(put.status.success(), "{}", stderr(&put));
+    }
+    let status = up.interrupt(Duration::from_secs(60));
+    assert!(status.success(), "{}", up.text());
+    assert!(
+        up.text().contains("cluster stopped at view epoch"),
+        "{}",
+        up.text()
+    );
+
+    let again = rdkv_cluster(&[
+        "up",
+        text(&file),
+        "--run-dir",
+        text(&run_directory),
+        "--detach",
+    ]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    for index in 0..20 {
+        let get = rdkv(&["get", &format!("ctrl-c:{index}")]);
+        assert_eq!(
+            stdout(&get).trim_end(),
+            format!("value {index}"),
+            "{}",
+            stderr(&get)
+        );
+    }
+    let status = rdkv_cluster(&["status", text(&file), "--run-dir", text(&run_directory)]);
+    assert!(
+        !stdout(&status).contains("keys may have been lost"),
+        "{}",
+        stdout(&status)
+    );
+    drop(cluster);
+}

@@ -551,12 +551,20 @@ async fn foreground(
     stop_all(config, &mut nodes, run_directory).await;
 }
 
-/// Stops the nodes this launcher started, in order, saying so.
+/// Stops the nodes this launcher started, in order, saying so: the cluster's view first, as
+/// `down` does, so that each node's final snapshot holds every acknowledged write and `up`
+/// resumes from them (stopped one by one, each node's keys would move to the others, and the
+/// last ones would be refilled from nothing).
 async fn stop_all(
     config: &ClusterConfig,
     nodes: &mut [launcher::StartedNode],
     run_directory: &Path,
 ) {
+    // Only when this launcher runs the whole cluster: `up --node N` stops its node alone.
+    let whole_cluster = nodes.len() == config.nodes.len();
+    if whole_cluster && nodes.iter().any(|node| node.child.is_some()) {
+        say(&launcher::stop_the_view(config).await);
+    }
     for node in nodes {
         if node.child.is_some() {
             if launcher::stop_child(node, run_directory) {
