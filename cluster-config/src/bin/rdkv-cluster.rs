@@ -11,12 +11,15 @@ use rdkv_cluster_config::{status, systemd, ClusterConfig};
 
 /// The exit codes, for `--help` (and `docs/operations.md`).
 const EXIT_CODES: &str = "Exit codes:
-  0  done; for `status`, every node answers (up, or not-serving while it rejoins)
+  0  done; for `status`, every node answers (up, or not-serving while it rejoins) and no
+     loss is recorded
   1  failed (one line on stderr names the cause and the fix); for `status`, a node is down,
      does not answer within 1 s (`no answer`: stopped, hung or starved), or refuses for a
-     reason other than the secret
+     reason other than the secret; for `restart`, the node is not serving within 5 minutes
   2  invalid command line
-  3  `status`: a node refused the cluster file's secret (authentication failed)";
+  3  `status`: a node refused the cluster file's secret (authentication failed)
+  4  `status`: every node answers, and the view records a loss (every copy of some keys down
+     at once) not acknowledged yet (`ack-loss`)";
 
 /// Start, stop, restart, snapshot and inspect an rdkv cluster from its cluster file: nodes on
 /// this machine as child processes, nodes on other hosts through ssh.
@@ -61,6 +64,9 @@ enum Action {
     ///   host rebooted               snapshot (up to snapshot_interval of writes lost)
     ///   every node killed at once   replicas = 1: each node's last snapshot; replicas >= 2:
     ///                               keys may be lost, and status says so (ack-loss)
+    ///   `replicas` nodes killed     the keys whose copies were all on them are lost, and
+    ///   at once                     status says so (ack-loss)
+    /// Ctrl-C on a foreground `up` stops the cluster as `down` does.
     #[command(verbatim_doc_comment)]
     Down {
         /// The cluster file.
@@ -392,7 +398,7 @@ async fn restart(
     }
     // A rolling restart must not stop the next node before this one holds its keys again: it
     // waits until the view has it serving.
-    match status::wait_member_serving(config, node, status::REFILL_WAIT, |line| say(line)).await {
+    match status::wait_member_serving(config, node, status::REFILL_WAIT, say).await {
         Ok(()) => {
             say(&format!("node {node}: serving again"));
             Ok(0)

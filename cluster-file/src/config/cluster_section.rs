@@ -114,16 +114,23 @@ fn check_secret(locator: &Locator<'_>, cluster: &RawCluster, secret: &[u8]) -> R
     if secret.len() >= MIN_SECRET_LENGTH {
         return Ok(());
     }
-    let span = cluster
-        .secret
-        .as_ref()
-        .map(Spanned::span)
-        .or_else(|| cluster.secret_file.as_ref().map(Spanned::span))
-        .unwrap_or(0..0);
     let what = match secret.len() {
         0 => "the secret is empty".to_string(),
         length => format!("the secret is {length} bytes, shorter than {MIN_SECRET_LENGTH}"),
     };
+    if let (None, Some(file)) = (&cluster.secret, &cluster.secret_file) {
+        // From its file: the file is what to replace.
+        return Err(locator.error(
+            file.span(),
+            "cluster.secret_file",
+            format!(
+                "{what}: write a longer one into it, e.g. `head -c 32 /dev/urandom | base64 > {} && chmod 600 {}`",
+                file.get_ref(),
+                file.get_ref()
+            ),
+        ));
+    }
+    let span = cluster.secret.as_ref().map_or(0..0, Spanned::span);
     Err(locator.error(span, "cluster.secret", format!("{what}: {MAKE_A_SECRET}")))
 }
 

@@ -324,7 +324,7 @@ fn check_secret_length(secret: &[u8], source: &str) -> anyhow::Result<()> {
     let minimum = rdkv_cluster_file::config::MIN_SECRET_LENGTH;
     anyhow::ensure!(
         secret.len() >= minimum,
-        "{source} holds {} bytes, fewer than {minimum}: make a secret with `head -c 32 /dev/urandom | base64 > secret && chmod 600 secret`",
+        "{source} holds {} bytes, fewer than {minimum}: make a secret with `head -c 32 /dev/urandom | base64 > secret && chmod 600 secret` and pass `--secret-file secret`",
         secret.len()
     );
     Ok(())

@@ -88,8 +88,9 @@ pub(crate) async fn serve(
             // A client's connection: counted in the summary line a minute.
             node.connection_summary.closed();
         }
-        if session.monitor && (quiet.contains(&reason) || reason == serve::GOODBYE) {
-            // A stats poll that ended as it should.
+        if session.monitor {
+            // A stats poll (`status`, `rdkv stats`, a peer's view fetch), however it ended: its
+            // program prints what went wrong.
             tracing::debug!(%reason, "connection closed");
         } else if session.slot.is_some() && !session.monitor {
             // A client's connection: in the summary line a minute, and here at DEBUG.
