@@ -29,6 +29,7 @@ mod lease;
 mod leave;
 mod losses;
 mod network;
+mod peer_link;
 mod published;
 mod stop;
 mod storage;
