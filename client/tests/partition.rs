@@ -155,6 +155,12 @@ async fn cut_off(which: Cut) {
     );
     let stats = nodes[index].stats();
     assert!(stats.serving_stops >= 1, "{stats:?}");
+    // It stopped before any view had it down (above): for want of a lease, which
+    // `rdkv_lease_lapses_total` counts apart from the view's stops.
+    assert!(
+        stats.lease_lapses >= 1 && stats.lease_lapses <= stats.serving_stops,
+        "{stats:?}"
+    );
     assert!(stats.connections_fenced + stats.connections_refused_not_serving >= 1);
 
     // Healed, it rejoins, is refilled, and serves the new value.

@@ -529,8 +529,13 @@ pub struct ServerStats {
     /// Whether the node serves data now: it holds its lease from the cluster's majority and
     /// the view has it as this process (`docs/protocol.md`, *Views and fencing*).
     pub serving_data: bool,
-    /// Times the node stopped serving data since it started.
+    /// Times the node stopped serving data since it started, for any reason (a lost lease, a
+    /// view that has it down, a clean leave).
     pub serving_stops: u64,
+    /// Of `serving_stops`, those for want of a lease: it ran out before a renewal from the
+    /// majority came (a cut, a paused or starved process), or the node dropped the lease it
+    /// held as the leader when it stopped leading (`docs/operations.md`, *Leases under load*).
+    pub lease_lapses: u64,
     /// Refill (a node filling after a restart): index buckets of the peers scanned so far, of
     /// `refill_buckets_total` (0 of 0: no refill since start).
     pub refill_buckets_scanned: u64,

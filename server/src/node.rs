@@ -244,6 +244,7 @@ impl Node {
         ) = self.view.figures();
         stats.serving_data = self.view.serving().is_ok();
         stats.serving_stops = self.view.serving_stops();
+        stats.lease_lapses = self.view.lease_lapses();
         stats
     }
 }

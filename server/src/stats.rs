@@ -183,6 +183,7 @@ impl Counters {
             // Filled in by `Node::stats`, which knows the view.
             serving_data: true,
             serving_stops: 0,
+            lease_lapses: 0,
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 58] {
+fn definitions() -> [(&'static str, &'static str, Reader); 59] {
     [
         (
             "uptime_seconds",
@@ -330,6 +330,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 58] {
             "serving_stops_total",
             "Times the node stopped serving data (lost its lease, or the view had it down); its data connections were fenced",
             |stats| stats.serving_stops as i64,
+        ),
+        (
+            "lease_lapses_total",
+            "Of serving_stops_total, the stops for want of a lease (no renewal from the majority in time, or a leader that stepped down)",
+            |stats| stats.lease_lapses as i64,
         ),
         (
             "connections_refused_not_serving_total",

@@ -54,6 +54,16 @@ const SERVING_CHECK_INTERVAL: Duration = Duration::from_millis(20);
 /// Whether the node serves data: `Ok`, or why not (a line for logs and for the client).
 pub type Serving = Result<(), String>;
 
+/// Why a node does not serve data, as [`ViewService::watch_serving`] counts its stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StopCause {
+    /// It leaves, or its view does not have it serving as this process.
+    View,
+    /// It holds no lease: none came from the majority in time, or it dropped the one it held
+    /// as the leader when it stopped leading (`rdkv_lease_lapses_total`).
+    Lease,
+}
+
 impl ViewService {
     /// The lease's length for a failure timeout: a grant ends this long after it was asked
     /// for, well before the leader can commit the node down.
@@ -84,9 +94,29 @@ impl ViewService {
         self.serving_stops.load(Ordering::Relaxed)
     }
 
+    /// How many of [`Self::serving_stops`] were for want of a lease.
+    pub fn lease_lapses(&self) -> u64 {
+        self.lease_lapses.load(Ordering::Relaxed)
+    }
+
     /// Whether this node may serve data, from its view and its lease. A lease held as the
     /// leader ends here when the node no longer leads.
     pub(super) fn evaluate_serving(&self) -> Serving {
+        self.serving_with_cause().map_err(|(_, reason)| reason)
+    }
+
+    /// [`Self::evaluate_serving`], with the cause of a refusal: the view's first, then the
+    /// lease's.
+    fn serving_with_cause(&self) -> Result<(), (StopCause, String)> {
+        self.view_standing()
+            .map_err(|reason| (StopCause::View, reason))?;
+        self.lease_standing()
+            .map_err(|reason| (StopCause::Lease, reason))
+    }
+
+    /// Whether the view lets this node serve: it is not leaving, and the view has it serving
+    /// as this process. A lease held as the leader ends here when the node no longer leads.
+    fn view_standing(&self) -> Serving {
         if self.leaving.load(Ordering::Acquire) {
             return Err("this node is leaving the cluster (a clean stop)".into());
         }
@@ -112,6 +142,12 @@ impl ViewService {
             }
             Some(_) => {}
         }
+        Ok(())
+    }
+
+    /// Whether this node holds a lease, where it needs one (a lease it held as the leader was
+    /// ended by [`Self::view_standing`] if it no longer leads).
+    fn lease_standing(&self) -> Serving {
         if self.needs_lease() {
             let until = *lock(&self.lease_until);
             if until.is_none_or(|until| until <= Instant::now()) {
@@ -332,14 +368,17 @@ impl ViewService {
                 _ = ticks.tick() => {}
             }
             self.publish_lease();
-            let now = self.evaluate_serving();
+            let now = self.serving_with_cause();
             if now.is_ok() == self.serving.borrow().is_ok() {
                 continue;
             }
             match &now {
                 Ok(()) => tracing::info!(node = self.node_id, "serving data"),
-                Err(reason) => {
+                Err((cause, reason)) => {
                     self.serving_stops.fetch_add(1, Ordering::Relaxed);
+                    if *cause == StopCause::Lease {
+                        self.lease_lapses.fetch_add(1, Ordering::Relaxed);
+                    }
                     tracing::warn!(
                         node = self.node_id,
                         %reason,
@@ -347,7 +386,7 @@ impl ViewService {
                     );
                 }
             }
-            let _previous = self.serving.send_replace(now);
+            let _previous = self.serving.send_replace(now.map_err(|(_, reason)| reason));
         }
     }
 }

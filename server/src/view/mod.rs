@@ -29,6 +29,7 @@ mod lease;
 mod leave;
 mod losses;
 mod network;
+mod peer_link;
 mod published;
 mod stop;
 mod storage;
@@ -136,6 +137,8 @@ pub struct ViewService {
     serving: tokio::sync::watch::Sender<Serving>,
     /// Times this node stopped serving data.
     serving_stops: AtomicU64,
+    /// Of `serving_stops`, those for want of a lease (`lease.rs`).
+    lease_lapses: AtomicU64,
     /// The node's clock, in which its lease word counts (`published.rs`).
     clock: rdkv_common::lease::NodeClock,
     /// The lease word last published (`published.rs`).
@@ -202,6 +205,7 @@ impl ViewService {
             pending_down: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             serving: tokio::sync::watch::Sender::new(Ok(())),
             serving_stops: AtomicU64::new(0),
+            lease_lapses: AtomicU64::new(0),
             clock: rdkv_common::lease::NodeClock::new(),
             published: std::sync::Mutex::default(),
             lease_drops: AtomicU64::new(0),

@@ -1,7 +1,8 @@
 //! The consensus's network: Raft's messages to a peer node ride on an authenticated control
-//! connection to that node (`ClientMessage::Peer`), opened on first use and reopened after any
-//! failure. Every answer is recorded in [`Liveness`], which is what the leader's failure
-//! detector reads.
+//! connection to that node (`ClientMessage::Peer`), which a link task holds (`peer_link.rs`):
+//! opened on first use, kept across a caller's timeout, and reopened after a failure. Every
+//! answer, a late one too, is recorded in [`Liveness`], which is what the leader's failure
+//! detector and its lease read.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -11,16 +12,18 @@ use std::time::{Duration, Instant};
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::network::{Backoff, RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
-use rdkv_common::protocol::{MonitoredNode, PeerConnection};
 use rdkv_fabric::lock;
+use tokio::sync::oneshot;
 
+use super::peer_link::{Exchange, LinkTarget, PeerLink};
 use super::types::{PeerId, PeerReply, PeerRequest, TypeConfig};
+use super::HEARTBEAT_INTERVAL;
 
 /// When each peer last answered this node.
 #[derive(Debug, Default)]
@@ -57,7 +60,7 @@ impl Liveness {
     }
 
     /// Records that `node_id` accepted an `AppendEntries` sent at `sent`.
-    fn accepted(&self, node_id: u32, sent: Instant) {
+    pub(super) fn accepted(&self, node_id: u32, sent: Instant) {
         let mut accepted = lock(&self.accepted);
         let newest = accepted.entry(node_id).or_insert(sent);
         *newest = (*newest).max(sent);
@@ -106,7 +109,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
                 .or_else(|| node.addr.parse().ok()),
             secret: self.secret.clone(),
             liveness: self.liveness.clone(),
-            connection: None,
+            link: None,
         }
     }
 }
@@ -122,8 +125,8 @@ pub struct PeerClient {
     secret: Arc<[u8]>,
     /// Answers seen.
     liveness: Arc<Liveness>,
-    /// The open connection, if any.
-    connection: Option<PeerConnection>,
+    /// The link to the peer, started on the first call.
+    link: Option<PeerLink>,
 }
 
 /// Why a peer call failed before the peer's Raft answered.
@@ -137,8 +140,10 @@ struct PeerFailure {
 }
 
 impl PeerClient {
-    /// Sends `request` and returns the answer within `timeout`; any failure drops the
-    /// connection (the next call reopens it).
+    /// Sends `request` on this peer's link (started on first use) and returns the answer
+    /// within `timeout`. The link itself waits longer (`peer_link.rs`): a late answer still
+    /// counts as a sign of life, and the connection stays open. Cancellation-safe: dropping
+    /// the call only drops the wait for its answer.
     async fn call(
         &mut self,
         request: &PeerRequest,
@@ -152,57 +157,32 @@ impl PeerClient {
             .address
             .ok_or_else(|| failure("no valid control address in the membership".into()))?;
         let payload = bincode::serialize(request).map_err(|error| failure(error.to_string()))?;
-        let started = Instant::now();
-        if self.connection.is_none() {
-            let node = MonitoredNode {
-                address,
-                id: Some(self.target),
-                secret: &self.secret,
-            };
-            let connection = PeerConnection::open(node, timeout)
-                .await
-                .map_err(|error| failure(error.to_string()))?;
-            self.connection = Some(connection);
-        }
-        let remaining = timeout
-            .saturating_sub(started.elapsed())
-            .max(Duration::from_millis(1));
-        let Some(connection) = self.connection.as_mut() else {
-            return Err(failure("no connection".into()));
-        };
-        let answer = connection.request(payload, remaining).await;
-        let answer = match answer {
-            Ok(answer) => answer,
-            Err(error) => {
-                self.connection = None;
-                return Err(failure(error.to_string()));
-            }
-        };
-        let reply: PeerReply = bincode::deserialize(&answer).map_err(|error| {
-            self.connection = None;
-            PeerFailure {
+        let link = self.link.get_or_insert_with(|| {
+            PeerLink::start(LinkTarget {
                 node: self.target,
-                reason: format!("undecodable answer: {error}"),
-            }
-        })?;
-        // Alive means its Raft answered: an error (a Raft stopped on a fatal error, a refusal)
-        // is no sign of life.
-        let answered = matches!(
-            &reply,
-            PeerReply::AppendEntries(Ok(_))
-                | PeerReply::Vote(Ok(_))
-                | PeerReply::InstallSnapshot(Ok(_))
-                | PeerReply::Join(Ok(_))
-        );
-        if answered {
-            self.liveness.heard(self.target);
+                address,
+                secret: self.secret.clone(),
+                liveness: self.liveness.clone(),
+            })
+        });
+        let (answer, answered) = oneshot::channel();
+        let exchange = Exchange {
+            payload,
+            sent: Instant::now(),
+            timeout,
+            answer,
+        };
+        let waited = tokio::time::timeout(timeout, async {
+            link.send(exchange).await?;
+            answered
+                .await
+                .map_err(|_| "the peer link dropped the request".to_string())?
+        })
+        .await;
+        match waited {
+            Ok(outcome) => outcome.map_err(failure),
+            Err(_) => Err(failure(format!("no answer within {timeout:?}"))),
         }
-        if let PeerReply::AppendEntries(Ok(response)) = &reply {
-            if !matches!(response, AppendEntriesResponse::HigherVote(_)) {
-                self.liveness.accepted(self.target, started);
-            }
-        }
-        Ok(reply)
     }
 }
 
@@ -219,6 +199,13 @@ fn unexpected<E: std::error::Error>(node: u32, reply: PeerReply) -> RPCError<Pee
 }
 
 impl RaftNetwork<TypeConfig> for PeerClient {
+    /// How long openraft waits after a peer was unreachable before it sends to it again: one
+    /// heartbeat interval. Its default, 500 ms, is over half of the shortest lease (0.9 s): on
+    /// a loaded host, two slow answers in a row cost the leader its lease (`peer_link.rs`).
+    fn backoff(&self) -> Backoff {
+        Backoff::new(std::iter::repeat(HEARTBEAT_INTERVAL))
+    }
+
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
@@ -289,7 +276,7 @@ impl PeerClient {
             address: Some(address),
             secret,
             liveness: Arc::default(),
-            connection: None,
+            link: None,
         }
     }
 
