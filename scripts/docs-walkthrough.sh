@@ -342,6 +342,7 @@ covered_elsewhere = [
     (r"^(TOKIO_WORKER_THREADS=\d+ )?scripts/bench/instructions\.sh ", "a measurement under valgrind (about 2 minutes): .ci/run's instructions step runs instructions.sh --check on the release build"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
     (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
+    (r"^scripts/lease-lapses\.sh ", "a measurement under the CPU burner (2 minutes per setting): not in CI; it runs the same release binaries the walkthrough runs"),
 ]
 missing = []
 for path in sys.argv[2:]:
