@@ -218,6 +218,7 @@ wait "$foreground_waiter" || fail "the foreground rdkv-cluster up did not exit 0
 grep -q "node 3: stopped" "$work/foreground.out" || { cat "$work/foreground.out" >&2; fail "no stop report"; }
 
 echo "=== docs/operations.md: Start, stop, inspect ==="
+doc "chmod 600 examples/local-3node.toml"
 doc "target/release/rdkv-cluster up examples/local-3node.toml --detach"
 doc "target/release/rdkv-cluster status examples/local-3node.toml"
 doc "target/release/rdkv-cluster logs examples/local-3node.toml --node 2 --lines 20"
