@@ -200,20 +200,7 @@ impl ViewState {
                 }
                 _ => false,
             },
-            ViewCommand::Stop => {
-                let mut changed = false;
-                for record in self.members.values_mut() {
-                    if record.state == MemberState::Serving {
-                        record.state = MemberState::Down;
-                        record.since = next;
-                        changed = true;
-                    }
-                }
-                if changed {
-                    self.last_stop = Some(next);
-                }
-                changed
-            }
+            ViewCommand::Stop => self.stop(next),
             ViewCommand::Resume {
                 node_id,
                 incarnation,
@@ -236,48 +223,71 @@ impl ViewState {
                 }
                 _ => self.join(node_id, incarnation, next),
             },
-            ViewCommand::PromoteResumed { stopped_at } => {
-                let mut changed = false;
-                for record in self.members.values_mut() {
-                    // The stop is over: a member still down since it joins, and is refilled,
-                    // when it comes back (its snapshot misses the writes from here on).
-                    if record.since == stopped_at
-                        && matches!(record.state, MemberState::Filling | MemberState::Down)
-                    {
-                        if record.state == MemberState::Filling {
-                            record.state = MemberState::Serving;
-                        }
-                        record.since = next;
-                        changed = true;
-                    }
-                }
-                changed
-            }
+            ViewCommand::PromoteResumed { stopped_at } => self.promote_resumed(stopped_at, next),
             ViewCommand::AcknowledgeLosses { up_to_epoch } => {
                 self.losses.retain(|loss| loss.epoch > up_to_epoch);
                 false
             }
-            ViewCommand::PromoteFilling => {
-                let nobody_serves = self
-                    .members
-                    .values()
-                    .all(|record| record.state != MemberState::Serving);
-                let mut changed = false;
-                for record in self.members.values_mut() {
-                    if nobody_serves && record.state == MemberState::Filling {
-                        record.state = MemberState::Serving;
-                        record.since = next;
-                        changed = true;
-                    }
-                }
-                changed
-            }
+            ViewCommand::PromoteFilling => self.promote_filling(next),
         };
         if changed {
             self.epoch += 1;
         }
         self.note_members(command);
         self.epoch
+    }
+
+    /// A [`ViewCommand::Stop`] at epoch `next`: every serving member down; whether it changed
+    /// a record.
+    fn stop(&mut self, next: u64) -> bool {
+        let mut changed = false;
+        for record in self.members.values_mut() {
+            if record.state == MemberState::Serving {
+                record.state = MemberState::Down;
+                record.since = next;
+                changed = true;
+            }
+        }
+        if changed {
+            self.last_stop = Some(next);
+        }
+        changed
+    }
+
+    /// A [`ViewCommand::PromoteResumed`] of the stop of `stopped_at`, at epoch `next`.
+    fn promote_resumed(&mut self, stopped_at: u64, next: u64) -> bool {
+        let mut changed = false;
+        for record in self.members.values_mut() {
+            // The stop is over: a member still down since it joins, and is refilled, when it
+            // comes back (its snapshot misses the writes from here on).
+            if record.since == stopped_at
+                && matches!(record.state, MemberState::Filling | MemberState::Down)
+            {
+                if record.state == MemberState::Filling {
+                    record.state = MemberState::Serving;
+                }
+                record.since = next;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// A [`ViewCommand::PromoteFilling`] at epoch `next`: only while nobody serves.
+    fn promote_filling(&mut self, next: u64) -> bool {
+        let nobody_serves = self
+            .members
+            .values()
+            .all(|record| record.state != MemberState::Serving);
+        let mut changed = false;
+        for record in self.members.values_mut() {
+            if nobody_serves && record.state == MemberState::Filling {
+                record.state = MemberState::Serving;
+                record.since = next;
+                changed = true;
+            }
+        }
+        changed
     }
 
     /// Keeps [`Self::ever_served`] and [`Self::left_cleanly`] after `command`.
