@@ -579,14 +579,15 @@ fn process_state(pid: i32) -> Option<(String, i32)> {
     Some((state, parent))
 }
 
-#[test]
-fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
-    let directory = std::env::temp_dir().join(format!("rdkv-foreground-{}", std::process::id()));
+/// A cluster from a generated file started by a foreground `up` (in `tag`'s temporary
+/// directory), once it forwards the nodes' logs. The [`Cluster`] is made first, so that its
+/// `down` runs after `up` has been interrupted.
+fn foreground_cluster(tag: &str) -> (Cluster, ForegroundUp) {
+    let directory = std::env::temp_dir().join(format!("rdkv-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("directory");
     let (file, ports) = generate_cluster_file(&directory);
     let run_directory = directory.join("run");
-    // Made first, so that its `down` runs after `up` has been interrupted.
-    let _cluster = Cluster {
+    let cluster = Cluster {
         file: file.clone(),
         run_directory: run_directory.clone(),
         ports,
@@ -597,6 +598,13 @@ fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
         |line| line.starts_with("forwarding node logs"),
         FOREGROUND_START_BOUND,
     );
+    (cluster, up)
+}
+
+#[test]
+fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
+    let (cluster, mut up) = foreground_cluster("foreground");
+    let (file, run_directory) = (cluster.file.clone(), cluster.run_directory.clone());
     let read_pid = |node: u32| -> i32 {
         std::fs::read_to_string(run_directory.join(format!("node-{node}.pid")))
             .expect("the pid file")
@@ -707,31 +715,13 @@ fn up_in_the_foreground_reports_a_killed_node_and_follows_its_restart() {
 /// `up` resumes from the final snapshots with every key, and no loss is recorded.
 #[test]
 fn ctrl_c_on_the_foreground_up_keeps_every_key() {
-    let directory = std::env::temp_dir().join(format!("rdkv-ctrl-c-{}", std::process::id()));
-    std::fs::create_dir_all(&directory).expect("directory");
-    let (file, ports) = generate_cluster_file(&directory);
-    let run_directory = directory.join("run");
-    let cluster = Cluster {
-        file: file.clone(),
-        run_directory: run_directory.clone(),
-        ports,
-    };
-    let mut up = ForegroundUp::start(&file, &run_directory);
-    up.wait_for_line(
-        0,
-        |line| line.starts_with("forwarding node logs"),
-        FOREGROUND_START_BOUND,
-    );
-    let rdkv = |arguments: &[&str]| {
-        Command::new(workspace_binary("rdkv"))
-            .args(["--config", text(&file)])
-            .args(arguments)
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("run rdkv")
-    };
+    let (cluster, mut up) = foreground_cluster("ctrl-c");
+    let (file, run_directory) = (cluster.file.clone(), cluster.run_directory.clone());
     for index in 0..20 {
-        let put = rdkv(&["put", &format!("ctrl-c:{index}"), &format!("value {index}")]);
+        let put = rdkv(
+            &file,
+            &["put", &format!("ctrl-c:{index}"), &format!("value {index}")],
+        );
         assert!(put.status.success(), "{}", stderr(&put));
     }
     let status = up.interrupt(Duration::from_secs(60));
@@ -751,7 +741,7 @@ fn ctrl_c_on_the_foreground_up_keeps_every_key() {
     ]);
     assert!(again.status.success(), "{}", stderr(&again));
     for index in 0..20 {
-        let get = rdkv(&["get", &format!("ctrl-c:{index}")]);
+        let get = rdkv(&file, &["get", &format!("ctrl-c:{index}")]);
         assert_eq!(
             stdout(&get).trim_end(),
             format!("value {index}"),
