@@ -24,6 +24,7 @@ use crate::builder::ClientBuilder;
 use crate::connection::{ClientConfig, NodeConnection};
 use crate::counters::{CounterSnapshot, Counters};
 use crate::error::{Error, Result};
+use crate::fairness;
 use crate::node::{connect_first_lanes, Node, GOODBYE_TIMEOUT};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::replicated::Write;
@@ -169,6 +170,10 @@ impl Client {
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
         if self.replicas > 1 {
             return self.get_replicated(key).await;
+        }
+        if let Some(value) = self.get_direct(key) {
+            fairness::after_direct_operation().await;
+            return Ok(value);
         }
         self.run(Kind::Get, "get", key, |connection, progress| async move {
             operations::get(&connection, progress, key).await

@@ -95,6 +95,9 @@ pub struct Counters {
     /// Announce WRITEs the flusher posted alone, after operations finished with none starting
     /// (`connection/announce.rs`; also counted under `verbs`): they belong to no operation.
     pub announce_flushes: ShardedCounter,
+    /// GETs done by direct access to the node's memory (`connection/direct_get.rs`; also
+    /// counted under `gets`).
+    pub direct_gets: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -127,6 +130,8 @@ pub struct CounterSnapshot {
     pub lease_refusals: u64,
     /// Announce WRITEs posted alone by the flusher ([`Counters::announce_flushes`]).
     pub announce_flushes: u64,
+    /// GETs done by direct access ([`Counters::direct_gets`]).
+    pub direct_gets: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -184,6 +189,7 @@ impl Counters {
             scratch_waits: load(&self.scratch_waits),
             lease_refusals: load(&self.lease_refusals),
             announce_flushes: load(&self.announce_flushes),
+            direct_gets: load(&self.direct_gets),
         }
     }
 }

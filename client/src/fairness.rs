@@ -8,7 +8,35 @@
 //! once before it returns: one trip through the scheduler per operation, where a yield per
 //! posted list cost two.
 
+use std::cell::Cell;
 use std::future::Future;
+
+/// Operations done by direct access (`connection/direct_get.rs`: no list, no completion, no
+/// scheduler trip) that a worker thread runs between two yields. A yield per operation cost
+/// about a third of a direct GET's instructions; a yield every [`DIRECT_RUN`] keeps the other
+/// tasks' wait to that many operations of each task ahead of them (a few microseconds each),
+/// where tokio's cooperative budget alone let a task run 128.
+pub(crate) const DIRECT_RUN: u32 = 8;
+
+thread_local! {
+    /// Direct operations this worker ran since its last yield for them.
+    static DIRECT_SINCE_YIELD: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Called after each operation done by direct access: yields once every [`DIRECT_RUN`] of
+/// them on this thread (whichever tasks ran them), so tasks that only do such operations take
+/// turns.
+pub(crate) async fn after_direct_operation() {
+    let due = DIRECT_SINCE_YIELD.with(|count| {
+        let next = count.get() + 1;
+        let due = next >= DIRECT_RUN;
+        count.set(if due { 0 } else { next });
+        due
+    });
+    if due {
+        tokio::task::yield_now().await;
+    }
+}
 
 /// Runs `work`; when it completed without ever waiting, yields once to the runtime before
 /// returning its output.

@@ -9,11 +9,15 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use rdkv_common::layout::check_key_value;
+
 use crate::client::Client;
 use crate::connection::NodeConnection;
 use crate::deadline;
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
+use crate::lanes::current_lane;
 use crate::node::Node;
 use crate::progress::{Progress, Waiting};
 
@@ -107,6 +111,22 @@ impl Client {
         drop(guard);
         self.count(kind, &outcome);
         outcome
+    }
+
+    /// A single-copy GET by direct access to the key's node (`connection/direct_get.rs`), on
+    /// this thread's lane's connection when it is up: `None` when it cannot be done that way
+    /// now, and the caller runs the ordinary GET. Counted here when it is done. It never waits,
+    /// so it needs no deadline.
+    pub(crate) fn get_direct(&self, key: &[u8]) -> Option<Option<Bytes>> {
+        if check_key_value(key, &[]).is_err() {
+            return None;
+        }
+        let node = self.node_for(key);
+        let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
+        let location = connection.welcome.geometry.locate(key);
+        let value = connection.get_direct(key, &location)?;
+        self.counters.operations.add(1);
+        Some(value)
     }
 
     /// The error of a single-copy operation past its deadline. Out of heap for the whole

@@ -42,6 +42,7 @@
 mod capabilities;
 mod completion;
 mod device;
+mod direct;
 pub mod error;
 pub mod memory;
 mod protection;
@@ -58,6 +59,7 @@ pub use device::{
     Device, DeviceConfig, GaugeSnapshot, VerbsOptions, DEFAULT_HELLO_DEADLINE,
     DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_PENDING_HELLOS, DEFAULT_RESPONSE_BUFFER,
 };
+pub use direct::DirectAccess;
 pub use error::{Error, Result, VERBS_BUILD_HINT};
 pub use protection::{MemoryRegion, MemoryWindow, ProtectionDomain};
 pub use provider::shm::PEER_CHECK_EVERY as SHM_PEER_CHECK_EVERY;

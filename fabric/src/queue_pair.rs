@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use crate::completion::{CompletionQueue, Completions, ListCompletion, PostedList};
 use crate::device::DeviceInner;
+use crate::direct::DirectAccess;
 use crate::error::{Error, Result};
 use crate::protection::{
     LocalTarget, MemoryRegion, MemoryWindow, ProtectionDomain, ProtectionTable,
@@ -916,6 +917,33 @@ impl QueuePair {
     /// [`Error::InvalidWorkRequest`] for a list `post` would refuse.
     pub fn post_inline(&self, list: &[WorkRequest]) -> Option<Result<InlineOutcome>> {
         self.shared.post_inline(list)
+    }
+
+    /// Runs `work` with direct access to the responder's memory (`DirectAccess`: READs and
+    /// WRITEs as calls, with the checks and outcomes of a list run inside its post), where the
+    /// provider's requester shares that memory and nothing of this queue pair is queued or
+    /// running. `None`: not now (busy, not RTS, the peer gone) or never (a provider that does
+    /// not share memory: `soft`, `verbs`, `loopback`); `work` was not called, and the caller
+    /// posts lists instead. It spends none of tokio's cooperative budget.
+    pub fn direct<Output>(
+        &self,
+        work: impl FnOnce(&mut dyn DirectAccess) -> Output,
+    ) -> Option<Output> {
+        let mut work = Some(work);
+        let mut output = None;
+        let ran = self
+            .shared
+            .provider
+            .run_direct(&self.shared, &mut |access| {
+                if let Some(work) = work.take() {
+                    output = Some(work(access));
+                }
+            });
+        if ran {
+            output
+        } else {
+            None
+        }
     }
 
     /// Posts a list and waits for its completions: run inside the call where the provider can

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::{DeviceConfig, DeviceInner};
+use crate::direct::DirectAccess;
 use crate::error::Result;
 use crate::memory::PinnedMemory;
 use crate::protection::{MemoryRegion, MemoryWindow, ProtectionEntry};
@@ -244,6 +245,17 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
         _list: &[WorkRequest],
     ) -> Option<InlineOutcome> {
         None
+    }
+
+    /// Runs `work` with direct access to the responder's memory, when the provider's requester
+    /// shares it and nothing of this queue pair is queued or running (`QueuePair::direct`,
+    /// `direct.rs`). `false`: not now (or never, for this provider); `work` was not called.
+    fn run_direct(
+        &self,
+        _queue_pair: &QueuePairShared,
+        _work: &mut dyn FnMut(&mut dyn DirectAccess),
+    ) -> bool {
+        false
     }
 
     /// Rings the doorbell unless that would wait for another thread; `false`: not rung, the

@@ -119,6 +119,36 @@ impl Announcer {
         self.finished.notify_one();
     }
 
+    /// Numbers a new operation that announces itself by direct access (`direct_get.rs`):
+    /// its number and the word to write, which the caller writes before any other access of
+    /// the operation, holding the queue pair's executor (so that words only grow along it).
+    pub(crate) fn start_direct(&self) -> (u64, [u8; ANNOUNCE_SIZE as usize]) {
+        let mut numbers = lock(&self.numbers);
+        let number = numbers.next;
+        numbers.next += 1;
+        numbers.running.push(number);
+        self.store(&numbers);
+        // This word carries every finish before it.
+        self.dirty.store(false, Ordering::Release);
+        (number, word(&numbers))
+    }
+
+    /// Direct operation `number` is over: the word to write, after its last access and
+    /// holding the executor. It carries this finish, so no flush is due for it; a finish of
+    /// another operation since the last start keeps the flush due.
+    pub(crate) fn finish_direct(&self, number: u64) -> [u8; ANNOUNCE_SIZE as usize] {
+        let mut numbers = lock(&self.numbers);
+        if let Some(position) = numbers
+            .running
+            .iter()
+            .position(|running| *running == number)
+        {
+            numbers.running.remove(position);
+        }
+        self.store(&numbers);
+        word(&numbers)
+    }
+
     /// What wakes the flusher: given to it at start, and notified when the connection goes.
     pub(crate) fn wakeups(&self) -> Arc<Notify> {
         self.finished.clone()
@@ -146,12 +176,17 @@ impl Announcer {
 
     /// Writes the source bytes (under the numbers lock, so they only grow).
     fn store(&self, numbers: &Numbers) {
-        let mut bytes = [0u8; ANNOUNCE_SIZE as usize];
-        bytes[..8].copy_from_slice(&numbers.started().to_le_bytes());
-        bytes[8..].copy_from_slice(&numbers.quiescent().to_le_bytes());
         // The offset is inside the region by construction (`NodeConnection::open`).
-        let _ = self.region.write(self.source_offset, &bytes);
+        let _ = self.region.write(self.source_offset, &word(numbers));
     }
+}
+
+/// The announce word of `numbers`: `started`, then `quiescent`, little-endian.
+fn word(numbers: &Numbers) -> [u8; ANNOUNCE_SIZE as usize] {
+    let mut bytes = [0u8; ANNOUNCE_SIZE as usize];
+    bytes[..8].copy_from_slice(&numbers.started().to_le_bytes());
+    bytes[8..].copy_from_slice(&numbers.quiescent().to_le_bytes());
+    bytes
 }
 
 /// Announces finishes that no later start carried: after a finish, waits [`FLUSH_DELAY`] (a

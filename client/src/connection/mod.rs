@@ -29,6 +29,7 @@ use crate::progress::{Progress, Waiting};
 mod announce;
 mod config;
 mod control;
+mod direct_get;
 mod handshake;
 mod pool;
 mod scratch;

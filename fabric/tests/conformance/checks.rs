@@ -1363,3 +1363,83 @@ pub async fn a_list_runs_inside_its_post_only_where_the_provider_completes_there
     let empty = queue_pair.post_inline(&[]).expect("refused at once");
     assert!(empty.is_err(), "an empty list is refused, as by post");
 }
+
+/// Direct access (`QueuePair::direct`) runs only where the provider's requester shares the
+/// responder's memory (`shm`), with a request's checks and outcomes: data in place both ways,
+/// a revoked key refused even after it was used (the requester keeps resolved keys only while
+/// no key is revoked), a range outside the key refused, a failure moving the queue pair to
+/// ERROR, and every later access of the same call flushed.
+pub async fn direct_access_runs_only_where_memory_is_shared(fabric: Backend) {
+    let connected = connect(fabric).await;
+    let queue_pair = &connected.client_queue_pair;
+    let data = pattern(64, 11);
+    let written = queue_pair.direct(|access| access.write(connected.remote_at(128), &data));
+    if !connected.server_device.capabilities().shares_memory {
+        assert!(written.is_none(), "{fabric:?} does not share its memory");
+        return;
+    }
+    assert_eq!(written, Some(Ok(())), "an idle shm queue pair runs it");
+    let mut on_server = vec![0u8; 64];
+    connected.remote.read(128, &mut on_server).expect("server");
+    assert_eq!(on_server, data);
+    let read_back = queue_pair
+        .direct(|access| {
+            let mut into = vec![0u8; 64];
+            access.read(connected.remote_at(128), &mut into)?;
+            let copied = access.read_to_vec(connected.remote_at(128), 64)?;
+            Ok::<_, WorkCompletionStatus>((into, copied))
+        })
+        .expect("idle: direct")
+        .expect("both READs");
+    assert_eq!(read_back, (data.clone(), data.clone()));
+
+    let extra = connected
+        .server_domain
+        .register(connected.remote.memory(), 0, 4096, AccessFlags::REMOTE_READ)
+        .expect("register a second key over the same memory");
+    let key = extra.remote_key();
+    let mut word = [0u8; 8];
+    let valid = queue_pair.direct(|access| access.read(key.at(128), &mut word));
+    assert_eq!(valid, Some(Ok(())), "valid while registered");
+    let refused = queue_pair.direct(|access| access.write(key.at(128), &data));
+    assert_eq!(
+        refused,
+        Some(Err(WorkCompletionStatus::RemoteAccessError)),
+        "a READ-only key refuses a WRITE"
+    );
+    assert_eq!(queue_pair.state(), QueuePairState::Error);
+    assert!(
+        queue_pair.direct(|_| ()).is_none(),
+        "in ERROR, nothing runs directly"
+    );
+
+    let (_server, client) = connected.another_pair().await;
+    let valid = client.direct(|access| access.read(key.at(0), &mut word));
+    assert_eq!(valid, Some(Ok(())), "resolved once more on a new pair");
+    drop(extra);
+    let outcomes = client
+        .direct(|access| {
+            let revoked = access.read(key.at(0), &mut word);
+            let after = access.read(connected.remote_at(0), &mut word);
+            (revoked, after)
+        })
+        .expect("RTS until the revoked key fails");
+    assert_eq!(
+        outcomes,
+        (
+            Err(WorkCompletionStatus::RemoteAccessError),
+            Err(WorkCompletionStatus::WorkRequestFlushError)
+        ),
+        "a revoked key fails and the rest of the call flushes"
+    );
+    assert_eq!(client.state(), QueuePairState::Error);
+
+    let (_server, client) = connected.another_pair().await;
+    let outside =
+        client.direct(|access| access.read(connected.remote_at(REMOTE_SIZE - 4), &mut word));
+    assert_eq!(
+        outside,
+        Some(Err(WorkCompletionStatus::RemoteAccessError)),
+        "a range that leaves the key"
+    );
+}

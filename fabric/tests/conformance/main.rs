@@ -53,6 +53,7 @@ macro_rules! conformance_suite {
                 reads_racing_compare_and_swap_never_tear,
                 send_queue_depth_is_enforced,
                 a_list_runs_inside_its_post_only_where_the_provider_completes_there,
+                direct_access_runs_only_where_memory_is_shared,
             );
         }
     };

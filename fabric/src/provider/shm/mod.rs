@@ -21,6 +21,7 @@
 //! the device's shared memory. The keys are enforced by this library, not by hardware; see
 //! *Trust* in `docs/fabric.md`.
 
+mod direct;
 mod socket;
 mod state;
 
@@ -39,6 +40,7 @@ use std::time::{Duration, Instant};
 use crate::capabilities::Capabilities;
 use crate::completion::CompletionQueueInner;
 use crate::device::DeviceInner;
+use crate::direct::DirectAccess;
 use crate::error::{Error, Result};
 use crate::memory::PinnedMemory;
 use crate::protection::{KeyRights, ProtectionEntry};
@@ -580,6 +582,8 @@ struct Inside<'a> {
     _marker: EpochMarker<'a>,
     /// The responder queue pair's protection domain.
     protection_domain: u32,
+    /// The responder's key generation, read inside the epoch.
+    key_generation: u64,
 }
 
 /// What a request needs before it can run.
@@ -596,6 +600,57 @@ enum Outcome {
     Stopped,
     /// Its key names a block this process has not mapped yet.
     Unmapped,
+}
+
+/// Keys a requester keeps resolved ([`Mapped`]); a full cache starts again empty.
+const RESOLVED_KEYS: usize = 16;
+
+/// What a requester's executor keeps of its responder between requests: the memory blocks it
+/// has mapped, and the keys it resolved while no key was revoked (each READ looked its key up
+/// in the shared key state: a quarter of a direct GET's instructions).
+#[derive(Debug, Default)]
+struct Mapped {
+    /// The responder's memory blocks, by their id.
+    blocks: Vec<(u64, Arc<PinnedMemory>)>,
+    /// Keys resolved under `generation`, with what they grant.
+    keys: Vec<(u32, KeyView)>,
+    /// The responder's key generation `keys` were resolved under.
+    generation: u64,
+    /// The keys direct access resolved.
+    direct: direct::DirectKeys,
+}
+
+impl Mapped {
+    /// The live key `key`, from the cache while the key generation of the epoch `inside` is
+    /// the cache's, else from the responder's key state.
+    fn key(&mut self, remote: &RemoteDevice, inside: &Inside<'_>, key: u32) -> Option<KeyView> {
+        if self.generation != inside.key_generation {
+            self.keys.clear();
+            self.generation = inside.key_generation;
+        }
+        if let Some((_, view)) = self.keys.iter().find(|(known, _)| *known == key) {
+            return Some(*view);
+        }
+        let view = remote.keys.key(key)?;
+        if self.keys.len() >= RESOLVED_KEYS {
+            self.keys.clear();
+        }
+        self.keys.push((key, view));
+        Some(view)
+    }
+}
+
+/// Where a checked request lands in the responder's memory ([`Attachment::resolve_inside`]).
+#[derive(Debug, Clone, Copy)]
+struct Resolved {
+    /// The block: its index in the requester's cache of mapped blocks.
+    block: usize,
+    /// The offset in the block.
+    offset: u64,
+    /// The request's length (not zero).
+    length: u64,
+    /// The key, as resolved.
+    view: KeyView,
 }
 
 impl Attachment {
@@ -655,99 +710,82 @@ impl Attachment {
         Ok(Inside {
             _marker: marker,
             protection_domain: responder.protection_domain,
+            key_generation: remote.keys.key_generation(),
         })
     }
 
-    /// Runs one request, inside an epoch entered by [`Attachment::enter`] (for this request
-    /// alone, or for a whole list run inside its post: the responder's drain then waits for
-    /// the list, as a NIC's ERROR transition lets the requests it already took finish).
-    fn execute_inside(
+    /// Where `request` lands in the responder's memory, inside an epoch entered by
+    /// [`Attachment::enter`]: the block (its index in `cache`, mapping it there first) and the
+    /// offset and length in it, after the key, rights and length checks a NIC makes. `Ok(None)`:
+    /// a zero-length request, which succeeds with nothing to do. `Err`: what the request meets
+    /// instead.
+    fn resolve_inside(
         &self,
         inside: &Inside<'_>,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        cache: &mut Mapped,
         request: &RemoteRequest,
-        local: &LocalBuffer,
-        write_payload: &[u8],
-        response: &mut Vec<u8>,
-    ) -> Outcome {
+    ) -> std::result::Result<Option<Resolved>, Outcome> {
         let remote = &self.remote;
         let length = match engine::request_length(request, remote.keys.max_message_size()) {
-            Ok(0) => return Outcome::Answered(WorkCompletionStatus::Success),
+            Ok(0) => return Ok(None),
             Ok(length) => length,
-            Err(status) => return Outcome::Answered(status),
+            Err(status) => return Err(Outcome::Answered(status)),
         };
-        let Some(key) = remote.keys.key(request.remote_key) else {
-            return Outcome::Answered(WorkCompletionStatus::RemoteAccessError);
+        let Some(key) = cache.key(remote, inside, request.remote_key) else {
+            return Err(Outcome::Answered(WorkCompletionStatus::RemoteAccessError));
         };
-        if let Err(status) = key.rights.check(
-            inside.protection_domain,
-            self.responder_qp,
-            request.remote_address,
-            length,
-            request.opcode,
-        ) {
-            return Outcome::Answered(status);
-        }
-        let index = match cache.iter().position(|(id, _)| *id == key.memory_id) {
+        key.rights
+            .check(
+                inside.protection_domain,
+                self.responder_qp,
+                request.remote_address,
+                length,
+                request.opcode,
+            )
+            .map_err(Outcome::Answered)?;
+        let blocks = &mut cache.blocks;
+        let block = match blocks.iter().position(|(id, _)| *id == key.memory_id) {
             Some(index) => index,
             None => match remote.memory(key.memory_id) {
                 Some(memory) => {
-                    cache.push((key.memory_id, memory));
-                    cache.len() - 1
+                    blocks.push((key.memory_id, memory));
+                    blocks.len() - 1
                 }
-                None => return Outcome::Unmapped,
+                None => return Err(Outcome::Unmapped),
             },
         };
-        let memory = &cache[index].1;
         let Some(offset) = request.remote_address.checked_sub(key.memory_base) else {
-            return Outcome::Answered(WorkCompletionStatus::RemoteOperationError);
+            return Err(Outcome::Answered(
+                WorkCompletionStatus::RemoteOperationError,
+            ));
         };
-        if let (Opcode::Read, Ok(Some(target))) = (request.opcode, local) {
-            // Straight from the responder's memory into the requester's buffer: one copy.
-            let copied = memory.copy_to(offset, &target.entry.memory, target.memory_offset, length);
-            return Outcome::Placed(match copied {
-                Ok(()) => WorkCompletionStatus::Success,
-                Err(_) => WorkCompletionStatus::RemoteOperationError,
-            });
-        }
-        Outcome::Answered(engine::perform(
-            memory,
+        Ok(Some(Resolved {
+            block,
             offset,
-            request,
             length,
-            write_payload,
-            response,
-        ))
+            view: key,
+        }))
     }
 
-    /// Runs one request on the responder's memory, as the responder's NIC would, in the epoch
-    /// `inside` ([`Attachment::enter`]: entered for this request alone, or once for a list run
-    /// inside its post). A key that names a block registered after the attach maps the
-    /// responder's current memory files once, out of the epoch, then enters it again; never
-    /// `Outcome::Unmapped`.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "one request's parts and the list's buffers"
-    )]
-    fn execute_in<'a>(
+    /// [`Attachment::resolve_inside`] in the epoch `inside` ([`Attachment::enter`]: entered for
+    /// one request alone, or once for a list run inside its post). A key that names a block
+    /// registered after the attach maps the responder's current memory files once, out of the
+    /// epoch, then enters it again; never `Outcome::Unmapped`.
+    fn resolve_in<'a>(
         &'a self,
         inside: &mut std::result::Result<Inside<'a>, Outcome>,
         own_qp: u32,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        cache: &mut Mapped,
         request: &RemoteRequest,
-        local: &LocalBuffer,
-        write_payload: &[u8],
-        response: &mut Vec<u8>,
-    ) -> Outcome {
+    ) -> std::result::Result<Option<Resolved>, Outcome> {
         let mut refreshed = false;
         loop {
             let entered = match inside {
                 Ok(entered) => entered,
-                Err(outcome) => return *outcome,
+                Err(outcome) => return Err(*outcome),
             };
-            response.clear();
-            match self.execute_inside(entered, cache, request, local, write_payload, response) {
-                Outcome::Unmapped if !refreshed => {
+            match self.resolve_inside(entered, cache, request) {
+                Err(Outcome::Unmapped) if !refreshed => {
                     refreshed = true;
                     // Out of the epoch while the responder answers the refresh.
                     *inside = Err(Outcome::Unanswered);
@@ -756,12 +794,60 @@ impl Attachment {
                     }
                     *inside = self.enter();
                 }
-                Outcome::Unmapped => {
-                    return Outcome::Answered(WorkCompletionStatus::RemoteOperationError)
+                Err(Outcome::Unmapped) => {
+                    return Err(Outcome::Answered(
+                        WorkCompletionStatus::RemoteOperationError,
+                    ))
                 }
-                outcome => return outcome,
+                resolved => return resolved,
             }
         }
+    }
+
+    /// Runs one request on the responder's memory, as the responder's NIC would, in the epoch
+    /// `inside` ([`Attachment::resolve_in`]).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one request's parts and the list's buffers"
+    )]
+    fn execute_in<'a>(
+        &'a self,
+        inside: &mut std::result::Result<Inside<'a>, Outcome>,
+        own_qp: u32,
+        cache: &mut Mapped,
+        request: &RemoteRequest,
+        local: &LocalBuffer,
+        write_payload: &[u8],
+        response: &mut Vec<u8>,
+    ) -> Outcome {
+        response.clear();
+        let resolved = match self.resolve_in(inside, own_qp, cache, request) {
+            Ok(Some(resolved)) => resolved,
+            Ok(None) => return Outcome::Answered(WorkCompletionStatus::Success),
+            Err(outcome) => return outcome,
+        };
+        let memory = &cache.blocks[resolved.block].1;
+        if let (Opcode::Read, Ok(Some(target))) = (request.opcode, local) {
+            // Straight from the responder's memory into the requester's buffer: one copy.
+            let copied = memory.copy_to(
+                resolved.offset,
+                &target.entry.memory,
+                target.memory_offset,
+                resolved.length,
+            );
+            return Outcome::Placed(match copied {
+                Ok(()) => WorkCompletionStatus::Success,
+                Err(_) => WorkCompletionStatus::RemoteOperationError,
+            });
+        }
+        Outcome::Answered(engine::perform(
+            memory,
+            resolved.offset,
+            request,
+            resolved.length,
+            write_payload,
+            response,
+        ))
     }
 
     /// Fetches the responder's current memory files (a key named a block registered after the
@@ -822,8 +908,8 @@ pub(crate) struct ShmQueuePair {
 /// doorbell were three allocations per doorbell).
 #[derive(Debug, Default)]
 struct Executor {
-    /// The responder's memory blocks this requester has mapped, by their offset.
-    cache: Vec<(u64, Arc<PinnedMemory>)>,
+    /// The responder's memory blocks this requester has mapped, and the keys it resolved.
+    cache: Mapped,
     /// The batch being run, swapped with the queue pair's pending requests.
     batch: VecDeque<Execution>,
     /// A WRITE's payload.
@@ -880,7 +966,7 @@ impl ShmQueuePair {
         &self,
         queue_pair: &QueuePairShared,
         attachment: &Attachment,
-        cache: &mut Vec<(u64, Arc<PinnedMemory>)>,
+        cache: &mut Mapped,
         batch: &mut VecDeque<Execution>,
         payload: &mut Vec<u8>,
         response: &mut Vec<u8>,
@@ -1304,6 +1390,14 @@ impl QueuePairProvider for ShmQueuePair {
         list: &[WorkRequest],
     ) -> Option<InlineOutcome> {
         self.run_list_inline(queue_pair, list)
+    }
+
+    fn run_direct(
+        &self,
+        queue_pair: &QueuePairShared,
+        work: &mut dyn FnMut(&mut dyn DirectAccess),
+    ) -> bool {
+        self.run_direct_access(queue_pair, work)
     }
 
     fn ring(&self, queue_pair: &QueuePairShared) {

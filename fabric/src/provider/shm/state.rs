@@ -5,7 +5,7 @@
 //! ```text
 //! Key state (64-byte slots of eight little-endian words; read-only for peers)
 //!   header   0 magic "RDKVSHM1"  1 key slots  2 queue pair slots  3 open (1) / closed (0)
-//!            4 max_message_size  5 device id
+//!            4 max_message_size  5 device id  6 key generation (incremented by every revocation)
 //!   key slot 0 sequence (odd while written)  1 key | status << 32 (0 empty, 1 live, 2 revoked)
 //!            2 protection domain | access << 32  3 bound queue pair (u64::MAX: none)
 //!            4 address  5 length  6 memory id  7 memory base address
@@ -33,7 +33,9 @@ use crate::protection::KeyRights;
 use crate::types::AccessFlags;
 
 /// The key state's magic word.
-const MAGIC: u64 = u64::from_le_bytes(*b"RDKVSHM1");
+const MAGIC: u64 = u64::from_le_bytes(*b"RDKVSHM2");
+/// Offset of the header's key generation word.
+const GENERATION_AT: u64 = 48;
 /// Bytes of the header and of every slot.
 const SLOT: u64 = 64;
 /// A key slot's or queue pair slot's status: never used (a lookup stops here).
@@ -234,8 +236,13 @@ impl SharedState {
             match word >> 32 {
                 EMPTY => return false,
                 LIVE if word as u32 == key => {
-                    return write_slot(&self.keys, offset, &[u64::from(key) | (REVOKED << 32)])
-                        .is_ok();
+                    let revoked =
+                        write_slot(&self.keys, offset, &[u64::from(key) | (REVOKED << 32)]).is_ok();
+                    // Before the caller waits for the requesters' epochs (`wait_quiet`): one
+                    // that enters after it sees the new generation, and forgets the keys it
+                    // resolved before.
+                    let _ = self.keys.fetch_add_u64(GENERATION_AT, 1);
+                    return revoked;
                 }
                 _ => {}
             }
@@ -376,6 +383,12 @@ impl SharedView {
     /// Whether the device is still open.
     pub(crate) fn is_open(&self) -> bool {
         self.keys.load_u64(24).is_ok_and(|open| open == 1)
+    }
+
+    /// The key generation: it changes whenever a key is revoked, so a requester may keep what
+    /// it resolved of its keys while it reads the same generation inside its epoch.
+    pub(crate) fn key_generation(&self) -> u64 {
+        self.keys.load_u64(GENERATION_AT).unwrap_or(u64::MAX)
     }
 
     /// The responder's largest READ or WRITE.

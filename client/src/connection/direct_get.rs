@@ -1,0 +1,175 @@
+//! A GET by direct access to the node's memory (`rdkv_fabric::DirectAccess`), where the
+//! fabric shares it (`shm`): the lean path of `docs/protocol.md`, *Direct GETs*. The same
+//! steps as a narrow guess ([`crate::operations`]), as calls instead of a list: announce the
+//! operation, READ the guessed slot's word, READ the block it names, READ the word again, READ
+//! the node's lease word, announce the finish. No scratch buffer, no list, no completion, no
+//! wake-up and no allocation but the value's.
+//!
+//! Where a narrow guess verifies the block with its checksum, this path verifies it by the slot
+//! word read before and after the block: a READ of an aligned word here is one atomic load,
+//! which cannot tear, and a block is written whole before the CAS that publishes it, so a
+//! block named by the same committed word before and after the copy was whole and unchanged
+//! throughout (the announce keeps it from reuse). A NIC can tear a READ, so `soft` and `verbs`
+//! keep the checksum.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use rdkv_common::layout::{BlockHeader, KeyLocation, Slot, BLOCK_HEADER_SIZE, MAX_KEY_LENGTH};
+use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
+
+use super::slot_cache::Guess;
+use super::NodeConnection;
+
+/// The READs a direct GET makes when its guess holds: the slot word twice, the block's header
+/// and key, its value and the lease word (counted as verbs, as the list's requests would be).
+const DIRECT_GET_ACCESSES: u64 = 5;
+
+/// What the guessed slot held.
+enum Found {
+    /// The key's block, whole, named by `slot` before and after it was read.
+    Key {
+        /// The slot word that named it.
+        slot: Slot,
+        /// The value.
+        value: Vec<u8>,
+        /// Whether the block is a tombstone (a replicated delete: the key is absent).
+        tombstone: bool,
+    },
+    /// Not the key's block any more (or the slot moved while it was read): the ordinary
+    /// lookup reads the buckets.
+    Stale,
+}
+
+impl NodeConnection {
+    /// GETs `key` by direct access when the connection can and the slot cache has a guess for
+    /// it: `Some(value)` (`None` inside: absent). `None`: not here (no guess, a stale one, a
+    /// provider without direct access, the queue pair busy, a failed access, or the node's
+    /// lease not covering the READs); the caller runs the ordinary GET, which decides what
+    /// such a failure means. A failed access or an uncovered lease marks the connection
+    /// broken first, as the ordinary path would.
+    pub(crate) fn get_direct(&self, key: &[u8], location: &KeyLocation) -> Option<Option<Bytes>> {
+        if self.fault_injector.is_some() {
+            return None;
+        }
+        let guess = self.guess(location)?;
+        let posted_at = Instant::now();
+        let outcome = self
+            .queue_pair
+            .direct(|access| self.direct_lookup(access, key, location, guess))?;
+        let (found, lease_word) = match outcome {
+            Ok(read) => read,
+            Err(_status) => {
+                self.mark_broken();
+                return None;
+            }
+        };
+        if !lock(&self.lease_clock).covers(lease_word, posted_at, Instant::now()) {
+            // Read while the node did not serve under its lease: perhaps stale.
+            self.mark_broken();
+            self.counters.lease_refusals.add(1);
+            return None;
+        }
+        let counters = &self.counters;
+        counters.slot_guesses.add(1);
+        let Found::Key {
+            slot,
+            value,
+            tombstone,
+        } = found
+        else {
+            counters.slot_guess_misses.add(1);
+            self.slot_cache.forget(location);
+            return None;
+        };
+        if slot != guess.slot {
+            self.slot_cache.remember(location, guess.position, slot);
+        }
+        counters.gets.add(1);
+        counters.direct_gets.add(1);
+        counters.get_round_trips.add(1);
+        counters.round_trips.add(1);
+        counters.verbs.add(DIRECT_GET_ACCESSES);
+        // A tombstone (replicated delete) is an absent key.
+        Some((!tombstone).then(|| Bytes::from(value)))
+    }
+
+    /// The accesses of a direct GET, announced from first to last: what the guessed slot
+    /// held, and the node's lease word read after it.
+    fn direct_lookup(
+        &self,
+        access: &mut dyn DirectAccess,
+        key: &[u8],
+        location: &KeyLocation,
+        guess: Guess,
+    ) -> Result<(Found, u64), WorkCompletionStatus> {
+        let announce = self.keys.announce_key.at(0);
+        let (number, word) = self.announcer.start_direct();
+        let read = access.write(announce, &word).and_then(|()| {
+            let found = self.read_guessed(access, key, location, guess)?;
+            let mut lease = [0u8; 8];
+            access.read(self.keys.lease_key.at(0), &mut lease)?;
+            Ok((found, u64::from_le_bytes(lease)))
+        });
+        let word = self.announcer.finish_direct(number);
+        if read.is_ok() {
+            // Not needed for what was read: it lets the node reclaim sooner.
+            access.write(announce, &word)?;
+        }
+        read
+    }
+
+    /// READs the guessed slot's word and, when it still names a block of the key (the guessed
+    /// one, or the key's new block after an update in place), that block, then the word again.
+    fn read_guessed(
+        &self,
+        access: &mut dyn DirectAccess,
+        key: &[u8],
+        location: &KeyLocation,
+        guess: Guess,
+    ) -> Result<Found, WorkCompletionStatus> {
+        let geometry = &self.welcome.geometry;
+        let slot_at = self.keys.index_key.at(geometry.slot_offset(guess.position));
+        let mut word = [0u8; 8];
+        access.read(slot_at, &mut word)?;
+        let slot = Slot::from_bytes(word);
+        let Some(target) = (Guess {
+            position: guess.position,
+            slot,
+        })
+        .plausible(location, geometry.heap_size) else {
+            return Ok(Found::Stale);
+        };
+        let length = target.slot.block_length() as usize;
+        let head_length = BLOCK_HEADER_SIZE + key.len();
+        if length < head_length || key.len() > MAX_KEY_LENGTH {
+            return Ok(Found::Stale);
+        }
+        let block_at = target.slot.offset();
+        let mut head = [0u8; BLOCK_HEADER_SIZE + MAX_KEY_LENGTH];
+        access.read(self.keys.heap_key.at(block_at), &mut head[..head_length])?;
+        let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
+        header_bytes.copy_from_slice(&head[..BLOCK_HEADER_SIZE]);
+        let Ok(header) = BlockHeader::parse(&header_bytes, length) else {
+            return Ok(Found::Stale);
+        };
+        if header.key_length != key.len() || head[header.key_offset()..head_length] != *key {
+            return Ok(Found::Stale);
+        }
+        let value = access.read_to_vec(
+            self.keys
+                .heap_key
+                .at(block_at + header.value_offset() as u64),
+            header.value_length,
+        )?;
+        access.read(slot_at, &mut word)?;
+        if Slot::from_bytes(word) != target.slot {
+            return Ok(Found::Stale);
+        }
+        Ok(Found::Key {
+            slot: target.slot,
+            value,
+            tombstone: header.tombstone,
+        })
+    }
+}

@@ -1,0 +1,41 @@
+//! Direct access to a responder's memory, for a provider whose requester shares it (`shm`):
+//! READs and WRITEs as calls that return when they are done, without a work request, a list
+//! or a completion. A lean caller (a client's GET) spends a function call per access where a
+//! list costs its requests' building, checking and counting.
+//!
+//! Each access has the semantics of one unsignaled request of a list run inside its post
+//! ([`crate::QueuePair::post_inline`]): the same key, rights, bounds and queue pair state
+//! checks, in order with the queue pair's other requests (an access runs only while nothing
+//! of the queue pair is queued or running, and holds its executor), and a failure moves the
+//! queue pair to ERROR as that request's completion would. After a failure every later access
+//! of the same [`crate::QueuePair::direct`] call fails `WorkRequestFlushError`, as the rest of
+//! a list would flush. A READ of an aligned 8-byte word is one atomic load: it cannot tear
+//! against a concurrent CAS (`docs/fabric.md`, *Direct access*).
+
+use crate::types::{RemoteSegment, WorkCompletionStatus};
+
+/// The accesses of one [`crate::QueuePair::direct`] call, in order.
+pub trait DirectAccess {
+    /// READs `into.len()` bytes at `remote` into `into`.
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn read(&mut self, remote: RemoteSegment, into: &mut [u8]) -> Result<(), WorkCompletionStatus>;
+
+    /// READs `length` bytes at `remote` into a new vector, filled as it is read (never
+    /// zeroed first).
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn read_to_vec(
+        &mut self,
+        remote: RemoteSegment,
+        length: usize,
+    ) -> Result<Vec<u8>, WorkCompletionStatus>;
+
+    /// WRITEs `from` at `remote`.
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus>;
+}

@@ -1,0 +1,278 @@
+//! Direct access over `shm` (`crate::direct`): a requester maps its responder's memory, so a
+//! READ is a copy out of that memory and a WRITE a copy into it, on the calling thread. The
+//! accesses of one call run in one epoch, holding the queue pair's executor, exactly as a list
+//! run inside its post does ([`ShmQueuePair::run_list_inline`]): the same idle check, the same
+//! key, rights and bounds checks ([`Attachment::resolve_in`]), and the same failures (the queue
+//! pair to ERROR, the responder's stop as `NotExecuted`).
+
+use crate::direct::DirectAccess;
+use crate::lock;
+use crate::memory::PinnedMemory;
+use crate::provider::engine::RemoteRequest;
+use crate::queue_pair::QueuePairShared;
+use crate::types::{Opcode, RemoteSegment, WorkCompletionStatus};
+
+use super::state::KeyView;
+use super::{Attachment, Inside, Mapped, Outcome, ShmQueuePair};
+
+impl ShmQueuePair {
+    /// Runs `work` with direct access (`QueuePairProvider::run_direct`): `false` when the queue
+    /// pair is not attached, another thread runs its requests, some are queued, it is not RTS,
+    /// or the peer is gone (the ordinary path reports that).
+    pub(super) fn run_direct_access(
+        &self,
+        queue_pair: &QueuePairShared,
+        work: &mut dyn FnMut(&mut dyn DirectAccess),
+    ) -> bool {
+        let Some(attachment) = self.attachment.get() else {
+            return false;
+        };
+        // Held for every access: a post meanwhile queues behind them, as behind an inline list.
+        let Ok(mut executor) = self.executor.try_lock() else {
+            return false;
+        };
+        if !queue_pair.idle_and_sendable()
+            || !lock(&self.pending).is_empty()
+            || !attachment.peer_alive()
+        {
+            return false;
+        }
+        let inside = attachment.enter();
+        if let Ok(inside) = &inside {
+            executor.cache.direct.forget_unless(inside.key_generation);
+        }
+        let mut access = ShmDirect {
+            queue_pair,
+            attachment,
+            inside,
+            cache: &mut executor.cache,
+            failed: false,
+            max_message_size: attachment.remote.keys.max_message_size(),
+        };
+        work(&mut access);
+        true
+    }
+}
+
+/// The accesses of one direct call: one epoch, the executor's cache of mapped blocks.
+struct ShmDirect<'a> {
+    /// The requester queue pair.
+    queue_pair: &'a QueuePairShared,
+    /// Its attachment to the responder.
+    attachment: &'a Attachment,
+    /// The epoch the accesses run in (left and entered again by a refresh).
+    inside: std::result::Result<Inside<'a>, Outcome>,
+    /// The executor's mapped blocks.
+    cache: &'a mut Mapped,
+    /// An access failed: every later one flushes, as the rest of a list would.
+    failed: bool,
+    /// The responder's largest READ or WRITE.
+    max_message_size: u32,
+}
+
+/// Keys direct access keeps resolved between calls (a GET uses four: the index, the heap, the
+/// announce word and the lease word); a fifth takes the place of one of them.
+const DIRECT_KEYS: usize = 4;
+
+/// The keys direct access resolved, with the block each lies in, valid while the responder's
+/// key generation stays the one they were resolved under (no key was revoked since: a
+/// revocation changes it before it waits for the requesters' epochs, `state.rs`).
+#[derive(Debug, Default)]
+pub(super) struct DirectKeys {
+    /// The key generation they were resolved under.
+    generation: u64,
+    /// The keys.
+    keys: [Option<(u32, KeyView, usize)>; DIRECT_KEYS],
+}
+
+impl DirectKeys {
+    /// Forgets every key unless `generation` is the one they were resolved under.
+    fn forget_unless(&mut self, generation: u64) {
+        if self.generation != generation {
+            self.keys = [None; DIRECT_KEYS];
+            self.generation = generation;
+        }
+    }
+
+    /// The key `key`, with its block, if resolved.
+    fn get(&self, key: u32) -> Option<(KeyView, usize)> {
+        self.keys
+            .iter()
+            .flatten()
+            .find(|(known, _, _)| *known == key)
+            .map(|&(_, view, block)| (view, block))
+    }
+
+    /// Remembers `key`, resolved under `generation`.
+    fn remember(&mut self, generation: u64, key: u32, view: KeyView, block: usize) {
+        self.forget_unless(generation);
+        let place = self
+            .keys
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(key as usize % DIRECT_KEYS);
+        self.keys[place] = Some((key, view, block));
+    }
+}
+
+impl ShmDirect<'_> {
+    /// Checks one access as its request would be checked, and returns its memory and offset
+    /// (`None` for a zero-length access). A key's first access resolves it
+    /// ([`Attachment::resolve_in`]); later ones, in this call or a later one under the same key
+    /// generation ([`DirectKeys`]), check their range and rights against what it resolved. A failure has the effect of that request's failed completion: the queue pair
+    /// moves to ERROR (or learns the responder stopped), and it is counted on the completion
+    /// queue.
+    fn resolve(
+        &mut self,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: usize,
+    ) -> Result<Option<(&PinnedMemory, u64)>, WorkCompletionStatus> {
+        if self.failed {
+            // After a failure nothing more runs.
+            return Err(self.fail(WorkCompletionStatus::WorkRequestFlushError));
+        }
+        let Ok(length) = u32::try_from(length) else {
+            return Err(self.fail(WorkCompletionStatus::LocalLengthError));
+        };
+        if length == 0 {
+            return Ok(None);
+        }
+        let known = self.cache.direct.get(remote.remote_key);
+        let (block, offset) = match known {
+            Some((view, block)) => self.check_known(opcode, remote, length, &view, block)?,
+            None => self.resolve_first(opcode, remote, length)?,
+        };
+        Ok(Some((&self.cache.blocks[block].1, offset)))
+    }
+
+    /// Checks an access by a key this call resolved already: length, rights and range, as
+    /// [`Attachment::resolve_inside`] checks them.
+    fn check_known(
+        &mut self,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: u32,
+        view: &KeyView,
+        block: usize,
+    ) -> Result<(usize, u64), WorkCompletionStatus> {
+        let protection_domain = match &self.inside {
+            Ok(inside) => inside.protection_domain,
+            Err(_) => return Err(self.fail(WorkCompletionStatus::RetryExceededError)),
+        };
+        if length > self.max_message_size {
+            return Err(self.fail(WorkCompletionStatus::RemoteInvalidRequestError));
+        }
+        view.rights
+            .check(
+                protection_domain,
+                self.attachment.responder_qp,
+                remote.address,
+                u64::from(length),
+                opcode,
+            )
+            .map_err(|status| self.fail(status))?;
+        match remote.address.checked_sub(view.memory_base) {
+            Some(offset) => Ok((block, offset)),
+            None => Err(self.fail(WorkCompletionStatus::RemoteOperationError)),
+        }
+    }
+
+    /// Resolves a key at its first access, and remembers it for the later ones.
+    fn resolve_first(
+        &mut self,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: u32,
+    ) -> Result<(usize, u64), WorkCompletionStatus> {
+        let request = RemoteRequest {
+            opcode,
+            remote_key: remote.remote_key,
+            remote_address: remote.address,
+            length,
+            compare: 0,
+            swap_or_add: 0,
+        };
+        let own_qp = self.queue_pair.qp_number;
+        match self
+            .attachment
+            .resolve_in(&mut self.inside, own_qp, self.cache, &request)
+        {
+            Ok(Some(resolved)) => {
+                // Under the generation of the epoch it was resolved in (a refresh enters a
+                // new one).
+                if let Ok(inside) = &self.inside {
+                    self.cache.direct.remember(
+                        inside.key_generation,
+                        remote.remote_key,
+                        resolved.view,
+                        resolved.block,
+                    );
+                }
+                Ok((resolved.block, resolved.offset))
+            }
+            // Not zero-length (checked by the caller): not reached.
+            Ok(None) => Err(self.fail(WorkCompletionStatus::RemoteInvalidRequestError)),
+            Err(Outcome::Answered(status) | Outcome::Placed(status)) => Err(self.fail(status)),
+            // Requests run in order: this one and every later one did not run.
+            Err(Outcome::Stopped) => {
+                self.queue_pair.responder_stopped();
+                Err(self.fail(WorkCompletionStatus::NotExecuted))
+            }
+            Err(Outcome::Unanswered | Outcome::Unmapped) => {
+                Err(self.fail(WorkCompletionStatus::RetryExceededError))
+            }
+        }
+    }
+
+    /// Records a failed access with `status`: the queue pair enters ERROR (unless the
+    /// responder stopped, `NotExecuted`, or it is in ERROR already) and the failure's
+    /// completion is counted.
+    fn fail(&mut self, status: WorkCompletionStatus) -> WorkCompletionStatus {
+        if !self.failed {
+            self.failed = true;
+            if status != WorkCompletionStatus::NotExecuted
+                && status != WorkCompletionStatus::WorkRequestFlushError
+            {
+                self.queue_pair.enter_error();
+            }
+        }
+        self.queue_pair.count_inline_failure(1);
+        status
+    }
+
+    /// A memory copy that failed on a range the checks let through: the responder's error.
+    fn copied(&mut self, outcome: crate::error::Result<()>) -> Result<(), WorkCompletionStatus> {
+        outcome.map_err(|_| self.fail(WorkCompletionStatus::RemoteOperationError))
+    }
+}
+
+impl DirectAccess for ShmDirect<'_> {
+    fn read(&mut self, remote: RemoteSegment, into: &mut [u8]) -> Result<(), WorkCompletionStatus> {
+        let outcome = match self.resolve(Opcode::Read, remote, into.len())? {
+            Some((memory, offset)) => memory.read_into(offset, into),
+            None => Ok(()),
+        };
+        self.copied(outcome)
+    }
+
+    fn read_to_vec(
+        &mut self,
+        remote: RemoteSegment,
+        length: usize,
+    ) -> Result<Vec<u8>, WorkCompletionStatus> {
+        let outcome = match self.resolve(Opcode::Read, remote, length)? {
+            Some((memory, offset)) => memory.read_to_vec(offset, length),
+            None => Ok(Vec::new()),
+        };
+        outcome.map_err(|_| self.fail(WorkCompletionStatus::RemoteOperationError))
+    }
+
+    fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus> {
+        let outcome = match self.resolve(Opcode::Write, remote, from.len())? {
+            Some((memory, offset)) => memory.write_from(offset, from),
+            None => Ok(()),
+        };
+        self.copied(outcome)
+    }
+}
