@@ -171,14 +171,44 @@ impl Client {
         if self.replicas > 1 {
             return self.get_replicated(key).await;
         }
-        if let Some(value) = self.get_direct(key) {
+        let mut value = Vec::new();
+        if let Some(present) = self.get_direct(key, &mut value) {
             fairness::after_direct_operation().await;
-            return Ok(value);
+            return Ok(present.then(|| Bytes::from(value)));
         }
+        self.get_by_lists(key).await
+    }
+
+    /// A single-copy GET by posted lists (no direct access: `operations::get`).
+    async fn get_by_lists(&self, key: &[u8]) -> Result<Option<Bytes>> {
         self.run(Kind::Get, "get", key, |connection, progress| async move {
             operations::get(&connection, progress, key).await
         })
         .await
+    }
+
+    /// GET into `value`, which it empties first: whether the key is present, its value then in
+    /// `value`. A GET done by direct access to the node's memory (`shm`, `docs/protocol.md`,
+    /// *Direct GETs*) allocates nothing when `value` has the room: a loop that reuses one
+    /// vector reads with no allocation per GET. Otherwise as [`Client::get`], with the value
+    /// copied into `value`.
+    ///
+    /// # Errors
+    /// As [`Client::get`].
+    pub async fn get_into(&self, key: &[u8], value: &mut Vec<u8>) -> Result<bool> {
+        let found = if self.replicas > 1 {
+            self.get_replicated(key).await?
+        } else if let Some(present) = self.get_direct(key, value) {
+            fairness::after_direct_operation().await;
+            return Ok(present);
+        } else {
+            self.get_by_lists(key).await?
+        };
+        value.clear();
+        if let Some(found) = &found {
+            value.extend_from_slice(found);
+        }
+        Ok(found.is_some())
     }
 
     /// The values of several keys, fetched concurrently, each by a GET of its own (with its

@@ -9,7 +9,6 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use rdkv_common::layout::check_key_value;
 
 use crate::client::Client;
@@ -114,19 +113,20 @@ impl Client {
     }
 
     /// A single-copy GET by direct access to the key's node (`connection/direct_get.rs`), on
-    /// this thread's lane's connection when it is up: `None` when it cannot be done that way
-    /// now, and the caller runs the ordinary GET. Counted here when it is done. It never waits,
+    /// this thread's lane's connection when it is up: whether the key is present, its value in
+    /// `value`. `None` when it cannot be done that way now (`value` empty), and the caller runs
+    /// the ordinary GET. Counted here when it is done. It never waits,
     /// so it needs no deadline.
-    pub(crate) fn get_direct(&self, key: &[u8]) -> Option<Option<Bytes>> {
+    pub(crate) fn get_direct(&self, key: &[u8], value: &mut Vec<u8>) -> Option<bool> {
         if check_key_value(key, &[]).is_err() {
             return None;
         }
         let node = self.node_for(key);
         let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
         let location = connection.welcome.geometry.locate(key);
-        let value = connection.get_direct(key, &location)?;
+        let present = connection.get_direct(key, &location, value)?;
         self.counters.operations.add(1);
-        Some(value)
+        Some(present)
     }
 
     /// The error of a single-copy operation past its deadline. Out of heap for the whole

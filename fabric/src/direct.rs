@@ -31,7 +31,23 @@ pub trait DirectAccess {
         &mut self,
         remote: RemoteSegment,
         length: usize,
-    ) -> Result<Vec<u8>, WorkCompletionStatus>;
+    ) -> Result<Vec<u8>, WorkCompletionStatus> {
+        let mut into = Vec::with_capacity(length);
+        self.read_append(remote, length, &mut into)?;
+        Ok(into)
+    }
+
+    /// READs `length` bytes at `remote` onto the end of `into`, filled as they are read (a
+    /// vector with the room allocates nothing).
+    ///
+    /// # Errors
+    /// The status its request would have completed with (nothing is appended).
+    fn read_append(
+        &mut self,
+        remote: RemoteSegment,
+        length: usize,
+        into: &mut Vec<u8>,
+    ) -> Result<(), WorkCompletionStatus>;
 
     /// WRITEs `from` at `remote`.
     ///

@@ -3,7 +3,8 @@
 //! steps as a narrow guess ([`crate::operations`]), as calls instead of a list: announce the
 //! operation, READ the guessed slot's word, READ the block it names, READ the word again, READ
 //! the node's lease word, announce the finish. No scratch buffer, no list, no completion, no
-//! wake-up and no allocation but the value's.
+//! wake-up, and no allocation but the value's (none
+//! into a caller's vector with the room: `Client::get_into`).
 //!
 //! Where a narrow guess verifies the block with its checksum, this path verifies it by the slot
 //! word read before and after the block: a READ of an aligned word here is one atomic load,
@@ -14,7 +15,6 @@
 
 use std::time::Instant;
 
-use bytes::Bytes;
 use rdkv_common::layout::{BlockHeader, KeyLocation, Slot, BLOCK_HEADER_SIZE, MAX_KEY_LENGTH};
 use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 
@@ -27,12 +27,11 @@ const DIRECT_GET_ACCESSES: u64 = 5;
 
 /// What the guessed slot held.
 enum Found {
-    /// The key's block, whole, named by `slot` before and after it was read.
+    /// The key's block, whole, named by `slot` before and after it was read (its value is in
+    /// the caller's vector).
     Key {
         /// The slot word that named it.
         slot: Slot,
-        /// The value.
-        value: Vec<u8>,
         /// Whether the block is a tombstone (a replicated delete: the key is absent).
         tombstone: bool,
     },
@@ -43,12 +42,33 @@ enum Found {
 
 impl NodeConnection {
     /// GETs `key` by direct access when the connection can and the slot cache has a guess for
-    /// it: `Some(value)` (`None` inside: absent). `None`: not here (no guess, a stale one, a
-    /// provider without direct access, the queue pair busy, a failed access, or the node's
-    /// lease not covering the READs); the caller runs the ordinary GET, which decides what
-    /// such a failure means. A failed access or an uncovered lease marks the connection
-    /// broken first, as the ordinary path would.
-    pub(crate) fn get_direct(&self, key: &[u8], location: &KeyLocation) -> Option<Option<Bytes>> {
+    /// it: `Some(true)` with the value in `value` (which it empties first), `Some(false)` when
+    /// the key is absent. `None`: not here (no guess, a stale one, a provider without direct
+    /// access, the queue pair busy, a failed access, or the node's lease not covering the
+    /// READs), with `value` empty; the caller runs the ordinary GET, which decides what such a
+    /// failure means. A failed access or an uncovered lease marks the connection broken first,
+    /// as the ordinary path would.
+    pub(crate) fn get_direct(
+        &self,
+        key: &[u8],
+        location: &KeyLocation,
+        value: &mut Vec<u8>,
+    ) -> Option<bool> {
+        let found = self.get_direct_found(key, location, value);
+        if found.is_none() {
+            value.clear();
+        }
+        found
+    }
+
+    /// [`NodeConnection::get_direct`], leaving `value` as the attempt left it.
+    fn get_direct_found(
+        &self,
+        key: &[u8],
+        location: &KeyLocation,
+        value: &mut Vec<u8>,
+    ) -> Option<bool> {
+        value.clear();
         if self.fault_injector.is_some() {
             return None;
         }
@@ -56,7 +76,7 @@ impl NodeConnection {
         let posted_at = Instant::now();
         let outcome = self
             .queue_pair
-            .direct(|access| self.direct_lookup(access, key, location, guess))?;
+            .direct(|access| self.direct_lookup(access, key, location, guess, value))?;
         let (found, lease_word) = match outcome {
             Ok(read) => read,
             Err(_status) => {
@@ -72,12 +92,7 @@ impl NodeConnection {
         }
         let counters = &self.counters;
         counters.slot_guesses.add(1);
-        let Found::Key {
-            slot,
-            value,
-            tombstone,
-        } = found
-        else {
+        let Found::Key { slot, tombstone } = found else {
             counters.slot_guess_misses.add(1);
             self.slot_cache.forget(location);
             return None;
@@ -91,7 +106,7 @@ impl NodeConnection {
         counters.round_trips.add(1);
         counters.verbs.add(DIRECT_GET_ACCESSES);
         // A tombstone (replicated delete) is an absent key.
-        Some((!tombstone).then(|| Bytes::from(value)))
+        Some(!tombstone)
     }
 
     /// The accesses of a direct GET, announced from first to last: what the guessed slot
@@ -102,11 +117,12 @@ impl NodeConnection {
         key: &[u8],
         location: &KeyLocation,
         guess: Guess,
+        value: &mut Vec<u8>,
     ) -> Result<(Found, u64), WorkCompletionStatus> {
         let announce = self.keys.announce_key.at(0);
         let (number, word) = self.announcer.start_direct();
         let read = access.write(announce, &word).and_then(|()| {
-            let found = self.read_guessed(access, key, location, guess)?;
+            let found = self.read_guessed(access, key, location, guess, value)?;
             let mut lease = [0u8; 8];
             access.read(self.keys.lease_key.at(0), &mut lease)?;
             Ok((found, u64::from_le_bytes(lease)))
@@ -120,13 +136,15 @@ impl NodeConnection {
     }
 
     /// READs the guessed slot's word and, when it still names a block of the key (the guessed
-    /// one, or the key's new block after an update in place), that block, then the word again.
+    /// one, or the key's new block after an update in place), that block (its value onto
+    /// `value`), then the word again.
     fn read_guessed(
         &self,
         access: &mut dyn DirectAccess,
         key: &[u8],
         location: &KeyLocation,
         guess: Guess,
+        value: &mut Vec<u8>,
     ) -> Result<Found, WorkCompletionStatus> {
         let geometry = &self.welcome.geometry;
         let slot_at = self.keys.index_key.at(geometry.slot_offset(guess.position));
@@ -156,11 +174,12 @@ impl NodeConnection {
         if header.key_length != key.len() || head[header.key_offset()..head_length] != *key {
             return Ok(Found::Stale);
         }
-        let value = access.read_to_vec(
+        access.read_append(
             self.keys
                 .heap_key
                 .at(block_at + header.value_offset() as u64),
             header.value_length,
+            value,
         )?;
         access.read(slot_at, &mut word)?;
         if Slot::from_bytes(word) != target.slot {
@@ -168,7 +187,6 @@ impl NodeConnection {
         }
         Ok(Found::Key {
             slot: target.slot,
-            value,
             tombstone: header.tombstone,
         })
     }

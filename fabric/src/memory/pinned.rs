@@ -524,8 +524,20 @@ impl PinnedMemory {
     /// # Errors
     /// [`Error::MemoryOutOfBounds`] when the range leaves the block.
     pub fn read_to_vec(&self, offset: u64, length: usize) -> Result<Vec<u8>> {
-        self.check_range(offset, length as u64)?;
         let mut destination = Vec::with_capacity(length);
+        self.read_append(offset, length, &mut destination)?;
+        Ok(destination)
+    }
+
+    /// Appends `length` bytes starting at `offset` to `destination`, filled as they are read
+    /// (never zeroed first); a vector with the room already allocates nothing.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the block (nothing is appended).
+    pub fn read_append(&self, offset: u64, length: usize, destination: &mut Vec<u8>) -> Result<()> {
+        self.check_range(offset, length as u64)?;
+        destination.reserve(length);
+        let start = destination.len();
         let spare = &mut destination.spare_capacity_mut()[..length];
         let head = (((8 - (offset % 8)) % 8) as usize).min(length);
         let (head_part, rest) = spare.split_at_mut(head);
@@ -565,10 +577,10 @@ impl PinnedMemory {
             slot.write(byte);
         }
         // SAFETY: the head, the whole words and the tail above wrote each of the first
-        // `length` bytes of the spare capacity, which `with_capacity(length)` made at least
-        // `length` long, so they are initialized.
-        unsafe { destination.set_len(length) };
-        Ok(destination)
+        // `length` bytes of the spare capacity, which `reserve(length)` made at least `length`
+        // long, so the first `start + length` bytes are initialized.
+        unsafe { destination.set_len(start + length) };
+        Ok(())
     }
 
     /// Copies `length` bytes at `offset` of this block to `destination_offset` of another

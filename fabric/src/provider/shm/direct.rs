@@ -256,16 +256,17 @@ impl DirectAccess for ShmDirect<'_> {
         self.copied(outcome)
     }
 
-    fn read_to_vec(
+    fn read_append(
         &mut self,
         remote: RemoteSegment,
         length: usize,
-    ) -> Result<Vec<u8>, WorkCompletionStatus> {
+        into: &mut Vec<u8>,
+    ) -> Result<(), WorkCompletionStatus> {
         let outcome = match self.resolve(Opcode::Read, remote, length)? {
-            Some((memory, offset)) => memory.read_to_vec(offset, length),
-            None => Ok(Vec::new()),
+            Some((memory, offset)) => memory.read_append(offset, length, into),
+            None => Ok(()),
         };
-        outcome.map_err(|_| self.fail(WorkCompletionStatus::RemoteOperationError))
+        self.copied(outcome)
     }
 
     fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus> {
