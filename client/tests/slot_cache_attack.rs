@@ -1458,16 +1458,12 @@ async fn a_chase_never_returns_a_reservation_or_a_twin(fabric: Fabric) {
     uncached.put(key, b"third").await.expect("put");
     let (value, round_trips, guesses, misses) = counted_get(&cached, key).await;
     assert_eq!(value, bytes("third"));
-    // Over shm a direct GET follows the slot's new word in its one pass.
-    let chased = if fabric == Fabric::Shm {
-        (1, 1, 0)
-    } else {
-        (2, 2, 1)
-    };
-    assert_eq!(
-        (round_trips, guesses, misses),
-        chased,
-        "an update is chased in two round trips (one, directly)"
+    // Over shm a direct GET, when its queue pair is free (else the lists' GET), follows the
+    // slot's new word in its one pass.
+    let counted = (round_trips, guesses, misses);
+    assert!(
+        counted == (2, 2, 1) || (fabric == Fabric::Shm && counted == (1, 1, 0)),
+        "an update is chased in two round trips (one, directly): {counted:?}"
     );
 
     // The key deleted and its twin inserted in the same slot: the chase finds the twin's word.
@@ -1522,18 +1518,13 @@ async fn a_chase_does_not_repeat_the_word_it_disproved(fabric: Fabric) {
     assert_eq!(cached.get(key).await.expect("warm"), bytes("of-the-key"));
     let (value, round_trips, guesses, misses) = counted_get(&cached, twin).await;
     assert_eq!(value, bytes("of-the-twin"));
-    // Over shm the direct GET finds the key's block, forgets the entry and leaves the GET to
-    // the buckets without a guess: buckets, blocks.
-    let expected = if fabric == Fabric::Shm {
-        (2, 1, 1)
-    } else {
-        (3, 1, 1)
-    };
-    assert_eq!(
-        (round_trips, guesses, misses),
-        expected,
+    // Over shm a direct GET (when its queue pair is free) finds the key's block, forgets the
+    // entry and leaves the GET to the buckets without a guess: buckets, blocks.
+    let counted = (round_trips, guesses, misses);
+    assert!(
+        counted == (3, 1, 1) || (fabric == Fabric::Shm && counted == (2, 1, 1)),
         "the twin's GET (round trips, guesses, stale guesses): the key's word, seen unchanged, \
-         was chased again"
+         was chased again: {counted:?}"
     );
 }
 
