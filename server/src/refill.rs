@@ -300,11 +300,11 @@ async fn refill(
                 .scan_node(*peer, first, count)
                 .await
                 .map_err(|error| format!("scanning node {peer}: {error}"))?;
-            for (key, value) in entries {
-                if !client.refill_target(&key, *peer, me) {
+            for entry in entries {
+                if !client.refill_target(&entry.key, *peer, me) {
                     continue;
                 }
-                copy(client, &key, &value).await?;
+                copy(client, &entry.key, &entry.value).await?;
                 copied += 1;
                 counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
             }

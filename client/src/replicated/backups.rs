@@ -12,8 +12,8 @@ use crate::connection::{Scratch, StepList};
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
 use crate::operations::{
-    back_off, cas_step, empty_slot, insert_absent, lookup, step_failure, Candidates, FirstList,
-    Inserted, View, LOOKUP_REQUESTS, RACE_ATTEMPTS,
+    back_off, cas_original, empty_slot, insert_absent, lookup, slot_cas, step_failure, Candidates,
+    FirstList, Inserted, View, LOOKUP_REQUESTS, RACE_ATTEMPTS,
 };
 use futures_util::future::try_join_all;
 
@@ -29,13 +29,13 @@ pub(super) async fn swap_once(
 ) -> Result<bool> {
     match view.committed.as_slice() {
         [current] => {
-            cas_step(
+            let stamp = copy.take_stamp(1);
+            cas_after(
                 &mut copy.scratch,
                 operation,
                 StepKind::Backup,
-                current.position,
-                current.slot,
-                copy.slot,
+                (current.position, current.slot, copy.slot),
+                stamp,
             )
             .await
         }
@@ -43,7 +43,11 @@ pub(super) async fn swap_once(
             let Some(empty) = empty_slot(view, copy.scratch.connection(), attempt)? else {
                 return Ok(false);
             };
-            let before = StepList::starting_with(copy.write.take(), 1 + LOOKUP_REQUESTS);
+            // The block's WRITE (if still due), then its stamp, then the insert.
+            let mut before = StepList::starting_with(copy.write.take(), 2 + LOOKUP_REQUESTS);
+            if let Some(stamp) = copy.stamp.take() {
+                before.push(stamp);
+            }
             copy.scratch.backup_posting();
             let inserted = insert_absent(
                 &mut copy.scratch,
@@ -60,6 +64,28 @@ pub(super) async fn swap_once(
         // Read while the key moved: read again.
         _ => Ok(false),
     }
+}
+
+/// One CAS of one slot, `(position, expected, new)`, as its own step after `before` (a block's
+/// stamp) in the same list; `Ok(true)` when it swapped.
+pub(super) async fn cas_after(
+    scratch: &mut Scratch,
+    operation: &'static str,
+    kind: StepKind,
+    (position, expected, new): (SlotPosition, Slot, Slot),
+    mut before: StepList,
+) -> Result<bool> {
+    before.reserve(1);
+    before.push(slot_cas(scratch, 0, position, expected, new));
+    scratch
+        .execute(operation, kind, before)
+        .await
+        .map_err(step_failure(operation))?;
+    let swapped = cas_original(scratch, 0)? == expected;
+    if !swapped {
+        scratch.lost_race(kind);
+    }
+    Ok(swapped)
 }
 
 /// READs the primary's slot at `position` (after `before`, in the same list): whether it

@@ -34,7 +34,7 @@ pub(super) async fn resume(
     write: Write<'_>,
     held: &mut Held,
 ) -> Result<Resumed> {
-    let block = Block::new(key, write.value(), write.is_delete());
+    let block = Block::new(key, write.value(), write.is_delete(), held.version);
     let mut copies = prepare(replicas, &progress, key, &block, block.shape()).await?;
     let (primary_copy, backups) = copies
         .split_first_mut()

@@ -16,7 +16,8 @@ use crate::fault::StepKind;
 use crate::operations::{cas_original, cas_step, slot_cas, step_failure};
 use crate::progress::Progress;
 
-/// Takes over `locked` and rolls its write back: WRITE two copies of the old block on the
+/// Takes over `locked` and rolls its write back: WRITE two copies of the old block (of its
+/// version: a rollback is no newer than what it restores) on the
 /// primary and CAS the lock to a lock on the first (every lock word is then unique to its
 /// holder); put a copy of the old value in every backup by READ, check, CAS; then CAS the lock
 /// to the second copy, committed. Returns once the lock is gone, released here or taken over
@@ -29,7 +30,7 @@ pub(super) async fn steal(
     key: &[u8],
     locked: &Locked,
 ) -> Result<()> {
-    let block = Block::new(key, &locked.value, locked.tombstone);
+    let block = Block::new(key, &locked.value, locked.tombstone, locked.version);
     let mut copies = prepare(replicas, &progress, key, &block, block.shape()).await?;
     let (primary_copy, backups) = copies
         .split_first_mut()
