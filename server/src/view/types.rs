@@ -95,6 +95,14 @@ pub enum ViewCommand {
         /// The member.
         node_id: u32,
     },
+    /// [`ViewCommand::PromoteFilling`], only while the view is still at `epoch`: every filling
+    /// member reported its newest-wins reconciliation done under that epoch
+    /// (`crate::reconcile`), and no record changed since (a member that joined or restarted
+    /// since may hold newer copies, and reconciliation starts over).
+    PromoteReconciled {
+        /// The epoch every filling member reconciled under.
+        epoch: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -229,6 +237,9 @@ impl ViewState {
                 false
             }
             ViewCommand::PromoteFilling => self.promote_filling(next),
+            ViewCommand::PromoteReconciled { epoch } => {
+                epoch == self.epoch && self.promote_filling(next)
+            }
         };
         if changed {
             self.epoch += 1;
@@ -514,6 +525,12 @@ pub enum PeerRequest {
     AcknowledgeLosses {
         /// Records of this epoch and earlier are cleared.
         up_to_epoch: u64,
+    },
+    /// A filling node that saw every filling member reconciled under `epoch` asks the leader
+    /// to commit [`ViewCommand::PromoteReconciled`].
+    PromoteReconciled {
+        /// The epoch every filling member reconciled under.
+        epoch: u64,
     },
 }
 
