@@ -264,6 +264,17 @@ async fn refill(
     if !peers_to_copy_from(node, &view, &peers, waited).await? {
         return reconciled(node, client, &view).await;
     }
+    // Connected to every serving peer first (a peer refuses while it does not serve: one whose
+    // record still says `serving` after a crash of every node, restarted and not rejoined yet),
+    // so that this node never empties itself for peers it cannot copy from.
+    let mut totals = Vec::with_capacity(peers.len());
+    for peer in &peers {
+        let buckets = client
+            .combined_buckets_of(*peer)
+            .await
+            .map_err(|error| format!("node {peer}: {error}"))?;
+        totals.push(buckets);
+    }
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
@@ -286,14 +297,6 @@ async fn refill(
             slots = forgotten,
             "refill: emptied what the node held before"
         );
-    }
-    let mut totals = Vec::with_capacity(peers.len());
-    for peer in &peers {
-        let buckets = client
-            .combined_buckets_of(*peer)
-            .await
-            .map_err(|error| format!("node {peer}: {error}"))?;
-        totals.push(buckets);
     }
     counters
         .refill_buckets_total
@@ -364,14 +367,14 @@ async fn peers_to_copy_from(
         ));
     }
     // Nobody newer to copy from (every node of a cluster started again after a crash): what
-    // each node holds, loaded from its snapshot, is the best copy there is, and all serve at
-    // once. Copies of a key on two nodes may be from different moments (`docs/operations.md`,
-    // *Persistence*).
+    // the nodes hold, loaded from their snapshots, is the best copy there is. Copies of a key
+    // on two nodes may be from different moments: they reconcile, the newest winning, and all
+    // serve at once (`crate::reconcile`).
     tracing::warn!(
         node = me,
         ?down,
         keys = node.table().count_keys(),
-        "no member serves: every filling member serves what it holds (its snapshot); keys only the members down held are missing until they return"
+        "no member serves: the filling members reconcile what they hold (their snapshots), then serve together; keys only the members down held are missing until they return"
     );
     Ok(false)
 }

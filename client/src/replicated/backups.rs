@@ -6,8 +6,9 @@
 use rdkv_common::layout::{Slot, SlotPosition};
 use rdkv_fabric::WorkRequest;
 
-use super::replicas::{count_overlap, round_trips, Replica};
+use super::replicas::{count_overlap, newest_version, round_trips, Replica};
 use super::CHECK_AT;
+use crate::block::Block;
 use crate::connection::{Scratch, StepList};
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
@@ -15,6 +16,7 @@ use crate::operations::{
     back_off, cas_original, empty_slot, insert_absent, lookup, slot_cas, step_failure, Candidates,
     FirstList, Inserted, View, LOOKUP_REQUESTS, RACE_ATTEMPTS,
 };
+use crate::version::next_version;
 use futures_util::future::try_join_all;
 
 /// One try at putting the operation's block in a backup's slot, from exactly what `view` read
@@ -115,18 +117,40 @@ pub(super) async fn holds_lock(
     Ok(Slot(primary.region().load_u64(primary.base + CHECK_AT)?) == lock)
 }
 
+/// A thief's rollback ([`super::steal`]): the block of the old value it puts back, and the
+/// version its copies get, raised above every backup copy it reads before swapping it.
+pub(super) struct Rollback<'a> {
+    /// The old value's block.
+    pub(super) block: Block<'a>,
+    /// The rollback's version so far.
+    pub(super) version: u64,
+}
+
+impl Rollback<'_> {
+    /// Raises the version above the copy `view` found on `copy`'s node, and stamps `copy`'s
+    /// block with it (its block was written with the old value's version).
+    fn stamp_above(&mut self, copy: &mut Replica, view: &View) -> Result<()> {
+        if let Some(newest) = newest_version(std::slice::from_ref(view)) {
+            if newest >= self.version {
+                self.version = next_version(newest.saturating_add(1));
+            }
+        }
+        copy.restamp(&self.block, self.version)
+    }
+}
+
 /// Puts the operation's block in a backup by READ, check, CAS: READ the backup's slot, check
 /// that the primary still holds `lock`, and only then swap from what was just read; until it
 /// swaps. `Ok(false)`: the lock is no longer the operation's (stolen), so the backup is not
 /// its to touch. (Swapping without the check lets a stalled thief undo the next writer's
-/// value: the model's `unchecked-rollback`.)
+/// value: the model's `unchecked-rollback`.) A `rollback` stamps its copy above what it read
+/// there (the model's `rollback-keeps-version` shows why).
 pub(super) async fn settle(
     primary: &mut Scratch,
     copy: &mut Replica,
-    operation: &'static str,
-    key: &[u8],
-    position: SlotPosition,
-    lock: Slot,
+    (operation, key): (&'static str, &[u8]),
+    (position, lock): (SlotPosition, Slot),
+    mut rollback: Option<&mut Rollback<'_>>,
 ) -> Result<bool> {
     for attempt in 0..RACE_ATTEMPTS {
         let first = FirstList::new(
@@ -144,6 +168,9 @@ pub(super) async fn settle(
         .await?;
         if !holds_lock(primary, operation, position, lock, StepList::new()).await? {
             return Ok(false);
+        }
+        if let Some(rollback) = rollback.as_deref_mut() {
+            rollback.stamp_above(copy, &view)?;
         }
         if swap_once(copy, &view, operation, key, attempt).await? {
             return Ok(true);
@@ -177,7 +204,7 @@ pub(super) async fn write_backups(
     .await?;
     count_overlap(backups, &before);
     for (copy, swapped) in backups.iter_mut().zip(swapped) {
-        if !swapped && !settle(primary, copy, operation, key, position, lock).await? {
+        if !swapped && !settle(primary, copy, (operation, key), (position, lock), None).await? {
             return Ok(false);
         }
     }

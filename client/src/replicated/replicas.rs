@@ -89,12 +89,23 @@ impl Replica {
     /// CAS that publishes the block carries ahead of it ([`Replica::take_stamp`]). The block's
     /// own WRITE went before, in the lookup's first list.
     pub(super) fn restamp(&mut self, block: &Block<'_>, version: u64) -> Result<()> {
+        self.restamp_at(block, version, self.block_at)
+    }
+
+    /// [`Replica::restamp`] of a copy of the block at `block_at` (a thief's second copy on the
+    /// primary).
+    pub(super) fn restamp_at(
+        &mut self,
+        block: &Block<'_>,
+        version: u64,
+        block_at: RemoteSegment,
+    ) -> Result<()> {
         let at = self.scratch.base + WRITE_BLOCK_AT + STAMP_OFFSET;
         let stamp = block.stamp(version);
         self.scratch.region().write(at, &stamp)?;
         let remote = RemoteSegment {
-            address: self.block_at.address + STAMP_OFFSET,
-            remote_key: self.block_at.remote_key,
+            address: block_at.address + STAMP_OFFSET,
+            remote_key: block_at.remote_key,
         };
         self.stamp = Some(
             WorkRequest::write(

@@ -72,7 +72,7 @@ pub(super) async fn resume(
         return Ok(Resumed::Again);
     }
     for copy in backups.iter_mut() {
-        if !settle(scratch, copy, operation, key, position, lock).await? {
+        if !settle(scratch, copy, (operation, key), (position, lock), None).await? {
             progress.lost();
             return Ok(Resumed::Again);
         }
