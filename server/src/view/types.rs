@@ -803,6 +803,39 @@ mod tests {
         assert_eq!(view.members[&3].state, MemberState::Filling);
     }
 
+    /// After a crash of every node, the filling members are promoted together only at the
+    /// epoch they reconciled under: a join since (a record change) leaves them filling.
+    #[test]
+    fn a_reconciled_promotion_applies_only_at_its_epoch() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for incarnation in [10, 20] {
+            for node_id in [1, 2] {
+                view.apply(&ViewCommand::Join {
+                    node_id,
+                    incarnation: incarnation + u64::from(node_id),
+                });
+            }
+        }
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        let reconciled = view.epoch;
+        view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 33,
+        });
+        let before = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::PromoteReconciled { epoch: reconciled }),
+            before,
+            "node 3 joined since: it was not scanned"
+        );
+        assert_eq!(view.public(None).serving(), Vec::<u32>::new());
+        assert_eq!(
+            view.apply(&ViewCommand::PromoteReconciled { epoch: before }),
+            before + 1
+        );
+        assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
+    }
+
     /// Applies `command` as the store does: the loss rule after it.
     fn apply_noting_loss(view: &mut ViewState, command: ViewCommand, replicas: usize) {
         let before = view.at_risk(replicas);
