@@ -268,8 +268,13 @@ impl SnapshotWriter {
     /// The key or the value is too long for the format, or a full frame cannot be written.
     pub fn append(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<()> {
         let versioned = self.format != FORMAT_WITHOUT_VERSIONS;
-        let version_length = if versioned { 0 } else { 8 };
-        let record_length = RECORD_HEADER_LENGTH - version_length + key.len() + value.len();
+        // A record of the format before versions lacks the version's 8 bytes.
+        let header_length = if versioned {
+            RECORD_HEADER_LENGTH
+        } else {
+            RECORD_HEADER_LENGTH - 8
+        };
+        let record_length = header_length + key.len() + value.len();
         let (Ok(key_length), Ok(value_length), Ok(_)) = (
             u16::try_from(key.len()),
             u32::try_from(value.len()),
