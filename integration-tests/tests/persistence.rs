@@ -293,6 +293,10 @@ async fn a_crash_of_every_node_keeps_every_key_as_of_the_snapshot_with_one_copy(
 /// Every node's keys, as a scan of its table reads them: node id → key → (value, version).
 type Tables = BTreeMap<u32, BTreeMap<Vec<u8>, (Vec<u8>, u64)>>;
 
+/// Tries of one scan step that failed for a reason worth another (a lease renewal late on a
+/// loaded machine: the client asks for the view and goes on).
+const SCAN_TRIES: u32 = 10;
+
 /// Reads every node's whole table one-sided (the scan a refill uses).
 async fn tables(client: &Client, nodes: &[u32]) -> Tables {
     let mut tables = Tables::new();
@@ -302,7 +306,16 @@ async fn tables(client: &Client, nodes: &[u32]) -> Tables {
         let mut first = 0;
         while first < buckets {
             let count = rdkv_client::SCAN_BUCKETS.min(buckets - first);
-            for entry in client.scan_node(*node, first, count).await.expect("scan") {
+            let mut tries = 0;
+            let entries = loop {
+                tries += 1;
+                match client.scan_node(*node, first, count).await {
+                    Ok(entries) => break entries,
+                    Err(error) if error.is_retryable() && tries < SCAN_TRIES => {}
+                    Err(error) => panic!("scan of node {node} at bucket {first}: {error}"),
+                }
+            };
+            for entry in entries {
                 table.insert(entry.key.to_vec(), (entry.value.to_vec(), entry.version));
             }
             first += count;
