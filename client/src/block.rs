@@ -5,7 +5,10 @@
 //! [`block_reads`] make the lists that READ slots' blocks into the read area (a lookup's
 //! candidates, a scan's range).
 
-use rdkv_common::layout::{block_head, Slot, BLOCK_HEADER_SIZE, BLOCK_UNIT};
+use rdkv_common::layout::{
+    block_head, block_stamp, BlockHead, BlockHeader, Slot, BLOCK_HEADER_SIZE, BLOCK_STAMP_AT,
+    BLOCK_STAMP_SIZE, BLOCK_UNIT,
+};
 use rdkv_fabric::WorkRequest;
 
 use crate::connection::{Scratch, StepList, READ_BLOCKS_AT, READ_BLOCKS_SIZE};
@@ -37,12 +40,16 @@ impl BlockShape {
     }
 }
 
-/// A block to write: its head (header word and checksum) computed once, then written with its
-/// key and value into as many scratch buffers as the operation needs (one per replica).
+/// A block to write: its head (header word and checksum without the version) computed once,
+/// then written with its key and value into as many scratch buffers as the operation needs (one
+/// per replica). A replicated write learns its version only after its blocks are written
+/// ([`Block::stamp`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Block<'a> {
-    /// The header word and the checksum.
-    head: [u8; BLOCK_HEADER_SIZE],
+    /// The header word and the checksum without the version.
+    head: BlockHead,
+    /// The version its [`Block::write`] writes.
+    version: u64,
     /// The key.
     key: &'a [u8],
     /// The value (empty for a tombstone).
@@ -52,15 +59,31 @@ pub(crate) struct Block<'a> {
 }
 
 impl<'a> Block<'a> {
-    /// The block of `key` and `value`, a tombstone if `tombstone` (its value is then empty).
-    pub(crate) fn new(key: &'a [u8], value: &'a [u8], tombstone: bool) -> Self {
-        let (head, units) = block_head(key, value, tombstone);
+    /// The block of `key` and `value` at `version`, a tombstone if `tombstone` (its value is
+    /// then empty).
+    pub(crate) fn new(key: &'a [u8], value: &'a [u8], tombstone: bool, version: u64) -> Self {
+        let head = block_head(key, value, tombstone);
         Self {
             head,
+            version,
             key,
             value,
-            shape: BlockShape { units, tombstone },
+            shape: BlockShape {
+                units: head.units,
+                tombstone,
+            },
         }
+    }
+
+    /// The version its [`Block::write`] writes.
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The block's last [`BLOCK_STAMP_SIZE`] header bytes (from [`BLOCK_STAMP_AT`]) at
+    /// `version`: what a WRITE puts over a block already written to give it that version.
+    pub(crate) fn stamp(&self, version: u64) -> [u8; BLOCK_STAMP_SIZE] {
+        block_stamp(self.head.unversioned, version)
     }
 
     /// Its length and kind.
@@ -77,19 +100,35 @@ impl<'a> Block<'a> {
     pub(crate) fn write(&self, scratch: &Scratch, at: u64) -> Result<()> {
         let region = scratch.region();
         let mut next = at;
-        for part in [&self.head[..], self.key, self.value] {
+        for part in [&self.head.bytes(self.version)[..], self.key, self.value] {
             region.write(next, part)?;
             next += part.len() as u64;
         }
         // Zeros up to the units, as `encode_block_with` pads: the buffer's last contents never
         // reach the node's heap.
-        let used = (self.head.len() + self.key.len() + self.value.len()) as u64;
+        let used = (BLOCK_HEADER_SIZE + self.key.len() + self.value.len()) as u64;
         let padding = [0u8; BLOCK_UNIT as usize];
         let pad = self.shape.length().saturating_sub(used).min(BLOCK_UNIT) as usize;
         region.write(next, &padding[..pad])?;
         Ok(())
     }
 }
+
+/// The header of a block read to `at` in the scratch buffer, of which `length` bytes were read;
+/// `None` when it is no block's (torn, reused, or never written). The one parse of a block
+/// header on the client.
+pub(crate) fn parse_header(scratch: &Scratch, at: u64, length: u64) -> Result<Option<BlockHeader>> {
+    if length < BLOCK_HEADER_SIZE as u64 {
+        // A torn slot word can claim a block of zero units.
+        return Ok(None);
+    }
+    let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
+    scratch.region().read(at, &mut header_bytes)?;
+    Ok(BlockHeader::parse(&header_bytes, length as usize).ok())
+}
+
+/// Where a block's stamp goes in the block, in bytes from its start.
+pub(crate) const STAMP_OFFSET: u64 = BLOCK_STAMP_AT as u64;
 
 /// How many of `slots`' blocks, from the first, fit the scratch buffer's read area together:
 /// at least one (every block fits alone).

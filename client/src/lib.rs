@@ -31,7 +31,8 @@
 //! - `connection`: the handshake, queue pair, scratch buffers, step lists, chunks and control
 //!   task.
 //! - `operations`: the one-sided algorithms of a single copy.
-//! - `block`: writing blocks into, and reading them to, scratch buffers.
+//! - `block`: writing blocks into, and reading them to, scratch buffers; `version`: the
+//!   versions the blocks carry (a hybrid clock).
 //! - `refill`: what a node's refill asks of its client; `scan`: reading a node's whole table.
 //! - `progress`: what an operation has posted, for safe retries and truthful errors.
 //! - [`counters`]: per-client counters.
@@ -58,8 +59,9 @@ mod refill;
 mod replicated;
 mod runner;
 mod scan;
+mod version;
 mod view_following;
-pub use scan::SCAN_BUCKETS;
+pub use scan::{ScannedKey, SCAN_BUCKETS};
 
 pub use builder::ClientBuilder;
 pub use client::Client;

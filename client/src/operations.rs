@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use rdkv_common::layout::{
-    check_key_value, parse_combined_bucket, BlockHeader, KeyLocation, LayoutError, Slot,
-    SlotPosition, BLOCK_HEADER_SIZE, COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
+    check_key_value, parse_combined_bucket, KeyLocation, LayoutError, Slot, SlotPosition,
+    COMBINED_BUCKET_SIZE, MAX_KEY_LENGTH, MAX_VALUE_LENGTH,
 };
 use rdkv_fabric::WorkRequest;
 use smallvec::{smallvec, SmallVec};
@@ -125,6 +125,8 @@ pub(crate) struct Match {
     pub(crate) value: Bytes,
     /// Whether the block is a tombstone (a replicated delete: the key is absent).
     pub(crate) tombstone: bool,
+    /// The block's version.
+    pub(crate) version: u64,
 }
 
 /// What one lookup of a key found. A narrow guess's view (one slot, one match: most GETs)
@@ -500,11 +502,16 @@ fn guessed_match(
             guess.slot.block_length(),
             key,
         )? {
-            BlockRead::Key { value, tombstone } => Some(Match {
+            BlockRead::Key {
+                value,
+                tombstone,
+                version,
+            } => Some(Match {
                 position: guess.position,
                 slot: guess.slot,
                 value,
                 tombstone,
+                version,
             }),
             BlockRead::Other { .. } | BlockRead::Broken => None,
         },
@@ -519,6 +526,8 @@ enum BlockRead {
         value: Bytes,
         /// Whether the block is a tombstone (a replicated delete).
         tombstone: bool,
+        /// The block's version.
+        version: u64,
     },
     /// Another key's block, intact.
     Other {
@@ -534,14 +543,8 @@ enum BlockRead {
 /// [`Bytes`] keeps: one copy of the value, where copying the block out and then its value was
 /// two.
 fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<BlockRead> {
-    if length < BLOCK_HEADER_SIZE as u64 {
-        // A torn slot word can claim a block of zero units.
-        return Ok(BlockRead::Broken);
-    }
     let region = scratch.region();
-    let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
-    region.read(at, &mut header_bytes)?;
-    let Ok(header) = BlockHeader::parse(&header_bytes, length as usize) else {
+    let Some(header) = crate::block::parse_header(scratch, at, length)? else {
         return Ok(BlockRead::Broken);
     };
     let mut key_bytes = [0u8; MAX_KEY_LENGTH];
@@ -557,6 +560,7 @@ fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<Blo
         BlockRead::Key {
             value: Bytes::from(value),
             tombstone: header.tombstone,
+            version: header.version,
         }
     } else {
         BlockRead::Other {
@@ -612,12 +616,17 @@ async fn read_candidates(
             )?;
             at += slot.block_length();
             match block {
-                BlockRead::Key { value, tombstone } => {
+                BlockRead::Key {
+                    value,
+                    tombstone,
+                    version,
+                } => {
                     let found = Match {
                         position,
                         slot,
                         value,
                         tombstone,
+                        version,
                     };
                     if slot.is_tentative() {
                         tentative.push(found);
@@ -770,7 +779,7 @@ pub(crate) async fn mutate(
     let _turn = connection.writer_turn(&location).await;
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress.clone()).await?;
-    let block = Block::new(key, value, false);
+    let block = Block::new(key, value, false, crate::version::next_version(0));
     block.write(&scratch, scratch.base + WRITE_BLOCK_AT)?;
     let block = block.shape();
     progress.wait_for(Waiting::HeapChunk);

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use rdkv_common::protocol::ClusterView;
 
 use crate::client::Client;
@@ -52,7 +51,7 @@ impl Client {
         node_id: u32,
         first: u64,
         count: u64,
-    ) -> Result<Vec<(Bytes, Bytes)>> {
+    ) -> Result<Vec<crate::scan::ScannedKey>> {
         let node = self
             .node_by_id(node_id)
             .ok_or_else(|| Error::Config {

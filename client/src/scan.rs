@@ -20,6 +20,17 @@ use crate::progress::{Progress, Waiting};
 /// Combined buckets one scan step READs (16 KiB).
 pub const SCAN_BUCKETS: u64 = 128;
 
+/// A key found by a scan, with its value and its block's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScannedKey {
+    /// The key.
+    pub key: Bytes,
+    /// Its value.
+    pub value: Bytes,
+    /// Its block's version: of two copies of the key, the higher is the newer.
+    pub version: u64,
+}
+
 /// Reads of a range's changed slots (a block moved by the compactor, or rewritten) before the
 /// scan leaves them to their writers.
 const SCAN_ATTEMPTS: u32 = 8;
@@ -45,7 +56,7 @@ pub(crate) async fn scan_buckets(
     progress: Arc<Progress>,
     first: u64,
     count: u64,
-) -> Result<Vec<(Bytes, Bytes)>> {
+) -> Result<Vec<ScannedKey>> {
     let count = count.min(SCAN_BUCKETS).min(
         connection
             .welcome
@@ -71,16 +82,16 @@ pub(crate) async fn scan_buckets(
                 .ok()
                 .map(|index| now[index].1);
             match (current, block) {
-                (Some(word), Some((key, value))) if word == *slot => {
+                (Some(word), Some(entry)) if word == *slot => {
                     let bucket = first + (place / SLOTS_PER_COMBINED_BUCKET) as u64;
                     let lives_here = connection
                         .welcome
                         .geometry
-                        .locate(&key)
+                        .locate(&entry.key)
                         .combined_buckets
                         .contains(&bucket);
                     if lives_here {
-                        found.push((key, value));
+                        found.push(entry);
                     }
                 }
                 // Unchanged, and a tombstone: the key is absent.
@@ -169,7 +180,7 @@ async fn read_range(scratch: &mut Scratch, first: u64, count: u64) -> Result<Vec
 async fn read_blocks(
     scratch: &mut Scratch,
     slots: &[RangeSlot],
-) -> Result<Vec<Option<(Bytes, Bytes)>>> {
+) -> Result<Vec<Option<ScannedKey>>> {
     let mut blocks = Vec::with_capacity(slots.len());
     let mut remaining = slots;
     while !remaining.is_empty() {
@@ -192,11 +203,10 @@ async fn read_blocks(
                 decode_block(&block)
                     .ok()
                     .filter(|decoded| !decoded.tombstone)
-                    .map(|decoded| {
-                        (
-                            Bytes::copy_from_slice(decoded.key),
-                            Bytes::copy_from_slice(decoded.value),
-                        )
+                    .map(|decoded| ScannedKey {
+                        key: Bytes::copy_from_slice(decoded.key),
+                        value: Bytes::copy_from_slice(decoded.value),
+                        version: decoded.version,
                     }),
             );
         }

@@ -1,7 +1,8 @@
 //! Replicated writes (`replicas` ≥ 2) against in-process nodes: every write reaches each of the
 //! key's replicas and no other node, deletes leave tombstones that read as absence, a GET
 //! stays at 2 round trips and an update takes 5, and a writer stalled while it holds its lock
-//! is taken over: the key is never blocked for long, and the replicas agree afterwards.
+//! is taken over: the key is never blocked for long, and the replicas agree afterwards; the
+//! blocks' versions rise with each write, and a key's copies carry the same one.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -186,9 +187,12 @@ async fn a_get_takes_two_round_trips_and_an_update_five() {
     assert_eq!(in_sequence, 5, "an update of a present key, replicas = 2");
 }
 
-/// Holds the first writer of `key` right after its lock until the test releases it.
+/// Holds the first writer of `key` right after its step `kind` (its lock, its backup's CAS)
+/// until the test releases it.
 #[derive(Debug)]
 struct HoldAfterLock {
+    /// The step after which it holds the writer.
+    kind: StepKind,
     /// Released by the test.
     gate: Arc<Semaphore>,
     /// Set once a writer is held.
@@ -199,7 +203,7 @@ struct HoldAfterLock {
 
 impl FaultInjector for HoldAfterLock {
     fn inject(&self, step: &Step) -> Injection {
-        if step.kind != StepKind::Lock || step.moment != Moment::After {
+        if step.kind != self.kind || step.moment != Moment::After {
             return Injection::Proceed;
         }
         let mut held = self.held.lock().expect("held");
@@ -220,6 +224,7 @@ async fn a_writer_stalled_holding_its_lock_is_taken_over_and_the_replicas_agree(
     let stalled = Arc::new(
         ClientBuilder::cluster(&cluster(&nodes, 2))
             .fault_injector(Arc::new(HoldAfterLock {
+                kind: StepKind::Lock,
                 gate: gate.clone(),
                 held: Mutex::new(false),
                 reached: reached.clone(),
@@ -431,4 +436,151 @@ async fn a_write_cut_before_its_commit_whose_lock_was_taken_over_starts_again() 
         let wanted = expected.contains(&id).then(|| Bytes::from_static(b"cut"));
         assert_eq!(value, wanted, "node {id}");
     }
+}
+
+/// `key`'s copy on each node, as a one-sided scan of its whole table reads it: (node, value,
+/// version).
+async fn copies_of(client: &Client, key: &[u8]) -> Vec<(u32, Bytes, u64)> {
+    let mut copies = Vec::new();
+    for node in 1..=3u32 {
+        let buckets = client.combined_buckets_of(node).await.expect("buckets");
+        let mut first = 0;
+        while first < buckets {
+            let count = rdkv_client::SCAN_BUCKETS.min(buckets - first);
+            for entry in client.scan_node(node, first, count).await.expect("scan") {
+                if entry.key.as_ref() == key {
+                    copies.push((node, entry.value, entry.version));
+                }
+            }
+            first += count;
+        }
+    }
+    copies
+}
+
+/// Each write gives a key's copies one version, above the last one; a writer stalled after its
+/// backup took its value (before its commit) is taken over, and the write after the takeover
+/// is above the stalled write's copy, on every replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_rise_with_each_write_and_a_takeover_goes_above_the_stalled_copy() {
+    let nodes = start_nodes().await;
+    let other = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
+    let key = b"versioned";
+    let replicas = replica_ids(key, 2);
+    let mut last = 0;
+    for value in [&b"one"[..], b"two", b"three"] {
+        other.put(key, value).await.expect("put");
+        let copies = copies_of(&other, key).await;
+        assert_eq!(copies.len(), 2, "{copies:?}");
+        for (node, read, version) in &copies {
+            assert!(replicas.contains(node), "{copies:?}");
+            assert_eq!(read.as_ref(), value);
+            assert!(*version > last, "{copies:?} after version {last}");
+        }
+        assert_eq!(
+            copies[0].2, copies[1].2,
+            "one version per write: {copies:?}"
+        );
+        last = copies[0].2;
+    }
+    let gate = Arc::new(Semaphore::new(0));
+    let reached = Arc::new(Notify::new());
+    let stalled = Arc::new(
+        ClientBuilder::cluster(&cluster(&nodes, 2))
+            .fault_injector(Arc::new(HoldAfterLock {
+                kind: StepKind::Backup,
+                gate: gate.clone(),
+                held: Mutex::new(false),
+                reached: reached.clone(),
+            }))
+            .build()
+            .expect("a cluster client"),
+    );
+    let writer = {
+        let stalled = stalled.clone();
+        tokio::spawn(async move { stalled.put(key, b"stalled").await })
+    };
+    tokio::time::timeout(Duration::from_secs(5), reached.notified())
+        .await
+        .expect("the writer put its value in the backup");
+    let copies = copies_of(&other, key).await;
+    let stalled_version = copies
+        .iter()
+        .find(|(_, value, _)| value.as_ref() == b"stalled")
+        .map(|(_, _, version)| *version)
+        .unwrap_or_else(|| panic!("the backup holds the stalled write: {copies:?}"));
+    assert!(stalled_version > last);
+    other.put(key, b"after").await.expect("a put over the lock");
+    assert_eq!(other.counters().locks_stolen, 1);
+    let copies = copies_of(&other, key).await;
+    assert!(
+        copies
+            .iter()
+            .all(|(_, value, version)| value.as_ref() == b"after" && *version > stalled_version),
+        "{copies:?} after the stalled write's version {stalled_version}"
+    );
+    gate.add_permits(1);
+    writer
+        .await
+        .expect("join")
+        .expect("the stalled put completes");
+}
+
+/// A key whose copies carry a version above this process's clock (loaded from snapshots
+/// written by a host whose clock ran ahead): the next write reads it and stamps its blocks
+/// above it (a WRITE of version and checksum ahead of each block's CAS), and a GET returns the
+/// new value from a block that passes its checksum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_over_a_copy_newer_than_the_clock_stamps_its_blocks_above_it() {
+    use rdkv_server::snapshot::file::{SnapshotMeta, SnapshotWriter};
+    let key = b"ahead-of-the-clock";
+    let ahead = 1u64 << 60;
+    let directory = std::env::temp_dir().join(format!("rdkv-stamp-{}", std::process::id()));
+    let mut nodes = Vec::new();
+    for id in 1..=3u32 {
+        let data_dir = directory.join(format!("node-{id}"));
+        let meta = SnapshotMeta {
+            cluster: String::new(),
+            node_id: id,
+            view_epoch: 0,
+            created_unix_ms: 0,
+            stopped_at: None,
+        };
+        let mut writer = SnapshotWriter::create(&data_dir, &meta).expect("a snapshot");
+        writer.append(key, b"loaded", ahead).expect("append");
+        writer.finish().expect("finish");
+        let mut config = rdkv_server::ServerConfig::local(SECRET);
+        config.node_id = id;
+        config.data_dir = Some(data_dir);
+        nodes.push(rdkv_server::start(config).await.expect("start a node"));
+    }
+    let client = ClientBuilder::cluster(&cluster(&nodes, 2))
+        .build()
+        .expect("a cluster client");
+    assert_eq!(
+        client.get(key).await.expect("get"),
+        Some(Bytes::from_static(b"loaded"))
+    );
+    for (round, value) in [&b"first"[..], b"second"].into_iter().enumerate() {
+        client.put(key, value).await.expect("put");
+        assert_eq!(client.get(key).await.expect("get").as_deref(), Some(value));
+        let copies = copies_of(&client, key).await;
+        let replicas = replica_ids(key, 2);
+        assert_eq!(
+            copies.len(),
+            3,
+            "the other node keeps its loaded copy: {copies:?}"
+        );
+        for (node, read, version) in copies {
+            if replicas.contains(&node) {
+                assert_eq!(read.as_ref(), value);
+                assert!(version > ahead + round as u64, "node {node}: {version}");
+            } else {
+                assert_eq!((read.as_ref(), version), (&b"loaded"[..], ahead));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&directory);
 }

@@ -8,8 +8,9 @@
 //! slot   = fingerprint (bits 56..64) | length in 64 B units (48..56) | heap offset (6..48)
 //!          | tombstone (bit 2) | committed (bit 1) | tentative (bit 0); both state bits: locked
 //!          (a replicated write in progress); offsets are multiples of 64, so bits 0..6 are free
-//! block  = key_length u16 | flags u16 | value_length u32 | checksum u64 | key | value | pad to 64 B
-//!          (flags bit 0: a tombstone, a replicated delete)
+//! block  = key_length u16 | flags u16 | value_length u32 | version u64 | checksum u64 | key
+//!          | value | pad to 64 B (flags bit 0: a tombstone, a replicated delete; the version
+//!          orders a key's copies on different nodes: the newest wins)
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -35,8 +36,13 @@ pub const MAX_BLOCK_SIZE: u64 = 255 * BLOCK_UNIT;
 /// smaller heap leaves writers nothing once dead blocks share extents with live ones (a heap of
 /// one chunk locked up for good with 10 KB live in 64 KiB).
 pub const MIN_HEAP_CHUNKS: u64 = 4;
-/// Bytes of a block header.
-pub const BLOCK_HEADER_SIZE: usize = 16;
+/// Bytes of a block header: the header word, the version and the checksum.
+pub const BLOCK_HEADER_SIZE: usize = 24;
+/// Where a block's version starts: the version and then the checksum are its last 16 header
+/// bytes, which a replicated writer WRITEs again once it knows the version ([`block_stamp`]).
+pub const BLOCK_STAMP_AT: usize = 8;
+/// Bytes of a block's stamp: its version and its checksum.
+pub const BLOCK_STAMP_SIZE: usize = 16;
 /// The longest key, in bytes.
 pub const MAX_KEY_LENGTH: usize = 256;
 /// The longest value, in bytes, for any key length.
@@ -316,54 +322,102 @@ pub fn block_units(key_length: usize, value_length: usize) -> u8 {
 /// The seed of a block's checksum, before the header word is mixed in.
 const CHECKSUM_SEED: u64 = 0x5244_4B56;
 
-/// A block's checksum: one-shot xxh3_64 of the value, seeded with the one-shot xxh3_64 of the
-/// key, itself seeded with the header word. Every byte of the header, key and value counts, and
-/// the key and value need not be contiguous in memory: a reader can copy the value alone out of
-/// registered memory and keep it (`BlockHeader`), and one-shot hashing takes well under half
-/// the instructions of a streaming hasher for a 1 KiB value.
-fn checksum(header: &[u8; 8], key: &[u8], value: &[u8]) -> u64 {
+/// A block's checksum without its version: one-shot xxh3_64 of the value, seeded with the
+/// one-shot xxh3_64 of the key, itself seeded with the header word. Every byte of the header
+/// word, key and value counts, and the key and value need not be contiguous in memory: a
+/// reader can copy the value alone out of registered memory and keep it (`BlockHeader`), and
+/// one-shot hashing takes well under half the instructions of a streaming hasher for a 1 KiB
+/// value.
+fn unversioned_checksum(header: &[u8; 8], key: &[u8], value: &[u8]) -> u64 {
     let key_sum = xxh3_64_with_seed(key, CHECKSUM_SEED ^ u64::from_le_bytes(*header));
     xxh3_64_with_seed(value, key_sum)
+}
+
+/// The stored checksum of a block whose checksum without version is `unversioned`: the version
+/// mixed in by a bijective finalizer (splitmix64's), so that a writer that learns the version
+/// late stamps it without hashing the value again, and any one version bit flipped changes the
+/// checksum.
+fn versioned_checksum(unversioned: u64, version: u64) -> u64 {
+    let mut mixed = version.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    unversioned ^ mixed ^ (mixed >> 31)
+}
+
+/// A block's [`BLOCK_STAMP_SIZE`] bytes at [`BLOCK_STAMP_AT`]: its version, then its checksum
+/// (of `unversioned`, the checksum without version, with the version mixed in).
+pub fn block_stamp(unversioned: u64, version: u64) -> [u8; BLOCK_STAMP_SIZE] {
+    let mut stamp = [0u8; BLOCK_STAMP_SIZE];
+    stamp[..8].copy_from_slice(&version.to_le_bytes());
+    stamp[8..].copy_from_slice(&versioned_checksum(unversioned, version).to_le_bytes());
+    stamp
 }
 
 /// The block flag of a tombstone: a replicated delete's block, which readers take for absence.
 const TOMBSTONE_FLAG: u16 = 1;
 
-/// Encodes a block into `out` (cleared first); returns its length in units. The caller checked
-/// the limits with [`check_key_value`].
+/// Encodes a block of version 0 into `out` (cleared first); returns its length in units. The
+/// caller checked the limits with [`check_key_value`].
 pub fn encode_block(key: &[u8], value: &[u8], out: &mut Vec<u8>) -> u8 {
-    encode_block_with(key, value, false, out)
+    encode_block_with(key, value, false, 0, out)
 }
 
-/// Encodes a block, a tombstone if `tombstone` (then `value` should be empty), into `out`;
-/// returns its length in units.
-pub fn encode_block_with(key: &[u8], value: &[u8], tombstone: bool, out: &mut Vec<u8>) -> u8 {
+/// Encodes a block of `version`, a tombstone if `tombstone` (then `value` should be empty),
+/// into `out`; returns its length in units.
+pub fn encode_block_with(
+    key: &[u8],
+    value: &[u8],
+    tombstone: bool,
+    version: u64,
+    out: &mut Vec<u8>,
+) -> u8 {
     out.clear();
-    let (head, units) = block_head(key, value, tombstone);
+    let head = block_head(key, value, tombstone);
     // The whole block at once: extending piecemeal reallocated (and copied) a 1 KiB value.
-    out.reserve_exact(usize::from(units) * BLOCK_UNIT as usize);
-    out.extend_from_slice(&head);
+    out.reserve_exact(usize::from(head.units) * BLOCK_UNIT as usize);
+    out.extend_from_slice(&head.bytes(version));
     out.extend_from_slice(key);
     out.extend_from_slice(value);
-    out.resize(usize::from(units) * BLOCK_UNIT as usize, 0);
-    units
+    out.resize(usize::from(head.units) * BLOCK_UNIT as usize, 0);
+    head.units
 }
 
-/// A block's first [`BLOCK_HEADER_SIZE`] bytes (its header word, then its checksum) and its
-/// length in units: what [`encode_block_with`] puts ahead of the key and the value, for a
-/// writer that places the parts itself (straight into a registered buffer, with no copy of
-/// the value in between). The rest of the block is the key, the value, and zeros up to the
-/// units.
-pub fn block_head(key: &[u8], value: &[u8], tombstone: bool) -> ([u8; BLOCK_HEADER_SIZE], u8) {
-    let mut header = [0u8; 8];
-    header[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
+/// What [`encode_block_with`] puts ahead of the key and the value, for a writer that places the
+/// parts itself (straight into a registered buffer, with no copy of the value in between), and
+/// may learn the version only later ([`BlockHead::bytes`], [`block_stamp`]). The rest of the
+/// block is the key, the value, and zeros up to the units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHead {
+    /// The header word: key length, flags, value length.
+    pub word: [u8; 8],
+    /// The checksum without the version.
+    pub unversioned: u64,
+    /// The block's length in 64-byte units.
+    pub units: u8,
+}
+
+impl BlockHead {
+    /// The first [`BLOCK_HEADER_SIZE`] bytes of the block, of `version`.
+    pub fn bytes(&self, version: u64) -> [u8; BLOCK_HEADER_SIZE] {
+        let mut head = [0u8; BLOCK_HEADER_SIZE];
+        head[..BLOCK_STAMP_AT].copy_from_slice(&self.word);
+        head[BLOCK_STAMP_AT..].copy_from_slice(&block_stamp(self.unversioned, version));
+        head
+    }
+}
+
+/// The head of the block of `key` and `value`, a tombstone if `tombstone`.
+pub fn block_head(key: &[u8], value: &[u8], tombstone: bool) -> BlockHead {
+    let mut word = [0u8; 8];
+    word[0..2].copy_from_slice(&(key.len() as u16).to_le_bytes());
     let flags = if tombstone { TOMBSTONE_FLAG } else { 0 };
-    header[2..4].copy_from_slice(&flags.to_le_bytes());
-    header[4..8].copy_from_slice(&(value.len() as u32).to_le_bytes());
-    let mut head = [0u8; BLOCK_HEADER_SIZE];
-    head[..8].copy_from_slice(&header);
-    head[8..].copy_from_slice(&checksum(&header, key, value).to_le_bytes());
-    (head, block_units(key.len(), value.len()))
+    word[2..4].copy_from_slice(&flags.to_le_bytes());
+    word[4..8].copy_from_slice(&(value.len() as u32).to_le_bytes());
+    BlockHead {
+        word,
+        unversioned: unversioned_checksum(&word, key, value),
+        units: block_units(key.len(), value.len()),
+    }
 }
 
 /// Why a block read from the heap is not a valid block.
@@ -389,6 +443,8 @@ pub struct Block<'a> {
     pub value: &'a [u8],
     /// Whether the block is a tombstone (a replicated delete): the key is absent.
     pub tombstone: bool,
+    /// The block's version: of two copies of a key, the higher is the newer.
+    pub version: u64,
 }
 
 /// A block's header, parsed: what a reader needs to copy the key and the value out of the block
@@ -401,6 +457,8 @@ pub struct BlockHeader {
     pub value_length: usize,
     /// Whether the block is a tombstone (a replicated delete): the key is absent.
     pub tombstone: bool,
+    /// The block's version: of two copies of a key, the higher is the newer.
+    pub version: u64,
     /// Bytes 0..8, as stored.
     word: [u8; 8],
     /// The stored checksum.
@@ -427,13 +485,16 @@ impl BlockHeader {
         }
         let mut word = [0u8; 8];
         word.copy_from_slice(&bytes[0..8]);
+        let mut version = [0u8; 8];
+        version.copy_from_slice(&bytes[8..16]);
         let mut stored = [0u8; 8];
-        stored.copy_from_slice(&bytes[8..16]);
+        stored.copy_from_slice(&bytes[16..24]);
         let flags = u16::from_le_bytes([bytes[2], bytes[3]]);
         Ok(Self {
             key_length,
             value_length,
             tombstone: flags & TOMBSTONE_FLAG != 0,
+            version: u64::from_le_bytes(version),
             word,
             stored: u64::from_le_bytes(stored),
         })
@@ -456,7 +517,8 @@ impl BlockHeader {
     pub fn verify(&self, key: &[u8], value: &[u8]) -> Result<(), BlockError> {
         if key.len() != self.key_length
             || value.len() != self.value_length
-            || checksum(&self.word, key, value) != self.stored
+            || versioned_checksum(unversioned_checksum(&self.word, key, value), self.version)
+                != self.stored
         {
             return Err(BlockError::Checksum);
         }
@@ -480,6 +542,7 @@ pub fn decode_block(bytes: &[u8]) -> Result<Block<'_>, BlockError> {
         key,
         value,
         tombstone: header.tombstone,
+        version: header.version,
     })
 }
 
@@ -555,13 +618,14 @@ mod tests {
         assert_eq!(block.value, b"hello world");
         assert!(!block.tombstone);
         let mut tombstone = Vec::new();
-        encode_block_with(b"user42", b"", true, &mut tombstone);
+        encode_block_with(b"user42", b"", true, 7, &mut tombstone);
         let decoded = decode_block(&tombstone).expect("valid");
         assert!(decoded.tombstone && decoded.value.is_empty() && decoded.key == b"user42");
+        assert_eq!(decoded.version, 7);
         // The flag is under the checksum.
         tombstone[2] ^= 1;
         assert_eq!(decode_block(&tombstone), Err(BlockError::Checksum));
-        bytes[20] ^= 1;
+        bytes[28] ^= 1;
         assert_eq!(decode_block(&bytes), Err(BlockError::Checksum));
         assert!(matches!(
             decode_block(&bytes[..10]),
@@ -584,11 +648,16 @@ mod tests {
             (b"user7", &[0xA5; 1000][..]),
         ] {
             let mut encoded = Vec::new();
-            let units = encode_block(key, value, &mut encoded);
-            let (head, head_units) = block_head(key, value, false);
-            let mut parts = [&head[..], key, value].concat();
-            parts.resize(usize::from(head_units) * BLOCK_UNIT as usize, 0);
-            assert_eq!((head_units, &parts), (units, &encoded));
+            let units = encode_block_with(key, value, false, 42, &mut encoded);
+            let head = block_head(key, value, false);
+            let mut parts = [&head.bytes(0)[..], key, value].concat();
+            parts.resize(usize::from(head.units) * BLOCK_UNIT as usize, 0);
+            assert_eq!(head.units, units);
+            // A block written with version 0 and stamped later is the block of its version.
+            parts[BLOCK_STAMP_AT..BLOCK_HEADER_SIZE]
+                .copy_from_slice(&block_stamp(head.unversioned, 42));
+            assert_eq!(&parts, &encoded);
+            assert_eq!(decode_block(&parts).map(|block| block.version), Ok(42));
         }
     }
 
@@ -611,7 +680,7 @@ mod tests {
         let header_bytes = bytes.first_chunk::<BLOCK_HEADER_SIZE>().expect("header");
         let header = BlockHeader::parse(header_bytes, bytes.len()).expect("header");
         assert_eq!((header.key_length, header.value_length), (5, 1000));
-        let (key, value) = (&bytes[16..21], &bytes[21..1021]);
+        let (key, value) = (&bytes[24..29], &bytes[29..1029]);
         assert_eq!(header.verify(key, value), Ok(()));
         assert_eq!(header.verify(key, &value[..999]), Err(BlockError::Checksum));
         assert!(matches!(
@@ -636,7 +705,7 @@ mod tests {
         assert!(check_key_value(&vec![0u8; MAX_KEY_LENGTH + 1], b"").is_err());
         assert!(LayoutError::ValueTooLarge { length: 1 }
             .to_string()
-            .contains("16048"));
+            .contains("16040"));
     }
 
     #[test]

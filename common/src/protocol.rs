@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 21;
+pub const PROTOCOL_VERSION: u32 = 22;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -543,6 +543,11 @@ pub struct ServerStats {
     pub refill_buckets_total: u64,
     /// Refill: keys copied from their primaries.
     pub refill_keys_copied: u64,
+    /// The view epoch at which this node last finished the newest-wins reconciliation of a
+    /// whole-cluster start (0: none since start; `docs/protocol.md`, *Reconciliation*).
+    pub reconciled_epoch: u64,
+    /// Reconciliation: keys this node took from a peer whose copy was newer than its own.
+    pub reconciled_keys: u64,
     /// Snapshots written since start (`docs/operations.md`, *Persistence*).
     pub snapshots_written: u64,
     /// Snapshots that failed since start (a full disk, say): the previous one is kept.

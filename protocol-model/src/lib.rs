@@ -28,6 +28,10 @@
 //! (intents on the primary, helping, tombstones, a failover that fences the old view), checked
 //! before it is built, with three broken variants the checker catches.
 //!
+//! [`recovery`] extends it with versions, snapshots at any moment and a crash of every node:
+//! the newest copy by version wins, the copies agree, and the key is as of its last snapshot or
+//! later; a variant whose rollbacks keep the old version fails.
+//!
 //! [`lease`] is a third: a client that reads a node one-sidedly while the node may be paused
 //! (its memory answers READs, its CPU does nothing) and the view moves the node's keys away.
 //! The client before the fix returns the paused node's frozen value; the serving-lease rule
@@ -46,6 +50,7 @@ pub mod lease;
 pub mod model;
 mod new_protocol;
 mod old_protocol;
+pub mod recovery;
 pub mod replication;
 pub mod scenario;
 pub mod step;

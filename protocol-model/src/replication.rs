@@ -57,7 +57,7 @@
 //! The nodes' compactors may move the key's block once per node (scenarios `*-compacting`):
 //! the slot word changes, the value does not, and every CAS expects the exact word.
 //!
-//! Seven variants show what the checker catches: [`ReplicationProtocol::UncheckedRollback`]
+//! Eight variants show what the checker catches: [`ReplicationProtocol::UncheckedRollback`]
 //! (a lock holder swaps a backup without checking that it still holds the lock) lets a
 //! stalled thief undo the next writer's value on the backup, [`ReplicationProtocol::Unfenced`]
 //! (the view change leaves the old view's connections to the survivor open) lets a thief of
@@ -69,9 +69,11 @@
 //! reader returns an intent's new word) shows a value that a failover then takes back, and
 //! [`ReplicationProtocol::ExactOnly`] (a failed backup swap is taken for a helper's) leaves a
 //! backup that the compactor moved with the old value: the write is acknowledged on one replica,
-//! and [`ReplicationProtocol::ResumeTrustsLock`] (a fenced writer whose lock CAS completion was
+//! [`ReplicationProtocol::ResumeTrustsLock`] (a fenced writer whose lock CAS completion was
 //! lost takes the lock word it finds for its own) lets two writers fill the backup while one
-//! commits.
+//! commits, and [`ReplicationProtocol::RollbackKeepsVersion`] (a thief's rollback copies keep
+//! the old value's version) lets the copies disagree after a crash of every node
+//! ([`crate::recovery`], scenarios `*-crash`).
 //!
 //! # What the model leaves out
 //!
@@ -89,6 +91,7 @@ use stateright::{Checker, Model, Property};
 use crate::client::OperationId;
 use crate::error::{Error, Result};
 use crate::key_value::{Key, KeyValueSpec, Operation, Outcome, Value};
+use crate::recovery::{Recovery, AS_OF_THE_LAST_SNAPSHOT, NEWEST_COPIES_AGREE};
 use crate::scenario::{compare_and_swap, delete, get, insert, put};
 
 /// Property: the history is linearizable across the failover.
@@ -132,11 +135,15 @@ pub enum ReplicationProtocol {
     /// takes the lock word it finds on the primary for its own (it may be another writer's
     /// lock on the same old block).
     ResumeTrustsLock,
+    /// As [`ReplicationProtocol::Lock`], but a thief's rollback copies keep the old value's
+    /// version ([`crate::recovery`]): a rolled-back write's copy in a backup's snapshot then
+    /// ties with, or beats, the value committed after the rollback.
+    RollbackKeepsVersion,
 }
 
 impl ReplicationProtocol {
     /// Every variant.
-    pub const ALL: [ReplicationProtocol; 9] = [
+    pub const ALL: [ReplicationProtocol; 10] = [
         ReplicationProtocol::Lock,
         ReplicationProtocol::UncheckedRollback,
         ReplicationProtocol::Unfenced,
@@ -146,6 +153,7 @@ impl ReplicationProtocol {
         ReplicationProtocol::ReadIntentNew,
         ReplicationProtocol::ExactOnly,
         ReplicationProtocol::ResumeTrustsLock,
+        ReplicationProtocol::RollbackKeepsVersion,
     ];
 }
 
@@ -158,6 +166,7 @@ impl ReplicationProtocol {
                 | ReplicationProtocol::UncheckedRollback
                 | ReplicationProtocol::Unfenced
                 | ReplicationProtocol::ResumeTrustsLock
+                | ReplicationProtocol::RollbackKeepsVersion
         )
     }
 }
@@ -174,6 +183,7 @@ impl fmt::Display for ReplicationProtocol {
             ReplicationProtocol::ReadIntentNew => "read-intent-new",
             ReplicationProtocol::ExactOnly => "exact-only",
             ReplicationProtocol::ResumeTrustsLock => "resume-trusts-lock",
+            ReplicationProtocol::RollbackKeepsVersion => "rollback-keeps-version",
         })
     }
 }
@@ -471,6 +481,9 @@ pub struct Client {
     writes: u8,
     /// The lock this client's write placed (lock protocol), from its lock CAS on.
     held: Option<Held>,
+    /// The version its blocks get ([`crate::recovery`]): a writer's, one above every version
+    /// it read; a thief's, for its rollback copies.
+    version: u8,
 }
 
 /// The model's state.
@@ -481,6 +494,8 @@ pub struct ReplicationState {
     /// Where each node's slot word points (its block's location): a write's own copy, or
     /// where the compactor moved it. Part of the slot word a CAS expects.
     locations: [u8; NODES],
+    /// The version of the block each node's slot word points to ([`crate::recovery`]).
+    versions: [u8; NODES],
     /// Blocks the compactor moved on each node (at most once per node per run).
     compactions: [u8; NODES],
     /// The view: 0 names nodes 0 and 1 (0 primary); 1, after the failover, node 1 alone.
@@ -491,6 +506,8 @@ pub struct ReplicationState {
     history: LinearizabilityTester<OperationId, KeyValueSpec>,
     /// Whether the history is still linearizable.
     linearizable: bool,
+    /// The snapshots, the crash of every node, and what judging the recovery needs.
+    recovery: Recovery,
 }
 
 /// A step of the model.
@@ -509,6 +526,10 @@ pub enum ReplicationAction {
     /// The compactor of node `n` moves the key's committed block (not an intent's): the slot
     /// word changes, the value does not.
     Compact(u8),
+    /// Node `n` writes a snapshot of the key (`*-crash` scenarios).
+    Snapshot(u8),
+    /// Every node crashes at once; each loads its snapshot and the newest copy wins.
+    CrashAll,
 }
 
 /// A replication scenario: initial value, scripts, protocol.
@@ -529,6 +550,9 @@ pub struct ReplicationModel {
     /// Whether the view change is the death of a node without the key (the replicas stay, the
     /// old view's accesses are fenced, lock holders resume), instead of the primary's.
     pub view_change: bool,
+    /// Whether the nodes write snapshots and may all crash, instead of a failover
+    /// ([`crate::recovery`]).
+    pub crash: bool,
 }
 
 /// The replicas of the key under view `epoch`, primary first: epoch 1 follows node 0's death,
@@ -552,6 +576,7 @@ impl ReplicationModel {
             retry_budget: 2,
             compaction: false,
             view_change: false,
+            crash: false,
         };
         let compacting = |name, initial: Option<u8>, scripts| ReplicationModel {
             compaction: true,
@@ -559,6 +584,10 @@ impl ReplicationModel {
         };
         let fenced = |name, initial: Option<u8>, scripts| ReplicationModel {
             view_change: true,
+            ..scenario(name, initial, scripts)
+        };
+        let crashing = |name, initial: Option<u8>, scripts| ReplicationModel {
+            crash: true,
             ..scenario(name, initial, scripts)
         };
         let mut scenarios = vec![
@@ -606,10 +635,20 @@ impl ReplicationModel {
                 None,
                 vec![vec![insert(1, 11), delete(1)], vec![put(1, 21), get(1)]],
             ),
+            crashing(
+                "two-writers-crash",
+                Some(1),
+                vec![vec![put(1, 11)], vec![put(1, 21)]],
+            ),
+            crashing(
+                "compare-and-swap-crash",
+                Some(1),
+                vec![vec![compare_and_swap(1, 1, 11)], vec![put(1, 21)]],
+            ),
         ];
         // Resuming after a fence is the lock protocol's (the intent protocol ends a fenced
-        // write that placed its intent unresolved).
-        scenarios.retain(|model| protocol.locks() || !model.view_change);
+        // write that placed its intent unresolved), and so are versions.
+        scenarios.retain(|model| protocol.locks() || !(model.view_change || model.crash));
         scenarios
     }
 
@@ -685,10 +724,11 @@ impl ReplicationModel {
     }
 
     /// Sets `node`'s slot to `stored`, its block at `location` (an empty slot is the word 0:
-    /// no location).
-    fn set(state: &mut ReplicationState, node: usize, stored: Stored, location: u8) {
+    /// no location), of `version`.
+    fn set(state: &mut ReplicationState, node: usize, stored: Stored, location: u8, version: u8) {
         state.words[node] = stored.word();
         state.locations[node] = if stored == Stored::Empty { 0 } else { location };
+        state.versions[node] = version;
     }
 
     /// The word a write puts in place of `old`, or `None` when the operation ends without
@@ -881,7 +921,9 @@ impl ReplicationModel {
                 own: true,
             } => {
                 if holds == (lock, lock_location) {
-                    Self::set(state, primary, target, target_location);
+                    let version = state.clients[client].version;
+                    Self::set(state, primary, target, target_location, version);
+                    state.recovery.commits += 1;
                 }
                 let Some(held) = state.clients[client].held else {
                     unreachable!("an own commit has its lock's record")
@@ -1011,6 +1053,7 @@ impl ReplicationModel {
                 placed: false,
                 writes: current.writes,
                 held: None,
+                version: 0,
             };
             return;
         }
@@ -1176,6 +1219,12 @@ impl ClientStep<'_> {
         (self.state.words[primary], self.state.locations[primary]) == (lock, lock_location)
     }
 
+    /// Raises the client's version to at least `version`.
+    fn raise_version(&mut self, version: u8) {
+        let current = &mut self.state.clients[self.client].version;
+        *current = (*current).max(version);
+    }
+
     /// After the primary's read: the backup's read next, or (no backup) the place.
     fn after_read_primary(&mut self, seen: Word, seen_location: u8, old: Stored, new: Stored) {
         self.set_stage(if self.view.len() > 1 {
@@ -1200,6 +1249,7 @@ impl ClientStep<'_> {
     fn read_backup(&mut self, seen: Word, seen_location: u8, old: Stored, new: Stored) {
         let backup = self.view[1];
         let read = (self.state.words[backup], self.state.locations[backup]);
+        self.raise_version(self.state.versions[backup] + 1);
         self.set_stage(Stage::Place {
             seen,
             seen_location,
@@ -1227,6 +1277,8 @@ impl ClientStep<'_> {
             });
         }
         let old = word.stored().expect("no intents under the lock protocol");
+        // One above the primary's version (and the backup's, read next).
+        self.state.clients[self.client].version = self.state.versions[primary] + 1;
         // The delete's tombstone gets its own value when its block is placed.
         let Some(new) = ReplicationModel::plan(
             self.state,
@@ -1303,6 +1355,13 @@ impl ClientStep<'_> {
         let location = ReplicationModel::fresh(self.state, self.client);
         let target_location = ReplicationModel::fresh(self.state, self.client);
         let lock = Word::Locked { stored: old };
+        // The rollback's copies: one above the old value's version (and above each backup's,
+        // read before its swap), or the old value's own in the broken variant. The lock's own
+        // copy keeps the old version: a snapshot of a locked slot takes its value as of before
+        // the lock, and a version above it could tie with the stolen write's backup copy.
+        let keeps = self.model.protocol == ReplicationProtocol::RollbackKeepsVersion;
+        let version = self.state.versions[primary] + u8::from(!keeps);
+        self.state.clients[self.client].version = version;
         self.state.words[primary] = lock;
         self.state.locations[primary] = location;
         let target = ReplicationModel::copy_of(old, target_location);
@@ -1337,7 +1396,8 @@ impl ClientStep<'_> {
     ) {
         let backup = self.view[1];
         let stage = if (self.state.words[backup], self.state.locations[backup]) == expected {
-            ReplicationModel::set(self.state, backup, target, target_location);
+            let version = self.state.clients[self.client].version;
+            ReplicationModel::set(self.state, backup, target, target_location, version);
             self.state.clients[self.client].placed |= own;
             Stage::Release {
                 lock,
@@ -1369,6 +1429,10 @@ impl ClientStep<'_> {
     ) {
         let backup = self.view[1];
         let read = (self.state.words[backup], self.state.locations[backup]);
+        if !own && self.model.protocol != ReplicationProtocol::RollbackKeepsVersion {
+            // A thief's copy goes above what it replaces (a rolled-back write's copy).
+            self.raise_version(self.state.versions[backup] + 1);
+        }
         self.set_stage(Stage::LockCheck {
             lock,
             lock_location,
@@ -1418,8 +1482,10 @@ impl ClientStep<'_> {
             // Stolen and rolled back: the write did not happen.
             return self.restart();
         }
-        ReplicationModel::set(self.state, self.primary(), target, target_location);
+        let version = self.state.clients[self.client].version;
+        ReplicationModel::set(self.state, self.primary(), target, target_location, version);
         if own {
+            self.state.recovery.commits += 1;
             self.finish(Some(ReplicationModel::applied(self.operation)));
         } else {
             self.restart();
@@ -1476,7 +1542,7 @@ impl ClientStep<'_> {
         self.state.clients[self.client].placed = true;
         let location = ReplicationModel::own_location(self.client);
         if self.model.protocol == ReplicationProtocol::CommitFirst {
-            ReplicationModel::set(self.state, primary, new, location);
+            ReplicationModel::set(self.state, primary, new, location, 0);
             if self.view.len() == 1 {
                 return self.finish(Some(ReplicationModel::applied(self.operation)));
             }
@@ -1520,12 +1586,12 @@ impl ClientStep<'_> {
         let own_location = ReplicationModel::own_location(self.client);
         if self.model.protocol == ReplicationProtocol::CommitFirst {
             // A plain WRITE of the backup's slot.
-            ReplicationModel::set(self.state, backup, new, own_location);
+            ReplicationModel::set(self.state, backup, new, own_location, 0);
             return self.finish(Some(ReplicationModel::applied(self.operation)));
         }
         if (self.state.words[backup], self.state.locations[backup]) == expected {
             // The CAS swapped: the backup points at this client's copy of `new`.
-            ReplicationModel::set(self.state, backup, new, own_location);
+            ReplicationModel::set(self.state, backup, new, own_location, 0);
             self.set_stage(Stage::Commit {
                 old,
                 new,
@@ -1610,7 +1676,7 @@ impl ClientStep<'_> {
         let primary = self.primary();
         // Fails only when a helper committed it already: applied either way.
         if self.state.words[primary] == (Word::Intent { old, new, location }) {
-            ReplicationModel::set(self.state, primary, new, location);
+            ReplicationModel::set(self.state, primary, new, location, 0);
         }
         if own {
             self.finish(Some(ReplicationModel::applied(self.operation)));
@@ -1629,6 +1695,7 @@ impl Model for ReplicationModel {
         vec![ReplicationState {
             words: [word; NODES],
             locations: [0; NODES],
+            versions: [0; NODES],
             compactions: [0; NODES],
             epoch: 0,
             clients: self
@@ -1642,22 +1709,36 @@ impl Model for ReplicationModel {
                     placed: false,
                     writes: 0,
                     held: None,
+                    version: 0,
                 })
                 .collect(),
             history: LinearizabilityTester::new(KeyValueSpec::new(
                 self.initial.map(|value| (Key(1), value)),
             )),
             linearizable: true,
+            recovery: Recovery::new(self.initial),
         }]
     }
 
     fn actions(&self, state: &ReplicationState, actions: &mut Vec<ReplicationAction>) {
+        if state.recovery.crashed {
+            // The run ends at the crash: the properties judge its recovery.
+            return;
+        }
+        if self.crash {
+            for node in 0..NODES {
+                if !state.recovery.snapshotted[node] {
+                    actions.push(ReplicationAction::Snapshot(node as u8));
+                }
+            }
+            actions.push(ReplicationAction::CrashAll);
+        }
         for (index, client) in state.clients.iter().enumerate() {
             if client.stage != Stage::Finished {
                 actions.push(ReplicationAction::Step(index as u8));
             }
         }
-        if state.epoch == 0 && !self.view_change {
+        if state.epoch == 0 && !self.view_change && !self.crash {
             actions.push(ReplicationAction::Failover);
         }
         if state.epoch == 0 && self.view_change {
@@ -1704,6 +1785,16 @@ impl Model for ReplicationModel {
                 next.locations[node] = 240 + node as u8;
                 next.compactions[node] += 1;
             }
+            ReplicationAction::Snapshot(node) => {
+                let node = usize::from(node);
+                let (visible, version) = (next.words[node].visible(), next.versions[node]);
+                next.recovery.snapshot(node, visible, version);
+            }
+            ReplicationAction::CrashAll => next.recovery.crashed = true,
+        }
+        if self.crash && !next.recovery.crashed {
+            let visible = [next.words[0].visible(), next.words[1].visible()];
+            next.recovery.note_present(visible);
         }
         Some(next)
     }
@@ -1717,6 +1808,12 @@ impl Model for ReplicationModel {
                 replicas(state.epoch).len() < 2
                     || matches!(state.words[0], Word::Intent { .. } | Word::Locked { .. })
                     || state.words[0] == state.words[1]
+            }),
+            Property::always(NEWEST_COPIES_AGREE, |_, state: &ReplicationState| {
+                !state.recovery.crashed || !state.recovery.copies_disagree()
+            }),
+            Property::always(AS_OF_THE_LAST_SNAPSHOT, |_, state: &ReplicationState| {
+                !state.recovery.crashed || state.recovery.as_of_the_last_snapshot()
             }),
         ]
     }
@@ -1773,7 +1870,42 @@ mod tests {
             two_writers_compacting => "two-writers-compacting",
             two_writers_fenced => "two-writers-fenced",
             delete_fenced => "delete-fenced",
+            two_writers_crash => "two-writers-crash",
+            compare_and_swap_crash => "compare-and-swap-crash",
         );
+    }
+
+    /// Rollback copies that keep the old value's version: a backup's snapshot of a rolled-back
+    /// write ties with the value committed after the rollback, and the copies disagree after a
+    /// crash of every node.
+    #[test]
+    fn rollbacks_that_keep_the_old_version_let_recovered_copies_disagree() {
+        let model = ReplicationModel::scenarios(ReplicationProtocol::RollbackKeepsVersion)
+            .into_iter()
+            .find(|model| model.name == "two-writers-crash")
+            .expect("the scenario exists");
+        let violated = model.violations();
+        assert!(violated.contains(&NEWEST_COPIES_AGREE), "{violated:?}");
+    }
+
+    /// The crash scenarios reach recoveries where the snapshots differ: the backup's newer
+    /// copy beats the primary's older one, and the other way round.
+    #[test]
+    fn the_crash_check_reaches_snapshots_that_differ_either_way() {
+        let model = ReplicationModel::scenarios(ReplicationProtocol::Lock)
+            .into_iter()
+            .find(|model| model.name == "two-writers-crash")
+            .expect("the scenario exists");
+        for newer in [0usize, 1] {
+            assert!(reaches(&model, |state| {
+                let [first, second] = state.recovery.disks.map(|disk| disk.copy);
+                state.recovery.crashed
+                    && first
+                        .zip(second)
+                        .is_some_and(|(first, second)| first.0 != second.0)
+                    && state.recovery.winner() == state.recovery.disks[newer].copy
+            }));
+        }
     }
 
     /// The intent protocol (the first design) holds in every scenario across a failover.

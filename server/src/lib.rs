@@ -20,6 +20,8 @@
 //! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
 //!   heartbeats), ordered teardown.
 //! - `refill`: a returning node copies its keys from its peers.
+//! - `reconcile`: at a whole-cluster start with nobody serving, the newest copy of each key
+//!   wins on every replica before any member serves.
 //! - [`snapshot`]: the snapshot file and reading and loading the table for it.
 //! - `persistence`: snapshots written (on a schedule, on request, at a clean shutdown) and
 //!   loaded before the node serves.
@@ -66,6 +68,7 @@ pub mod metrics;
 mod node;
 pub mod pending;
 mod persistence;
+mod reconcile;
 mod refill;
 pub mod server;
 mod session;

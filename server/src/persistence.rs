@@ -145,8 +145,8 @@ fn write_paced(
     let started = Instant::now();
     let mut next_check = PACE_STEP;
     let mut abandoned = false;
-    let counts = scan_table(table, |key, value| {
-        writer.append(key, value)?;
+    let counts = scan_table(table, |key, value, version| {
+        writer.append(key, value, version)?;
         let Some(stopping) = pace else {
             return Ok(());
         };
@@ -427,9 +427,9 @@ pub fn load_snapshot(path: &Path, table: &TableRegion, heap: &Heap) -> Result<u6
     let started = Instant::now();
     let mut loader = Loader::new(table, heap);
     let mut failure = None;
-    let loaded = read_snapshot(path, |key, value| {
+    let loaded = read_snapshot(path, |key, value, version| {
         if failure.is_none() {
-            if let Err(reason) = loader.insert(key, value) {
+            if let Err(reason) = loader.insert(key, value, version) {
                 failure = Some(reason);
             }
         }

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
-use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
+use rdkv_common::protocol::{fetch_view, ClusterView, MemberState, MonitoredNode};
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
+use crate::reconcile;
 use crate::view::RESUME_BOUND;
 
 /// How often the task looks at the view for this node filling, and waits between tries.
@@ -87,6 +88,10 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
         };
         client.close().await;
         match outcome {
+            Ok(Refilled::Waiting(reason)) => {
+                failures = 0;
+                tracing::debug!(node = node.config.node_id, %reason, "reconciled: waiting");
+            }
             Ok(refilled) => {
                 failures = 0;
                 tracing::info!(
@@ -114,8 +119,9 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
 }
 
 /// Asks for this node's promotion until the view no longer has it filling in `round`: its own
-/// after a refill, every filling member's at once when nobody serves. `Err` when the node
-/// stops meanwhile.
+/// after a refill, every filling member's at once when nobody serves and every one of them
+/// reconciled under the view's epoch (a view that moved past that epoch sends the node back to
+/// reconcile again). `Err` when the node stops meanwhile.
 async fn ask_promotion(
     node: &Node,
     round: u64,
@@ -125,7 +131,9 @@ async fn ask_promotion(
     while node.view.filling_round() == Some(round) {
         let asked = match refilled {
             Refilled::Copied(_) => node.view.promote(round).await,
-            Refilled::NobodyServes => node.view.promote_filling().await,
+            Refilled::NobodyServes { epoch } if node.view.epoch() > epoch => return Ok(()),
+            Refilled::NobodyServes { epoch } => node.view.promote_reconciled(epoch).await,
+            Refilled::Waiting(_) => return Ok(()),
         };
         match asked {
             Ok(epoch) => {
@@ -145,13 +153,20 @@ async fn ask_promotion(
 }
 
 /// How a refill ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Refilled {
     /// It copied this many keys from the serving peers.
     Copied(u64),
-    /// No member serves (every node of the cluster started again after a crash): every
-    /// filling member is to serve at once, with what it holds.
-    NobodyServes,
+    /// No member serves (every node of the cluster started again after a crash), and every
+    /// filling member reconciled under the view of `epoch` (`crate::reconcile`): they are to
+    /// serve at once, with what they hold.
+    NobodyServes {
+        /// The epoch they reconciled under.
+        epoch: u64,
+    },
+    /// No member serves, and this node reconciled, but these filling members have not reported
+    /// it under the same epoch yet (the reason): look again after a poll.
+    Waiting(String),
 }
 
 /// How long a filling node with no serving peer waits for members that are down (their keys
@@ -247,7 +262,18 @@ async fn refill(
     }
     let peers: Vec<u32> = view.serving();
     if !peers_to_copy_from(node, &view, &peers, waited).await? {
-        return Ok(Refilled::NobodyServes);
+        return reconciled(node, client, &view).await;
+    }
+    // Connected to every serving peer first (a peer refuses while it does not serve: one whose
+    // record still says `serving` after a crash of every node, restarted and not rejoined yet),
+    // so that this node never empties itself for peers it cannot copy from.
+    let mut totals = Vec::with_capacity(peers.len());
+    for peer in &peers {
+        let buckets = client
+            .combined_buckets_of(*peer)
+            .await
+            .map_err(|error| format!("node {peer}: {error}"))?;
+        totals.push(buckets);
     }
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
@@ -272,14 +298,6 @@ async fn refill(
             "refill: emptied what the node held before"
         );
     }
-    let mut totals = Vec::with_capacity(peers.len());
-    for peer in &peers {
-        let buckets = client
-            .combined_buckets_of(*peer)
-            .await
-            .map_err(|error| format!("node {peer}: {error}"))?;
-        totals.push(buckets);
-    }
     counters
         .refill_buckets_total
         .store(totals.iter().sum(), Ordering::Relaxed);
@@ -300,11 +318,11 @@ async fn refill(
                 .scan_node(*peer, first, count)
                 .await
                 .map_err(|error| format!("scanning node {peer}: {error}"))?;
-            for (key, value) in entries {
-                if !client.refill_target(&key, *peer, me) {
+            for entry in entries {
+                if !client.refill_target(&entry.key, *peer, me) {
                     continue;
                 }
-                copy(client, &key, &value).await?;
+                copy(client, &entry.key, &entry.value).await?;
                 copied += 1;
                 counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
             }
@@ -323,7 +341,7 @@ async fn refill(
 /// ([`DOWN_MEMBERS_BOUND`]) or for resumed members to serve ([`NOBODY_SERVES_GRACE`]).
 async fn peers_to_copy_from(
     node: &Node,
-    view: &rdkv_common::protocol::ClusterView,
+    view: &ClusterView,
     peers: &[u32],
     waited: Duration,
 ) -> Result<bool, String> {
@@ -349,16 +367,47 @@ async fn peers_to_copy_from(
         ));
     }
     // Nobody newer to copy from (every node of a cluster started again after a crash): what
-    // each node holds, loaded from its snapshot, is the best copy there is, and all serve at
-    // once. Copies of a key on two nodes may be from different moments (`docs/operations.md`,
-    // *Persistence*).
+    // the nodes hold, loaded from their snapshots, is the best copy there is. Copies of a key
+    // on two nodes may be from different moments: they reconcile, the newest winning, and all
+    // serve at once (`crate::reconcile`).
     tracing::warn!(
         node = me,
         ?down,
         keys = node.table().count_keys(),
-        "no member serves: every filling member serves what it holds (its snapshot); keys only the members down held are missing until they return"
+        "no member serves: the filling members reconcile what they hold (their snapshots), then serve together; keys only the members down held are missing until they return"
     );
     Ok(false)
+}
+
+/// With no member serving: reconciles this node under `view` (unless it did under its epoch
+/// already), then whether every filling member did too.
+async fn reconciled(node: &Node, client: &Client, view: &ClusterView) -> Result<Refilled, String> {
+    let filling = reconcile::filling_members(view);
+    let others: Vec<u32> = filling
+        .iter()
+        .copied()
+        .filter(|member| *member != node.config.node_id)
+        .collect();
+    if node.counters.reconciled_epoch.load(Ordering::Acquire) != view.epoch {
+        // Every filling peer must know the view first: one that lags may still load its
+        // snapshot, or refuse this node's scan.
+        wait_for_peers(node, &others, view.epoch).await?;
+        reconcile::reconcile(node, client, view).await?;
+    }
+    let timeout = node
+        .config
+        .cluster
+        .as_ref()
+        .map_or(Duration::from_secs(1), |cluster| cluster.operation_deadline);
+    let waiting = reconcile::not_reconciled(node, view, timeout).await;
+    if waiting.is_empty() {
+        Ok(Refilled::NobodyServes { epoch: view.epoch })
+    } else {
+        Ok(Refilled::Waiting(format!(
+            "filling members {waiting:?} have not reconciled under epoch {} yet",
+            view.epoch
+        )))
+    }
 }
 
 /// Waits until every one of `peers` has applied the view of `epoch` (its data connections

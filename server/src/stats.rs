@@ -43,6 +43,10 @@ pub struct Counters {
     pub refill_buckets_total: AtomicU64,
     /// Refill: keys copied.
     pub refill_keys_copied: AtomicU64,
+    /// The view epoch at which this node last finished reconciling (`crate::reconcile`).
+    pub reconciled_epoch: AtomicU64,
+    /// Reconciliation: keys taken from a peer whose copy was newer.
+    pub reconciled_keys: AtomicU64,
     /// Committed keys found by the collector's last pass (every `collector_interval`, up to
     /// 8 times that while the index does not change).
     pub collector_keys: AtomicU64,
@@ -80,6 +84,8 @@ impl Counters {
             refill_buckets_scanned: AtomicU64::new(0),
             refill_buckets_total: AtomicU64::new(0),
             refill_keys_copied: AtomicU64::new(0),
+            reconciled_epoch: AtomicU64::new(0),
+            reconciled_keys: AtomicU64::new(0),
             key_scans: KeyScans {
                 scanning: tokio::sync::Semaphore::new(1),
                 last: Mutex::new(None),
@@ -187,6 +193,8 @@ impl Counters {
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
+            reconciled_epoch: self.reconciled_epoch.load(Ordering::Relaxed),
+            reconciled_keys: self.reconciled_keys.load(Ordering::Relaxed),
             client_counters: *lock(&self.client_counters),
             // The node's snapshot state fills these (`Node::stats`).
             ..ServerStats::default()

@@ -96,6 +96,8 @@ pub(crate) struct Locked {
     value: Bytes,
     /// Whether it is a tombstone.
     tombstone: bool,
+    /// The version of the block under it (a rollback's copies keep it).
+    version: u64,
 }
 
 impl From<&Match> for Locked {
@@ -106,6 +108,7 @@ impl From<&Match> for Locked {
             lock: found.slot,
             value: found.value.clone(),
             tombstone: found.tombstone,
+            version: found.version,
         }
     }
 }
@@ -121,6 +124,8 @@ pub(crate) struct Held {
     locked: Locked,
     /// The committed word of the operation's block there.
     new: Slot,
+    /// The version of the operation's blocks (a fresh copy after a failure keeps it).
+    version: u64,
     /// The lock's CAS completed and swapped: the lock word in the slot is this operation's.
     /// Until then, the same word may be another writer's lock on the same old block.
     confirmed: bool,

@@ -9,7 +9,7 @@ use futures_util::future::try_join_all;
 use rdkv_common::layout::{KeyLocation, Slot};
 use rdkv_fabric::{RemoteSegment, WorkRequest};
 
-use crate::block::{Block, BlockShape};
+use crate::block::{Block, BlockShape, STAMP_OFFSET};
 use crate::connection::{NodeConnection, Scratch, StepList, WRITE_BLOCK_AT};
 use crate::error::Result;
 use crate::fault::StepKind;
@@ -29,6 +29,12 @@ pub(super) struct Replica {
     pub(super) slot: Slot,
     /// The block's WRITE, until the replica's first list carries it.
     pub(super) write: Option<WorkRequest>,
+    /// Where the block lies in the replica's heap.
+    pub(super) block_at: RemoteSegment,
+    /// The WRITE of the block's version and checksum, once the write learnt a version above the
+    /// one its block was written with ([`Replica::restamp`]), until the list of the CAS that
+    /// publishes the block carries it.
+    pub(super) stamp: Option<WorkRequest>,
     /// A second block placed right after the first (the primary only): its committed slot
     /// word and where it goes.
     pub(super) extra: Option<(Slot, RemoteSegment)>,
@@ -66,6 +72,8 @@ pub(super) async fn prepare(
         });
         copies[index] = Some(Replica {
             write: Some(block_write_request(&scratch, shape, place)),
+            block_at: place.remote.at(place.offset_in_chunk),
+            stamp: None,
             scratch,
             slot: shape.slot(location.fingerprint, place.heap_offset),
             location,
@@ -73,6 +81,56 @@ pub(super) async fn prepare(
         });
     }
     Ok(copies.into_iter().flatten().collect())
+}
+
+impl Replica {
+    /// Gives the replica's block `version`: its stamp (version and checksum) into the scratch
+    /// buffer's copy of the block, and a WRITE of it over the block's, which the list of the
+    /// CAS that publishes the block carries ahead of it ([`Replica::take_stamp`]). The block's
+    /// own WRITE went before, in the lookup's first list.
+    pub(super) fn restamp(&mut self, block: &Block<'_>, version: u64) -> Result<()> {
+        self.restamp_at(block, version, self.block_at)
+    }
+
+    /// [`Replica::restamp`] of a copy of the block at `block_at` (a thief's second copy on the
+    /// primary).
+    pub(super) fn restamp_at(
+        &mut self,
+        block: &Block<'_>,
+        version: u64,
+        block_at: RemoteSegment,
+    ) -> Result<()> {
+        let at = self.scratch.base + WRITE_BLOCK_AT + STAMP_OFFSET;
+        let stamp = block.stamp(version);
+        self.scratch.region().write(at, &stamp)?;
+        let remote = RemoteSegment {
+            address: block_at.address + STAMP_OFFSET,
+            remote_key: block_at.remote_key,
+        };
+        self.stamp = Some(
+            WorkRequest::write(
+                u64::MAX,
+                self.scratch.region().segment(at, stamp.len() as u32),
+                remote,
+            )
+            .with_signaled(false),
+        );
+        Ok(())
+    }
+
+    /// A list that starts with the stamp's WRITE, if one is due, with room for `more`.
+    pub(super) fn take_stamp(&mut self, more: usize) -> StepList {
+        StepList::starting_with(self.stamp.take(), more)
+    }
+}
+
+/// The newest version among the key's copies that `views` found (one view per replica).
+pub(super) fn newest_version(views: &[View]) -> Option<u64> {
+    views
+        .iter()
+        .flat_map(|view| view.committed.iter())
+        .map(|found| found.version)
+        .max()
 }
 
 /// Looks the key up on every replica at once; each replica's first list carries its block's

@@ -34,7 +34,7 @@ pub(super) async fn resume(
     write: Write<'_>,
     held: &mut Held,
 ) -> Result<Resumed> {
-    let block = Block::new(key, write.value(), write.is_delete());
+    let block = Block::new(key, write.value(), write.is_delete(), held.version);
     let mut copies = prepare(replicas, &progress, key, &block, block.shape()).await?;
     let (primary_copy, backups) = copies
         .split_first_mut()
@@ -72,7 +72,7 @@ pub(super) async fn resume(
         return Ok(Resumed::Again);
     }
     for copy in backups.iter_mut() {
-        if !settle(scratch, copy, operation, key, position, lock).await? {
+        if !settle(scratch, copy, (operation, key), (position, lock), None).await? {
             progress.lost();
             return Ok(Resumed::Again);
         }

@@ -1,6 +1,8 @@
 //! One attempt at a replicated write ([`mutate`]): look the key up on every replica (RT 1-2),
 //! lock it on the primary (RT 3; an absent key first gets a committed tombstone to lock), put
-//! the block in every backup (RT 4), commit on the primary (RT 5).
+//! the block in every backup (RT 4), commit on the primary (RT 5). The blocks are written in
+//! RT 1 with a version of the hybrid clock; when the lookup finds a copy of that version or
+//! newer, each block's CAS carries a WRITE of a higher version (its stamp) ahead of it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,8 +11,9 @@ use bytes::Bytes;
 use rdkv_common::layout::{check_key_value, Slot, SlotPosition};
 use rdkv_fabric::WorkRequest;
 
+use super::backups::cas_after;
 use super::backups::write_backups;
-use super::replicas::{lookup_all, prepare, Replica};
+use super::replicas::{lookup_all, newest_version, prepare, Replica};
 use super::{Attempt, Held, Locked, Patience, Write};
 use crate::block::Block;
 use crate::connection::{NodeConnection, StepList, READ_BLOCKS_AT, READ_BLOCKS_SIZE};
@@ -21,6 +24,7 @@ use crate::operations::{
     MutationOutcome, View, RACE_ATTEMPTS,
 };
 use crate::progress::{Progress, Waiting};
+use crate::version::next_version;
 
 /// One attempt at a replicated write on `replicas` (primary first): its blocks placed once,
 /// then passes ([`ReplicatedWrite::once`]) until one decides, each after a back-off.
@@ -38,14 +42,16 @@ pub(crate) async fn mutate(
     let location = primary.welcome.geometry.locate(key);
     progress.wait_for(Waiting::WriterTurn);
     let _turn = primary.writer_turn(&location).await;
-    let block = Block::new(key, write.value(), write.is_delete());
-    let tombstone = Block::new(key, &[], true);
+    let block = Block::new(key, write.value(), write.is_delete(), next_version(0));
+    let tombstone = Block::new(key, &[], true, block.version());
     // The primary's placement has room for the tombstone after the block.
     let mut copies = prepare(replicas, &progress, key, &block, tombstone.shape()).await?;
     let mut attempt = ReplicatedWrite {
         operation,
         key,
         write,
+        block,
+        version: block.version(),
         tombstone,
         tombstone_used: false,
         primary: primary.address,
@@ -71,6 +77,10 @@ struct ReplicatedWrite<'a> {
     key: &'a [u8],
     /// What it writes.
     write: Write<'a>,
+    /// Its block (every replica holds a copy).
+    block: Block<'a>,
+    /// The version of the copies: the block's, or the last stamp's.
+    version: u64,
     /// The tombstone an absent key is locked on (placed right after the primary's block).
     tombstone: Block<'a>,
     /// The tombstone went into the primary's index once: its place is used up.
@@ -103,6 +113,7 @@ impl ReplicatedWrite<'_> {
         attempt: u32,
     ) -> Result<Option<Attempt>> {
         let views = lookup_all(copies, self.operation, self.key).await?;
+        self.version_above(copies, &views)?;
         let primary_view = views.first().expect("one view per replica");
         let current = match primary_view.committed.as_slice() {
             [] => None,
@@ -132,17 +143,35 @@ impl ReplicatedWrite<'_> {
                 LockTarget::StartAgain => return Ok(Some(Attempt::Again)),
             },
         };
-        let (value, tombstone) = current.map_or((Bytes::new(), true), |current| {
-            (current.value.clone(), current.tombstone)
-        });
+        let (value, tombstone, version) = current
+            .map_or((Bytes::new(), true, self.tombstone.version()), |current| {
+                (current.value.clone(), current.tombstone, current.version)
+            });
         let locked = Locked {
             position,
             lock: seen.locked(),
             value,
             tombstone,
+            version,
         };
         self.lock_and_commit(copies, &views, locked, seen, patience, held)
             .await
+    }
+
+    /// Gives the copies a version above every copy of the key that `views` found (a stamp
+    /// ahead of each block's CAS), unless theirs is already.
+    fn version_above(&mut self, copies: &mut [Replica], views: &[View]) -> Result<()> {
+        let Some(newest) = newest_version(views) else {
+            return Ok(());
+        };
+        if newest < self.version {
+            return Ok(());
+        }
+        self.version = next_version(newest.saturating_add(1));
+        for copy in copies.iter_mut() {
+            copy.restamp(&self.block, self.version)?;
+        }
+        Ok(())
     }
 
     /// Commits a tombstone for the absent key in the primary's first empty candidate slot (it
@@ -214,6 +243,7 @@ impl ReplicatedWrite<'_> {
             primary: self.primary,
             locked,
             new: primary.slot,
+            version: self.version,
             confirmed: false,
             commit_posted: false,
         });
@@ -254,8 +284,8 @@ impl ReplicatedWrite<'_> {
         self.commit(primary, position, lock, held).await.map(Some)
     }
 
-    /// Commits the primary's block in place of the lock (RT 5): fails only when the lock was
-    /// stolen since the last check.
+    /// Commits the primary's block in place of the lock (RT 5), its stamp ahead of the CAS if
+    /// one is due: fails only when the lock was stolen since the last check.
     async fn commit(
         &self,
         primary: &mut Replica,
@@ -266,14 +296,14 @@ impl ReplicatedWrite<'_> {
         if let Some(held) = held.as_mut() {
             held.commit_posted = true;
         }
+        let stamp = primary.take_stamp(1);
         let scratch = &mut primary.scratch;
-        let committed = cas_step(
+        let committed = cas_after(
             scratch,
             self.operation,
             StepKind::Commit,
-            position,
-            lock,
-            primary.slot,
+            (position, lock, primary.slot),
+            stamp,
         )
         .await
         .inspect_err(|_| {

@@ -62,8 +62,8 @@ enum Action {
     ///                               keys are unavailable while it is down
     ///   one node killed, or its     replicas >= 2: everything; replicas = 1: its last
     ///   host rebooted               snapshot (up to snapshot_interval of writes lost)
-    ///   every node killed at once   replicas = 1: each node's last snapshot; replicas >= 2:
-    ///                               keys may be lost, and status says so (ack-loss)
+    ///   every node killed at once   each key as of its last snapshot (replicas >= 2: the
+    ///                               newest among its copies wins); status says so (ack-loss)
     ///   `replicas` nodes killed     the keys whose copies were all on them are lost, and
     ///   at once                     status says so (ack-loss)
     /// Ctrl-C on a foreground `up` stops the cluster as `down` does.

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 59] {
+fn definitions() -> [(&'static str, &'static str, Reader); 60] {
     [
         (
             "uptime_seconds",
@@ -360,6 +360,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 59] {
             "refill_keys_copied_total",
             "Refill after a restart: keys copied from their primaries",
             |stats| stats.refill_keys_copied as i64,
+        ),
+        (
+            "reconciled_keys_total",
+            "Whole-cluster start: keys taken from a peer whose copy was newer (newest wins)",
+            |stats| stats.reconciled_keys as i64,
         ),
         (
             "views_committed_total",

@@ -15,7 +15,7 @@
 //! included) either the old complete file or the new complete file. A crash leaves at most a
 //! stale `*.tmp` file, which the next writer truncates or replaces.
 //!
-//! # Layout (format version 1)
+//! # Layout (format version 2)
 //!
 //! All integers are little-endian. Checksums are `xxh3_64`. The file is a header, frames of
 //! records, and a trailer.
@@ -25,7 +25,7 @@
 //! | offset   | size | field                                                 |
 //! |----------|------|-------------------------------------------------------|
 //! | 0        | 14   | magic `rdkv-snapshot\0`                               |
-//! | 14       | 4    | format version (`u32`, 1)                             |
+//! | 14       | 4    | format version (`u32`, 2)                             |
 //! | 18       | 4    | node id (`u32`)                                       |
 //! | 22       | 8    | view epoch (`u64`)                                    |
 //! | 30       | 8    | created, milliseconds since the Unix epoch (`u64`)    |
@@ -47,14 +47,19 @@
 //! A frame holds at most [`FRAME_LIMIT`] bytes of records; only a frame of one record (a record
 //! larger than the limit) may be longer.
 //!
-//! Record (`6 + K + V` bytes):
+//! Record (`14 + K + V` bytes):
 //!
-//! | offset | size | field                       |
-//! |--------|------|-----------------------------|
-//! | 0      | 2    | key length `K` (`u16`)      |
-//! | 2      | 4    | value length `V` (`u32`)    |
-//! | 6      | K    | key                         |
-//! | 6 + K  | V    | value                       |
+//! | offset | size | field                                           |
+//! |--------|------|-------------------------------------------------|
+//! | 0      | 2    | key length `K` (`u16`)                          |
+//! | 2      | 4    | value length `V` (`u32`)                        |
+//! | 6      | 8    | version (`u64`): the key's block version        |
+//! | 14     | K    | key                                             |
+//! | 14 + K | V    | value                                           |
+//!
+//! Format version 1, written before blocks carried versions, is the same but for the record,
+//! which has no version (`6 + K + V` bytes): it is read, and its keys get version 0 (older
+//! than any copy written since).
 //!
 //! Trailer (36 bytes), the last bytes of the file:
 //!
@@ -91,8 +96,11 @@ pub const SNAPSHOT_FILE: &str = "snapshot.rdkv";
 pub const PREVIOUS_FILE: &str = "snapshot.previous.rdkv";
 /// The latest snapshot, set aside when a node was started from the previous one or from none.
 pub const REPLACED_FILE: &str = "snapshot.replaced.rdkv";
-/// The version of the layout above; a reader refuses any other.
-pub const FORMAT_VERSION: u32 = 1;
+/// The version of the layout above, which the writer writes; a reader reads it and
+/// [`FORMAT_WITHOUT_VERSIONS`], and refuses any other.
+pub const FORMAT_VERSION: u32 = 2;
+/// The format before records carried their key's version.
+pub const FORMAT_WITHOUT_VERSIONS: u32 = 1;
 /// The most record bytes a frame holds (a single larger record gets a frame of its own).
 pub const FRAME_LIMIT: usize = 64 * 1024;
 
@@ -110,8 +118,8 @@ const TRAILER_TAG: [u8; 4] = *b"TAIL";
 const HEADER_FIXED_LENGTH: usize = 48;
 /// Tag, byte length, record count, checksum.
 const FRAME_HEADER_LENGTH: usize = 20;
-/// Key length and value length.
-const RECORD_HEADER_LENGTH: usize = 6;
+/// Key length, value length and version.
+const RECORD_HEADER_LENGTH: usize = 14;
 /// Tag, record count, file length, chained checksum, trailer checksum.
 const TRAILER_LENGTH: usize = 36;
 /// The write buffer in front of the temporary file, and the read buffer.
@@ -171,6 +179,9 @@ pub struct SnapshotWriter {
     frame_records: u32,
     /// The most record bytes a frame holds: [`FRAME_LIMIT`], smaller in tests.
     frame_limit: usize,
+    /// The format it writes: [`FORMAT_VERSION`] ([`FORMAT_WITHOUT_VERSIONS`] in tests of
+    /// reading an older file).
+    format: u32,
     /// The chained checksum over the frames written so far (see the layout).
     chain: u64,
     /// How many records were appended.
@@ -195,6 +206,13 @@ impl SnapshotWriter {
         Self::create_with_frame_limit(data_dir, meta, FRAME_LIMIT)
     }
 
+    /// A writer of the format before versions, whose records have none (tests of reading a
+    /// file written by an earlier rdkv-server).
+    #[cfg(test)]
+    pub(crate) fn create_without_versions(data_dir: &Path, meta: &SnapshotMeta) -> Result<Self> {
+        Self::create_of_format(data_dir, meta, FRAME_LIMIT, FORMAT_WITHOUT_VERSIONS)
+    }
+
     /// [`SnapshotWriter::create`] with frames of at most `frame_limit` record bytes (tests use
     /// small frames to have many of them in a small file; the reader accepts any limit up to
     /// [`FRAME_LIMIT`]).
@@ -203,9 +221,19 @@ impl SnapshotWriter {
         meta: &SnapshotMeta,
         frame_limit: usize,
     ) -> Result<Self> {
+        Self::create_of_format(data_dir, meta, frame_limit, FORMAT_VERSION)
+    }
+
+    /// [`SnapshotWriter::create_with_frame_limit`] of file format `format`.
+    fn create_of_format(
+        data_dir: &Path,
+        meta: &SnapshotMeta,
+        frame_limit: usize,
+        format: u32,
+    ) -> Result<Self> {
         let temporary_path = data_dir.join(TEMPORARY_FILE);
-        let header =
-            encode_header(meta).map_err(|reason| snapshot_error(&temporary_path, reason))?;
+        let header = encode_header(meta, format)
+            .map_err(|reason| snapshot_error(&temporary_path, reason))?;
         let created_directory = !data_dir.exists();
         fs::create_dir_all(data_dir)
             .map_err(|source| io_error(data_dir, "create the directory", &source))?;
@@ -222,6 +250,7 @@ impl SnapshotWriter {
             frame: Vec::with_capacity(frame_limit.min(FRAME_LIMIT)),
             frame_records: 0,
             frame_limit: frame_limit.clamp(1, FRAME_LIMIT),
+            format,
             chain: header.checksum,
             records: 0,
             bytes_output: 0,
@@ -237,8 +266,15 @@ impl SnapshotWriter {
     ///
     /// # Errors
     /// The key or the value is too long for the format, or a full frame cannot be written.
-    pub fn append(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
-        let record_length = RECORD_HEADER_LENGTH + key.len() + value.len();
+    pub fn append(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<()> {
+        let versioned = self.format != FORMAT_WITHOUT_VERSIONS;
+        // A record of the format before versions lacks the version's 8 bytes.
+        let header_length = if versioned {
+            RECORD_HEADER_LENGTH
+        } else {
+            RECORD_HEADER_LENGTH - 8
+        };
+        let record_length = header_length + key.len() + value.len();
         let (Ok(key_length), Ok(value_length), Ok(_)) = (
             u16::try_from(key.len()),
             u32::try_from(value.len()),
@@ -259,6 +295,9 @@ impl SnapshotWriter {
         }
         self.frame.extend_from_slice(&key_length.to_le_bytes());
         self.frame.extend_from_slice(&value_length.to_le_bytes());
+        if versioned {
+            self.frame.extend_from_slice(&version.to_le_bytes());
+        }
         self.frame.extend_from_slice(key);
         self.frame.extend_from_slice(value);
         self.frame_records += 1;
@@ -442,7 +481,7 @@ struct EncodedHeader {
 }
 
 /// Encodes the header; the error says why the meta does not fit.
-fn encode_header(meta: &SnapshotMeta) -> std::result::Result<EncodedHeader, String> {
+fn encode_header(meta: &SnapshotMeta, format: u32) -> std::result::Result<EncodedHeader, String> {
     let cluster_length = u16::try_from(meta.cluster.len()).map_err(|_| {
         format!(
             "the cluster name is {} bytes long; the format holds at most 65535",
@@ -451,7 +490,7 @@ fn encode_header(meta: &SnapshotMeta) -> std::result::Result<EncodedHeader, Stri
     })?;
     let mut bytes = Vec::with_capacity(HEADER_FIXED_LENGTH + meta.cluster.len() + 8);
     bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    bytes.extend_from_slice(&format.to_le_bytes());
     bytes.extend_from_slice(&meta.node_id.to_le_bytes());
     bytes.extend_from_slice(&meta.view_epoch.to_le_bytes());
     bytes.extend_from_slice(&meta.created_unix_ms.to_le_bytes());
@@ -494,9 +533,12 @@ fn chain_checksum(chain: u64, frame_checksum: u64) -> u64 {
 /// # Errors
 /// The file cannot be opened or read, or is not a whole, intact snapshot of this format
 /// version. The error names the file and says what is wrong, with the frame and byte offset.
-pub fn read_snapshot(path: &Path, mut visit: impl FnMut(&[u8], &[u8])) -> Result<LoadedSnapshot> {
+pub fn read_snapshot(
+    path: &Path,
+    mut visit: impl FnMut(&[u8], &[u8], u64),
+) -> Result<LoadedSnapshot> {
     let mut reader = SnapshotReader::open(path)?;
-    let (meta, header_checksum) = reader.read_header()?;
+    let (meta, header_checksum, format) = reader.read_header()?;
     let mut chain = header_checksum;
     let mut records = 0u64;
     let mut frame = Frame::default();
@@ -516,7 +558,7 @@ pub fn read_snapshot(path: &Path, mut visit: impl FnMut(&[u8], &[u8])) -> Result
         }
         frame_number += 1;
         let frame_checksum = reader.read_frame(frame_number, &mut frame)?;
-        let pairs = split_records(&frame.body)
+        let pairs = split_records(&frame.body, format)
             .map_err(|reason| reader.damaged(format!("frame {frame_number}: {reason}")))?;
         if pairs.len() as u64 != u64::from(frame.records) {
             return Err(reader.damaged(format!(
@@ -525,8 +567,8 @@ pub fn read_snapshot(path: &Path, mut visit: impl FnMut(&[u8], &[u8])) -> Result
                 frame.records
             )));
         }
-        for (key, value) in pairs {
-            visit(key, value);
+        for (key, value, version) in pairs {
+            visit(key, value, version);
         }
         records += u64::from(frame.records);
         chain = chain_checksum(chain, frame_checksum);
@@ -544,7 +586,7 @@ pub fn read_snapshot(path: &Path, mut visit: impl FnMut(&[u8], &[u8])) -> Result
 /// # Errors
 /// As [`read_snapshot`].
 pub fn verify_snapshot(path: &Path) -> Result<LoadedSnapshot> {
-    read_snapshot(path, |_, _| {})
+    read_snapshot(path, |_, _, _| {})
 }
 
 /// A frame read off the file and checked against its checksum.
@@ -556,11 +598,12 @@ struct Frame {
     records: u32,
 }
 
-/// A record's key and value, borrowed from its frame.
-type KeyValue<'frame> = (&'frame [u8], &'frame [u8]);
+/// A record's key and value, borrowed from its frame, and its version.
+type KeyValue<'frame> = (&'frame [u8], &'frame [u8], u64);
 
-/// Splits a frame's records into keys and values; the error says which record is malformed.
-fn split_records(body: &[u8]) -> std::result::Result<Vec<KeyValue<'_>>, String> {
+/// Splits a frame's records, of file format `format`, into keys, values and versions (0 in a
+/// file of [`FORMAT_WITHOUT_VERSIONS`]); the error says which record is malformed.
+fn split_records(body: &[u8], format: u32) -> std::result::Result<Vec<KeyValue<'_>>, String> {
     let mut pairs = Vec::new();
     let mut cursor = FieldCursor { remaining: body };
     while !cursor.remaining.is_empty() {
@@ -568,7 +611,14 @@ fn split_records(body: &[u8]) -> std::result::Result<Vec<KeyValue<'_>>, String> 
         let offset = body.len() - cursor.remaining.len();
         let key_length = cursor.u16();
         let value_length = cursor.u32();
-        let (Some(key_length), Some(value_length)) = (key_length, value_length) else {
+        let version = if format == FORMAT_WITHOUT_VERSIONS {
+            Some(0)
+        } else {
+            cursor.u64()
+        };
+        let (Some(key_length), Some(value_length), Some(version)) =
+            (key_length, value_length, version)
+        else {
             return Err(format!(
                 "record {record}'s lengths run past the end of the frame (at offset {offset} of \
                  {}): the file is damaged",
@@ -584,7 +634,7 @@ fn split_records(body: &[u8]) -> std::result::Result<Vec<KeyValue<'_>>, String> 
                 body.len()
             ));
         };
-        pairs.push((key, value));
+        pairs.push((key, value, version));
     }
     Ok(pairs)
 }
@@ -660,7 +710,7 @@ impl SnapshotReader {
 
     /// Reads and checks the header: the magic and the version first (a header of another
     /// version may be laid out differently), then the fields and their checksum.
-    fn read_header(&mut self) -> Result<(SnapshotMeta, u64)> {
+    fn read_header(&mut self) -> Result<(SnapshotMeta, u64, u32)> {
         let magic: [u8; MAGIC.len()] = self.read_array("the header")?;
         if &magic != MAGIC {
             return Err(self
@@ -668,9 +718,10 @@ impl SnapshotReader {
         }
         let version_bytes: [u8; 4] = self.read_array("the header")?;
         let version = u32::from_le_bytes(version_bytes);
-        if version != FORMAT_VERSION {
+        if version != FORMAT_VERSION && version != FORMAT_WITHOUT_VERSIONS {
             return Err(self.damaged(format!(
-                "format version {version}, this rdkv-server reads version {FORMAT_VERSION}: {} \
+                "format version {version}, this rdkv-server reads versions \
+                 {FORMAT_WITHOUT_VERSIONS} and {FORMAT_VERSION}: {} \
                  rdkv-server wrote it, or the file is damaged",
                 if version > FORMAT_VERSION {
                     "a newer"
@@ -717,7 +768,7 @@ impl SnapshotReader {
             created_unix_ms,
             stopped_at: (stopped_at != 0).then_some(stopped_at),
         };
-        Ok((meta, stored_checksum))
+        Ok((meta, stored_checksum, version))
     }
 
     /// Reads the tag that starts the next frame or the trailer (`frames_read` frames were read).
@@ -923,6 +974,13 @@ mod tests {
 
     type Records = Vec<(Vec<u8>, Vec<u8>)>;
 
+    /// The version the tests give a record: from its lengths and first bytes, so that records
+    /// differ.
+    fn version_of(key: &[u8], value: &[u8]) -> u64 {
+        let first = |bytes: &[u8]| u64::from(bytes.first().copied().unwrap_or(0));
+        (key.len() as u64) << 48 | (value.len() as u64) << 16 | first(key) << 8 | first(value)
+    }
+
     fn meta(view_epoch: u64) -> SnapshotMeta {
         SnapshotMeta {
             cluster: "test-cluster".into(),
@@ -948,7 +1006,9 @@ mod tests {
         let mut writer =
             SnapshotWriter::create_with_frame_limit(data_dir, meta, frame_limit).expect("create");
         for (key, value) in records {
-            writer.append(key, value).expect("append");
+            writer
+                .append(key, value, version_of(key, value))
+                .expect("append");
         }
         let bytes_before_trailer = writer.bytes_written();
         let written = writer.finish().expect("finish");
@@ -960,7 +1020,12 @@ mod tests {
 
     fn read_all(path: &Path) -> Result<(LoadedSnapshot, Records)> {
         let mut visited = Vec::new();
-        let loaded = read_snapshot(path, |key, value| {
+        let loaded = read_snapshot(path, |key, value, version| {
+            assert_eq!(
+                version,
+                version_of(key, value),
+                "each record keeps its version"
+            );
             visited.push((key.to_vec(), value.to_vec()));
         })?;
         Ok((loaded, visited))
@@ -1046,10 +1111,10 @@ mod tests {
             header,
             (HEADER_FIXED_LENGTH + "test-cluster".len() + 8) as u64
         );
-        writer.append(b"a", b"bc").expect("append");
+        writer.append(b"a", b"bc", 1).expect("append");
         let first = (FRAME_HEADER_LENGTH + RECORD_HEADER_LENGTH + 3) as u64;
         assert_eq!(writer.bytes_written(), header + first);
-        writer.append(b"d", b"").expect("append");
+        writer.append(b"d", b"", 2).expect("append");
         let second = (RECORD_HEADER_LENGTH + 1) as u64;
         assert_eq!(writer.bytes_written(), header + first + second);
     }
@@ -1059,11 +1124,11 @@ mod tests {
         let directory = TestDirectory::new("long-key");
         let mut writer = SnapshotWriter::create(&directory.path, &meta(1)).expect("create");
         let error = writer
-            .append(&vec![b'k'; 65_536], b"v")
+            .append(&vec![b'k'; 65_536], b"v", 0)
             .expect_err("a key over 65535 bytes");
         assert!(error.to_string().contains("65536-byte key"), "{error}");
         writer
-            .append(&vec![b'k'; 65_535], b"v")
+            .append(&vec![b'k'; 65_535], b"v", 0)
             .expect("the longest key");
     }
 
@@ -1110,11 +1175,11 @@ mod tests {
         let records: Records = (0..6u8)
             .map(|index| (vec![index; 4], vec![index; 10]))
             .collect();
-        // Two 20-byte records per frame: three frames of 60 bytes each.
-        write(&directory.path, &meta(1), &records, 40);
+        // Two 28-byte records per frame: three frames of 76 bytes each.
+        write(&directory.path, &meta(1), &records, 56);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
         let header = HEADER_FIXED_LENGTH + "test-cluster".len() + 8;
-        let frame = FRAME_HEADER_LENGTH + 40;
+        let frame = FRAME_HEADER_LENGTH + 56;
         assert_eq!(bytes.len(), header + 3 * frame + TRAILER_LENGTH);
         let (first, second) = bytes[header..header + 2 * frame].split_at_mut(frame);
         first.swap_with_slice(second);
@@ -1147,16 +1212,44 @@ mod tests {
         assert!(message.contains("more than one only within"), "{message}");
     }
 
+    /// A file of format 1, written before records carried versions, is read: its keys have
+    /// version 0.
+    #[test]
+    fn a_file_of_the_format_before_versions_is_read_with_version_0() {
+        let directory = TestDirectory::new("format-1");
+        let records = small_records(300);
+        let mut writer =
+            SnapshotWriter::create_without_versions(&directory.path, &meta(2)).expect("create");
+        for (key, value) in &records {
+            writer.append(key, value, 99).expect("append");
+        }
+        writer.finish().expect("finish");
+        let mut visited = Vec::new();
+        let loaded = read_snapshot(
+            &directory.path.join(SNAPSHOT_FILE),
+            |key, value, version| {
+                visited.push((key.to_vec(), value.to_vec(), version));
+            },
+        )
+        .expect("a format 1 file reads");
+        assert_eq!(loaded.keys, 300);
+        assert!(visited.iter().zip(&records).all(
+            |((key, value, version), (wanted_key, wanted_value))| {
+                key == wanted_key && value == wanted_value && *version == 0
+            }
+        ));
+    }
+
     #[test]
     fn a_wrong_format_version_is_refused_naming_both_versions() {
         let directory = TestDirectory::new("version");
         write(&directory.path, &meta(1), &small_records(2), FRAME_LIMIT);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
-        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&2u32.to_le_bytes());
+        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&3u32.to_le_bytes());
         let damaged = directory.path.join("damaged.rdkv");
-        let message = assert_refused(&damaged, &bytes, "version 2");
-        assert!(message.contains("format version 2"), "{message}");
-        assert!(message.contains("reads version 1"), "{message}");
+        let message = assert_refused(&damaged, &bytes, "version 3");
+        assert!(message.contains("format version 3"), "{message}");
+        assert!(message.contains("reads versions 1 and 2"), "{message}");
         assert!(message.contains("newer"), "{message}");
         let message = assert_refused(&damaged, b"not a snapshot file at all", "wrong magic");
         assert!(message.contains("not an rdkv snapshot"), "{message}");
@@ -1195,7 +1288,9 @@ mod tests {
 
         let mut writer = SnapshotWriter::create(&directory.path, &meta(2)).expect("create");
         assert_eq!(fs::metadata(&leftover).expect("metadata").len(), 0);
-        writer.append(b"after", b"the crash").expect("append");
+        writer
+            .append(b"after", b"the crash", version_of(b"after", b"the crash"))
+            .expect("append");
         writer.finish().expect("finish");
         let (loaded, visited) = read_all(&directory.path.join(SNAPSHOT_FILE)).expect("read");
         assert_eq!(loaded.meta, meta(2));
@@ -1211,7 +1306,7 @@ mod tests {
         let mut writer = SnapshotWriter::create(&directory.path, &meta(2)).expect("create");
         for index in 0..10_000u32 {
             writer
-                .append(&index.to_le_bytes(), b"abandoned")
+                .append(&index.to_le_bytes(), b"abandoned", 0)
                 .expect("append");
         }
         assert!(directory.path.join(TEMPORARY_FILE).exists());

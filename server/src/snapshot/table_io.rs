@@ -11,7 +11,7 @@
 //! checksum, which a copy that mixed two blocks fails. A slot that changed is read again.
 
 use rdkv_common::layout::{
-    block_units, check_key_value, encode_block, KeyLocation, Slot, SlotPosition, BLOCK_UNIT,
+    block_units, check_key_value, encode_block_with, KeyLocation, Slot, SlotPosition, BLOCK_UNIT,
     HASH_CHOICES, SLOTS_PER_COMBINED_BUCKET,
 };
 
@@ -32,13 +32,13 @@ pub struct ScanCounts {
 }
 
 /// Hands every committed (or locked: readers see its committed value) key that is not a
-/// tombstone to `sink`, with its value, in index order. Stops at the first error of the sink.
+/// tombstone to `sink`, with its value and its block's version, in index order. Stops at the first error of the sink.
 ///
 /// # Errors
 /// The sink's.
 pub fn scan_table<E>(
     table: &TableRegion,
-    mut sink: impl FnMut(&[u8], &[u8]) -> Result<(), E>,
+    mut sink: impl FnMut(&[u8], &[u8], u64) -> Result<(), E>,
 ) -> Result<ScanCounts, E> {
     let mut counts = ScanCounts::default();
     let mut failure = None;
@@ -59,7 +59,7 @@ pub fn scan_table<E>(
                     .is_ok_and(|now| now == slot.0);
                 if unchanged {
                     if !block.tombstone {
-                        if let Err(error) = sink(block.key, block.value) {
+                        if let Err(error) = sink(block.key, block.value, block.version) {
                             failure = Some(error);
                         }
                         counts.keys += 1;
@@ -80,10 +80,13 @@ pub fn scan_table<E>(
     }
 }
 
-/// Writes keys into a table that no client uses yet: each block into heap space the loader
+/// Writes keys into a table that no client writes: each block into heap space the loader
 /// owns (synchronously, as the compactor writes), then its slot, committed. A key already in
-/// the table is replaced: a snapshot written while clients wrote may hold a key twice (deleted
-/// and inserted again into a slot the scan had not reached), and the later copy is the newer.
+/// the table is replaced when the new copy is newer by version, or as new: a snapshot written
+/// while clients wrote may hold a key twice (deleted and inserted again into a slot the scan
+/// had not reached), and the later copy is the newer (a file of the format before versions
+/// gives every key version 0). [`Loader::keep_newest`] replaces only a strictly older copy, for
+/// the newest-wins reconciliation of a whole-cluster start (`crate::reconcile`).
 /// Drop it, or call [`Loader::finish`], to seal its last grant.
 #[derive(Debug)]
 pub struct Loader<'table> {
@@ -95,6 +98,20 @@ pub struct Loader<'table> {
     /// The blocks read to find a key already loaded.
     lookup: Vec<u8>,
     keys: u64,
+}
+
+/// Tries of a replacement whose slot changed under it (the compactor moved the block).
+const REPLACE_ATTEMPTS: u32 = 8;
+
+/// The key's copy already in the table.
+#[derive(Debug, Clone, Copy)]
+struct Existing {
+    /// Its slot's offset in the index.
+    index_offset: u64,
+    /// The slot's word.
+    word: u64,
+    /// Its block's version.
+    version: u64,
 }
 
 impl<'table> Loader<'table> {
@@ -110,32 +127,95 @@ impl<'table> Loader<'table> {
         }
     }
 
-    /// Keys written so far.
+    /// Keys written so far into empty slots.
     pub fn keys(&self) -> u64 {
         self.keys
     }
 
-    /// Writes one key, assumed absent (a snapshot holds each key once).
+    /// Writes one key of `version`, replacing a copy of the same version or older (a snapshot
+    /// holds each key once, but may hold it twice).
     ///
     /// # Errors
     /// A line saying why: the key or value breaks the layout's limits, the heap or the key's
     /// buckets are full.
-    pub fn insert(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
+    pub fn insert(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<(), String> {
+        self.place(key, value, version, false).map(|_| ())
+    }
+
+    /// Writes one key of `version` unless the table holds a copy of that version or newer;
+    /// whether it wrote it.
+    ///
+    /// # Errors
+    /// As [`Loader::insert`].
+    pub fn keep_newest(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<bool, String> {
+        self.place(key, value, version, true)
+    }
+
+    /// Writes the key's block and points a slot at it: the key's slot when its copy there is
+    /// older (or as old, unless `keep_equal`), else an empty one; whether it did.
+    fn place(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        version: u64,
+        keep_equal: bool,
+    ) -> Result<bool, String> {
         check_key_value(key, value)
             .map_err(|error| format!("key {} of the snapshot: {error}", self.keys + 1))?;
+        let location = self.table.geometry.locate(key);
+        let mut written: Option<Slot> = None;
+        for _ in 0..REPLACE_ATTEMPTS {
+            let existing = self.find(key, location);
+            if let Some(existing) = existing {
+                if existing.version > version || (keep_equal && existing.version == version) {
+                    return Ok(false);
+                }
+            }
+            let slot = match written {
+                Some(slot) => slot,
+                None => *written.insert(self.write_block(key, value, version, location)?),
+            };
+            match existing {
+                Some(existing) => {
+                    let swapped = self
+                        .table
+                        .region
+                        .compare_exchange_u64(existing.index_offset, existing.word, slot.0)
+                        .is_ok_and(|original| original == existing.word);
+                    if swapped {
+                        return Ok(true);
+                    }
+                }
+                None => return self.place_in_empty_slot(location, slot).map(|()| true),
+            }
+        }
+        Err(format!(
+            "a key's slot changed {REPLACE_ATTEMPTS} times while it was being replaced"
+        ))
+    }
+
+    /// Writes the block of `key`, `value` and `version` into the loader's heap space; its
+    /// committed slot word.
+    fn write_block(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        version: u64,
+        location: KeyLocation,
+    ) -> Result<Slot, String> {
         let length = u64::from(block_units(key.len(), value.len())) * BLOCK_UNIT;
         let offset = self.reserve(length)?;
-        let units = encode_block(key, value, &mut self.block);
+        let units = encode_block_with(key, value, false, version, &mut self.block);
         let heap_base = self.table.geometry.heap_offset();
         self.table
             .region
             .write(heap_base + offset, &self.block)
             .map_err(|error| format!("writing a block into the heap: {error}"))?;
-        let location = self.table.geometry.locate(key);
-        let slot = Slot::new(location.fingerprint, units, offset);
-        if self.replace(key, location, slot) {
-            return Ok(());
-        }
+        Ok(Slot::new(location.fingerprint, units, offset))
+    }
+
+    /// Points the first empty candidate slot of the key at `slot`'s block.
+    fn place_in_empty_slot(&mut self, location: KeyLocation, slot: Slot) -> Result<(), String> {
         for choice in 0..HASH_CHOICES {
             for position in 0..SLOTS_PER_COMBINED_BUCKET {
                 let index_offset = self.table.geometry.slot_offset(SlotPosition {
@@ -160,8 +240,9 @@ impl<'table> Loader<'table> {
         ))
     }
 
-    /// Points the slot already holding `key`, if any, at `slot`'s block; whether it did.
-    fn replace(&mut self, key: &[u8], location: KeyLocation, slot: Slot) -> bool {
+    /// The committed (or locked) slot already holding `key`, with its block's version; a
+    /// tombstone counts as a copy (of the key's absence).
+    fn find(&mut self, key: &[u8], location: KeyLocation) -> Option<Existing> {
         for choice in 0..HASH_CHOICES {
             for position in 0..SLOTS_PER_COMBINED_BUCKET {
                 let index_offset = self.table.geometry.slot_offset(SlotPosition {
@@ -173,23 +254,24 @@ impl<'table> Loader<'table> {
                     continue;
                 };
                 let found = Slot(word);
-                if found.is_empty() || found.fingerprint() != location.fingerprint {
+                if !found.is_readable() || found.fingerprint() != location.fingerprint {
                     continue;
                 }
-                let same_key = self
+                let version = self
                     .table
                     .read_block(found, &mut self.lookup)
-                    .is_some_and(|block| block.key == key);
-                if same_key {
-                    return self
-                        .table
-                        .region
-                        .compare_exchange_u64(index_offset, word, slot.0)
-                        .is_ok_and(|original| original == word);
+                    .filter(|block| block.key == key)
+                    .map(|block| block.version);
+                if let Some(version) = version {
+                    return Some(Existing {
+                        index_offset,
+                        word,
+                        version,
+                    });
                 }
             }
         }
-        false
+        None
     }
 
     /// The heap offset of `length` free bytes in the loader's grant, taking a new one (a
@@ -256,7 +338,7 @@ mod tests {
 
     fn scanned(table: &TableRegion) -> Vec<(Vec<u8>, Vec<u8>)> {
         let mut found = Vec::new();
-        let counts = scan_table(table, |key, value| {
+        let counts = scan_table(table, |key, value, _version| {
             found.push((key.to_vec(), value.to_vec()));
             Ok::<(), ()>(())
         })
@@ -281,7 +363,7 @@ mod tests {
             .collect();
         let mut loader = Loader::new(&first, &first_heap);
         for (key, value) in &expected {
-            loader.insert(key, value).expect("room for every key");
+            loader.insert(key, value, 1).expect("room for every key");
         }
         assert_eq!(loader.finish(), 300);
         expected.sort();
@@ -291,7 +373,7 @@ mod tests {
         let (second, second_heap) = table(512, 128, 99);
         let mut loader = Loader::new(&second, &second_heap);
         for (key, value) in &found {
-            loader.insert(key, value).expect("room for every key");
+            loader.insert(key, value, 1).expect("room for every key");
         }
         drop(loader);
         assert_eq!(scanned(&second), expected);
@@ -304,9 +386,9 @@ mod tests {
     fn a_key_loaded_twice_keeps_the_later_value() {
         let (table, heap) = table(64, 16, 9);
         let mut loader = Loader::new(&table, &heap);
-        loader.insert(b"twice", b"first").expect("room");
-        loader.insert(b"other", b"value").expect("room");
-        loader.insert(b"twice", b"second").expect("room");
+        loader.insert(b"twice", b"first", 0).expect("room");
+        loader.insert(b"other", b"value", 0).expect("room");
+        loader.insert(b"twice", b"second", 0).expect("room");
         drop(loader);
         assert_eq!(
             scanned(&table),
@@ -317,13 +399,45 @@ mod tests {
         );
     }
 
+    /// Versions decide between two copies of a key: a loaded copy replaces an older one, never
+    /// a newer one; [`Loader::keep_newest`] also keeps a copy of the same version.
+    #[test]
+    fn the_newest_copy_of_a_key_wins() {
+        let (table, heap) = table(64, 16, 4);
+        let mut loader = Loader::new(&table, &heap);
+        loader.insert(b"key", b"newer", 20).expect("room");
+        loader.insert(b"key", b"older", 10).expect("room");
+        assert!(!loader.keep_newest(b"key", b"same", 20).expect("room"));
+        assert!(!loader.keep_newest(b"key", b"older", 19).expect("room"));
+        assert!(loader.keep_newest(b"absent", b"first", 1).expect("room"));
+        drop(loader);
+        let mut found = Vec::new();
+        scan_table(&table, |key, value, version| {
+            found.push((key.to_vec(), value.to_vec(), version));
+            Ok::<(), ()>(())
+        })
+        .expect("the sink never fails");
+        found.sort();
+        assert_eq!(
+            found,
+            vec![
+                (b"absent".to_vec(), b"first".to_vec(), 1),
+                (b"key".to_vec(), b"newer".to_vec(), 20)
+            ]
+        );
+        let mut loader = Loader::new(&table, &heap);
+        assert!(loader.keep_newest(b"key", b"newest", 21).expect("room"));
+        drop(loader);
+        assert_eq!(table.count_keys(), 2);
+    }
+
     /// Tombstones and tentative slots are not keys; a locked slot's committed value is.
     #[test]
     fn the_scan_keeps_readable_values_only() {
         let (table, heap) = table(64, 16, 3);
         let mut loader = Loader::new(&table, &heap);
         for key in ["kept", "locked", "tombstone", "tentative"] {
-            loader.insert(key.as_bytes(), b"value").expect("room");
+            loader.insert(key.as_bytes(), b"value", 0).expect("room");
         }
         drop(loader);
         let mut words = Vec::new();
@@ -358,14 +472,14 @@ mod tests {
         let mut loader = Loader::new(&small_heap, &heap);
         let value = vec![7u8; 4000];
         let error = (0..100u32)
-            .find_map(|number| loader.insert(&number.to_le_bytes(), &value).err())
+            .find_map(|number| loader.insert(&number.to_le_bytes(), &value, 0).err())
             .expect("8 extents cannot hold 100 blocks of 4 KB");
         assert!(error.contains("heap_size"), "{error}");
 
         let (small_index, heap) = table(2, 64, 5);
         let mut loader = Loader::new(&small_index, &heap);
         let error = (0..100u32)
-            .find_map(|number| loader.insert(&number.to_le_bytes(), b"v").err())
+            .find_map(|number| loader.insert(&number.to_le_bytes(), b"v", 0).err())
             .expect("one combined bucket holds 16 keys");
         assert!(error.contains("index_size"), "{error}");
         assert_eq!(loader.keys(), 16);

@@ -359,6 +359,7 @@ impl ViewService {
             | PeerRequest::Resume { .. }
             | PeerRequest::PromoteResumed { .. }
             | PeerRequest::PromoteFilling
+            | PeerRequest::PromoteReconciled { .. }
             | PeerRequest::AcknowledgeLosses { .. }) => self.answer_stop_request(request).await,
             PeerRequest::Leave {
                 node_id,

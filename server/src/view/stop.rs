@@ -104,6 +104,19 @@ impl ViewService {
             .await
     }
 
+    /// Asks the leader to let every filling member serve, while no member serves and the view
+    /// is still at `epoch`, under which every filling member reconciled (`crate::reconcile`).
+    ///
+    /// # Errors
+    /// Why not.
+    pub async fn promote_reconciled(&self, epoch: u64) -> std::result::Result<u64, String> {
+        self.ask_leader_to_commit(
+            ViewCommand::PromoteReconciled { epoch },
+            &PeerRequest::PromoteReconciled { epoch },
+        )
+        .await
+    }
+
     /// The command and request that bring this node back into the view: a resume when it
     /// started from the snapshot of the stop its record is still `down` since, else a join.
     pub(super) fn join_command(&self) -> (ViewCommand, PeerRequest) {
@@ -147,6 +160,7 @@ impl ViewService {
                 ViewCommand::PromoteResumed { stopped_at }
             }
             PeerRequest::PromoteFilling => ViewCommand::PromoteFilling,
+            PeerRequest::PromoteReconciled { epoch } => ViewCommand::PromoteReconciled { epoch },
             PeerRequest::AcknowledgeLosses { up_to_epoch } => {
                 ViewCommand::AcknowledgeLosses { up_to_epoch }
             }

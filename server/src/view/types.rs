@@ -95,6 +95,14 @@ pub enum ViewCommand {
         /// The member.
         node_id: u32,
     },
+    /// [`ViewCommand::PromoteFilling`], only while the view is still at `epoch`: every filling
+    /// member reported its newest-wins reconciliation done under that epoch
+    /// (`crate::reconcile`), and no record changed since (a member that joined or restarted
+    /// since may hold newer copies, and reconciliation starts over).
+    PromoteReconciled {
+        /// The epoch every filling member reconciled under.
+        epoch: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -229,6 +237,9 @@ impl ViewState {
                 false
             }
             ViewCommand::PromoteFilling => self.promote_filling(next),
+            ViewCommand::PromoteReconciled { epoch } => {
+                epoch == self.epoch && self.promote_filling(next)
+            }
         };
         if changed {
             self.epoch += 1;
@@ -515,6 +526,12 @@ pub enum PeerRequest {
         /// Records of this epoch and earlier are cleared.
         up_to_epoch: u64,
     },
+    /// A filling node that saw every filling member reconciled under `epoch` asks the leader
+    /// to commit [`ViewCommand::PromoteReconciled`].
+    PromoteReconciled {
+        /// The epoch every filling member reconciled under.
+        epoch: u64,
+    },
 }
 
 /// A leader's lease grant to a follower.
@@ -784,6 +801,39 @@ mod tests {
         let before = view.epoch;
         assert_eq!(view.apply(&ViewCommand::PromoteFilling), before);
         assert_eq!(view.members[&3].state, MemberState::Filling);
+    }
+
+    /// After a crash of every node, the filling members are promoted together only at the
+    /// epoch they reconciled under: a join since (a record change) leaves them filling.
+    #[test]
+    fn a_reconciled_promotion_applies_only_at_its_epoch() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for incarnation in [10, 20] {
+            for node_id in [1, 2] {
+                view.apply(&ViewCommand::Join {
+                    node_id,
+                    incarnation: incarnation + u64::from(node_id),
+                });
+            }
+        }
+        view.apply(&ViewCommand::MarkDown { node_id: 3 });
+        let reconciled = view.epoch;
+        view.apply(&ViewCommand::Join {
+            node_id: 3,
+            incarnation: 33,
+        });
+        let before = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::PromoteReconciled { epoch: reconciled }),
+            before,
+            "node 3 joined since: it was not scanned"
+        );
+        assert_eq!(view.public(None).serving(), Vec::<u32>::new());
+        assert_eq!(
+            view.apply(&ViewCommand::PromoteReconciled { epoch: before }),
+            before + 1
+        );
+        assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
     }
 
     /// Applies `command` as the store does: the loss rule after it.
