@@ -1,0 +1,146 @@
+//! Attacks on direct access (`QueuePair::direct`, `shm`): what it must keep of a request's
+//! outcomes.
+
+#[allow(dead_code, unused_imports, missing_docs)]
+#[path = "conformance/checks.rs"]
+mod checks;
+
+use rdkv_fabric::{Backend, QueuePairState, WorkCompletionStatus, WorkRequest};
+
+/// A responder stopped (its queue pair moved to ERROR) between two direct calls. The first
+/// call resolved the key; the second finds the responder stopped when it enters its epoch.
+/// `docs/fabric.md` (and `fabric/src/direct.rs`) promise the same outcome as a list run inside
+/// its post: the stop recorded, `NotExecuted` (nothing ran). A list run inside its post gets
+/// NOT_EXECUTED; a direct access whose key was cached gets RETRY_EXC_ERR (it "may have run")
+/// and moves the requester to ERROR as if by its own failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_access_after_the_responder_stopped_reports_not_executed() {
+    // Reference: the list path.
+    let listed = checks::connect(Backend::Shm).await;
+    let mut word = [0u8; 8];
+    let warm = listed
+        .client_queue_pair
+        .post_inline(&[WorkRequest::read(1, listed.local_at(0, 8), listed.remote_at(0))])
+        .expect("idle: inline")
+        .expect("a valid list");
+    assert!(warm.is_ok(), "a READ before the stop");
+    listed.server_queue_pair.modify_to_error();
+    let after = listed
+        .client_queue_pair
+        .post_inline(&[WorkRequest::read(2, listed.local_at(0, 8), listed.remote_at(0))])
+        .expect("idle: inline")
+        .expect("a valid list")
+        .expect_err("the responder stopped");
+    assert_eq!(after.completion.status, WorkCompletionStatus::NotExecuted);
+
+    // Direct access, with the key resolved by a first call.
+    let connected = checks::connect(Backend::Shm).await;
+    let first = connected
+        .client_queue_pair
+        .direct(|access| access.read(connected.remote_at(0), &mut word));
+    assert_eq!(first, Some(Ok(())), "a READ before the stop");
+    connected.server_queue_pair.modify_to_error();
+    let second = connected
+        .client_queue_pair
+        .direct(|access| access.read(connected.remote_at(0), &mut word));
+    assert_eq!(connected.client_queue_pair.state(), QueuePairState::Error);
+    assert_eq!(
+        second,
+        Some(Err(WorkCompletionStatus::NotExecuted)),
+        "a direct access behind a stopped responder did not run (as the list's)"
+    );
+}
+
+/// The same, with a key the call resolves for the first time: the ordinary resolution path
+/// reports the stop (this one holds; it shows that only the cached key differs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_direct_access_after_the_responder_stopped_reports_not_executed() {
+    let connected = checks::connect(Backend::Shm).await;
+    let mut word = [0u8; 8];
+    connected.server_queue_pair.modify_to_error();
+    let outcome = connected
+        .client_queue_pair
+        .direct(|access| access.read(connected.remote_at(0), &mut word));
+    assert_eq!(outcome, Some(Err(WorkCompletionStatus::NotExecuted)));
+}
+
+/// A direct call's epoch spans the caller's own code (`work` runs between the accesses), so a
+/// requester that is slow inside it (descheduled, stopped, paging) outlives the responder's
+/// bounded wait for it (`retry_timeout`): the revocation goes on ("an shm requester stayed
+/// inside a request past the retry timeout"), the responder may free or reuse the memory, and
+/// the rest of the call still uses the revoked key from the requester's cache without
+/// looking at the key state. A list cannot do this (no caller code runs inside its epoch).
+///
+/// Expected (`docs/fabric.md`: "a revoked key is refused at its next access"): the WRITE
+/// after the revocation returned is refused. Observed: it lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_revoked_while_a_direct_call_stalls_is_still_used_by_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let config = rdkv_fabric::DeviceConfig {
+        retry_timeout: Duration::from_millis(200),
+        ..rdkv_fabric::DeviceConfig::default()
+    };
+    let connected = Arc::new(
+        checks::connect_with(
+            Backend::Shm,
+            config.clone(),
+            rdkv_fabric::QueuePairConfig::default(),
+        )
+        .await,
+    );
+    let extra = connected
+        .server_domain
+        .register(
+            connected.remote.memory(),
+            0,
+            4096,
+            rdkv_fabric::AccessFlags::REMOTE_READ | rdkv_fabric::AccessFlags::REMOTE_WRITE,
+        )
+        .expect("register a second key");
+    let key = extra.remote_key();
+    let inside = Arc::new(AtomicBool::new(false));
+    let revoked = Arc::new(AtomicBool::new(false));
+    let requester = {
+        let connected = connected.clone();
+        let (inside, revoked) = (inside.clone(), revoked.clone());
+        std::thread::spawn(move || {
+            connected
+                .client_queue_pair
+                .direct(|access| {
+                    access.write(key.at(0), &[1u8; 8])?;
+                    inside.store(true, Ordering::Release);
+                    // The caller's code, slow (a stand-in for a preempted or stopped thread).
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while !revoked.load(Ordering::Acquire) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    access.write(key.at(8), &[2u8; 8])
+                })
+                .expect("idle: direct")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !inside.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the direct call never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let started = Instant::now();
+    // Deregisters: revokes in the shared key state, waits for the requester at most
+    // `retry_timeout`, gives up, and returns; the memory is the responder's again.
+    drop(extra);
+    let waited = started.elapsed();
+    revoked.store(true, Ordering::Release);
+    let outcome = requester.join().expect("the requester thread");
+    let word = connected.remote.load_u64(8).expect("read the responder's memory");
+    assert_eq!(
+        (outcome, word),
+        (
+            Err(WorkCompletionStatus::RemoteAccessError),
+            0
+        ),
+        "a WRITE by a key whose revocation returned {waited:?} before ran on the responder's memory"
+    );
+}
