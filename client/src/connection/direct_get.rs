@@ -191,3 +191,207 @@ impl NodeConnection {
         })
     }
 }
+
+/// Attack (branch `attack` only): a direct GET whose thread stalls in the middle of the value
+/// copy (preempted, stopped with SIGSTOP / Ctrl-Z, paging) for longer than the node's
+/// quarantine (1.25 × the operation deadline, `docs/protocol.md`, *An extent's way back*).
+/// The node then reuses the block's extent although the GET's announce says it runs, and a
+/// direct GET has no deadline and no checksum: when the key's slot comes back to the same word
+/// (the key rewritten at the same offset with the same length: a small, busy heap), the GET
+/// returns half of the old value and half of the new one.
+///
+/// The stall is modelled by a wrapper around the real `DirectAccess` that splits the value's
+/// READ in two and waits between the halves: exactly what a preemption inside
+/// `PinnedMemory::read_append`'s word loop does.
+#[cfg(test)]
+mod stall_attack {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use rdkv_common::layout::Slot;
+    use rdkv_fabric::{lock, Backend, DirectAccess, RemoteSegment, WorkCompletionStatus};
+
+    use super::Found;
+    use crate::{Client, ClientConfig, SharedMemory};
+
+    const SECRET: &[u8] = b"direct-get-stall-attack";
+    const KEY: &[u8] = b"k";
+    /// Two blocks per 16 KiB chunk.
+    const LENGTH: usize = 8000;
+
+    /// Splits the value READ (`read_append`) in two and runs `stall` between the halves.
+    struct Stalling<'a, F: FnOnce()> {
+        inner: &'a mut dyn DirectAccess,
+        stall: Option<F>,
+    }
+
+    impl<F: FnOnce()> DirectAccess for Stalling<'_, F> {
+        fn read(
+            &mut self,
+            remote: RemoteSegment,
+            into: &mut [u8],
+        ) -> Result<(), WorkCompletionStatus> {
+            self.inner.read(remote, into)
+        }
+
+        fn read_append(
+            &mut self,
+            remote: RemoteSegment,
+            length: usize,
+            into: &mut Vec<u8>,
+        ) -> Result<(), WorkCompletionStatus> {
+            let half = (length / 2) & !7;
+            self.inner.read_append(remote, half, into)?;
+            if let Some(stall) = self.stall.take() {
+                stall();
+            }
+            self.inner.read_append(
+                RemoteSegment {
+                    address: remote.address + half as u64,
+                    remote_key: remote.remote_key,
+                },
+                length - half,
+                into,
+            )
+        }
+
+        fn write(
+            &mut self,
+            remote: RemoteSegment,
+            from: &[u8],
+        ) -> Result<(), WorkCompletionStatus> {
+            self.inner.write(remote, from)
+        }
+    }
+
+    fn shm_socket_path() -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("rdkv-direct-stall-{}.sock", std::process::id()))
+    }
+
+    async fn client(address: std::net::SocketAddr, entries: usize) -> Client {
+        let mut config = ClientConfig::new(address, Backend::Soft, SECRET);
+        config.node.shared_memory = SharedMemory::Require;
+        config.slot_cache_entries = entries;
+        Client::connect(config).await.expect("connect")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_direct_get_stalled_past_the_quarantine_returns_a_torn_value() {
+        let mut config = rdkv_server::ServerConfig::local(SECRET);
+        config.fabric = Backend::Soft;
+        config.shm_socket = Some(shm_socket_path());
+        config.chunk_size = 16 * 1024;
+        config.heap_size = 8 * 16 * 1024;
+        config.collector_interval = Duration::from_millis(5);
+        config.operation_deadline = Duration::from_millis(200);
+        let server = rdkv_server::start(config).await.expect("start");
+        let address = server.control_address();
+        let reader = client(address, 5001).await;
+        let writer = Arc::new(client(address, 5002).await);
+
+        writer.put(KEY, &vec![b'a'; LENGTH]).await.expect("first put");
+        assert_eq!(
+            reader.get(KEY).await.expect("warm get").map(|v| v.to_vec()),
+            Some(vec![b'a'; LENGTH])
+        );
+        let node = reader.node_for(KEY).clone();
+        let connection = node.connection().await.expect("reader connection");
+        let location = connection.welcome.geometry.locate(KEY);
+        let guess = connection.guess(&location).expect("a warm guess");
+        let slot_offset = connection.welcome.geometry.slot_offset(guess.position);
+
+        // The writer: updates the key with a new byte each time until the slot holds the
+        // guessed word again (the block rewritten at the same offset), bounded.
+        let puts = Arc::new(AtomicUsize::new(0));
+        let aba = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writing = {
+            let (writer, puts, aba) = (writer.clone(), puts.clone(), aba.clone());
+            let original = guess.slot;
+            async move {
+                let node = writer.node_for(KEY).clone();
+                let started = Instant::now();
+                for round in 1..=400u32 {
+                    if started.elapsed() > Duration::from_secs(150) {
+                        break;
+                    }
+                    let byte = b'b' + (round % 20) as u8;
+                    if writer.put(KEY, &vec![byte; LENGTH]).await.is_err() {
+                        continue;
+                    }
+                    puts.fetch_add(1, Ordering::Relaxed);
+                    let Ok(connection) = node.connection().await else {
+                        continue;
+                    };
+                    let mut word = None;
+                    for _ in 0..1000 {
+                        word = connection.queue_pair.direct(|access| {
+                            let mut bytes = [0u8; 8];
+                            access
+                                .read(connection.keys.index_key.at(slot_offset), &mut bytes)
+                                .map(|()| Slot::from_bytes(bytes))
+                        });
+                        if word.is_some() {
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    if word == Some(Ok(original)) {
+                        aba.store(true, Ordering::Release);
+                        return;
+                    }
+                }
+            }
+        };
+        let handle = tokio::runtime::Handle::current();
+
+        let posted_at = Instant::now();
+        let mut value = Vec::new();
+        let outcome = connection
+            .queue_pair
+            .direct(|access| {
+                let stall = || {
+                    // This worker is held here, as a preempted thread would be; the other
+                    // worker runs the writer.
+                    let done = handle.spawn(writing);
+                    let deadline = Instant::now() + Duration::from_secs(160);
+                    while !done.is_finished() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                };
+                let mut stalling = Stalling {
+                    inner: access,
+                    stall: Some(stall),
+                };
+                connection.direct_lookup(&mut stalling, KEY, &location, guess, &mut value)
+            })
+            .expect("idle: direct");
+        let completed = Instant::now();
+        let (found, lease_word) = outcome.expect("the accesses ran");
+        let covered = lock(&connection.lease_clock).covers(lease_word, posted_at, completed);
+        eprintln!(
+            "lease word {:?}, clock {:?}, posted {:?} before completion",
+            rdkv_common::lease::LeaseWord::decode(lease_word),
+            *lock(&connection.lease_clock),
+            completed - posted_at
+        );
+        eprintln!(
+            "puts {}, slot word back: {}, lease covers: {covered}, took {:?}",
+            puts.load(Ordering::Relaxed),
+            aba.load(Ordering::Acquire),
+            completed - posted_at
+        );
+        if let (Found::Key { .. }, true) = (&found, covered) {
+            // What `get_direct` would return.
+            let first = value.first().copied();
+            assert!(
+                value.iter().all(|byte| Some(*byte) == first),
+                "a direct GET returned a torn value: {} bytes of {:?} then {:?}",
+                value.iter().take_while(|byte| Some(**byte) == first).count(),
+                first.map(char::from),
+                value.last().copied().map(char::from)
+            );
+        }
+        drop(server);
+    }
+}
