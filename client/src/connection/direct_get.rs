@@ -286,6 +286,9 @@ mod stall_attack {
         config.collector_interval = Duration::from_millis(5);
         config.operation_deadline = Duration::from_millis(200);
         let server = rdkv_server::start(config).await.expect("start");
+        // A node older than the lease check's drift margin over the stall (a node that just
+        // started has `since` = 0 within that margin of the post, and the check refuses).
+        tokio::time::sleep(Duration::from_secs(2)).await;
         let address = server.control_address();
         let reader = client(address, 5001).await;
         let writer = Arc::new(client(address, 5002).await);
