@@ -199,6 +199,7 @@ impl Client {
     /// # Errors
     /// As [`Client::get`].
     pub async fn get_into(&self, key: &[u8], value: &mut Vec<u8>) -> Result<bool> {
+        value.clear();
         let found = if self.replicas > 1 {
             self.get_replicated(key).await?
         } else if let Some(present) = self.get_direct(key, value) {

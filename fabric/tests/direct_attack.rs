@@ -10,9 +10,9 @@ use rdkv_fabric::{Backend, QueuePairState, WorkCompletionStatus, WorkRequest};
 /// A responder stopped (its queue pair moved to ERROR) between two direct calls. The first
 /// call resolved the key; the second finds the responder stopped when it enters its epoch.
 /// `docs/fabric.md` (and `fabric/src/direct.rs`) promise the same outcome as a list run inside
-/// its post: the stop recorded, `NotExecuted` (nothing ran). A list run inside its post gets
-/// NOT_EXECUTED; a direct access whose key was cached gets RETRY_EXC_ERR (it "may have run")
-/// and moves the requester to ERROR as if by its own failure.
+/// its post: the stop recorded, `NotExecuted` (nothing ran). A direct access whose key was
+/// cached once got RETRY_EXC_ERR (it "may have run") and moved the requester to ERROR as if by
+/// its own failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_access_after_the_responder_stopped_reports_not_executed() {
     // Reference: the list path.
@@ -20,14 +20,22 @@ async fn a_direct_access_after_the_responder_stopped_reports_not_executed() {
     let mut word = [0u8; 8];
     let warm = listed
         .client_queue_pair
-        .post_inline(&[WorkRequest::read(1, listed.local_at(0, 8), listed.remote_at(0))])
+        .post_inline(&[WorkRequest::read(
+            1,
+            listed.local_at(0, 8),
+            listed.remote_at(0),
+        )])
         .expect("idle: inline")
         .expect("a valid list");
     assert!(warm.is_ok(), "a READ before the stop");
     listed.server_queue_pair.modify_to_error();
     let after = listed
         .client_queue_pair
-        .post_inline(&[WorkRequest::read(2, listed.local_at(0, 8), listed.remote_at(0))])
+        .post_inline(&[WorkRequest::read(
+            2,
+            listed.local_at(0, 8),
+            listed.remote_at(0),
+        )])
         .expect("idle: inline")
         .expect("a valid list")
         .expect_err("the responder stopped");
@@ -72,9 +80,10 @@ async fn a_first_direct_access_after_the_responder_stopped_reports_not_executed(
 /// looking at the key state. A list cannot do this (no caller code runs inside its epoch).
 ///
 /// Expected (`docs/fabric.md`: "a revoked key is refused at its next access"): the WRITE
-/// after the revocation returned is refused. Observed: it lands.
+/// after the revocation returned is refused (it landed before direct access read the key
+/// generation again at every access).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_revoked_while_a_direct_call_stalls_is_still_used_by_it() {
+async fn a_key_revoked_while_a_direct_call_stalls_is_refused_at_its_next_access() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -86,7 +95,7 @@ async fn a_key_revoked_while_a_direct_call_stalls_is_still_used_by_it() {
     let connected = Arc::new(
         checks::connect_with(
             Backend::Shm,
-            config.clone(),
+            config,
             rdkv_fabric::QueuePairConfig::default(),
         )
         .await,
@@ -134,7 +143,10 @@ async fn a_key_revoked_while_a_direct_call_stalls_is_still_used_by_it() {
     let waited = started.elapsed();
     revoked.store(true, Ordering::Release);
     let outcome = requester.join().expect("the requester thread");
-    let word = connected.remote.load_u64(8).expect("read the responder's memory");
+    let word = connected
+        .remote
+        .load_u64(8)
+        .expect("read the responder's memory");
     assert_eq!(
         (outcome, word),
         (

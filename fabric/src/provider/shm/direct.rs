@@ -5,6 +5,8 @@
 //! key, rights and bounds checks ([`Attachment::resolve_in`]), and the same failures (the queue
 //! pair to ERROR, the responder's stop as `NotExecuted`).
 
+use std::sync::atomic::{fence, Ordering};
+
 use crate::direct::DirectAccess;
 use crate::lock;
 use crate::memory::PinnedMemory;
@@ -119,9 +121,9 @@ impl ShmDirect<'_> {
     /// Checks one access as its request would be checked, and returns its memory and offset
     /// (`None` for a zero-length access). A key's first access resolves it
     /// ([`Attachment::resolve_in`]); later ones, in this call or a later one under the same key
-    /// generation ([`DirectKeys`]), check their range and rights against what it resolved. A failure has the effect of that request's failed completion: the queue pair
-    /// moves to ERROR (or learns the responder stopped), and it is counted on the completion
-    /// queue.
+    /// generation ([`DirectKeys`]), check their range and rights against what it resolved. A
+    /// failure has the effect of that request's failed completion: the queue pair moves to
+    /// ERROR (or learns the responder stopped), and it is counted on the completion queue.
     fn resolve(
         &mut self,
         opcode: Opcode,
@@ -138,12 +140,44 @@ impl ShmDirect<'_> {
         if length == 0 {
             return Ok(None);
         }
+        self.follow_revocations();
         let known = self.cache.direct.get(remote.remote_key);
         let (block, offset) = match known {
             Some((view, block)) => self.check_known(opcode, remote, length, &view, block)?,
             None => self.resolve_first(opcode, remote, length)?,
         };
         Ok(Some((&self.cache.blocks[block].1, offset)))
+    }
+
+    /// Reads the responder's key generation again, before each access: a key revoked while
+    /// this call is inside its epoch (a thread stalled here past the revoker's wait, which
+    /// gives up after `retry_timeout`) is forgotten, and looked up again, at the next access.
+    fn follow_revocations(&mut self) {
+        let Ok(inside) = &mut self.inside else {
+            return;
+        };
+        let generation = self.attachment.remote.keys.key_generation();
+        if generation != inside.key_generation {
+            inside.key_generation = generation;
+            self.cache.direct.forget_unless(generation);
+        }
+    }
+
+    /// The failure of an access that meets `outcome` instead of the responder's memory: a
+    /// stopped responder ran neither it nor any later one (`NotExecuted`); one that does not
+    /// answer is `RetryExceededError`.
+    fn unreachable(&mut self, outcome: Outcome) -> WorkCompletionStatus {
+        match outcome {
+            Outcome::Answered(status) | Outcome::Placed(status) => self.fail(status),
+            // Requests run in order: this one and every later one did not run.
+            Outcome::Stopped => {
+                self.queue_pair.responder_stopped();
+                self.fail(WorkCompletionStatus::NotExecuted)
+            }
+            Outcome::Unanswered | Outcome::Unmapped => {
+                self.fail(WorkCompletionStatus::RetryExceededError)
+            }
+        }
     }
 
     /// Checks an access by a key this call resolved already: length, rights and range, as
@@ -158,7 +192,10 @@ impl ShmDirect<'_> {
     ) -> Result<(usize, u64), WorkCompletionStatus> {
         let protection_domain = match &self.inside {
             Ok(inside) => inside.protection_domain,
-            Err(_) => return Err(self.fail(WorkCompletionStatus::RetryExceededError)),
+            Err(outcome) => {
+                let outcome = *outcome;
+                return Err(self.unreachable(outcome));
+            }
         };
         if length > self.max_message_size {
             return Err(self.fail(WorkCompletionStatus::RemoteInvalidRequestError));
@@ -213,15 +250,7 @@ impl ShmDirect<'_> {
             }
             // Not zero-length (checked by the caller): not reached.
             Ok(None) => Err(self.fail(WorkCompletionStatus::RemoteInvalidRequestError)),
-            Err(Outcome::Answered(status) | Outcome::Placed(status)) => Err(self.fail(status)),
-            // Requests run in order: this one and every later one did not run.
-            Err(Outcome::Stopped) => {
-                self.queue_pair.responder_stopped();
-                Err(self.fail(WorkCompletionStatus::NotExecuted))
-            }
-            Err(Outcome::Unanswered | Outcome::Unmapped) => {
-                Err(self.fail(WorkCompletionStatus::RetryExceededError))
-            }
+            Err(outcome) => Err(self.unreachable(outcome)),
         }
     }
 
@@ -274,6 +303,11 @@ impl DirectAccess for ShmDirect<'_> {
             Some((memory, offset)) => memory.write_from(offset, from),
             None => Ok(()),
         };
+        // Accesses run in order, as a queue pair's requests do: the stores land before any
+        // later load of the call (a store may otherwise wait in this core's store buffer past
+        // a later load of another word: an announce would land after the slot READ it must
+        // precede).
+        fence(Ordering::SeqCst);
         self.copied(outcome)
     }
 }
