@@ -163,6 +163,12 @@ impl Announcements {
         }
     }
 
+    /// `connection`'s word now, as (`started`, `quiescent`); `None` when it has none.
+    pub fn word_of(&self, connection: u64) -> Option<(u64, u64)> {
+        let index = lock(&self.slots).live.get(&connection).copied()?;
+        Some((self.word(index, 0), self.word(index, 8)))
+    }
+
     /// Whether every connection of `snapshot` has finished what it had started then.
     pub fn all_quiescent(&self, snapshot: &Snapshot) -> bool {
         let slots = lock(&self.slots);

@@ -55,6 +55,12 @@ pub const COMPACTOR: u64 = 0;
 /// seals them).
 pub const LOADER: u64 = u64::MAX;
 
+/// How long a client refused heap space keeps the heap "under pressure" (`Heap::under_pressure`).
+const PRESSURE_AFTER_REFUSAL: Duration = Duration::from_secs(1);
+
+/// The heap is under pressure while less than this share of it is free.
+const PRESSURE_FREE_SHARE: u64 = 4;
+
 /// Each grant is at most this share of the extents free to clients (and at least what the block
 /// asking for it needs), so that many writers share a small heap.
 const GRANT_SHARE_OF_FREE: u64 = 8;
@@ -157,6 +163,9 @@ pub struct Heap {
     sealed_windows: Mutex<HashMap<u64, MemoryWindow>>,
     /// Milliseconds from an extent's last reference to its reuse, for the last extents freed.
     pub reuse_delays: Mutex<VecDeque<u64>>,
+    /// When a client was last refused heap space (`None`: never): the heap is under pressure
+    /// for a while after.
+    last_refusal: Mutex<Option<Instant>>,
 }
 
 /// How many reuse delays [`Heap::reuse_delays`] keeps.
@@ -221,7 +230,23 @@ impl Heap {
             tentatives_cleared: AtomicU64::new(0),
             sealed_windows: Mutex::new(HashMap::new()),
             reuse_delays: Mutex::new(VecDeque::new()),
+            last_refusal: Mutex::new(None),
         }
+    }
+
+    /// Whether the heap is under pressure at `now`: under a quarter of it is free, or a client
+    /// was refused space in the last second. A connection that holds reuse back while silent
+    /// is then fenced (`session/serve.rs`; `docs/protocol.md`, *Heap space*).
+    pub fn under_pressure(&self, now: Instant) -> bool {
+        let refused_lately = lock(&self.last_refusal).is_some_and(|refused| {
+            now.saturating_duration_since(refused) < PRESSURE_AFTER_REFUSAL
+        });
+        refused_lately || lock(&self.extents).free * PRESSURE_FREE_SHARE < self.extent_count
+    }
+
+    /// Notes that a client was refused space now.
+    fn note_refusal(&self) {
+        *lock(&self.last_refusal) = Some(Instant::now());
     }
 
     /// Whether the block at heap `offset` lies in a settled extent: no operation that wrote a
@@ -371,6 +396,15 @@ impl Heap {
     /// [`COMPACTOR`]), so that compaction can always make room even when clients have taken
     /// everything else.
     pub fn allocate(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
+        let grant = self.allocate_run(connection, started, needed_bytes);
+        if grant.is_none() && connection != COMPACTOR {
+            self.note_refusal();
+        }
+        grant
+    }
+
+    /// [`Self::allocate`], without noting a refusal.
+    fn allocate_run(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
         let chunk_extents = self.chunk_extents();
         let needed = needed_bytes.div_ceil(EXTENT_SIZE).max(1);
         if needed > chunk_extents {
@@ -421,8 +455,9 @@ impl Heap {
         Some(grant)
     }
 
-    /// Seals the grant `connection` owns after it is gone (left, or its lease expired): its
-    /// queue pair is drained, so it writes nothing more.
+    /// Seals the grant `connection` owns after it is gone (left, its lease expired, or fenced):
+    /// its queue pair is drained and its requester out of every request
+    /// (`QueuePair::requester_out`), so it writes nothing more.
     pub fn seal_owned_by(&self, connection: u64) {
         let mut extents = lock(&self.extents);
         extents.last_grant.remove(&connection);

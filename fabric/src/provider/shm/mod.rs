@@ -156,6 +156,7 @@ impl DeviceProvider for ShmDevice {
             responder: Mutex::new(ResponderState::default()),
             epoch_slot: AtomicU32::new(NO_EPOCH_SLOT),
             requester: Mutex::new(None),
+            stuck_epoch: Mutex::new(None),
             attachment: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
             executor: Mutex::new(Executor::default()),
@@ -395,15 +396,18 @@ impl Offer {
         }
     }
 
-    /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout.
-    fn wait_quiet(&self, slot: u32) {
-        if !self.state.wait_quiet(slot, self.retry_timeout) {
+    /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout; returns the
+    /// epoch it is still inside when the bound passed.
+    fn wait_quiet(&self, slot: u32) -> Option<u64> {
+        let stuck = self.state.wait_quiet(slot, self.retry_timeout);
+        if stuck.is_some() {
             tracing::warn!(
                 epoch_slot = slot,
                 waited = ?self.retry_timeout,
                 "an shm requester stayed inside a request past the retry timeout (stopped or dead); going on"
             );
         }
+        stuck
     }
 
     /// Closes the device: requesters see it closed, the accept thread ends, the socket goes.
@@ -808,6 +812,9 @@ pub(crate) struct ShmQueuePair {
     /// As a responder: its end of the attach connection, held while the queue pair lives (its
     /// closing tells the requester that nothing answers any more).
     requester: Mutex<Option<UnixStream>>,
+    /// As a responder: the epoch its requester was still inside when the last drain's bound
+    /// passed (stopped or dead inside a request); `None` when that drain found it out.
+    stuck_epoch: Mutex<Option<u64>>,
     /// As a requester: the attachment, once connected to a listening peer.
     attachment: OnceLock<Attachment>,
     /// As a requester: requests posted and not yet run, in sequence order.
@@ -1347,8 +1354,38 @@ impl QueuePairProvider for ShmQueuePair {
     fn drain(&self, _queue_pair: &QueuePairShared) {
         let slot = self.epoch_slot.load(Ordering::Acquire);
         if let (Some(offer), true) = (&self.offer, slot != NO_EPOCH_SLOT) {
-            offer.wait_quiet(slot);
+            *lock(&self.stuck_epoch) = offer.wait_quiet(slot);
         }
+    }
+
+    /// Out once the requester left the request the drain found it inside (its epoch moved
+    /// on: any request it enters now sees the queue pair not receiving), or its process is
+    /// gone (the kernel closed its end of the attach connection, so nothing of it runs).
+    fn requester_out(&self, _queue_pair: &QueuePairShared) -> bool {
+        let Some(seen) = *lock(&self.stuck_epoch) else {
+            return true;
+        };
+        let slot = self.epoch_slot.load(Ordering::Acquire);
+        let left = match (&self.offer, slot != NO_EPOCH_SLOT) {
+            (Some(offer), true) => offer.state.left_epoch(slot, seen),
+            _ => true,
+        };
+        let gone = lock(&self.requester).as_ref().is_none_or(|stream| {
+            let mut byte = [0u8; 1];
+            match nix::sys::socket::recv(
+                stream.as_raw_fd(),
+                &mut byte,
+                nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(0) => true,
+                Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => false,
+                Err(_) => true,
+            }
+        });
+        if left || gone {
+            *lock(&self.stuck_epoch) = None;
+        }
+        left || gone
     }
 
     /// A responder with an attached requester: the drain waits for its epoch.

@@ -301,23 +301,24 @@ impl SharedState {
     }
 
     /// Waits until the requester of epoch slot `slot` is not inside a request that began before
-    /// this call (its epoch is even, or moved on), for at most `limit`; returns whether it was.
-    pub(crate) fn wait_quiet(&self, slot: u32, limit: Duration) -> bool {
+    /// this call (its epoch is even, or moved on), for at most `limit`; returns `None` when it
+    /// was, else the epoch it is still inside (see [`Self::left_epoch`]).
+    pub(crate) fn wait_quiet(&self, slot: u32, limit: Duration) -> Option<u64> {
         // Orders the caller's revocation before the epoch read: a requester that enters after
         // it sees the revocation (it fences after its increment).
         fence(Ordering::SeqCst);
         let offset = SLOT * u64::from(slot);
         let Ok(seen) = self.epochs.load_u64(offset) else {
-            return true;
+            return None;
         };
         if seen % 2 == 0 {
-            return true;
+            return None;
         }
         let deadline = Instant::now() + limit;
         let mut spins = 0u32;
         while self.epochs.load_u64(offset).ok() == Some(seen) {
             if Instant::now() >= deadline {
-                return false;
+                return Some(seen);
             }
             spins += 1;
             if spins < 1_000 {
@@ -326,7 +327,13 @@ impl SharedState {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        true
+        None
+    }
+
+    /// Whether the requester of epoch slot `slot`, found inside epoch `seen` by
+    /// [`Self::wait_quiet`], has left that request since (its epoch moved on).
+    pub(crate) fn left_epoch(&self, slot: u32, seen: u64) -> bool {
+        self.epochs.load_u64(SLOT * u64::from(slot)).ok() != Some(seen)
     }
 
     /// Marks the device closed: every request from now on is unanswered.
