@@ -1420,15 +1420,15 @@ mod tests {
         device.gauges().queue_pairs.iter().sum()
     }
 
-    /// A responder dropped inside a runtime while its requester is inside a request (its epoch
-    /// odd, as a stopped client's stays) returns before its drain ends: the drain, which waits
-    /// for the requester, runs on a thread of its own. The queue pair leaves its device once
-    /// the requester is out.
-    #[tokio::test]
-    async fn a_dropped_responder_drains_off_the_runtime_while_its_requester_is_inside() {
-        let socket = std::env::temp_dir().join(format!("rdkv-drop-{}.sock", std::process::id()));
+    /// A responder and its attached requester on `socket`, with the responder's drain bounded
+    /// by `retry_timeout`.
+    async fn attached_pair(
+        socket: &str,
+        retry_timeout: Duration,
+    ) -> (Device, Device, QueuePair, QueuePair) {
+        let socket = std::env::temp_dir().join(format!("{socket}-{}.sock", std::process::id()));
         let config = DeviceConfig {
-            retry_timeout: Duration::from_secs(30),
+            retry_timeout,
             ..DeviceConfig::default()
         };
         let responder = Device::shm(Some(socket), config).expect("offering device");
@@ -1443,6 +1443,53 @@ mod tests {
             .connect(&responder_queue_pair.endpoint())
             .await
             .expect("the requester attaches");
+        (
+            responder,
+            requester,
+            responder_queue_pair,
+            requester_queue_pair,
+        )
+    }
+
+    /// A requester stopped inside a request past the drain's bound is not out
+    /// (`QueuePair::requester_out`): the node must not reuse what it may touch. It is out once
+    /// it leaves that request, and a requester the drain found outside is out at once.
+    #[tokio::test]
+    async fn a_requester_stopped_inside_a_request_is_not_out_until_it_leaves() {
+        let (_responder, _requester, responder_queue_pair, _requester_queue_pair) =
+            attached_pair("rdkv-out", Duration::from_millis(20)).await;
+        let part = responder_queue_pair
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .expect("an shm queue pair");
+        let offer = part.offer.clone().expect("a listening device's offer");
+        let slot = part.epoch_slot.load(Ordering::Acquire);
+        let inside = EpochMarker::enter(&offer.state.epochs, slot);
+        responder_queue_pair.modify_to_error();
+        responder_queue_pair.drain();
+        assert!(
+            !responder_queue_pair.requester_out(),
+            "still inside the request it stopped in"
+        );
+        drop(inside);
+        assert!(responder_queue_pair.requester_out(), "it left the request");
+        responder_queue_pair.drain();
+        assert!(
+            responder_queue_pair.requester_out(),
+            "drained with the requester outside"
+        );
+    }
+
+    /// A responder dropped inside a runtime while its requester is inside a request (its epoch
+    /// odd, as a stopped client's stays) returns before its drain ends: the drain, which waits
+    /// for the requester, runs on a thread of its own. The queue pair leaves its device once
+    /// the requester is out.
+    #[tokio::test]
+    async fn a_dropped_responder_drains_off_the_runtime_while_its_requester_is_inside() {
+        let (responder, _requester, responder_queue_pair, _requester_queue_pair) =
+            attached_pair("rdkv-drop", Duration::from_secs(30)).await;
         let part = responder_queue_pair
             .shared
             .provider
