@@ -109,7 +109,11 @@ async fn write_load(client: Arc<Client>, keys_from: u64, stop: Arc<AtomicBool>) 
                         Outcome::Unknown
                     }
                 };
-                let ret = if outcome == Outcome::Unknown { u64::MAX } else { ret };
+                let ret = if outcome == Outcome::Unknown {
+                    u64::MAX
+                } else {
+                    ret
+                };
                 load.events.push(Event {
                     key,
                     operation,
@@ -163,17 +167,17 @@ fn frozen_writer_process() {
     let stop_on_eof = stop.clone();
     std::thread::spawn(move || {
         let mut line = String::new();
-        while std::io::stdin().read_line(&mut line).is_ok_and(|read| read > 0) {
+        while std::io::stdin()
+            .read_line(&mut line)
+            .is_ok_and(|read| read > 0)
+        {
             line.clear();
         }
         stop_on_eof.store(true, Ordering::Relaxed);
     });
     runtime.block_on(async {
         let client = connect(address).await;
-        client
-            .put(b"child-ready", b"1")
-            .await
-            .expect("a first put");
+        client.put(b"child-ready", b"1").await.expect("a first put");
         println!("ready");
         let _ = std::io::stdout().flush();
         let load = write_load(client.clone(), CHILD_KEYS_FROM, stop).await;
@@ -250,7 +254,11 @@ async fn a_stopped_client_is_fenced_and_the_other_writer_keeps_writing() {
     drop(child.stdin.take());
     let mut report = String::new();
     let mut line = String::new();
-    while child_output.read_line(&mut line).expect("the child's output") > 0 {
+    while child_output
+        .read_line(&mut line)
+        .expect("the child's output")
+        > 0
+    {
         report.push_str(&line);
         line.clear();
     }

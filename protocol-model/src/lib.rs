@@ -33,6 +33,12 @@
 //! The client before the fix returns the paused node's frozen value; the serving-lease rule
 //! (a word `(S, E)` read after the data, `S < t_post`, `t_done < E`) holds.
 //!
+//! [`reclaim`] is a fourth: heap reclamation with announce words and the fence of a connection
+//! that holds reuse back (a stopped client). Fencing as built (queue pair to ERROR, a drain
+//! that waits until the requester is out of every request, then the word released) holds on
+//! both kinds of fabric; a drain that gives up on an `shm` requester stopped inside a request,
+//! or a word released before the ERROR, lets the client read or write a reused extent.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -46,6 +52,7 @@ pub mod lease;
 pub mod model;
 mod new_protocol;
 mod old_protocol;
+pub mod reclaim;
 pub mod replication;
 pub mod scenario;
 pub mod step;

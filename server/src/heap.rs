@@ -238,9 +238,8 @@ impl Heap {
     /// was refused space in the last second. A connection that holds reuse back while silent
     /// is then fenced (`session/serve.rs`; `docs/protocol.md`, *Heap space*).
     pub fn under_pressure(&self, now: Instant) -> bool {
-        let refused_lately = lock(&self.last_refusal).is_some_and(|refused| {
-            now.saturating_duration_since(refused) < PRESSURE_AFTER_REFUSAL
-        });
+        let refused_lately = lock(&self.last_refusal)
+            .is_some_and(|refused| now.saturating_duration_since(refused) < PRESSURE_AFTER_REFUSAL);
         refused_lately || lock(&self.extents).free * PRESSURE_FREE_SHARE < self.extent_count
     }
 

@@ -40,7 +40,10 @@ pub(super) struct Hold {
 impl HoldWatch {
     /// A watch that has seen nothing yet.
     pub(super) fn new(now: Instant) -> Self {
-        Self { word: None, since: now }
+        Self {
+            word: None,
+            since: now,
+        }
     }
 
     /// Samples `connection`'s word at `now`: `Some` when the connection has held reuse back,
