@@ -396,7 +396,9 @@ impl Heap {
     /// everything else.
     pub fn allocate(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
         let grant = self.allocate_run(connection, started, needed_bytes);
-        if grant.is_none() && connection != COMPACTOR {
+        let fits_a_chunk = needed_bytes.div_ceil(EXTENT_SIZE) <= self.chunk_extents();
+        if grant.is_none() && connection != COMPACTOR && fits_a_chunk {
+            // No room: the heap is under pressure for a while.
             self.note_refusal();
         }
         grant
@@ -999,6 +1001,36 @@ mod tests {
         // 4, 6 and 7; compaction: the five extents with live bytes pack into two, less one
         // for the packing.
         assert_eq!(heap.reclaimable_extents(0.5), 3 + 2);
+    }
+
+    #[test]
+    fn the_heap_is_under_pressure_when_a_quarter_is_free_or_a_client_was_refused() {
+        let heap = heap(8);
+        let now = Instant::now();
+        assert!(!heap.under_pressure(now), "all free");
+        for connection in 1..=6 {
+            assert!(grant(&heap, connection, 0).is_some());
+        }
+        assert!(!heap.under_pressure(now), "a quarter free");
+        assert!(grant(&heap, COMPACTOR, 0).is_some());
+        assert!(heap.under_pressure(now), "an eighth free");
+        // Four chunks of four extents; the last is the compactor's.
+        let heap = heap_of(4, 4 * EXTENT_SIZE);
+        assert!(heap.allocate(1, 0, 5 * EXTENT_SIZE).is_none());
+        assert!(
+            !heap.under_pressure(Instant::now()),
+            "a block larger than a chunk is refused whatever is free"
+        );
+        for connection in 1..=3 {
+            assert!(heap.allocate(connection, 0, 4 * EXTENT_SIZE).is_some());
+        }
+        assert!(!heap.under_pressure(Instant::now()), "a quarter free");
+        assert!(heap.allocate(4, 0, 4 * EXTENT_SIZE).is_none(), "no room");
+        assert!(heap.under_pressure(Instant::now()), "a client was refused");
+        assert!(
+            !heap.under_pressure(Instant::now() + PRESSURE_AFTER_REFUSAL),
+            "a refusal a second ago no longer counts"
+        );
     }
 
     #[test]
