@@ -194,19 +194,37 @@ fn frozen_writer_process() {
     });
 }
 
+/// The child writer: resumed, killed and reaped when dropped (a test that fails midway leaves
+/// no stopped process behind).
+struct ChildWriter {
+    child: Child,
+}
+
+impl Drop for ChildWriter {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Spawns the child writer on `address`; returns once it said it is ready.
-fn spawn_child(address: std::net::SocketAddr) -> (Child, BufReader<std::process::ChildStdout>) {
-    let mut child = Command::new(std::env::current_exe().expect("the test binary"))
-        .args(["--exact", "frozen_writer_process", "--nocapture"])
-        .args(["--test-threads", "1"])
-        .env(CHILD_ADDRESS, address.to_string())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the child writer");
-    let mut output = BufReader::new(child.stdout.take().expect("piped stdout"));
+fn spawn_child(
+    address: std::net::SocketAddr,
+) -> (ChildWriter, BufReader<std::process::ChildStdout>) {
+    let mut writer = ChildWriter {
+        child: Command::new(std::env::current_exe().expect("the test binary"))
+            .args(["--exact", "frozen_writer_process", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env(CHILD_ADDRESS, address.to_string())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the child writer"),
+    };
+    let mut output = BufReader::new(writer.child.stdout.take().expect("piped stdout"));
     let mut line = String::new();
     loop {
         line.clear();
@@ -214,7 +232,7 @@ fn spawn_child(address: std::net::SocketAddr) -> (Child, BufReader<std::process:
         assert!(read > 0, "the child writer ended before it was ready");
         // libtest prints the test's name on the same line.
         if line.trim_end().ends_with("ready") {
-            return (child, output);
+            return (writer, output);
         }
     }
 }
@@ -230,7 +248,7 @@ async fn heap_fences(monitor: &Client) -> u64 {
 async fn a_stopped_client_is_fenced_and_the_other_writer_keeps_writing() {
     let server = ServerProcess::start(SECRET, &["--heap-size", "2M", "--chunk-size", "64K"]);
     let (mut child, mut child_output) = spawn_child(server.control_address);
-    let resume = Resume(Pid::from_raw(child.id() as i32));
+    let pid = Pid::from_raw(child.child.id() as i32);
     let monitor = connect(server.control_address).await;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -241,17 +259,17 @@ async fn a_stopped_client_is_fenced_and_the_other_writer_keeps_writing() {
     ));
     // Both write for a while; then the child is stopped in the middle of its load.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    kill(resume.0, Signal::SIGSTOP).expect("stop the child");
+    kill(pid, Signal::SIGSTOP).expect("stop the child");
     let stopped_at = Instant::now();
     tokio::time::sleep(STOPPED_FOR).await;
     let fences_while_stopped = heap_fences(&monitor).await;
-    kill(resume.0, Signal::SIGCONT).expect("resume the child");
+    kill(pid, Signal::SIGCONT).expect("resume the child");
     let resumed_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
     let load = writer.await.expect("the writer");
 
-    drop(child.stdin.take());
+    drop(child.child.stdin.take());
     let mut report = String::new();
     let mut line = String::new();
     while child_output
@@ -262,7 +280,7 @@ async fn a_stopped_client_is_fenced_and_the_other_writer_keeps_writing() {
         report.push_str(&line);
         line.clear();
     }
-    let status = child.wait().expect("the child's exit");
+    let status = child.child.wait().expect("the child's exit");
     eprintln!("{report}");
 
     assert!(
@@ -302,14 +320,4 @@ async fn a_stopped_client_is_fenced_and_the_other_writer_keeps_writing() {
         "other writer: {} operations, {while_stopped} in the last 10 s of the stop; {fences_while_stopped} heap fence(s)",
         load.events.len()
     );
-}
-
-/// Resumes the child if the test fails while it is stopped (a stopped child outlives the test
-/// otherwise).
-struct Resume(Pid);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        let _ = kill(self.0, Signal::SIGCONT);
-    }
 }
