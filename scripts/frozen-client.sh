@@ -12,8 +12,8 @@
 # --release --workspace --bins), loads 1,000 records, and starts YCSB-A writer A (4 threads)
 # for the whole run. Then writer B (4 threads) runs twice, SECONDS each, one after the other:
 # once with A running, and once with A stopped (SIGSTOP) for those SECONDS. It prints B's
-# throughput in each window, their ratio, B's errors, and each node's
-# rdkv_heap_fences_total. Everything it starts stops by itself or when it exits.
+# throughput in each window, their ratio, B's errors, each node's rdkv_heap_fences_total, and
+# how many connections a node kept because an shm client stopped inside a request. Everything it starts stops by itself or when it exits.
 set -euo pipefail
 seconds=${1:-15}
 fabric=${2:-auto}
@@ -90,5 +90,7 @@ echo "writer B with A running: ${running} ops/s ($(errors "$work/b-running.txt")
 echo "writer B with A stopped: ${stopped} ops/s ($(errors "$work/b-stopped.txt") errors)"
 awk -v a="$running" -v b="$stopped" 'BEGIN { if (a > 0) printf "ratio (stopped / running): %.2f\n", b / a }'
 echo "rdkv_heap_fences_total per node: ${fences[*]}"
+echo "node log lines, per node: 'stopped inside a request' (an shm client kept until it leaves it):" \
+  "$(for node in 1 2 3; do grep -c 'stopped inside a request' "$work/run/node-$node.log" || true; done | tr '\n' ' ')"
 wait "${pids[@]}" 2>/dev/null || true
 pids=()
