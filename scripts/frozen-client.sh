@@ -53,38 +53,38 @@ old = iter(ports)
 text = re.sub(r'127\.0\.0\.1:74\d\d', lambda _: f"127.0.0.1:{next(old)}", text)
 open(target, "w").write(text)
 EOF
-metrics_ports=("${ports[2]}" "${ports[5]}" "${ports[8]}")
+read -r -a metrics_addresses <<<"$(sed -n 's/^metrics_address = "\(.*\)"/\1/p' "$file" | tr '\n' ' ')"
 
 "$binaries/rdkv-cluster" up "$file" --detach --run-dir "$work/run" >/dev/null
 echo "cluster up, files in $work" >&2
-ycsb() { # OUTPUT SECONDS: a YCSB-A writer of 4 threads on the loaded records
-  "$binaries/rdkv-ycsb" run -c "$file" --fabric "$fabric" -P workloada \
-    -p recordcount=1000 -p operationcount=100000000 --threads 4 \
-    --max-execution-time "$2" --allow-errors >"$1" 2>&1
-}
+# A YCSB-A writer of 4 threads on the loaded records, for SECONDS (an argument to add).
+writer=("$binaries/rdkv-ycsb" run -c "$file" --fabric "$fabric" -P workloada
+  -p recordcount=1000 -p operationcount=100000000 --threads 4 --allow-errors
+  --max-execution-time)
 "$binaries/rdkv-ycsb" load -c "$file" --fabric "$fabric" -P workloada \
   -p recordcount=1000 >"$work/load.txt" 2>&1
 
-ycsb "$work/a.txt" $((2 * seconds + 10)) &
+# Started directly (not through a function's subshell), so that $! is rdkv-ycsb itself.
+"${writer[@]}" $((2 * seconds + 10)) >"$work/a.txt" 2>&1 &
 frozen=$!
 pids+=("$frozen")
 sleep 3
-ycsb "$work/b-running.txt" "$seconds"
+"${writer[@]}" "$seconds" >"$work/b-running.txt" 2>&1
 kill -STOP "$frozen"
-ycsb "$work/b-stopped.txt" "$seconds"
+"${writer[@]}" "$seconds" >"$work/b-stopped.txt" 2>&1
 kill -CONT "$frozen"
 frozen=
 
 throughput() { awk -F', ' '$1 == "[OVERALL]" && $2 == "Throughput(ops/sec)" { printf "%.0f", $3 }' "$1"; }
 errors() { grep -h 'Return=ERROR' "$1" | awk -F', ' '{ sum += $3 } END { print sum + 0 }'; }
-metric() { # PORT NAME: the metric's value, or - when the endpoint does not have it
-  curl -s --max-time 5 "http://127.0.0.1:$1/metrics" \
-    | awk -v name="$2" '$1 == name { print $2; found = 1 } END { if (!found) print "-" }'
+metric() { # ADDRESS NAME: the metric's value, or - when the endpoint does not have it
+  curl -s --max-time 5 "http://$1/metrics" \
+    | awk -v name="$2" '$1 == name || index($1, name "{") == 1 { print $2; found = 1 } END { if (!found) print "-" }'
 }
 running=$(throughput "$work/b-running.txt")
 stopped=$(throughput "$work/b-stopped.txt")
 fences=()
-for port in "${metrics_ports[@]}"; do fences+=("$(metric "$port" rdkv_heap_fences_total)"); done
+for address in "${metrics_addresses[@]}"; do fences+=("$(metric "$address" rdkv_heap_fences_total)"); done
 echo "fabric=$fabric seconds=$seconds"
 echo "writer B with A running: ${running} ops/s ($(errors "$work/b-running.txt") errors)"
 echo "writer B with A stopped: ${stopped} ops/s ($(errors "$work/b-stopped.txt") errors)"

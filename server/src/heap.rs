@@ -485,7 +485,9 @@ impl Heap {
     /// Keeps the WRITE window of a sealed grant (by its first extent) until the grant's writers
     /// are done; then it is revoked, before any of its extents can be reused.
     pub fn keep_window(&self, first_extent: u64, window: MemoryWindow) {
-        if let Some(previous) = lock(&self.sealed_windows).insert(first_extent, window) {
+        let previous = lock(&self.sealed_windows).insert(first_extent, window);
+        // Revoked outside the lock: on `shm` a revocation waits for the window's requester.
+        if let Some(previous) = previous {
             previous.invalidate();
         }
     }
@@ -514,14 +516,18 @@ impl Heap {
                 }
             }
         }
-        let mut windows = lock(&self.sealed_windows);
-        if windows.is_empty() {
-            return;
-        }
-        for extent in settled {
-            if let Some(window) = windows.remove(&extent) {
-                window.invalidate();
-            }
+        let revoked: Vec<MemoryWindow> = {
+            let mut windows = lock(&self.sealed_windows);
+            settled
+                .iter()
+                .filter_map(|extent| windows.remove(extent))
+                .collect()
+        };
+        // Outside the lock: on `shm` a revocation waits for the window's requester (up to
+        // `retry_timeout` for one stopped inside a request), and a session that seals a grant
+        // takes the lock on an async worker (`keep_window`).
+        for window in revoked {
+            window.invalidate();
         }
     }
 

@@ -373,14 +373,18 @@ impl Offer {
     }
 
     /// Waits until no attached requester can still be inside a request that saw the state
-    /// before the caller's change.
-    fn wait_for_requesters(&self) {
+    /// before the caller's change: only `bound`'s requester, when the change is the revocation
+    /// of a window bound to that queue pair (no other requester's request passes its key
+    /// check), so that a requester stopped inside a request delays the revocation of its own
+    /// windows only, not every client's.
+    fn wait_for_requesters(&self, bound: Option<u32>) {
         let Some(device) = self.device.upgrade() else {
             return;
         };
         let slots: Vec<u32> = device
             .queue_pairs
             .iter()
+            .filter(|entry| bound.is_none_or(|bound| *entry.key() == bound))
             .filter_map(|entry| entry.value().upgrade())
             .filter_map(|queue_pair| {
                 queue_pair
@@ -453,8 +457,8 @@ impl KeyMirror for Offer {
     }
 
     fn revoke(&self, key: u32) {
-        if self.state.revoke_key(key) {
-            self.wait_for_requesters();
+        if let Some(bound) = self.state.revoke_key(key) {
+            self.wait_for_requesters(bound);
         }
     }
 }
@@ -1480,6 +1484,82 @@ mod tests {
             responder_queue_pair.requester_out(),
             "drained with the requester outside"
         );
+    }
+
+    /// Revoking a window waits only for the requester of the queue pair it is bound to: a
+    /// requester stopped inside a request (its epoch odd) holds up its own windows' revocation,
+    /// never another client's.
+    #[tokio::test]
+    async fn a_window_revocation_waits_only_for_its_own_requester() {
+        let socket = std::env::temp_dir().join(format!("rdkv-revoke-{}.sock", std::process::id()));
+        let config = DeviceConfig {
+            retry_timeout: Duration::from_secs(30),
+            ..DeviceConfig::default()
+        };
+        let responder = Device::shm(Some(socket), config).expect("offering device");
+        let domain = responder.allocate_protection_domain();
+        let completion_queue = responder
+            .create_completion_queue(1024)
+            .expect("completion queue");
+        let mut attached = Vec::new();
+        for _ in 0..2 {
+            let responder_queue_pair = domain
+                .create_queue_pair(&completion_queue, QueuePairConfig::default())
+                .expect("queue pair");
+            responder_queue_pair.modify_to_init().expect("INIT");
+            let requester = Device::shm(None, config).expect("attaching device");
+            let requester_queue_pair = queue_pair(&requester);
+            responder_queue_pair
+                .connect(&requester_queue_pair.endpoint())
+                .await
+                .expect("the responder names its requester");
+            requester_queue_pair
+                .connect(&responder_queue_pair.endpoint())
+                .await
+                .expect("the requester attaches");
+            attached.push((responder_queue_pair, requester, requester_queue_pair));
+        }
+        let memory = Arc::new(
+            PinnedMemory::allocate_shared(
+                4096,
+                crate::memory::HugepagePolicy::Off,
+                crate::memory::PinLimits::default(),
+            )
+            .expect("shared memory"),
+        );
+        let region = domain
+            .register_all(&memory, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
+            .expect("region");
+        let window = domain.allocate_memory_window();
+        let (own, _, _) = &attached[0];
+        own.bind_memory_window(
+            &window,
+            &region,
+            region.address(),
+            4096,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .expect("bind");
+        let (other, _, _) = &attached[1];
+        let part = other
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .expect("an shm queue pair");
+        let offer = part.offer.clone().expect("a listening device's offer");
+        let stuck =
+            EpochMarker::enter(&offer.state.epochs, part.epoch_slot.load(Ordering::Acquire));
+        let revoking = std::thread::spawn(move || window.invalidate());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !revoking.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "the revocation waited for another queue pair's requester (hang guard, not a speed bound)"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(stuck);
     }
 
     /// A responder dropped inside a runtime while its requester is inside a request (its epoch

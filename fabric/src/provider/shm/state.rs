@@ -221,26 +221,33 @@ impl SharedState {
         Err(Error::ShmKeyTableFull { capacity: slots })
     }
 
-    /// Revokes a key; returns whether it was published.
-    pub(crate) fn revoke_key(&self, key: u32) -> bool {
+    /// Revokes a key; returns `None` when it was not published, else the queue pair it was
+    /// bound to (`Some(None)`: none, a region's key).
+    pub(crate) fn revoke_key(&self, key: u32) -> Option<Option<u32>> {
         let _writer = lock(&self.writer);
         let slots = self.layout.key_slots;
         let start = home(key, slots);
         for step in 0..slots {
             let offset = self.layout.key_slot((start + step) % slots);
             let Ok(word) = self.keys.load_u64(offset + 8) else {
-                return false;
+                return None;
             };
             match word >> 32 {
-                EMPTY => return false,
+                EMPTY => return None,
                 LIVE if word as u32 == key => {
+                    let bound = self
+                        .keys
+                        .load_u64(offset + 24)
+                        .ok()
+                        .and_then(|bound| (bound != UNBOUND).then_some(bound as u32));
                     return write_slot(&self.keys, offset, &[u64::from(key) | (REVOKED << 32)])
-                        .is_ok();
+                        .is_ok()
+                        .then_some(bound);
                 }
                 _ => {}
             }
         }
-        false
+        None
     }
 
     /// Publishes a queue pair's status (and the epoch slot of its requester).
