@@ -34,10 +34,11 @@
 //! (a word `(S, E)` read after the data, `S < t_post`, `t_done < E`) holds.
 //!
 //! [`reclaim`] is a fourth: heap reclamation with announce words and the fence of a connection
-//! that holds reuse back (a stopped client). Fencing as built (queue pair to ERROR, a drain
-//! that waits until the requester is out of every request, then the word released) holds on
-//! both kinds of fabric; a drain that gives up on an `shm` requester stopped inside a request,
-//! or a word released before the ERROR, lets the client read or write a reused extent.
+//! that holds reuse back (a stopped client). Fencing as built (queue pair to ERROR, a bounded
+//! drain, the word released once the requester is out, and until then no longer waited for by
+//! snapshots while `shm` READs are checked after their copy) holds on both kinds of fabric;
+//! without that check, releasing the grant of a requester still inside a request, or
+//! releasing the word before the ERROR, the client reads or writes a reused extent.
 //!
 //! [stateright]: https://docs.rs/stateright
 

@@ -52,11 +52,15 @@ struct Arguments {
     #[arg(long)]
     reader: Option<ReaderRule>,
     /// Reclaim model: how the node fences a connection that holds reuse back: `ordered` (as
-    /// built, the default), `drain-bounded` (release the word even when the drain gave up on
-    /// a requester inside a request), `release-first` (release the word before the ERROR) or
-    /// `never`. Both fabrics are checked.
+    /// built, the default), `wait-for-out` (keep the word until the requester is out),
+    /// `drain-bounded` (release the word even when the drain gave up on a requester inside a
+    /// request), `release-first` (release the word before the ERROR) or `never`. Both kinds of
+    /// fabric are checked.
     #[arg(long)]
     fence: Option<rdkv_protocol_model::reclaim::FenceRule>,
+    /// Reclaim model: check the shm-like fabric without its check after a READ's copy.
+    #[arg(long)]
+    unchecked_reads: bool,
     /// Index model: override the scenario's number of slots in the bucket (1..=4).
     #[arg(long)]
     slots: Option<usize>,
@@ -84,6 +88,9 @@ fn main() -> ExitCode {
         ModelName::Lease if arguments.protocol.is_some() => Some("--protocol"),
         ModelName::Lease if arguments.slots.is_some() => Some("--slots"),
         ModelName::Index | ModelName::Lease if arguments.fence.is_some() => Some("--fence"),
+        ModelName::Index | ModelName::Lease if arguments.unchecked_reads => {
+            Some("--unchecked-reads")
+        }
         ModelName::Reclaim if arguments.protocol.is_some() || arguments.reader.is_some() => {
             Some("--protocol and --reader")
         }
@@ -110,7 +117,7 @@ fn run_reclaim(arguments: &Arguments) -> ExitCode {
     use rdkv_protocol_model::reclaim::{self, FenceRule, ReclaimModel};
     let rule = arguments.fence.unwrap_or(FenceRule::Ordered);
     let mut violated = false;
-    for model in ReclaimModel::scenarios(rule) {
+    for model in ReclaimModel::scenarios(rule, arguments.unchecked_reads) {
         let report = reclaim::check(model);
         print!("{report}");
         violated |= !report.all_hold();

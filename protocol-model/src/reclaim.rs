@@ -16,7 +16,9 @@
 //!   the operation then fails and returns nothing.
 //! - **How a request runs** ([`Fabric`]): on `soft` and `verbs` the responder checks and
 //!   executes it in one step (the NIC); on `shm` the requester runs it itself, in two steps:
-//!   it *enters* (checks that the queue pair receives) and then *acts* on the memory.
+//!   it *enters* (checks that the queue pair receives) and then *acts* on the memory, and a
+//!   READ's data counts only if the queue pair still receives after the copy (as built;
+//!   `RequesterRunsUnchecked` leaves that check out).
 //! - **Client W** replaces the slot's `A` with `B`, once.
 //! - **The collector** *scans* (the slot no longer names `X`), then *snapshots* R's announced
 //!   `started` (nothing if R's word is released), making `X` a candidate; *frees* `X` once R's
@@ -33,14 +35,17 @@
 //! # What the checker finds
 //!
 //! - [`FenceRule::Ordered`], as built (`server/src/session/teardown.rs`): the queue pair to
-//!   ERROR, the drain waits until R's requester is out of every request
-//!   (`QueuePair::requester_out`), then the word is released. Holds on both fabrics.
-//! - [`FenceRule::DrainBounded`]: the drain gives up while R is inside a request (the `shm`
-//!   drain's `retry_timeout`), and the word is released anyway: R, resumed, finishes a READ
-//!   of the reused `X` and returns `C`, or WRITEs into the reused `G`. Holds on `soft`/`verbs`
-//!   (nothing is ever inside), violated on `shm`.
-//! - [`FenceRule::ReleaseFirst`]: the word released before the queue pair goes to ERROR:
-//!   violated on both.
+//!   ERROR, the drain (which may give up on a requester stopped inside a request), then R's
+//!   word released if its requester is out (`QueuePair::requester_out`); if it is not, the
+//!   word is no longer waited for by snapshots (`Announcements::fence_reads`) but is kept,
+//!   with the grant, until it is out. Holds where the responder runs requests and where the
+//!   requester runs them and checks each READ after its copy; without that check, R returns
+//!   `C`.
+//! - [`FenceRule::WaitForOut`] (keep everything until the requester is out) holds everywhere,
+//!   but a client stopped inside a request then holds every snapshot.
+//! - [`FenceRule::DrainBounded`] (release everything once the drain gave up): R's WRITE lands
+//!   in the reused `G`; without the READ check, R also returns `C`.
+//! - [`FenceRule::ReleaseFirst`] (the word released before the ERROR): both fail everywhere.
 //! - [`FenceRule::Never`], no early fence (reclamation waits for R's word): holds.
 //!
 //! # What the model leaves out
@@ -64,15 +69,31 @@ pub const NO_WRITE_INTO_REUSED: &str = "no WRITE lands in a reused extent";
 pub enum Fabric {
     /// The responder checks and executes each request in one step (`soft`, `verbs`).
     ResponderRuns,
-    /// The requester checks, then executes, each request itself (`shm`).
+    /// The requester checks, then executes, each request itself, and trusts a READ only if
+    /// the queue pair still receives after its copy (`shm` as built).
     RequesterRuns,
+    /// As `RequesterRuns`, without the check after a READ's copy.
+    RequesterRunsUnchecked,
+}
+
+impl Fabric {
+    /// Every fabric.
+    pub const ALL: [Fabric; 3] = [
+        Fabric::ResponderRuns,
+        Fabric::RequesterRuns,
+        Fabric::RequesterRunsUnchecked,
+    ];
 }
 
 /// How the node fences a connection that holds reuse back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FenceRule {
-    /// As built: ERROR, a drain that waits until the requester is out, then the word released.
+    /// As built: ERROR, a drain that may give up while the requester is inside a request; then
+    /// the word released if it is out, else the word no longer waited for by snapshots but
+    /// kept, with the grant, until it is out.
     Ordered,
+    /// ERROR, a drain that waits until the requester is out, then the word released.
+    WaitForOut,
     /// ERROR, a drain that may give up while the requester is inside, then the word released.
     DrainBounded,
     /// The word released, then ERROR.
@@ -83,8 +104,9 @@ pub enum FenceRule {
 
 impl FenceRule {
     /// Every rule, the built one first.
-    pub const ALL: [FenceRule; 4] = [
+    pub const ALL: [FenceRule; 5] = [
         FenceRule::Ordered,
+        FenceRule::WaitForOut,
         FenceRule::DrainBounded,
         FenceRule::ReleaseFirst,
         FenceRule::Never,
@@ -95,6 +117,7 @@ impl fmt::Display for FenceRule {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
             FenceRule::Ordered => "ordered",
+            FenceRule::WaitForOut => "wait-for-out",
             FenceRule::DrainBounded => "drain-bounded",
             FenceRule::ReleaseFirst => "release-first",
             FenceRule::Never => "never",
@@ -177,6 +200,9 @@ pub enum FenceStage {
     Errored,
     /// Drained (the rule says when).
     Drained,
+    /// Drained with the requester still inside a request: the word kept, but no longer
+    /// waited for by snapshots; the grant kept (`Ordered`).
+    ReadsFenced,
     /// The word released first (`ReleaseFirst`), the queue pair still receiving.
     ReleasedFirst,
     /// Done: the queue pair in ERROR and the word released.
@@ -194,6 +220,8 @@ pub struct ReclaimState {
     pub grant: Extent,
     /// R's word: `started`, `quiescent`, and whether it is still R's (not released).
     pub word: (u8, u8, bool),
+    /// Whether snapshots no longer wait for R's word (its reads fenced).
+    pub reads_fenced: bool,
     /// Whether R's queue pair receives.
     pub receiving: bool,
     /// R's next request (an index into its list; past the end: done).
@@ -251,9 +279,15 @@ pub struct ReclaimModel {
 }
 
 impl ReclaimModel {
-    /// Every fabric under `rule`.
-    pub fn scenarios(rule: FenceRule) -> Vec<ReclaimModel> {
-        [Fabric::ResponderRuns, Fabric::RequesterRuns]
+    /// Both kinds of fabric as built under `rule` (with `unchecked_reads`, the requester-run
+    /// one without its check after a READ).
+    pub fn scenarios(rule: FenceRule, unchecked_reads: bool) -> Vec<ReclaimModel> {
+        let requester = if unchecked_reads {
+            Fabric::RequesterRunsUnchecked
+        } else {
+            Fabric::RequesterRuns
+        };
+        [Fabric::ResponderRuns, requester]
             .into_iter()
             .map(|fabric| ReclaimModel { fabric, rule })
             .collect()
@@ -265,6 +299,7 @@ impl ReclaimModel {
             extent: Extent::InUse,
             grant: Extent::InUse,
             word: (0, 0, true),
+            reads_fenced: false,
             receiving: true,
             next_request: 0,
             inside: false,
@@ -285,8 +320,9 @@ impl ReclaimModel {
         (!state.failed && !returned_first).then_some(request)
     }
 
-    /// The effect of R's `request` on the memory.
-    fn act(state: &mut ReclaimState, request: Request) {
+    /// The effect of R's `request` on the memory; where the requester runs it and checks its
+    /// READs, a READ that finds the queue pair no longer receiving after its copy fails.
+    fn act(&self, state: &mut ReclaimState, request: Request) {
         match request {
             Request::Announce if state.word.2 => state.word.0 = 1,
             Request::AnnounceDone if state.word.2 => state.word.1 = 1,
@@ -300,6 +336,12 @@ impl ReclaimModel {
             Request::WriteGrant => state.wrote_into_reused |= state.grant == Extent::Reused,
             Request::Announce | Request::AnnounceDone => {}
         }
+        let read = matches!(request, Request::ReadSlot | Request::ReadBlock);
+        if read && self.fabric == Fabric::RequesterRuns && !state.receiving {
+            state.failed = true;
+            state.next_request = REQUESTS.len() as u8;
+            return;
+        }
         state.next_request += 1;
     }
 
@@ -311,21 +353,22 @@ impl ReclaimModel {
             return;
         }
         match self.fabric {
-            Fabric::ResponderRuns => Self::act(state, request),
-            Fabric::RequesterRuns => state.inside = true,
+            Fabric::ResponderRuns => self.act(state, request),
+            Fabric::RequesterRuns | Fabric::RequesterRunsUnchecked => state.inside = true,
         }
     }
 
     /// Whether R's word no longer holds `X` as a candidate of `snapshot`.
     fn word_done(state: &ReclaimState, snapshot: Option<u8>) -> bool {
         let (_, quiescent, live) = state.word;
-        !live || snapshot.is_none_or(|started| quiescent >= started)
+        !live || state.reads_fenced || snapshot.is_none_or(|started| quiescent >= started)
     }
 
     fn fence_enabled(&self, state: &ReclaimState) -> bool {
         match (self.rule, state.fence) {
             (FenceRule::Never, _) | (_, FenceStage::Done) => false,
-            (FenceRule::Ordered, FenceStage::Errored) => !state.inside,
+            (FenceRule::WaitForOut, FenceStage::Errored) => !state.inside,
+            (FenceRule::Ordered, FenceStage::ReadsFenced) => !state.inside,
             _ => true,
         }
     }
@@ -345,6 +388,10 @@ impl ReclaimModel {
                 FenceStage::Errored
             }
             (_, FenceStage::Errored) => FenceStage::Drained,
+            (FenceRule::Ordered, FenceStage::Drained) if state.inside => {
+                state.reads_fenced = true;
+                FenceStage::ReadsFenced
+            }
             (_, _) => {
                 state.word.2 = false;
                 FenceStage::Done
@@ -417,13 +464,14 @@ impl Model for ReclaimModel {
             ReclaimAction::Act => {
                 let request = REQUESTS.get(usize::from(state.next_request)).copied()?;
                 next.inside = false;
-                Self::act(&mut next, request);
+                self.act(&mut next, request);
             }
             ReclaimAction::Return => next.returned = next.block_read,
             ReclaimAction::Replace => next.slot = Block::B,
             ReclaimAction::Scan => next.extent = Extent::Scanned,
             ReclaimAction::Snapshot => {
-                next.extent = Extent::Candidate(next.word.2.then_some(next.word.0));
+                let waited_for = next.word.2 && !next.reads_fenced;
+                next.extent = Extent::Candidate(waited_for.then_some(next.word.0));
             }
             ReclaimAction::Free => next.extent = Extent::Free,
             ReclaimAction::Reuse => next.extent = Extent::Reused,
@@ -529,47 +577,34 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn the_ordered_fence_holds_on_both_fabrics() {
-        for fabric in [Fabric::ResponderRuns, Fabric::RequesterRuns] {
-            let report = verdict(fabric, FenceRule::Ordered);
-            assert!(report.all_hold(), "{report}");
-            assert!(report.unique_states > 50, "{report}");
+    /// The properties each rule violates on each fabric (`ResponderRuns`, `RequesterRuns`,
+    /// `RequesterRunsUnchecked`).
+    fn expected(rule: FenceRule) -> [Vec<&'static str>; 3] {
+        let both = || vec![NO_REUSED_READ, NO_WRITE_INTO_REUSED];
+        match rule {
+            FenceRule::Ordered => [vec![], vec![], vec![NO_REUSED_READ]],
+            FenceRule::WaitForOut | FenceRule::Never => [vec![], vec![], vec![]],
+            FenceRule::DrainBounded => [vec![], vec![NO_WRITE_INTO_REUSED], both()],
+            FenceRule::ReleaseFirst => [both(), both(), both()],
         }
     }
 
     #[test]
-    fn a_drain_that_gives_up_on_a_requester_inside_a_request_lets_it_read_and_write_reused_extents()
-    {
-        let report = verdict(Fabric::RequesterRuns, FenceRule::DrainBounded);
-        assert_eq!(
-            violated(&report),
-            vec![NO_REUSED_READ, NO_WRITE_INTO_REUSED],
-            "{report}"
-        );
-        assert!(
-            verdict(Fabric::ResponderRuns, FenceRule::DrainBounded).all_hold(),
-            "nothing is ever inside a request the responder runs"
-        );
-    }
-
-    #[test]
-    fn releasing_the_word_before_the_queue_pair_goes_to_error_is_caught_on_both_fabrics() {
-        for fabric in [Fabric::ResponderRuns, Fabric::RequesterRuns] {
-            let report = verdict(fabric, FenceRule::ReleaseFirst);
-            assert_eq!(
-                violated(&report),
-                vec![NO_REUSED_READ, NO_WRITE_INTO_REUSED],
-                "{report}"
-            );
+    fn each_rule_holds_or_fails_where_expected() {
+        for rule in FenceRule::ALL {
+            for (fabric, expected) in Fabric::ALL.into_iter().zip(expected(rule)) {
+                let report = verdict(fabric, rule);
+                assert_eq!(violated(&report), expected, "{report}");
+                assert!(report.unique_states > 50, "{report}");
+            }
         }
     }
 
     #[test]
-    fn without_an_early_fence_reclamation_waits_for_the_word() {
-        for fabric in [Fabric::ResponderRuns, Fabric::RequesterRuns] {
-            assert!(verdict(fabric, FenceRule::Never).all_hold());
-        }
+    fn the_fence_as_built_needs_the_check_after_a_read_where_the_requester_runs_it() {
+        let report = verdict(Fabric::RequesterRunsUnchecked, FenceRule::Ordered);
+        assert_eq!(violated(&report), vec![NO_REUSED_READ], "{report}");
+        assert!(verdict(Fabric::RequesterRuns, FenceRule::Ordered).all_hold());
     }
 
     #[test]

@@ -67,6 +67,10 @@ impl Session {
             }
         };
         if let Some(queue_pair) = inside {
+            // Its READs after the fence are discarded by its own requester (`shm` checks after
+            // each copy that the queue pair still receives), so it holds no snapshot back; a
+            // WRITE it was inside may still land, so its grant and word stay.
+            self.node.announcements.fence_reads(connection_id);
             tracing::warn!(
                 connection = connection_id,
                 "the client stopped inside a request: its grant and announce word are kept until it leaves it or its process ends"

@@ -31,7 +31,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -713,19 +713,38 @@ impl Attachment {
         if let (Opcode::Read, Ok(Some(target))) = (request.opcode, local) {
             // Straight from the responder's memory into the requester's buffer: one copy.
             let copied = memory.copy_to(offset, &target.entry.memory, target.memory_offset, length);
+            if !self.still_receiving() {
+                return Outcome::Stopped;
+            }
             return Outcome::Placed(match copied {
                 Ok(()) => WorkCompletionStatus::Success,
                 Err(_) => WorkCompletionStatus::RemoteOperationError,
             });
         }
-        Outcome::Answered(engine::perform(
-            memory,
-            offset,
-            request,
-            length,
-            write_payload,
-            response,
-        ))
+        let status = engine::perform(memory, offset, request, length, write_payload, response);
+        if request.opcode == Opcode::Read && !self.still_receiving() {
+            return Outcome::Stopped;
+        }
+        Outcome::Answered(status)
+    }
+
+    /// After a READ's copy: whether the responder queue pair still receives. A node moves it
+    /// out of receiving before it releases or reuses anything this requester could read; its
+    /// drain waits for a requester inside a request only up to `retry_timeout`, and one stopped
+    /// there (SIGSTOP) may resume after the node gave up and reused the memory under the copy.
+    /// So a READ is trusted only if the queue pair still received after the copy (the copy's
+    /// loads are ordered before this look by the acquire fence; a copy that saw reused bytes
+    /// ran after the node's change, which this look then sees); otherwise it did not run
+    /// (`NotExecuted`), as a request after the change does not.
+    fn still_receiving(&self) -> bool {
+        fence(Ordering::Acquire);
+        self.remote
+            .keys
+            .queue_pair(self.responder_qp)
+            .is_some_and(|responder| {
+                responder.status == QueuePairStatus::Receiving
+                    && responder.epoch_slot == self.epoch_slot
+            })
     }
 
     /// Runs one request on the responder's memory, as the responder's NIC would, in the epoch
