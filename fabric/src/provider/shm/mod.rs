@@ -1505,6 +1505,70 @@ mod tests {
         );
     }
 
+    /// A READ whose copy ran inside an epoch entered before the responder stopped receiving (a
+    /// requester stopped there and resumed after the node's drain gave up) is not trusted: it
+    /// completes as not executed. Entered and run before the stop, it succeeds.
+    #[tokio::test]
+    async fn a_read_that_finds_the_responder_stopped_after_its_copy_is_not_trusted() {
+        let (_responder, _requester, responder_queue_pair, requester_queue_pair) =
+            attached_pair("rdkv-read-check", Duration::from_millis(20)).await;
+        let memory = Arc::new(
+            PinnedMemory::allocate_shared(
+                4096,
+                crate::memory::HugepagePolicy::Off,
+                crate::memory::PinLimits::default(),
+            )
+            .expect("shared memory"),
+        );
+        let region = responder_queue_pair
+            .shared
+            .protection_domain
+            .register_all(&memory, AccessFlags::REMOTE_READ)
+            .expect("region");
+        let attachment = requester_queue_pair
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .and_then(|part| part.attachment.get())
+            .expect("an attached requester");
+        let read = RemoteRequest {
+            opcode: Opcode::Read,
+            remote_key: region.remote_key().key,
+            remote_address: region.address(),
+            length: 64,
+            compare: 0,
+            swap_or_add: 0,
+        };
+        let (mut cache, mut response) = (Vec::new(), Vec::new());
+        let own_qp = requester_queue_pair.shared.qp_number;
+        let mut before = attachment.enter();
+        // The first run maps the region (registered after the attach) into the cache.
+        let outcome = attachment.execute_in(
+            &mut before,
+            own_qp,
+            &mut cache,
+            &read,
+            &Ok(None),
+            &[],
+            &mut response,
+        );
+        assert!(
+            matches!(outcome, Outcome::Answered(WorkCompletionStatus::Success)),
+            "{outcome:?}"
+        );
+        let before = before
+            .ok()
+            .expect("still inside the epoch entered before the stop");
+        responder_queue_pair.modify_to_error();
+        let outcome =
+            attachment.execute_inside(&before, &mut cache, &read, &Ok(None), &[], &mut response);
+        assert!(
+            matches!(outcome, Outcome::Stopped),
+            "entered before the stop, copied after it: {outcome:?}"
+        );
+    }
+
     /// Revoking a window waits only for the requester of the queue pair it is bound to: a
     /// requester stopped inside a request (its epoch odd) holds up its own windows' revocation,
     /// never another client's.
