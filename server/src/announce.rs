@@ -155,6 +155,12 @@ impl Announcements {
         lock(&self.slots).reads_fenced.insert(connection);
     }
 
+    /// Whether `connection`'s reads are fenced ([`Self::fence_reads`]): a requester stopped
+    /// inside a request, whose WRITE may still land.
+    pub fn reads_fenced(&self, connection: u64) -> bool {
+        lock(&self.slots).reads_fenced.contains(&connection)
+    }
+
     /// `started` of every live connection now.
     pub fn snapshot(&self) -> Snapshot {
         let slots = lock(&self.slots);

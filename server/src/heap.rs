@@ -499,18 +499,26 @@ impl Heap {
         {
             let mut extents = lock(&self.extents);
             // The extents of one grant share their writer: ask once per pass.
-            let mut writers_done: HashMap<(u64, u64), bool> = HashMap::new();
+            let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
             for (index, state) in extents.states.iter_mut().enumerate() {
                 let ExtentState::Sealed { since, writer } = state else {
                     continue;
                 };
-                let done = match writer {
-                    None => true,
+                let (done, stopped_inside) = match writer {
+                    None => (true, false),
                     Some((connection, started)) => *writers_done
                         .entry((*connection, *started))
-                        .or_insert_with(|| announcements.quiescent_through(*connection, *started)),
+                        .or_insert_with(|| {
+                            (
+                                announcements.quiescent_through(*connection, *started),
+                                announcements.reads_fenced(*connection),
+                            )
+                        }),
                 };
-                if done || now.duration_since(*since) >= self.quarantine {
+                // A writer stopped inside a request (torn down, not out) may still finish a
+                // WRITE here: no quarantine for it; its grants settle once it is out.
+                let quarantined = !stopped_inside && now.duration_since(*since) >= self.quarantine;
+                if done || quarantined {
                     *state = ExtentState::Settled { since: now };
                     settled.push(index as u64);
                 }
@@ -879,6 +887,25 @@ mod tests {
             1,
             "freed by time"
         );
+    }
+
+    #[test]
+    fn a_writer_stopped_inside_a_request_gets_no_quarantine() {
+        let words = Words::new();
+        let heap = heap(3);
+        let start = Instant::now();
+        words.announce(1, 3, 2);
+        grant(&heap, 1, 3);
+        grant(&heap, 1, 3);
+        words.announcements.fence_reads(1);
+        words.tick(&heap, &[], start + Duration::from_secs(5));
+        assert!(
+            !heap.writer_gone(100),
+            "its WRITE may still land: sealed past the quarantine"
+        );
+        words.announcements.release(1);
+        words.tick(&heap, &[], start + Duration::from_secs(5));
+        assert!(heap.writer_gone(100), "out: settled");
     }
 
     #[test]

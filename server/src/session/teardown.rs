@@ -32,6 +32,12 @@ impl Session {
             if let Some(queue_pair) = &queue_pair {
                 queue_pair.modify_to_error();
                 queue_pair.drain();
+                if !queue_pair.requester_out() {
+                    // At once, before the window revocations below (each waits up to
+                    // `retry_timeout` for this requester): its READs from now on are discarded
+                    // by the requester itself, so snapshots need not wait for it.
+                    node.announcements.fence_reads(connection_id);
+                }
             }
             if !stall.is_zero() {
                 // Fault injection (tests only): a drain as slow as a NIC's can be.
@@ -68,8 +74,9 @@ impl Session {
         };
         if let Some(queue_pair) = inside {
             // Its READs after the fence are discarded by its own requester (`shm` checks after
-            // each copy that the queue pair still receives), so it holds no snapshot back; a
-            // WRITE it was inside may still land, so its grant and word stay.
+            // each copy that the queue pair still receives), so it holds no snapshot back
+            // (`fence_reads` above); a WRITE it was inside may still land, so its grant, its
+            // sealed grants and its word stay.
             self.node.announcements.fence_reads(connection_id);
             tracing::warn!(
                 connection = connection_id,
