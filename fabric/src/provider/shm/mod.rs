@@ -1557,9 +1557,7 @@ mod tests {
             matches!(outcome, Outcome::Answered(WorkCompletionStatus::Success)),
             "{outcome:?}"
         );
-        let before = before
-            .ok()
-            .expect("still inside the epoch entered before the stop");
+        let before = before.expect("still inside the epoch entered before the stop");
         responder_queue_pair.modify_to_error();
         let outcome =
             attachment.execute_inside(&before, &mut cache, &read, &Ok(None), &[], &mut response);
