@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 22;
+pub const PROTOCOL_VERSION: u32 = 23;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -522,6 +522,10 @@ pub struct ServerStats {
     /// Data connections ended because the view moved keys (`docs/protocol.md`, *Views and
     /// fencing*).
     pub connections_fenced: u64,
+    /// Data connections fenced because, under heap pressure, they held reuse back with an
+    /// operation in flight and announced nothing for `heap_hold_limit` (`docs/protocol.md`,
+    /// *Heap space*).
+    pub heap_fences: u64,
     /// Data connections refused because the node was not serving data.
     pub connections_refused_not_serving: u64,
     /// Extra lanes refused because over half of `max_connections` were open.

@@ -49,6 +49,17 @@ pub trait DirectAccess {
         into: &mut Vec<u8>,
     ) -> Result<(), WorkCompletionStatus>;
 
+    /// Confirms the READs of this call so far: whether the responder still served this queue
+    /// pair after them. A responder stops serving a queue pair before it releases or reuses
+    /// what its requester could read, but waits for a requester inside a call only up to
+    /// `retry_timeout`: a thread stopped inside the call may have copied reused memory. A
+    /// caller trusts what it read only after this returns `Ok`.
+    ///
+    /// # Errors
+    /// `NotExecuted` (the responder stopped: the READs count as not run), or the status of an
+    /// earlier failure of the call (`WorkRequestFlushError`).
+    fn confirm(&mut self) -> Result<(), WorkCompletionStatus>;
+
     /// WRITEs `from` at `remote`.
     ///
     /// # Errors

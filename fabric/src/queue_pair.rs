@@ -1028,6 +1028,16 @@ impl QueuePair {
         self.shared.drain();
     }
 
+    /// After [`QueuePair::drain`]: whether no request of this queue pair can still run on the
+    /// responder's memory. False only where the requester runs its requests itself (`shm`)
+    /// and stopped inside one past the drain's bound, with its process still there: it may
+    /// resume and finish that request, so what it could touch must not be reused yet. Ask
+    /// again later (cheap: a load and a non-blocking peek); it turns true once the requester
+    /// leaves the request or its process is gone.
+    pub fn requester_out(&self) -> bool {
+        self.shared.provider.requester_out(&self.shared)
+    }
+
     /// Requests still outstanding (zero after [`QueuePair::drain`]).
     pub fn outstanding(&self) -> usize {
         lock(&self.shared.requester).in_flight.len()

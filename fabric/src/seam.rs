@@ -301,6 +301,13 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// then waits for the responder side). Blocking, bounded by the provider.
     fn drain(&self, _queue_pair: &QueuePairShared) {}
 
+    /// After [`QueuePairProvider::drain`]: whether no request of this queue pair can still run.
+    /// Only a provider whose requester runs requests itself, in another process, can say no:
+    /// a requester stopped inside a request past the drain's bound may resume and finish it.
+    fn requester_out(&self, _queue_pair: &QueuePairShared) -> bool {
+        true
+    }
+
     /// Whether [`QueuePairProvider::drain`] could wait now (requests outstanding on a NIC, a
     /// requester in another process that may be inside a request): a queue pair dropped inside
     /// a tokio runtime is then drained on a thread of its own (`Drop for QueuePair`).

@@ -50,6 +50,27 @@ pub async fn random_operation(
     seen: &[Event],
     mix: Mix,
 ) -> (Operation, rdkv_client::Result<Outcome>) {
+    random_operation_sized(client, random, key, unique, seen, mix, 8).await
+}
+
+/// `value` as a written value of `size` bytes (at least 8): its little-endian bytes, then
+/// zeros (a heap-filling load writes large values that still decode to one `u64`).
+fn padded(value: u64, size: usize) -> Vec<u8> {
+    let mut bytes = value.to_le_bytes().to_vec();
+    bytes.resize(size.max(8), 0);
+    bytes
+}
+
+/// [`random_operation`], writing values of `value_size` bytes.
+pub async fn random_operation_sized(
+    client: &Client,
+    random: &mut impl Rng,
+    key: u64,
+    unique: u64,
+    seen: &[Event],
+    mix: Mix,
+    value_size: usize,
+) -> (Operation, rdkv_client::Result<Outcome>) {
     let key_bytes = format!("key-{key}");
     let key_bytes = key_bytes.as_bytes();
     let choice = random.gen_range(0..100);
@@ -60,7 +81,7 @@ pub async fn random_operation(
             result.map(|value| Outcome::Value(decode(value))),
         )
     } else if choice < mix.gets + mix.puts {
-        let result = client.put(key_bytes, &unique.to_le_bytes()).await;
+        let result = client.put(key_bytes, &padded(unique, value_size)).await;
         (Operation::Put(unique), result.map(|()| Outcome::Written))
     } else if choice < mix.gets + mix.puts + mix.deletes {
         let result = client.delete(key_bytes).await;
@@ -68,7 +89,11 @@ pub async fn random_operation(
     } else {
         let expected = last_value(seen, key);
         let result = client
-            .compare_and_swap(key_bytes, &expected.to_le_bytes(), &unique.to_le_bytes())
+            .compare_and_swap(
+                key_bytes,
+                &padded(expected, value_size),
+                &padded(unique, value_size),
+            )
             .await
             .map(|outcome| match outcome {
                 CasOutcome::Swapped => Outcome::Swapped,

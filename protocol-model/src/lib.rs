@@ -37,6 +37,13 @@
 //! The client before the fix returns the paused node's frozen value; the serving-lease rule
 //! (a word `(S, E)` read after the data, `S < t_post`, `t_done < E`) holds.
 //!
+//! [`reclaim`] is a fourth: heap reclamation with announce words and the fence of a connection
+//! that holds reuse back (a stopped client). Fencing as built (queue pair to ERROR, a bounded
+//! drain, the word released once the requester is out, and until then no longer waited for by
+//! snapshots while `shm` READs are checked after their copy) holds on both kinds of fabric;
+//! without that check, releasing the grant of a requester still inside a request, or
+//! releasing the word before the ERROR, the client reads or writes a reused extent.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -50,6 +57,7 @@ pub mod lease;
 pub mod model;
 mod new_protocol;
 mod old_protocol;
+pub mod reclaim;
 pub mod recovery;
 pub mod replication;
 pub mod scenario;

@@ -2,7 +2,8 @@
 //! the states explored, the time taken and each property's verdict, with a counterexample for
 //! every violated property. `--model index` (the default) checks the index-slot protocol under
 //! the old or the new protocol; `--model lease` checks a reader of a node that may be paused
-//! under a reader rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
+//! under a reader rule; `--model reclaim` checks heap reclamation and the fence of a stopped
+//! client under a fence rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
 //! error.
 
 #![forbid(unsafe_code)]
@@ -20,6 +21,8 @@ enum ModelName {
     Index,
     /// A reader of a node that may be paused, under the serving lease.
     Lease,
+    /// Heap reclamation with announce words and the fence of a stopped client.
+    Reclaim,
 }
 
 /// Command-line arguments.
@@ -48,6 +51,16 @@ struct Arguments {
     /// READ first, only t_done < E).
     #[arg(long)]
     reader: Option<ReaderRule>,
+    /// Reclaim model: how the node fences a connection that holds reuse back: `ordered` (as
+    /// built, the default), `wait-for-out` (keep the word until the requester is out),
+    /// `drain-bounded` (release the word even when the drain gave up on a requester inside a
+    /// request), `release-first` (release the word before the ERROR) or `never`. Both kinds of
+    /// fabric are checked.
+    #[arg(long)]
+    fence: Option<rdkv_protocol_model::reclaim::FenceRule>,
+    /// Reclaim model: check the shm-like fabric without its check after a READ's copy.
+    #[arg(long)]
+    unchecked_reads: bool,
     /// Index model: override the scenario's number of slots in the bucket (1..=4).
     #[arg(long)]
     slots: Option<usize>,
@@ -74,12 +87,20 @@ fn main() -> ExitCode {
         ModelName::Index if arguments.horizon.is_some() => Some("--horizon"),
         ModelName::Lease if arguments.protocol.is_some() => Some("--protocol"),
         ModelName::Lease if arguments.slots.is_some() => Some("--slots"),
+        ModelName::Index | ModelName::Lease if arguments.fence.is_some() => Some("--fence"),
+        ModelName::Index | ModelName::Lease if arguments.unchecked_reads => {
+            Some("--unchecked-reads")
+        }
+        ModelName::Reclaim if arguments.protocol.is_some() || arguments.reader.is_some() => {
+            Some("--protocol and --reader")
+        }
         _ => None,
     };
     if let Some(flag) = misplaced {
         let model = match arguments.model {
             ModelName::Index => "index",
             ModelName::Lease => "lease",
+            ModelName::Reclaim => "reclaim",
         };
         eprintln!("rdkv-protocol-model: {flag} does not apply to --model {model}");
         return ExitCode::from(2);
@@ -87,7 +108,21 @@ fn main() -> ExitCode {
     match arguments.model {
         ModelName::Index => run_index(&arguments),
         ModelName::Lease => run_lease(&arguments),
+        ModelName::Reclaim => run_reclaim(&arguments),
     }
+}
+
+/// Checks the reclamation model on both fabrics under the fence rule asked for.
+fn run_reclaim(arguments: &Arguments) -> ExitCode {
+    use rdkv_protocol_model::reclaim::{self, FenceRule, ReclaimModel};
+    let rule = arguments.fence.unwrap_or(FenceRule::Ordered);
+    let mut violated = false;
+    for model in ReclaimModel::scenarios(rule, arguments.unchecked_reads) {
+        let report = reclaim::check(model);
+        print!("{report}");
+        violated |= !report.all_hold();
+    }
+    exit_code(violated)
 }
 
 /// Checks the index-slot scenarios asked for.

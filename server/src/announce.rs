@@ -18,7 +18,7 @@
 //! when the scan that found the chunk unreferenced ended. A connection that is gone (torn down:
 //! its queue pair drained) has nothing in flight.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use rdkv_common::protocol::ANNOUNCE_SIZE;
@@ -46,6 +46,10 @@ struct Slots {
     free: Vec<u64>,
     /// The word of each connection that has one.
     live: HashMap<u64, u64>,
+    /// Torn-down connections whose requester stopped inside a request (`shm`): their words stay
+    /// (a WRITE of theirs may still land), but what they read can no longer be trusted by them
+    /// (a READ after the fence is discarded), so they hold no snapshot back.
+    reads_fenced: HashSet<u64>,
 }
 
 impl Announcements {
@@ -79,6 +83,7 @@ impl Announcements {
             slots: Mutex::new(Slots {
                 free: (0..count).rev().collect(),
                 live: HashMap::new(),
+                reads_fenced: HashSet::new(),
             }),
         })
     }
@@ -136,9 +141,24 @@ impl Announcements {
     /// Releases `connection`'s word, once its queue pair is drained: it has nothing in flight.
     pub fn release(&self, connection: u64) {
         let mut slots = lock(&self.slots);
+        slots.reads_fenced.remove(&connection);
         if let Some(index) = slots.live.remove(&connection) {
             slots.free.push(index);
         }
+    }
+
+    /// Keeps `connection`'s word, but no longer waits for it in snapshots: its queue pair is
+    /// no longer receiving and its requester checks, after each READ, that it still was (`shm`:
+    /// a READ after the fence is discarded), while a WRITE it was inside may still land (its
+    /// grant and word stay until [`Self::release`]).
+    pub fn fence_reads(&self, connection: u64) {
+        lock(&self.slots).reads_fenced.insert(connection);
+    }
+
+    /// Whether `connection`'s reads are fenced ([`Self::fence_reads`]): a requester stopped
+    /// inside a request, whose WRITE may still land.
+    pub fn reads_fenced(&self, connection: u64) -> bool {
+        lock(&self.slots).reads_fenced.contains(&connection)
     }
 
     /// `started` of every live connection now.
@@ -163,15 +183,23 @@ impl Announcements {
         }
     }
 
-    /// Whether every connection of `snapshot` has finished what it had started then.
+    /// `connection`'s word now, as (`started`, `quiescent`); `None` when it has none.
+    pub fn word_of(&self, connection: u64) -> Option<(u64, u64)> {
+        let index = lock(&self.slots).live.get(&connection).copied()?;
+        Some((self.word(index, 0), self.word(index, 8)))
+    }
+
+    /// Whether every connection of `snapshot` has finished what it had started then (or can no
+    /// longer trust what it reads: [`Self::fence_reads`]).
     pub fn all_quiescent(&self, snapshot: &Snapshot) -> bool {
         let slots = lock(&self.slots);
-        snapshot
-            .iter()
-            .all(|(connection, started)| match slots.live.get(connection) {
-                None => true,
-                Some(index) => self.word(*index, 8) >= *started,
-            })
+        snapshot.iter().all(|(connection, started)| {
+            slots.reads_fenced.contains(connection)
+                || match slots.live.get(connection) {
+                    None => true,
+                    Some(index) => self.word(*index, 8) >= *started,
+                }
+        })
     }
 
     /// One half of a word (the client writes both little-endian; an aligned 8-byte load sees
@@ -251,6 +279,18 @@ mod tests {
             words.all_quiescent(&later),
             "a gone connection has nothing in flight"
         );
+        let third = words.snapshot();
+        words.fence_reads(2);
+        write(&words, second, 9, 3);
+        assert!(
+            words.all_quiescent(&words.snapshot()),
+            "a connection whose reads are fenced holds no snapshot back"
+        );
+        assert!(
+            !words.quiescent_through(2, 9),
+            "but its writes are still waited for"
+        );
+        assert!(words.all_quiescent(&third));
         let reused = words.claim(3).expect("the released word");
         assert_eq!(reused, first);
         assert!(words.quiescent_through(3, 0), "a fresh word is zero");

@@ -221,6 +221,15 @@ impl ServerConfig {
         })
     }
 
+    /// How long a data connection may hold heap reuse back, with an operation in flight and
+    /// nothing announced, once the heap is under pressure, before the node fences it: half
+    /// the operation deadline (an operation that runs longer is past most of its deadline),
+    /// and at most a quarter of the lease (`docs/protocol.md`, *Heap space*). 1 s with the
+    /// defaults (deadline 2 s, lease 10 s).
+    pub fn heap_hold_limit(&self) -> Duration {
+        (self.operation_deadline / 2).min(self.lease_timeout / 4)
+    }
+
     /// Checks the configuration and derives the table geometry.
     ///
     /// # Errors

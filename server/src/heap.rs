@@ -55,6 +55,12 @@ pub const COMPACTOR: u64 = 0;
 /// seals them).
 pub const LOADER: u64 = u64::MAX;
 
+/// How long a client refused heap space keeps the heap "under pressure" (`Heap::under_pressure`).
+const PRESSURE_AFTER_REFUSAL: Duration = Duration::from_secs(1);
+
+/// The heap is under pressure while less than this share of it is free.
+const PRESSURE_FREE_SHARE: u64 = 4;
+
 /// Each grant is at most this share of the extents free to clients (and at least what the block
 /// asking for it needs), so that many writers share a small heap.
 const GRANT_SHARE_OF_FREE: u64 = 8;
@@ -157,6 +163,9 @@ pub struct Heap {
     sealed_windows: Mutex<HashMap<u64, MemoryWindow>>,
     /// Milliseconds from an extent's last reference to its reuse, for the last extents freed.
     pub reuse_delays: Mutex<VecDeque<u64>>,
+    /// When a client was last refused heap space (`None`: never): the heap is under pressure
+    /// for a while after.
+    last_refusal: Mutex<Option<Instant>>,
 }
 
 /// How many reuse delays [`Heap::reuse_delays`] keeps.
@@ -221,7 +230,22 @@ impl Heap {
             tentatives_cleared: AtomicU64::new(0),
             sealed_windows: Mutex::new(HashMap::new()),
             reuse_delays: Mutex::new(VecDeque::new()),
+            last_refusal: Mutex::new(None),
         }
+    }
+
+    /// Whether the heap is under pressure at `now`: under a quarter of it is free, or a client
+    /// was refused space in the last second. A connection that holds reuse back while silent
+    /// is then fenced (`session/serve.rs`; `docs/protocol.md`, *Heap space*).
+    pub fn under_pressure(&self, now: Instant) -> bool {
+        let refused_lately = lock(&self.last_refusal)
+            .is_some_and(|refused| now.saturating_duration_since(refused) < PRESSURE_AFTER_REFUSAL);
+        refused_lately || lock(&self.extents).free * PRESSURE_FREE_SHARE < self.extent_count
+    }
+
+    /// Notes that a client was refused space now.
+    fn note_refusal(&self) {
+        *lock(&self.last_refusal) = Some(Instant::now());
     }
 
     /// Whether the block at heap `offset` lies in a settled extent: no operation that wrote a
@@ -371,6 +395,17 @@ impl Heap {
     /// [`COMPACTOR`]), so that compaction can always make room even when clients have taken
     /// everything else.
     pub fn allocate(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
+        let grant = self.allocate_run(connection, started, needed_bytes);
+        let fits_a_chunk = needed_bytes.div_ceil(EXTENT_SIZE) <= self.chunk_extents();
+        if grant.is_none() && connection != COMPACTOR && fits_a_chunk {
+            // No room: the heap is under pressure for a while.
+            self.note_refusal();
+        }
+        grant
+    }
+
+    /// [`Self::allocate`], without noting a refusal.
+    fn allocate_run(&self, connection: u64, started: u64, needed_bytes: u64) -> Option<Grant> {
         let chunk_extents = self.chunk_extents();
         let needed = needed_bytes.div_ceil(EXTENT_SIZE).max(1);
         if needed > chunk_extents {
@@ -421,8 +456,9 @@ impl Heap {
         Some(grant)
     }
 
-    /// Seals the grant `connection` owns after it is gone (left, or its lease expired): its
-    /// queue pair is drained, so it writes nothing more.
+    /// Seals the grant `connection` owns after it is gone (left, its lease expired, or fenced):
+    /// its queue pair is drained and its requester out of every request
+    /// (`QueuePair::requester_out`), so it writes nothing more.
     pub fn seal_owned_by(&self, connection: u64) {
         let mut extents = lock(&self.extents);
         extents.last_grant.remove(&connection);
@@ -449,7 +485,9 @@ impl Heap {
     /// Keeps the WRITE window of a sealed grant (by its first extent) until the grant's writers
     /// are done; then it is revoked, before any of its extents can be reused.
     pub fn keep_window(&self, first_extent: u64, window: MemoryWindow) {
-        if let Some(previous) = lock(&self.sealed_windows).insert(first_extent, window) {
+        let previous = lock(&self.sealed_windows).insert(first_extent, window);
+        // Revoked outside the lock: on `shm` a revocation waits for the window's requester.
+        if let Some(previous) = previous {
             previous.invalidate();
         }
     }
@@ -461,31 +499,43 @@ impl Heap {
         {
             let mut extents = lock(&self.extents);
             // The extents of one grant share their writer: ask once per pass.
-            let mut writers_done: HashMap<(u64, u64), bool> = HashMap::new();
+            let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
             for (index, state) in extents.states.iter_mut().enumerate() {
                 let ExtentState::Sealed { since, writer } = state else {
                     continue;
                 };
-                let done = match writer {
-                    None => true,
+                let (done, stopped_inside) = match writer {
+                    None => (true, false),
                     Some((connection, started)) => *writers_done
                         .entry((*connection, *started))
-                        .or_insert_with(|| announcements.quiescent_through(*connection, *started)),
+                        .or_insert_with(|| {
+                            (
+                                announcements.quiescent_through(*connection, *started),
+                                announcements.reads_fenced(*connection),
+                            )
+                        }),
                 };
-                if done || now.duration_since(*since) >= self.quarantine {
+                // A writer stopped inside a request (torn down, not out) may still finish a
+                // WRITE here: no quarantine for it; its grants settle once it is out.
+                let quarantined = !stopped_inside && now.duration_since(*since) >= self.quarantine;
+                if done || quarantined {
                     *state = ExtentState::Settled { since: now };
                     settled.push(index as u64);
                 }
             }
         }
-        let mut windows = lock(&self.sealed_windows);
-        if windows.is_empty() {
-            return;
-        }
-        for extent in settled {
-            if let Some(window) = windows.remove(&extent) {
-                window.invalidate();
-            }
+        let revoked: Vec<MemoryWindow> = {
+            let mut windows = lock(&self.sealed_windows);
+            settled
+                .iter()
+                .filter_map(|extent| windows.remove(extent))
+                .collect()
+        };
+        // Outside the lock: on `shm` a revocation waits for the window's requester (up to
+        // `retry_timeout` for one stopped inside a request), and a session that seals a grant
+        // takes the lock on an async worker (`keep_window`).
+        for window in revoked {
+            window.invalidate();
         }
     }
 
@@ -840,6 +890,25 @@ mod tests {
     }
 
     #[test]
+    fn a_writer_stopped_inside_a_request_gets_no_quarantine() {
+        let words = Words::new();
+        let heap = heap(3);
+        let start = Instant::now();
+        words.announce(1, 3, 2);
+        grant(&heap, 1, 3);
+        grant(&heap, 1, 3);
+        words.announcements.fence_reads(1);
+        words.tick(&heap, &[], start + Duration::from_secs(5));
+        assert!(
+            !heap.writer_gone(100),
+            "its WRITE may still land: sealed past the quarantine"
+        );
+        words.announcements.release(1);
+        words.tick(&heap, &[], start + Duration::from_secs(5));
+        assert!(heap.writer_gone(100), "out: settled");
+    }
+
+    #[test]
     fn a_reference_keeps_a_chunk_and_resets_its_candidacy() {
         let words = Words::new();
         let heap = heap(2);
@@ -965,6 +1034,36 @@ mod tests {
         // 4, 6 and 7; compaction: the five extents with live bytes pack into two, less one
         // for the packing.
         assert_eq!(heap.reclaimable_extents(0.5), 3 + 2);
+    }
+
+    #[test]
+    fn the_heap_is_under_pressure_when_a_quarter_is_free_or_a_client_was_refused() {
+        let heap = heap(8);
+        let now = Instant::now();
+        assert!(!heap.under_pressure(now), "all free");
+        for connection in 1..=6 {
+            assert!(grant(&heap, connection, 0).is_some());
+        }
+        assert!(!heap.under_pressure(now), "a quarter free");
+        assert!(grant(&heap, COMPACTOR, 0).is_some());
+        assert!(heap.under_pressure(now), "an eighth free");
+        // Four chunks of four extents; the last is the compactor's.
+        let heap = heap_of(4, 4 * EXTENT_SIZE);
+        assert!(heap.allocate(1, 0, 5 * EXTENT_SIZE).is_none());
+        assert!(
+            !heap.under_pressure(Instant::now()),
+            "a block larger than a chunk is refused whatever is free"
+        );
+        for connection in 1..=3 {
+            assert!(heap.allocate(connection, 0, 4 * EXTENT_SIZE).is_some());
+        }
+        assert!(!heap.under_pressure(Instant::now()), "a quarter free");
+        assert!(heap.allocate(4, 0, 4 * EXTENT_SIZE).is_none(), "no room");
+        assert!(heap.under_pressure(Instant::now()), "a client was refused");
+        assert!(
+            !heap.under_pressure(Instant::now() + PRESSURE_AFTER_REFUSAL),
+            "a refusal a second ago no longer counts"
+        );
     }
 
     #[test]

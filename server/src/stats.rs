@@ -32,6 +32,8 @@ pub struct Counters {
     pub client_counters: Mutex<ClientCounters>,
     /// Data connections fenced by a view change.
     pub connections_fenced: AtomicU64,
+    /// Data connections fenced for holding heap reuse back under pressure (`session/serve.rs`).
+    pub heap_fences: AtomicU64,
     /// Data connections refused because the node was not serving data (no lease, down, or
     /// not rejoined after a restart).
     pub connections_refused_not_serving: AtomicU64,
@@ -79,6 +81,7 @@ impl Counters {
             client_counters: Mutex::new(ClientCounters::default()),
             collector_keys: AtomicU64::new(0),
             connections_fenced: AtomicU64::new(0),
+            heap_fences: AtomicU64::new(0),
             connections_refused_not_serving: AtomicU64::new(0),
             lanes_refused: AtomicU64::new(0),
             refill_buckets_scanned: AtomicU64::new(0),
@@ -182,6 +185,7 @@ impl Counters {
             view_members_down: 0,
             views_committed: 0,
             connections_fenced: self.connections_fenced.load(Ordering::Relaxed),
+            heap_fences: self.heap_fences.load(Ordering::Relaxed),
             connections_refused_not_serving: self
                 .connections_refused_not_serving
                 .load(Ordering::Relaxed),

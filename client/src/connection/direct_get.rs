@@ -224,6 +224,9 @@ impl NodeConnection {
         if Slot::from_bytes(word) != target.slot {
             return Ok(Found::Stale);
         }
+        // The node still served this connection after the copy (it may have given up waiting
+        // for a thread stopped here, and reused the block).
+        access.confirm()?;
         Ok(Found::Key {
             slot: target.slot,
             tombstone: header.tombstone,
@@ -293,6 +296,10 @@ mod stall_attack {
                 length - half,
                 into,
             )
+        }
+
+        fn confirm(&mut self) -> Result<(), WorkCompletionStatus> {
+            self.inner.confirm()
         }
 
         fn write(

@@ -1387,6 +1387,7 @@ pub async fn direct_access_runs_only_where_memory_is_shared(fabric: Backend) {
             let mut into = vec![0u8; 64];
             access.read(connected.remote_at(128), &mut into)?;
             let copied = access.read_to_vec(connected.remote_at(128), 64)?;
+            access.confirm()?;
             Ok::<_, WorkCompletionStatus>((into, copied))
         })
         .expect("idle: direct")

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 60] {
+fn definitions() -> [(&'static str, &'static str, Reader); 61] {
     [
         (
             "uptime_seconds",
@@ -320,6 +320,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 60] {
             "connections_fenced_total",
             "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
             |stats| stats.connections_fenced as i64,
+        ),
+        (
+            "heap_fences_total",
+            "Data connections fenced because, with the heap under pressure, they held its reuse back with an operation in flight and announced nothing for heap_hold_limit (a stopped or hung client; it reconnects)",
+            |stats| stats.heap_fences as i64,
         ),
         (
             "serving_data",

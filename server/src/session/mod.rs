@@ -32,6 +32,7 @@ use crate::gate::Pass;
 use crate::node::{Attachment, Node, MAIN_ATTACHMENT, SEND_QUEUE_DEPTH};
 
 mod handshake;
+mod heap_hold;
 mod serve;
 mod teardown;
 

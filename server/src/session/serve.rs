@@ -49,6 +49,32 @@ impl Session {
         format!("fenced: this node stopped serving data ({reason})")
     }
 
+    /// The connection held the heap's reuse back, silent, under pressure (`heap_hold.rs`):
+    /// the queue pair to ERROR at once; the ordered teardown that follows releases its
+    /// announce word only after the drain. No notice: the client is stopped or hung; when it
+    /// runs again its requests fail, and it reconnects. Returns why the session ends.
+    fn fence_heap_hold(&self, hold: super::heap_hold::Hold, limit: std::time::Duration) -> String {
+        self.node
+            .counters
+            .heap_fences
+            .fetch_add(1, Ordering::Relaxed);
+        self.stop_answering();
+        tracing::warn!(
+            connection = self.connection_id,
+            started = hold.started,
+            quiescent = hold.quiescent,
+            silent_ms = hold.silent_for.as_millis() as u64,
+            limit_ms = limit.as_millis() as u64,
+            "fenced a connection that held heap reuse back: an operation in flight and nothing announced past heap_hold_limit, with the heap under pressure (a stopped or hung client; it reconnects)"
+        );
+        format!(
+            "fenced: held heap reuse back, silent for {:?} with operations {}..={} in flight",
+            hold.silent_for,
+            hold.quiescent + 1,
+            hold.started
+        )
+    }
+
     /// A fence's notice: best effort, within [`NOTICE_TIMEOUT`].
     async fn send_notice(
         writer: &mut OwnedWriteHalf,
@@ -69,9 +95,9 @@ impl Session {
         shutdown: &CancellationToken,
     ) -> String {
         let node = self.node.clone();
-        let lease = node.config.lease_timeout;
         let mut last_heard = Instant::now();
         let mut checks = tokio::time::interval(CHECK_INTERVAL);
+        let mut hold_watch = super::heap_hold::HoldWatch::new(Instant::now());
         // A data connection is fenced when the view moves keys (a member down, filling or
         // promoted): every access made under the old view then fails, and its client fetches
         // the view (`docs/protocol.md`, *Views and fencing*).
@@ -128,11 +154,8 @@ impl Session {
                     }
                 }
                 _ = checks.tick() => {
-                    if last_heard.elapsed() > lease {
-                        return format!("lease expired (nothing heard for {lease:?})");
-                    }
-                    if self.queue_pair.as_ref().is_some_and(|queue_pair| queue_pair.state() == QueuePairState::Error) {
-                        return "queue pair entered ERROR".into();
+                    if let Some(reason) = self.periodic_check(last_heard, &mut hold_watch) {
+                        return reason;
                     }
                 }
                 message = messages.recv() => {
@@ -153,6 +176,27 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// The checks made every [`CHECK_INTERVAL`]: the lease (`last_heard`), the queue pair's
+    /// state, and whether the connection holds the heap (`heap_hold.rs`). `Some`: why the
+    /// session ends.
+    fn periodic_check(
+        &self,
+        last_heard: Instant,
+        hold_watch: &mut super::heap_hold::HoldWatch,
+    ) -> Option<String> {
+        let lease = self.node.config.lease_timeout;
+        if last_heard.elapsed() > lease {
+            return Some(format!("lease expired (nothing heard for {lease:?})"));
+        }
+        let queue_pair = self.queue_pair.as_ref()?;
+        if queue_pair.state() == QueuePairState::Error {
+            return Some("queue pair entered ERROR".into());
+        }
+        let limit = self.node.config.heap_hold_limit();
+        let hold = hold_watch.check(&self.node, self.connection_id, limit, Instant::now())?;
+        Some(self.fence_heap_hold(hold, limit))
     }
 
     /// The reply to one control request after the handshake, or why the session ends.

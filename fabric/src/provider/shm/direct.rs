@@ -298,6 +298,17 @@ impl DirectAccess for ShmDirect<'_> {
         self.copied(outcome)
     }
 
+    fn confirm(&mut self) -> Result<(), WorkCompletionStatus> {
+        if self.failed {
+            return Err(self.fail(WorkCompletionStatus::WorkRequestFlushError));
+        }
+        if self.attachment.still_receiving() {
+            return Ok(());
+        }
+        self.queue_pair.responder_stopped();
+        Err(self.fail(WorkCompletionStatus::NotExecuted))
+    }
+
     fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus> {
         let outcome = match self.resolve(Opcode::Write, remote, from.len())? {
             Some((memory, offset)) => memory.write_from(offset, from),

@@ -32,7 +32,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -158,6 +158,7 @@ impl DeviceProvider for ShmDevice {
             responder: Mutex::new(ResponderState::default()),
             epoch_slot: AtomicU32::new(NO_EPOCH_SLOT),
             requester: Mutex::new(None),
+            stuck_epoch: Mutex::new(None),
             attachment: OnceLock::new(),
             pending: Mutex::new(VecDeque::new()),
             executor: Mutex::new(Executor::default()),
@@ -374,14 +375,18 @@ impl Offer {
     }
 
     /// Waits until no attached requester can still be inside a request that saw the state
-    /// before the caller's change.
-    fn wait_for_requesters(&self) {
+    /// before the caller's change: only `bound`'s requester, when the change is the revocation
+    /// of a window bound to that queue pair (no other requester's request passes its key
+    /// check), so that a requester stopped inside a request delays the revocation of its own
+    /// windows only, not every client's.
+    fn wait_for_requesters(&self, bound: Option<u32>) {
         let Some(device) = self.device.upgrade() else {
             return;
         };
         let slots: Vec<u32> = device
             .queue_pairs
             .iter()
+            .filter(|entry| bound.is_none_or(|bound| *entry.key() == bound))
             .filter_map(|entry| entry.value().upgrade())
             .filter_map(|queue_pair| {
                 queue_pair
@@ -397,15 +402,18 @@ impl Offer {
         }
     }
 
-    /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout.
-    fn wait_quiet(&self, slot: u32) {
-        if !self.state.wait_quiet(slot, self.retry_timeout) {
+    /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout; returns the
+    /// epoch it is still inside when the bound passed.
+    fn wait_quiet(&self, slot: u32) -> Option<u64> {
+        let stuck = self.state.wait_quiet(slot, self.retry_timeout);
+        if stuck.is_some() {
             tracing::warn!(
                 epoch_slot = slot,
                 waited = ?self.retry_timeout,
                 "an shm requester stayed inside a request past the retry timeout (stopped or dead); going on"
             );
         }
+        stuck
     }
 
     /// Closes the device: requesters see it closed, the accept thread ends, the socket goes.
@@ -451,8 +459,8 @@ impl KeyMirror for Offer {
     }
 
     fn revoke(&self, key: u32) {
-        if self.state.revoke_key(key) {
-            self.wait_for_requesters();
+        if let Some(bound) = self.state.revoke_key(key) {
+            self.wait_for_requesters(bound);
         }
     }
 }
@@ -767,6 +775,25 @@ impl Attachment {
         }))
     }
 
+    /// After a READ's copy: whether the responder queue pair still receives. A node moves it
+    /// out of receiving before it releases or reuses anything this requester could read; its
+    /// drain waits for a requester inside a request only up to `retry_timeout`, and one stopped
+    /// there (SIGSTOP) may resume after the node gave up and reused the memory under the copy.
+    /// So a READ is trusted only if the queue pair still received after the copy (the copy's
+    /// loads are ordered before this look by the acquire fence; a copy that saw reused bytes
+    /// ran after the node's change, which this look then sees); otherwise it did not run
+    /// (`NotExecuted`), as a request after the change does not.
+    fn still_receiving(&self) -> bool {
+        fence(Ordering::Acquire);
+        self.remote
+            .keys
+            .queue_pair(self.responder_qp)
+            .is_some_and(|responder| {
+                responder.status == QueuePairStatus::Receiving
+                    && responder.epoch_slot == self.epoch_slot
+            })
+    }
+
     /// [`Attachment::resolve_inside`] in the epoch `inside` ([`Attachment::enter`]: entered for
     /// one request alone, or once for a list run inside its post). A key that names a block
     /// registered after the attach maps the responder's current memory files once, out of the
@@ -835,19 +862,26 @@ impl Attachment {
                 target.memory_offset,
                 resolved.length,
             );
+            if !self.still_receiving() {
+                return Outcome::Stopped;
+            }
             return Outcome::Placed(match copied {
                 Ok(()) => WorkCompletionStatus::Success,
                 Err(_) => WorkCompletionStatus::RemoteOperationError,
             });
         }
-        Outcome::Answered(engine::perform(
+        let status = engine::perform(
             memory,
             resolved.offset,
             request,
             resolved.length,
             write_payload,
             response,
-        ))
+        );
+        if request.opcode == Opcode::Read && !self.still_receiving() {
+            return Outcome::Stopped;
+        }
+        Outcome::Answered(status)
     }
 
     /// Fetches the responder's current memory files (a key named a block registered after the
@@ -894,6 +928,9 @@ pub(crate) struct ShmQueuePair {
     /// As a responder: its end of the attach connection, held while the queue pair lives (its
     /// closing tells the requester that nothing answers any more).
     requester: Mutex<Option<UnixStream>>,
+    /// As a responder: the epoch its requester was still inside when the last drain's bound
+    /// passed (stopped or dead inside a request); `None` when that drain found it out.
+    stuck_epoch: Mutex<Option<u64>>,
     /// As a requester: the attachment, once connected to a listening peer.
     attachment: OnceLock<Attachment>,
     /// As a requester: requests posted and not yet run, in sequence order.
@@ -1441,8 +1478,38 @@ impl QueuePairProvider for ShmQueuePair {
     fn drain(&self, _queue_pair: &QueuePairShared) {
         let slot = self.epoch_slot.load(Ordering::Acquire);
         if let (Some(offer), true) = (&self.offer, slot != NO_EPOCH_SLOT) {
-            offer.wait_quiet(slot);
+            *lock(&self.stuck_epoch) = offer.wait_quiet(slot);
         }
+    }
+
+    /// Out once the requester left the request the drain found it inside (its epoch moved
+    /// on: any request it enters now sees the queue pair not receiving), or its process is
+    /// gone (the kernel closed its end of the attach connection, so nothing of it runs).
+    fn requester_out(&self, _queue_pair: &QueuePairShared) -> bool {
+        let Some(seen) = *lock(&self.stuck_epoch) else {
+            return true;
+        };
+        let slot = self.epoch_slot.load(Ordering::Acquire);
+        let left = match (&self.offer, slot != NO_EPOCH_SLOT) {
+            (Some(offer), true) => offer.state.left_epoch(slot, seen),
+            _ => true,
+        };
+        let gone = lock(&self.requester).as_ref().is_none_or(|stream| {
+            let mut byte = [0u8; 1];
+            match nix::sys::socket::recv(
+                stream.as_raw_fd(),
+                &mut byte,
+                nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(0) => true,
+                Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => false,
+                Err(_) => true,
+            }
+        });
+        if left || gone {
+            *lock(&self.stuck_epoch) = None;
+        }
+        left || gone
     }
 
     /// A responder with an attached requester: the drain waits for its epoch.
@@ -1477,15 +1544,15 @@ mod tests {
         device.gauges().queue_pairs.iter().sum()
     }
 
-    /// A responder dropped inside a runtime while its requester is inside a request (its epoch
-    /// odd, as a stopped client's stays) returns before its drain ends: the drain, which waits
-    /// for the requester, runs on a thread of its own. The queue pair leaves its device once
-    /// the requester is out.
-    #[tokio::test]
-    async fn a_dropped_responder_drains_off_the_runtime_while_its_requester_is_inside() {
-        let socket = std::env::temp_dir().join(format!("rdkv-drop-{}.sock", std::process::id()));
+    /// A responder and its attached requester on `socket`, with the responder's drain bounded
+    /// by `retry_timeout`.
+    async fn attached_pair(
+        socket: &str,
+        retry_timeout: Duration,
+    ) -> (Device, Device, QueuePair, QueuePair) {
+        let socket = std::env::temp_dir().join(format!("{socket}-{}.sock", std::process::id()));
         let config = DeviceConfig {
-            retry_timeout: Duration::from_secs(30),
+            retry_timeout,
             ..DeviceConfig::default()
         };
         let responder = Device::shm(Some(socket), config).expect("offering device");
@@ -1500,6 +1567,191 @@ mod tests {
             .connect(&responder_queue_pair.endpoint())
             .await
             .expect("the requester attaches");
+        (
+            responder,
+            requester,
+            responder_queue_pair,
+            requester_queue_pair,
+        )
+    }
+
+    /// A requester stopped inside a request past the drain's bound is not out
+    /// (`QueuePair::requester_out`): the node must not reuse what it may touch. It is out once
+    /// it leaves that request, and a requester the drain found outside is out at once.
+    #[tokio::test]
+    async fn a_requester_stopped_inside_a_request_is_not_out_until_it_leaves() {
+        let (_responder, _requester, responder_queue_pair, _requester_queue_pair) =
+            attached_pair("rdkv-out", Duration::from_millis(20)).await;
+        let part = responder_queue_pair
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .expect("an shm queue pair");
+        let offer = part.offer.clone().expect("a listening device's offer");
+        let slot = part.epoch_slot.load(Ordering::Acquire);
+        let inside = EpochMarker::enter(&offer.state.epochs, slot);
+        responder_queue_pair.modify_to_error();
+        responder_queue_pair.drain();
+        assert!(
+            !responder_queue_pair.requester_out(),
+            "still inside the request it stopped in"
+        );
+        drop(inside);
+        assert!(responder_queue_pair.requester_out(), "it left the request");
+        responder_queue_pair.drain();
+        assert!(
+            responder_queue_pair.requester_out(),
+            "drained with the requester outside"
+        );
+    }
+
+    /// A READ whose copy ran inside an epoch entered before the responder stopped receiving (a
+    /// requester stopped there and resumed after the node's drain gave up) is not trusted: it
+    /// completes as not executed. Entered and run before the stop, it succeeds.
+    #[tokio::test]
+    async fn a_read_that_finds_the_responder_stopped_after_its_copy_is_not_trusted() {
+        let (_responder, _requester, responder_queue_pair, requester_queue_pair) =
+            attached_pair("rdkv-read-check", Duration::from_millis(20)).await;
+        let memory = Arc::new(
+            PinnedMemory::allocate_shared(
+                4096,
+                crate::memory::HugepagePolicy::Off,
+                crate::memory::PinLimits::default(),
+            )
+            .expect("shared memory"),
+        );
+        let region = responder_queue_pair
+            .shared
+            .protection_domain
+            .register_all(&memory, AccessFlags::REMOTE_READ)
+            .expect("region");
+        let attachment = requester_queue_pair
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .and_then(|part| part.attachment.get())
+            .expect("an attached requester");
+        let read = RemoteRequest {
+            opcode: Opcode::Read,
+            remote_key: region.remote_key().key,
+            remote_address: region.address(),
+            length: 64,
+            compare: 0,
+            swap_or_add: 0,
+        };
+        let (mut cache, mut response) = (Vec::new(), Vec::new());
+        let own_qp = requester_queue_pair.shared.qp_number;
+        let mut before = attachment.enter();
+        // The first run maps the region (registered after the attach) into the cache.
+        let outcome = attachment.execute_in(
+            &mut before,
+            own_qp,
+            &mut cache,
+            &read,
+            &Ok(None),
+            &[],
+            &mut response,
+        );
+        assert!(
+            matches!(outcome, Outcome::Answered(WorkCompletionStatus::Success)),
+            "{outcome:?}"
+        );
+        let before = before.expect("still inside the epoch entered before the stop");
+        responder_queue_pair.modify_to_error();
+        let outcome =
+            attachment.execute_inside(&before, &mut cache, &read, &Ok(None), &[], &mut response);
+        assert!(
+            matches!(outcome, Outcome::Stopped),
+            "entered before the stop, copied after it: {outcome:?}"
+        );
+    }
+
+    /// Revoking a window waits only for the requester of the queue pair it is bound to: a
+    /// requester stopped inside a request (its epoch odd) holds up its own windows' revocation,
+    /// never another client's.
+    #[tokio::test]
+    async fn a_window_revocation_waits_only_for_its_own_requester() {
+        let socket = std::env::temp_dir().join(format!("rdkv-revoke-{}.sock", std::process::id()));
+        let config = DeviceConfig {
+            retry_timeout: Duration::from_secs(30),
+            ..DeviceConfig::default()
+        };
+        let responder = Device::shm(Some(socket), config).expect("offering device");
+        let domain = responder.allocate_protection_domain();
+        let completion_queue = responder
+            .create_completion_queue(1024)
+            .expect("completion queue");
+        let mut attached = Vec::new();
+        for _ in 0..2 {
+            let responder_queue_pair = domain
+                .create_queue_pair(&completion_queue, QueuePairConfig::default())
+                .expect("queue pair");
+            responder_queue_pair.modify_to_init().expect("INIT");
+            let requester = Device::shm(None, config).expect("attaching device");
+            let requester_queue_pair = queue_pair(&requester);
+            responder_queue_pair
+                .connect(&requester_queue_pair.endpoint())
+                .await
+                .expect("the responder names its requester");
+            requester_queue_pair
+                .connect(&responder_queue_pair.endpoint())
+                .await
+                .expect("the requester attaches");
+            attached.push((responder_queue_pair, requester, requester_queue_pair));
+        }
+        let memory = Arc::new(
+            PinnedMemory::allocate_shared(
+                4096,
+                crate::memory::HugepagePolicy::Off,
+                crate::memory::PinLimits::default(),
+            )
+            .expect("shared memory"),
+        );
+        let region = domain
+            .register_all(&memory, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)
+            .expect("region");
+        let window = domain.allocate_memory_window();
+        let (own, _, _) = &attached[0];
+        own.bind_memory_window(
+            &window,
+            &region,
+            region.address(),
+            4096,
+            AccessFlags::REMOTE_WRITE,
+        )
+        .expect("bind");
+        let (other, _, _) = &attached[1];
+        let part = other
+            .shared
+            .provider
+            .as_any()
+            .downcast_ref::<ShmQueuePair>()
+            .expect("an shm queue pair");
+        let offer = part.offer.clone().expect("a listening device's offer");
+        let stuck =
+            EpochMarker::enter(&offer.state.epochs, part.epoch_slot.load(Ordering::Acquire));
+        let revoking = std::thread::spawn(move || window.invalidate());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !revoking.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "the revocation waited for another queue pair's requester (hang guard, not a speed bound)"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(stuck);
+    }
+
+    /// A responder dropped inside a runtime while its requester is inside a request (its epoch
+    /// odd, as a stopped client's stays) returns before its drain ends: the drain, which waits
+    /// for the requester, runs on a thread of its own. The queue pair leaves its device once
+    /// the requester is out.
+    #[tokio::test]
+    async fn a_dropped_responder_drains_off_the_runtime_while_its_requester_is_inside() {
+        let (responder, _requester, responder_queue_pair, _requester_queue_pair) =
+            attached_pair("rdkv-drop", Duration::from_secs(30)).await;
         let part = responder_queue_pair
             .shared
             .provider

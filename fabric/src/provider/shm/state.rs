@@ -223,31 +223,37 @@ impl SharedState {
         Err(Error::ShmKeyTableFull { capacity: slots })
     }
 
-    /// Revokes a key; returns whether it was published.
-    pub(crate) fn revoke_key(&self, key: u32) -> bool {
+    /// Revokes a key; returns `None` when it was not published, else the queue pair it was
+    /// bound to (`Some(None)`: none, a region's key).
+    pub(crate) fn revoke_key(&self, key: u32) -> Option<Option<u32>> {
         let _writer = lock(&self.writer);
         let slots = self.layout.key_slots;
         let start = home(key, slots);
         for step in 0..slots {
             let offset = self.layout.key_slot((start + step) % slots);
             let Ok(word) = self.keys.load_u64(offset + 8) else {
-                return false;
+                return None;
             };
             match word >> 32 {
-                EMPTY => return false,
+                EMPTY => return None,
                 LIVE if word as u32 == key => {
+                    let bound = self
+                        .keys
+                        .load_u64(offset + 24)
+                        .ok()
+                        .and_then(|bound| (bound != UNBOUND).then_some(bound as u32));
                     let revoked =
                         write_slot(&self.keys, offset, &[u64::from(key) | (REVOKED << 32)]).is_ok();
                     // Before the caller waits for the requesters' epochs (`wait_quiet`): one
                     // that enters after it sees the new generation, and forgets the keys it
                     // resolved before.
                     let _ = self.keys.fetch_add_u64(GENERATION_AT, 1);
-                    return revoked;
+                    return revoked.then_some(bound);
                 }
                 _ => {}
             }
         }
-        false
+        None
     }
 
     /// Publishes a queue pair's status (and the epoch slot of its requester).
@@ -308,23 +314,24 @@ impl SharedState {
     }
 
     /// Waits until the requester of epoch slot `slot` is not inside a request that began before
-    /// this call (its epoch is even, or moved on), for at most `limit`; returns whether it was.
-    pub(crate) fn wait_quiet(&self, slot: u32, limit: Duration) -> bool {
+    /// this call (its epoch is even, or moved on), for at most `limit`; returns `None` when it
+    /// was, else the epoch it is still inside (see [`Self::left_epoch`]).
+    pub(crate) fn wait_quiet(&self, slot: u32, limit: Duration) -> Option<u64> {
         // Orders the caller's revocation before the epoch read: a requester that enters after
         // it sees the revocation (it fences after its increment).
         fence(Ordering::SeqCst);
         let offset = SLOT * u64::from(slot);
         let Ok(seen) = self.epochs.load_u64(offset) else {
-            return true;
+            return None;
         };
         if seen % 2 == 0 {
-            return true;
+            return None;
         }
         let deadline = Instant::now() + limit;
         let mut spins = 0u32;
         while self.epochs.load_u64(offset).ok() == Some(seen) {
             if Instant::now() >= deadline {
-                return false;
+                return Some(seen);
             }
             spins += 1;
             if spins < 1_000 {
@@ -333,7 +340,13 @@ impl SharedState {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        true
+        None
+    }
+
+    /// Whether the requester of epoch slot `slot`, found inside epoch `seen` by
+    /// [`Self::wait_quiet`], has left that request since (its epoch moved on).
+    pub(crate) fn left_epoch(&self, slot: u32, seen: u64) -> bool {
+        self.epochs.load_u64(SLOT * u64::from(slot)).ok() != Some(seen)
     }
 
     /// Marks the device closed: every request from now on is unanswered.
