@@ -1641,7 +1641,7 @@ mod tests {
             compare: 0,
             swap_or_add: 0,
         };
-        let (mut cache, mut response) = (Vec::new(), Vec::new());
+        let (mut cache, mut response) = (Mapped::default(), Vec::new());
         let own_qp = requester_queue_pair.shared.qp_number;
         let mut before = attachment.enter();
         // The first run maps the region (registered after the attach) into the cache.
@@ -1658,10 +1658,20 @@ mod tests {
             matches!(outcome, Outcome::Answered(WorkCompletionStatus::Success)),
             "{outcome:?}"
         );
-        let before = before.expect("still inside the epoch entered before the stop");
+        assert!(
+            before.is_ok(),
+            "still inside the epoch entered before the stop"
+        );
         responder_queue_pair.modify_to_error();
-        let outcome =
-            attachment.execute_inside(&before, &mut cache, &read, &Ok(None), &[], &mut response);
+        let outcome = attachment.execute_in(
+            &mut before,
+            own_qp,
+            &mut cache,
+            &read,
+            &Ok(None),
+            &[],
+            &mut response,
+        );
         assert!(
             matches!(outcome, Outcome::Stopped),
             "entered before the stop, copied after it: {outcome:?}"
