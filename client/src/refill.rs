@@ -17,14 +17,28 @@ use crate::runner::Kind;
 
 impl Client {
     /// Fetches the cluster view and routes by it from now on (a node refilling itself uses
-    /// this to include itself as filling). The view, or why none could be fetched.
+    /// this to include itself as filling). The view, or why none could be fetched. The client
+    /// routes by this view unless it already knew a newer one ([`Client::routes_only_by`]
+    /// says which): the view comes from the leader, and the newest a majority reports may be
+    /// older or newer than the leader's.
     ///
     /// # Errors
     /// As [`Client::view`].
     #[doc(hidden)]
     pub async fn follow_view(&self) -> Result<ClusterView> {
         self.follower.refresh_in_task().await;
-        self.view().await
+        let view = self.view().await?;
+        self.follower.adopt(&view);
+        Ok(view)
+    }
+
+    /// Whether this client routes by the view of `epoch`, and no node told it of a newer one
+    /// (in a connection's welcome, a heartbeat's answer or a fence): what a refill planned by
+    /// that view still holds. A refill's peer that restarted and rejoined meanwhile welcomes
+    /// its connection with the newer epoch of its rejoin.
+    #[doc(hidden)]
+    pub fn routes_only_by(&self, epoch: u64) -> bool {
+        self.follower.epoch() == epoch && self.view_epoch() <= epoch
     }
 
     /// The combined buckets of node `node_id`'s index (connecting to it if needed).

@@ -215,6 +215,12 @@ impl ViewFollower {
         let Some(view) = self.newest_view().await else {
             return false;
         };
+        self.adopt(&view)
+    }
+
+    /// Routes by `view` from now on, if it is newer than the one the client has. Whether it
+    /// was newer.
+    pub(crate) fn adopt(&self, view: &ClusterView) -> bool {
         let mut membership = self.membership();
         if view.epoch <= membership.epoch {
             return false;

@@ -275,6 +275,10 @@ async fn refill(
             .map_err(|error| format!("node {peer}: {error}"))?;
         totals.push(buckets);
     }
+    // A peer that restarted after a crash of every node and rejoined (filling, with only its
+    // snapshot) since the view was fetched accepts the connection: its welcome names the
+    // newer epoch, and the refill starts over by that view before it empties anything.
+    ensure_view_holds(client, &view, "while it connected to its peers").await?;
     // A node back from `down` with its memory (paused, or cut off) may hold values deleted or
     // replaced meanwhile, and a copy of a key that is absent now would not replace them: it
     // forgets them first. Writes since the join are on the primaries too, and copied again.
@@ -332,7 +336,32 @@ async fn refill(
                 .fetch_add(count, Ordering::Relaxed);
         }
     }
+    // Which keys it copied, and where each copy went, followed the client's view: one that
+    // moved during the scan (a peer restarted, another node promoted) may have left keys out.
+    ensure_view_holds(client, &view, "during the copy").await?;
     Ok(Refilled::Copied(copied))
+}
+
+/// Checks that `client` still routes by `view`, the view the refill planned by (its serving
+/// peers, which keys to copy and where the copies go), and that no node has told it of a
+/// newer one (`when` says at which step, for the error).
+///
+/// # Errors
+/// A line saying that the view moved: the refill starts over by the new one.
+async fn ensure_view_holds(client: &Client, view: &ClusterView, when: &str) -> Result<(), String> {
+    let now = client
+        .follow_view()
+        .await
+        .map_err(|error| format!("cannot fetch the view: {error}"))?;
+    if now.epoch == view.epoch && client.routes_only_by(view.epoch) {
+        return Ok(());
+    }
+    Err(format!(
+        "the view moved from epoch {} (to {}, {} reported) {when}: starting over by the new one",
+        view.epoch,
+        now.epoch,
+        client.view_epoch()
+    ))
 }
 
 /// Whether the refill copies from `peers` (it waits for them to apply its view first):
