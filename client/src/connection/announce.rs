@@ -93,42 +93,27 @@ impl Announcer {
 
     /// Numbers a new operation; its first list must begin with [`Announcer::request`].
     pub(crate) fn start(&self) -> u64 {
-        let mut numbers = lock(&self.numbers);
-        let number = numbers.next;
-        numbers.next += 1;
-        numbers.running.push(number);
-        self.store(&numbers);
-        self.dirty.store(false, Ordering::Release);
-        number
+        self.start_direct().0
     }
 
     /// Operation `number` is over: every list it posted has completed.
     pub(crate) fn finish(&self, number: u64) {
-        {
-            let mut numbers = lock(&self.numbers);
-            if let Some(position) = numbers
-                .running
-                .iter()
-                .position(|running| *running == number)
-            {
-                numbers.running.remove(position);
-            }
-            self.store(&numbers);
-            self.dirty.store(true, Ordering::Release);
-        }
+        let _ = self.end(number, true);
         self.finished.notify_one();
     }
 
-    /// Numbers a new operation that announces itself by direct access (`direct_get.rs`):
-    /// its number and the word to write, which the caller writes before any other access of
-    /// the operation, holding the queue pair's executor (so that words only grow along it).
+    /// Numbers a new operation, as [`Announcer::start`]: its number and the word, which an
+    /// operation that announces itself by direct access (`direct_get.rs`) writes before any
+    /// other access of it, holding the queue pair's executor (so that words only grow along
+    /// it).
     pub(crate) fn start_direct(&self) -> (u64, [u8; ANNOUNCE_SIZE as usize]) {
         let mut numbers = lock(&self.numbers);
         let number = numbers.next;
         numbers.next += 1;
         numbers.running.push(number);
         self.store(&numbers);
-        // This word carries every finish before it.
+        // This word (and any WRITE of the source bytes from now on) carries every finish
+        // before it.
         self.dirty.store(false, Ordering::Release);
         (number, word(&numbers))
     }
@@ -137,6 +122,11 @@ impl Announcer {
     /// holding the executor. It carries this finish, so no flush is due for it; a finish of
     /// another operation since the last start keeps the flush due.
     pub(crate) fn finish_direct(&self, number: u64) -> [u8; ANNOUNCE_SIZE as usize] {
+        self.end(number, false)
+    }
+
+    /// Ends operation `number` (marking a flush due when `flush_due`): the word after it.
+    fn end(&self, number: u64, flush_due: bool) -> [u8; ANNOUNCE_SIZE as usize] {
         let mut numbers = lock(&self.numbers);
         if let Some(position) = numbers
             .running
@@ -146,6 +136,9 @@ impl Announcer {
             numbers.running.remove(position);
         }
         self.store(&numbers);
+        if flush_due {
+            self.dirty.store(true, Ordering::Release);
+        }
         word(&numbers)
     }
 
