@@ -151,23 +151,24 @@ impl Drop for ClusterGuard {
 /// Each node's chunk size.
 const CHUNK_SIZE: u64 = 1 << 20;
 
-/// Records the workloads may insert during their runs (D inserts 5% of its operations), at the
-/// highest rate one store reaches here: the heap must hold them too, or the faster store's
-/// inserts fill it and a later workload fails where a slower store's would not.
+/// Records the workloads may insert during their runs (D inserts 5% of its operations), each
+/// stopping at its [`insert_bound`]: the heap must hold them too, or a fast store's inserts
+/// fill it and a later workload fails where a slower store's would not.
 pub fn inserted_records(options: &CompareOptions) -> u64 {
     options
         .workloads
         .iter()
         .filter_map(|letter| workload(letter, options).ok())
-        .map(|workload| {
-            (workload.proportions.insert * options.seconds * ASSUMED_OPERATIONS_PER_SECOND as f64)
-                .ceil() as u64
+        .filter_map(|workload| {
+            insert_bound(&workload, options)
+                .map(|bound| (workload.proportions.insert * bound as f64).ceil() as u64)
         })
         .sum()
 }
 
-/// The highest rate, in operations per second, one store is assumed to reach (rdkv over `shm`
-/// and Redis reach about 250,000 on this 2-core machine).
+/// The rate, in operations per second, the inserts are sized for: a workload that inserts runs
+/// at most `seconds` times this many operations ([`insert_bound`]). rdkv over `shm` reaches
+/// 0.9 to 1.2 million in D with direct GETs, so D stops before its time there.
 const ASSUMED_OPERATIONS_PER_SECOND: u64 = 300_000;
 
 /// Each node's heap: `--heap-size`, or the sizing rule for its share of the records and of
@@ -297,7 +298,24 @@ fn workload(letter: &str, options: &CompareOptions) -> anyhow::Result<Workload> 
     let mut properties = Properties::parse(&name, text)?;
     properties.set_override(&format!("recordcount={}", options.records))?;
     properties.set_override(&format!("operationcount={}", u64::MAX / 4))?;
-    Ok(Workload::from_properties(&name, &properties)?)
+    let unbounded = Workload::from_properties(&name, &properties)?;
+    match insert_bound(&unbounded, options) {
+        None => Ok(unbounded),
+        Some(bound) => {
+            properties.set_override(&format!("operationcount={bound}"))?;
+            Ok(Workload::from_properties(&name, &properties)?)
+        }
+    }
+}
+
+/// The operations a workload that inserts may run: the heap and the index hold the inserts of
+/// `seconds` at [`ASSUMED_OPERATIONS_PER_SECOND`] and no more, so a store faster than that
+/// stops at this count before its time is up (a time alone let the inserts of D fill a
+/// faster machine's heap, and the workloads after it failed). `None` for a workload without
+/// inserts, which runs for its time.
+pub fn insert_bound(workload: &Workload, options: &CompareOptions) -> Option<u64> {
+    (workload.proportions.insert > 0.0)
+        .then(|| (options.seconds * ASSUMED_OPERATIONS_PER_SECOND as f64).ceil() as u64)
 }
 
 /// Runs the comparison: `options.rounds` rounds, each running every store in turn (a fresh
@@ -582,6 +600,14 @@ async fn measure(
         );
         let servers_before = servers_cpu_time(pids);
         let mut report = runner::run(workload, started.driver.clone(), run_options).await?;
+        if insert_bound(workload, options) == Some(report.operations) {
+            eprintln!(
+                "{prefix}{name}: {} stopped at its bound of {} operations after {:.2} s (the heap holds the inserts of that many)",
+                workload.name,
+                report.operations,
+                report.runtime_ms as f64 / 1000.0
+            );
+        }
         report.server_cpu_us_per_operation = servers_before
             .zip(servers_cpu_time(pids))
             .filter(|_| report.operations > 0 && !pids.is_empty())
@@ -596,4 +622,46 @@ fn servers_cpu_time(pids: &[u32]) -> Option<Duration> {
     pids.iter()
         .map(|pid| rdkv_common::process::cpu_time(Some(*pid)))
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(workloads: &[&str]) -> CompareOptions {
+        CompareOptions {
+            records: 20_000,
+            seconds: 3.0,
+            rounds: 1,
+            threads: 64,
+            nodes: 1,
+            replicas: 1,
+            workloads: workloads.iter().map(|letter| letter.to_string()).collect(),
+            redis_server: PathBuf::from("redis-server"),
+            progress: false,
+            heap_size: None,
+            stores: vec![Store::RdkvShm],
+        }
+    }
+
+    #[test]
+    fn a_workload_that_inserts_stops_at_the_count_its_heap_was_sized_for() {
+        let options = options(&["c", "d"]);
+        let read_only = workload("c", &options).unwrap();
+        let inserting = workload("d", &options).unwrap();
+        assert_eq!(insert_bound(&read_only, &options), None);
+        assert_eq!(read_only.operation_count, u64::MAX / 4);
+        let bound = insert_bound(&inserting, &options).unwrap();
+        assert_eq!(inserting.operation_count, bound);
+        // The heap holds D's inserts at that count: 5% of it.
+        assert_eq!(
+            inserted_records(&options),
+            (inserting.proportions.insert * bound as f64).ceil() as u64
+        );
+        let block = rdkv_cluster_file::sizing::block_size(24, 1000);
+        assert!(
+            node_heap_size(&options, 1000)
+                >= 2 * (options.records + inserted_records(&options)) * block
+        );
+    }
 }
