@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 23;
+pub const PROTOCOL_VERSION: u32 = 24;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -526,6 +526,10 @@ pub struct ServerStats {
     /// operation in flight and announced nothing for `heap_hold_limit` (`docs/protocol.md`,
     /// *Heap space*).
     pub heap_fences: u64,
+    /// Heap bytes in sealed grants held for a requester stopped inside a request with the
+    /// grant's window (`shm`: a client process stopped mid-WRITE, whose WRITE may still land):
+    /// kept until it leaves the request or its process ends (`docs/protocol.md`, *Heap space*).
+    pub heap_held_bytes: u64,
     /// Data connections refused because the node was not serving data.
     pub connections_refused_not_serving: u64,
     /// Extra lanes refused because over half of `max_connections` were open.

@@ -48,6 +48,7 @@ pub mod memory;
 mod protection;
 mod provider;
 mod queue_pair;
+mod revocation;
 mod seam;
 mod send_slots;
 mod sync;
@@ -66,6 +67,7 @@ pub use provider::shm::PEER_CHECK_EVERY as SHM_PEER_CHECK_EVERY;
 pub use queue_pair::{
     InlineFailure, InlineOutcome, QueuePair, QueuePairConfig, DEFAULT_MAX_SEND_WR,
 };
+pub use revocation::RequesterInside;
 pub use sync::{lock, read_lock, write_lock};
 pub use types::{
     AccessFlags, Backend, LocalSegment, Opcode, QueuePairEndpoint, QueuePairState, RemoteKey,

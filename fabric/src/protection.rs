@@ -15,6 +15,7 @@ use crate::device::DeviceInner;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::memory::PinnedMemory;
+use crate::revocation::RequesterInside;
 use crate::seam::{KeyMirror, ProviderObject};
 use crate::types::{AccessFlags, LocalSegment, Opcode, RemoteKey, WorkCompletionStatus};
 
@@ -129,13 +130,12 @@ impl ProtectionTable {
         self.entries.insert(key, Arc::new(entry));
     }
 
-    fn remove(&self, key: u32) {
-        if let Some(mirror) = self.mirror.get() {
-            // First out of the mirror (which waits until no requester can still be using
-            // it), then the memory may go.
-            mirror.revoke(key);
-        }
+    /// Removes a key: first out of the mirror (which waits until no requester can still be
+    /// using it, or returns the one stopped inside a request), then the memory may go.
+    fn remove(&self, key: u32) -> Option<RequesterInside> {
+        let inside = self.mirror.get().and_then(|mirror| mirror.revoke(key));
         self.entries.remove(&key);
+        inside
     }
 
     pub(crate) fn lookup(&self, key: u32) -> Option<Arc<ProtectionEntry>> {
@@ -433,7 +433,7 @@ struct MemoryRegionInner {
 impl Drop for MemoryRegionInner {
     fn drop(&mut self) {
         let device = &self.protection_domain.inner.device;
-        device.table.remove(self.key);
+        let _ = device.table.remove(self.key);
         device
             .gauges
             .live_memory_regions
@@ -662,7 +662,7 @@ impl MemoryWindow {
         })?;
         let previous = lock(&self.key).replace(key);
         if let Some(previous) = previous {
-            device.table.remove(previous);
+            let _ = device.table.remove(previous);
         }
         tracing::debug!(
             remote_key = key,
@@ -678,17 +678,24 @@ impl MemoryWindow {
         })
     }
 
-    /// Revokes the current binding, if any: its rkey fails from now on.
-    pub fn invalidate(&self) {
+    /// Revokes the current binding, if any: its rkey fails from now on. Returns the requester
+    /// that was still inside a request with it past the retry timeout (`shm`: a client
+    /// process stopped there), which may still finish that request: the memory it covers
+    /// must not be reused before [`RequesterInside::left`].
+    pub fn invalidate(&self) -> Option<RequesterInside> {
         let previous = lock(&self.key).take();
         // Dropping the NIC's binding (deallocating its window) revokes its key whatever its
         // queue pair's state.
         let binding = lock(&self.binding).take();
         drop(binding);
-        if let Some(key) = previous {
-            self.protection_domain.inner.device.table.remove(key);
-            tracing::debug!(remote_key = key, "invalidated memory window");
-        }
+        let key = previous?;
+        let inside = self.protection_domain.inner.device.table.remove(key);
+        tracing::debug!(
+            remote_key = key,
+            requester_inside = inside.is_some(),
+            "invalidated memory window"
+        );
+        inside
     }
 
     /// The current rkey, if bound.

@@ -29,6 +29,7 @@ use crate::error::Result;
 use crate::memory::PinnedMemory;
 use crate::protection::{MemoryRegion, MemoryWindow, ProtectionEntry};
 use crate::queue_pair::{InFlight, InlineOutcome, QueuePairConfig, QueuePairShared};
+use crate::revocation::RequesterInside;
 use crate::types::{AccessFlags, Backend, QueuePairEndpoint, RemoteKey, WorkRequest};
 
 /// A provider's own object behind a model object (a NIC's CQ, a region's registration, a
@@ -57,8 +58,10 @@ pub(crate) trait KeyMirror: Send + Sync + Debug {
     /// The provider's, e.g. a full shared key table or memory that cannot be shared.
     fn publish(&self, key: u32, entry: &ProtectionEntry) -> Result<()>;
 
-    /// A key is revoked: returns once no requester can still be using it.
-    fn revoke(&self, key: u32);
+    /// A key is revoked: returns once no requester can still be using it, or, past the
+    /// retry timeout, with the requester still inside a request that may use it
+    /// ([`RequesterInside`]).
+    fn revoke(&self, key: u32) -> Option<RequesterInside>;
 }
 
 /// What a post's requests need after [`QueuePairProvider::submit`].

@@ -156,3 +156,92 @@ async fn a_key_revoked_while_a_direct_call_stalls_is_refused_at_its_next_access(
         "a WRITE by a key whose revocation returned {waited:?} before ran on the responder's memory"
     );
 }
+
+/// A window revoked while its requester is stopped inside a request (`shm`: a client process
+/// stopped mid-WRITE, here a direct call stalled between two accesses) cannot promise that
+/// the request is over: `invalidate` returns once its bounded wait passed, with the requester
+/// still inside ([`rdkv_fabric::RequesterInside`]), so that the responder keeps the memory
+/// until it has left. Before, the revocation only logged a warning, and the server's heap
+/// reused a stopped client's sealed grant while a WRITE of it could still land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_revoked_under_a_stopped_requester_says_it_is_still_inside() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let config = rdkv_fabric::DeviceConfig {
+        retry_timeout: Duration::from_millis(200),
+        ..rdkv_fabric::DeviceConfig::default()
+    };
+    let connected = Arc::new(
+        checks::connect_with(
+            Backend::Shm,
+            config,
+            rdkv_fabric::QueuePairConfig::default(),
+        )
+        .await,
+    );
+    let window = connected.server_domain.allocate_memory_window();
+    let key = connected
+        .server_queue_pair
+        .bind_memory_window(
+            &window,
+            &connected.remote,
+            connected.remote.address(),
+            4096,
+            rdkv_fabric::AccessFlags::REMOTE_WRITE,
+        )
+        .expect("bind");
+    // Nobody inside: the revocation is clean.
+    let idle = connected.server_domain.allocate_memory_window();
+    connected
+        .server_queue_pair
+        .bind_memory_window(
+            &idle,
+            &connected.remote,
+            connected.remote.address(),
+            4096,
+            rdkv_fabric::AccessFlags::REMOTE_WRITE,
+        )
+        .expect("bind");
+    assert!(idle.invalidate().is_none(), "no requester inside");
+
+    let inside = Arc::new(AtomicBool::new(false));
+    let resume = Arc::new(AtomicBool::new(false));
+    let requester = {
+        let connected = connected.clone();
+        let (inside, resume) = (inside.clone(), resume.clone());
+        std::thread::spawn(move || {
+            connected
+                .client_queue_pair
+                .direct(|access| {
+                    access.write(key.at(0), &[1u8; 8])?;
+                    inside.store(true, Ordering::Release);
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while !resume.load(Ordering::Acquire) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Ok::<(), WorkCompletionStatus>(())
+                })
+                .expect("idle: direct")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !inside.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the direct call never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let still_inside = window
+        .invalidate()
+        .expect("the requester stayed inside past the retry timeout: the revocation says so");
+    assert!(!still_inside.left(), "still stalled inside its request");
+    resume.store(true, Ordering::Release);
+    requester
+        .join()
+        .expect("the requester thread")
+        .expect("its call");
+    assert!(
+        still_inside.left(),
+        "out of the request: the memory may be reused"
+    );
+}

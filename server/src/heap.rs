@@ -29,6 +29,10 @@
 //! Each step also completes after a quarantine (1.25 × the operation deadline) whatever the
 //! announce words say, as before they existed: a client that stopped announcing (hung,
 //! partitioned, its connection broken) delays reclamation by at most that, never forever.
+//! Except where a WRITE of it may still land: an `shm` client stopped inside a request with a
+//! sealed grant's window (found by the window's revocation, or by its teardown's drain) holds
+//! that grant until it is out, however long (`held_bytes`; the heap fence bounds what it holds
+//! under pressure).
 //! Crashed clients need no special case: their grants are sealed at lease expiry and their
 //! words released after their queue pair is drained.
 
@@ -38,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkv_common::layout::TableGeometry;
-use rdkv_fabric::{lock, MemoryWindow};
+use rdkv_fabric::{lock, MemoryWindow, RequesterInside};
 
 use crate::announce::{Announcements, Snapshot};
 
@@ -74,9 +78,13 @@ enum ExtentState {
     Owned(u64),
     /// No new block since `since`; `writer` is the connection that wrote there and the
     /// `started` count its last placing operation is within (`None`: it is gone).
+    /// `inside`: its window was revoked while a requester was stopped inside a request
+    /// (`shm`); it settles only once that requester is out, whatever the announce words or the
+    /// quarantine say.
     Sealed {
         since: Instant,
         writer: Option<(u64, u64)>,
+        inside: Option<Arc<RequesterInside>>,
     },
     /// Every writer finished (since then).
     Settled { since: Instant },
@@ -477,7 +485,11 @@ impl Heap {
         let first = grant.first_extent as usize;
         for state in &mut states[first..first + grant.extents as usize] {
             if matches!(state, ExtentState::Owned(owner) if *owner == connection) {
-                *state = ExtentState::Sealed { since, writer };
+                *state = ExtentState::Sealed {
+                    since,
+                    writer,
+                    inside: None,
+                };
             }
         }
     }
@@ -493,50 +505,116 @@ impl Heap {
     }
 
     /// Moves sealed extents whose writers are done to `Settled`, and revokes their grants'
-    /// windows.
+    /// windows; a grant whose window's requester is still inside a request past the
+    /// revocation's bound (`shm`: a client process stopped there, fenced or not) goes back to
+    /// `Sealed`, held until that requester is out.
     pub fn settle(&self, announcements: &Announcements, now: Instant) {
-        let mut settled = Vec::new();
-        {
-            let mut extents = lock(&self.extents);
-            // The extents of one grant share their writer: ask once per pass.
-            let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
-            for (index, state) in extents.states.iter_mut().enumerate() {
-                let ExtentState::Sealed { since, writer } = state else {
-                    continue;
-                };
-                let (done, stopped_inside) = match writer {
-                    None => (true, false),
-                    Some((connection, started)) => *writers_done
-                        .entry((*connection, *started))
-                        .or_insert_with(|| {
-                            (
-                                announcements.quiescent_through(*connection, *started),
-                                announcements.reads_fenced(*connection),
-                            )
-                        }),
-                };
-                // A writer stopped inside a request (torn down, not out) may still finish a
-                // WRITE here: no quarantine for it; its grants settle once it is out.
-                let quarantined = !stopped_inside && now.duration_since(*since) >= self.quarantine;
-                if done || quarantined {
-                    *state = ExtentState::Settled { since: now };
-                    settled.push(index as u64);
-                }
-            }
-        }
-        let revoked: Vec<MemoryWindow> = {
+        let settled = self.settle_sealed(announcements, now);
+        let revoked: Vec<(u64, MemoryWindow)> = {
             let mut windows = lock(&self.sealed_windows);
             settled
                 .iter()
-                .filter_map(|extent| windows.remove(extent))
+                .filter_map(|(extent, _)| Some((*extent, windows.remove(extent)?)))
                 .collect()
         };
         // Outside the lock: on `shm` a revocation waits for the window's requester (up to
         // `retry_timeout` for one stopped inside a request), and a session that seals a grant
         // takes the lock on an async worker (`keep_window`).
-        for window in revoked {
-            window.invalidate();
+        let held: Vec<(u64, RequesterInside)> = revoked
+            .into_iter()
+            .filter_map(|(extent, window)| Some((extent, window.invalidate()?)))
+            .collect();
+        self.hold_for_requesters(&settled, held, now);
+    }
+
+    /// Puts back to `Sealed` the grants (by first extent) just settled whose window's
+    /// revocation found its requester still inside a request: held until it is out.
+    fn hold_for_requesters(
+        &self,
+        settled: &[(u64, Option<(u64, u64)>)],
+        held: Vec<(u64, RequesterInside)>,
+        now: Instant,
+    ) {
+        if held.is_empty() {
+            return;
         }
+        let mut extents = lock(&self.extents);
+        for (first, inside) in held {
+            let inside = Arc::new(inside);
+            // The grant's extents: settled in this pass, from its first on, by one writer.
+            let Some(start) = settled.iter().position(|(extent, _)| *extent == first) else {
+                continue;
+            };
+            let writer = settled[start].1;
+            for (offset, (extent, extent_writer)) in settled[start..].iter().enumerate() {
+                if *extent != first + offset as u64 || *extent_writer != writer {
+                    break;
+                }
+                let state = &mut extents.states[*extent as usize];
+                if matches!(state, ExtentState::Settled { since } if *since == now) {
+                    *state = ExtentState::Sealed {
+                        since: now,
+                        writer,
+                        inside: Some(inside.clone()),
+                    };
+                }
+            }
+            tracing::warn!(
+                first_extent = first,
+                "a requester stayed inside a request with a sealed grant's window past the retry timeout (an shm client stopped there): the grant is kept until it is out"
+            );
+        }
+    }
+
+    /// The `Sealed` → `Settled` step of [`Self::settle`]: returns each extent settled, with
+    /// the writer it was sealed with.
+    fn settle_sealed(
+        &self,
+        announcements: &Announcements,
+        now: Instant,
+    ) -> Vec<(u64, Option<(u64, u64)>)> {
+        let mut settled = Vec::new();
+        let mut extents = lock(&self.extents);
+        // The extents of one grant share their writer: ask once per pass.
+        let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
+        for (index, state) in extents.states.iter_mut().enumerate() {
+            let ExtentState::Sealed {
+                since,
+                writer,
+                inside,
+            } = state
+            else {
+                continue;
+            };
+            if let Some(inside) = inside {
+                // Its window is revoked already; its requester's late WRITE may still land.
+                if inside.left() {
+                    *state = ExtentState::Settled { since: now };
+                }
+                continue;
+            }
+            let writer = *writer;
+            let (done, stopped_inside) = match writer {
+                None => (true, false),
+                Some((connection, started)) => *writers_done
+                    .entry((connection, started))
+                    .or_insert_with(|| {
+                        (
+                            announcements.quiescent_through(connection, started),
+                            announcements.reads_fenced(connection),
+                        )
+                    }),
+            };
+            // A writer stopped inside a request (torn down, not out) may still finish a WRITE
+            // here: no quarantine for it; its grants settle once it is out. One stopped inside
+            // while still connected is found by the window's revocation (`settle`).
+            let quarantined = !stopped_inside && now.duration_since(*since) >= self.quarantine;
+            if done || quarantined {
+                *state = ExtentState::Settled { since: now };
+                settled.push((index as u64, writer));
+            }
+        }
+        settled
     }
 
     /// Extents a client can expect to get without any client giving anything up: those free,
@@ -557,7 +635,7 @@ impl Heap {
                 **live == 0
                     && matches!(
                         state,
-                        ExtentState::Sealed { .. }
+                        ExtentState::Sealed { inside: None, .. }
                             | ExtentState::Settled { .. }
                             | ExtentState::Candidate { .. }
                     )
@@ -619,6 +697,26 @@ impl Heap {
     /// Heap bytes not free.
     pub fn used_bytes(&self) -> u64 {
         (self.extent_count - lock(&self.extents).free) * EXTENT_SIZE
+    }
+
+    /// Heap bytes in sealed grants held for a requester stopped inside a request with their
+    /// window (`ExtentState::Sealed` with `inside`).
+    pub fn held_bytes(&self) -> u64 {
+        let extents = lock(&self.extents);
+        let held = extents
+            .states
+            .iter()
+            .filter(|state| {
+                matches!(
+                    state,
+                    ExtentState::Sealed {
+                        inside: Some(_),
+                        ..
+                    }
+                )
+            })
+            .count() as u64;
+        held * EXTENT_SIZE
     }
 
     /// Heap bytes free now.
@@ -906,6 +1004,37 @@ mod tests {
         words.announcements.release(1);
         words.tick(&heap, &[], start + Duration::from_secs(5));
         assert!(heap.writer_gone(100), "out: settled");
+    }
+
+    /// A connected client stopped inside a request with its sealed grant's window (never
+    /// fenced: no heap pressure) is found by the window's revocation; the grant is held past
+    /// the quarantine, since its WRITE may still land, and settles once it is out.
+    #[test]
+    fn a_grant_whose_window_revocation_found_its_requester_inside_is_held_until_it_is_out() {
+        use std::sync::atomic::AtomicBool;
+        let words = Words::new();
+        let heap = heap(3);
+        let start = Instant::now();
+        words.announce(1, 3, 2);
+        grant(&heap, 1, 3);
+        grant(&heap, 1, 3);
+        let past_quarantine = start + Duration::from_secs(5);
+        let settled = heap.settle_sealed(&words.announcements, past_quarantine);
+        assert_eq!(settled.len(), 1, "the sealed grant, by the quarantine");
+        let out = Arc::new(AtomicBool::new(false));
+        let probe = out.clone();
+        let inside = RequesterInside::new(move || probe.load(Ordering::Acquire));
+        heap.hold_for_requesters(&settled, vec![(settled[0].0, inside)], past_quarantine);
+        assert_eq!(heap.held_bytes(), EXTENT_SIZE);
+        words.tick(&heap, &[], past_quarantine + Duration::from_secs(60));
+        assert!(
+            !heap.writer_gone(100),
+            "its WRITE may still land: held past any quarantine"
+        );
+        out.store(true, Ordering::Release);
+        words.tick(&heap, &[], past_quarantine + Duration::from_secs(60));
+        assert!(heap.writer_gone(100), "out: settled");
+        assert_eq!(heap.held_bytes(), 0);
     }
 
     #[test]

@@ -186,6 +186,7 @@ impl Counters {
             views_committed: 0,
             connections_fenced: self.connections_fenced.load(Ordering::Relaxed),
             heap_fences: self.heap_fences.load(Ordering::Relaxed),
+            heap_held_bytes: heap.held_bytes(),
             connections_refused_not_serving: self
                 .connections_refused_not_serving
                 .load(Ordering::Relaxed),

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 61] {
+fn definitions() -> [(&'static str, &'static str, Reader); 62] {
     [
         (
             "uptime_seconds",
@@ -325,6 +325,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 61] {
             "heap_fences_total",
             "Data connections fenced because, with the heap under pressure, they held its reuse back with an operation in flight and announced nothing for heap_hold_limit (a stopped or hung client; it reconnects)",
             |stats| stats.heap_fences as i64,
+        ),
+        (
+            "heap_held_bytes",
+            "Heap bytes in sealed grants held for a client stopped inside a request with them (shm: its WRITE may still land), until it leaves the request or its process ends",
+            |stats| stats.heap_held_bytes as i64,
         ),
         (
             "serving_data",

@@ -48,6 +48,7 @@ use crate::provider::engine::{self, RemoteRequest};
 use crate::queue_pair::{
     place_payload, InFlight, InlineFailure, InlineOutcome, QueuePairConfig, QueuePairShared,
 };
+use crate::revocation::RequesterInside;
 use crate::seam::{DeviceProvider, KeyMirror, ProviderFuture, QueuePairProvider, Submission};
 use crate::types::{
     AccessFlags, Backend, Opcode, QueuePairEndpoint, QueuePairState, ShmEndpoint, WorkCompletion,
@@ -379,27 +380,38 @@ impl Offer {
     /// of a window bound to that queue pair (no other requester's request passes its key
     /// check), so that a requester stopped inside a request delays the revocation of its own
     /// windows only, not every client's.
-    fn wait_for_requesters(&self, bound: Option<u32>) {
-        let Some(device) = self.device.upgrade() else {
-            return;
-        };
-        let slots: Vec<u32> = device
+    fn wait_for_requesters(&self, bound: Option<u32>) -> Option<RequesterInside> {
+        let device = self.device.upgrade()?;
+        let requesters: Vec<(Weak<QueuePairShared>, u32)> = device
             .queue_pairs
             .iter()
             .filter(|entry| bound.is_none_or(|bound| *entry.key() == bound))
-            .filter_map(|entry| entry.value().upgrade())
-            .filter_map(|queue_pair| {
-                queue_pair
+            .filter_map(|entry| {
+                let queue_pair = entry.value().upgrade()?;
+                let part = queue_pair
                     .provider
                     .as_any()
-                    .downcast_ref::<ShmQueuePair>()
-                    .map(|part| part.epoch_slot.load(Ordering::Acquire))
+                    .downcast_ref::<ShmQueuePair>()?;
+                let slot = part.epoch_slot.load(Ordering::Acquire);
+                (slot != NO_EPOCH_SLOT).then(|| (entry.value().clone(), slot))
             })
-            .filter(|slot| *slot != NO_EPOCH_SLOT)
             .collect();
-        for slot in slots {
-            self.wait_quiet(slot);
+        let mut inside = Vec::new();
+        for (queue_pair, slot) in requesters {
+            if let Some(seen) = self.wait_quiet(slot) {
+                inside.push(RequesterInside::new(move || {
+                    // Gone with its queue pair (kept by the server while it is inside).
+                    queue_pair.upgrade().is_none_or(|queue_pair| {
+                        queue_pair
+                            .provider
+                            .as_any()
+                            .downcast_ref::<ShmQueuePair>()
+                            .is_none_or(|part| part.left_epoch(slot, seen))
+                    })
+                }));
+            }
         }
+        RequesterInside::all(inside)
     }
 
     /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout; returns the
@@ -458,10 +470,9 @@ impl KeyMirror for Offer {
         )
     }
 
-    fn revoke(&self, key: u32) {
-        if let Some(bound) = self.state.revoke_key(key) {
-            self.wait_for_requesters(bound);
-        }
+    fn revoke(&self, key: u32) -> Option<RequesterInside> {
+        let bound = self.state.revoke_key(key)?;
+        self.wait_for_requesters(bound)
     }
 }
 
@@ -956,6 +967,34 @@ struct Executor {
 }
 
 impl ShmQueuePair {
+    /// Whether its requester, found inside epoch `seen` on epoch slot `slot`, has left that
+    /// request since, or its process is gone.
+    fn left_epoch(&self, slot: u32, seen: u64) -> bool {
+        self.epoch_slot.load(Ordering::Acquire) != slot
+            || self
+                .offer
+                .as_ref()
+                .is_none_or(|offer| offer.state.left_epoch(slot, seen))
+            || self.requester_gone()
+    }
+
+    /// Whether its requester's process is gone: the kernel closed its end of the attach
+    /// connection (a non-blocking peek), or it never attached.
+    fn requester_gone(&self) -> bool {
+        lock(&self.requester).as_ref().is_none_or(|stream| {
+            let mut byte = [0u8; 1];
+            match nix::sys::socket::recv(
+                stream.as_raw_fd(),
+                &mut byte,
+                nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(0) => true,
+                Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => false,
+                Err(_) => true,
+            }
+        })
+    }
+
     /// Runs every queued request, in order: this post's, and those other tasks queued
     /// meanwhile (one executor per doorbell, as a NIC's engine drains its send queue), with the
     /// executor's lock held (`cache`). A post that finds another thread executing yields and
@@ -1494,18 +1533,7 @@ impl QueuePairProvider for ShmQueuePair {
             (Some(offer), true) => offer.state.left_epoch(slot, seen),
             _ => true,
         };
-        let gone = lock(&self.requester).as_ref().is_none_or(|stream| {
-            let mut byte = [0u8; 1];
-            match nix::sys::socket::recv(
-                stream.as_raw_fd(),
-                &mut byte,
-                nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-            ) {
-                Ok(0) => true,
-                Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => false,
-                Err(_) => true,
-            }
-        });
+        let gone = self.requester_gone();
         if left || gone {
             *lock(&self.stuck_epoch) = None;
         }
