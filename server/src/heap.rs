@@ -1188,7 +1188,10 @@ mod tests {
             }
             words.tick(&heap, &[], now);
         }
-        assert!(regranted, "extent 0 went back to the free list and to connection 2");
+        assert!(
+            regranted,
+            "extent 0 went back to the free list and to connection 2"
+        );
         assert!(
             !lock(&heap.sealed_windows).contains_key(&0),
             "extent 0 is connection 2's grant while connection 1's WRITE window over it was never revoked"
