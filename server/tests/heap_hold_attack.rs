@@ -395,13 +395,34 @@ fn spawn_child(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "attack: an unfenced shm client stopped inside a WRITE writes into a grant reused by another client"]
 async fn a_late_shm_write_never_lands_in_reused_heap() {
+    late_shm_write(false).await;
+}
+
+/// Attack: the same under heap pressure, where the node does fence the stopped client. The
+/// teardown marks it (`fence_reads`, which is what exempts its sealed grants from the
+/// quarantine in `Heap::settle`) only after the drain gave up on it: `teardown.rs` calls
+/// `queue_pair.drain()` first, which waits `retry_timeout` (2 s) for the requester. So it is
+/// marked at stop + heap_hold_limit + retry_timeout at the earliest (stop + 1 s + 2 s with the
+/// defaults), while a grant sealed before the stop is settled by the quarantine at
+/// seal + 1.25 × operation deadline (seal + 2.5 s): always first. The sealed grants the doc
+/// says are kept ("no quarantine for them") are exactly the ones a stopped WRITE can be
+/// inside, and they are not kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "attack: the fence marks a stopped shm writer only after the drain's retry_timeout, after the quarantine settled its sealed grant"]
+async fn a_late_shm_write_of_a_fenced_client_never_lands_in_reused_heap() {
+    late_shm_write(true).await;
+}
+
+/// Stops the `shm` child inside its WRITE list into its sealed grant G, waits until the node
+/// grants G to another client (with the heap under pressure all along when `pressure`), lets
+/// that client write G, resumes the child, and checks that the other client's bytes are intact.
+async fn late_shm_write(pressure: bool) {
     let run_start = Instant::now();
-    let mut inside_seen = 0;
     for attempt in 0..3 {
         if run_start.elapsed() > Duration::from_secs(100) {
             break;
         }
-        // Quarantine 1.25 s; lease 60 s (no teardown); heap_hold_limit 0.5 s, but no pressure.
+        // Quarantine 1.25 s; lease 60 s (no lease teardown); heap_hold_limit 0.5 s.
         let server = small_heap_server(true, Duration::from_secs(1), Duration::from_secs(60)).await;
         let (mut child, mut output, sealed_offset) = spawn_child(server.control_address(), 1);
         let mut line = String::new();
@@ -409,9 +430,13 @@ async fn a_late_shm_write_never_lands_in_reused_heap() {
         let pid = Pid::from_raw(child.child.id() as i32);
         kill(pid, Signal::SIGSTOP).expect("stop the child");
 
-        // Settle by quarantine (1.25 s), the revocation's wait (2 s), free by quarantine (1.25 s).
-        tokio::time::sleep(Duration::from_millis(5000)).await;
         let mut other = RawClient::connect(server.control_address(), false).await;
+        if pressure {
+            fill_heap(&mut other, 0).await;
+        } else {
+            // Settle by quarantine (1.25 s), the revocation's wait (2 s), free by quarantine.
+            tokio::time::sleep(Duration::from_millis(5000)).await;
+        }
         let mut regranted = None;
         let wait = Instant::now();
         for _ in 0..400 {
@@ -426,11 +451,15 @@ async fn a_late_shm_write_never_lands_in_reused_heap() {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        let fences = server.stats().heap_fences;
+        assert_eq!(fences > 0, pressure, "heap fences: {fences}");
         let Some(key) = regranted else {
-            panic!(
-                "attempt {attempt}: G (heap offset {sealed_offset}) was not granted again within 20 s; heap fences {}",
-                server.stats().heap_fences
-            );
+            // What a fixed node does while the child is stopped inside: G stays out of reach.
+            eprintln!("attempt {attempt}: G (heap offset {sealed_offset}) was not granted again within 20 s; heap fences {fences}");
+            drop(other);
+            drop(child);
+            server.shutdown().await;
+            continue;
         };
         assert_eq!(
             other.write_list(key, 0x55, 16 * 1024, 1).await,
@@ -463,13 +492,9 @@ async fn a_late_shm_write_never_lands_in_reused_heap() {
         let after = other.read_heap(sealed_offset, 16 * 1024).await;
         let overwritten = after.iter().filter(|byte| **byte == 0xCC).count();
         eprintln!(
-            "attempt {attempt}: child: {}; {overwritten} bytes of the other client's grant overwritten; heap fences {}",
+            "attempt {attempt}: child: {}; {overwritten} bytes of the other client's grant overwritten; heap fences {fences}",
             rest.trim(),
-            server.stats().heap_fences
         );
-        if overwritten > 0 {
-            inside_seen += 1;
-        }
         assert_eq!(
             overwritten, 0,
             "the stopped client's late WRITE landed in extents the node had granted to another client"
@@ -478,7 +503,6 @@ async fn a_late_shm_write_never_lands_in_reused_heap() {
         drop(child);
         server.shutdown().await;
     }
-    eprintln!("no attempt stopped the child inside a list ({inside_seen}); nothing shown");
 }
 
 /// Attack: `Heap::settle` revokes every window of the grants it settled, one after another,
