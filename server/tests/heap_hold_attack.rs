@@ -162,6 +162,41 @@ impl RawClient {
         }
     }
 
+    /// READs `length` bytes of the heap at `heap_offset` `times` times in one list (a list run
+    /// inside its post enters its epoch once); the status of the first that failed, and the
+    /// bytes the last READ placed.
+    async fn read_list(
+        &self,
+        heap_offset: u64,
+        length: u64,
+        times: usize,
+    ) -> (WorkCompletionStatus, Vec<u8>) {
+        self.local
+            .write(0, &vec![0u8; length as usize])
+            .expect("local bytes");
+        let list = (0..times)
+            .map(|index| {
+                WorkRequest::read(
+                    index as u64,
+                    self.local.segment(0, length as u32),
+                    self.keys.heap_key.at(heap_offset),
+                )
+                .with_signaled(index + 1 == times)
+            })
+            .collect();
+        let status = match self.queue_pair.execute(list).await {
+            Ok(completions) => completions
+                .iter()
+                .map(|completion| completion.status)
+                .find(|status| *status != WorkCompletionStatus::Success)
+                .unwrap_or(WorkCompletionStatus::Success),
+            Err(_) => WorkCompletionStatus::WorkRequestFlushError,
+        };
+        let mut bytes = vec![0u8; length as usize];
+        self.local.read(0, &mut bytes).expect("local read");
+        (status, bytes)
+    }
+
     /// READs `length` bytes of the heap at `heap_offset` through the heap READ window.
     async fn read_heap(&self, heap_offset: u64, length: u64) -> Vec<u8> {
         let completions = self
@@ -285,6 +320,8 @@ async fn a_client_that_starts_operations_but_never_finishes_one_is_fenced_under_
 const CHILD_ADDRESS: &str = "RDKV_HEAP_HOLD_ATTACK_CHILD";
 /// How many sealed grants the child leaves behind before its write loop.
 const CHILD_GRANTS: &str = "RDKV_HEAP_HOLD_ATTACK_GRANTS";
+/// `read`: the child READs its sealed grant in a loop instead of writing it.
+const CHILD_MODE: &str = "RDKV_HEAP_HOLD_ATTACK_MODE";
 
 /// The child of `a_late_shm_write_never_lands_in_reused_heap`: an `shm` client with operation 1
 /// in flight (its word says so, as a real client's does while a write runs) that took grant G,
@@ -323,6 +360,23 @@ fn stopped_shm_writer_process() {
         println!("ready {sealed_offset}");
         let _ = std::io::stdout().flush();
         let start = Instant::now();
+        if std::env::var(CHILD_MODE).is_ok_and(|mode| mode == "read") {
+            // READs of G through the heap READ window (an operation's block READ), until one
+            // list sees the other client's bytes.
+            while start.elapsed() < Duration::from_secs(60) {
+                let began = Instant::now();
+                let (status, bytes) = client.read_list(sealed_offset, 16 * 1024, 64).await;
+                let reused = bytes.contains(&0x55);
+                if reused || status != WorkCompletionStatus::Success {
+                    println!(
+                        "read list: {} ms, {status:?}, reused bytes returned: {reused}",
+                        began.elapsed().as_millis()
+                    );
+                    break;
+                }
+            }
+            return;
+        }
         let mut lists = 0u64;
         while start.elapsed() < Duration::from_secs(60) {
             let status = client.write_list(sealed_key, 0xCC, 16 * 1024, 64).await;
@@ -353,12 +407,22 @@ fn spawn_child(
     control: SocketAddr,
     sealed: usize,
 ) -> (ChildWriter, BufReader<std::process::ChildStdout>, u64) {
+    spawn_child_in(control, sealed, "write")
+}
+
+/// [`spawn_child`] in `mode` (`write` or `read`).
+fn spawn_child_in(
+    control: SocketAddr,
+    sealed: usize,
+    mode: &str,
+) -> (ChildWriter, BufReader<std::process::ChildStdout>, u64) {
     let mut child = ChildWriter {
         child: Command::new(std::env::current_exe().expect("the test binary"))
             .args(["--exact", "stopped_shm_writer_process", "--nocapture"])
             .args(["--test-threads", "1"])
             .env(CHILD_ADDRESS, control.to_string())
             .env(CHILD_GRANTS, sealed.to_string())
+            .env(CHILD_MODE, mode)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -542,4 +606,85 @@ async fn a_stopped_shm_client_does_not_stall_the_collector() {
         longest < Duration::from_secs(3),
         "the collector made no pass for {longest:?} (a stopped shm client with {SEALED} sealed grants)"
     );
+}
+
+/// Attack (the READ half of the hazard): an `shm` client stopped inside a list of block READs,
+/// not fenced (no pressure), resumes after the node freed and regranted the extent by the
+/// quarantine. `still_receiving` (`fabric/src/provider/shm/mod.rs`) is the only check after the
+/// copy, and an unfenced queue pair still receives: the READs after the resume return the new
+/// owner's bytes as a success. (A GET that read a slot before the extent was freed would take
+/// them for its block: the doc's own example is a newer, unpublished value of the same key.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "attack: an unfenced shm client stopped inside a READ returns bytes from a reused extent"]
+async fn a_stopped_shm_read_never_returns_reused_bytes() {
+    let run_start = Instant::now();
+    for attempt in 0..3 {
+        if run_start.elapsed() > Duration::from_secs(100) {
+            break;
+        }
+        let server = small_heap_server(true, Duration::from_secs(1), Duration::from_secs(60)).await;
+        let (mut child, mut output, sealed_offset) =
+            spawn_child_in(server.control_address(), 1, "read");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let pid = Pid::from_raw(child.child.id() as i32);
+        kill(pid, Signal::SIGSTOP).expect("stop the child");
+        tokio::time::sleep(Duration::from_millis(5000)).await;
+        let mut other = RawClient::connect(server.control_address(), false).await;
+        let mut regranted = None;
+        let wait = Instant::now();
+        for _ in 0..400 {
+            if wait.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            if let Some((offset, key)) = other.allocate(0, 16 * 1024).await {
+                if offset == sealed_offset {
+                    regranted = Some(key);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let key = regranted.expect("G granted again while its reader is stopped");
+        assert_eq!(
+            other.write_list(key, 0x55, 16 * 1024, 1).await,
+            WorkCompletionStatus::Success
+        );
+        kill(pid, Signal::SIGCONT).expect("resume the child");
+        let resumed = Instant::now();
+        while resumed.elapsed() < Duration::from_secs(10) {
+            if child
+                .child
+                .try_wait()
+                .expect("the child's status")
+                .is_some()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut report = String::new();
+        let mut line = String::new();
+        while output.read_line(&mut line).unwrap_or(0) > 0 {
+            report.push_str(&line);
+            line.clear();
+        }
+        eprintln!("attempt {attempt}: child: {}", report.trim());
+        let stopped_inside = report
+            .split("read list: ")
+            .nth(1)
+            .and_then(|rest| rest.split(" ms").next())
+            .and_then(|millis| millis.trim().parse::<u64>().ok())
+            .is_some_and(|millis| millis > 1000);
+        if stopped_inside {
+            assert!(
+                !report.contains("Success, reused bytes returned: true"),
+                "a READ list the client was stopped inside returned the new owner's bytes as a success"
+            );
+            return;
+        }
+        drop(other);
+        drop(child);
+        server.shutdown().await;
+    }
+    eprintln!("no attempt stopped the child inside a READ list; nothing shown");
 }
