@@ -1286,4 +1286,44 @@ mod tests {
         assert_eq!(words.tick(&heap, &[], now).reclaimed, 0);
         assert_eq!(words.tick(&heap, &[], now).reclaimed, 2, "the block died");
     }
+
+    /// Attack (issue 39 item 6 review): `Session::allocate_chunk` (`session/serve.rs`) calls
+    /// `heap.allocate`, which seals the old grant and drops the extents lock, and only then
+    /// hands the old grant's WRITE window to `keep_window`. A collector pass that runs in
+    /// between settles the grant (its writer is quiescent through `started`: the common case)
+    /// and finds no window to revoke; the window then sits in `sealed_windows`, bound and
+    /// valid, while its extents become candidates, free, and another connection's grant.
+    #[test]
+    #[ignore = "attack: a grant settled before keep_window keeps its WRITE window live after its extents are reused"]
+    fn a_window_kept_after_its_grant_settled_is_revoked_before_the_grant_is_reused() {
+        let words = Words::new();
+        let heap = heap(8);
+        let device = Device::loopback(DeviceConfig::default());
+        let window = device.allocate_protection_domain().allocate_memory_window();
+        let now = Instant::now();
+        assert_eq!(grant(&heap, 1, 0), Some(0));
+        // AllocateChunk { started: 0 }: `heap.allocate` seals extent 0 ...
+        assert_eq!(grant(&heap, 1, 0), Some(1));
+        // ... the collector's pass runs (connection 1 is quiescent through 0: settled) ...
+        words.tick(&heap, &[], now);
+        // ... and only now does the session hand the sealed grant's window over.
+        heap.keep_window(0, window);
+        words.tick(&heap, &[], now);
+        let mut regranted = false;
+        for _ in 0..8 {
+            if grant(&heap, 2, 0) == Some(0) {
+                regranted = true;
+                break;
+            }
+            words.tick(&heap, &[], now);
+        }
+        assert!(
+            regranted,
+            "extent 0 went back to the free list and to connection 2"
+        );
+        assert!(
+            !lock(&heap.sealed_windows).contains_key(&0),
+            "extent 0 is connection 2's grant while connection 1's WRITE window over it was never revoked"
+        );
+    }
 }
