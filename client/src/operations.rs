@@ -22,6 +22,7 @@
 //! posted, and a failure after a publishing CAS is reported as "may have applied".
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rdkv_common::layout::{
@@ -730,6 +731,7 @@ pub(crate) async fn get(
 ) -> Result<Option<Bytes>> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
+    let begun = Instant::now();
     progress.wait_for(Waiting::ScratchBuffer);
     let mut scratch = connection.scratch(progress).await?;
     let guess = connection.guess(&location);
@@ -749,6 +751,20 @@ pub(crate) async fn get(
             lookup_committed(&mut scratch, "get", key, &location, wide).await?
         }
     };
+    // A lookup that ran for the node's operation deadline or longer (its thread stopped in the
+    // middle of a READ: on `shm` the client copies itself) may have copied a block from an
+    // extent the node reused after its quarantine (1.25 deadlines), whatever the announce
+    // word said: not returned, as a direct GET's (`direct_read_stands`).
+    let node_deadline = Duration::from_millis(connection.welcome.operation_deadline_ms);
+    if !node_deadline.is_zero() && begun.elapsed() >= node_deadline {
+        return Err(Error::TimedOut {
+            operation: "get",
+            deadline: node_deadline,
+            waiting_for: "the node's memory (a READ that outlasted the node's operation deadline is not trusted)",
+            unanswered: None,
+            may_have_applied: false,
+        });
+    }
     remember_view(connection, &location, &view);
     let counters = &connection.counters;
     counters.gets.add(1);

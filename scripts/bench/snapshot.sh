@@ -75,12 +75,23 @@ run_a() {
     | awk -F', ' '/^\[OVERALL\], Throughput/ { print $3 }'
 }
 
-without=()
-with=()
-written=()
-for round in $(seq 1 "$rounds"); do
-  without+=("$(run_a)")
-  # Snapshots back to back for the whole run (bounded: the run's seconds, a few at most).
+# Waits until the node's heap stops coming back (the collector and compactor have caught up
+# with the last run's garbage), at most 60 s: a run right after another one otherwise pays
+# for the first one's reclamation, which made the second run of a pair slower whatever it did.
+settle() {
+  local previous="" free
+  for _ in $(seq 1 120); do
+    free=$(curl -s --max-time 2 http://127.0.0.1:7652/metrics \
+      | awk '/^rdkv_heap_free_bytes[{ ]/ { print $NF }')
+    [ -n "$free" ] && [ "$free" = "$previous" ] && return 0
+    previous=$free
+    sleep 0.5
+  done
+}
+
+# YCSB-A with snapshots written back to back meanwhile; appends the throughput and the count.
+run_with_snapshots() {
+  # Bounded: the run's seconds, a few snapshots at most.
   ( for _ in $(seq 1 100); do cluster snapshot "$file" || exit 1; done ) > "$work/snapshots.log" 2>&1 &
   snapshots=$!
   with+=("$(run_a)")
@@ -88,8 +99,22 @@ for round in $(seq 1 "$rounds"); do
   wait "$snapshots" 2>/dev/null || true
   snapshots=""
   written+=("$(grep -c 'keys' "$work/snapshots.log" || true)")
-  # Waits for the snapshot the loop left running (one at a time): the next round starts quiet.
+  # Waits for the snapshot the loop left running (one at a time): the next run starts quiet.
   cluster snapshot "$file" > /dev/null
+}
+
+without=()
+with=()
+written=()
+for round in $(seq 1 "$rounds"); do
+  # The order alternates by round, and every run starts on a settled heap.
+  if [ $((round % 2)) -eq 1 ]; then
+    settle; without+=("$(run_a)")
+    settle; run_with_snapshots
+  else
+    settle; run_with_snapshots
+    settle; without+=("$(run_a)")
+  fi
   echo "snapshot bench: round $round of $rounds: ${without[-1]} ops/s without, ${with[-1]} with (${written[-1]} snapshots)" >&2
 done
 

@@ -495,70 +495,65 @@ impl Heap {
     }
 
     /// Keeps the WRITE window of a sealed grant (by its first extent) until the grant's writers
-    /// are done; then it is revoked, before any of its extents can be reused.
+    /// are done; then it is revoked, before any of its extents can be reused. Deposited under
+    /// the extents lock while the grant is still `Sealed`: a collector pass that settled the
+    /// grant between the seal (`allocate`) and this call finds no window to revoke, so the
+    /// window is revoked here instead of kept live over extents that may be reused.
     pub fn keep_window(&self, first_extent: u64, window: MemoryWindow) {
-        let previous = lock(&self.sealed_windows).insert(first_extent, window);
+        let stale = {
+            let extents = lock(&self.extents);
+            let sealed = matches!(
+                extents.states.get(first_extent as usize),
+                Some(ExtentState::Sealed { inside: None, .. })
+            );
+            if sealed {
+                lock(&self.sealed_windows).insert(first_extent, window)
+            } else {
+                Some(window)
+            }
+        };
         // Revoked outside the lock: on `shm` a revocation waits for the window's requester.
-        if let Some(previous) = previous {
-            previous.invalidate();
+        if let Some(stale) = stale {
+            let _ = stale.invalidate();
         }
     }
 
-    /// Moves sealed extents whose writers are done to `Settled`, and revokes their grants'
-    /// windows; a grant whose window's requester is still inside a request past the
-    /// revocation's bound (`shm`: a client process stopped there, fenced or not) goes back to
-    /// `Sealed`, held until that requester is out.
+    /// Moves sealed extents whose writers are done to `Settled`, revoking their grants' windows
+    /// first; a grant whose window's revocation found its requester still inside a request
+    /// (`shm`: a client process stopped there, fenced or not) stays `Sealed`, held until that
+    /// requester is out, whatever the announce words or the quarantine say.
     pub fn settle(&self, announcements: &Announcements, now: Instant) {
-        let settled = self.settle_sealed(announcements, now);
-        let revoked: Vec<(u64, MemoryWindow)> = {
-            let mut windows = lock(&self.sealed_windows);
-            settled
-                .iter()
-                .filter_map(|(extent, _)| Some((*extent, windows.remove(extent)?)))
-                .collect()
-        };
-        // Outside the lock: on `shm` a revocation waits for the window's requester (up to
-        // `retry_timeout` for one stopped inside a request), and a session that seals a grant
-        // takes the lock on an async worker (`keep_window`).
-        let held: Vec<(u64, RequesterInside)> = revoked
-            .into_iter()
-            .filter_map(|(extent, window)| Some((extent, window.invalidate()?)))
-            .collect();
-        self.hold_for_requesters(&settled, held, now);
-    }
-
-    /// Puts back to `Sealed` the grants (by first extent) just settled whose window's
-    /// revocation found its requester still inside a request: held until it is out.
-    fn hold_for_requesters(
-        &self,
-        settled: &[(u64, Option<(u64, u64)>)],
-        held: Vec<(u64, RequesterInside)>,
-        now: Instant,
-    ) {
-        if held.is_empty() {
+        let eligible = self.settle_sealed(announcements, now);
+        if eligible.is_empty() {
             return;
         }
-        let mut extents = lock(&self.extents);
-        for (first, inside) in held {
-            let inside = Arc::new(inside);
-            // The grant's extents: settled in this pass, from its first on, by one writer.
-            let Some(start) = settled.iter().position(|(extent, _)| *extent == first) else {
-                continue;
-            };
-            let writer = settled[start].1;
-            for (offset, (extent, extent_writer)) in settled[start..].iter().enumerate() {
-                if *extent != first + offset as u64 || *extent_writer != writer {
+        let mut held: HashMap<u64, Arc<RequesterInside>> = HashMap::new();
+        loop {
+            let windows: Vec<(u64, MemoryWindow)> = {
+                let mut extents = lock(&self.extents);
+                let mut windows = lock(&self.sealed_windows);
+                let found: Vec<(u64, MemoryWindow)> = eligible
+                    .iter()
+                    .filter_map(|(extent, _)| Some((*extent, windows.remove(extent)?)))
+                    .collect();
+                if found.is_empty() {
+                    // Every window is revoked; `keep_window` deposits none for these from now
+                    // on (it takes this lock and finds them settled).
+                    Self::mark_settled(&mut extents.states, &eligible, &held, now);
                     break;
                 }
-                let state = &mut extents.states[*extent as usize];
-                if matches!(state, ExtentState::Settled { since } if *since == now) {
-                    *state = ExtentState::Sealed {
-                        since: now,
-                        writer,
-                        inside: Some(inside.clone()),
-                    };
+                found
+            };
+            // Outside the locks: on `shm` a revocation waits for the window's requester (up
+            // to `retry_timeout` for one stopped inside a request, once: the fabric remembers
+            // it), and a session that seals a grant takes the lock on an async worker.
+            for (first, window) in windows {
+                if let Some(inside) = window.invalidate() {
+                    held.insert(first, Arc::new(inside));
                 }
             }
+        }
+        for first in held.keys() {
             tracing::warn!(
                 first_extent = first,
                 "a requester stayed inside a request with a sealed grant's window past the retry timeout (an shm client stopped there): the grant is kept until it is out"
@@ -566,14 +561,52 @@ impl Heap {
         }
     }
 
-    /// The `Sealed` → `Settled` step of [`Self::settle`]: returns each extent settled, with
-    /// the writer it was sealed with.
+    /// The last step of [`Self::settle`]: each eligible extent still `Sealed` becomes
+    /// `Settled`, or stays `Sealed` with the requester its grant's revocation found inside
+    /// (`held`, by the grant's first extent: the grant is the run of eligible extents from it
+    /// with its writer).
+    fn mark_settled(
+        states: &mut [ExtentState],
+        eligible: &[(u64, Option<(u64, u64)>)],
+        held: &HashMap<u64, Arc<RequesterInside>>,
+        now: Instant,
+    ) {
+        let mut run: Option<(u64, Option<(u64, u64)>, Arc<RequesterInside>)> = None;
+        for (extent, writer) in eligible {
+            run = match (held.get(extent), run.take()) {
+                (Some(inside), _) => Some((*extent, *writer, inside.clone())),
+                (None, Some((last, run_writer, inside)))
+                    if *extent == last + 1 && *writer == run_writer =>
+                {
+                    Some((*extent, run_writer, inside))
+                }
+                _ => None,
+            };
+            let state = &mut states[*extent as usize];
+            if !matches!(state, ExtentState::Sealed { inside: None, .. }) {
+                continue;
+            }
+            *state = match &run {
+                Some((_, _, inside)) => ExtentState::Sealed {
+                    since: now,
+                    writer: *writer,
+                    inside: Some(inside.clone()),
+                },
+                None => ExtentState::Settled { since: now },
+            };
+        }
+    }
+
+    /// The first step of [`Self::settle`]: settles the held extents whose requester is out
+    /// (their windows are revoked already), and returns the sealed extents whose writers are
+    /// done or whose quarantine passed, each with the writer it was sealed with, in order,
+    /// still `Sealed`.
     fn settle_sealed(
         &self,
         announcements: &Announcements,
         now: Instant,
     ) -> Vec<(u64, Option<(u64, u64)>)> {
-        let mut settled = Vec::new();
+        let mut eligible = Vec::new();
         let mut extents = lock(&self.extents);
         // The extents of one grant share their writer: ask once per pass.
         let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
@@ -596,25 +629,26 @@ impl Heap {
             let writer = *writer;
             let (done, stopped_inside) = match writer {
                 None => (true, false),
-                Some((connection, started)) => *writers_done
-                    .entry((connection, started))
-                    .or_insert_with(|| {
-                        (
-                            announcements.quiescent_through(connection, started),
-                            announcements.reads_fenced(connection),
-                        )
-                    }),
+                Some((connection, started)) => {
+                    *writers_done
+                        .entry((connection, started))
+                        .or_insert_with(|| {
+                            (
+                                announcements.quiescent_through(connection, started),
+                                announcements.reads_fenced(connection),
+                            )
+                        })
+                }
             };
             // A writer stopped inside a request (torn down, not out) may still finish a WRITE
             // here: no quarantine for it; its grants settle once it is out. One stopped inside
             // while still connected is found by the window's revocation (`settle`).
             let quarantined = !stopped_inside && now.duration_since(*since) >= self.quarantine;
             if done || quarantined {
-                *state = ExtentState::Settled { since: now };
-                settled.push((index as u64, writer));
+                eligible.push((index as u64, writer));
             }
         }
-        settled
+        eligible
     }
 
     /// Extents a client can expect to get without any client giving anything up: those free,
@@ -1019,12 +1053,18 @@ mod tests {
         grant(&heap, 1, 3);
         grant(&heap, 1, 3);
         let past_quarantine = start + Duration::from_secs(5);
-        let settled = heap.settle_sealed(&words.announcements, past_quarantine);
-        assert_eq!(settled.len(), 1, "the sealed grant, by the quarantine");
+        let eligible = heap.settle_sealed(&words.announcements, past_quarantine);
+        assert_eq!(eligible.len(), 1, "the sealed grant, by the quarantine");
         let out = Arc::new(AtomicBool::new(false));
         let probe = out.clone();
         let inside = RequesterInside::new(move || probe.load(Ordering::Acquire));
-        heap.hold_for_requesters(&settled, vec![(settled[0].0, inside)], past_quarantine);
+        let held = HashMap::from([(eligible[0].0, Arc::new(inside))]);
+        Heap::mark_settled(
+            &mut lock(&heap.extents).states,
+            &eligible,
+            &held,
+            past_quarantine,
+        );
         assert_eq!(heap.held_bytes(), EXTENT_SIZE);
         words.tick(&heap, &[], past_quarantine + Duration::from_secs(60));
         assert!(
@@ -1294,7 +1334,6 @@ mod tests {
     /// and finds no window to revoke; the window then sits in `sealed_windows`, bound and
     /// valid, while its extents become candidates, free, and another connection's grant.
     #[test]
-    #[ignore = "attack: a grant settled before keep_window keeps its WRITE window live after its extents are reused"]
     fn a_window_kept_after_its_grant_settled_is_revoked_before_the_grant_is_reused() {
         let words = Words::new();
         let heap = heap(8);

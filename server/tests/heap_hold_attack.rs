@@ -281,7 +281,6 @@ async fn a_client_whose_word_is_frozen_mid_operation_is_fenced_under_pressure() 
 /// found unreferenced waits the full quarantine (1.25 × operation deadline) on it, under
 /// pressure, for as long as it likes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "attack: a word whose started moves while quiescent stays is never fenced (HoldWatch resets on any change)"]
 async fn a_client_that_starts_operations_but_never_finishes_one_is_fenced_under_pressure() {
     let server = small_heap_server(false, Duration::from_secs(2), Duration::from_secs(30)).await;
     let mut holder = RawClient::connect(server.control_address(), false).await;
@@ -457,7 +456,6 @@ fn spawn_child_in(
 /// Whether the SIGSTOP lands inside a list is chance (the child spends most of its time in
 /// 1 MiB lists); the test tries up to three times and fails on the first overwrite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "attack: an unfenced shm client stopped inside a WRITE writes into a grant reused by another client"]
 async fn a_late_shm_write_never_lands_in_reused_heap() {
     late_shm_write(false).await;
 }
@@ -472,7 +470,6 @@ async fn a_late_shm_write_never_lands_in_reused_heap() {
 /// says are kept ("no quarantine for them") are exactly the ones a stopped WRITE can be
 /// inside, and they are not kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "attack: the fence marks a stopped shm writer only after the drain's retry_timeout, after the quarantine settled its sealed grant"]
 async fn a_late_shm_write_of_a_fenced_client_never_lands_in_reused_heap() {
     late_shm_write(true).await;
 }
@@ -523,7 +520,7 @@ async fn late_shm_write(pressure: bool) {
             drop(other);
             drop(child);
             server.shutdown().await;
-            continue;
+            return;
         };
         assert_eq!(
             other.write_list(key, 0x55, 16 * 1024, 1).await,
@@ -577,7 +574,6 @@ async fn late_shm_write(pressure: bool) {
 /// by the quarantine in one pass stops the node's collector (every reclamation, compaction and
 /// tentative-slot cleanup of every client) for 5 × 2 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "attack: a stopped shm client's sealed grants stall the collector retry_timeout each"]
 async fn a_stopped_shm_client_does_not_stall_the_collector() {
     const SEALED: usize = 5;
     let server = small_heap_server(true, Duration::from_secs(1), Duration::from_secs(60)).await;
@@ -615,7 +611,6 @@ async fn a_stopped_shm_client_does_not_stall_the_collector() {
 /// owner's bytes as a success. (A GET that read a slot before the extent was freed would take
 /// them for its block: the doc's own example is a newer, unpublished value of the same key.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "attack: an unfenced shm client stopped inside a READ returns bytes from a reused extent"]
 async fn a_stopped_shm_read_never_returns_reused_bytes() {
     let run_start = Instant::now();
     for attempt in 0..3 {
@@ -644,7 +639,15 @@ async fn a_stopped_shm_read_never_returns_reused_bytes() {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let key = regranted.expect("G granted again while its reader is stopped");
+        let Some(key) = regranted else {
+            // What a fixed node does while the child is stopped inside: G stays out of reach
+            // (its window's revocation found the reader inside, so the grant is held).
+            eprintln!("attempt {attempt}: G (heap offset {sealed_offset}) was not granted again within 20 s: held");
+            drop(other);
+            drop(child);
+            server.shutdown().await;
+            return;
+        };
         assert_eq!(
             other.write_list(key, 0x55, 16 * 1024, 1).await,
             WorkCompletionStatus::Success

@@ -5,9 +5,12 @@
 //!
 //! A connection holds reuse back while its announce word says an operation is in flight
 //! (`started > quiescent`): every extent found unreferenced since then waits for it. Each
-//! session samples its own word at every check ([`super::CHECK_INTERVAL`]); a word that has
-//! not changed for [`crate::ServerConfig::heap_hold_limit`], with an operation in flight, while
-//! [`crate::heap::Heap::under_pressure`] holds, ends the session. The session's ordinary
+//! session samples its own word at every check ([`super::CHECK_INTERVAL`]); a `quiescent` that
+//! has not moved for [`crate::ServerConfig::heap_hold_limit`], with an operation in flight,
+//! while [`crate::heap::Heap::under_pressure`] holds, ends the session. Only `quiescent`
+//! counts: a client that keeps starting operations while its oldest never finishes (one
+//! thread stopped inside an `shm` request while the others go on) holds reuse back as surely
+//! as a silent one. The session's ordinary
 //! teardown then moves its queue pair to ERROR, drains it, revokes its windows, and only then
 //! releases the word (`teardown.rs`): no extent is reused before the client's requests can no
 //! longer run.
@@ -19,10 +22,9 @@ use crate::node::Node;
 /// What one session last saw of its own announce word.
 #[derive(Debug)]
 pub(super) struct HoldWatch {
-    /// The word (`started`, `quiescent`) at the last change seen; `None` before the first
-    /// sample.
-    word: Option<(u64, u64)>,
-    /// When that word was first seen.
+    /// `quiescent` at the last change seen; `None` before the first sample.
+    quiescent: Option<u64>,
+    /// When that value was first seen.
     since: Instant,
 }
 
@@ -33,7 +35,7 @@ pub(super) struct Hold {
     pub(super) started: u64,
     /// Operations finished through this number.
     pub(super) quiescent: u64,
-    /// How long its word had not changed.
+    /// How long its `quiescent` had not moved (its oldest operation in flight ran).
     pub(super) silent_for: Duration,
 }
 
@@ -41,7 +43,7 @@ impl HoldWatch {
     /// A watch that has seen nothing yet.
     pub(super) fn new(now: Instant) -> Self {
         Self {
-            word: None,
+            quiescent: None,
             since: now,
         }
     }
@@ -55,13 +57,12 @@ impl HoldWatch {
         limit: Duration,
         now: Instant,
     ) -> Option<Hold> {
-        let word = node.announcements.word_of(connection)?;
-        if self.word != Some(word) {
-            self.word = Some(word);
+        let (started, quiescent) = node.announcements.word_of(connection)?;
+        if self.quiescent != Some(quiescent) {
+            self.quiescent = Some(quiescent);
             self.since = now;
             return None;
         }
-        let (started, quiescent) = word;
         let silent_for = now.saturating_duration_since(self.since);
         let holds = started > quiescent && silent_for >= limit;
         (holds && node.heap.under_pressure(now)).then_some(Hold {

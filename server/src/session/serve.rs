@@ -65,10 +65,11 @@ impl Session {
             quiescent = hold.quiescent,
             silent_ms = hold.silent_for.as_millis() as u64,
             limit_ms = limit.as_millis() as u64,
-            "fenced a connection that held heap reuse back: an operation in flight and nothing announced past heap_hold_limit, with the heap under pressure (a stopped or hung client; it reconnects)"
+            "fenced a connection that held heap reuse back: its oldest operation in flight unfinished past heap_hold_limit, with the heap under pressure (a stopped or hung client; it reconnects)"
         );
         format!(
-            "fenced: held heap reuse back, silent for {:?} with operations {}..={} in flight",
+            "fenced: held heap reuse back, operation {} unfinished for {:?} ({}..={} in flight)",
+            hold.quiescent + 1,
             hold.silent_for,
             hold.quiescent + 1,
             hold.started

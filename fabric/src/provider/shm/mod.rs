@@ -202,6 +202,12 @@ pub(crate) struct Offer {
     retry_timeout: Duration,
     /// How long a peer has for its hello.
     hello_deadline: Duration,
+    /// Requesters found still inside a request when a wait for them passed its bound: epoch
+    /// slot → the epoch they were inside. A later wait that finds the same slot in the same
+    /// epoch answers at once instead of waiting `retry_timeout` again (one stopped client with
+    /// several windows held the collector's thread 2 s per window). At most one entry per
+    /// slot.
+    stuck: Mutex<HashMap<u32, u64>>,
 }
 
 impl Offer {
@@ -265,6 +271,7 @@ impl Offer {
             thread: Mutex::new(None),
             retry_timeout: device.config.retry_timeout,
             hello_deadline: device.config.hello_deadline,
+            stuck: Mutex::new(HashMap::new()),
         });
         let serving = offer.clone();
         let thread = std::thread::Builder::new()
@@ -417,8 +424,19 @@ impl Offer {
     /// Waits for the requester on epoch slot `slot`, bounded by the retry timeout; returns the
     /// epoch it is still inside when the bound passed.
     fn wait_quiet(&self, slot: u32) -> Option<u64> {
+        let known = lock(&self.stuck).get(&slot).copied();
+        if let Some(seen) = known {
+            // Orders the caller's change before the epoch read, as `SharedState::wait_quiet`.
+            fence(Ordering::SeqCst);
+            if !self.state.left_epoch(slot, seen) {
+                // Still inside the request an earlier wait gave up on: no new wait.
+                return Some(seen);
+            }
+            lock(&self.stuck).remove(&slot);
+        }
         let stuck = self.state.wait_quiet(slot, self.retry_timeout);
-        if stuck.is_some() {
+        if let Some(seen) = stuck {
+            lock(&self.stuck).insert(slot, seen);
             tracing::warn!(
                 epoch_slot = slot,
                 waited = ?self.retry_timeout,
