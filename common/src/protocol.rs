@@ -530,6 +530,10 @@ pub struct ServerStats {
     /// grant's window (`shm`: a client process stopped mid-WRITE, whose WRITE may still land):
     /// kept until it leaves the request or its process ends (`docs/protocol.md`, *Heap space*).
     pub heap_held_bytes: u64,
+    /// Torn-down data connections kept because their client stopped inside a request (`shm`):
+    /// each keeps its queue pair, announce word and grants until the client leaves the request
+    /// or its process ends.
+    pub connections_held: u64,
     /// Data connections refused because the node was not serving data.
     pub connections_refused_not_serving: u64,
     /// Extra lanes refused because over half of `max_connections` were open.

@@ -629,16 +629,14 @@ impl Heap {
             let writer = *writer;
             let (done, stopped_inside) = match writer {
                 None => (true, false),
-                Some((connection, started)) => {
-                    *writers_done
-                        .entry((connection, started))
-                        .or_insert_with(|| {
-                            (
-                                announcements.quiescent_through(connection, started),
-                                announcements.reads_fenced(connection),
-                            )
-                        })
-                }
+                Some((connection, started)) => *writers_done
+                    .entry((connection, started))
+                    .or_insert_with(|| {
+                        (
+                            announcements.quiescent_through(connection, started),
+                            announcements.reads_fenced(connection),
+                        )
+                    }),
             };
             // A writer stopped inside a request (torn down, not out) may still finish a WRITE
             // here: no quarantine for it; its grants settle once it is out. One stopped inside

@@ -34,6 +34,9 @@ pub struct Counters {
     pub connections_fenced: AtomicU64,
     /// Data connections fenced for holding heap reuse back under pressure (`session/serve.rs`).
     pub heap_fences: AtomicU64,
+    /// Torn-down data connections kept because their client stopped inside a request
+    /// (`shm`): queue pair, announce word and grants, until it is out (`session/teardown.rs`).
+    pub connections_held: AtomicU64,
     /// Data connections refused because the node was not serving data (no lease, down, or
     /// not rejoined after a restart).
     pub connections_refused_not_serving: AtomicU64,
@@ -82,6 +85,7 @@ impl Counters {
             collector_keys: AtomicU64::new(0),
             connections_fenced: AtomicU64::new(0),
             heap_fences: AtomicU64::new(0),
+            connections_held: AtomicU64::new(0),
             connections_refused_not_serving: AtomicU64::new(0),
             lanes_refused: AtomicU64::new(0),
             refill_buckets_scanned: AtomicU64::new(0),
@@ -187,6 +191,7 @@ impl Counters {
             connections_fenced: self.connections_fenced.load(Ordering::Relaxed),
             heap_fences: self.heap_fences.load(Ordering::Relaxed),
             heap_held_bytes: heap.held_bytes(),
+            connections_held: self.connections_held.load(Ordering::Relaxed),
             connections_refused_not_serving: self
                 .connections_refused_not_serving
                 .load(Ordering::Relaxed),

@@ -517,6 +517,30 @@ async fn late_shm_write(pressure: bool) {
         let Some(key) = regranted else {
             // What a fixed node does while the child is stopped inside: G stays out of reach.
             eprintln!("attempt {attempt}: G (heap offset {sealed_offset}) was not granted again within 20 s; heap fences {fences}");
+            // Held, and said so: the torn-down connection (fenced) or the sealed grant (not).
+            let stats = server.stats();
+            assert!(
+                stats.connections_held + stats.heap_held_bytes > 0,
+                "G is kept for the stopped child: a gauge says so ({} connections held, {} heap bytes held)",
+                stats.connections_held,
+                stats.heap_held_bytes
+            );
+            // Resumed (it then fails its next request and exits), or gone: nothing stays held.
+            kill(pid, Signal::SIGCONT).expect("resume the child");
+            let resumed = Instant::now();
+            while resumed.elapsed() < Duration::from_secs(10) {
+                let stats = server.stats();
+                if stats.connections_held == 0 && stats.heap_held_bytes == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let stats = server.stats();
+            assert_eq!(
+                (stats.connections_held, stats.heap_held_bytes),
+                (0, 0),
+                "released once the child is out"
+            );
             drop(other);
             drop(child);
             server.shutdown().await;

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 62] {
+fn definitions() -> [(&'static str, &'static str, Reader); 63] {
     [
         (
             "uptime_seconds",
@@ -330,6 +330,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 62] {
             "heap_held_bytes",
             "Heap bytes in sealed grants held for a client stopped inside a request with them (shm: its WRITE may still land), until it leaves the request or its process ends",
             |stats| stats.heap_held_bytes as i64,
+        ),
+        (
+            "connections_held",
+            "Torn-down data connections kept because their client stopped inside a request (shm): queue pair, announce word and grants stay until it leaves it or its process ends",
+            |stats| stats.connections_held as i64,
         ),
         (
             "serving_data",

@@ -237,10 +237,18 @@ impl Session {
         let keys = match self.bind_windows() {
             Ok(keys) => keys,
             Err(BindFailure::NoAnnounceWord) => {
-                let reason = format!(
-                    "no announce word free: {} data connections are open (max_connections)",
-                    self.node.config.max_connections
-                );
+                let held = self.node.counters.connections_held.load(Ordering::Relaxed);
+                let reason = if held > 0 {
+                    format!(
+                        "no announce word free: max_connections ({}) reached, {held} of them kept for clients stopped inside a request (resume or kill those processes: rdkv_connections_held)",
+                        self.node.config.max_connections
+                    )
+                } else {
+                    format!(
+                        "no announce word free: {} data connections are open (max_connections)",
+                        self.node.config.max_connections
+                    )
+                };
                 return Err(Self::refuse(writer, reason).await);
             }
             Err(BindFailure::Setup(error)) => return Err(error),

@@ -82,6 +82,10 @@ impl Session {
                 connection = connection_id,
                 "the client stopped inside a request: its grant and announce word are kept until it leaves it or its process ends"
             );
+            self.node
+                .counters
+                .connections_held
+                .fetch_add(1, Ordering::Relaxed);
             tokio::spawn(hold_until_out(self.node.clone(), connection_id, queue_pair));
         }
     }
@@ -108,4 +112,7 @@ async fn hold_until_out(node: Arc<Node>, connection_id: u64, queue_pair: QueuePa
     }
     drop(queue_pair);
     release(&node, connection_id);
+    node.counters
+        .connections_held
+        .fetch_sub(1, Ordering::Relaxed);
 }
