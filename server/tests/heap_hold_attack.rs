@@ -513,7 +513,8 @@ async fn late_shm_write(pressure: bool) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let fences = server.stats().heap_fences;
-        assert_eq!(fences > 0, pressure, "heap fences: {fences}");
+        // Under pressure past heap_hold_limit; without, past the operation deadline (1 s here).
+        assert!(fences > 0, "heap fences: {fences}");
         let Some(key) = regranted else {
             // What a fixed node does while the child is stopped inside: G stays out of reach.
             eprintln!("attempt {attempt}: G (heap offset {sealed_offset}) was not granted again within 20 s; heap fences {fences}");

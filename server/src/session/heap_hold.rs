@@ -64,8 +64,15 @@ impl HoldWatch {
             return None;
         }
         let silent_for = now.saturating_duration_since(self.since);
-        let holds = started > quiescent && silent_for >= limit;
-        (holds && node.heap.under_pressure(now)).then_some(Hold {
+        // Without pressure only past the whole operation deadline, which every client
+        // deadline is within: the operation has failed at its client already, and a
+        // requester stopped inside it (`shm`) must be fenced before the quarantine (1.25
+        // deadlines) can free what it read, or its late CAS could find the slot word it
+        // expects naming a reused block.
+        let holds = started > quiescent
+            && ((silent_for >= limit && node.heap.under_pressure(now))
+                || silent_for >= node.config.operation_deadline);
+        holds.then_some(Hold {
             started,
             quiescent,
             silent_for,

@@ -65,7 +65,7 @@ impl Session {
             quiescent = hold.quiescent,
             silent_ms = hold.silent_for.as_millis() as u64,
             limit_ms = limit.as_millis() as u64,
-            "fenced a connection that held heap reuse back: its oldest operation in flight unfinished past heap_hold_limit, with the heap under pressure (a stopped or hung client; it reconnects)"
+            "fenced a connection that held heap reuse back: its oldest operation in flight unfinished past heap_hold_limit with the heap under pressure, or past operation_deadline (a stopped or hung client; it reconnects)"
         );
         format!(
             "fenced: held heap reuse back, operation {} unfinished for {:?} ({}..={} in flight)",

@@ -899,6 +899,15 @@ impl Attachment {
                 Err(_) => WorkCompletionStatus::RemoteOperationError,
             });
         }
+        // An atomic runs only while the queue pair still receives: a requester stopped inside
+        // this list after its checks (SIGSTOP) and resumed after the node fenced it must not
+        // swap a slot word whose block the node may have reused meanwhile, which the same
+        // word could name again (the same key, length and offset: an ABA the slot word has no
+        // generation against). A stop between this look and the atomic itself is a few
+        // instructions wide.
+        if request.opcode.is_atomic() && !self.still_receiving() {
+            return Outcome::Stopped;
+        }
         let status = engine::perform(
             memory,
             resolved.offset,
