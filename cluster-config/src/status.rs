@@ -240,6 +240,13 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
     let Some(view) = view else {
         return Vec::new();
     };
+    // No member serves (every node was stopped or crashed): the filling members reconcile
+    // their copies with each other, then are promoted together (`docs/protocol.md`,
+    // *Reconciliation*).
+    let reconciling = !view
+        .members
+        .iter()
+        .any(|member| member.state == rdkv_common::protocol::MemberState::Serving);
     view.members
         .iter()
         .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
@@ -249,6 +256,14 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
                 _ => None,
             });
             match stats {
+                Some(stats) if reconciling && stats.reconciled_epoch == view.epoch => format!(
+                    "refill: node {} filling: reconciled ({} newer copies taken from the other filling members); promoted once every filling member is",
+                    member.node_id, stats.reconciled_keys
+                ),
+                Some(_) if reconciling => format!(
+                    "refill: node {} filling: reconciling with the other filling members (the newest copy of each key wins)",
+                    member.node_id
+                ),
                 Some(stats) if stats.refill_buckets_total > 0 => format!(
                     "refill: node {} filling: {}% of its peers' index scanned ({} of {} buckets), {} keys copied",
                     member.node_id,
@@ -533,5 +548,36 @@ mod tests {
             ]
         );
         assert!(refill_lines(None, &statuses).is_empty());
+    }
+
+    #[test]
+    fn filling_members_with_no_serving_one_show_their_reconciliation() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id| ViewMember {
+            node_id,
+            state: MemberState::Filling,
+        };
+        let view = ClusterView {
+            epoch: 9,
+            leader: Some(1),
+            members: vec![member(1), member(2)],
+            losses: Vec::new(),
+        };
+        let reconciled = ServerStats {
+            reconciled_epoch: 9,
+            reconciled_keys: 17,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::new(reconciled))),
+            node(2, NodeState::Up(Box::default())),
+        ];
+        assert_eq!(
+            refill_lines(Some(&view), &statuses),
+            vec![
+                "refill: node 1 filling: reconciled (17 newer copies taken from the other filling members); promoted once every filling member is".to_string(),
+                "refill: node 2 filling: reconciling with the other filling members (the newest copy of each key wins)".to_string(),
+            ]
+        );
     }
 }
