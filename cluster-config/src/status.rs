@@ -233,6 +233,42 @@ pub fn view_line(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> String 
     }
 }
 
+/// Why stopping node `node` alone would lose keys, if it would: with `replicas` ≥ 2, the
+/// other members the view has down or filling, with it, make `replicas` members out of
+/// service at once, so the keys whose copies are all on them have none serving; and each of
+/// them empties itself and refills from its serving peers when it comes back, so those keys
+/// are lost. `None` when the stop is safe (or the view cannot be read: `down` then goes on,
+/// as it does for a cluster that does not answer).
+pub async fn stop_would_lose(config: &ClusterConfig, node: u32) -> Option<String> {
+    let replicas = config.replicas;
+    if replicas < 2 {
+        return None;
+    }
+    let statuses = status(config).await;
+    let view = view(&statuses)?;
+    let out: Vec<u32> = view
+        .members
+        .iter()
+        .filter(|member| {
+            member.node_id != node && member.state != rdkv_common::protocol::MemberState::Serving
+        })
+        .map(|member| member.node_id)
+        .collect();
+    if out.len() + 1 < replicas {
+        return None;
+    }
+    let names = out
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(" and ");
+    Some(format!(
+        "refusing to stop node {node}: node{} {names} {} not serving (down or filling), and with replicas = {replicas} the keys whose copies are all on {names} and {node} would have no copy serving; each refills from its peers when it comes back, so those keys would be lost. Bring {names} back first (`up --node N`, then wait until `status` shows it serving), or pass --force",
+        if out.len() > 1 { "s" } else { "" },
+        if out.len() > 1 { "are" } else { "is" },
+    ))
+}
+
 /// A `refill:` line for each node the view has filling (back after a restart or an absence,
 /// copying its keys from its peers): how far its scan of their tables got, and the keys it
 /// copied (`docs/operations.md`, *Replication and failover*).

@@ -235,6 +235,11 @@ pub fn cluster_command(
         // The tests watch the refill themselves.
         arguments.push("--no-wait");
     }
+    if matches!(command, "restart" | "down") && node.is_some() {
+        // The tests stop nodes on purpose, whatever else is out of service
+        // (`loss.rs` runs the guard without it).
+        arguments.push("--force");
+    }
     rdkv_cluster(&arguments)
 }
 

@@ -385,11 +385,44 @@ async fn a_crash_of_every_node_with_two_copies_keeps_the_newest_snapshot_of_each
         client.put(&key(index), &value).await.expect("put lost");
     }
     client.close().await;
+    // Each key is as of the newest snapshot that holds it.
+    let ids = [1u32, 2, 3];
+    let mut newest = expected.clone();
+    for (key, value) in &later {
+        let on_node_1 = sharding::replicas(key, &ids, 2)
+            .into_iter()
+            .any(|index| ids[index] == 1);
+        if on_node_1 {
+            newest.insert(key.clone(), Some(value.clone()));
+        }
+    }
     for node in 1..=3 {
         signal(&cluster, node, Signal::SIGKILL);
         wait_torn_down(pid_of(&cluster, node), Duration::from_secs(10));
     }
     succeeded(&cluster_command(&cluster, "up", None), "up after the crash");
+    // While the nodes reconcile, nobody reads an older copy: each read fails (the nodes admit
+    // no data client then) or, once they serve, returns the newest.
+    let early = Client::from_file(&cluster.file).expect("a client");
+    let reads = later.keys().map(|key| early.get(key));
+    let outcomes = futures_util::future::join_all(reads).await;
+    let stale: Vec<_> = later
+        .keys()
+        .zip(&outcomes)
+        .filter_map(|(key, outcome)| match outcome {
+            Ok(read) if read.as_deref() != newest[key].as_deref() => {
+                Some(String::from_utf8_lossy(key).into_owned())
+            }
+            _ => None,
+        })
+        .collect();
+    early.close().await;
+    assert!(
+        stale.is_empty(),
+        "{} keys read an older copy while the nodes reconciled, first {:?}",
+        stale.len(),
+        &stale[..stale.len().min(5)]
+    );
     wait_serving(&cluster, Duration::from_secs(120)).await;
 
     // The copies agree before anyone reads (the scan reads the tables, not through a primary).
@@ -403,17 +436,6 @@ async fn a_crash_of_every_node_with_two_copies_keeps_the_newest_snapshot_of_each
         &differ[..differ.len().min(5)]
     );
     client.close().await;
-    // Each key is as of the newest snapshot that holds it.
-    let ids = [1u32, 2, 3];
-    let mut newest = expected.clone();
-    for (key, value) in &later {
-        let on_node_1 = sharding::replicas(key, &ids, 2)
-            .into_iter()
-            .any(|index| ids[index] == 1);
-        if on_node_1 {
-            newest.insert(key.clone(), Some(value.clone()));
-        }
-    }
     let wrong = keys_read_wrong(&cluster, &newest, &BTreeMap::new()).await;
     assert!(
         wrong.is_empty(),

@@ -67,6 +67,8 @@ enum Action {
     ///   `replicas` nodes killed     the keys whose copies were all on them are lost, and
     ///   at once                     status says so (ack-loss)
     /// Ctrl-C on a foreground `up` stops the cluster as `down` does.
+    /// With --node and replicas >= 2, `down` refuses (exit 1) to leave `replicas` members out
+    /// of service at once (their keys would be lost when they refill); --force stops it anyway.
     #[command(verbatim_doc_comment)]
     Down {
         /// The cluster file.
@@ -74,6 +76,10 @@ enum Action {
         /// Stop only this node.
         #[arg(long)]
         node: Option<u32>,
+        /// Stop the node even when `replicas` members would then be out of service at once
+        /// (the keys whose copies are all on them are lost when they come back and refill).
+        #[arg(long)]
+        force: bool,
     },
     /// Stop one node and start it again in the background; the others keep serving. The
     /// restarted node copies its keys back from its peers before it serves; `restart` waits
@@ -89,6 +95,11 @@ enum Action {
         /// Return once the node is started, without waiting for it to serve.
         #[arg(long)]
         no_wait: bool,
+        /// Restart the node even when `replicas` members would then be out of service at once
+        /// (it refills from its serving peers, so the keys whose copies are all on it and on
+        /// the members already out are lost).
+        #[arg(long)]
+        force: bool,
     },
     /// Write a snapshot of every node's keys (or one node's) now, into its data directory;
     /// exits 0 when every node wrote one.
@@ -215,18 +226,35 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         Action::Up { detach, node, .. } => {
             start(&config, &run_directory, detach, node, &file, &run_dir_flag).await
         }
-        Action::Down { node, .. } => {
+        Action::Down { node, force, .. } => {
+            if let (Some(node), false) = (node, force) {
+                if let Some(refusal) = status::stop_would_lose(&config, node).await {
+                    eprintln!("rdkv-cluster: error: {refusal}");
+                    return Ok(1);
+                }
+            }
             for line in launcher::stop(&config, &run_directory, node).await? {
                 say(&line);
             }
             if let (Some(node), 1) = (node, config.replicas) {
                 say(&format!(
-                    "node {node}'s keys have no other copy (replicas = 1): they read as not found until `up --node {node}` loads its final snapshot"
+                    "node {node}'s keys have no other copy (replicas = 1): operations on them fail with `node unreachable` until `up --node {node}` loads its final snapshot"
                 ));
             }
             Ok(0)
         }
-        Action::Restart { node, no_wait, .. } => {
+        Action::Restart {
+            node,
+            no_wait,
+            force,
+            ..
+        } => {
+            if !force {
+                if let Some(refusal) = status::stop_would_lose(&config, node).await {
+                    eprintln!("rdkv-cluster: error: {refusal}");
+                    return Ok(1);
+                }
+            }
             restart(&config, &run_directory, node, !no_wait).await
         }
         Action::Snapshot { node, .. } => snapshot(&config, node).await,

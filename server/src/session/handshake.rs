@@ -125,6 +125,7 @@ impl Session {
             .filter(|_| shared_memory)
             .unwrap_or(MAIN_ATTACHMENT);
         self.routes_by_view = routes_by_view;
+        self.refill_peer = purpose == Purpose::Refill;
         let fabric = self.attachment().device().backend();
         self.monitor = matches!(purpose, Purpose::Monitor | Purpose::Peer);
         // Not news one by one: monitors poll often, and clients' connections are counted in
@@ -143,6 +144,8 @@ impl Session {
         let serving = node.view.serving().and_then(|()| {
             if node.view.filling() && !self.routes_by_view {
                 Err("this node is filling (being refilled after a restart or an absence) and its table is partial: connect with a cluster client (the cluster file), which reads the key's serving copy".to_string())
+            } else if !self.refill_peer && node.view.reconciling() {
+                Err(RECONCILING.to_string())
             } else {
                 Ok(())
             }

@@ -41,6 +41,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a connection checks its lease and its queue pair.
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Why a reconciling node (`ViewService::reconciling`) admits no data client.
+const RECONCILING: &str = "the cluster is reconciling: every node is filling (all were stopped or crashed), and none serves until they agree on the newest copy of each key (`rdkv-cluster status` shows it); try again in a few seconds";
+
 /// Serves one control connection until it ends, then tears its resources down.
 pub(crate) async fn serve(
     node: Arc<Node>,
@@ -65,6 +68,7 @@ pub(crate) async fn serve(
             attachment: MAIN_ATTACHMENT,
             view_at_connect: None,
             routes_by_view: false,
+            refill_peer: false,
         };
         // Unauthenticated until proven: a handshake that a newer connection evicts ends.
         let evict = shutdown.child_token();
@@ -146,6 +150,9 @@ struct Session {
     /// Whether the client routes by the cluster view (a cluster client): a filling node
     /// refuses a data client that does not.
     routes_by_view: bool,
+    /// Whether the connection is a peer node's refill or reconciliation scan
+    /// (`Purpose::Refill`): the only data connection a reconciling node admits.
+    refill_peer: bool,
 }
 
 /// An error and its causes on one line, for the session's end reason.

@@ -195,6 +195,11 @@ impl Session {
         if queue_pair.state() == QueuePairState::Error {
             return Some("queue pair entered ERROR".into());
         }
+        if !self.refill_peer && self.node.view.reconciling() {
+            // Every member fills (the last serving one went): no read or write until the
+            // filling members agree on the newest copy of each key.
+            return Some(format!("fenced: {RECONCILING}"));
+        }
         let limit = self.node.config.heap_hold_limit();
         let hold = hold_watch.check(&self.node, self.connection_id, limit, Instant::now())?;
         Some(self.fence_heap_hold(hold, limit))

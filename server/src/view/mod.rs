@@ -530,6 +530,19 @@ impl ViewService {
         self.filling_round().is_some()
     }
 
+    /// Whether this node is filling while no member serves: every node came back after a stop
+    /// or crash of all of them, and the filling members reconcile their copies before any of
+    /// them serves (`crate::reconcile`). Nobody but their reconciliation reads or writes then.
+    pub fn reconciling(&self) -> bool {
+        self.filling()
+            && !self
+                .view
+                .borrow()
+                .members
+                .values()
+                .any(|record| record.state == MemberState::Serving)
+    }
+
     /// While this node is filling as this incarnation: the epoch its record became `filling`,
     /// which names this round of filling (a node marked down and back fills again, a new
     /// round, and must be refilled again).
