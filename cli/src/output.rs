@@ -12,6 +12,19 @@ use crate::hex;
 /// # Errors
 /// When stdout cannot be written (a closed pipe).
 pub fn print_value(value: &[u8], as_hex: bool) -> std::io::Result<()> {
+    let written = write_value(value, as_hex);
+    // A reader that closed the pipe (`rdkv get KEY | head -c 1`) wanted no more: exit 0
+    // quietly, as every other output of the CLI does (`rdkv_common::process::write_stdout`).
+    if let Err(error) = &written {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            rdkv_common::process::exit_now(0);
+        }
+    }
+    written
+}
+
+/// Writes `value` (hex with `as_hex`) to stdout, a newline after it on a terminal.
+fn write_value(value: &[u8], as_hex: bool) -> std::io::Result<()> {
     let mut stdout = std::io::stdout().lock();
     if as_hex {
         writeln!(stdout, "{}", hex::encode(value))?;

@@ -263,3 +263,32 @@ fn stats_with_a_wrong_secret_says_auth_failed() {
     assert!(row.contains("auth failed"), "{row}");
     assert!(!row.contains(" down "), "{row}");
 }
+
+/// A reader that closes the pipe early (`rdkv get KEY | head -c 1`, `| true`) wanted no more:
+/// `get` ends quietly with exit 0, as every other output does (it printed `Broken pipe` and
+/// exited 2).
+#[test]
+fn a_closed_pipe_ends_get_quietly_with_exit_0() {
+    let cluster = Cluster::start("pipe");
+    let value = vec![b'v'; 16_000];
+    let (code, _, stderr) = cluster.rdkv(&["put", "piped"], &value);
+    assert_eq!(code, 0, "{stderr}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rdkv"))
+        .args([
+            "--config",
+            cluster.file.to_str().expect("utf-8 path"),
+            "get",
+            "piped",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run rdkv");
+    // The reader goes before rdkv writes: its write meets a closed pipe.
+    drop(child.stdout.take());
+    let output = child.wait_with_output().expect("rdkv's output");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+}
