@@ -235,9 +235,16 @@ impl SnapshotWriter {
         let header = encode_header(meta, format)
             .map_err(|reason| snapshot_error(&temporary_path, reason))?;
         let created_directory = !data_dir.exists();
-        fs::create_dir_all(data_dir)
-            .map_err(|source| io_error(data_dir, "create the directory", &source))?;
-        let file = OpenOptions::new()
+        // Private, as the logs are: a snapshot holds every value in the clear.
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(data_dir)
+                .map_err(|source| io_error(data_dir, "create the directory", &source))?;
+        }
+        let file = private_options()
             .write(true)
             .create(true)
             .truncate(true)
@@ -942,6 +949,14 @@ fn io_error(path: &Path, step: &str, source: &io::Error) -> Error {
     snapshot_error(path, format!("{step}: {source}"))
 }
 
+/// Options that create a file readable and writable by its owner alone (0600).
+fn private_options() -> OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = OpenOptions::new();
+    options.mode(0o600);
+    options
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1064,6 +1079,24 @@ mod tests {
     #[test]
     fn an_empty_snapshot_round_trips() {
         assert_round_trip("empty", &Vec::new());
+    }
+
+    /// A snapshot holds every value in the clear: its file and a directory it creates are
+    /// its owner's alone (a new user read one as `nobody`: 0644 in a 0755 directory).
+    #[test]
+    fn a_snapshot_and_the_directory_it_creates_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let directory = TestDirectory::new("private");
+        let data_dir = directory.path.join("data");
+        write(
+            &data_dir,
+            &meta(3),
+            &vec![(b"key".to_vec(), b"secret".to_vec())],
+            FRAME_LIMIT,
+        );
+        let mode = |path: &Path| fs::metadata(path).expect("metadata").permissions().mode() & 0o777;
+        assert_eq!(mode(&data_dir), 0o700);
+        assert_eq!(mode(&data_dir.join(SNAPSHOT_FILE)), 0o600);
     }
 
     #[test]
