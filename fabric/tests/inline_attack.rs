@@ -385,7 +385,9 @@ async fn a_revocation_waits_for_the_inline_list_and_nothing_runs_after_it() {
 
 /// Sound: the responder's ERROR and drain wait for a list inside its post and not past it:
 /// once the drain returns nothing runs on the responder's memory, and later lists complete
-/// NOT_EXECUTED.
+/// NOT_EXECUTED. The list the ERROR meets runs whole or up to an atomic: an atomic runs only
+/// while the queue pair still receives (a requester stopped inside a list and resumed after
+/// a fence must not CAS a slot word on reused memory), as a NIC's ERROR flushes the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_waits_for_the_inline_list_and_nothing_runs_after_it() {
     let connected = Arc::new(checks::connect(Backend::Shm).await);
@@ -418,10 +420,9 @@ async fn a_drain_waits_for_the_inline_list_and_nothing_runs_after_it() {
         at_drain,
         "a request ran after the drain returned"
     );
-    assert_eq!(
-        at_drain,
-        succeeded * 16,
-        "lists run whole: a stopped one runs none"
+    assert!(
+        at_drain >= succeeded * 16 && at_drain < (succeeded + 1) * 16,
+        "whole lists, apart from the one the ERROR cut at an atomic: {at_drain} adds, {succeeded} lists"
     );
     assert_eq!(statuses(&later), [WorkCompletionStatus::NotExecuted]);
     eprintln!("the drain waited {took:?}");
