@@ -92,6 +92,10 @@ enum ExtentState {
     Candidate { since: Instant, snapshot: Snapshot },
 }
 
+/// The connection a sealed extent was written by and the `started` count its last placing
+/// operation is within (`None`: it is gone).
+type Writer = Option<(u64, u64)>;
+
 /// A run of extents handed to one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
@@ -571,7 +575,8 @@ impl Heap {
         held: &HashMap<u64, Arc<RequesterInside>>,
         now: Instant,
     ) {
-        let mut run: Option<(u64, Option<(u64, u64)>, Arc<RequesterInside>)> = None;
+        // The grant being walked: its last extent, its writer and its requester.
+        let mut run: Option<(u64, Writer, Arc<RequesterInside>)> = None;
         for (extent, writer) in eligible {
             run = match (held.get(extent), run.take()) {
                 (Some(inside), _) => Some((*extent, *writer, inside.clone())),
