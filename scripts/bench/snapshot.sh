@@ -55,6 +55,7 @@ index_size = "16M"
 heap_size = "${heap_mib}M"
 chunk_size = "1M"
 TOML
+chmod 600 "$file"
 cluster() { "$bindir/rdkv-cluster" --run-dir "$work/run" "$@"; }
 snapshots=""
 cleanup() {
