@@ -234,26 +234,18 @@ pub fn view_line(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> String 
 }
 
 /// Why stopping node `node` alone would lose keys, if it would: with `replicas` ≥ 2, the
-/// other members the view has down or filling, with it, make `replicas` members out of
-/// service at once, so the keys whose copies are all on them have none serving; and each of
-/// them empties itself and refills from its serving peers when it comes back, so those keys
-/// are lost. `None` when the stop is safe (or the view cannot be read: `down` then goes on,
-/// as it does for a cluster that does not answer).
+/// other members out of service ([`members_out`]), with it, make `replicas` members out at
+/// once, so the keys whose copies are all on them have none serving; and each of them
+/// empties itself and refills from its serving peers when it comes back, so those keys are
+/// lost. `None` when the stop is safe, when `node` is out of service already, or when the
+/// view cannot be read (`down` then goes on, as it does for a cluster that does not answer).
 pub async fn stop_would_lose(config: &ClusterConfig, node: u32) -> Option<String> {
     let replicas = config.replicas;
     if replicas < 2 {
         return None;
     }
     let statuses = status(config).await;
-    let view = view(&statuses)?;
-    let out: Vec<u32> = view
-        .members
-        .iter()
-        .filter(|member| {
-            member.node_id != node && member.state != rdkv_common::protocol::MemberState::Serving
-        })
-        .map(|member| member.node_id)
-        .collect();
+    let out = members_out(view(&statuses)?, &statuses, node)?;
     if out.len() + 1 < replicas {
         return None;
     }
@@ -263,10 +255,38 @@ pub async fn stop_would_lose(config: &ClusterConfig, node: u32) -> Option<String
         .collect::<Vec<_>>()
         .join(" and ");
     Some(format!(
-        "refusing to stop node {node}: node{} {names} {} not serving (down or filling), and with replicas = {replicas} the keys whose copies are all on {names} and {node} would have no copy serving; each refills from its peers when it comes back, so those keys would be lost. Bring {names} back first (`up --node N`, then wait until `status` shows it serving), or pass --force",
+        "refusing to stop node {node}: node{} {names} {} not serving (down, filling or not answering), and with replicas = {replicas} the keys whose copies are all on {names} and {node} would have no copy serving; each refills from its peers when it comes back, so those keys would be lost. Bring {names} back first (`up --node N`, then wait until `status` shows it serving), or pass --force",
         if out.len() > 1 { "s" } else { "" },
         if out.len() > 1 { "are" } else { "is" },
     ))
+}
+
+/// The members other than `node` out of service: down or filling in `view`, or serving there
+/// but not answering, or answering that they do not serve (killed or restarted less than
+/// `failure_timeout` ago, which the view does not show yet). `None` when `node` itself is out
+/// of service already: stopping it takes nothing more out.
+fn members_out(view: &ClusterView, statuses: &[NodeStatus], node: u32) -> Option<Vec<u32>> {
+    use rdkv_common::protocol::MemberState;
+    let serves = |id: u32| {
+        let in_view = view
+            .members
+            .iter()
+            .any(|member| member.node_id == id && member.state == MemberState::Serving);
+        let answers = statuses.iter().any(|status| {
+            status.id == id && matches!(&status.state, NodeState::Up(stats) if stats.serving_data)
+        });
+        in_view && answers
+    };
+    if !serves(node) {
+        return None;
+    }
+    Some(
+        view.members
+            .iter()
+            .map(|member| member.node_id)
+            .filter(|id| *id != node && !serves(*id))
+            .collect(),
+    )
 }
 
 /// A `refill:` line for each node the view has filling (back after a restart or an absence,
@@ -584,6 +604,50 @@ mod tests {
             ]
         );
         assert!(refill_lines(None, &statuses).is_empty());
+    }
+
+    #[test]
+    fn the_members_out_count_the_view_and_the_nodes_answers() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let view = ClusterView {
+            epoch: 4,
+            leader: Some(1),
+            members: vec![
+                ViewMember {
+                    node_id: 1,
+                    state: MemberState::Serving,
+                },
+                ViewMember {
+                    node_id: 2,
+                    state: MemberState::Serving,
+                },
+                ViewMember {
+                    node_id: 3,
+                    state: MemberState::Down,
+                },
+            ],
+            losses: Vec::new(),
+        };
+        let serving = || {
+            NodeState::Up(Box::new(ServerStats {
+                serving_data: true,
+                ..ServerStats::default()
+            }))
+        };
+        let answering = [node(1, serving()), node(2, serving()), node(3, serving())];
+        assert_eq!(members_out(&view, &answering, 1), Some(vec![3]));
+        assert_eq!(
+            members_out(&view, &answering, 3),
+            None,
+            "node 3 is out already"
+        );
+        // Killed a moment ago: still serving in the view, but it does not answer.
+        let killed = [
+            node(1, serving()),
+            node(2, NodeState::Down("refused".into())),
+            node(3, serving()),
+        ];
+        assert_eq!(members_out(&view, &killed, 1), Some(vec![2, 3]));
     }
 
     #[test]
