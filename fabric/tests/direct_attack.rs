@@ -7,6 +7,39 @@ mod checks;
 
 use rdkv_fabric::{Backend, QueuePairState, WorkCompletionStatus, WorkRequest};
 
+/// A connected `shm` pair whose responder waits at most 200 ms for a requester stopped inside
+/// a request (`retry_timeout`).
+async fn shm_with_a_short_retry_timeout() -> checks::Connected {
+    let config = rdkv_fabric::DeviceConfig {
+        retry_timeout: std::time::Duration::from_millis(200),
+        ..rdkv_fabric::DeviceConfig::default()
+    };
+    checks::connect_with(
+        Backend::Shm,
+        config,
+        rdkv_fabric::QueuePairConfig::default(),
+    )
+    .await
+}
+
+/// A WRITE window over the responder's first 4 KiB, bound to its queue pair.
+fn write_window(
+    connected: &checks::Connected,
+) -> (rdkv_fabric::MemoryWindow, rdkv_fabric::RemoteKey) {
+    let window = connected.server_domain.allocate_memory_window();
+    let key = connected
+        .server_queue_pair
+        .bind_memory_window(
+            &window,
+            &connected.remote,
+            connected.remote.address(),
+            4096,
+            rdkv_fabric::AccessFlags::REMOTE_WRITE,
+        )
+        .expect("bind");
+    (window, key)
+}
+
 /// A responder stopped (its queue pair moved to ERROR) between two direct calls. The first
 /// call resolved the key; the second finds the responder stopped when it enters its epoch.
 /// `docs/fabric.md` (and `fabric/src/direct.rs`) promise the same outcome as a list run inside
@@ -88,18 +121,7 @@ async fn a_key_revoked_while_a_direct_call_stalls_is_refused_at_its_next_access(
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    let config = rdkv_fabric::DeviceConfig {
-        retry_timeout: Duration::from_millis(200),
-        ..rdkv_fabric::DeviceConfig::default()
-    };
-    let connected = Arc::new(
-        checks::connect_with(
-            Backend::Shm,
-            config,
-            rdkv_fabric::QueuePairConfig::default(),
-        )
-        .await,
-    );
+    let connected = std::sync::Arc::new(shm_with_a_short_retry_timeout().await);
     let extra = connected
         .server_domain
         .register(
@@ -169,41 +191,10 @@ async fn a_window_revoked_under_a_stopped_requester_says_it_is_still_inside() {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    let config = rdkv_fabric::DeviceConfig {
-        retry_timeout: Duration::from_millis(200),
-        ..rdkv_fabric::DeviceConfig::default()
-    };
-    let connected = Arc::new(
-        checks::connect_with(
-            Backend::Shm,
-            config,
-            rdkv_fabric::QueuePairConfig::default(),
-        )
-        .await,
-    );
-    let window = connected.server_domain.allocate_memory_window();
-    let key = connected
-        .server_queue_pair
-        .bind_memory_window(
-            &window,
-            &connected.remote,
-            connected.remote.address(),
-            4096,
-            rdkv_fabric::AccessFlags::REMOTE_WRITE,
-        )
-        .expect("bind");
+    let connected = std::sync::Arc::new(shm_with_a_short_retry_timeout().await);
+    let (window, key) = write_window(&connected);
     // Nobody inside: the revocation is clean.
-    let idle = connected.server_domain.allocate_memory_window();
-    connected
-        .server_queue_pair
-        .bind_memory_window(
-            &idle,
-            &connected.remote,
-            connected.remote.address(),
-            4096,
-            rdkv_fabric::AccessFlags::REMOTE_WRITE,
-        )
-        .expect("bind");
+    let (idle, _) = write_window(&connected);
     assert!(idle.invalidate().is_none(), "no requester inside");
 
     let inside = Arc::new(AtomicBool::new(false));

@@ -647,11 +647,11 @@ mod tests {
     #[test]
     fn a_workload_that_inserts_stops_at_the_count_its_heap_was_sized_for() {
         let options = options(&["c", "d"]);
-        let read_only = workload("c", &options).unwrap();
-        let inserting = workload("d", &options).unwrap();
+        let read_only = workload("c", &options).expect("workload C is built in");
+        let inserting = workload("d", &options).expect("workload D is built in");
         assert_eq!(insert_bound(&read_only, &options), None);
         assert_eq!(read_only.operation_count, u64::MAX / 4);
-        let bound = insert_bound(&inserting, &options).unwrap();
+        let bound = insert_bound(&inserting, &options).expect("D inserts: it has a bound");
         assert_eq!(inserting.operation_count, bound);
         // The heap holds D's inserts at that count: 5% of it.
         assert_eq!(
