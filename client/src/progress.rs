@@ -56,11 +56,13 @@ pub(crate) enum Waiting {
     Step(StepKind),
     /// The cluster view (a replicated operation whose node failed, or whose view is old).
     View,
+    /// A view with a member serving, while every member fills and reconciles.
+    Reconciliation,
 }
 
 impl Waiting {
     /// Every value, in encoding order.
-    const ALL: [Waiting; 19] = [
+    const ALL: [Waiting; 20] = [
         Waiting::Connection,
         Waiting::WriterTurn,
         Waiting::ScratchBuffer,
@@ -80,6 +82,7 @@ impl Waiting {
         Waiting::Step(StepKind::Steal),
         Waiting::Step(StepKind::Unlock),
         Waiting::View,
+        Waiting::Reconciliation,
     ];
 
     /// What a deadline's error says.
@@ -106,6 +109,9 @@ impl Waiting {
             Waiting::Step(StepKind::Steal) => "the CAS that takes over a stalled writer's lock",
             Waiting::Step(StepKind::Unlock) => "the CAS that releases a taken-over lock",
             Waiting::View => "the cluster view (a node of the key failed or the view changed)",
+            Waiting::Reconciliation => {
+                "the cluster's reconciliation: every node is filling after a stop or crash of all of them, and none serves until they agree on the newest copy of each key (`rdkv-cluster status` shows it)"
+            }
         }
     }
 }
@@ -155,6 +161,7 @@ impl Progress {
             Waiting::HeapReclaim => 4,
             Waiting::Step(kind) => 5 + kind as u8,
             Waiting::View => 5 + StepKind::ALL.len() as u8,
+            Waiting::Reconciliation => 6 + StepKind::ALL.len() as u8,
         };
         self.waiting.store(code, Ordering::Release);
     }

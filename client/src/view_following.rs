@@ -115,6 +115,16 @@ impl ViewFollower {
         self.membership().epoch
     }
 
+    /// Whether the view the client routes by has members filling and none serving: every
+    /// node came back after a stop or crash of all of them, and they reconcile their copies
+    /// before any serves (`docs/protocol.md`, *Reconciliation*). A replicated operation then
+    /// reads and writes no node, and waits for a view that serves: a filling node's copy may
+    /// be older than another's, and a node whose own view lags the client's would admit it.
+    pub(crate) fn reconciling(&self) -> bool {
+        let membership = self.membership();
+        membership.serving.is_empty() && !membership.filling.is_empty()
+    }
+
     /// Whether a node reported a newer view, in a heartbeat's answer, than the one the client
     /// routes by.
     pub(crate) fn newer_view_reported(&self) -> bool {
@@ -338,5 +348,59 @@ impl ViewFollower {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkv_common::protocol::ViewMember;
+
+    /// A follower of nodes 1 to 3 (no addresses: nothing is fetched).
+    fn follower() -> ViewFollower {
+        ViewFollower::new(Vec::new(), Vec::new(), vec![1, 2, 3], Arc::default())
+    }
+
+    /// A view of nodes 1 to 3 in `states`, at `epoch`.
+    fn view(epoch: u64, states: [MemberState; 3]) -> ClusterView {
+        ClusterView {
+            epoch,
+            leader: Some(1),
+            members: (1..=3)
+                .zip(states)
+                .map(|(node_id, state)| ViewMember { node_id, state })
+                .collect(),
+            losses: Vec::new(),
+        }
+    }
+
+    /// Every member filling and none serving: the client routes to nobody until a view
+    /// serves (a filling node's copy may be older, and its own view may lag the client's).
+    #[test]
+    fn a_view_with_every_member_filling_is_reconciling_until_one_serves() {
+        use MemberState::{Down, Filling, Serving};
+        let follower = follower();
+        assert!(!follower.reconciling(), "the cluster file's nodes serve");
+        assert!(follower.adopt(&view(5, [Filling, Serving, Filling])));
+        assert!(!follower.reconciling());
+        assert_eq!(
+            follower.write_replicas(b"key", 1)[0],
+            2,
+            "a filling node is never the primary"
+        );
+        assert!(follower.adopt(&view(6, [Filling, Filling, Down])));
+        assert!(follower.reconciling());
+        assert!(
+            !follower.adopt(&view(5, [Serving, Serving, Serving])),
+            "an older view is not adopted"
+        );
+        assert!(follower.reconciling());
+        assert!(follower.adopt(&view(7, [Serving, Serving, Down])));
+        assert!(!follower.reconciling());
+        assert!(follower.adopt(&view(8, [Down, Down, Down])));
+        assert!(
+            !follower.reconciling(),
+            "nobody filling: the cluster is down, not reconciling"
+        );
     }
 }

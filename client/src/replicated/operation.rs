@@ -31,6 +31,11 @@ impl Client {
             loop {
                 progress.wait_for(Waiting::View);
                 follower.follow_reported_epoch().await;
+                if follower.reconciling() {
+                    progress.wait_for(Waiting::Reconciliation);
+                    follower.await_new_view().await;
+                    continue;
+                }
                 let primary = self.replica_nodes(key, 1);
                 let planned: Vec<u32> = primary.iter().map(|node| node.id).collect();
                 progress.wait_for(Waiting::Connection);
@@ -146,6 +151,12 @@ impl ReplicatedOperation<'_> {
         let follower = &client.follower;
         self.progress.wait_for(Waiting::View);
         follower.follow_reported_epoch().await;
+        if follower.reconciling() {
+            // No member serves: no node's copy is the newest yet (`ViewFollower::reconciling`).
+            self.progress.wait_for(Waiting::Reconciliation);
+            follower.await_new_view().await;
+            return ControlFlow::Continue(None);
+        }
         let nodes = client.replica_nodes(self.key, client.replicas);
         let planned: Vec<u32> = nodes.iter().map(|node| node.id).collect();
         self.progress.wait_for(Waiting::Connection);
