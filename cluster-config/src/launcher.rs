@@ -251,12 +251,23 @@ pub fn start_nodes(
     if !running.is_empty() {
         return Err(already_running(config, only, &running));
     }
+    let new_run_directory = !run_directory.exists();
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(
             "create the run directory {}: {error}",
             run_directory.display()
         ))
     })?;
+    if new_run_directory && nodes.iter().any(|node| node.data_dir.is_none()) {
+        // A cluster started from another directory keeps its snapshots in that one's: say
+        // where this one's go, so an empty cluster is not a surprise.
+        say(&format!(
+            "new run directory {}: the nodes' snapshots, logs and pid files go there, and they start empty (a cluster run from another directory keeps its own: pass its `--run-dir`, or set `data_dir` in the cluster file)",
+            fs::canonicalize(run_directory)
+                .unwrap_or_else(|_| run_directory.to_path_buf())
+                .display()
+        ));
+    }
     let binary = if nodes.iter().any(|node| node.host.is_none()) {
         Some(server_binary()?)
     } else {
@@ -732,8 +743,14 @@ pub async fn stop(
     for node in select(config, only)? {
         let started = Instant::now();
         let since = std::time::SystemTime::now();
+        // A node started by hand without a `data_dir` (README, *Run a single server by hand*)
+        // writes no snapshot: only one this launcher started, or one the file gives a
+        // `data_dir`, is checked for its final snapshot.
+        let snapshots = node.data_dir.is_some() || pid_file(run_directory, node.id).exists();
         let line = match stop_node(config, node, run_directory).await {
-            Ok(Stopped::ByRequest) if !final_snapshot_written(node, run_directory, since).await => {
+            Ok(Stopped::ByRequest)
+                if snapshots && !final_snapshot_written(node, run_directory, since).await =>
+            {
                 failed = true;
                 format!(
                     "stopped, but wrote no final snapshot (a full disk?): its log ({}) says why; its previous snapshot is kept",

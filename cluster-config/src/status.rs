@@ -48,6 +48,28 @@ pub fn refused_the_secret(reason: &str) -> bool {
     reason.starts_with("authentication failed") || reason.starts_with("protocol version mismatch")
 }
 
+/// When a node (`only`, or any) refuses the cluster file's secret: one line that says so and
+/// names the fix, for `down` and `restart` to stop on before they ask anything (each node's
+/// refusal, repeated per step, made a line of 1,500 characters).
+pub async fn secret_refusal(config: &ClusterConfig, only: Option<u32>) -> Option<String> {
+    let statuses = status(config).await;
+    let refused: Vec<&NodeStatus> = statuses
+        .iter()
+        .filter(|status| only.is_none_or(|id| id == status.id))
+        .filter(|status| matches!(&status.state, NodeState::Refused(reason) if refused_the_secret(reason)))
+        .collect();
+    let first = refused.first()?;
+    let NodeState::Refused(reason) = &first.state else {
+        return None;
+    };
+    let ids: Vec<String> = refused.iter().map(|status| status.id.to_string()).collect();
+    Some(format!(
+        "node{} {} refused this cluster file's secret ({reason}); nothing was stopped",
+        if ids.len() > 1 { "s" } else { "" },
+        ids.join(", "),
+    ))
+}
+
 /// `status`'s exit code: 0 every node up, 1 a node down, not answering (a stopped node is not
 /// a healthy one; the state column tells it from a down one) or refusing for another reason
 /// (as a full node does), 3 a node refused the secret.

@@ -175,6 +175,22 @@ fn an_index_too_small_for_one_bucket_pair_is_refused() {
 }
 
 #[test]
+fn a_size_past_what_any_machine_pins_is_refused_at_its_line() {
+    let (line, field, message) = invalid(&file(
+        "",
+        &NODE_1.replace("index_size = \"1M\"", "index_size = 18446744073709551615"),
+    ));
+    assert_eq!((line, field.as_str()), (10, "node[0].index_size"));
+    assert!(message.contains("at most 70368744177664 bytes"), "{message}");
+    let (_, field, message) = invalid(&file(
+        "",
+        &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"100000000G\""),
+    ));
+    assert_eq!(field, "node[0].heap_size");
+    assert!(message.contains("more than any machine pins"), "{message}");
+}
+
+#[test]
 fn a_heap_of_fewer_than_four_chunks_is_refused() {
     let (line, field, message) = invalid(&file(
         "",

@@ -96,6 +96,28 @@ fn status_exits_zero_only_when_every_node_is_up_and_names_a_wrong_secret() {
     let refused = rdkv_cluster(&["status", text(&wrong)]);
     assert_eq!(refused.status.code(), Some(3), "{}", stdout(&refused));
     assert_eq!(stdout(&refused).matches("auth failed").count(), 3);
+    // `down` with that file stops nothing, in one line, exit 3.
+    let refused_down = rdkv_cluster(&["down", text(&wrong)]);
+    assert_eq!(
+        refused_down.status.code(),
+        Some(3),
+        "{}",
+        stderr(&refused_down)
+    );
+    let said = stderr(&refused_down);
+    let error: Vec<&str> = said
+        .lines()
+        .filter(|line| line.contains("error:"))
+        .collect();
+    assert_eq!(error.len(), 1, "{said}");
+    assert!(
+        error[0].contains("nodes 1, 2, 3 refused this cluster file's secret")
+            && error[0].contains("nothing was stopped")
+            && error[0].len() < 400,
+        "{said}"
+    );
+    let still_up = rdkv_cluster(&["status", file]);
+    assert_eq!(still_up.status.code(), Some(0), "{}", stdout(&still_up));
 
     let down = rdkv_cluster(&[
         "down",

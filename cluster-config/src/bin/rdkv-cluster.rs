@@ -17,7 +17,8 @@ const EXIT_CODES: &str = "Exit codes:
      does not answer within 1 s (`no answer`: stopped, hung or starved), or refuses for a
      reason other than the secret; for `restart`, the node is not serving within 5 minutes
   2  invalid command line
-  3  `status`: a node refused the cluster file's secret (authentication failed)
+  3  `status`, `down`, `restart`: a node refused the cluster file's secret (authentication
+     failed); `down` and `restart` then stop nothing
   4  `status`: every node answers, and the view records a loss (every copy of some keys down
      at once) not acknowledged yet (`ack-loss`)";
 
@@ -227,6 +228,10 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             start(&config, &run_directory, detach, node, &file, &run_dir_flag).await
         }
         Action::Down { node, force, .. } => {
+            if let Some(refusal) = status::secret_refusal(&config, node).await {
+                eprintln!("rdkv-cluster: error: {refusal}");
+                return Ok(3);
+            }
             if let (Some(node), false) = (node, force) {
                 if let Some(refusal) = status::stop_would_lose(&config, node).await {
                     eprintln!("rdkv-cluster: error: {refusal}");
@@ -249,6 +254,10 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             force,
             ..
         } => {
+            if let Some(refusal) = status::secret_refusal(&config, Some(node)).await {
+                eprintln!("rdkv-cluster: error: {refusal}");
+                return Ok(3);
+            }
             if !force {
                 if let Some(refusal) = status::stop_would_lose(&config, node).await {
                     eprintln!("rdkv-cluster: error: {refusal}");

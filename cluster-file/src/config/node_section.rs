@@ -16,6 +16,10 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+/// The largest `index_size` or `heap_size` a file may give, 64 TiB: more than any machine
+/// pins, and far from the overflow of the sums and products the sizing does.
+const MAX_TABLE_SIZE: u64 = 1 << 46;
+
 /// Every `[[node]]` section, in file order: ids and addresses must be unique across them.
 pub(super) fn parse_node_sections(
     locator: &Locator<'_>,
@@ -122,7 +126,7 @@ impl NodeSection<'_> {
         let checked =
             machine.filter(|machine| host.is_none() && machine.only.is_none_or(|only| only == id));
         if let Some(machine) = checked {
-            self.check_fits(machine, sizes.index + sizes.heap, max_pinned_share)?;
+            self.check_fits(machine, sizes.index.saturating_add(sizes.heap), max_pinned_share)?;
         }
         Ok(NodeConfig {
             id,
@@ -243,6 +247,18 @@ impl NodeSection<'_> {
                     .min(heap / MIN_HEAP_CHUNKS / 4096 * 4096)
                     .max(MAX_BLOCK_SIZE.div_ceil(4096) * 4096),
             );
+        for (size, value, field) in [
+            (index, &node.index_size, "index_size"),
+            (heap, &node.heap_size, "heap_size"),
+        ] {
+            if size > MAX_TABLE_SIZE {
+                return Err(self.error(
+                    value.span(),
+                    field,
+                    format!("{size} bytes is more than any machine pins: at most {MAX_TABLE_SIZE} bytes (64 TiB)"),
+                ));
+            }
+        }
         if index < 2 * COMBINED_BUCKET_SIZE {
             return Err(self.error(
                 node.index_size.span(),
