@@ -35,6 +35,10 @@ async fn a_three_node_cluster_from_the_example_file() {
     };
     let table = String::from_utf8_lossy(&up.stdout);
     assert_eq!(table.matches("ready").count(), 3, "{table}");
+    assert!(
+        table.contains("new run directory") && table.contains("they start empty"),
+        "{table}"
+    );
 
     let again = rdkv_cluster(&["up", &file_text, "--detach", "--run-dir", &run_text]);
     assert!(!again.status.success());
