@@ -1,5 +1,6 @@
-//! Heap allocations on the steady GET path: a GET done by direct access over `shm`
-//! (`docs/protocol.md`, *Direct GETs*) into a caller's vector with the room allocates nothing.
+//! Heap allocations on the steady path: a GET done by direct access over `shm`
+//! (`docs/protocol.md`, *Direct GETs*) into a caller's vector with the room allocates nothing;
+//! an ignored test prints the figures per GET and per update over `shm` and `soft`.
 //!
 //! A counting global allocator counts, per thread, the allocations made while the thread's
 //! counting flag is up. The client runs alone on a thread of its own with a current-thread
@@ -16,8 +17,8 @@ use rdkv_server::ServerConfig;
 
 const SECRET: &[u8] = b"allocations-test-secret";
 
-/// GETs counted.
-const COUNTED_GETS: u64 = 1_000;
+/// Operations counted.
+const COUNTED: u64 = 1_000;
 
 /// The system allocator, counting the allocations of a thread while its flag is up.
 struct Counting;
@@ -81,11 +82,26 @@ fn stop_counting() -> u64 {
     ALLOCATIONS.with(Cell::get)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_direct_get_into_a_vector_with_room_allocates_nothing() {
+/// What a counted loop does: GETs into a vector with room, or updates of one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operation {
+    Get,
+    Update,
+}
+
+/// The client's allocations in [`COUNTED`] operations of `operation` on one key over
+/// `shared_memory` (`Require`: `shm`; `Off`: `soft`), after a warm-up, with the count of
+/// direct GETs among them.
+async fn allocations(shared_memory: SharedMemory, operation: Operation) -> (u64, u64) {
     let mut config = ServerConfig::local(SECRET);
     config.fabric = Backend::Soft;
-    let socket = std::env::temp_dir().join(format!("rdkv-allocations-{}.sock", std::process::id()));
+    // One socket per server: the tests run at once.
+    static SERVERS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let server_number = SERVERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let socket = std::env::temp_dir().join(format!(
+        "rdkv-allocations-{}-{server_number}.sock",
+        std::process::id()
+    ));
     config.shm_socket = Some(socket);
     let server = rdkv_server::start(config).await.expect("start server");
     let address = server.control_address();
@@ -96,44 +112,86 @@ async fn a_direct_get_into_a_vector_with_room_allocates_nothing() {
             .expect("client runtime");
         runtime.block_on(async move {
             let mut config = ClientConfig::new(address, Backend::Soft, SECRET);
-            config.node.shared_memory = SharedMemory::Require;
+            config.node.shared_memory = shared_memory;
             config.lanes = Some(1);
             let client = Client::connect(config).await.expect("connect");
             let value = vec![b'v'; 1_000];
             client.put(b"steady", &value).await.expect("put");
             let mut into = Vec::with_capacity(value.len());
             // Warm: the first GET reads the buckets and teaches the slot cache; the later ones
-            // are direct. Then the announce flusher of the warm-up's posted lists settles.
+            // are direct where they can be. Then the announce flusher of the warm-up's posted
+            // lists settles.
             for _ in 0..16 {
-                assert!(client.get_into(b"steady", &mut into).await.expect("get"));
+                run(&client, operation, &value, &mut into).await;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
             let before = client.counters().direct_gets;
-            let mut present = 0u64;
-            // Counted while awaited on this thread: the loop's yields (one every few direct
-            // GETs) find nothing else ready, and come straight back.
+            // Counted while awaited on this thread: the loop's yields find nothing else
+            // ready, and come straight back.
             start_counting();
-            for _ in 0..COUNTED_GETS {
-                if client.get_into(b"steady", &mut into).await.expect("get") {
-                    present += 1;
-                }
+            for _ in 0..COUNTED {
+                run(&client, operation, &value, &mut into).await;
             }
             let allocations = stop_counting();
             let direct = client.counters().direct_gets - before;
-            assert_eq!(present, COUNTED_GETS);
             assert_eq!(into, value);
             client.close().await;
             (direct, allocations)
         })
     });
-    let (direct, allocations) = client_thread.join().expect("client thread");
+    let counted = client_thread.join().expect("client thread");
+    server.shutdown().await;
+    counted
+}
+
+/// One operation of the counted loop.
+async fn run(client: &Client, operation: Operation, value: &[u8], into: &mut Vec<u8>) {
+    match operation {
+        Operation::Get => assert!(client.get_into(b"steady", into).await.expect("get")),
+        Operation::Update => {
+            client.put(b"steady", value).await.expect("update");
+            into.clear();
+            into.extend_from_slice(value);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_get_into_a_vector_with_room_allocates_nothing() {
+    let (direct, allocations) = allocations(SharedMemory::Require, Operation::Get).await;
     assert_eq!(
-        direct, COUNTED_GETS,
+        direct, COUNTED,
         "every counted GET was direct (else the count says nothing)"
     );
     assert_eq!(
         allocations, 0,
-        "{allocations} allocations in {COUNTED_GETS} direct GETs into a vector with room"
+        "{allocations} allocations in {COUNTED} direct GETs into a vector with room"
     );
-    server.shutdown().await;
+}
+
+/// The figures issue 37 asks for beside the one above (0 per GET over `soft`, at most 1 per
+/// update), printed: `cargo test -p rdkv-client --test allocations -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "prints figures; the bound it checks is issue 37's target, not met yet"]
+async fn allocations_per_operation_over_each_fabric() {
+    let mut figures = Vec::new();
+    for (fabric, shared_memory) in [("shm", SharedMemory::Require), ("soft", SharedMemory::Off)] {
+        for operation in [Operation::Get, Operation::Update] {
+            let (_, allocations) = allocations(shared_memory, operation).await;
+            let each = allocations as f64 / COUNTED as f64;
+            println!("{fabric} {operation:?}: {each:.2} allocations per operation");
+            figures.push((fabric, operation, each));
+        }
+    }
+    for (fabric, operation, each) in figures {
+        let bound = if operation == Operation::Get {
+            0.0
+        } else {
+            1.0
+        };
+        assert!(
+            each <= bound,
+            "{fabric} {operation:?}: {each:.2} per operation, over {bound}"
+        );
+    }
 }

@@ -181,7 +181,10 @@ fn a_size_past_what_any_machine_pins_is_refused_at_its_line() {
         &NODE_1.replace("index_size = \"1M\"", "index_size = 18446744073709551615"),
     ));
     assert_eq!((line, field.as_str()), (10, "node[0].index_size"));
-    assert!(message.contains("at most 70368744177664 bytes"), "{message}");
+    assert!(
+        message.contains("at most 70368744177664 bytes"),
+        "{message}"
+    );
     let (_, field, message) = invalid(&file(
         "",
         &NODE_1.replace("heap_size = \"4M\"", "heap_size = \"100000000G\""),

@@ -126,7 +126,11 @@ impl NodeSection<'_> {
         let checked =
             machine.filter(|machine| host.is_none() && machine.only.is_none_or(|only| only == id));
         if let Some(machine) = checked {
-            self.check_fits(machine, sizes.index.saturating_add(sizes.heap), max_pinned_share)?;
+            self.check_fits(
+                machine,
+                sizes.index.saturating_add(sizes.heap),
+                max_pinned_share,
+            )?;
         }
         Ok(NodeConfig {
             id,
