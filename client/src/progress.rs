@@ -18,6 +18,7 @@
 //! afterwards.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
 
 use crate::fault::StepKind;
 
@@ -37,6 +38,49 @@ pub(crate) struct Progress {
     backup_posted: AtomicBool,
     /// What the operation is waiting for now ([`Waiting`] as a number), for a deadline's error.
     waiting: AtomicU8,
+}
+
+thread_local! {
+    /// This thread's records of operations that ended, for the next ones ([`Progress::start`],
+    /// [`Progress::recycle`]): no allocation per operation on the steady path.
+    static SPARE: std::cell::RefCell<Vec<Arc<Progress>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// How many ended records a thread keeps: one per task a worker commonly runs.
+const SPARE_KEPT: usize = 64;
+
+impl Progress {
+    /// The record of a new operation: one this thread kept ([`Progress::recycle`]), or a new
+    /// one.
+    pub(crate) fn start() -> Arc<Progress> {
+        SPARE
+            .try_with(|spare| {
+                spare
+                    .try_borrow_mut()
+                    .ok()
+                    .and_then(|mut spare| spare.pop())
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Keeps the record of an operation that ended, when nothing else holds it, reset, for
+    /// a later operation of this thread.
+    pub(crate) fn recycle(mut progress: Arc<Progress>) {
+        let Some(record) = Arc::get_mut(&mut progress) else {
+            return;
+        };
+        *record = Progress::default();
+        let _ = SPARE.try_with(|spare| {
+            if let Ok(mut spare) = spare.try_borrow_mut() {
+                if spare.len() < SPARE_KEPT {
+                    spare.push(progress);
+                }
+            }
+        });
+    }
 }
 
 /// What an operation waits for; a deadline's error names it.

@@ -68,7 +68,7 @@ impl Client {
         Outcome: Future<Output = Result<T>>,
     {
         let node = self.node_for(key);
-        let progress = Arc::new(Progress::default());
+        let progress = Progress::start();
         // Never longer than the node's own deadline: its heap reuse and its clearing of
         // abandoned tentative slots rely on it.
         let deadline = node
@@ -108,6 +108,7 @@ impl Client {
                 |_| Err(self.past_single_copy_deadline(operation, deadline, &progress)),
             );
         drop(guard);
+        Progress::recycle(progress);
         self.count(kind, &outcome);
         outcome
     }

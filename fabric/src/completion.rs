@@ -38,7 +38,15 @@ pub(crate) struct CompletionQueueInner {
     pub(crate) provider: Option<ProviderObject>,
     /// Entries promised to the send queues of the queue pairs on this CQ.
     committed: Mutex<usize>,
+    /// List completions whose list completed and whose [`PostedList`] was dropped, for the
+    /// next lists posted on this CQ (one allocation per list saved; at most
+    /// [`SPARE_LIST_COMPLETIONS`]).
+    spare_lists: Mutex<Vec<Arc<ListCompletion>>>,
 }
+
+/// The most list completions a completion queue keeps for reuse: as many lists as a client's
+/// tasks keep in flight on one lane, commonly.
+const SPARE_LIST_COMPLETIONS: usize = 64;
 
 impl CompletionQueueInner {
     /// Promises `depth` entries to a new queue pair, or refuses when the CQ could overrun (on a
@@ -107,6 +115,7 @@ impl CompletionQueue {
                 overruns: AtomicU64::new(0),
                 provider,
                 committed: Mutex::new(0),
+                spare_lists: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -163,12 +172,20 @@ impl ListCompletion {
         queue: Arc<CompletionQueueInner>,
         requests: usize,
     ) -> (Arc<Self>, PostedList) {
-        let list = Arc::new(Self {
-            state: Mutex::new(ListState {
-                completions: Completions::with_capacity(requests.min(2)),
-                ..ListState::default()
+        let spare = lock(&queue.spare_lists).pop();
+        let list = match spare {
+            // Reset when it was put back: nothing else holds it.
+            Some(list) => list,
+            None => Arc::new(Self {
+                state: Mutex::new(ListState::default()),
             }),
-        });
+        };
+        {
+            let mut state = list.state();
+            if state.completions.capacity() < requests.min(2) {
+                state.completions.reserve(requests.min(2));
+            }
+        }
         (list.clone(), PostedList { list, queue })
     }
 
@@ -229,7 +246,22 @@ impl Drop for PostedList {
         if !unclaimed.is_empty() {
             self.queue.push_unclaimed(unclaimed);
         }
+        let complete = state.complete;
         drop(state);
+        // Kept for the next list when its requests are all done (none holds it any more, and
+        // nothing can clone it again: only this future and the requests ever held it).
+        if complete {
+            if let Some(list) = Arc::get_mut(&mut self.list) {
+                *list
+                    .state
+                    .get_mut()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = ListState::default();
+                let mut spare = lock(&self.queue.spare_lists);
+                if spare.len() < SPARE_LIST_COMPLETIONS {
+                    spare.push(self.list.clone());
+                }
+            }
+        }
     }
 }
 

@@ -526,8 +526,9 @@ impl QueuePairShared {
         self.provider.run_inline(self, list).map(Ok)
     }
 
-    /// Posts a list; see [`QueuePair::post`].
-    async fn post(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
+    /// Posts a list, taking its requests out of `list` (left empty, its capacity kept, once
+    /// posted); see [`QueuePair::post`].
+    async fn post(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
         // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
         // spent it): a task that only posts to a provider that completes inline (`shm`,
         // `loopback`) still yields now and then, and a timeout around it can fire.
@@ -536,8 +537,8 @@ impl QueuePairShared {
     }
 
     /// As [`QueuePairShared::post`], the caller having spent the post's unit of budget.
-    async fn post_spent(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
-        self.check_list(&list)?;
+    async fn post_spent(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
+        self.check_list(list)?;
         let state = self.state();
         if !matches!(state, QueuePairState::ReadyToSend | QueuePairState::Error) {
             return Err(Error::InvalidQueuePairState {
@@ -557,30 +558,27 @@ impl QueuePairShared {
         let nic_checks = self.provider.checks_local_buffers();
         // One timestamp per list: every request of a list is posted at the same instant.
         let posted_at = Instant::now();
-        let mut entries = list
-            .into_iter()
-            .enumerate()
-            .map(|(index, request)| InFlight {
-                sequence: 0,
-                local: if nic_checks {
-                    Ok(device
-                        .table
-                        .check_local(domain, &request.local, request.opcode, u32::MAX)
-                        .ok()
-                        .flatten())
-                } else {
-                    device.table.check_local(
-                        domain,
-                        &request.local,
-                        request.opcode,
-                        device.config.max_message_size,
-                    )
-                },
-                request,
-                list: list_completion.clone(),
-                is_tail: index + 1 == count,
-                posted_at,
-            });
+        let mut entries = list.drain(..).enumerate().map(|(index, request)| InFlight {
+            sequence: 0,
+            local: if nic_checks {
+                Ok(device
+                    .table
+                    .check_local(domain, &request.local, request.opcode, u32::MAX)
+                    .ok()
+                    .flatten())
+            } else {
+                device.table.check_local(
+                    domain,
+                    &request.local,
+                    request.opcode,
+                    device.config.max_message_size,
+                )
+            },
+            request,
+            list: list_completion.clone(),
+            is_tail: index + 1 == count,
+            posted_at,
+        });
         match self.provider.submit(self, &mut entries) {
             Submission::Complete => {}
             Submission::Rang => self.provider.after_ring(self),
@@ -893,7 +891,17 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidWorkRequest`] for an empty list, an unsignaled tail or a list longer than
     /// `max_send_wr`; [`Error::InvalidQueuePairState`] before RTS.
-    pub async fn post(&self, list: Vec<WorkRequest>) -> Result<PostedList> {
+    pub async fn post(&self, mut list: Vec<WorkRequest>) -> Result<PostedList> {
+        self.shared.post(&mut list).await
+    }
+
+    /// As [`QueuePair::post`], taking the requests out of `list`: posted, it is left empty
+    /// with its capacity, for the caller's next list (no allocation per list). Refused, it is
+    /// left as it was.
+    ///
+    /// # Errors
+    /// As [`QueuePair::post`].
+    pub async fn post_from(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
         self.shared.post(list).await
     }
 
@@ -952,7 +960,7 @@ impl QueuePair {
     ///
     /// # Errors
     /// As [`QueuePair::post`]. Failed completions are returned, not turned into errors.
-    pub async fn execute(&self, list: Vec<WorkRequest>) -> Result<Completions> {
+    pub async fn execute(&self, mut list: Vec<WorkRequest>) -> Result<Completions> {
         // The unit of tokio's cooperative budget `post` spends: a loop of lists run inside
         // their post never yields otherwise, and starves its worker's other tasks and any
         // timeout around it.
@@ -961,7 +969,7 @@ impl QueuePair {
             return outcome
                 .map(|outcome| inline_completions(&list, self.shared.qp_number, outcome));
         }
-        Ok(self.shared.post_spent(list).await?.await)
+        Ok(self.shared.post_spent(&mut list).await?.await)
     }
 
     /// Binds a type-2 memory window to this queue pair over part of `region`; the returned rkey

@@ -141,12 +141,14 @@ impl Scratch {
         counters.verbs.add(list.len() as u64);
         self.progress.posting(kind);
         let posted_at = std::time::Instant::now();
-        let failed = match self.connection.queue_pair.post_inline(&list) {
+        let inline = self.connection.queue_pair.post_inline(&list);
+        let failed = match inline {
             Some(Ok(outcome)) => {
                 self.reached_fabric = true;
                 // A unit of tokio's cooperative budget per list, as `post` spends: an operation
                 // whose lists all run inside their posts still yields now and then, and a
                 // deadline around a loop of steps can fire.
+                step_list::recycle(list);
                 tokio::task::consume_budget().await;
                 outcome.err().map(|failure| failure.completion.status)
             }
@@ -187,11 +189,12 @@ impl Scratch {
     async fn post_and_wait(
         &mut self,
         kind: StepKind,
-        list: Vec<WorkRequest>,
+        mut list: Vec<WorkRequest>,
     ) -> Result<Option<WorkCompletionStatus>, ExecuteError> {
         self.posting = true;
-        let posted = self.connection.queue_pair.post(list).await;
+        let posted = self.connection.queue_pair.post_from(&mut list).await;
         self.posting = false;
+        step_list::recycle(list);
         let posted = match posted {
             Ok(posted) => posted,
             Err(error) => {

@@ -17,10 +17,50 @@ pub(crate) struct StepList {
     requests: Vec<WorkRequest>,
 }
 
+thread_local! {
+    /// This thread's lists that were posted, emptied with their capacity kept, for the next
+    /// steps ([`StepList::new`], [`recycle`]): no allocation per list on the steady path.
+    static SPARE_LISTS: std::cell::RefCell<Vec<Vec<WorkRequest>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// How many emptied lists a thread keeps.
+const SPARE_LISTS_KEPT: usize = 64;
+
+/// The most requests a kept list may have room for (a longer one, a large batch's, is freed).
+const SPARE_LIST_ROOM: usize = 64;
+
+/// Keeps `list`, posted or run and so no longer needed, emptied, for a later step of this
+/// thread ([`StepList::new`]).
+pub(crate) fn recycle(mut list: Vec<WorkRequest>) {
+    if list.capacity() == 0 || list.capacity() > SPARE_LIST_ROOM {
+        return;
+    }
+    list.clear();
+    let _ = SPARE_LISTS.try_with(|spare| {
+        if let Ok(mut spare) = spare.try_borrow_mut() {
+            if spare.len() < SPARE_LISTS_KEPT {
+                spare.push(list);
+            }
+        }
+    });
+}
+
 impl StepList {
-    /// An empty list; it allocates when requests join (with room for what posting adds).
+    /// An empty list: one this thread posted before ([`recycle`]), with its room, if there is
+    /// one; otherwise it allocates when requests join (with room for what posting adds).
     pub(crate) fn new() -> Self {
-        Self::default()
+        let requests = SPARE_LISTS
+            .try_with(|spare| {
+                spare
+                    .try_borrow_mut()
+                    .ok()
+                    .and_then(|mut spare| spare.pop())
+            })
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        Self { requests }
     }
 
     /// An empty list with room for `requests` of the step's own and for what posting adds.
@@ -70,7 +110,12 @@ impl StepList {
         if let Some(announce) = announce {
             list.insert(0, announce);
         }
-        list.push(lease_word);
+        // Only the tail reports: a list's caller looks only for a failed request, and a
+        // failed or flushed request completes whether it was signaled or not.
+        for request in &mut list {
+            request.signaled = false;
+        }
+        list.push(lease_word.with_signaled(true));
         list
     }
 }
