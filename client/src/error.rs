@@ -173,6 +173,14 @@ impl Error {
         }
     }
 
+    /// Whether the node answered that it does not serve data now (starting, resuming from a
+    /// stop, filling or reconciling): worth waiting for within the deadline, unlike a node
+    /// that does not answer at all.
+    pub(crate) fn is_not_serving(&self) -> bool {
+        matches!(self, Error::NodeUnreachable { reason, .. }
+            if reason.contains(crate::connection::NOT_SERVING))
+    }
+
     /// Whether the failed operation may have taken effect. `false` means that it certainly did
     /// not: no reader ever saw it and none ever will. `true` comes only from
     /// [`Error::Unresolved`] and from [`Error::TimedOut`] after a publishing CAS was posted.

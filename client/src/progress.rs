@@ -102,11 +102,13 @@ pub(crate) enum Waiting {
     View,
     /// A view with a member serving, while every member fills and reconciles.
     Reconciliation,
+    /// The key's node to serve data (it answered that it does not yet).
+    NodeServing,
 }
 
 impl Waiting {
     /// Every value, in encoding order.
-    const ALL: [Waiting; 20] = [
+    const ALL: [Waiting; 21] = [
         Waiting::Connection,
         Waiting::WriterTurn,
         Waiting::ScratchBuffer,
@@ -127,6 +129,7 @@ impl Waiting {
         Waiting::Step(StepKind::Unlock),
         Waiting::View,
         Waiting::Reconciliation,
+        Waiting::NodeServing,
     ];
 
     /// What a deadline's error says.
@@ -153,6 +156,9 @@ impl Waiting {
             Waiting::Step(StepKind::Steal) => "the CAS that takes over a stalled writer's lock",
             Waiting::Step(StepKind::Unlock) => "the CAS that releases a taken-over lock",
             Waiting::View => "the cluster view (a node of the key failed or the view changed)",
+            Waiting::NodeServing => {
+                "the key's node to serve data: it answers, but is starting, resuming after a stop of the cluster, or reconciling (`rdkv-cluster status` shows it)"
+            }
             Waiting::Reconciliation => {
                 "the cluster's reconciliation: every node is filling after a stop or crash of all of them, and none serves until they agree on the newest copy of each key (`rdkv-cluster status` shows it)"
             }
@@ -206,6 +212,7 @@ impl Progress {
             Waiting::Step(kind) => 5 + kind as u8,
             Waiting::View => 5 + StepKind::ALL.len() as u8,
             Waiting::Reconciliation => 6 + StepKind::ALL.len() as u8,
+            Waiting::NodeServing => 7 + StepKind::ALL.len() as u8,
         };
         self.waiting.store(code, Ordering::Release);
     }

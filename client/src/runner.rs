@@ -85,7 +85,17 @@ impl Client {
             let mut retries = 0;
             loop {
                 progress.wait_for(Waiting::Connection);
-                let connection = node.connection().await?;
+                let connection = match node.connection().await {
+                    Ok(connection) => connection,
+                    Err(error) if error.is_not_serving() => {
+                        // Starting, resuming or reconciling: it serves within seconds, and
+                        // the deadline bounds the wait (with one copy, no other node can).
+                        progress.wait_for(Waiting::NodeServing);
+                        tokio::time::sleep(NOT_SERVING_RETRY).await;
+                        continue;
+                    }
+                    Err(error) => return Err(error),
+                };
                 guard.attempting_on(&connection);
                 match attempt(connection.clone(), progress.clone()).await {
                     Err(error)
@@ -208,6 +218,10 @@ impl Client {
         }
     }
 }
+
+/// How long a single-copy operation waits before it asks again a node that answered that it
+/// does not serve data yet.
+const NOT_SERVING_RETRY: Duration = Duration::from_millis(50);
 
 /// Retires the operation's connection when it is dropped with the operation's tentative slot
 /// still outstanding: after a failure, a deadline, or the caller cancelling the operation (found

@@ -168,7 +168,6 @@ fn key_of_node_1() -> Vec<u8> {
 /// within milliseconds, so a GET started right after `up --detach` (before the last node is
 /// back, or before the promotion) fails although the nodes serve well within its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding: with replicas = 1, an operation during the resumed nodes' wait fails at once instead of waiting within its deadline"]
 async fn with_one_copy_a_get_right_after_up_waits_for_the_resumed_nodes() {
     let cluster = Cluster::up_with("attack38-one", |text| {
         text.replace("replicas = 2", "replicas = 1").replace(
@@ -330,7 +329,6 @@ async fn a_member_back_after_the_others_served_without_it_keeps_its_newer_copies
 /// cluster is down). The reconciliation's wait also drops the "no node of the cluster
 /// answered" part of the error (`unanswered` is shown only for `Waiting::View`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding: a client holding the all-filling view reports 'waiting for the cluster's reconciliation' after its full deadline when the cluster is down"]
 async fn a_client_that_saw_the_reconciliation_says_the_cluster_is_down_once_it_is() {
     let cluster = Cluster::up_with("attack38-down", |text| {
         text.replace(
@@ -375,7 +373,6 @@ async fn a_client_that_saw_the_reconciliation_says_the_cluster_is_down_once_it_i
 /// within its deadline, instead of waiting for them or timing out "waiting for the cluster's
 /// reconciliation".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding: a write waiting for the reconciliation fails as contention (64 passes) before its deadline"]
 async fn a_write_during_the_reconciliation_waits_within_its_deadline() {
     let cluster = Cluster::up_with("attack38-contention", |text| {
         text.replace(

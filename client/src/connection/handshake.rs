@@ -20,6 +20,8 @@ use crate::error::{Error, Result};
 
 use super::*;
 
+/// What a node's refusal to serve data now says ([`crate::Error::is_not_serving`]).
+pub(crate) const NOT_SERVING: &str = "does not serve data now";
 /// How long connecting and each handshake step may take.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -146,7 +148,7 @@ async fn authenticate(
         Ok(ServerMessage::NotServing { epoch, reason }) => {
             // Retryable: the client goes to the key's next copy once the view names it.
             return Err(Evictable::from(unreachable(format!(
-                "node {node_id} does not serve data now (view epoch {epoch}): {reason}"
+                "node {node_id} {NOT_SERVING} (view epoch {epoch}): {reason}"
             ))));
         }
         Ok(other) => {

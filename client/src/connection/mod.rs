@@ -31,6 +31,7 @@ mod config;
 mod control;
 mod direct_get;
 mod handshake;
+pub(crate) use handshake::NOT_SERVING;
 mod pool;
 mod scratch;
 mod slot_cache;

@@ -31,18 +31,25 @@ impl Client {
             loop {
                 progress.wait_for(Waiting::View);
                 follower.follow_reported_epoch().await;
-                if follower.reconciling() {
+                let primary = self.replica_nodes(key, 1);
+                if primary.is_empty() {
+                    // The view is reconciling: no node's copy is the newest yet.
                     progress.wait_for(Waiting::Reconciliation);
                     follower.await_new_view().await;
+                    if let Some(down) = follower.cluster_down("get") {
+                        return Err(down);
+                    }
                     continue;
                 }
-                let primary = self.replica_nodes(key, 1);
                 let planned: Vec<u32> = primary.iter().map(|node| node.id).collect();
                 progress.wait_for(Waiting::Connection);
                 let attempt = async {
                     let connections = self.connections_to(&primary).await?;
-                    if follower.newer_view_reported() && follower.refresh_in_task().await {
-                        // A connection just made names a newer view: route by it.
+                    if follower.newer_view_reported() {
+                        // A connection just made names a newer view: route by it, once the
+                        // client has it (a node that joined since the client's view, filling
+                        // in its own, may be this key's primary in the client's).
+                        follower.await_new_view().await;
                         return Ok(None);
                     }
                     operations::get(&connections[0], progress.clone(), key)
@@ -87,10 +94,14 @@ impl Client {
             patience: Patience::default(),
             held: None,
             last_primary: None,
+            attempts: 0,
         };
         let work = async {
-            for again in 0..RACE_ATTEMPTS {
-                if let ControlFlow::Break(outcome) = writing.pass(again).await {
+            // Only passes that reached the key's replicas count: a pass that waited for the
+            // view (a reconciliation lasts seconds) or for a connection made no attempt. The
+            // deadline bounds the waiting.
+            while writing.attempts < RACE_ATTEMPTS {
+                if let ControlFlow::Break(outcome) = writing.pass().await {
                     return outcome;
                 }
             }
@@ -123,15 +134,19 @@ struct ReplicatedOperation<'a> {
     held: Option<Held>,
     /// The key's primary in the last pass.
     last_primary: Option<SocketAddr>,
+    /// The passes that connected to the key's replicas and made an attempt (or resumed one).
+    attempts: u32,
 }
 
 impl ReplicatedOperation<'_> {
     /// One pass: route by the view, connect to the key's replicas, then resume the held lock
     /// or make an attempt.
-    async fn pass(&mut self, again: u32) -> Pass {
+    async fn pass(&mut self) -> Pass {
         let Some((connections, planned)) = self.connect().await? else {
             return ControlFlow::Continue(());
         };
+        let again = self.attempts;
+        self.attempts += 1;
         self.check_primary(connections[0].address)?;
         if let Some(lock) = self.held.take() {
             // The last attempt's connections failed while it held its lock: go on from there
@@ -151,13 +166,18 @@ impl ReplicatedOperation<'_> {
         let follower = &client.follower;
         self.progress.wait_for(Waiting::View);
         follower.follow_reported_epoch().await;
-        if follower.reconciling() {
+        let nodes = client.replica_nodes(self.key, client.replicas);
+        if nodes.is_empty() {
             // No member serves: no node's copy is the newest yet (`ViewFollower::reconciling`).
             self.progress.wait_for(Waiting::Reconciliation);
             follower.await_new_view().await;
+            if !self.progress.may_have_applied() {
+                if let Some(down) = follower.cluster_down(self.operation) {
+                    return ControlFlow::Break(Err(down));
+                }
+            }
             return ControlFlow::Continue(None);
         }
-        let nodes = client.replica_nodes(self.key, client.replicas);
         let planned: Vec<u32> = nodes.iter().map(|node| node.id).collect();
         self.progress.wait_for(Waiting::Connection);
         let connecting = client.connections_to(&nodes);
@@ -178,8 +198,9 @@ impl ReplicatedOperation<'_> {
             }
             Some(Err(error)) => return ControlFlow::Break(Err(error)),
         };
-        if follower.newer_view_reported() && follower.refresh_in_task().await {
-            // A connection just made names a newer view: route by it.
+        if follower.newer_view_reported() {
+            // A connection just made names a newer view: route by it, once the client has it.
+            follower.await_new_view().await;
             return ControlFlow::Continue(None);
         }
         ControlFlow::Continue(Some((connections, planned)))

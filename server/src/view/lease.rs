@@ -129,7 +129,7 @@ impl ViewService {
             None => return Err("this node is not in its own cluster view".into()),
             Some(record) if record.state == MemberState::Down => {
                 return Err(format!(
-                    "the cluster view (epoch {epoch}) has this node down; it rejoins and is refilled before it serves"
+                    "the cluster view (epoch {epoch}) has this node down; it rejoins (refilled from its peers, or resumed with its peers after a stop of the whole cluster) before it serves"
                 ))
             }
             Some(record)
