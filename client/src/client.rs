@@ -29,6 +29,7 @@ use crate::node::{connect_first_lanes, Node, GOODBYE_TIMEOUT};
 use crate::operations::{self, CasOutcome, InsertOutcome, Mutation, MutationOutcome};
 use crate::replicated::Write;
 use crate::runner::Kind;
+use crate::value::Value;
 use crate::view_following::ViewFollower;
 
 /// An rdkv client: a connection per node and runtime worker ([`crate::lanes`]), opened on
@@ -179,11 +180,11 @@ impl Client {
             fairness::after_direct_operation().await;
             return Ok(present.then(|| Bytes::from(value)));
         }
-        self.get_by_lists(key).await
+        Ok(self.get_by_lists(key).await?.map(|found| found.to_bytes()))
     }
 
     /// A single-copy GET by posted lists (no direct access: `operations::get`).
-    async fn get_by_lists(&self, key: &[u8]) -> Result<Option<Bytes>> {
+    async fn get_by_lists(&self, key: &[u8]) -> Result<Option<Value>> {
         self.run(Kind::Get, "get", key, |connection, progress| async move {
             operations::get(&connection, progress, key).await
         })
@@ -206,7 +207,11 @@ impl Client {
             fairness::after_direct_operation().await;
             return Ok(present);
         } else {
-            self.get_by_lists(key).await?
+            // Into the caller's vector by a swap: its old one goes back to this thread's
+            // spare value vectors (`value.rs`), for the next GET's copy.
+            let found = self.get_by_lists(key).await?;
+            value.clear();
+            return Ok(found.map(|found| found.swap_into(value)).is_some());
         };
         value.clear();
         if let Some(found) = &found {

@@ -59,6 +59,7 @@ mod refill;
 mod replicated;
 mod runner;
 mod scan;
+mod value;
 mod version;
 mod view_following;
 pub use scan::{ScannedKey, SCAN_BUCKETS};

@@ -40,6 +40,7 @@ use crate::connection::{
 use crate::error::{Error, Result};
 use crate::fault::StepKind;
 use crate::progress::{Progress, Waiting};
+use crate::value::Value;
 
 /// Attempts after lost CAS races before giving up.
 pub(crate) const RACE_ATTEMPTS: u32 = 64;
@@ -123,7 +124,7 @@ pub(crate) struct Match {
     /// Its value in the index.
     pub(crate) slot: Slot,
     /// The value in its block.
-    pub(crate) value: Bytes,
+    pub(crate) value: Value,
     /// Whether the block is a tombstone (a replicated delete: the key is absent).
     pub(crate) tombstone: bool,
     /// The block's version.
@@ -524,7 +525,7 @@ enum BlockRead {
     /// The key's block, intact: its value, copied out once, and whether it is a tombstone.
     Key {
         /// The value.
-        value: Bytes,
+        value: Value,
         /// Whether the block is a tombstone (a replicated delete).
         tombstone: bool,
         /// The block's version.
@@ -553,13 +554,18 @@ fn read_block(scratch: &Scratch, at: u64, length: u64, key: &[u8]) -> Result<Blo
         return Ok(BlockRead::Broken);
     };
     region.read(at + header.key_offset() as u64, stored_key)?;
-    let value = region.read_to_vec(at + header.value_offset() as u64, header.value_length)?;
+    let mut value = Value::with_room(header.value_length);
+    region.read_append(
+        at + header.value_offset() as u64,
+        header.value_length,
+        value.vector(),
+    )?;
     if header.verify(stored_key, &value).is_err() {
         return Ok(BlockRead::Broken);
     }
     Ok(if *stored_key == *key {
         BlockRead::Key {
-            value: Bytes::from(value),
+            value,
             tombstone: header.tombstone,
             version: header.version,
         }
@@ -728,7 +734,7 @@ pub(crate) async fn get(
     connection: &Arc<NodeConnection>,
     progress: Arc<Progress>,
     key: &[u8],
-) -> Result<Option<Bytes>> {
+) -> Result<Option<Value>> {
     check_key_value(key, &[]).map_err(layout_error)?;
     let location = connection.welcome.geometry.locate(key);
     let begun = Instant::now();
@@ -903,14 +909,14 @@ impl SingleWrite<'_> {
         }
         Ok(match (self.mutation, view.committed.first()) {
             (Mutation::Insert, Some(current)) => {
-                Some(MutationOutcome::Present(current.value.clone()))
+                Some(MutationOutcome::Present(current.value.to_bytes()))
             }
             (Mutation::Update, None) => Some(MutationOutcome::Absent),
             (Mutation::CompareAndSwap { .. }, None) => Some(MutationOutcome::Mismatch(None)),
             (Mutation::CompareAndSwap { expected }, Some(current))
-                if current.value.as_ref() != expected =>
+                if *current.value != *expected =>
             {
-                Some(MutationOutcome::Mismatch(Some(current.value.clone())))
+                Some(MutationOutcome::Mismatch(Some(current.value.to_bytes())))
             }
             (_, Some(current)) => self.replace(scratch, current).await?,
             (Mutation::Upsert | Mutation::Insert, None) => {
@@ -1065,7 +1071,7 @@ pub(crate) async fn insert_absent(
         }
         if let Some(present) = view.committed.first() {
             withdraw(scratch, operation, empty, tentative).await?;
-            return Ok(Inserted::Present(present.value.clone()));
+            return Ok(Inserted::Present(present.value.to_bytes()));
         }
         match withdraw_others(scratch, operation, &view.tentative).await? {
             Others::Withdrawn => {}
@@ -1139,7 +1145,7 @@ async fn withdraw_others(
     for (index, other) in others.iter().take(count).enumerate() {
         let original = cas_original(scratch, index as u64)?;
         if original == other.slot.committed() {
-            return Ok(Others::Committed(other.value.clone()));
+            return Ok(Others::Committed(other.value.to_bytes()));
         }
         all_withdrawn &= original == other.slot;
     }

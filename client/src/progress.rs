@@ -160,7 +160,7 @@ impl Waiting {
                 "the key's node to serve data: it answers, but is starting, resuming after a stop of the cluster, or reconciling (`rdkv-cluster status` shows it)"
             }
             Waiting::Reconciliation => {
-                "the cluster's reconciliation: every node is filling after a stop or crash of all of them, and none serves until they agree on the newest copy of each key (`rdkv-cluster status` shows it)"
+                "the cluster's start: every node is filling or resuming after a stop or crash of all of them, and none serves until the members are back and agree on the newest copy of each key (`rdkv-cluster status` shows what they wait for)"
             }
         }
     }

@@ -154,7 +154,7 @@ pub async fn wait_serving(
                 Ok(stats) if stats.serving_data => {}
                 Ok(_) => waiting.push((
                     node.id,
-                    "it does not serve data yet (no lease from a majority of the nodes, or its rejoin is not in the view)".to_string(),
+                    "it does not serve data yet (no lease from a majority of the nodes, its rejoin is not in the view, or the nodes still reconcile their copies after a crash of all of them)".to_string(),
                 )),
                 Err(error) => waiting.push((node.id, error.to_string())),
             }
@@ -325,6 +325,14 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
         .members
         .iter()
         .any(|member| member.state == rdkv_common::protocol::MemberState::Serving);
+    // Members down while nobody serves: the others wait for them (a stop's resume, or the
+    // reconciliation) before they serve.
+    let down: Vec<String> = view
+        .members
+        .iter()
+        .filter(|member| member.state == rdkv_common::protocol::MemberState::Down)
+        .map(|member| member.node_id.to_string())
+        .collect();
     view.members
         .iter()
         .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
@@ -337,6 +345,11 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
                 Some(stats) if reconciling && stats.reconciled_epoch == view.epoch => format!(
                     "refill: node {} filling: reconciled ({} newer copies taken from the other filling members); promoted once every filling member is",
                     member.node_id, stats.reconciled_keys
+                ),
+                Some(_) if reconciling && !down.is_empty() => format!(
+                    "refill: node {} filling: waiting for node {} (down) before the members serve together (after a stop of the whole cluster at most 30 s, after a crash 60 s; start it with `up --node N`)",
+                    member.node_id,
+                    down.join(" and ")
                 ),
                 Some(_) if reconciling => format!(
                     "refill: node {} filling: reconciling with the other filling members (the newest copy of each key wins)",
@@ -700,6 +713,18 @@ mod tests {
                 "refill: node 1 filling: reconciled (17 newer copies taken from the other filling members); promoted once every filling member is".to_string(),
                 "refill: node 2 filling: reconciling with the other filling members (the newest copy of each key wins)".to_string(),
             ]
+        );
+        // A member down meanwhile: they wait for it, and the line names it.
+        let mut waiting = view.clone();
+        waiting.members.push(ViewMember {
+            node_id: 3,
+            state: MemberState::Down,
+        });
+        let lines = refill_lines(Some(&waiting), &statuses);
+        assert!(
+            lines[1].starts_with("refill: node 2 filling: waiting for node 3 (down)")
+                && lines[1].contains("`up --node N`"),
+            "{lines:?}"
         );
     }
 }

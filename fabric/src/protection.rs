@@ -535,6 +535,18 @@ impl MemoryRegion {
             .read_to_vec(self.inner.offset + offset, length)
     }
 
+    /// Appends `length` bytes, starting `offset` bytes in, to `destination` (not zeroed
+    /// first); a vector with the room allocates nothing.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the region (nothing is appended).
+    pub fn read_append(&self, offset: u64, length: usize, destination: &mut Vec<u8>) -> Result<()> {
+        self.check(offset, length as u64)?;
+        self.inner
+            .memory
+            .read_append(self.inner.offset + offset, length, destination)
+    }
+
     /// Copies bytes into the region, starting `offset` bytes in.
     ///
     /// # Errors

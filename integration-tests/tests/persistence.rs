@@ -212,6 +212,36 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
         "{text}"
     );
     assert!(!text.contains("panicked"), "{text}");
+    // The choice is refused for every node at once (it would set their good snapshots aside),
+    // and a value that is no choice is named.
+    let up_with = |choice: &str| {
+        std::process::Command::new(rdkv_integration_tests::process::workspace_binary(
+            "rdkv-cluster",
+        ))
+        .args([
+            "up",
+            cluster.file.to_str().expect("utf-8"),
+            "--run-dir",
+            cluster.run_directory.to_str().expect("utf-8"),
+            "--detach",
+        ])
+        .env("RDKV_FROM_SNAPSHOT", choice)
+        .output()
+        .expect("run rdkv-cluster")
+    };
+    for (choice, says) in [
+        ("previous", "would set aside every node's latest snapshot"),
+        ("bogus", "not a choice; use latest, previous"),
+    ] {
+        let refused = up_with(choice);
+        let text = String::from_utf8_lossy(&refused.stderr).to_string();
+        assert_eq!(refused.status.code(), Some(1), "{text}");
+        assert!(text.contains(says), "{text}");
+    }
+    assert!(
+        !snapshot_file(&cluster, 1, "snapshot.replaced.rdkv").exists(),
+        "nothing was set aside"
+    );
     // Nodes 1 and 3 start from the stop's snapshots and wait for node 2; node 2 starts from
     // its previous snapshot, joins, and is refilled from them.
     for node in ["1", "3"] {

@@ -324,7 +324,7 @@ async fn a_member_back_after_the_others_served_without_it_keeps_its_newer_copies
 /// reconciliation) keeps it once every node is gone again (killed, or stopped: nothing answers
 /// a view fetch), and `ViewFollower::reconciling` then routes every operation to the wait for
 /// the reconciliation without ever asking `cluster_down`: each operation waits out its whole
-/// deadline and says it waited for "the cluster's reconciliation: every node is filling …",
+/// deadline and says it waited for "the cluster's start: every node is filling …",
 /// where, before the fix, a client said at once that every node refused the connection (the
 /// cluster is down). The reconciliation's wait also drops the "no node of the cluster
 /// answered" part of the error (`unanswered` is shown only for `Waiting::View`).
@@ -347,7 +347,7 @@ async fn a_client_that_saw_the_reconciliation_says_the_cluster_is_down_once_it_i
     let early = Client::from_file(&cluster.file).expect("a client");
     let during = early.get(b"attack38-down").await;
     assert!(
-        matches!(&during, Err(error) if error.to_string().contains("reconciliation")),
+        matches!(&during, Err(error) if error.to_string().contains("the cluster's start")),
         "the setup needs a GET during the reconciliation: {during:?}"
     );
     crash_every_node(&cluster);

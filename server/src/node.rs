@@ -242,7 +242,8 @@ impl Node {
             stats.view_members_down,
             stats.views_committed,
         ) = self.view.figures();
-        stats.serving_data = self.view.serving().is_ok();
+        // A reconciling node admits no data client (`session`): it does not serve data yet.
+        stats.serving_data = self.view.serving().is_ok() && !self.view.reconciling();
         stats.serving_stops = self.view.serving_stops();
         stats.lease_lapses = self.view.lease_lapses();
         stats

@@ -317,14 +317,20 @@ fn with_choices(
     let Error::Snapshot { path, reason } = error else {
         return error;
     };
-    let command = |choice: &str| match cluster_file {
+    let command = |choice: &str| {
+        match cluster_file {
         Some(file) => format!(
-            "`RDKV_FROM_SNAPSHOT={choice} rdkv-cluster up {} --node {node_id}`",
+            "`RDKV_FROM_SNAPSHOT={choice} rdkv-cluster up {} --node {node_id}` (with this `up`'s --run-dir and --detach)",
             file.display()
         ),
         None => format!("`rdkv-server --from-snapshot {choice}`"),
+    }
     };
-    let choices = if start_from == StartFrom::Latest {
+    // `previous` only where there is one (a node stopped once has none).
+    let previous_exists = path
+        .parent()
+        .is_some_and(|directory| directory.join(PREVIOUS_FILE).exists());
+    let choices = if start_from == StartFrom::Latest && previous_exists {
         format!(
             "start the node from its previous snapshot with {} (its peers refill what that lacks), or empty with {}",
             command("previous"),

@@ -106,7 +106,7 @@ impl From<&Match> for Locked {
         Self {
             position: found.position,
             lock: found.slot,
-            value: found.value.clone(),
+            value: found.value.to_bytes(),
             tombstone: found.tombstone,
             version: found.version,
         }

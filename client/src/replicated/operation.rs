@@ -54,7 +54,7 @@ impl Client {
                     }
                     operations::get(&connections[0], progress.clone(), key)
                         .await
-                        .map(Some)
+                        .map(|found| Some(found.map(|value| value.to_bytes())))
                 };
                 match follower.watched(key, 1, &planned, attempt).await {
                     // The view moved the key, or a connection named a newer view: again.

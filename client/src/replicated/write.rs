@@ -127,7 +127,7 @@ impl ReplicatedWrite<'_> {
         }
         let present = current
             .filter(|current| !current.tombstone)
-            .map(|current| current.value.clone());
+            .map(|current| current.value.to_bytes());
         if let Some(outcome) = decide(self.write, present) {
             return Ok(Some(Attempt::Done(outcome)));
         }
@@ -145,7 +145,7 @@ impl ReplicatedWrite<'_> {
         };
         let (value, tombstone, version) = current
             .map_or((Bytes::new(), true, self.tombstone.version()), |current| {
-                (current.value.clone(), current.tombstone, current.version)
+                (current.value.to_bytes(), current.tombstone, current.version)
             });
         let locked = Locked {
             position,

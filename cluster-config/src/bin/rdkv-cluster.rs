@@ -301,6 +301,29 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
     }
 }
 
+/// Why `up` refuses `RDKV_FROM_SNAPSHOT` (which its nodes read): a value the server does not
+/// know (its own error would be lost behind clap's last line), or a choice other than
+/// `latest` for more than one node, which sets every node's good snapshot aside (it is meant
+/// for the one whose snapshot is damaged: `--node N`).
+fn snapshot_choice_refusal(
+    config: &ClusterConfig,
+    node: Option<u32>,
+    file: &Path,
+) -> Option<String> {
+    let choice = std::env::var("RDKV_FROM_SNAPSHOT").ok()?;
+    if !["latest", "previous", "empty"].contains(&choice.as_str()) {
+        return Some(format!(
+            "RDKV_FROM_SNAPSHOT={choice}: not a choice; use latest, previous (the node's snapshot before its latest) or empty"
+        ));
+    }
+    (choice != "latest" && node.is_none() && config.nodes.len() > 1).then(|| {
+        format!(
+            "RDKV_FROM_SNAPSHOT={choice} would set aside every node's latest snapshot: it is for the node whose snapshot is damaged; run `RDKV_FROM_SNAPSHOT={choice} rdkv-cluster up {} --node N` for that node, and `up` the others without it",
+            file.display()
+        )
+    })
+}
+
 /// `up`: starts the nodes (Ctrl-C during start-up stops those started), then [`up`].
 async fn start(
     config: &ClusterConfig,
@@ -310,6 +333,10 @@ async fn start(
     file: &Path,
     run_dir_flag: &str,
 ) -> anyhow::Result<u8> {
+    if let Some(refusal) = snapshot_choice_refusal(config, node, file) {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(1);
+    }
     // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
     let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
     let starting = {
@@ -357,7 +384,16 @@ async fn snapshot(config: &ClusterConfig, only: Option<u32>) -> anyhow::Result<u
             )),
             Err(error) => {
                 code = 1;
-                say(&format!("node {}: no snapshot: {error}", node.id));
+                eprintln!(
+                    "rdkv-cluster: error: node {}: no snapshot: {error}{}",
+                    node.id,
+                    if matches!(&error, rdkv_common::ControlError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused)
+                    {
+                        " (the node is not running: `rdkv-cluster up FILE` starts it)"
+                    } else {
+                        ""
+                    }
+                );
             }
         }
     }
@@ -369,7 +405,9 @@ async fn acknowledge_losses(config: &ClusterConfig, epoch: Option<u64>) -> anyho
     let statuses = status::status(config).await;
     let shown = status::view(&statuses).map(|view| view.losses.clone());
     let Some(shown) = shown else {
-        say(&status::view_line(None, &statuses));
+        eprintln!(
+            "rdkv-cluster: error: no node answered, so nothing was acknowledged (is the cluster up? `rdkv-cluster status FILE`)"
+        );
         return Ok(1);
     };
     let Some(up_to_epoch) = epoch.or_else(|| shown.iter().map(|loss| loss.epoch).max()) else {
@@ -396,9 +434,7 @@ async fn acknowledge_losses(config: &ClusterConfig, epoch: Option<u64>) -> anyho
             Err(error) => last_error = format!("node {}: {error}", node.id),
         }
     }
-    say(&format!(
-        "the acknowledgement was not committed: {last_error}"
-    ));
+    eprintln!("rdkv-cluster: error: the acknowledgement was not committed: {last_error}; try again (`rdkv-cluster status FILE` shows the view)");
     Ok(1)
 }
 

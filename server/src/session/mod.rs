@@ -42,7 +42,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Why a reconciling node (`ViewService::reconciling`) admits no data client.
-const RECONCILING: &str = "the cluster is reconciling: every node is filling (all were stopped or crashed), and none serves until they agree on the newest copy of each key (`rdkv-cluster status` shows it); try again in a few seconds";
+const RECONCILING: &str = "the cluster is reconciling: every node is filling or resuming (all were stopped or crashed), and none serves until the members are back and agree on the newest copy of each key (`rdkv-cluster status` shows what they wait for); try again in a few seconds";
 
 /// Serves one control connection until it ends, then tears its resources down.
 pub(crate) async fn serve(
