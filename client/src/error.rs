@@ -178,7 +178,9 @@ impl Error {
     /// that does not answer at all.
     pub(crate) fn is_not_serving(&self) -> bool {
         matches!(self, Error::NodeUnreachable { reason, .. }
-            if reason.contains(crate::connection::NOT_SERVING))
+            if reason.contains(crate::connection::NOT_SERVING)
+                // Not a wait: a client of one node never gets a filling node's data.
+                && !reason.contains("connect with a cluster client"))
     }
 
     /// Whether the failed operation may have taken effect. `false` means that it certainly did

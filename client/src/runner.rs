@@ -221,7 +221,7 @@ impl Client {
 
 /// How long a single-copy operation waits before it asks again a node that answered that it
 /// does not serve data yet.
-const NOT_SERVING_RETRY: Duration = Duration::from_millis(50);
+const NOT_SERVING_RETRY: Duration = Duration::from_millis(100);
 
 /// Retires the operation's connection when it is dropped with the operation's tentative slot
 /// still outstanding: after a failure, a deadline, or the caller cancelling the operation (found

@@ -130,6 +130,17 @@ impl ViewFollower {
         self.membership().reconciling()
     }
 
+    /// Whether one of `connections` (the key's copies, just connected) was welcomed under a
+    /// newer view than the one the client routes by: the operation waits for that view
+    /// (the welcome of the connection itself, not the highest epoch any node ever reported,
+    /// which a cluster started again with new view state never reaches).
+    pub(crate) fn behind(&self, connections: &[Arc<crate::connection::NodeConnection>]) -> bool {
+        let epoch = self.epoch();
+        connections
+            .iter()
+            .any(|connection| connection.welcome.view_epoch > epoch)
+    }
+
     /// Whether a node reported a newer view, in a heartbeat's answer, than the one the client
     /// routes by.
     pub(crate) fn newer_view_reported(&self) -> bool {

@@ -166,12 +166,9 @@ struct ListState {
 }
 
 impl ListCompletion {
-    /// The completion of a list of `requests` requests: room for every completion they can
-    /// produce, inline when there are at most two (one for an ordinary list).
-    pub(crate) fn new(
-        queue: Arc<CompletionQueueInner>,
-        requests: usize,
-    ) -> (Arc<Self>, PostedList) {
+    /// The completion of a list: a record this queue kept from a completed list, or a new one
+    /// (room for two completions inline: one for an ordinary list, which signals its tail).
+    pub(crate) fn new(queue: Arc<CompletionQueueInner>) -> (Arc<Self>, PostedList) {
         let spare = lock(&queue.spare_lists).pop();
         let list = match spare {
             // Reset when it was put back: nothing else holds it.
@@ -180,12 +177,6 @@ impl ListCompletion {
                 state: Mutex::new(ListState::default()),
             }),
         };
-        {
-            let mut state = list.state();
-            if state.completions.capacity() < requests.min(2) {
-                state.completions.reserve(requests.min(2));
-            }
-        }
         (list.clone(), PostedList { list, queue })
     }
 

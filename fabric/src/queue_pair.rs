@@ -549,8 +549,7 @@ impl QueuePairShared {
         }
         self.permits.take(list.len()).await;
 
-        let (list_completion, posted) =
-            ListCompletion::new(self.completion_queue.inner.clone(), list.len());
+        let (list_completion, posted) = ListCompletion::new(self.completion_queue.inner.clone());
         let device = self.device();
         let domain = self.protection_domain.inner.id;
         let count = list.len();
@@ -895,9 +894,9 @@ impl QueuePair {
         self.shared.post(&mut list).await
     }
 
-    /// As [`QueuePair::post`], taking the requests out of `list`: posted, it is left empty
-    /// with its capacity, for the caller's next list (no allocation per list). Refused, it is
-    /// left as it was.
+    /// As [`QueuePair::post`], taking the requests out of `list`: it is left empty with its
+    /// capacity, for the caller's next list (no allocation per list), posted or not (a list
+    /// refused before it is checked, an invalid one, is left as it was).
     ///
     /// # Errors
     /// As [`QueuePair::post`].

@@ -430,19 +430,37 @@ async fn a_crash_of_every_node_with_two_copies_keeps_the_newest_snapshot_of_each
         signal(&cluster, node, Signal::SIGKILL);
         wait_torn_down(pid_of(&cluster, node), Duration::from_secs(10));
     }
-    succeeded(&cluster_command(&cluster, "up", None), "up after the crash");
+    // `up` waits until the nodes serve, after their reconciliation: the reads run meanwhile.
+    let arguments: Vec<String> = [
+        "up",
+        cluster.file.to_str().expect("utf-8"),
+        "--run-dir",
+        cluster.run_directory.to_str().expect("utf-8"),
+        "--detach",
+    ]
+    .map(String::from)
+    .to_vec();
+    let up = std::thread::spawn(move || {
+        let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+        rdkv_integration_tests::cluster::rdkv_cluster(&arguments)
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     // While the nodes reconcile, nobody reads an older copy: each read fails (the nodes admit
     // no data client then) or, once they serve, returns the newest.
     let early = Client::from_file(&cluster.file).expect("a client");
     let reads = later.keys().map(|key| early.get(key));
     let outcomes = futures_util::future::join_all(reads).await;
+    succeeded(&up.join().expect("the up thread"), "up after the crash");
     let stale: Vec<_> = later
         .keys()
         .zip(&outcomes)
         .filter_map(|(key, outcome)| match outcome {
-            Ok(read) if read.as_deref() != newest[key].as_deref() => {
-                Some(String::from_utf8_lossy(key).into_owned())
-            }
+            Ok(read) if read.as_deref() != newest[key].as_deref() => Some(format!(
+                "{} read {:?}, newest {:?}",
+                String::from_utf8_lossy(key),
+                read.as_deref().map(String::from_utf8_lossy),
+                newest[key].as_deref().map(String::from_utf8_lossy)
+            )),
             _ => None,
         })
         .collect();

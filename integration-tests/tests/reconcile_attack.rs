@@ -341,11 +341,25 @@ async fn a_client_that_saw_the_reconciliation_says_the_cluster_is_down_once_it_i
     succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
     client.close().await;
     crash_every_node(&cluster);
-    succeeded(&cluster_command(&cluster, "up", None), "up after the crash");
+    // `up` waits until the nodes serve, after their reconciliation: the GET runs meanwhile.
+    let arguments: Vec<String> = [
+        "up",
+        cluster.file.to_str().expect("utf-8"),
+        "--run-dir",
+        cluster.run_directory.to_str().expect("utf-8"),
+        "--detach",
+    ]
+    .map(String::from)
+    .to_vec();
+    let up = std::thread::spawn(move || {
+        let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+        rdkv_integration_tests::cluster::rdkv_cluster(&arguments)
+    });
     // Every node joins filling within a second or two; they reconcile after 5 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let early = Client::from_file(&cluster.file).expect("a client");
     let during = early.get(b"attack38-down").await;
+    succeeded(&up.join().expect("the up thread"), "up after the crash");
     assert!(
         matches!(&during, Err(error) if error.to_string().contains("the cluster's start")),
         "the setup needs a GET during the reconciliation: {during:?}"

@@ -45,11 +45,16 @@ impl Client {
                 progress.wait_for(Waiting::Connection);
                 let attempt = async {
                     let connections = self.connections_to(&primary).await?;
-                    if follower.newer_view_reported() {
-                        // A connection just made names a newer view: route by it, once the
-                        // client has it (a node that joined since the client's view, filling
-                        // in its own, may be this key's primary in the client's).
+                    if follower.behind(&connections) {
+                        // The connection names a newer view: route by it, once the client has
+                        // it (a node that joined since the client's view, filling in its own,
+                        // may be this key's primary in the client's).
+                        progress.wait_for(Waiting::View);
                         follower.await_new_view().await;
+                        return Ok(None);
+                    }
+                    if follower.newer_view_reported() && follower.refresh_in_task().await {
+                        // Another node reported a newer view: route by it.
                         return Ok(None);
                     }
                     operations::get(&connections[0], progress.clone(), key)
@@ -198,9 +203,13 @@ impl ReplicatedOperation<'_> {
             }
             Some(Err(error)) => return ControlFlow::Break(Err(error)),
         };
-        if follower.newer_view_reported() {
-            // A connection just made names a newer view: route by it, once the client has it.
-            follower.await_new_view().await;
+        if follower.behind(&connections) {
+            // A connection names a newer view: route by it, once the client has it.
+            self.await_new_view().await;
+            return ControlFlow::Continue(None);
+        }
+        if follower.newer_view_reported() && follower.refresh_in_task().await {
+            // Another node reported a newer view: route by it.
             return ControlFlow::Continue(None);
         }
         ControlFlow::Continue(Some((connections, planned)))
