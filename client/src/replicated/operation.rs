@@ -45,6 +45,11 @@ impl Client {
                 progress.wait_for(Waiting::Connection);
                 let attempt = async {
                     let connections = self.connections_to(&primary).await?;
+                    if follower.replica_ids(key, 1) != planned {
+                        // Another task adopted a newer view while this one connected: the
+                        // node planned under the older one may be filling in it.
+                        return Ok(None);
+                    }
                     if follower.behind(&connections) {
                         // The connection names a newer view: route by it, once the client has
                         // it (a node that joined since the client's view, filling in its own,
@@ -203,6 +208,10 @@ impl ReplicatedOperation<'_> {
             }
             Some(Err(error)) => return ControlFlow::Break(Err(error)),
         };
+        if follower.replica_ids(self.key, client.replicas) != planned {
+            // Another task adopted a newer view while this one connected: route by it.
+            return ControlFlow::Continue(None);
+        }
         if follower.behind(&connections) {
             // A connection names a newer view: route by it, once the client has it.
             self.await_new_view().await;
