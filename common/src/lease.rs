@@ -195,7 +195,13 @@ fn signed_micros(from: Instant, to: Instant) -> i128 {
 
 /// How far two clocks may drift apart over `elapsed` microseconds (rounded up).
 fn drift(elapsed: i128) -> i128 {
-    (elapsed.abs() * i128::from(DRIFT_BOUND_PPM) + 999_999) / 1_000_000
+    let magnitude = elapsed.unsigned_abs();
+    // In 64 bits below 2^53 µs (285 years), the same value: a 128-bit division is a call of
+    // its own on every direct GET.
+    if magnitude < 1 << 53 {
+        return i128::from((magnitude as u64 * DRIFT_BOUND_PPM).div_ceil(1_000_000));
+    }
+    (magnitude as i128 * i128::from(DRIFT_BOUND_PPM) + 999_999) / 1_000_000
 }
 
 #[cfg(test)]

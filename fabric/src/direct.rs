@@ -22,6 +22,17 @@ pub trait DirectAccess {
     /// The status its request would have completed with.
     fn read(&mut self, remote: RemoteSegment, into: &mut [u8]) -> Result<(), WorkCompletionStatus>;
 
+    /// READs the 8 bytes at `remote` as a little-endian word: one atomic load where `remote`
+    /// is 8-byte aligned (a slot word, the lease word), so it cannot tear.
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn read_u64(&mut self, remote: RemoteSegment) -> Result<u64, WorkCompletionStatus> {
+        let mut bytes = [0u8; 8];
+        self.read(remote, &mut bytes)?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
     /// READs `length` bytes at `remote` into a new vector, filled as it is read (never
     /// zeroed first).
     ///

@@ -240,6 +240,19 @@ impl KeyRights {
         length: u64,
         opcode: Opcode,
     ) -> std::result::Result<(), WorkCompletionStatus> {
+        self.permits(protection_domain, qp_number, opcode)?;
+        self.check_range(address, length, opcode)
+    }
+
+    /// The checks of [`KeyRights::check`] that do not depend on the address: the same for
+    /// every access of `opcode` by queue pair `qp_number` in `protection_domain` (the `shm`
+    /// provider's direct access makes them once per key and generation).
+    pub(crate) fn permits(
+        &self,
+        protection_domain: u32,
+        qp_number: u32,
+        opcode: Opcode,
+    ) -> std::result::Result<(), WorkCompletionStatus> {
         if self.protection_domain != protection_domain {
             return Err(WorkCompletionStatus::RemoteAccessError);
         }
@@ -249,6 +262,17 @@ impl KeyRights {
         if !self.access.contains(opcode.required_remote_access()) {
             return Err(WorkCompletionStatus::RemoteAccessError);
         }
+        Ok(())
+    }
+
+    /// The rest of [`KeyRights::check`], after [`KeyRights::permits`]: in range, and 8-byte
+    /// alignment for atomics.
+    pub(crate) fn check_range(
+        &self,
+        address: u64,
+        length: u64,
+        opcode: Opcode,
+    ) -> std::result::Result<(), WorkCompletionStatus> {
         let inside = address
             .checked_add(length)
             .is_some_and(|end| address >= self.address && end <= self.address + self.length);

@@ -936,12 +936,22 @@ impl QueuePair {
         &self,
         work: impl FnOnce(&mut dyn DirectAccess) -> Output,
     ) -> Option<Output> {
+        self.direct_at(std::time::Instant::now(), work)
+    }
+
+    /// [`QueuePair::direct`], with `now` the caller's clock read just before the call (a
+    /// caller that reads it anyway spares the provider a clock read).
+    pub fn direct_at<Output>(
+        &self,
+        now: std::time::Instant,
+        work: impl FnOnce(&mut dyn DirectAccess) -> Output,
+    ) -> Option<Output> {
         let mut work = Some(work);
         let mut output = None;
         let ran = self
             .shared
             .provider
-            .run_direct(&self.shared, &mut |access| {
+            .run_direct(&self.shared, now, &mut |access| {
                 if let Some(work) = work.take() {
                     output = Some(work(access));
                 }

@@ -253,9 +253,11 @@ pub(crate) trait QueuePairProvider: Send + Sync + Debug + 'static {
     /// Runs `work` with direct access to the responder's memory, when the provider's requester
     /// shares it and nothing of this queue pair is queued or running (`QueuePair::direct`,
     /// `direct.rs`). `false`: not now (or never, for this provider); `work` was not called.
+    /// `now`: the caller's clock, read just before.
     fn run_direct(
         &self,
         _queue_pair: &QueuePairShared,
+        _now: std::time::Instant,
         _work: &mut dyn FnMut(&mut dyn DirectAccess),
     ) -> bool {
         false

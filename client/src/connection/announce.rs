@@ -87,7 +87,7 @@ impl Announcer {
             dirty: AtomicBool::new(false),
             finished: Arc::new(Notify::new()),
         };
-        announcer.store(&lock(&announcer.numbers));
+        announcer.publish(&lock(&announcer.numbers));
         announcer
     }
 
@@ -111,11 +111,11 @@ impl Announcer {
         let number = numbers.next;
         numbers.next += 1;
         numbers.running.push(number);
-        self.store(&numbers);
+        let word = self.publish(&numbers);
         // This word (and any WRITE of the source bytes from now on) carries every finish
         // before it.
         self.dirty.store(false, Ordering::Release);
-        (number, word(&numbers))
+        (number, word)
     }
 
     /// Direct operation `number` is over: the word to write, after its last access and
@@ -128,18 +128,21 @@ impl Announcer {
     /// Ends operation `number` (marking a flush due when `flush_due`): the word after it.
     fn end(&self, number: u64, flush_due: bool) -> [u8; ANNOUNCE_SIZE as usize] {
         let mut numbers = lock(&self.numbers);
-        if let Some(position) = numbers
+        // Usually the newest (a direct GET runs alone on its thread).
+        if numbers.running.last() == Some(&number) {
+            numbers.running.pop();
+        } else if let Some(position) = numbers
             .running
             .iter()
             .position(|running| *running == number)
         {
             numbers.running.remove(position);
         }
-        self.store(&numbers);
+        let word = self.publish(&numbers);
         if flush_due {
             self.dirty.store(true, Ordering::Release);
         }
-        word(&numbers)
+        word
     }
 
     /// What wakes the flusher: given to it at start, and notified when the connection goes.
@@ -167,10 +170,13 @@ impl Announcer {
         .with_signaled(false)
     }
 
-    /// Writes the source bytes (under the numbers lock, so they only grow).
-    fn store(&self, numbers: &Numbers) {
+    /// Writes the source bytes (under the numbers lock, so they only grow): the word of
+    /// `numbers`, which it returns.
+    fn publish(&self, numbers: &Numbers) -> [u8; ANNOUNCE_SIZE as usize] {
+        let word = word(numbers);
         // The offset is inside the region by construction (`NodeConnection::open`).
-        let _ = self.region.write(self.source_offset, &word(numbers));
+        let _ = self.region.write(self.source_offset, &word);
+        word
     }
 }
 

@@ -85,9 +85,9 @@ impl NodeConnection {
         }
         let guess = self.guess(location)?;
         let posted_at = Instant::now();
-        let outcome = self
-            .queue_pair
-            .direct(|access| self.direct_lookup(access, key, location, guess, value))?;
+        let outcome = self.queue_pair.direct_at(posted_at, |access| {
+            self.direct_lookup(access, key, location, guess, value)
+        })?;
         let (found, lease_word) = match outcome {
             Ok(read) => read,
             Err(_status) => {
@@ -162,9 +162,8 @@ impl NodeConnection {
         let (number, word) = self.announcer.start_direct();
         let read = access.write(announce, &word).and_then(|()| {
             let found = self.read_guessed(access, key, location, guess, value)?;
-            let mut lease = [0u8; 8];
-            access.read(self.keys.lease_key.at(0), &mut lease)?;
-            Ok((found, u64::from_le_bytes(lease)))
+            let lease = access.read_u64(self.keys.lease_key.at(0))?;
+            Ok((found, lease))
         });
         let word = self.announcer.finish_direct(number);
         if read.is_ok() {
@@ -187,9 +186,7 @@ impl NodeConnection {
     ) -> Result<Found, WorkCompletionStatus> {
         let geometry = &self.welcome.geometry;
         let slot_at = self.keys.index_key.at(geometry.slot_offset(guess.position));
-        let mut word = [0u8; 8];
-        access.read(slot_at, &mut word)?;
-        let slot = Slot::from_bytes(word);
+        let slot = Slot(access.read_u64(slot_at)?);
         let Some(target) = (Guess {
             position: guess.position,
             slot,
@@ -220,8 +217,7 @@ impl NodeConnection {
             header.value_length,
             value,
         )?;
-        access.read(slot_at, &mut word)?;
-        if Slot::from_bytes(word) != target.slot {
+        if Slot(access.read_u64(slot_at)?) != target.slot {
             return Ok(Found::Stale);
         }
         // The node still served this connection after the copy (it may have given up waiting

@@ -478,6 +478,20 @@ impl PinnedMemory {
         unsafe { &*(self.base.as_ptr().add(offset as usize).cast::<AtomicU64>()) }
     }
 
+    /// The `count` atomic words from `offset`, which must be 8-byte aligned with the whole
+    /// range inside the block (checked by every caller).
+    fn words(&self, offset: u64, count: usize) -> &[AtomicU64] {
+        debug_assert!(offset % 8 == 0 && offset + 8 * count as u64 <= self.length);
+        // SAFETY: as for `word`: the range is 8-aligned and inside the mapping (checked by the
+        // caller), valid for the lifetime of `&self`, and only ever accessed atomically.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.base.as_ptr().add(offset as usize).cast::<AtomicU64>(),
+                count,
+            )
+        }
+    }
+
     /// Refuses a store into a read-only peer mapping (which would otherwise fault).
     fn check_writable(&self) -> Result<()> {
         if self.writable {
@@ -547,31 +561,51 @@ impl PinnedMemory {
             slot.write(byte);
         }
         let mut position = offset + head as u64;
-        // Four words per turn (a quarter of the loop's own instructions per word: a GET's 1 KiB
-        // value is 128 of them), then the words left.
-        let mut groups = rest.chunks_exact_mut(32);
+        let words = rest.len() / 8;
+        let target = rest.as_mut_ptr().cast::<u8>();
+        // `position` is 8-aligned whenever a whole word follows the head.
+        let source: &[AtomicU64] = if words == 0 {
+            &[]
+        } else {
+            self.words(position, words)
+        };
+        // Four words per turn (a GET's 1 KiB value is 128 of them), each one atomic load and one
+        // unaligned 8-byte store, then the words left.
+        let mut groups = source.chunks_exact(4);
+        let mut index = 0;
         for group in &mut groups {
-            for (index, chunk) in group.chunks_exact_mut(8).enumerate() {
-                let bytes = self
-                    .word(position + 8 * index as u64)
-                    .load(Ordering::Acquire)
-                    .to_le_bytes();
-                for (slot, byte) in chunk.iter_mut().zip(bytes) {
-                    slot.write(byte);
+            let loaded = [
+                group[0].load(Ordering::Acquire),
+                group[1].load(Ordering::Acquire),
+                group[2].load(Ordering::Acquire),
+                group[3].load(Ordering::Acquire),
+            ];
+            for (within, value) in loaded.into_iter().enumerate() {
+                // SAFETY: `index + within < words`, so the 8 bytes at `8 * (index + within)`
+                // lie inside `rest` (`words * 8 <= rest.len()`), which this function borrows
+                // mutably; the store is unaligned, and writing initializes those bytes.
+                unsafe {
+                    target
+                        .add(8 * (index + within))
+                        .cast::<u64>()
+                        .write_unaligned(value.to_le());
                 }
             }
-            position += 32;
+            index += 4;
         }
-        let mut words = groups.into_remainder().chunks_exact_mut(8);
-        for chunk in &mut words {
-            // A fixed 8-byte chunk: one store.
-            let bytes = self.word(position).load(Ordering::Acquire).to_le_bytes();
-            for (slot, byte) in chunk.iter_mut().zip(bytes) {
-                slot.write(byte);
+        for word in groups.remainder() {
+            let value = word.load(Ordering::Acquire);
+            // SAFETY: `index < words`, as above.
+            unsafe {
+                target
+                    .add(8 * index)
+                    .cast::<u64>()
+                    .write_unaligned(value.to_le());
             }
-            position += 8;
+            index += 1;
         }
-        let tail_part = words.into_remainder();
+        position += 8 * words as u64;
+        let tail_part = &mut rest[words * 8..];
         self.read_partial(position, &mut partial[..tail_part.len()]);
         for (slot, byte) in tail_part.iter_mut().zip(partial) {
             slot.write(byte);
@@ -681,6 +715,23 @@ impl PinnedMemory {
                 Err(observed) => current = observed,
             }
         }
+    }
+
+    /// Loads the `N` aligned 8-byte words from `offset`, in order, each one atomic load (the
+    /// range checked once: a slot of the `shm` key state is eight of them).
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] or [`Error::MisalignedAtomic`].
+    pub(crate) fn load_words<const N: usize>(&self, offset: u64) -> Result<[u64; N]> {
+        self.check_range(offset, 8 * N as u64)?;
+        if offset % 8 != 0 {
+            return Err(Error::MisalignedAtomic { offset });
+        }
+        let mut words = [0u64; N];
+        for (index, word) in words.iter_mut().enumerate() {
+            *word = self.word(offset + 8 * index as u64).load(Ordering::Acquire);
+        }
+        Ok(words)
     }
 
     /// Loads the aligned 8-byte word at `offset`.

@@ -6,6 +6,7 @@
 //! pair to ERROR, the responder's stop as `NotExecuted`).
 
 use std::sync::atomic::{fence, Ordering};
+use std::time::Instant;
 
 use crate::direct::DirectAccess;
 use crate::lock;
@@ -20,10 +21,12 @@ use super::{Attachment, Inside, Mapped, Outcome, ShmQueuePair};
 impl ShmQueuePair {
     /// Runs `work` with direct access (`QueuePairProvider::run_direct`): `false` when the queue
     /// pair is not attached, another thread runs its requests, some are queued, it is not RTS,
-    /// or the peer is gone (the ordinary path reports that).
+    /// or the peer is gone (the ordinary path reports that; `now`, the caller's clock read just
+    /// before, paces the look at the peer).
     pub(super) fn run_direct_access(
         &self,
         queue_pair: &QueuePairShared,
+        now: Instant,
         work: &mut dyn FnMut(&mut dyn DirectAccess),
     ) -> bool {
         let Some(attachment) = self.attachment.get() else {
@@ -35,7 +38,7 @@ impl ShmQueuePair {
         };
         if !queue_pair.idle_and_sendable()
             || !lock(&self.pending).is_empty()
-            || !attachment.peer_alive()
+            || !attachment.peer_alive_at(now)
         {
             return false;
         }
@@ -76,6 +79,51 @@ struct ShmDirect<'a> {
 /// announce word and the lease word); a fifth takes the place of one of them.
 const DIRECT_KEYS: usize = 4;
 
+/// A key direct access resolved: what it grants, the block it lies in, and the checks of its
+/// rights that do not depend on the address ([`crate::protection::KeyRights::permits`]), made once for a READ
+/// and a WRITE by this queue pair in the protection domain they were made for.
+#[derive(Debug, Clone, Copy)]
+struct DirectKey {
+    /// The key.
+    key: u32,
+    /// What it grants.
+    view: KeyView,
+    /// Its block: the index in the executor's cache of mapped blocks.
+    block: usize,
+    /// The responder queue pair's protection domain `read` and `write` were found for.
+    protection_domain: u32,
+    /// [`crate::protection::KeyRights::permits`] for a READ.
+    read: Result<(), WorkCompletionStatus>,
+    /// [`crate::protection::KeyRights::permits`] for a WRITE.
+    write: Result<(), WorkCompletionStatus>,
+}
+
+impl DirectKey {
+    /// Checks an access of `opcode` by queue pair `responder_qp` in `protection_domain` as
+    /// [`crate::protection::KeyRights::check`] would, and returns its block and its offset in it.
+    fn check(
+        &self,
+        protection_domain: u32,
+        responder_qp: u32,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: u32,
+    ) -> Result<(usize, u64), WorkCompletionStatus> {
+        let rights = &self.view.rights;
+        let permits = match opcode {
+            Opcode::Read if self.protection_domain == protection_domain => self.read,
+            Opcode::Write if self.protection_domain == protection_domain => self.write,
+            _ => rights.permits(protection_domain, responder_qp, opcode),
+        };
+        permits?;
+        rights.check_range(remote.address, u64::from(length), opcode)?;
+        match remote.address.checked_sub(self.view.memory_base) {
+            Some(offset) => Ok((self.block, offset)),
+            None => Err(WorkCompletionStatus::RemoteOperationError),
+        }
+    }
+}
+
 /// The keys direct access resolved, with the block each lies in, valid while the responder's
 /// key generation stays the one they were resolved under (no key was revoked since: a
 /// revocation changes it before it waits for the requesters' epochs, `state.rs`).
@@ -84,7 +132,7 @@ pub(super) struct DirectKeys {
     /// The key generation they were resolved under.
     generation: u64,
     /// The keys.
-    keys: [Option<(u32, KeyView, usize)>; DIRECT_KEYS],
+    keys: [Option<DirectKey>; DIRECT_KEYS],
 }
 
 impl DirectKeys {
@@ -96,24 +144,22 @@ impl DirectKeys {
         }
     }
 
-    /// The key `key`, with its block, if resolved.
-    fn get(&self, key: u32) -> Option<(KeyView, usize)> {
+    /// Where the key `key` is kept, if resolved.
+    fn place(&self, key: u32) -> Option<usize> {
         self.keys
             .iter()
-            .flatten()
-            .find(|(known, _, _)| *known == key)
-            .map(|&(_, view, block)| (view, block))
+            .position(|known| known.as_ref().is_some_and(|known| known.key == key))
     }
 
-    /// Remembers `key`, resolved under `generation`.
-    fn remember(&mut self, generation: u64, key: u32, view: KeyView, block: usize) {
+    /// Remembers `known`, resolved under `generation`.
+    fn remember(&mut self, generation: u64, known: DirectKey) {
         self.forget_unless(generation);
         let place = self
             .keys
             .iter()
             .position(Option::is_none)
-            .unwrap_or(key as usize % DIRECT_KEYS);
-        self.keys[place] = Some((key, view, block));
+            .unwrap_or(known.key as usize % DIRECT_KEYS);
+        self.keys[place] = Some(known);
     }
 }
 
@@ -141,9 +187,8 @@ impl ShmDirect<'_> {
             return Ok(None);
         }
         self.follow_revocations();
-        let known = self.cache.direct.get(remote.remote_key);
-        let (block, offset) = match known {
-            Some((view, block)) => self.check_known(opcode, remote, length, &view, block)?,
+        let (block, offset) = match self.cache.direct.place(remote.remote_key) {
+            Some(place) => self.check_known(opcode, remote, length, place)?,
             None => self.resolve_first(opcode, remote, length)?,
         };
         Ok(Some((&self.cache.blocks[block].1, offset)))
@@ -180,15 +225,16 @@ impl ShmDirect<'_> {
         }
     }
 
-    /// Checks an access by a key this call resolved already: length, rights and range, as
-    /// [`Attachment::resolve_inside`] checks them.
+    /// Checks an access by a key resolved already under this generation: length, rights and
+    /// range, as [`Attachment::resolve_inside`] checks them (the rights that do not depend on
+    /// the address as found when the key was resolved, while the protection domain is the
+    /// same).
     fn check_known(
         &mut self,
         opcode: Opcode,
         remote: RemoteSegment,
         length: u32,
-        view: &KeyView,
-        block: usize,
+        place: usize,
     ) -> Result<(usize, u64), WorkCompletionStatus> {
         let protection_domain = match &self.inside {
             Ok(inside) => inside.protection_domain,
@@ -200,19 +246,13 @@ impl ShmDirect<'_> {
         if length > self.max_message_size {
             return Err(self.fail(WorkCompletionStatus::RemoteInvalidRequestError));
         }
-        view.rights
-            .check(
-                protection_domain,
-                self.attachment.responder_qp,
-                remote.address,
-                u64::from(length),
-                opcode,
-            )
-            .map_err(|status| self.fail(status))?;
-        match remote.address.checked_sub(view.memory_base) {
-            Some(offset) => Ok((block, offset)),
-            None => Err(self.fail(WorkCompletionStatus::RemoteOperationError)),
-        }
+        let responder_qp = self.attachment.responder_qp;
+        let checked = match &self.cache.direct.keys[place] {
+            Some(known) => known.check(protection_domain, responder_qp, opcode, remote, length),
+            // `place` holds a key (`DirectKeys::place`): not reached.
+            None => Err(WorkCompletionStatus::RemoteOperationError),
+        };
+        checked.map_err(|status| self.fail(status))
     }
 
     /// Resolves a key at its first access, and remembers it for the later ones.
@@ -239,12 +279,18 @@ impl ShmDirect<'_> {
                 // Under the generation of the epoch it was resolved in (a refresh enters a
                 // new one).
                 if let Ok(inside) = &self.inside {
-                    self.cache.direct.remember(
-                        inside.key_generation,
-                        remote.remote_key,
-                        resolved.view,
-                        resolved.block,
-                    );
+                    let rights = &resolved.view.rights;
+                    let (protection_domain, responder_qp) =
+                        (inside.protection_domain, self.attachment.responder_qp);
+                    let known = DirectKey {
+                        key: remote.remote_key,
+                        view: resolved.view,
+                        block: resolved.block,
+                        protection_domain,
+                        read: rights.permits(protection_domain, responder_qp, Opcode::Read),
+                        write: rights.permits(protection_domain, responder_qp, Opcode::Write),
+                    };
+                    self.cache.direct.remember(inside.key_generation, known);
                 }
                 Ok((resolved.block, resolved.offset))
             }
@@ -283,6 +329,21 @@ impl DirectAccess for ShmDirect<'_> {
             None => Ok(()),
         };
         self.copied(outcome)
+    }
+
+    fn read_u64(&mut self, remote: RemoteSegment) -> Result<u64, WorkCompletionStatus> {
+        let outcome = match self.resolve(Opcode::Read, remote, 8)? {
+            Some((memory, offset)) if offset % 8 == 0 => memory.load_u64(offset),
+            Some((memory, offset)) => {
+                let mut bytes = [0u8; 8];
+                memory
+                    .read_into(offset, &mut bytes)
+                    .map(|()| u64::from_le_bytes(bytes))
+            }
+            // Eight bytes are not zero: not reached.
+            None => Ok(0),
+        };
+        outcome.map_err(|_| self.fail(WorkCompletionStatus::RemoteOperationError))
     }
 
     fn read_append(

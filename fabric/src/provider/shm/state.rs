@@ -117,17 +117,14 @@ fn home(value: u32, slots: u64) -> u64 {
 /// memory cannot be read (never, for a validated layout).
 fn read_slot(memory: &PinnedMemory, offset: u64) -> Option<[u64; 8]> {
     for _ in 0..READ_ATTEMPTS {
-        let before = memory.load_u64(offset).ok()?;
-        if before % 2 == 1 {
+        // The sequence first, then the other words (acquire loads, in order), then the
+        // sequence again.
+        let words = memory.load_words::<8>(offset).ok()?;
+        if words[0] % 2 == 1 {
             std::hint::spin_loop();
             continue;
         }
-        let mut words = [0u64; 8];
-        for (index, word) in words.iter_mut().enumerate().skip(1) {
-            *word = memory.load_u64(offset + 8 * index as u64).ok()?;
-        }
-        if memory.load_u64(offset).ok()? == before {
-            words[0] = before;
+        if memory.load_u64(offset).ok()? == words[0] {
             return Some(words);
         }
     }
