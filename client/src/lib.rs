@@ -59,6 +59,7 @@ mod refill;
 mod replicated;
 mod runner;
 mod scan;
+mod spare;
 mod value;
 mod version;
 mod view_following;

@@ -47,23 +47,11 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// How many ended records a thread keeps: one per task a worker commonly runs.
-const SPARE_KEPT: usize = 64;
-
 impl Progress {
     /// The record of a new operation: one this thread kept ([`Progress::recycle`]), or a new
     /// one.
     pub(crate) fn start() -> Arc<Progress> {
-        SPARE
-            .try_with(|spare| {
-                spare
-                    .try_borrow_mut()
-                    .ok()
-                    .and_then(|mut spare| spare.pop())
-            })
-            .ok()
-            .flatten()
-            .unwrap_or_default()
+        crate::spare::take(&SPARE, |_| true).unwrap_or_default()
     }
 
     /// Keeps the record of an operation that ended, when nothing else holds it, reset, for
@@ -73,13 +61,7 @@ impl Progress {
             return;
         };
         *record = Progress::default();
-        let _ = SPARE.try_with(|spare| {
-            if let Ok(mut spare) = spare.try_borrow_mut() {
-                if spare.len() < SPARE_KEPT {
-                    spare.push(progress);
-                }
-            }
-        });
+        crate::spare::keep(&SPARE, progress);
     }
 }
 

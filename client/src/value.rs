@@ -13,9 +13,6 @@ thread_local! {
     static SPARE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// How many emptied vectors a thread keeps.
-const SPARE_KEPT: usize = 64;
-
 /// The most room a kept vector may have (a larger one, of a rare large value, is freed).
 const SPARE_ROOM: usize = 64 * 1024;
 
@@ -28,14 +25,7 @@ impl Value {
     /// An empty value with room for `length` bytes: a spare vector of this thread, if one has
     /// the room.
     pub(crate) fn with_room(length: usize) -> Self {
-        let spare = SPARE
-            .try_with(|spare| {
-                let mut spare = spare.try_borrow_mut().ok()?;
-                let last = spare.last()?;
-                (last.capacity() >= length).then(|| spare.pop()).flatten()
-            })
-            .ok()
-            .flatten();
+        let spare = crate::spare::take(&SPARE, |vector| vector.capacity() >= length);
         Self(spare.unwrap_or_else(|| Vec::with_capacity(length)))
     }
 
@@ -79,13 +69,7 @@ impl Drop for Value {
             return;
         }
         vector.clear();
-        let _ = SPARE.try_with(|spare| {
-            if let Ok(mut spare) = spare.try_borrow_mut() {
-                if spare.len() < SPARE_KEPT {
-                    spare.push(vector);
-                }
-            }
-        });
+        crate::spare::keep(&SPARE, vector);
     }
 }
 

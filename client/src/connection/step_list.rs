@@ -24,9 +24,6 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// How many emptied lists a thread keeps.
-const SPARE_LISTS_KEPT: usize = 64;
-
 /// The most requests a kept list may have room for (a longer one, a large batch's, is freed).
 const SPARE_LIST_ROOM: usize = 64;
 
@@ -37,29 +34,14 @@ pub(crate) fn recycle(mut list: Vec<WorkRequest>) {
         return;
     }
     list.clear();
-    let _ = SPARE_LISTS.try_with(|spare| {
-        if let Ok(mut spare) = spare.try_borrow_mut() {
-            if spare.len() < SPARE_LISTS_KEPT {
-                spare.push(list);
-            }
-        }
-    });
+    crate::spare::keep(&SPARE_LISTS, list);
 }
 
 impl StepList {
     /// An empty list: one this thread posted before ([`recycle`]), with its room, if there is
     /// one; otherwise it allocates when requests join (with room for what posting adds).
     pub(crate) fn new() -> Self {
-        let requests = SPARE_LISTS
-            .try_with(|spare| {
-                spare
-                    .try_borrow_mut()
-                    .ok()
-                    .and_then(|mut spare| spare.pop())
-            })
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let requests = crate::spare::take(&SPARE_LISTS, |_| true).unwrap_or_default();
         Self { requests }
     }
 
