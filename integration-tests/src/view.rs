@@ -214,6 +214,24 @@ pub fn log_of(cluster: &Cluster, id: u32) -> String {
         .unwrap_or_default()
 }
 
+/// `rdkv-cluster up FILE --run-dir … --detach` on a thread of its own: `up` waits until the
+/// nodes serve (after a crash, their reconciliation), and a test acts meanwhile.
+pub fn up_in_background(cluster: &Cluster) -> std::thread::JoinHandle<std::process::Output> {
+    let arguments: Vec<String> = [
+        "up",
+        cluster.file.to_str().expect("utf-8"),
+        "--run-dir",
+        cluster.run_directory.to_str().expect("utf-8"),
+        "--detach",
+    ]
+    .map(String::from)
+    .to_vec();
+    std::thread::spawn(move || {
+        let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+        crate::cluster::rdkv_cluster(&arguments)
+    })
+}
+
 /// Runs `rdkv-cluster COMMAND FILE --run-dir DIR` (with `--node N`; `up` detached, `restart`
 /// without waiting for the node to serve).
 pub fn cluster_command(

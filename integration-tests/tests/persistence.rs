@@ -431,19 +431,7 @@ async fn a_crash_of_every_node_with_two_copies_keeps_the_newest_snapshot_of_each
         wait_torn_down(pid_of(&cluster, node), Duration::from_secs(10));
     }
     // `up` waits until the nodes serve, after their reconciliation: the reads run meanwhile.
-    let arguments: Vec<String> = [
-        "up",
-        cluster.file.to_str().expect("utf-8"),
-        "--run-dir",
-        cluster.run_directory.to_str().expect("utf-8"),
-        "--detach",
-    ]
-    .map(String::from)
-    .to_vec();
-    let up = std::thread::spawn(move || {
-        let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
-        rdkv_integration_tests::cluster::rdkv_cluster(&arguments)
-    });
+    let up = rdkv_integration_tests::view::up_in_background(&cluster);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // While the nodes reconcile, nobody reads an older copy: each read fails (the nodes admit
     // no data client then) or, once they serve, returns the newest.

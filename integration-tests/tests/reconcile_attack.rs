@@ -342,19 +342,7 @@ async fn a_client_that_saw_the_reconciliation_says_the_cluster_is_down_once_it_i
     client.close().await;
     crash_every_node(&cluster);
     // `up` waits until the nodes serve, after their reconciliation: the GET runs meanwhile.
-    let arguments: Vec<String> = [
-        "up",
-        cluster.file.to_str().expect("utf-8"),
-        "--run-dir",
-        cluster.run_directory.to_str().expect("utf-8"),
-        "--detach",
-    ]
-    .map(String::from)
-    .to_vec();
-    let up = std::thread::spawn(move || {
-        let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
-        rdkv_integration_tests::cluster::rdkv_cluster(&arguments)
-    });
+    let up = rdkv_integration_tests::view::up_in_background(&cluster);
     // Every node joins filling within a second or two; they reconcile after 5 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let early = Client::from_file(&cluster.file).expect("a client");
