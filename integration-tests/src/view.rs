@@ -20,8 +20,17 @@ pub type Nodes = Vec<(u32, SocketAddr)>;
 
 /// A cluster of `count` (2 or 3) nodes from the example, with `failure_timeout = "1s"`.
 pub fn up(tag: &str, count: usize) -> (Cluster, Nodes, Vec<u8>) {
+    up_edited(tag, count, |text| text)
+}
+
+/// As [`up`], with `edit` applied to the file's text first.
+pub fn up_edited(
+    tag: &str,
+    count: usize,
+    edit: impl FnOnce(String) -> String,
+) -> (Cluster, Nodes, Vec<u8>) {
     let cluster = Cluster::up_with(tag, |text| {
-        let text = text.replace("failure_timeout = \"2s\"", "failure_timeout = \"1s\"");
+        let text = edit(text).replace("failure_timeout = \"2s\"", "failure_timeout = \"1s\"");
         if count == 2 {
             let cut = text
                 .find("[[node]]\nid = 3")
@@ -303,7 +312,16 @@ impl Settled {
 /// [`up`], then waits (20 s at most) until every node agrees on one view and serves data (it
 /// holds its lease: a view agreed on may still be a moment ahead of a node's first grant).
 pub async fn up_settled(tag: &str, count: usize) -> Settled {
-    let (cluster, nodes, secret) = up(tag, count);
+    up_settled_edited(tag, count, |text| text).await
+}
+
+/// As [`up_settled`], with `edit` applied to the file's text first.
+pub async fn up_settled_edited(
+    tag: &str,
+    count: usize,
+    edit: impl FnOnce(String) -> String,
+) -> Settled {
+    let (cluster, nodes, secret) = up_edited(tag, count, edit);
     let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
     let view = wait_settled(&nodes, &secret, &ids, Duration::from_secs(20))
         .await
