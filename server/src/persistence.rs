@@ -121,11 +121,16 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
         }
         Err(error) => {
             state.failed(error.to_string());
+            let next = if shutting_down {
+                "the node stops, and the writes since that snapshot are lost unless its copies elsewhere hold them; free space in data_dir before the next stop"
+            } else {
+                "the node keeps serving; free space in data_dir, then `rdkv-cluster snapshot FILE`"
+            };
             tracing::warn!(
                 node = node.config.node_id,
                 %reason,
                 %error,
-                "snapshot failed: the previous one is kept; the node keeps serving"
+                "snapshot failed: the previous one is kept; {next}"
             );
             Err(error)
         }
