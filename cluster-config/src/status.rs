@@ -130,20 +130,31 @@ pub async fn status(config: &ClusterConfig) -> Vec<NodeStatus> {
 }
 
 /// How long `up` waits for its nodes to serve data: the first election and the leases take
-/// about a second.
+/// about a second. Longer while a node that does not serve yet scans its peers (a refill, or the
+/// reconciliation after a crash of every node): [`wait_serving`].
 pub const SERVING_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// Waits, up to `timeout`, until every node of `ids` answers that it serves data (it holds its
-/// lease from the cluster's majority and the view has it); the nodes that still do not, with
-/// why.
+/// How long a scan may go without progress before [`wait_serving`] stops waiting for it.
+const SCAN_STALL: Duration = Duration::from_secs(15);
+
+/// Waits until every node of `ids` answers that it serves data (it holds its lease from the
+/// cluster's majority and the view has it): up to `timeout`, and on while a node that does
+/// not serve yet makes progress scanning its peers (at most [`REFILL_WAIT`], and until a scan
+/// stops moving for [`SCAN_STALL`]), calling `progress` with a line about it every 5 s. The
+/// nodes that still do not serve, with why.
 pub async fn wait_serving(
     config: &ClusterConfig,
     ids: &[u32],
     timeout: Duration,
+    progress: &dyn Fn(&str),
 ) -> Vec<(u32, String)> {
-    let deadline = Instant::now() + timeout;
+    let started = Instant::now();
+    let mut deadline = started + timeout;
+    let mut scanned: Vec<(u32, u64)> = Vec::new();
+    let mut last_report = Instant::now();
     loop {
         let mut waiting = Vec::new();
+        let mut scans = Vec::new();
         for node in config.nodes.iter().filter(|node| ids.contains(&node.id)) {
             let monitored = MonitoredNode {
                 address: node.control_address,
@@ -152,15 +163,55 @@ pub async fn wait_serving(
             };
             match fetch_stats(monitored, Duration::from_secs(1)).await {
                 Ok(stats) if stats.serving_data => {}
-                Ok(_) => waiting.push((
-                    node.id,
-                    "it does not serve data yet (no lease from a majority of the nodes, its rejoin is not in the view, or the nodes still reconcile their copies after a crash of all of them)".to_string(),
-                )),
+                Ok(stats) => {
+                    if stats.refill_buckets_total > 0 {
+                        scans.push((
+                            node.id,
+                            stats.refill_buckets_scanned,
+                            stats.refill_buckets_total,
+                        ));
+                    }
+                    waiting.push((
+                        node.id,
+                        "it does not serve data yet (no lease from a majority of the nodes, its rejoin is not in the view, or the nodes still reconcile their copies after a crash of all of them)".to_string(),
+                    ));
+                }
                 Err(error) => waiting.push((node.id, error.to_string())),
             }
         }
-        if waiting.is_empty() || Instant::now() >= deadline {
+        if waiting.is_empty() {
             return waiting;
+        }
+        let moved = scans.iter().any(|(id, now, _)| {
+            scanned
+                .iter()
+                .find(|(known, _)| known == id)
+                .is_none_or(|(_, before)| now != before)
+        });
+        if moved {
+            deadline = deadline
+                .max(Instant::now() + SCAN_STALL)
+                .min(started + REFILL_WAIT);
+            scanned = scans.iter().map(|(id, now, _)| (*id, *now)).collect();
+        }
+        if Instant::now() >= deadline {
+            return waiting;
+        }
+        if !scans.is_empty() && last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            let parts: Vec<String> = scans
+                .iter()
+                .map(|(id, now, total)| {
+                    format!(
+                        "node {id} {}% ({now} of {total} buckets)",
+                        now * 100 / total
+                    )
+                })
+                .collect();
+            progress(&format!(
+                "waiting for the nodes to serve: scanning their peers (a refill, or the reconciliation after a crash): {}",
+                parts.join(", ")
+            ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -350,6 +401,13 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
                     "refill: node {} filling: waiting for node {} (down) before the members serve together (after a stop of the whole cluster at most 30 s, after a crash 60 s; start it with `up --node N`)",
                     member.node_id,
                     down.join(" and ")
+                ),
+                Some(stats) if reconciling && stats.refill_buckets_total > 0 => format!(
+                    "refill: node {} filling: reconciling with the other filling members (the newest copy of each key wins): {}% of their index scanned ({} of {} buckets)",
+                    member.node_id,
+                    stats.refill_buckets_scanned * 100 / stats.refill_buckets_total,
+                    stats.refill_buckets_scanned,
+                    stats.refill_buckets_total
                 ),
                 Some(_) if reconciling => format!(
                     "refill: node {} filling: reconciling with the other filling members (the newest copy of each key wins)",

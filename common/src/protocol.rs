@@ -548,8 +548,9 @@ pub struct ServerStats {
     /// majority came (a cut, a paused or starved process), or the node dropped the lease it
     /// held as the leader when it stopped leading (`docs/operations.md`, *Leases under load*).
     pub lease_lapses: u64,
-    /// Refill (a node filling after a restart): index buckets of the peers scanned so far, of
-    /// `refill_buckets_total` (0 of 0: no refill since start).
+    /// Refill (a node filling after a restart) or reconciliation (every node started again
+    /// after a crash): index buckets of the peers scanned so far, of `refill_buckets_total`
+    /// (0 of 0: neither since start).
     pub refill_buckets_scanned: u64,
     /// Refill: the peers' index buckets to scan in all.
     pub refill_buckets_total: u64,

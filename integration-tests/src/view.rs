@@ -226,7 +226,17 @@ pub fn log_of(cluster: &Cluster, id: u32) -> String {
 /// `rdkv-cluster up FILE --run-dir … --detach` on a thread of its own: `up` waits until the
 /// nodes serve (after a crash, their reconciliation), and a test acts meanwhile.
 pub fn up_in_background(cluster: &Cluster) -> std::thread::JoinHandle<std::process::Output> {
-    let arguments: Vec<String> = [
+    up_later(cluster, None, Duration::ZERO)
+}
+
+/// `rdkv-cluster up FILE --run-dir … --detach` (with `--node N`) on a thread of its own,
+/// `after` a wait.
+pub fn up_later(
+    cluster: &Cluster,
+    node: Option<u32>,
+    after: Duration,
+) -> std::thread::JoinHandle<std::process::Output> {
+    let mut arguments: Vec<String> = [
         "up",
         cluster.file.to_str().expect("utf-8"),
         "--run-dir",
@@ -235,7 +245,11 @@ pub fn up_in_background(cluster: &Cluster) -> std::thread::JoinHandle<std::proce
     ]
     .map(String::from)
     .to_vec();
+    if let Some(node) = node {
+        arguments.extend(["--node".to_string(), node.to_string()]);
+    }
     std::thread::spawn(move || {
+        std::thread::sleep(after);
         let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
         crate::cluster::rdkv_cluster(&arguments)
     })

@@ -289,16 +289,17 @@ async fn a_damaged_snapshot_is_refused_and_the_previous_one_can_be_chosen() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_of_every_node_keeps_every_key_as_of_the_snapshot_with_one_copy() {
     let cluster = Cluster::up_with("persistence-crash", |text| {
-        text.replace("replicas = 2", "replicas = 1").replace(
+        sized(text.replace("replicas = 2", "replicas = 1").replace(
             "operation_deadline = \"2s\"",
             "operation_deadline = \"2s\"\nsnapshot_interval = \"0s\"",
-        )
+        ))
     });
     let client = Client::from_file(&cluster.file).expect("a client");
     let expected = write_history(&client).await;
     succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
+    // 500 of the default 2,000 keys; the 5,000 at the full size.
     let mut newer = BTreeMap::new();
-    for index in 0..500 {
+    for index in 0..(keys() / 4).min(5_000) {
         let value = format!("after-{index}").into_bytes();
         client.put(&key(index), &value).await.expect("put after");
         newer.insert(key(index), value);

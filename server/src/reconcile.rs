@@ -55,11 +55,22 @@ pub(crate) async fn reconcile(
     let mut loader = Loader::new(node.table(), &node.heap);
     let mut taken = 0u64;
     let mut scanned = 0u64;
-    for peer in members.iter().copied().filter(|peer| *peer != me) {
+    let peers: Vec<u32> = members.iter().copied().filter(|peer| *peer != me).collect();
+    let mut totals = Vec::with_capacity(peers.len());
+    for peer in &peers {
         let total = client
-            .combined_buckets_of(peer)
+            .combined_buckets_of(*peer)
             .await
             .map_err(|error| format!("node {peer}: {error}"))?;
+        totals.push(total);
+    }
+    // Its progress, as a refill's (`rdkv-cluster status` and `up` read them).
+    let counters = &node.counters;
+    counters
+        .refill_buckets_total
+        .store(totals.iter().sum(), Ordering::Relaxed);
+    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
+    for (peer, total) in peers.iter().copied().zip(totals) {
         let mut first = 0;
         while first < total {
             let count = SCAN_BUCKETS.min(total - first);
@@ -77,6 +88,9 @@ pub(crate) async fn reconcile(
                 }
             }
             first += count;
+            counters
+                .refill_buckets_scanned
+                .fetch_add(count, Ordering::Relaxed);
         }
     }
     drop(loader);

@@ -175,8 +175,8 @@ enum Refilled {
 const DOWN_MEMBERS_BOUND: Duration = Duration::from_secs(60);
 
 /// How long a filling node with no serving peer, and no member down, waits before every
-/// filling member serves: members resumed from a stop are promoted within a poll of the last
-/// one's return, and this node then refills from them instead.
+/// filling member serves, while a member resumed from a stop fills: those are promoted within
+/// a poll of the last one's return, and this node then refills from them instead.
 const NOBODY_SERVES_GRACE: Duration = Duration::from_secs(5);
 
 /// A node resumed from the stop of `stopped_at` (`crate::view`, `stop.rs`): waits until no
@@ -390,7 +390,8 @@ async fn peers_to_copy_from(
             "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {DOWN_MEMBERS_BOUND:?})"
         ));
     }
-    if waited < NOBODY_SERVES_GRACE {
+    // After a crash of every node nobody resumed: they reconcile at once.
+    if waited < NOBODY_SERVES_GRACE && node.view.resumed_member_fills() {
         return Err(format!(
             "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} (members resumed from a stop serve first)"
         ));

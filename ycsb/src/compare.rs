@@ -522,6 +522,7 @@ impl Servers {
             cluster,
             &cluster.nodes.iter().map(|node| node.id).collect::<Vec<_>>(),
             rdkv_cluster_config::status::SERVING_TIMEOUT,
+            &|_| {},
         )
         .await;
         if let Some((id, reason)) = not_serving.first() {

@@ -554,14 +554,13 @@ async fn up(
     // others: `status` shows it.
     let ids: Vec<u32> = nodes.iter().map(|node| node.ready.id).collect();
     let not_serving = if ids.len() == config.nodes.len() {
-        status::wait_serving(config, &ids, status::SERVING_TIMEOUT).await
+        status::wait_serving(config, &ids, status::SERVING_TIMEOUT, &|line| say(line)).await
     } else {
         Vec::new()
     };
     for (id, reason) in &not_serving {
         say(&format!(
-            "warning: node {id} does not serve data after {:?}: {reason}; see `rdkv-cluster status {}{run_dir_flag}` and its log",
-            status::SERVING_TIMEOUT,
+            "warning: node {id} does not serve data yet: {reason}; see `rdkv-cluster status {}{run_dir_flag}` and its log",
             file.display()
         ));
     }
