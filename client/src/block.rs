@@ -130,14 +130,20 @@ pub(crate) fn parse_header(scratch: &Scratch, at: u64, length: u64) -> Result<Op
 /// Where a block's stamp goes in the block, in bytes from its start.
 pub(crate) const STAMP_OFFSET: u64 = BLOCK_STAMP_AT as u64;
 
-/// How many of `slots`' blocks, from the first, fit the scratch buffer's read area together:
-/// at least one (every block fits alone).
+/// The most block READs in one list: half the send queue a client's queue pair has
+/// (`DEFAULT_MAX_SEND_WR`), leaving room for the requests a list carries besides (the
+/// announce, the lease word). A list longer than the send queue is refused whole: a scan of
+/// small blocks (hundreds fit the read area) failed every time.
+pub(crate) const MOST_BLOCK_READS: usize = rdkv_fabric::DEFAULT_MAX_SEND_WR as usize / 2;
+
+/// How many of `slots`' blocks, from the first, fit the scratch buffer's read area together,
+/// [`MOST_BLOCK_READS`] at most: at least one (every block fits alone).
 pub(crate) fn blocks_that_fit(slots: impl Iterator<Item = Slot>) -> usize {
     let mut used = 0u64;
     let mut count = 0;
     for slot in slots {
         let length = slot.block_length();
-        if used + length > READ_BLOCKS_SIZE && count > 0 {
+        if count == MOST_BLOCK_READS || (used + length > READ_BLOCKS_SIZE && count > 0) {
             break;
         }
         used += length;
@@ -168,4 +174,28 @@ pub(crate) fn block_reads(
         request
     }));
     list
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkv_common::layout::Slot;
+
+    use super::{blocks_that_fit, MOST_BLOCK_READS};
+    use crate::connection::READ_BLOCKS_SIZE;
+
+    #[test]
+    fn a_list_of_small_blocks_stays_within_the_send_queue() {
+        // 64-byte blocks: hundreds fit the read area, more than a send queue holds.
+        let small: Vec<Slot> = (0..1_000)
+            .map(|index| Slot::new(1, 1, index * 64))
+            .collect();
+        assert!(READ_BLOCKS_SIZE / 64 > rdkv_fabric::DEFAULT_MAX_SEND_WR as u64);
+        assert_eq!(blocks_that_fit(small.into_iter()), MOST_BLOCK_READS);
+        // Large blocks: the read area bounds the list.
+        let large: Vec<Slot> = (0..100)
+            .map(|index| Slot::new(1, 200, index * 12_800))
+            .collect();
+        let fit = blocks_that_fit(large.into_iter());
+        assert_eq!(fit as u64, (READ_BLOCKS_SIZE / 12_800).max(1));
+    }
 }

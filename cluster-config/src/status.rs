@@ -182,17 +182,10 @@ pub async fn wait_serving(
         if waiting.is_empty() {
             return waiting;
         }
-        let moved = scans.iter().any(|(id, now, _)| {
-            scanned
-                .iter()
-                .find(|(known, _)| known == id)
-                .is_none_or(|(_, before)| now != before)
-        });
-        if moved {
+        if scanned_further(&mut scanned, &scans) {
             deadline = deadline
                 .max(Instant::now() + SCAN_STALL)
                 .min(started + REFILL_WAIT);
-            scanned = scans.iter().map(|(id, now, _)| (*id, *now)).collect();
         }
         if Instant::now() >= deadline {
             return waiting;
@@ -215,6 +208,27 @@ pub async fn wait_serving(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Whether a node's scan (`scans`: id, buckets scanned, of how many) went past the furthest it
+/// reached (`furthest`, updated): one that starts over and fails at the same place again does
+/// not keep [`wait_serving`] waiting.
+fn scanned_further(furthest: &mut Vec<(u32, u64)>, scans: &[(u32, u64, u64)]) -> bool {
+    let mut moved = false;
+    for (id, now, _) in scans {
+        match furthest.iter_mut().find(|(known, _)| known == id) {
+            Some((_, reached)) if *now > *reached => {
+                *reached = *now;
+                moved = true;
+            }
+            Some(_) => {}
+            None => {
+                furthest.push((*id, *now));
+                moved = true;
+            }
+        }
+    }
+    moved
 }
 
 /// How long `restart` waits for the node it started to serve again: its refill copies its keys
@@ -565,6 +579,19 @@ fn heap_warnings(statuses: &[NodeStatus]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scan_that_starts_over_is_progress_only_past_where_it_reached() {
+        let mut furthest = Vec::new();
+        assert!(scanned_further(&mut furthest, &[(1, 100, 1_000)]));
+        assert!(!scanned_further(&mut furthest, &[(1, 100, 1_000)]));
+        assert!(scanned_further(&mut furthest, &[(1, 400, 1_000)]));
+        // Started over after a failure: not progress until it passes 400 again.
+        assert!(!scanned_further(&mut furthest, &[(1, 0, 1_000)]));
+        assert!(!scanned_further(&mut furthest, &[(1, 300, 1_000)]));
+        assert!(scanned_further(&mut furthest, &[(1, 500, 1_000), (2, 0, 10)]));
+        assert!(scanned_further(&mut furthest, &[(2, 5, 10)]));
+    }
 
     fn node(id: u32, state: NodeState) -> NodeStatus {
         NodeStatus {

@@ -11,8 +11,8 @@ use rdkv_client::{Client, ClientBuilder, ClientConfig};
 use rdkv_common::protocol::MemberState;
 use rdkv_common::sharding;
 use rdkv_integration_tests::view::{
-    all_serving, cluster_command, pid_of, signal, state_of, up_settled, wait_for_view,
-    wait_torn_down, FAILURE_TIMEOUT,
+    all_serving, cluster_command, pid_of, signal, state_of, up_settled, up_settled_edited,
+    wait_for_view, wait_torn_down, FAILURE_TIMEOUT,
 };
 
 const KEYS: u32 = 10_000;
@@ -425,4 +425,50 @@ async fn read_all_of(client: &Client, count: u32, expected: impl Fn(u32) -> Opti
             "{key}"
         );
     }
+}
+
+/// A refill whose scan finds more small blocks in one step than a queue pair's send queue
+/// holds (an index of 128 KiB: 8 scan steps of 128 combined buckets, some 340 keys each on a
+/// node of 4,000 keys with two copies; a 64-byte block each). A step's block READs went in one
+/// list whatever their count, the send queue (256) refused it whole, and the refill started
+/// over forever (`restart` never ended). They go in lists of at most 128 now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_refills_a_dense_index_of_small_keys() {
+    const SMALL_KEYS: u32 = 4_000;
+    let settled = up_settled_edited("replication-dense", 3, |text| {
+        assert!(
+            text.contains("index_size = \"1M\""),
+            "the example's index size"
+        );
+        text.replace("index_size = \"1M\"", "index_size = \"128K\"")
+    })
+    .await;
+    let victim = settled.follower();
+    let (cluster, nodes, secret, _, _, leader) = settled.parts();
+    let client = Arc::new(Client::from_file(&cluster.file).expect("client"));
+    write_all(&client, (0..SMALL_KEYS).collect(), "small").await;
+    let restart = cluster_command(&cluster, "restart", Some(victim));
+    assert!(
+        restart.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restart.stderr)
+    );
+    wait_for_view(&nodes, &secret, leader, Duration::from_secs(120), |view| {
+        state_of(view, victim) == Some(MemberState::Serving) && all_serving(view)
+    })
+    .await
+    .unwrap_or_else(|last| panic!("node {victim} never served again; last view {last:?}"));
+    let stats = client
+        .cluster_stats()
+        .await
+        .into_iter()
+        .find(|(id, _)| *id == victim)
+        .and_then(|(_, stats)| stats.ok())
+        .expect("the restarted node's stats");
+    assert!(stats.refill_keys_copied > 2_000, "{stats:?}");
+    assert_eq!(stats.refill_buckets_scanned, stats.refill_buckets_total);
+    read_all_of(&client, SMALL_KEYS, |number| {
+        Some(format!("small-{number}"))
+    })
+    .await;
 }

@@ -56,6 +56,11 @@ pub(crate) async fn reconcile(
     let mut taken = 0u64;
     let mut scanned = 0u64;
     let peers: Vec<u32> = members.iter().copied().filter(|peer| *peer != me).collect();
+    // Its progress, as a refill's (`rdkv-cluster status` and `up` read them): none shown
+    // until the peers' sizes are known.
+    let counters = &node.counters;
+    counters.refill_buckets_total.store(0, Ordering::Relaxed);
+    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
     let mut totals = Vec::with_capacity(peers.len());
     for peer in &peers {
         let total = client
@@ -64,12 +69,9 @@ pub(crate) async fn reconcile(
             .map_err(|error| format!("node {peer}: {error}"))?;
         totals.push(total);
     }
-    // Its progress, as a refill's (`rdkv-cluster status` and `up` read them).
-    let counters = &node.counters;
     counters
         .refill_buckets_total
         .store(totals.iter().sum(), Ordering::Relaxed);
-    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
     for (peer, total) in peers.iter().copied().zip(totals) {
         let mut first = 0;
         while first < total {
@@ -84,7 +86,10 @@ pub(crate) async fn reconcile(
                     .into_iter()
                     .any(|index| members[index] == me);
                 if holds && loader.keep_newest(&entry.key, &entry.value, entry.version)? {
+                    // Counted as it is taken: a pass that fails later keeps what it took, and
+                    // the next finds those copies equal.
                     taken += 1;
+                    counters.reconciled_keys.fetch_add(1, Ordering::Relaxed);
                 }
             }
             first += count;
@@ -94,9 +99,6 @@ pub(crate) async fn reconcile(
         }
     }
     drop(loader);
-    node.counters
-        .reconciled_keys
-        .fetch_add(taken, Ordering::Relaxed);
     node.counters
         .reconciled_epoch
         .store(view.epoch, Ordering::Release);

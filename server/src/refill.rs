@@ -175,8 +175,9 @@ enum Refilled {
 const DOWN_MEMBERS_BOUND: Duration = Duration::from_secs(60);
 
 /// How long a filling node with no serving peer, and no member down, waits before every
-/// filling member serves, while a member resumed from a stop fills: those are promoted within
-/// a poll of the last one's return, and this node then refills from them instead.
+/// filling member serves: members resumed from a stop are promoted within a poll of the last
+/// one's return, and this node then refills from them instead. (It cannot tell a resumed
+/// member from a joined one after its own restart: the stop's record is in memory only.)
 const NOBODY_SERVES_GRACE: Duration = Duration::from_secs(5);
 
 /// A node resumed from the stop of `stopped_at` (`crate::view`, `stop.rs`): waits until no
@@ -390,8 +391,7 @@ async fn peers_to_copy_from(
             "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {DOWN_MEMBERS_BOUND:?})"
         ));
     }
-    // After a crash of every node nobody resumed: they reconcile at once.
-    if waited < NOBODY_SERVES_GRACE && node.view.resumed_member_fills() {
+    if waited < NOBODY_SERVES_GRACE {
         return Err(format!(
             "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} (members resumed from a stop serve first)"
         ));

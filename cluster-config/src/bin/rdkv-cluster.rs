@@ -577,6 +577,14 @@ async fn up(
         ],
         &rows,
     ));
+    // After a crash of every node (or of a key's every copy), the view's loss records: what
+    // `status` shows, said here too.
+    if ids.len() == config.nodes.len() {
+        let statuses = status::status(config).await;
+        for line in status::loss_lines(status::view(&statuses)) {
+            say(&line);
+        }
+    }
     if detach {
         say(&format!(
             "detached; logs and pid files in {}. Stop with `rdkv-cluster down {}{run_dir_flag}`.",

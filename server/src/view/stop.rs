@@ -83,20 +83,6 @@ impl ViewService {
             .collect()
     }
 
-    /// Whether a member resumed from the last stop of the whole cluster fills (it serves as
-    /// soon as the stop's other members are back, and a node with nobody to copy from waits
-    /// for it rather than reconcile): its record is `filling` since that stop.
-    pub fn resumed_member_fills(&self) -> bool {
-        let Some((stop_epoch, stopped)) = self.store.last_stop() else {
-            return false;
-        };
-        self.view.borrow().members.iter().any(|(node_id, record)| {
-            stopped.contains(node_id)
-                && record.state == MemberState::Filling
-                && record.since == stop_epoch
-        })
-    }
-
     /// Asks the leader to let every member resumed from the stop of `stopped_at` serve.
     ///
     /// # Errors
