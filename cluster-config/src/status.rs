@@ -589,7 +589,10 @@ mod tests {
         // Started over after a failure: not progress until it passes 400 again.
         assert!(!scanned_further(&mut furthest, &[(1, 0, 1_000)]));
         assert!(!scanned_further(&mut furthest, &[(1, 300, 1_000)]));
-        assert!(scanned_further(&mut furthest, &[(1, 500, 1_000), (2, 0, 10)]));
+        assert!(scanned_further(
+            &mut furthest,
+            &[(1, 500, 1_000), (2, 0, 10)]
+        ));
         assert!(scanned_further(&mut furthest, &[(2, 5, 10)]));
     }
 
