@@ -58,8 +58,8 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn failover_history(tag: &str, fabric: FabricChoice) {
     let _serial = SERIAL.lock().await;
     // "None fails" is about the protocol, not speed: with the example's 2 s deadline, one
-    // operation on an unaffected key of about 30 CI runs timed out under the burner (load 12,
-    // a third of an idle run's operations). Operations on the dead node's keys still wait
+    // operation on an unaffected key timed out in a CI run under the burner (load 12, a third
+    // of an idle run's operations). Operations on the dead node's keys still wait
     // for the view that moves them (failure_timeout 1 s).
     let settled = up_settled_edited(tag, 3, |text| {
         assert!(

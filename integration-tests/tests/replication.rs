@@ -41,6 +41,24 @@ async fn write_all(client: &Arc<Client>, numbers: Vec<u32>, prefix: &'static str
     }
 }
 
+/// Checks that node `victim`'s refill scanned all of its peers' index and copied more than
+/// `copied` keys.
+async fn assert_refilled(client: &Client, victim: u32, copied: u64) {
+    let stats = client
+        .cluster_stats()
+        .await
+        .into_iter()
+        .find(|(id, _)| *id == victim)
+        .and_then(|(_, stats)| stats.ok())
+        .expect("the restarted node's stats");
+    eprintln!(
+        "refill: {} keys copied, {} of {} buckets scanned",
+        stats.refill_keys_copied, stats.refill_buckets_scanned, stats.refill_buckets_total
+    );
+    assert!(stats.refill_keys_copied > copied, "{stats:?}");
+    assert_eq!(stats.refill_buckets_scanned, stats.refill_buckets_total);
+}
+
 /// Reads every key and checks it holds `expected(N)`.
 async fn read_all(client: &Client, expected: impl Fn(u32) -> String) {
     read_all_of(client, KEYS, |number| Some(expected(number))).await;
@@ -177,19 +195,7 @@ async fn a_killed_node_loses_no_acknowledged_write_and_comes_back_refilled() {
         serving.epoch,
         restarted.elapsed()
     );
-    let stats = client
-        .cluster_stats()
-        .await
-        .into_iter()
-        .find(|(id, _)| *id == victim)
-        .and_then(|(_, stats)| stats.ok())
-        .expect("the restarted node's stats");
-    eprintln!(
-        "refill: {} keys copied, {} of {} buckets scanned",
-        stats.refill_keys_copied, stats.refill_buckets_scanned, stats.refill_buckets_total
-    );
-    assert!(stats.refill_keys_copied > 1_000, "{stats:?}");
-    assert_eq!(stats.refill_buckets_scanned, stats.refill_buckets_total);
+    assert_refilled(&client, victim, 1_000).await;
     let latest = |number: u32| {
         if number % 2 == 0 {
             format!("second-{number}")
@@ -458,15 +464,7 @@ async fn a_restarted_node_refills_a_dense_index_of_small_keys() {
     })
     .await
     .unwrap_or_else(|last| panic!("node {victim} never served again; last view {last:?}"));
-    let stats = client
-        .cluster_stats()
-        .await
-        .into_iter()
-        .find(|(id, _)| *id == victim)
-        .and_then(|(_, stats)| stats.ok())
-        .expect("the restarted node's stats");
-    assert!(stats.refill_keys_copied > 2_000, "{stats:?}");
-    assert_eq!(stats.refill_buckets_scanned, stats.refill_buckets_total);
+    assert_refilled(&client, victim, 2_000).await;
     read_all_of(&client, SMALL_KEYS, |number| {
         Some(format!("small-{number}"))
     })
