@@ -180,6 +180,15 @@ impl ClientBuilder {
 }
 
 impl Settings {
+    /// The client's counters: a refill peer's are never reported to the nodes.
+    fn counters(&self) -> Counters {
+        if self.refill_peer {
+            Counters::unreported()
+        } else {
+            Counters::default()
+        }
+    }
+
     /// A client of one node, connected.
     async fn node_client(self, mut config: ClientConfig) -> Result<Client> {
         if let Some(choice) = self.fabric {
@@ -193,8 +202,8 @@ impl Settings {
         }
         config.concurrency = self.concurrency.unwrap_or(config.concurrency);
         config.lanes = self.lanes.or(config.lanes);
+        let counters = Arc::new(self.counters());
         config.fault_injector = self.fault_injector.or(config.fault_injector);
-        let counters = Arc::new(Counters::default());
         let lanes = lanes_for(if self.refill_peer {
             Some(1)
         } else {
@@ -236,7 +245,7 @@ impl Settings {
         } else {
             self.lanes
         });
-        let counters = Arc::new(Counters::default());
+        let counters = Arc::new(self.counters());
         let nodes: Vec<Arc<Node>> = cluster
             .nodes
             .iter()

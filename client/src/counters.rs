@@ -102,6 +102,10 @@ pub struct Counters {
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
     reported: Mutex<ClientCounters>,
+    /// A node's own client (its refill and reconciliation scans): its work is not a client's,
+    /// and reporting it would count a scan's thousands of round trips as clients' operations
+    /// in `rdkv stats`.
+    unreported: bool,
 }
 
 /// A copy of the counters: the one-sided work (the same figures clients report to servers,
@@ -143,8 +147,20 @@ impl std::ops::Deref for CounterSnapshot {
 }
 
 impl Counters {
-    /// The increments since the last report, marking them reported.
+    /// Counters whose reports are always empty (a node's own client for its scans).
+    pub(crate) fn unreported() -> Self {
+        Self {
+            unreported: true,
+            ..Self::default()
+        }
+    }
+
+    /// The increments since the last report, marking them reported (none for a node's own
+    /// client).
     pub fn take_report(&self) -> ClientCounters {
+        if self.unreported {
+            return ClientCounters::default();
+        }
         let now = self.snapshot().work;
         let mut reported = self
             .reported
@@ -196,7 +212,19 @@ impl Counters {
 
 #[cfg(test)]
 mod tests {
-    use super::{ShardedCounter, SHARDS};
+    use super::{Counters, ShardedCounter, SHARDS};
+
+    #[test]
+    fn a_node_s_own_client_reports_nothing_and_others_report_each_increment_once() {
+        let counters = Counters::default();
+        counters.round_trips.add(3);
+        assert_eq!(counters.take_report().round_trips, 3);
+        assert_eq!(counters.take_report().round_trips, 0);
+        let scans = Counters::unreported();
+        scans.round_trips.add(1_153);
+        assert_eq!(scans.take_report().round_trips, 0);
+        assert_eq!(scans.snapshot().round_trips, 1_153, "still counted locally");
+    }
 
     #[test]
     fn adds_from_many_threads_sum_exactly() {
