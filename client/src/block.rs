@@ -91,6 +91,21 @@ impl<'a> Block<'a> {
         self.shape
     }
 
+    /// The key.
+    pub(crate) fn key(&self) -> &'a [u8] {
+        self.key
+    }
+
+    /// The value.
+    pub(crate) fn value(&self) -> &'a [u8] {
+        self.value
+    }
+
+    /// The header bytes ahead of the key, at its version.
+    pub(crate) fn head_bytes(&self) -> [u8; BLOCK_HEADER_SIZE] {
+        self.head.bytes(self.version)
+    }
+
     /// Writes the block to offset `at` of the scratch buffer's region, part by part, as
     /// [`rdkv_common::layout::encode_block_with`] lays it out but without building it in a
     /// vector first (one copy of the value, not two).

@@ -153,6 +153,12 @@ impl Client {
             // out of its 2 MiB stack). One allocation per replicated write, of five round trips.
             return Box::pin(self.mutate_replicated(operation, key, write)).await;
         }
+        if matches!(mutation, Mutation::Upsert | Mutation::Update) {
+            if let Some(outcome) = self.update_direct(operation, key, value) {
+                fairness::after_direct_operation().await;
+                return outcome;
+            }
+        }
         self.run(
             Kind::Mutation,
             operation,

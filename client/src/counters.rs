@@ -98,6 +98,8 @@ pub struct Counters {
     /// GETs done by direct access to the node's memory (`connection/direct_get.rs`; also
     /// counted under `gets`).
     pub direct_gets: ShardedCounter,
+    /// Updates done by direct access (`connection/direct_update.rs`).
+    pub direct_updates: ShardedCounter,
     /// The newest cluster-view epoch a node reported in a heartbeat's answer (0: none yet).
     pub view_epoch: std::sync::atomic::AtomicU64,
     /// What was last reported to a server (each increment is reported once).
@@ -136,6 +138,8 @@ pub struct CounterSnapshot {
     pub announce_flushes: u64,
     /// GETs done by direct access ([`Counters::direct_gets`]).
     pub direct_gets: u64,
+    /// Updates done by direct access ([`Counters::direct_updates`]).
+    pub direct_updates: u64,
 }
 
 impl std::ops::Deref for CounterSnapshot {
@@ -206,6 +210,7 @@ impl Counters {
             lease_refusals: load(&self.lease_refusals),
             announce_flushes: load(&self.announce_flushes),
             direct_gets: load(&self.direct_gets),
+            direct_updates: load(&self.direct_updates),
         }
     }
 }

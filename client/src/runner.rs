@@ -12,12 +12,13 @@ use std::time::Duration;
 use rdkv_common::layout::check_key_value;
 
 use crate::client::Client;
-use crate::connection::NodeConnection;
+use crate::connection::{DirectWrite, NodeConnection};
 use crate::deadline;
 use crate::error::{Error, Result};
 use crate::fairness::yield_if_never_waited;
 use crate::lanes::current_lane;
 use crate::node::Node;
+use crate::operations::MutationOutcome;
 use crate::progress::{Progress, Waiting};
 
 /// What an operation counts as, besides an operation.
@@ -138,6 +139,32 @@ impl Client {
         let present = connection.get_direct(key, &location, value)?;
         self.counters.operations.add(1);
         Some(present)
+    }
+
+    /// A single-copy update or upsert of a present key by direct access to its node
+    /// (`connection/direct_update.rs`), on this thread's lane's connection when it is up.
+    /// `None` when it cannot be done that way now (nothing was published), and the caller
+    /// runs the ordinary write. Counted here when it is done. It never waits, so it needs no
+    /// deadline.
+    pub(crate) fn update_direct(
+        &self,
+        operation: &'static str,
+        key: &[u8],
+        value: &[u8],
+    ) -> Option<Result<MutationOutcome>> {
+        if check_key_value(key, value).is_err() {
+            return None;
+        }
+        let node = self.node_for(key);
+        let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
+        let location = connection.welcome.geometry.locate(key);
+        let outcome = match connection.update_direct(operation, key, value, &location) {
+            DirectWrite::Applied => Ok(MutationOutcome::Applied),
+            DirectWrite::NotHere => return None,
+            DirectWrite::Unresolved(error) => Err(error),
+        };
+        self.count(Kind::Mutation, &outcome);
+        Some(outcome)
     }
 
     /// The error of a single-copy operation past its deadline. Out of heap for the whole

@@ -90,10 +90,21 @@ enum Operation {
     Update,
 }
 
+/// What [`allocations`] counted.
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    /// Operations done by direct access.
+    direct: u64,
+    /// Allocations in every operation.
+    allocations: u64,
+    /// Allocations in the direct ones.
+    in_direct: u64,
+}
+
 /// The client's allocations in [`COUNTED`] operations of `operation` on one key over
 /// `shared_memory` (`Require`: `shm`; `Off`: `soft`), after a warm-up, with the count of
-/// direct GETs among them.
-async fn allocations(shared_memory: SharedMemory, operation: Operation) -> (u64, u64) {
+/// operations done by direct access among them.
+async fn allocations(shared_memory: SharedMemory, operation: Operation) -> Counted {
     let mut config = ServerConfig::local(SECRET);
     config.fabric = Backend::Soft;
     // One socket per server: the tests run at once.
@@ -126,18 +137,31 @@ async fn allocations(shared_memory: SharedMemory, operation: Operation) -> (u64,
                 run(&client, operation, &value, &mut into).await;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let before = client.counters().direct_gets;
-            // Counted while awaited on this thread: the loop's yields find nothing else
-            // ready, and come straight back.
-            start_counting();
+            let direct_count = |counters: rdkv_client::CounterSnapshot| match operation {
+                Operation::Get => counters.direct_gets,
+                Operation::Update => counters.direct_updates,
+            };
+            // Each operation counted while awaited on this thread (the loop's yields find
+            // nothing else ready, and come straight back), and the direct ones apart.
+            let (mut direct, mut allocations, mut in_direct) = (0, 0, 0);
             for _ in 0..COUNTED {
+                let before = direct_count(client.counters());
+                start_counting();
                 run(&client, operation, &value, &mut into).await;
+                let made = stop_counting();
+                allocations += made;
+                if direct_count(client.counters()) > before {
+                    direct += 1;
+                    in_direct += made;
+                }
             }
-            let allocations = stop_counting();
-            let direct = client.counters().direct_gets - before;
             assert_eq!(into, value);
             client.close().await;
-            (direct, allocations)
+            Counted {
+                direct,
+                allocations,
+                in_direct,
+            }
         })
     });
     let counted = client_thread.join().expect("client thread");
@@ -159,7 +183,11 @@ async fn run(client: &Client, operation: Operation, value: &[u8], into: &mut Vec
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_get_into_a_vector_with_room_allocates_nothing() {
-    let (direct, allocations) = allocations(SharedMemory::Require, Operation::Get).await;
+    let Counted {
+        direct,
+        allocations,
+        ..
+    } = allocations(SharedMemory::Require, Operation::Get).await;
     assert_eq!(
         direct, COUNTED,
         "every counted GET was direct (else the count says nothing)"
@@ -167,6 +195,25 @@ async fn a_direct_get_into_a_vector_with_room_allocates_nothing() {
     assert_eq!(
         allocations, 0,
         "{allocations} allocations in {COUNTED} direct GETs into a vector with room"
+    );
+}
+
+/// Updates of a present key over `shm` are direct but when the connection's heap chunk is
+/// full (the ordinary write asks for the next one, by a control message): the direct ones
+/// allocate nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_update_allocates_nothing() {
+    let counted = allocations(SharedMemory::Require, Operation::Update).await;
+    println!("{counted:?} in {COUNTED} updates");
+    assert!(
+        counted.direct >= COUNTED * 9 / 10,
+        "{} of {COUNTED} updates were direct (else the count says nothing)",
+        counted.direct
+    );
+    assert_eq!(
+        counted.in_direct, 0,
+        "{} allocations in {} direct updates",
+        counted.in_direct, counted.direct
     );
 }
 
@@ -181,8 +228,7 @@ async fn allocations_per_operation_over_each_fabric() {
         for operation in [Operation::Get, Operation::Update] {
             let mut least = u64::MAX;
             for _ in 0..3 {
-                let (_, allocations) = allocations(shared_memory, operation).await;
-                least = least.min(allocations);
+                least = least.min(allocations(shared_memory, operation).await.allocations);
             }
             let each = least as f64 / COUNTED as f64;
             println!("{fabric} {operation:?}: {each:.2} allocations per operation");

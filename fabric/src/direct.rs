@@ -76,4 +76,45 @@ pub trait DirectAccess {
     /// # Errors
     /// The status its request would have completed with.
     fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus>;
+
+    /// WRITEs the concatenation of `parts` at `remote`: one WRITE request whose payload is
+    /// gathered from several buffers, as a work request's scatter-gather list does (a block's
+    /// header and key, its value, and its padding, each where it already is).
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn write_gathered(
+        &mut self,
+        remote: RemoteSegment,
+        parts: &[&[u8]],
+    ) -> Result<(), WorkCompletionStatus> {
+        let mut address = remote.address;
+        for part in parts {
+            self.write(
+                RemoteSegment {
+                    address,
+                    remote_key: remote.remote_key,
+                },
+                part,
+            )?;
+            address += part.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Compares the 8-byte word at `remote` (aligned) with `expected` and, when they are
+    /// equal, swaps in `new`, atomically: the word's original value (it swapped when that is
+    /// `expected`). As a CAS request run inside its post, it runs only while the responder
+    /// still serves this queue pair, looked at just before the atomic (a requester stopped in
+    /// the call and resumed after a fence must not swap a word whose block was reused).
+    ///
+    /// # Errors
+    /// The status its request would have completed with; `NotExecuted` when the responder
+    /// stopped serving the queue pair (the word is unchanged).
+    fn compare_and_swap(
+        &mut self,
+        remote: RemoteSegment,
+        expected: u64,
+        new: u64,
+    ) -> Result<u64, WorkCompletionStatus>;
 }

@@ -236,3 +236,69 @@ async fn a_window_revoked_under_a_stopped_requester_says_it_is_still_inside() {
         "out of the request: the memory may be reused"
     );
 }
+
+/// A direct compare-and-swap has a CAS request's outcomes: it returns the original word and
+/// swaps only when it matched; misaligned, it fails as the request does and moves the queue
+/// pair to ERROR; behind a stopped responder it does not run (`NotExecuted`) and the word
+/// stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_compare_and_swap_has_a_cas_request_s_outcomes() {
+    let connected = checks::connect(Backend::Shm).await;
+    let queue_pair = &connected.client_queue_pair;
+    let at = connected.remote_at(8);
+    let original = queue_pair
+        .direct(|access| access.read_u64(at))
+        .expect("idle")
+        .expect("read");
+    let swapped = queue_pair.direct(|access| access.compare_and_swap(at, original, original + 7));
+    assert_eq!(swapped, Some(Ok(original)), "matched: swapped");
+    let missed = queue_pair.direct(|access| access.compare_and_swap(at, original, 1));
+    assert_eq!(
+        missed,
+        Some(Ok(original + 7)),
+        "not matched: the word it found"
+    );
+    let now = queue_pair.direct(|access| access.read_u64(at));
+    assert_eq!(
+        now,
+        Some(Ok(original + 7)),
+        "a failed compare leaves the word"
+    );
+
+    // Misaligned: the list's status, and ERROR.
+    let listed = checks::connect(Backend::Shm).await;
+    let by_list = listed
+        .client_queue_pair
+        .post_inline(&[WorkRequest::compare_and_swap(
+            1,
+            listed.local_at(0, 8),
+            listed.remote_at(4),
+            0,
+            1,
+        )])
+        .expect("idle: inline")
+        .expect("a valid list")
+        .expect_err("misaligned");
+    let misaligned =
+        queue_pair.direct(|access| access.compare_and_swap(connected.remote_at(4), 0, 1));
+    assert_eq!(misaligned, Some(Err(by_list.completion.status)));
+    assert_eq!(queue_pair.state(), QueuePairState::Error);
+
+    // Behind a stopped responder: not run, the word unchanged.
+    let stopped = checks::connect(Backend::Shm).await;
+    let queue_pair = &stopped.client_queue_pair;
+    let at = stopped.remote_at(16);
+    let before = queue_pair
+        .direct(|access| access.read_u64(at))
+        .expect("idle")
+        .expect("read");
+    stopped.server_queue_pair.modify_to_error();
+    let outcome = queue_pair.direct(|access| access.compare_and_swap(at, before, before + 1));
+    assert_eq!(outcome, Some(Err(WorkCompletionStatus::NotExecuted)));
+    let word = stopped
+        .remote
+        .memory()
+        .load_u64(16)
+        .expect("the responder's word");
+    assert_eq!(word, before, "the word stayed");
+}

@@ -63,9 +63,31 @@ async fn concurrent_history_over_shm_against_a_server_process_is_linearizable() 
 /// connections: the run writes several times the heap, so chunks are reused during it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
+    reused_heap_history(SharedMemory::Off).await;
+}
+
+/// The same over `shm`, where GETs and updates of cached keys are direct (`docs/protocol.md`,
+/// *Direct GETs*, *Direct updates*): a direct update compares only the key in the head of the
+/// block its guessed slot names before its CAS, and on a reused heap a slot word comes back
+/// at a reused offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_history_over_shm_on_a_heap_reused_during_it_is_linearizable() {
+    reused_heap_history(SharedMemory::Require).await;
+}
+
+/// [`concurrent_history`] on a heap of 32 chunks of 16 KiB, which the run reuses.
+async fn reused_heap_history(shared_memory: SharedMemory) {
+    let socket = rdkv_integration_tests::process::shm_socket_path("linearizability-reused");
     let server = ServerProcess::start(
         "linearizability-secret",
-        &["--heap-size", "512K", "--chunk-size", "16K"],
+        &[
+            "--heap-size",
+            "512K",
+            "--chunk-size",
+            "16K",
+            "--shm-socket",
+            socket.to_str().expect("a UTF-8 temporary path"),
+        ],
     );
     let monitor = Client::connect(ClientConfig::new(
         server.control_address,
@@ -82,7 +104,7 @@ async fn concurrent_history_on_a_heap_reused_during_it_is_linearizable() {
         }
     };
     let before = reclaimed().await;
-    concurrent_history(&server, SharedMemory::Off).await;
+    concurrent_history(&server, shared_memory).await;
     let reused = reclaimed().await - before;
     assert!(
         reused >= 32,
@@ -180,12 +202,19 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
         }));
     }
     let mut history = Vec::new();
-    let (mut guesses, mut stale) = (0, 0);
+    let (mut guesses, mut stale, mut direct_updates) = (0, 0, 0);
     for task in tasks {
         let (events, counters) = task.await.expect("client task");
         history.extend(events);
         guesses += counters.slot_guesses;
         stale += counters.slot_guess_misses;
+        direct_updates += counters.direct_updates;
+    }
+    if shared_memory == SharedMemory::Require {
+        assert!(
+            direct_updates > 500,
+            "only {direct_updates} direct updates in the checked history"
+        );
     }
     // The clients share the process's slot cache, so most lookups guess, and the other
     // clients' writes make many guesses stale: both paths of *Guessed blocks* are in the
@@ -211,7 +240,7 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
     let checked = Instant::now();
     assert_eq!(check(&history), Verdict::Linearizable);
     eprintln!(
-        "{} operations in {:?}, checked in {:?}; {guesses} guessed lookups, {stale} stale; server pid {}",
+        "{} operations in {:?}, checked in {:?}; {guesses} guessed lookups, {stale} stale, {direct_updates} direct updates; server pid {}",
         history.len(),
         checked.duration_since(start),
         checked.elapsed(),

@@ -305,3 +305,53 @@ async fn write_loop(client: Client, writer: u64, start: Instant, stop: Arc<Atomi
     client.close().await;
     seen
 }
+
+/// With one copy of each key (no backup to move to), a client over `shm` updates a key of a
+/// node paused past its lease. Its update is direct (`docs/protocol.md`, *Direct updates*):
+/// the CAS lands in the node's frozen memory, which the node's lease no longer vouches for, so
+/// the update is not acknowledged. It fails saying it may have applied; never `Ok`, which
+/// would acknowledge a write the cluster's view had moved away from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_update_of_a_paused_single_copy_node_is_never_acknowledged() {
+    let _serial = SERIAL.lock().await;
+    let settled = rdkv_integration_tests::view::up_settled_edited("paused-direct", 3, |text| {
+        text.replace("replicas = 2", "replicas = 1")
+    })
+    .await;
+    let victim = settled.follower();
+    let (cluster, _nodes, _secret, ids, _, _) = settled.parts();
+    let key = (0..)
+        .map(|index| format!("paused-direct-{index}").into_bytes())
+        .find(|key| sharding::owner(key, &ids).map(|index| ids[index]) == Some(victim))
+        .expect("a key of the victim");
+    let client = ClientBuilder::cluster_file(&cluster.file)
+        .fabric(FabricChoice::Auto)
+        .build()
+        .expect("client");
+    client.put(&key, b"0").await.expect("insert");
+    client.get(&key).await.expect("get");
+    let before = client.counters();
+    client.put(&key, b"1").await.expect("update");
+    assert_eq!(
+        client.counters().direct_updates,
+        before.direct_updates + 1,
+        "the update was direct"
+    );
+
+    let pid = pid_of(&cluster, victim);
+    let _continue = ContinueOnDrop(pid);
+    nix::sys::signal::kill(pid, Signal::SIGSTOP).expect("SIGSTOP the node");
+    // Past the node's lease (0.9 × failure_timeout), well before the connection's heartbeat
+    // gives up on the node.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let before = client.counters();
+    let outcome = client.put(&key, b"2").await;
+    let after = client.counters();
+    nix::sys::signal::kill(pid, Signal::SIGCONT).expect("SIGCONT the node");
+    let error = outcome.expect_err("an update of a paused node's key is not acknowledged");
+    assert!(error.may_have_applied(), "{error}");
+    assert!(error.to_string().contains("lease"), "{error}");
+    assert_eq!(after.direct_updates, before.direct_updates);
+    assert_eq!(after.lease_refusals, before.lease_refusals + 1);
+    client.close().await;
+}

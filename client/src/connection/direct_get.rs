@@ -305,6 +305,15 @@ mod stall_attack {
         ) -> Result<(), WorkCompletionStatus> {
             self.inner.write(remote, from)
         }
+
+        fn compare_and_swap(
+            &mut self,
+            remote: RemoteSegment,
+            expected: u64,
+            new: u64,
+        ) -> Result<u64, WorkCompletionStatus> {
+            self.inner.compare_and_swap(remote, expected, new)
+        }
     }
 
     fn shm_socket_path() -> std::path::PathBuf {

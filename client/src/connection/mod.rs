@@ -30,6 +30,8 @@ mod announce;
 mod config;
 mod control;
 mod direct_get;
+mod direct_update;
+pub(crate) use direct_update::DirectWrite;
 mod handshake;
 pub(crate) use handshake::NOT_SERVING;
 mod pool;
@@ -256,6 +258,16 @@ impl NodeConnection {
     /// refill takes the chunk and reads `started` under the same lock, so its `started` covers
     /// every operation that reserved space in the chunk it seals.
     fn take_from_chunk(&self, length: u64) -> Option<(BlockPlace, u64)> {
+        self.reserve_in_chunk(length, Announcer::start)
+    }
+
+    /// Reserves space in the current chunk and starts the operation with `start`, under the
+    /// chunk lock ([`NodeConnection::take_from_chunk`]).
+    fn reserve_in_chunk<Started>(
+        &self,
+        length: u64,
+        start: impl FnOnce(&Announcer) -> Started,
+    ) -> Option<(BlockPlace, Started)> {
         let mut chunk = lock(&self.chunk);
         let cursor = chunk.as_mut()?;
         if cursor.used + length > cursor.key.length {
@@ -267,6 +279,6 @@ impl NodeConnection {
             heap_offset: cursor.heap_offset + cursor.used,
         };
         cursor.used += length;
-        Some((place, self.announcer.start()))
+        Some((place, start(&self.announcer)))
     }
 }

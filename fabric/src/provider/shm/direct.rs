@@ -76,8 +76,9 @@ struct ShmDirect<'a> {
 }
 
 /// Keys direct access keeps resolved between calls (a GET uses four: the index, the heap, the
-/// announce word and the lease word); a fifth takes the place of one of them.
-const DIRECT_KEYS: usize = 4;
+/// announce word and the lease word; an update a fifth, its heap chunk's); a seventh takes
+/// the place of one of them.
+const DIRECT_KEYS: usize = 6;
 
 /// A key direct access resolved: what it grants, the block it lies in, and the checks of its
 /// rights that do not depend on the address ([`crate::protection::KeyRights::permits`]), made once for a READ
@@ -381,5 +382,53 @@ impl DirectAccess for ShmDirect<'_> {
         // precede).
         fence(Ordering::SeqCst);
         self.copied(outcome)
+    }
+
+    fn write_gathered(
+        &mut self,
+        remote: RemoteSegment,
+        parts: &[&[u8]],
+    ) -> Result<(), WorkCompletionStatus> {
+        let length: usize = parts.iter().map(|part| part.len()).sum();
+        let outcome = match self.resolve(Opcode::Write, remote, length)? {
+            Some((memory, offset)) => {
+                let mut at = offset;
+                parts.iter().try_for_each(|part| {
+                    let written = memory.write_from(at, part);
+                    at += part.len() as u64;
+                    written
+                })
+            }
+            None => Ok(()),
+        };
+        // As `write`: the stores land before any later load of the call.
+        fence(Ordering::SeqCst);
+        self.copied(outcome)
+    }
+
+    fn compare_and_swap(
+        &mut self,
+        remote: RemoteSegment,
+        expected: u64,
+        new: u64,
+    ) -> Result<u64, WorkCompletionStatus> {
+        let attachment = self.attachment;
+        // `None`: the responder stopped serving the queue pair before the atomic (as
+        // `Attachment::execute_in` looks before a list's atomic).
+        let outcome = match self.resolve(Opcode::CompareAndSwap, remote, 8)? {
+            Some((memory, offset)) => attachment
+                .still_receiving()
+                .then(|| memory.compare_exchange_u64(offset, expected, new).ok()),
+            // Eight bytes are not zero: not reached.
+            None => Some(None),
+        };
+        match outcome {
+            Some(Some(original)) => Ok(original),
+            Some(None) => Err(self.fail(WorkCompletionStatus::RemoteOperationError)),
+            None => {
+                self.queue_pair.responder_stopped();
+                Err(self.fail(WorkCompletionStatus::NotExecuted))
+            }
+        }
     }
 }
