@@ -104,9 +104,14 @@ fn snapshot_line(stats: &ServerStats) -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.as_millis() as u64);
         format!(
-            "{} s ago, {} keys, {} in {:.2} s",
+            "{} s ago, {} key{}, {} in {:.2} s",
             now_ms.saturating_sub(stats.last_snapshot_unix_ms) / 1000,
             stats.last_snapshot_keys,
+            if stats.last_snapshot_keys == 1 {
+                ""
+            } else {
+                "s"
+            },
             format_bytes(stats.last_snapshot_bytes),
             stats.last_snapshot_duration_ms as f64 / 1000.0
         )

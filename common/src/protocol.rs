@@ -292,6 +292,13 @@ impl std::fmt::Display for CopySetLoss {
             Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
             _ => nodes.join(""),
         };
+        if self.nodes.len() == 1 {
+            return write!(
+                formatter,
+                "keys may have been lost: the copies on node {nodes} were down at epoch {}",
+                self.epoch
+            );
+        }
         write!(
             formatter,
             "keys may have been lost: the copies on nodes {nodes} were down together at epoch {}",

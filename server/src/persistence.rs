@@ -89,6 +89,11 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
             .then(|| node.view.stopped_at())
             .flatten(),
         created_unix_ms: unix_ms(),
+        replicas: node
+            .config
+            .cluster
+            .as_ref()
+            .and_then(|cluster| u32::try_from(cluster.replicas).ok()),
     };
     let shutting_down = matches!(reason, Reason::Shutdown | Reason::ShutdownUnfenced);
     // A shutdown's snapshot runs at disk speed (no client is left to share the machine with);
@@ -283,7 +288,10 @@ pub fn snapshot_to_load(
         if start_from == StartFrom::Previous {
             return Err(Error::Snapshot {
                 path,
-                reason: "no previous snapshot to start from: start with RDKV_FROM_SNAPSHOT=latest or empty".into(),
+                reason: format!(
+                    "no previous snapshot to start from: start the node without RDKV_FROM_SNAPSHOT if {} loads, or empty with RDKV_FROM_SNAPSHOT=empty (rdkv-server --from-snapshot empty; with replicas ≥ 2 its peers refill it)",
+                    data_dir.join(SNAPSHOT_FILE).display()
+                ),
             });
         }
         return Ok(None);
@@ -419,6 +427,7 @@ pub fn start_from_snapshot(
         }
         return Ok(None);
     };
+    refuse_more_copies_than_written(config, &path, &checked.meta)?;
     let keys = load_snapshot(&path, table, heap)?;
     if let Some(data_dir) = config.data_dir.as_deref() {
         replace_latest(data_dir, config.start_from)?;
@@ -427,6 +436,35 @@ pub fn start_from_snapshot(
         keys,
         stopped_at: checked.meta.stopped_at,
     }))
+}
+
+/// Refuses to resume from a stop's snapshot written with fewer copies of each key than the
+/// cluster file now asks for: the resumed nodes would serve with the copies of then, nothing
+/// would make the others, and a node's crash would lose keys with no record of it.
+///
+/// # Errors
+/// [`Error::Snapshot`], naming the setting and the choices.
+fn refuse_more_copies_than_written(
+    config: &crate::config::ServerConfig,
+    path: &Path,
+    meta: &SnapshotMeta,
+) -> Result<()> {
+    let now = config
+        .cluster
+        .as_ref()
+        .map_or(1, |cluster| cluster.replicas);
+    match meta.replicas {
+        Some(written) if meta.stopped_at.is_some() && (written as usize) < now => {
+            Err(Error::Snapshot {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "written at the cluster's stop with replicas = {written}, and the cluster file now says replicas = {now}: raising replicas across a stop is not supported yet (the nodes would resume with {written} cop{} of each key, nothing would make the others, and a node's crash would lose keys); put replicas = {written} back in the file (docs/operations.md, Persistence)",
+                    if written == 1 { "y" } else { "ies" }
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Loads the checked snapshot at `path` into the empty table; the keys loaded.

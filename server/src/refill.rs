@@ -393,7 +393,7 @@ async fn peers_to_copy_from(
     }
     if waited < NOBODY_SERVES_GRACE {
         return Err(format!(
-            "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} (members resumed from a stop serve first)"
+            "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} for one (members resumed from a clean stop serve first; with none, after a crash of every node, the nodes then reconcile)"
         ));
     }
     // Nobody newer to copy from (every node of a cluster started again after a crash): what

@@ -375,10 +375,11 @@ async fn snapshot(config: &ClusterConfig, only: Option<u32>) -> anyhow::Result<u
         };
         match rdkv_common::protocol::request_snapshot(monitored, SNAPSHOT_TIMEOUT).await {
             Ok(report) => say(&format!(
-                "node {}: snapshot {}: {} keys, {}, {:.2} s",
+                "node {}: snapshot {}: {} key{}, {}, {:.2} s",
                 node.id,
                 report.path,
                 report.keys,
+                if report.keys == 1 { "" } else { "s" },
                 rdkv_cluster_file::units::format_bytes(report.bytes),
                 report.took_ms as f64 / 1000.0
             )),
@@ -447,12 +448,16 @@ async fn restart(
 ) -> anyhow::Result<u8> {
     let line = launcher::stop(config, run_directory, Some(node)).await?;
     say(&line.join("\n"));
+    // A node found not running (killed, crashed) wrote no final snapshot.
+    let was_running = !line.iter().any(|line| line.contains("already stopped"));
     let started = launcher::start_nodes(config, run_directory, true, Some(node))?;
     for started in &started {
         let keys = if config.replicas >= 2 {
             "it rejoins the view and is refilled from its peers before it serves (`status` shows the refill)"
-        } else {
+        } else if was_running {
             "it loads the snapshot it wrote as it stopped, and copies what other nodes took for it meanwhile, before it serves"
+        } else {
+            "it was not running, so it wrote no final snapshot: it loads its last one (the writes it took since are lost; `status` shows the loss), and copies what other nodes took for it meanwhile, before it serves"
         };
         say(&format!(
             "node {}: started (pid {}{}); {keys}",

@@ -96,11 +96,15 @@ pub const SNAPSHOT_FILE: &str = "snapshot.rdkv";
 pub const PREVIOUS_FILE: &str = "snapshot.previous.rdkv";
 /// The latest snapshot, set aside when a node was started from the previous one or from none.
 pub const REPLACED_FILE: &str = "snapshot.replaced.rdkv";
-/// The version of the layout above, which the writer writes; a reader reads it and
-/// [`FORMAT_WITHOUT_VERSIONS`], and refuses any other.
-pub const FORMAT_VERSION: u32 = 2;
+/// The version of the layout above, which the writer writes; a reader reads it,
+/// [`FORMAT_WITHOUT_REPLICAS`] and [`FORMAT_WITHOUT_VERSIONS`], and refuses any other.
+pub const FORMAT_VERSION: u32 = 3;
+/// The format before the header carried the cluster's `replicas`.
+pub const FORMAT_WITHOUT_REPLICAS: u32 = 2;
 /// The format before records carried their key's version.
 pub const FORMAT_WITHOUT_VERSIONS: u32 = 1;
+/// The header's bytes after the cluster name from [`FORMAT_VERSION`] on: the `replicas`.
+const HEADER_REPLICAS_LENGTH: usize = 4;
 /// The most record bytes a frame holds (a single larger record gets a frame of its own).
 pub const FRAME_LIMIT: usize = 64 * 1024;
 
@@ -139,6 +143,9 @@ pub struct SnapshotMeta {
     /// The epoch of the whole cluster's stop the snapshot was written at, once the node served
     /// nothing (`crate::view`, `stop.rs`): it holds every acknowledged write of its keys.
     pub stopped_at: Option<u64>,
+    /// The cluster's `replicas` when it was written (`None`: a file of a format before
+    /// [`FORMAT_VERSION`]): a node resuming from it holds the copies of that many.
+    pub replicas: Option<u32>,
 }
 
 /// A snapshot made current by [`SnapshotWriter::finish`].
@@ -504,6 +511,9 @@ fn encode_header(meta: &SnapshotMeta, format: u32) -> std::result::Result<Encode
     bytes.extend_from_slice(&meta.stopped_at.unwrap_or(0).to_le_bytes());
     bytes.extend_from_slice(&cluster_length.to_le_bytes());
     bytes.extend_from_slice(meta.cluster.as_bytes());
+    if format >= FORMAT_VERSION {
+        bytes.extend_from_slice(&meta.replicas.unwrap_or(0).to_le_bytes());
+    }
     let checksum = xxh3_64(&bytes);
     bytes.extend_from_slice(&checksum.to_le_bytes());
     Ok(EncodedHeader { bytes, checksum })
@@ -725,10 +735,10 @@ impl SnapshotReader {
         }
         let version_bytes: [u8; 4] = self.read_array("the header")?;
         let version = u32::from_le_bytes(version_bytes);
-        if version != FORMAT_VERSION && version != FORMAT_WITHOUT_VERSIONS {
+        if !(FORMAT_WITHOUT_VERSIONS..=FORMAT_VERSION).contains(&version) {
             return Err(self.damaged(format!(
                 "format version {version}, this rdkv-server reads versions \
-                 {FORMAT_WITHOUT_VERSIONS} and {FORMAT_VERSION}: {} \
+                 {FORMAT_WITHOUT_VERSIONS} to {FORMAT_VERSION}: {} \
                  rdkv-server wrote it, or the file is damaged",
                 if version > FORMAT_VERSION {
                     "a newer"
@@ -757,12 +767,18 @@ impl SnapshotReader {
         };
         let mut cluster = vec![0u8; usize::from(cluster_length)];
         self.read_into(&mut cluster, "the header's cluster name")?;
+        let replicas: Option<[u8; HEADER_REPLICAS_LENGTH]> = if version >= FORMAT_VERSION {
+            Some(self.read_array("the header's replicas")?)
+        } else {
+            None
+        };
         let stored_checksum = u64::from_le_bytes(self.read_array("the header's checksum")?);
         let mut header = Vec::with_capacity(HEADER_FIXED_LENGTH + cluster.len());
         header.extend_from_slice(&magic);
         header.extend_from_slice(&version_bytes);
         header.extend_from_slice(&fields);
         header.extend_from_slice(&cluster);
+        header.extend_from_slice(replicas.as_ref().map_or(&[][..], |bytes| &bytes[..]));
         if xxh3_64(&header) != stored_checksum {
             return Err(self.damaged("the header's checksum does not match: the file is damaged"));
         }
@@ -774,6 +790,9 @@ impl SnapshotReader {
             view_epoch,
             created_unix_ms,
             stopped_at: (stopped_at != 0).then_some(stopped_at),
+            replicas: replicas
+                .map(u32::from_le_bytes)
+                .filter(|replicas| *replicas != 0),
         };
         Ok((meta, stored_checksum, version))
     }
@@ -1003,6 +1022,7 @@ mod tests {
             view_epoch,
             created_unix_ms: 1_700_000_000_123,
             stopped_at: Some(view_epoch + 1),
+            replicas: Some(2),
         }
     }
 
@@ -1142,7 +1162,7 @@ mod tests {
         let header = writer.bytes_written();
         assert_eq!(
             header,
-            (HEADER_FIXED_LENGTH + "test-cluster".len() + 8) as u64
+            (HEADER_FIXED_LENGTH + "test-cluster".len() + HEADER_REPLICAS_LENGTH + 8) as u64
         );
         writer.append(b"a", b"bc", 1).expect("append");
         let first = (FRAME_HEADER_LENGTH + RECORD_HEADER_LENGTH + 3) as u64;
@@ -1211,7 +1231,7 @@ mod tests {
         // Two 28-byte records per frame: three frames of 76 bytes each.
         write(&directory.path, &meta(1), &records, 56);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
-        let header = HEADER_FIXED_LENGTH + "test-cluster".len() + 8;
+        let header = HEADER_FIXED_LENGTH + "test-cluster".len() + HEADER_REPLICAS_LENGTH + 8;
         let frame = FRAME_HEADER_LENGTH + 56;
         assert_eq!(bytes.len(), header + 3 * frame + TRAILER_LENGTH);
         let (first, second) = bytes[header..header + 2 * frame].split_at_mut(frame);
@@ -1243,6 +1263,43 @@ mod tests {
         let over_limit = (FRAME_LIMIT + 1) as u32;
         let message = assert_refused(&damaged, &frame_header(over_limit, 2), "a large frame");
         assert!(message.contains("more than one only within"), "{message}");
+    }
+
+    /// A file of format 2, written before the header carried `replicas`, is read: its
+    /// records as they are, its `replicas` unknown.
+    #[test]
+    fn a_file_of_the_format_before_replicas_is_read_with_replicas_unknown() {
+        let directory = TestDirectory::new("format-2");
+        let records = small_records(30);
+        let mut writer = SnapshotWriter::create_of_format(
+            &directory.path,
+            &meta(2),
+            FRAME_LIMIT,
+            FORMAT_WITHOUT_REPLICAS,
+        )
+        .expect("create");
+        for (key, value) in &records {
+            writer.append(key, value, 99).expect("append");
+        }
+        writer.finish().expect("finish");
+        let mut versions = Vec::new();
+        let loaded = read_snapshot(&directory.path.join(SNAPSHOT_FILE), |_, _, version| {
+            versions.push(version);
+        })
+        .expect("a format 2 file reads");
+        assert_eq!(loaded.keys, 30);
+        assert!(versions.iter().all(|version| *version == 99));
+        assert_eq!(
+            loaded.meta,
+            SnapshotMeta {
+                replicas: None,
+                ..meta(2)
+            }
+        );
+        let current = TestDirectory::new("format-3");
+        write(&current.path, &meta(2), &records, FRAME_LIMIT);
+        let loaded = verify_snapshot(&current.path.join(SNAPSHOT_FILE)).expect("format 3");
+        assert_eq!(loaded.meta.replicas, Some(2));
     }
 
     /// A file of format 1, written before records carried versions, is read: its keys have
@@ -1278,11 +1335,11 @@ mod tests {
         let directory = TestDirectory::new("version");
         write(&directory.path, &meta(1), &small_records(2), FRAME_LIMIT);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
-        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&3u32.to_le_bytes());
+        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&4u32.to_le_bytes());
         let damaged = directory.path.join("damaged.rdkv");
-        let message = assert_refused(&damaged, &bytes, "version 3");
-        assert!(message.contains("format version 3"), "{message}");
-        assert!(message.contains("reads versions 1 and 2"), "{message}");
+        let message = assert_refused(&damaged, &bytes, "version 4");
+        assert!(message.contains("format version 4"), "{message}");
+        assert!(message.contains("reads versions 1 to 3"), "{message}");
         assert!(message.contains("newer"), "{message}");
         let message = assert_refused(&damaged, b"not a snapshot file at all", "wrong magic");
         assert!(message.contains("not an rdkv snapshot"), "{message}");

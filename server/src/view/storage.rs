@@ -425,13 +425,17 @@ impl RaftStorage<TypeConfig> for Store {
                         let serving = state.view.serving_members();
                         let before = state.view.epoch;
                         let at_risk = state.view.at_risk(self.replicas);
+                        let short = state.view.restarted_short(command, self.replicas);
                         let after = state.view.apply(command);
                         if *command == super::types::ViewCommand::Stop && after != before {
                             *lock(&self.last_stop) = Some((after, serving));
                         }
-                        if let Some(loss) =
-                            state.view.record_loss(&at_risk, self.replicas)
-                        {
+                        let loss = state.view.record_loss(&at_risk, self.replicas).or_else(|| {
+                            short.and_then(|node_id| {
+                                state.view.record_restart_loss(node_id, before)
+                            })
+                        });
+                        if let Some(loss) = loss {
                             tracing::error!(
                                 epoch = loss.epoch,
                                 nodes = ?loss.nodes,

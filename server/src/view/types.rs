@@ -413,6 +413,61 @@ impl ViewState {
         Some(loss)
     }
 
+    /// With one copy of each key: the member that `command` starts again with less than it
+    /// acknowledged. That is a [`ViewCommand::Join`] (a new incarnation) of a member that
+    /// served and that the view never saw stop (killed and started again before it was marked
+    /// down; after a crash of every node, every member), or of one down since the last stop
+    /// that joins instead of resuming (its final snapshot is not the one it loaded: writing it
+    /// failed, or the node started from its previous snapshot or empty). It is back with an
+    /// older snapshot, and the writes it took since are lost. With more copies, the
+    /// members' filling is the loss rule's ([`Self::at_risk`]).
+    pub fn restarted_short(&self, command: &ViewCommand, replicas: usize) -> Option<u32> {
+        let ViewCommand::Join {
+            node_id,
+            incarnation,
+        } = *command
+        else {
+            return None;
+        };
+        let record = self.members.get(&node_id)?;
+        if replicas > 1 || record.incarnation == incarnation || !self.ever_served.contains(&node_id)
+        {
+            return None;
+        }
+        let unseen_crash = record.state == MemberState::Serving && record.incarnation != 0;
+        let not_resumed = record.state == MemberState::Down && Some(record.since) == self.last_stop;
+        (unseen_crash || not_resumed).then_some(node_id)
+    }
+
+    /// Records that member `node_id`, started again, lost what it took since its last
+    /// snapshot ([`Self::restarted_short`]), once the command that started it changed the
+    /// epoch from `previous`. A record made by the command just before (another member of the
+    /// same crash, started again) widens instead.
+    pub fn record_restart_loss(&mut self, node_id: u32, previous: u64) -> Option<CopySetLoss> {
+        if self.epoch == previous {
+            return None;
+        }
+        let epoch = self.epoch;
+        self.losses_total += 1;
+        if let Some(last) = self.losses.last_mut().filter(|last| last.epoch == previous) {
+            if !last.nodes.contains(&node_id) {
+                last.nodes.push(node_id);
+                last.nodes.sort_unstable();
+            }
+            last.epoch = epoch;
+            return Some(last.clone());
+        }
+        let loss = CopySetLoss {
+            epoch,
+            nodes: vec![node_id],
+        };
+        if self.losses.len() >= MAX_LOSSES_KEPT {
+            self.losses.remove(0);
+        }
+        self.losses.push(loss.clone());
+        Some(loss)
+    }
+
     /// The members serving, by id.
     pub fn serving_members(&self) -> Vec<u32> {
         self.members
@@ -836,11 +891,65 @@ mod tests {
         assert_eq!(view.public(None).serving(), vec![1, 2, 3]);
     }
 
-    /// Applies `command` as the store does: the loss rule after it.
+    /// Applies `command` as the store does: the loss rules after it.
     fn apply_noting_loss(view: &mut ViewState, command: ViewCommand, replicas: usize) {
         let before = view.at_risk(replicas);
+        let short = view.restarted_short(&command, replicas);
+        let previous = view.epoch;
         view.apply(&command);
-        view.record_loss(&before, replicas);
+        if view.record_loss(&before, replicas).is_none() {
+            if let Some(node_id) = short {
+                view.record_restart_loss(node_id, previous);
+            }
+        }
+    }
+
+    /// With one copy of each key: every member killed and started again (no clean stop
+    /// behind it) is one recorded loss naming them all; a clean stop and a resume from it is
+    /// none; a member down since the stop that joins instead of resuming (its final snapshot
+    /// failed) is one.
+    #[test]
+    fn with_one_copy_a_restart_without_a_clean_stop_is_a_recorded_loss() {
+        let join = |node_id: u32, incarnation: u64| ViewCommand::Join {
+            node_id,
+            incarnation,
+        };
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            apply_noting_loss(&mut view, join(node_id, 10 + u64::from(node_id)), 1);
+        }
+        assert!(view.losses.is_empty(), "first starts: {:?}", view.losses);
+        // A crash of every node: each starts again, never seen down.
+        for node_id in 1..=3 {
+            apply_noting_loss(&mut view, join(node_id, 20 + u64::from(node_id)), 1);
+        }
+        assert_eq!(view.losses.len(), 1, "{:?}", view.losses);
+        assert_eq!(view.losses[0].nodes, vec![1, 2, 3]);
+        assert_eq!(view.losses[0].epoch, view.epoch);
+        apply_noting_loss(&mut view, ViewCommand::PromoteFilling, 1);
+        let up_to_epoch = view.epoch;
+        apply_noting_loss(&mut view, ViewCommand::AcknowledgeLosses { up_to_epoch }, 1);
+        // A clean stop and the resume of every node: nothing lost.
+        apply_noting_loss(&mut view, ViewCommand::Stop, 1);
+        let stopped_at = view.epoch;
+        for node_id in 1..=2 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Resume {
+                    node_id,
+                    incarnation: 30 + u64::from(node_id),
+                    stopped_at,
+                },
+                1,
+            );
+        }
+        assert!(view.losses.is_empty(), "resumed: {:?}", view.losses);
+        // Node 3's final snapshot failed: it joins instead of resuming.
+        apply_noting_loss(&mut view, join(3, 33), 1);
+        assert_eq!(view.losses.len(), 1, "{:?}", view.losses);
+        assert_eq!(view.losses[0].nodes, vec![3]);
+        // With two copies the filling rule decides, not this one.
+        assert_eq!(view.restarted_short(&join(1, 99), 2), None);
     }
 
     /// With two copies of each key, two members down at once lose the keys they alone held:
