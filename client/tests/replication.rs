@@ -547,6 +547,7 @@ async fn a_write_over_a_copy_newer_than_the_clock_stamps_its_blocks_above_it() {
             view_epoch: 0,
             created_unix_ms: 0,
             stopped_at: None,
+            replicas: None,
         };
         let mut writer = SnapshotWriter::create(&data_dir, &meta).expect("a snapshot");
         writer.append(key, b"loaded", ahead).expect("append");
