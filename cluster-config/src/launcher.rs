@@ -730,15 +730,22 @@ pub async fn stop(
 ) -> Result<Vec<String>> {
     let mut report = Vec::new();
     // A cluster with no node running has no view to stop.
+    let mut failed = false;
     if only.is_none()
         && config
             .nodes
             .iter()
             .any(|node| answers(node.control_address))
     {
-        report.push(stop_the_view(config).await);
+        match stop_the_view(config).await {
+            Ok(line) => report.push(line),
+            Err(warning) => {
+                // The nodes are stopped all the same; the exit says the stop was not clean.
+                failed = true;
+                report.push(warning);
+            }
+        }
     }
-    let mut failed = false;
     // Every node is tried: one that cannot be stopped does not keep the others running.
     for node in select(config, only)? {
         let started = Instant::now();
@@ -813,29 +820,55 @@ const STOP_APPLIED_WITHIN: Duration = Duration::from_secs(5);
 /// The whole cluster's clean stop (`docs/operations.md`, *Persistence*): the view's leader
 /// commits it, every serving node fences its clients at once and keeps its keys, and `down`
 /// waits until each running node has applied it before it stops them, so that each final
-/// snapshot holds every acknowledged write. Returns the line to print.
-pub async fn stop_the_view(config: &ClusterConfig) -> String {
+/// snapshot holds every acknowledged write. The line to print, or, when no node could commit
+/// it, the warning to print (the nodes then stop one by one, and a key deleted while one of
+/// them was out may come back).
+///
+/// # Errors
+/// The warning, when the stop was not committed within [`stop_commit_bound`] while some node
+/// still answered (a leader that just left or died: the others elect a new one within a few
+/// failure timeouts, and it is asked again), or when no node answered at all.
+pub async fn stop_the_view(config: &ClusterConfig) -> std::result::Result<String, String> {
     let timeout = config.failure_timeout + Duration::from_secs(2);
+    let bound = stop_commit_bound(config);
+    let asked = Instant::now();
     let mut last_error = String::from("no node answered");
     let mut stopped_at = None;
-    for node in &config.nodes {
-        let monitored = rdkv_common::protocol::MonitoredNode {
-            address: node.control_address,
-            id: Some(node.id),
-            secret: &config.secret,
-        };
-        match rdkv_common::protocol::request_cluster_stop(monitored, timeout).await {
-            Ok(epoch) => {
-                stopped_at = Some(epoch);
-                break;
+    let mut said_waiting = false;
+    while stopped_at.is_none() {
+        for node in &config.nodes {
+            let monitored = rdkv_common::protocol::MonitoredNode {
+                address: node.control_address,
+                id: Some(node.id),
+                secret: &config.secret,
+            };
+            match rdkv_common::protocol::request_cluster_stop(monitored, timeout).await {
+                Ok(epoch) => {
+                    stopped_at = Some(epoch);
+                    break;
+                }
+                Err(error) => last_error = format!("node {}: {error}", node.id),
             }
-            Err(error) => last_error = format!("node {}: {error}", node.id),
         }
+        let anyone_answers = config
+            .nodes
+            .iter()
+            .any(|node| answers(node.control_address));
+        if stopped_at.is_some() || !anyone_answers || asked.elapsed() >= bound {
+            break;
+        }
+        if !said_waiting {
+            said_waiting = true;
+            eprintln!(
+                "rdkv-cluster: the view's stop was not committed yet ({last_error}): asking again while the nodes elect a leader (up to {bound:?})"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let Some(epoch) = stopped_at else {
-        return format!(
-            "warning: the cluster's view was not stopped ({last_error}): the nodes stop one by one, and each keeps its last snapshot; nodes started again refill from each other"
-        );
+        return Err(format!(
+            "warning: the cluster's view was not stopped ({last_error}): the nodes stop one by one, and each keeps its last snapshot; nodes started again refill from each other or reconcile, and a key deleted while one of them was out may come back"
+        ));
     };
     let started = Instant::now();
     for node in &config.nodes {
@@ -854,9 +887,15 @@ pub async fn stop_the_view(config: &ClusterConfig) -> String {
             }
         }
     }
-    format!(
+    Ok(format!(
         "cluster stopped at view epoch {epoch}: every node fences its clients and writes its final snapshot as it stops"
-    )
+    ))
+}
+
+/// How long `down` asks for the view's stop: a leader that just left or died is replaced
+/// within a few failure timeouts.
+fn stop_commit_bound(config: &ClusterConfig) -> Duration {
+    config.failure_timeout * 3 + Duration::from_secs(3)
 }
 
 /// The last `lines` lines of a node's log: its log file under the run directory (a detached

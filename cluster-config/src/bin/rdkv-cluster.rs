@@ -654,7 +654,10 @@ async fn stop_all(
     // Only when this launcher runs the whole cluster: `up --node N` stops its node alone.
     let whole_cluster = nodes.len() == config.nodes.len();
     if whole_cluster && nodes.iter().any(|node| node.child.is_some()) {
-        say(&launcher::stop_the_view(config).await);
+        match launcher::stop_the_view(config).await {
+            Ok(line) => say(&line),
+            Err(warning) => eprintln!("rdkv-cluster: {warning}"),
+        }
     }
     for node in nodes {
         if node.child.is_some() {

@@ -55,11 +55,16 @@ impl ViewService {
     }
 
     /// The epoch of the stop this process applied while it served, while its record is still
-    /// `down` since it: the process does not rejoin (its next one resumes).
+    /// `down` since it: the process does not rejoin (its next one resumes). The record must
+    /// be this process's own (its incarnation): a node killed just before the stop, started
+    /// again after it, replays the log that names its record in the stop, but what it holds is
+    /// its older snapshot, which must not pass for the stop's (an attack found it written out
+    /// as the stop's snapshot, and the next start resumed from it, losing acknowledged writes).
     pub(super) fn stop_applied_here(&self) -> Option<u64> {
         let (epoch, stopped) = self.store.last_stop()?;
         let record = self.own_record()?;
         (stopped.contains(&self.node_id)
+            && record.incarnation == self.incarnation
             && record.state == MemberState::Down
             && record.since == epoch)
             .then_some(epoch)

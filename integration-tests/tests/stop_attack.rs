@@ -1,0 +1,534 @@
+//! Lost or resurrected data across whole-cluster stops mixed with a node's stop or death just
+//! before them (`docs/operations.md`, *Persistence*; found by attacking issue 38's stops).
+//!
+//! Writers each own disjoint keys and write them one operation at a time, recording every
+//! outcome; after the restart each key must read as its last acknowledged operation left it, or
+//! as one of the operations after it that failed (it may have applied).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use rdkv_client::Client;
+use rdkv_integration_tests::cluster::Cluster;
+use rdkv_integration_tests::view::{
+    cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
+};
+
+fn output_text(output: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn succeeded(output: &std::process::Output, what: &str) -> String {
+    let text = output_text(output);
+    assert!(output.status.success(), "{what} failed: {text}");
+    text
+}
+
+async fn wait_serving(cluster: &Cluster, limit: Duration) {
+    let (nodes, secret) = nodes_of(cluster);
+    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
+    wait_settled(&nodes, &secret, &ids, limit)
+        .await
+        .expect("every node serves again");
+}
+
+fn cluster_with(tag: &str, replicas: usize, extra: &str) -> Cluster {
+    Cluster::up_with(&format!("attack38-{tag}-r{replicas}"), |text| {
+        text.replace("replicas = 2", &format!("replicas = {replicas}"))
+            .replace(
+                "operation_deadline = \"2s\"",
+                &format!("operation_deadline = \"2s\"\n{extra}"),
+            )
+    })
+}
+
+/// One operation on a key and whether it returned Ok.
+#[derive(Debug, Clone)]
+struct Op {
+    /// `Some(value)`: a put; `None`: a delete.
+    value: Option<Vec<u8>>,
+    ok: bool,
+}
+
+type History = BTreeMap<Vec<u8>, Vec<Op>>;
+
+fn key_of(writer: usize, index: usize) -> Vec<u8> {
+    format!("a38-{writer}-{index:05}").into_bytes()
+}
+
+/// Writes `keys` keys first (every put must succeed), then overwrites/deletes them round robin
+/// until `stop` or `bound`; returns each key's history.
+async fn writer(
+    client: Arc<Client>,
+    writer: usize,
+    keys: usize,
+    stop: Arc<AtomicBool>,
+    bound: Duration,
+    max_ops: usize,
+) -> History {
+    let mut history = History::new();
+    for index in 0..keys {
+        let key = key_of(writer, index);
+        let value = format!("init-{writer}-{index}").into_bytes();
+        client.put(&key, &value).await.expect("initial put");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    let started = Instant::now();
+    let mut sequence = 0usize;
+    while !stop.load(Ordering::Acquire) && started.elapsed() < bound && sequence < max_ops {
+        let index = sequence % keys;
+        let key = key_of(writer, index);
+        let op = if sequence % 7 == 3 {
+            let ok = client.delete(&key).await.is_ok();
+            Op { value: None, ok }
+        } else {
+            let value = format!("v{sequence}-{writer}-{index}").into_bytes();
+            let ok = client.put(&key, &value).await.is_ok();
+            Op {
+                value: Some(value),
+                ok,
+            }
+        };
+        if !op.ok {
+            // Do not spin on a stopped cluster.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        history.entry(key).or_default().push(op);
+        sequence += 1;
+    }
+    history
+}
+
+/// The values a key may read as: its last acknowledged operation's, or any later one's.
+fn acceptable(ops: &[Op]) -> Vec<Option<Vec<u8>>> {
+    let last_ok = ops.iter().rposition(|op| op.ok);
+    let mut states = Vec::new();
+    match last_ok {
+        Some(index) => {
+            states.push(ops[index].value.clone());
+            for op in &ops[index + 1..] {
+                states.push(op.value.clone());
+            }
+        }
+        None => {
+            states.push(None);
+            for op in ops {
+                states.push(op.value.clone());
+            }
+        }
+    }
+    states
+}
+
+fn shown(value: Option<&[u8]>) -> String {
+    value.map_or("absent".into(), |bytes| {
+        String::from_utf8_lossy(bytes).chars().take(32).collect()
+    })
+}
+
+/// The keys that read as no acceptable state, with a description each.
+async fn wrong_keys(cluster: &Cluster, history: &History) -> Vec<String> {
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let mut wrong = Vec::new();
+    for (key, ops) in history {
+        let mut tries = 0;
+        let read = loop {
+            tries += 1;
+            match client.get(key).await {
+                Ok(read) => break read,
+                Err(error) if tries < 20 => {
+                    let _ = error;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(error) => panic!("get {}: {error}", String::from_utf8_lossy(key)),
+            }
+        };
+        let states = acceptable(ops);
+        if !states
+            .iter()
+            .any(|state| state.as_deref() == read.as_deref())
+        {
+            let last_ok = ops.iter().rposition(|op| op.ok);
+            wrong.push(format!(
+                "{} read {}, last acked {} (op {:?} of {}), later unacked {}",
+                String::from_utf8_lossy(key),
+                shown(read.as_deref()),
+                last_ok.map_or("none".into(), |index| shown(ops[index].value.as_deref())),
+                last_ok,
+                ops.len(),
+                last_ok.map_or(ops.len(), |index| ops.len() - index - 1)
+            ));
+        }
+    }
+    client.close().await;
+    wrong
+}
+
+fn assert_none_wrong(wrong: &[String], total: usize, what: &str) {
+    let resurrected = wrong
+        .iter()
+        .filter(|line| line.contains("last acked absent"))
+        .count();
+    let lost = wrong
+        .iter()
+        .filter(|line| line.contains(" read absent,"))
+        .count();
+    let lost_examples: Vec<&String> = wrong
+        .iter()
+        .filter(|line| !line.contains("last acked absent"))
+        .take(4)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{what}: {} of {total} keys wrong ({resurrected} deleted keys back, {lost} acked values read absent, {} others), first {:?}; non-resurrections {:?}",
+        wrong.len(),
+        wrong.len() - resurrected - lost,
+        &wrong[..wrong.len().min(4)],
+        lost_examples
+    );
+}
+
+/// Starts `writers` writers of `keys` keys each on one shared client; returns their handles.
+fn start_writers(
+    client: &Arc<Client>,
+    writers: usize,
+    keys: usize,
+    stop: &Arc<AtomicBool>,
+    bound: Duration,
+) -> Vec<tokio::task::JoinHandle<History>> {
+    (0..writers)
+        .map(|index| {
+            tokio::spawn(writer(
+                client.clone(),
+                index,
+                keys,
+                stop.clone(),
+                bound,
+                200_000,
+            ))
+        })
+        .collect()
+}
+
+async fn join_writers(handles: Vec<tokio::task::JoinHandle<History>>) -> History {
+    let mut all = History::new();
+    for handle in handles {
+        all.extend(handle.await.expect("writer"));
+    }
+    all
+}
+
+fn summary(history: &History) -> (usize, usize) {
+    let ops: usize = history.values().map(Vec::len).sum();
+    let failed: usize = history
+        .values()
+        .map(|ops| ops.iter().filter(|op| !op.ok).count())
+        .sum();
+    (ops, failed)
+}
+
+/// Writers run right up to (and through) `rdkv-cluster down`; after `up` every acknowledged
+/// write and delete holds.
+async fn writes_racing_down(replicas: usize) {
+    writes_racing_down_with(replicas, "").await;
+}
+
+async fn writes_racing_down_with(replicas: usize, extra: &str) {
+    let cluster = cluster_with("racing-down", replicas, extra);
+    let client = Arc::new(Client::from_file(&cluster.file).expect("a client"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = start_writers(&client, 4, 200, &stop, Duration::from_secs(30));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let down = {
+        let cluster_file = cluster.file.clone();
+        let run = cluster.run_directory.clone();
+        tokio::task::spawn_blocking(move || {
+            rdkv_integration_tests::cluster::rdkv_cluster(&[
+                "down",
+                cluster_file.to_str().unwrap(),
+                "--run-dir",
+                run.to_str().unwrap(),
+            ])
+        })
+        .await
+        .expect("down")
+    };
+    // Keep writing a little after `down` returned, to catch late acks.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Release);
+    let history = join_writers(handles).await;
+    client.close().await;
+    succeeded(&down, "down");
+    eprintln!("ops {:?}", summary(&history));
+    succeeded(&cluster_command(&cluster, "up", None), "up");
+    wait_serving(&cluster, Duration::from_secs(60)).await;
+    let wrong = wrong_keys(&cluster, &history).await;
+    assert_none_wrong(&wrong, history.len(), "after down (racing writes) and up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_racing_down_survive_up_with_two_copies() {
+    writes_racing_down(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_racing_down_survive_up_with_one_copy() {
+    writes_racing_down(1).await;
+}
+
+/// The same with `down --node 1` and then `rdkv-cluster down` of the rest.
+async fn node_down_then_cluster_down(replicas: usize, leader_first: bool) {
+    let cluster = cluster_with(
+        if leader_first {
+            "leader-down-delete"
+        } else {
+            "node-down-delete"
+        },
+        replicas,
+        "snapshot_interval = \"0s\"",
+    );
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let mut history = History::new();
+    for index in 0..300 {
+        let key = key_of(8, index);
+        let value = format!("first-{index}").into_bytes();
+        client.put(&key, &value).await.expect("put");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    let (nodes, secret) = nodes_of(&cluster);
+    let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 2)
+        .await
+        .and_then(|view| view.leader);
+    eprintln!("leader before down --node: {leader:?}");
+    let victim = if leader_first {
+        leader.expect("a leader")
+    } else {
+        1
+    };
+    succeeded(
+        &cluster_command(&cluster, "down", Some(victim)),
+        "down --node",
+    );
+    for index in 0..300 {
+        let key = key_of(8, index);
+        let op = if index % 2 == 0 {
+            let ok = client.delete(&key).await.is_ok();
+            Op { value: None, ok }
+        } else {
+            let value = format!("second-{index}").into_bytes();
+            let ok = client.put(&key, &value).await.is_ok();
+            Op {
+                value: Some(value),
+                ok,
+            }
+        };
+        history.entry(key).or_default().push(op);
+    }
+    client.close().await;
+    eprintln!("ops {:?}", summary(&history));
+    let down = cluster_command(&cluster, "down", None);
+    eprintln!(
+        "down (exit {:?}): {}",
+        down.status.code(),
+        output_text(&down)
+    );
+    succeeded(&down, "down");
+    let up = succeeded(&cluster_command(&cluster, "up", None), "up");
+    eprintln!("up: {up}");
+    wait_serving(&cluster, Duration::from_secs(90)).await;
+    let wrong = wrong_keys(&cluster, &history).await;
+    assert_none_wrong(
+        &wrong,
+        history.len(),
+        &format!("down --node {victim}, deletes, down, up"),
+    );
+}
+
+/// `down --node L` of the view's leader, deletes, then `rdkv-cluster down` at once: the others
+/// have no leader yet. `down` asks again while they elect one, so the stop is committed, and
+/// after `up` the nodes resume from it: no deleted key comes back from the left node's copy
+/// (when `down` gave up at once, they reconciled, and the deletes were undone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_after_the_leader_left_stay_deleted_across_down_and_up() {
+    node_down_then_cluster_down(2, true).await;
+}
+
+/// A snapshot of every node, then deletes and overwrites, then `kill -9` of the view's leader
+/// and `rdkv-cluster down` at once (the others stop cleanly); then `up`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_before_the_leader_is_killed_and_the_cluster_stopped_stay_deleted() {
+    let cluster = cluster_with("leader-killed-down", 2, "snapshot_interval = \"0s\"");
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let mut history = History::new();
+    for index in 0..300 {
+        let key = key_of(5, index);
+        let value = format!("first-{index}").into_bytes();
+        client.put(&key, &value).await.expect("put");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
+    for index in 0..300 {
+        let key = key_of(5, index);
+        let op = if index % 2 == 0 {
+            let ok = client.delete(&key).await.is_ok();
+            Op { value: None, ok }
+        } else {
+            let value = format!("second-{index}").into_bytes();
+            let ok = client.put(&key, &value).await.is_ok();
+            Op {
+                value: Some(value),
+                ok,
+            }
+        };
+        history.entry(key).or_default().push(op);
+    }
+    client.close().await;
+    let (nodes, secret) = nodes_of(&cluster);
+    let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 1)
+        .await
+        .and_then(|view| view.leader)
+        .expect("a leader");
+    eprintln!("killing the leader, node {leader}");
+    signal(&cluster, leader, Signal::SIGKILL);
+    wait_torn_down(pid_of(&cluster, leader), Duration::from_secs(10));
+    let down = cluster_command(&cluster, "down", None);
+    eprintln!(
+        "down (exit {:?}): {}",
+        down.status.code(),
+        output_text(&down)
+    );
+    let up = output_text(&cluster_command(&cluster, "up", None));
+    eprintln!("up: {up}");
+    wait_serving(&cluster, Duration::from_secs(90)).await;
+    let wrong = wrong_keys(&cluster, &history).await;
+    assert_none_wrong(&wrong, history.len(), "leader killed, down at once, up");
+}
+
+/// `kill -9` of the view's leader, `rdkv-cluster down` a second later (before the others mark
+/// it down: the stop takes it down with them), then `up`: the killed node is started by the
+/// same `up` and joins (its snapshot is not the stop's), so the resumed members do not wait
+/// out the 30 s resume bound for it (`serving without the members of the stop that did not
+/// come back`). Before, the replayed log told the new process the stop was its own, and it
+/// never asked to join.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_before_the_stop_joins_at_the_next_up() {
+    let cluster = cluster_with("killed-leader-up", 2, "snapshot_interval = \"0s\"");
+    let client = Client::from_file(&cluster.file).expect("a client");
+    for index in 0..100 {
+        client.put(&key_of(2, index), b"value").await.expect("put");
+    }
+    client.close().await;
+    succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
+    let (nodes, secret) = nodes_of(&cluster);
+    let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 1)
+        .await
+        .and_then(|view| view.leader)
+        .expect("a leader");
+    signal(&cluster, leader, Signal::SIGKILL);
+    wait_torn_down(pid_of(&cluster, leader), Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let down = cluster_command(&cluster, "down", None);
+    eprintln!("down: {}", output_text(&down));
+    let up = output_text(&cluster_command(&cluster, "up", None));
+    eprintln!("up: {up}");
+    wait_serving(&cluster, Duration::from_secs(90)).await;
+    for id in 1..=3 {
+        let log = rdkv_integration_tests::view::log_of(&cluster, id);
+        assert!(
+            !log.contains("serving without the members of the stop that did not come back"),
+            "node {id} waited out the resume bound for the killed leader {leader}"
+        );
+    }
+    let client = Client::from_file(&cluster.file).expect("a client");
+    for index in 0..100 {
+        let read = client.get(&key_of(2, index)).await.expect("get");
+        assert_eq!(read.as_deref(), Some(&b"value"[..]), "key {index}");
+    }
+    client.close().await;
+}
+
+/// A snapshot of every node (values v1), then v2 written to every key, then `kill -9` of the
+/// view's leader and `rdkv-cluster down` a second later (the stop takes the killed node down
+/// with the others). `up`: the killed node loads its v1 snapshot, which names no stop, but its
+/// view state says the stop took it down, so it does not join; `down` again while the others
+/// wait for it: its final snapshot now names the stop. `up` again: every key must read v2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_before_the_stop_never_passes_its_older_snapshot_for_the_stop_s() {
+    stale_snapshot_relabelled(true).await;
+}
+
+/// The same with a follower killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_killed_before_the_stop_never_passes_its_older_snapshot_for_the_stop_s() {
+    stale_snapshot_relabelled(false).await;
+}
+
+async fn stale_snapshot_relabelled(kill_leader: bool) {
+    let cluster = cluster_with("relabelled", 2, "snapshot_interval = \"0s\"");
+    let client = Client::from_file(&cluster.file).expect("a client");
+    let mut history = History::new();
+    for index in 0..300 {
+        let key = key_of(1, index);
+        let value = format!("v1-{index}").into_bytes();
+        client.put(&key, &value).await.expect("put v1");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
+    for index in 0..300 {
+        let key = key_of(1, index);
+        let value = format!("v2-{index}").into_bytes();
+        client.put(&key, &value).await.expect("put v2");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    client.close().await;
+    let (nodes, secret) = nodes_of(&cluster);
+    let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 1)
+        .await
+        .and_then(|view| view.leader)
+        .expect("a leader");
+    let leader = if kill_leader {
+        leader
+    } else {
+        (1..=3).find(|id| *id != leader).expect("a follower")
+    };
+    signal(&cluster, leader, Signal::SIGKILL);
+    wait_torn_down(pid_of(&cluster, leader), Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(if kill_leader { 1000 } else { 300 })).await;
+    let down = cluster_command(&cluster, "down", None);
+    eprintln!("killed node {leader}; down: {}", output_text(&down));
+    let up = output_text(&cluster_command(&cluster, "up", None));
+    eprintln!("first up: {up}");
+    let down = cluster_command(&cluster, "down", None);
+    eprintln!("second down: {}", output_text(&down));
+    let up = output_text(&cluster_command(&cluster, "up", None));
+    eprintln!("second up: {up}");
+    wait_serving(&cluster, Duration::from_secs(90)).await;
+    let wrong = wrong_keys(&cluster, &history).await;
+    assert_none_wrong(
+        &wrong,
+        history.len(),
+        &format!("node {leader} killed, down, up, down (while it waits), up"),
+    );
+}
