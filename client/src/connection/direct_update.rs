@@ -1,10 +1,12 @@
 //! An update by direct access to the node's memory (`rdkv_fabric::DirectAccess`), where the
 //! fabric shares it (`shm`): the lean path of a single-copy write of a key the slot cache
 //! holds (`docs/protocol.md`, *Direct updates*). The steps of a narrow replace
-//! ([`crate::operations::mutate`]) as calls instead of lists: announce the operation, WRITE
-//! the new block into the connection's heap chunk, READ the guessed slot's word and the head
-//! (header and key) of the block it names, CAS the slot from that word to the new block's,
-//! READ the node's lease word, announce the finish. No scratch buffer, no list, no
+//! ([`crate::operations::mutate`]) as calls instead of lists, all inside one direct call
+//! (holding the queue pair's executor): reserve the new block's place and number the operation,
+//! announce it, WRITE the new block into the connection's heap chunk, READ the guessed slot's
+//! word and the head (header and key) of the block it names, READ the node's lease word and
+//! stop unless it and the clock still cover the call, CAS the slot from that word to the new
+//! block's, READ the lease word again, announce the finish. No scratch buffer, no list, no
 //! completion, no wake-up, no allocation, and one copy of the value (into the node's heap).
 //!
 //! It does not read the old block's value or check its checksum: a replace needs only that
@@ -22,14 +24,16 @@ use rdkv_common::protocol::ANNOUNCE_SIZE;
 use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 
 use super::announce::Announcer;
+use super::direct_get::ReadStands;
 use super::slot_cache::Guess;
 use super::{BlockPlace, NodeConnection};
 use crate::block::Block;
 use crate::error::Error;
 
 /// The accesses of a direct update whose CAS swapped, counted as the requests of its lists
-/// would be: the block WRITE, the slot word, the old block's head, the CAS and the lease word.
-const DIRECT_UPDATE_ACCESSES: u64 = 5;
+/// would be: the block WRITE, the slot word, the old block's head, the CAS and the lease word
+/// (read before and after the CAS).
+const DIRECT_UPDATE_ACCESSES: u64 = 6;
 
 /// What a direct update did.
 #[derive(Debug)]
@@ -54,6 +58,11 @@ enum Swap {
     Stale,
     /// The slot changed between its READ and the CAS.
     Lost,
+    /// Before the CAS, the node's lease did not cover the accesses so far: nothing published.
+    LeaseLapsed,
+    /// Before the CAS, the accesses had taken the node's operation deadline or longer (the
+    /// thread was stopped or preempted in the middle): nothing published.
+    Late,
 }
 
 /// The new block, and where it goes.
@@ -66,9 +75,25 @@ struct NewBlock<'a> {
     slot: Slot,
 }
 
+/// What one direct call did.
+enum Attempt {
+    /// No room left in the connection's heap chunk: nothing ran (the ordinary write asks for
+    /// the next chunk).
+    NoRoom,
+    /// The accesses ran, for the new block's slot word.
+    Ran {
+        /// What they found.
+        swap: Result<Swap, WorkCompletionStatus>,
+        /// The committed word of the new block.
+        new_slot: Slot,
+    },
+}
+
 impl NodeConnection {
     /// Replaces `key`'s value with `value` by direct access when the connection can and the
-    /// slot cache has a guess for the key ([`DirectWrite`]).
+    /// slot cache has a guess for the key ([`DirectWrite`]). It takes this process's writer
+    /// turn for the key only when it is free: a writer by lists holding it (between its lists)
+    /// is not overtaken, and this write takes the lists, behind it.
     pub(crate) fn update_direct(
         &self,
         operation: &'static str,
@@ -82,28 +107,46 @@ impl NodeConnection {
         let Some(guess) = self.guess(location) else {
             return DirectWrite::NotHere;
         };
-        let block = Block::new(key, value, false, crate::version::next_version(0));
-        let shape = block.shape();
-        let Some((place, (number, word))) =
-            self.reserve_in_chunk(shape.length(), Announcer::start_direct)
-        else {
-            // The chunk is full: the ordinary write asks for the next one.
+        let Some(_turn) = self.try_writer_turn(location) else {
             return DirectWrite::NotHere;
-        };
-        let new = NewBlock {
-            block,
-            place,
-            slot: shape.slot(location.fingerprint, place.heap_offset),
         };
         let posted_at = Instant::now();
-        let Some(swap) = self.queue_pair.direct_at(posted_at, |access| {
-            self.direct_replace(access, (number, &word), location, guess, &new)
-        }) else {
-            // Busy (or no direct access): nothing ran, the place stays unused.
-            self.announcer.finish(number);
-            return DirectWrite::NotHere;
-        };
-        self.after_replace(operation, swap, location, guess, new.slot, posted_at)
+        // Everything inside the call, holding the queue pair's executor: the place and the
+        // operation's number are taken there (so the announce words this connection writes
+        // only grow: a number taken outside and written later could carry an older `started`
+        // than a list's WRITE in between), and a provider without direct access (`soft`,
+        // `loopback`) or a busy queue pair costs nothing, not a reserved place.
+        let attempt = self.queue_pair.direct_at(posted_at, |access| {
+            let block = Block::new(key, value, false, crate::version::next_version(0));
+            let shape = block.shape();
+            let Some((place, (number, word))) =
+                self.reserve_in_chunk(shape.length(), Announcer::start_direct)
+            else {
+                return Attempt::NoRoom;
+            };
+            let new = NewBlock {
+                block,
+                place,
+                slot: shape.slot(location.fingerprint, place.heap_offset),
+            };
+            Attempt::Ran {
+                swap: self.direct_replace(
+                    access,
+                    (number, &word),
+                    location,
+                    guess,
+                    &new,
+                    posted_at,
+                ),
+                new_slot: new.slot,
+            }
+        });
+        match attempt {
+            Some(Attempt::Ran { swap, new_slot }) => {
+                self.after_replace(operation, swap, location, guess, new_slot, posted_at)
+            }
+            Some(Attempt::NoRoom) | None => DirectWrite::NotHere,
+        }
     }
 
     /// What the accesses' outcome `swap` means, counted.
@@ -120,6 +163,7 @@ impl NodeConnection {
         let lease_word = match swap {
             Ok(Swap::Swapped(lease_word)) => lease_word,
             Ok(Swap::Stale) => {
+                counters.slot_guesses.add(1);
                 counters.slot_guess_misses.add(1);
                 self.slot_cache.forget(location);
                 return DirectWrite::NotHere;
@@ -128,12 +172,21 @@ impl NodeConnection {
                 counters.cas_failures.add(1);
                 return DirectWrite::NotHere;
             }
+            Ok(Swap::LeaseLapsed) => {
+                // As a list the lease refuses: the connection is retired, and the ordinary
+                // write asks for the view.
+                self.mark_broken();
+                counters.lease_refusals.add(1);
+                return DirectWrite::NotHere;
+            }
+            Ok(Swap::Late) => return DirectWrite::NotHere,
             Err(_status) => {
                 // Before the CAS, or the CAS itself, which then did not run.
                 self.mark_broken();
                 return DirectWrite::NotHere;
             }
         };
+        counters.slot_guesses.add(1);
         counters.round_trips.add(1);
         counters.verbs.add(DIRECT_UPDATE_ACCESSES);
         self.slot_cache.remember(location, guess.position, new_slot);
@@ -158,7 +211,9 @@ impl NodeConnection {
     }
 
     /// The accesses of a direct update, announced (operation `number`, its start `word`) from
-    /// first to last: the block's WRITE, then the guessed slot, the CAS and the lease word.
+    /// first to last: the block's WRITE, then the guessed slot, the lease word and the time
+    /// (both must still cover what was done before the CAS publishes anything), the CAS, and
+    /// the lease word again.
     fn direct_replace(
         &self,
         access: &mut dyn DirectAccess,
@@ -166,14 +221,22 @@ impl NodeConnection {
         location: &KeyLocation,
         guess: Guess,
         new: &NewBlock<'_>,
+        posted_at: Instant,
     ) -> Result<Swap, WorkCompletionStatus> {
         let announce = self.keys.announce_key.at(0);
+        let lease_at = self.keys.lease_key.at(0);
         let swap = access.write(announce, word).and_then(|()| {
             write_block(access, new)?;
             let Some(current) = self.read_guessed_head(access, new.block.key(), location, guess)?
             else {
                 return Ok(Swap::Stale);
             };
+            let lease_word = access.read_u64(lease_at)?;
+            match self.direct_read_stands(lease_word, posted_at, Instant::now()) {
+                ReadStands::Yes => {}
+                ReadStands::PastDeadline => return Ok(Swap::Late),
+                ReadStands::LeaseLapsed => return Ok(Swap::LeaseLapsed),
+            }
             let slot_at = self
                 .keys
                 .index_key
@@ -181,7 +244,7 @@ impl NodeConnection {
             if access.compare_and_swap(slot_at, current.0, new.slot.0)? != current.0 {
                 return Ok(Swap::Lost);
             }
-            Ok(Swap::Swapped(access.read_u64(self.keys.lease_key.at(0))))
+            Ok(Swap::Swapped(access.read_u64(lease_at)))
         });
         let finished = self.announcer.finish_direct(number);
         // Not needed for what was done: it lets the node reclaim sooner. A failure leaves

@@ -30,11 +30,28 @@ impl NodeConnection {
         &self,
         location: &rdkv_common::layout::KeyLocation,
     ) -> tokio::sync::MutexGuard<'_, ()> {
+        self.writer_stripe(location).lock().await
+    }
+
+    /// The writer turn for the key at `location` if nobody in this process holds it now (a
+    /// direct update, which never waits: `direct_update.rs`).
+    pub(crate) fn try_writer_turn(
+        &self,
+        location: &rdkv_common::layout::KeyLocation,
+    ) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        self.writer_stripe(location).try_lock().ok()
+    }
+
+    /// The stripe of the key at `location`.
+    fn writer_stripe(
+        &self,
+        location: &rdkv_common::layout::KeyLocation,
+    ) -> &tokio::sync::Mutex<()> {
         let stripes = &self.writer_stripes.0;
         let stripe = (location.combined_buckets[0]
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(u64::from(location.fingerprint))
             % stripes.len() as u64) as usize;
-        stripes[stripe].lock().await
+        &stripes[stripe]
     }
 }
