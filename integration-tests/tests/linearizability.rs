@@ -217,11 +217,18 @@ async fn concurrent_history(server: &ServerProcess, shared_memory: SharedMemory)
         );
     }
     // The clients share the process's slot cache, so most lookups guess, and the other
-    // clients' writes make many guesses stale: both paths of *Guessed blocks* are in the
-    // checked history (on the reused heap, with words that come back at reused offsets).
+    // clients' writes make guesses stale: both paths of *Guessed blocks* are in the checked
+    // history (on the reused heap, with words that come back at reused offsets). Over `shm`,
+    // direct writes run inside one call and teach the shared cache at once, so fewer guesses
+    // go stale: 102–155 on a quiet machine, 34–37 under the tests' load.
+    let least_stale = if shared_memory == SharedMemory::Require {
+        10
+    } else {
+        50
+    };
     assert!(
-        guesses > 2_000 && stale > 50,
-        "guessed lookups {guesses}, stale guesses {stale}"
+        guesses > 2_000 && stale > least_stale,
+        "guessed lookups {guesses}, stale guesses {stale} (at least {least_stale} expected)"
     );
     assert!(history.len() as u64 >= CLIENTS * OPERATIONS_PER_CLIENT);
     assert!(history.len() >= 20_000);

@@ -465,9 +465,10 @@ async fn a_leader_killed_before_the_stop_joins_at_the_next_up() {
 
 /// A snapshot of every node (values v1), then v2 written to every key, then `kill -9` of the
 /// view's leader and `rdkv-cluster down` a second later (the stop takes the killed node down
-/// with the others). `up`: the killed node loads its v1 snapshot, which names no stop, but its
-/// view state says the stop took it down, so it does not join; `down` again while the others
-/// wait for it: its final snapshot now names the stop. `up` again: every key must read v2.
+/// with the others). `up`: the killed node loads its v1 snapshot, which names no stop; `down`
+/// again, then `up` again: every key must read v2. Before, its replayed view log said the stop
+/// took it down, so it did not join, its final snapshot at the second `down` named the stop,
+/// and the second `up` resumed from its v1 copies (about a third of the keys read v1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_before_the_stop_never_passes_its_older_snapshot_for_the_stop_s() {
     stale_snapshot_relabelled(true).await;
