@@ -17,6 +17,10 @@ use rdkv_integration_tests::view::{
     cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
 };
 
+/// One cluster at a time: each test starts three nodes, kills and stops them, and two at once
+/// on a loaded 2-core machine would time each other out.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn output_text(output: &std::process::Output) -> String {
     format!(
         "{}{}",
@@ -40,7 +44,7 @@ async fn wait_serving(cluster: &Cluster, limit: Duration) {
 }
 
 fn cluster_with(tag: &str, replicas: usize, extra: &str) -> Cluster {
-    Cluster::up_with(&format!("attack38-{tag}-r{replicas}"), |text| {
+    Cluster::up_with(&format!("stop-attack-{tag}-r{replicas}"), |text| {
         text.replace("replicas = 2", &format!("replicas = {replicas}"))
             .replace(
                 "operation_deadline = \"2s\"",
@@ -244,6 +248,7 @@ async fn writes_racing_down(replicas: usize) {
 }
 
 async fn writes_racing_down_with(replicas: usize, extra: &str) {
+    let _serial = SERIAL.lock().await;
     let cluster = cluster_with("racing-down", replicas, extra);
     let client = Arc::new(Client::from_file(&cluster.file).expect("a client"));
     let stop = Arc::new(AtomicBool::new(false));
@@ -288,6 +293,7 @@ async fn writes_racing_down_survive_up_with_one_copy() {
 
 /// The same with `down --node 1` and then `rdkv-cluster down` of the rest.
 async fn node_down_then_cluster_down(replicas: usize, leader_first: bool) {
+    let _serial = SERIAL.lock().await;
     let cluster = cluster_with(
         if leader_first {
             "leader-down-delete"
@@ -370,6 +376,7 @@ async fn deletes_after_the_leader_left_stay_deleted_across_down_and_up() {
 /// and `rdkv-cluster down` at once (the others stop cleanly); then `up`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_before_the_leader_is_killed_and_the_cluster_stopped_stay_deleted() {
+    let _serial = SERIAL.lock().await;
     let cluster = cluster_with("leader-killed-down", 2, "snapshot_interval = \"0s\"");
     let client = Client::from_file(&cluster.file).expect("a client");
     let mut history = History::new();
@@ -428,6 +435,7 @@ async fn deletes_before_the_leader_is_killed_and_the_cluster_stopped_stay_delete
 /// never asked to join.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_before_the_stop_joins_at_the_next_up() {
+    let _serial = SERIAL.lock().await;
     let cluster = cluster_with("killed-leader-up", 2, "snapshot_interval = \"0s\"");
     let client = Client::from_file(&cluster.file).expect("a client");
     for index in 0..100 {
@@ -481,7 +489,13 @@ async fn a_follower_killed_before_the_stop_never_passes_its_older_snapshot_for_t
 }
 
 async fn stale_snapshot_relabelled(kill_leader: bool) {
-    let cluster = cluster_with("relabelled", 2, "snapshot_interval = \"0s\"");
+    let _serial = SERIAL.lock().await;
+    let tag = if kill_leader {
+        "relabelled-leader"
+    } else {
+        "relabelled-follower"
+    };
+    let cluster = cluster_with(tag, 2, "snapshot_interval = \"0s\"");
     let client = Client::from_file(&cluster.file).expect("a client");
     let mut history = History::new();
     for index in 0..300 {
