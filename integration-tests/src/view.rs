@@ -379,3 +379,30 @@ pub async fn wait_for_state(
     .await
     .unwrap_or_else(|last| panic!("node {observer} never saw node {id} {state}; last: {last:?}"))
 }
+
+/// Waits until every node of `cluster`'s file serves (after an `up` or a restart), within
+/// `limit`; panics otherwise.
+pub async fn wait_serving(cluster: &Cluster, limit: Duration) {
+    let (nodes, secret) = nodes_of(cluster);
+    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
+    wait_settled(&nodes, &secret, &ids, limit)
+        .await
+        .expect("every node serves again");
+}
+
+/// A command's stdout then stderr, as text.
+pub fn output_text(output: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The output of a command that must have succeeded (panics naming `what` and the output
+/// otherwise).
+pub fn succeeded(output: &std::process::Output, what: &str) -> String {
+    let text = output_text(output);
+    assert!(output.status.success(), "{what} failed: {text}");
+    text
+}

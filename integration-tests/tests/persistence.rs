@@ -14,7 +14,7 @@ use rdkv_client::Client;
 use rdkv_common::sharding;
 use rdkv_integration_tests::cluster::{scrape, Cluster};
 use rdkv_integration_tests::view::{
-    cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
+    cluster_command, pid_of, signal, succeeded, wait_serving, wait_torn_down,
 };
 
 /// Keys written before the stop, by default; `RDKV_PERSISTENCE_KEYS=100000` runs the issue's
@@ -63,15 +63,6 @@ async fn write_history(client: &Client) -> BTreeMap<Vec<u8>, Option<Vec<u8>>> {
     expected
 }
 
-/// Waits until every node of `cluster` serves again (after a restart), within `limit`.
-async fn wait_serving(cluster: &Cluster, limit: Duration) {
-    let (nodes, secret) = nodes_of(cluster);
-    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
-    wait_settled(&nodes, &secret, &ids, limit)
-        .await
-        .expect("every node serves again");
-}
-
 /// The keys that do not read back as `expected` says, nor as `newer` does where it names the
 /// key (a fresh client: the cluster's processes are new).
 async fn keys_read_wrong(
@@ -116,16 +107,6 @@ async fn check(cluster: &Cluster, expected: &BTreeMap<Vec<u8>, Option<Vec<u8>>>)
         expected.len(),
         &wrong[..wrong.len().min(5)]
     );
-}
-
-fn succeeded(output: &std::process::Output, what: &str) -> String {
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "{what} failed: {text}");
-    text
 }
 
 async fn clean_restart_keeps_every_key(replicas: usize) {

@@ -11,28 +11,9 @@ use rdkv_client::{CasOutcome, Client, ClientBuilder};
 use rdkv_common::sharding;
 use rdkv_integration_tests::cluster::Cluster;
 use rdkv_integration_tests::view::{
-    cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
+    cluster_command, nodes_of, pid_of, signal, succeeded, wait_serving, wait_torn_down,
 };
 use tokio::sync::{Notify, Semaphore};
-
-fn succeeded(output: &std::process::Output, what: &str) -> String {
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "{what} failed: {text}");
-    text
-}
-
-/// Waits until every node of `cluster` serves, within `limit`.
-async fn wait_serving(cluster: &Cluster, limit: Duration) {
-    let (nodes, secret) = nodes_of(cluster);
-    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
-    wait_settled(&nodes, &secret, &ids, limit)
-        .await
-        .expect("every node serves again");
-}
 
 /// `kill -9` of every node, each torn down before the next.
 fn crash_every_node(cluster: &Cluster) {

@@ -14,34 +14,12 @@ use nix::sys::signal::Signal;
 use rdkv_client::Client;
 use rdkv_integration_tests::cluster::Cluster;
 use rdkv_integration_tests::view::{
-    cluster_command, nodes_of, pid_of, signal, wait_settled, wait_torn_down,
+    cluster_command, nodes_of, output_text, pid_of, signal, succeeded, wait_serving, wait_torn_down,
 };
 
 /// One cluster at a time: each test starts three nodes, kills and stops them, and two at once
 /// on a loaded 2-core machine would time each other out.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn output_text(output: &std::process::Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn succeeded(output: &std::process::Output, what: &str) -> String {
-    let text = output_text(output);
-    assert!(output.status.success(), "{what} failed: {text}");
-    text
-}
-
-async fn wait_serving(cluster: &Cluster, limit: Duration) {
-    let (nodes, secret) = nodes_of(cluster);
-    let ids: Vec<u32> = nodes.iter().map(|(id, _)| *id).collect();
-    wait_settled(&nodes, &secret, &ids, limit)
-        .await
-        .expect("every node serves again");
-}
 
 fn cluster_with(tag: &str, replicas: usize, extra: &str) -> Cluster {
     Cluster::up_with(&format!("stop-attack-{tag}-r{replicas}"), |text| {
@@ -291,7 +269,43 @@ async fn writes_racing_down_survive_up_with_one_copy() {
     writes_racing_down(1).await;
 }
 
-/// The same with `down --node 1` and then `rdkv-cluster down` of the rest.
+/// Puts `first-INDEX` into 300 keys of `writer` (each must succeed): their history.
+async fn write_first(client: &Client, writer: usize) -> History {
+    let mut history = History::new();
+    for index in 0..300 {
+        let key = key_of(writer, index);
+        let value = format!("first-{index}").into_bytes();
+        client.put(&key, &value).await.expect("put");
+        history.entry(key).or_default().push(Op {
+            value: Some(value),
+            ok: true,
+        });
+    }
+    history
+}
+
+/// Deletes the even keys of [`write_first`]'s and overwrites the odd ones with
+/// `second-INDEX`, recording each outcome in `history`.
+async fn delete_or_overwrite(client: &Client, writer: usize, history: &mut History) {
+    for index in 0..300 {
+        let key = key_of(writer, index);
+        let op = if index % 2 == 0 {
+            let ok = client.delete(&key).await.is_ok();
+            Op { value: None, ok }
+        } else {
+            let value = format!("second-{index}").into_bytes();
+            let ok = client.put(&key, &value).await.is_ok();
+            Op {
+                value: Some(value),
+                ok,
+            }
+        };
+        history.entry(key).or_default().push(op);
+    }
+}
+
+/// `down --node` of node 1 or of the leader, deletes and overwrites, then `rdkv-cluster down`
+/// of the rest and `up`.
 async fn node_down_then_cluster_down(replicas: usize, leader_first: bool) {
     let _serial = SERIAL.lock().await;
     let cluster = cluster_with(
@@ -304,16 +318,7 @@ async fn node_down_then_cluster_down(replicas: usize, leader_first: bool) {
         "snapshot_interval = \"0s\"",
     );
     let client = Client::from_file(&cluster.file).expect("a client");
-    let mut history = History::new();
-    for index in 0..300 {
-        let key = key_of(8, index);
-        let value = format!("first-{index}").into_bytes();
-        client.put(&key, &value).await.expect("put");
-        history.entry(key).or_default().push(Op {
-            value: Some(value),
-            ok: true,
-        });
-    }
+    let mut history = write_first(&client, 8).await;
     let (nodes, secret) = nodes_of(&cluster);
     let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 2)
         .await
@@ -328,21 +333,7 @@ async fn node_down_then_cluster_down(replicas: usize, leader_first: bool) {
         &cluster_command(&cluster, "down", Some(victim)),
         "down --node",
     );
-    for index in 0..300 {
-        let key = key_of(8, index);
-        let op = if index % 2 == 0 {
-            let ok = client.delete(&key).await.is_ok();
-            Op { value: None, ok }
-        } else {
-            let value = format!("second-{index}").into_bytes();
-            let ok = client.put(&key, &value).await.is_ok();
-            Op {
-                value: Some(value),
-                ok,
-            }
-        };
-        history.entry(key).or_default().push(op);
-    }
+    delete_or_overwrite(&client, 8, &mut history).await;
     client.close().await;
     eprintln!("ops {:?}", summary(&history));
     let down = cluster_command(&cluster, "down", None);
@@ -379,32 +370,9 @@ async fn deletes_before_the_leader_is_killed_and_the_cluster_stopped_stay_delete
     let _serial = SERIAL.lock().await;
     let cluster = cluster_with("leader-killed-down", 2, "snapshot_interval = \"0s\"");
     let client = Client::from_file(&cluster.file).expect("a client");
-    let mut history = History::new();
-    for index in 0..300 {
-        let key = key_of(5, index);
-        let value = format!("first-{index}").into_bytes();
-        client.put(&key, &value).await.expect("put");
-        history.entry(key).or_default().push(Op {
-            value: Some(value),
-            ok: true,
-        });
-    }
+    let mut history = write_first(&client, 5).await;
     succeeded(&cluster_command(&cluster, "snapshot", None), "snapshot");
-    for index in 0..300 {
-        let key = key_of(5, index);
-        let op = if index % 2 == 0 {
-            let ok = client.delete(&key).await.is_ok();
-            Op { value: None, ok }
-        } else {
-            let value = format!("second-{index}").into_bytes();
-            let ok = client.put(&key, &value).await.is_ok();
-            Op {
-                value: Some(value),
-                ok,
-            }
-        };
-        history.entry(key).or_default().push(op);
-    }
+    delete_or_overwrite(&client, 5, &mut history).await;
     client.close().await;
     let (nodes, secret) = nodes_of(&cluster);
     let leader = rdkv_integration_tests::view::view_of(&nodes, &secret, 1)
