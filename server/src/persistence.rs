@@ -89,6 +89,11 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
             .then(|| node.view.stopped_at())
             .flatten(),
         created_unix_ms: unix_ms(),
+        // Only a final snapshot, every connection torn down, of a node that stopped serving
+        // while the view had it serving holds every acknowledged write up to that epoch.
+        fenced_at: (reason == Reason::Shutdown)
+            .then(|| node.view.stopped_serving_at())
+            .flatten(),
         replicas: node
             .config
             .cluster
@@ -119,6 +124,7 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
                 bytes = written.bytes,
                 took = ?started.elapsed(),
                 stopped_at = ?meta.stopped_at,
+                fenced_at = ?meta.fenced_at,
                 file = %written.path.display(),
                 "snapshot written"
             );
@@ -393,6 +399,11 @@ pub struct Loaded {
     pub keys: u64,
     /// The cluster stop the snapshot was written at, if any.
     pub stopped_at: Option<u64>,
+    /// The view epoch it was taken under.
+    pub view_epoch: u64,
+    /// The epoch its node stopped serving at, for a final snapshot of a node the view had
+    /// serving.
+    pub fenced_at: Option<u64>,
 }
 
 /// Checks the node's snapshot whole and loads it into the empty table and heap; `None` when
@@ -435,6 +446,8 @@ pub fn start_from_snapshot(
     Ok(Some(Loaded {
         keys,
         stopped_at: checked.meta.stopped_at,
+        view_epoch: checked.meta.view_epoch,
+        fenced_at: checked.meta.fenced_at,
     }))
 }
 
@@ -496,6 +509,7 @@ pub fn load_snapshot(path: &Path, table: &TableRegion, heap: &Heap) -> Result<u6
         bytes = loaded.bytes,
         written_at_ms = loaded.meta.created_unix_ms,
         stopped_at = ?loaded.meta.stopped_at,
+        fenced_at = ?loaded.meta.fenced_at,
         took = ?started.elapsed(),
         "snapshot loaded"
     );

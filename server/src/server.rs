@@ -226,9 +226,13 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         config,
     });
     if let Some(loaded) = loaded {
-        node.snapshots
-            .loaded_keys
-            .store(loaded.keys, std::sync::atomic::Ordering::Relaxed);
+        let snapshots = &node.snapshots;
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        snapshots.loaded_keys.store(loaded.keys, relaxed);
+        snapshots.loaded_epoch.store(loaded.view_epoch, relaxed);
+        snapshots
+            .loaded_fenced_at
+            .store(loaded.fenced_at.unwrap_or(0), relaxed);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;

@@ -15,25 +15,33 @@
 //! included) either the old complete file or the new complete file. A crash leaves at most a
 //! stale `*.tmp` file, which the next writer truncates or replaces.
 //!
-//! # Layout (format version 2)
+//! # Layout (format version 4)
 //!
 //! All integers are little-endian. Checksums are `xxh3_64`. The file is a header, frames of
 //! records, and a trailer.
 //!
-//! Header (`56 + C` bytes):
+//! Header (`68 + C` bytes):
 //!
-//! | offset   | size | field                                                 |
-//! |----------|------|-------------------------------------------------------|
-//! | 0        | 14   | magic `rdkv-snapshot\0`                               |
-//! | 14       | 4    | format version (`u32`, 2)                             |
-//! | 18       | 4    | node id (`u32`)                                       |
-//! | 22       | 8    | view epoch (`u64`)                                    |
-//! | 30       | 8    | created, milliseconds since the Unix epoch (`u64`)    |
-//! | 38       | 8    | the cluster stop it was written at (`u64`, 0: none)   |
-//! | 46       | 2    | cluster name length `C` (`u16`)                       |
-//! | 48       | C    | cluster name, UTF-8                                   |
-//! | 48 + C   | 8    | header checksum: `xxh3_64` of bytes `0..48 + C`       |
+//! | offset   | size | field                                                        |
+//! |----------|------|--------------------------------------------------------------|
+//! | 0        | 14   | magic `rdkv-snapshot\0`                                      |
+//! | 14       | 4    | format version (`u32`, 4)                                    |
+//! | 18       | 4    | node id (`u32`)                                              |
+//! | 22       | 8    | view epoch when the snapshot began (`u64`)                   |
+//! | 30       | 8    | created, milliseconds since the Unix epoch (`u64`)           |
+//! | 38       | 8    | the cluster stop it was written at (`u64`, 0: none)          |
+//! | 46       | 2    | cluster name length `C` (`u16`)                              |
+//! | 48       | C    | cluster name, UTF-8                                          |
+//! | 48 + C   | 4    | the cluster's `replicas` (`u32`, 0: not known)               |
+//! | 52 + C   | 8    | the epoch the node stopped serving at (`u64`, 0: none; below) |
+//! | 60 + C   | 8    | header checksum: `xxh3_64` of bytes `0..60 + C`              |
 //!
+//! The epoch the node stopped serving at is set only in a final snapshot written once every
+//! connection was torn down, of a node the view had serving when it stopped (a clean leave, or
+//! a lease that lapsed): the file then holds every write acknowledged of the node's keys up to
+//! that epoch (`docs/protocol.md`, *Reconciliation*). Format 3 lacks that field, format 2 the
+//! `replicas` too; both are read.
+
 //! Frame (`20 + L` bytes), repeated, each holding at least one record:
 //!
 //! | offset | size | field                                                     |
@@ -97,14 +105,20 @@ pub const PREVIOUS_FILE: &str = "snapshot.previous.rdkv";
 /// The latest snapshot, set aside when a node was started from the previous one or from none.
 pub const REPLACED_FILE: &str = "snapshot.replaced.rdkv";
 /// The version of the layout above, which the writer writes; a reader reads it,
-/// [`FORMAT_WITHOUT_REPLICAS`] and [`FORMAT_WITHOUT_VERSIONS`], and refuses any other.
-pub const FORMAT_VERSION: u32 = 3;
+/// [`FORMAT_WITHOUT_FENCE`], [`FORMAT_WITHOUT_REPLICAS`] and [`FORMAT_WITHOUT_VERSIONS`], and
+/// refuses any other.
+pub const FORMAT_VERSION: u32 = 4;
+/// The format before the header carried the epoch the node stopped serving at.
+pub const FORMAT_WITHOUT_FENCE: u32 = 3;
 /// The format before the header carried the cluster's `replicas`.
 pub const FORMAT_WITHOUT_REPLICAS: u32 = 2;
 /// The format before records carried their key's version.
 pub const FORMAT_WITHOUT_VERSIONS: u32 = 1;
-/// The header's bytes after the cluster name from [`FORMAT_VERSION`] on: the `replicas`.
+/// The header's bytes after the cluster name from [`FORMAT_WITHOUT_FENCE`] on: the `replicas`.
 const HEADER_REPLICAS_LENGTH: usize = 4;
+/// The header's bytes after the `replicas` from [`FORMAT_VERSION`] on: the epoch at which the
+/// node stopped serving.
+const HEADER_FENCE_LENGTH: usize = 8;
 /// The most record bytes a frame holds (a single larger record gets a frame of its own).
 pub const FRAME_LIMIT: usize = 64 * 1024;
 
@@ -146,6 +160,11 @@ pub struct SnapshotMeta {
     /// The cluster's `replicas` when it was written (`None`: a file of a format before
     /// [`FORMAT_VERSION`]): a node resuming from it holds the copies of that many.
     pub replicas: Option<u32>,
+    /// The view epoch at which the node stopped serving data while the view had it serving,
+    /// for a final snapshot written once every connection was torn down: it holds every write
+    /// acknowledged of the node's keys up to that epoch (`None`: any other snapshot, or a
+    /// file of a format before [`FORMAT_VERSION`]).
+    pub fenced_at: Option<u64>,
 }
 
 /// A snapshot made current by [`SnapshotWriter::finish`].
@@ -511,8 +530,11 @@ fn encode_header(meta: &SnapshotMeta, format: u32) -> std::result::Result<Encode
     bytes.extend_from_slice(&meta.stopped_at.unwrap_or(0).to_le_bytes());
     bytes.extend_from_slice(&cluster_length.to_le_bytes());
     bytes.extend_from_slice(meta.cluster.as_bytes());
-    if format >= FORMAT_VERSION {
+    if format >= FORMAT_WITHOUT_FENCE {
         bytes.extend_from_slice(&meta.replicas.unwrap_or(0).to_le_bytes());
+    }
+    if format >= FORMAT_VERSION {
+        bytes.extend_from_slice(&meta.fenced_at.unwrap_or(0).to_le_bytes());
     }
     let checksum = xxh3_64(&bytes);
     bytes.extend_from_slice(&checksum.to_le_bytes());
@@ -767,8 +789,13 @@ impl SnapshotReader {
         };
         let mut cluster = vec![0u8; usize::from(cluster_length)];
         self.read_into(&mut cluster, "the header's cluster name")?;
-        let replicas: Option<[u8; HEADER_REPLICAS_LENGTH]> = if version >= FORMAT_VERSION {
+        let replicas: Option<[u8; HEADER_REPLICAS_LENGTH]> = if version >= FORMAT_WITHOUT_FENCE {
             Some(self.read_array("the header's replicas")?)
+        } else {
+            None
+        };
+        let fenced_at: Option<[u8; HEADER_FENCE_LENGTH]> = if version >= FORMAT_VERSION {
+            Some(self.read_array("the header's fence epoch")?)
         } else {
             None
         };
@@ -779,6 +806,7 @@ impl SnapshotReader {
         header.extend_from_slice(&fields);
         header.extend_from_slice(&cluster);
         header.extend_from_slice(replicas.as_ref().map_or(&[][..], |bytes| &bytes[..]));
+        header.extend_from_slice(fenced_at.as_ref().map_or(&[][..], |bytes| &bytes[..]));
         if xxh3_64(&header) != stored_checksum {
             return Err(self.damaged("the header's checksum does not match: the file is damaged"));
         }
@@ -793,6 +821,9 @@ impl SnapshotReader {
             replicas: replicas
                 .map(u32::from_le_bytes)
                 .filter(|replicas| *replicas != 0),
+            fenced_at: fenced_at
+                .map(u64::from_le_bytes)
+                .filter(|epoch| *epoch != 0),
         };
         Ok((meta, stored_checksum, version))
     }
@@ -1023,6 +1054,7 @@ mod tests {
             created_unix_ms: 1_700_000_000_123,
             stopped_at: Some(view_epoch + 1),
             replicas: Some(2),
+            fenced_at: Some(view_epoch),
         }
     }
 
@@ -1162,7 +1194,11 @@ mod tests {
         let header = writer.bytes_written();
         assert_eq!(
             header,
-            (HEADER_FIXED_LENGTH + "test-cluster".len() + HEADER_REPLICAS_LENGTH + 8) as u64
+            (HEADER_FIXED_LENGTH
+                + "test-cluster".len()
+                + HEADER_REPLICAS_LENGTH
+                + HEADER_FENCE_LENGTH
+                + 8) as u64
         );
         writer.append(b"a", b"bc", 1).expect("append");
         let first = (FRAME_HEADER_LENGTH + RECORD_HEADER_LENGTH + 3) as u64;
@@ -1231,7 +1267,11 @@ mod tests {
         // Two 28-byte records per frame: three frames of 76 bytes each.
         write(&directory.path, &meta(1), &records, 56);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
-        let header = HEADER_FIXED_LENGTH + "test-cluster".len() + HEADER_REPLICAS_LENGTH + 8;
+        let header = HEADER_FIXED_LENGTH
+            + "test-cluster".len()
+            + HEADER_REPLICAS_LENGTH
+            + HEADER_FENCE_LENGTH
+            + 8;
         let frame = FRAME_HEADER_LENGTH + 56;
         assert_eq!(bytes.len(), header + 3 * frame + TRAILER_LENGTH);
         let (first, second) = bytes[header..header + 2 * frame].split_at_mut(frame);
@@ -1293,13 +1333,55 @@ mod tests {
             loaded.meta,
             SnapshotMeta {
                 replicas: None,
+                fenced_at: None,
                 ..meta(2)
             }
         );
-        let current = TestDirectory::new("format-3");
+        let current = TestDirectory::new("format-4");
         write(&current.path, &meta(2), &records, FRAME_LIMIT);
-        let loaded = verify_snapshot(&current.path.join(SNAPSHOT_FILE)).expect("format 3");
+        let loaded = verify_snapshot(&current.path.join(SNAPSHOT_FILE)).expect("format 4");
         assert_eq!(loaded.meta.replicas, Some(2));
+    }
+
+    /// A file of format 3, written before the header carried the epoch its node stopped
+    /// serving at, is read with that epoch unknown (it then decides over no other copy), and
+    /// a file of format 4 keeps it.
+    #[test]
+    fn a_file_of_the_format_before_the_fence_epoch_is_read_with_it_unknown() {
+        let directory = TestDirectory::new("format-3");
+        let records = small_records(20);
+        let mut writer = SnapshotWriter::create_of_format(
+            &directory.path,
+            &meta(5),
+            FRAME_LIMIT,
+            FORMAT_WITHOUT_FENCE,
+        )
+        .expect("create");
+        for (key, value) in &records {
+            writer.append(key, value, 7).expect("append");
+        }
+        writer.finish().expect("finish");
+        let loaded = verify_snapshot(&directory.path.join(SNAPSHOT_FILE)).expect("format 3");
+        assert_eq!(loaded.keys, 20);
+        assert_eq!(
+            loaded.meta,
+            SnapshotMeta {
+                fenced_at: None,
+                ..meta(5)
+            }
+        );
+        let current = TestDirectory::new("format-4-fence");
+        write(&current.path, &meta(5), &records, FRAME_LIMIT);
+        let loaded = verify_snapshot(&current.path.join(SNAPSHOT_FILE)).expect("format 4");
+        assert_eq!(loaded.meta.fenced_at, Some(5));
+        let unfenced = TestDirectory::new("format-4-unfenced");
+        let plain = SnapshotMeta {
+            fenced_at: None,
+            ..meta(5)
+        };
+        write(&unfenced.path, &plain, &records, FRAME_LIMIT);
+        let loaded = verify_snapshot(&unfenced.path.join(SNAPSHOT_FILE)).expect("format 4");
+        assert_eq!(loaded.meta, plain);
     }
 
     /// A file of format 1, written before records carried versions, is read: its keys have
@@ -1335,11 +1417,11 @@ mod tests {
         let directory = TestDirectory::new("version");
         write(&directory.path, &meta(1), &small_records(2), FRAME_LIMIT);
         let mut bytes = fs::read(directory.path.join(SNAPSHOT_FILE)).expect("read");
-        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&4u32.to_le_bytes());
+        bytes[MAGIC.len()..MAGIC.len() + 4].copy_from_slice(&5u32.to_le_bytes());
         let damaged = directory.path.join("damaged.rdkv");
-        let message = assert_refused(&damaged, &bytes, "version 4");
-        assert!(message.contains("format version 4"), "{message}");
-        assert!(message.contains("reads versions 1 to 3"), "{message}");
+        let message = assert_refused(&damaged, &bytes, "version 5");
+        assert!(message.contains("format version 5"), "{message}");
+        assert!(message.contains("reads versions 1 to 4"), "{message}");
         assert!(message.contains("newer"), "{message}");
         let message = assert_refused(&damaged, b"not a snapshot file at all", "wrong magic");
         assert!(message.contains("not an rdkv snapshot"), "{message}");

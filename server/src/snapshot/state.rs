@@ -36,6 +36,11 @@ pub struct SnapshotState {
     failed: AtomicU64,
     /// Keys loaded from a snapshot at start.
     pub(crate) loaded_keys: AtomicU64,
+    /// The view epoch of the snapshot loaded at start (0: none loaded).
+    pub(crate) loaded_epoch: AtomicU64,
+    /// The epoch at which the node that wrote the loaded snapshot stopped serving (0: not a
+    /// final snapshot of a node the view had serving; `crate::snapshot::file`).
+    pub(crate) loaded_fenced_at: AtomicU64,
     /// Set when the node stops: a snapshot on a schedule or on request gives way to the final
     /// one.
     pub(crate) stopping: AtomicBool,

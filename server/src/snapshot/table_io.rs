@@ -103,6 +103,28 @@ pub struct Loader<'table> {
 /// Tries of a replacement whose slot changed under it (the compactor moved the block).
 const REPLACE_ATTEMPTS: u32 = 8;
 
+/// Which copy already in the table a new one leaves in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// A strictly newer one (a key a snapshot holds twice: the later copy wins a tie).
+    Newer,
+    /// One of the same version or newer (newest-wins reconciliation: a tie changes nothing).
+    NewerOrEqual,
+    /// None: the new copy replaces whatever is there.
+    Nothing,
+}
+
+impl Keep {
+    /// Whether a copy of version `existing` stays against one of version `new`.
+    fn keeps(self, existing: u64, new: u64) -> bool {
+        match self {
+            Keep::Newer => existing > new,
+            Keep::NewerOrEqual => existing >= new,
+            Keep::Nothing => false,
+        }
+    }
+}
+
 /// The key's copy already in the table.
 #[derive(Debug, Clone, Copy)]
 struct Existing {
@@ -139,7 +161,7 @@ impl<'table> Loader<'table> {
     /// A line saying why: the key or value breaks the layout's limits, the heap or the key's
     /// buckets are full.
     pub fn insert(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<(), String> {
-        self.place(key, value, version, false).map(|_| ())
+        self.place(key, value, version, Keep::Newer).map(|_| ())
     }
 
     /// Writes one key of `version` unless the table holds a copy of that version or newer;
@@ -148,17 +170,50 @@ impl<'table> Loader<'table> {
     /// # Errors
     /// As [`Loader::insert`].
     pub fn keep_newest(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<bool, String> {
-        self.place(key, value, version, true)
+        self.place(key, value, version, Keep::NewerOrEqual)
     }
 
-    /// Writes the key's block and points a slot at it: the key's slot when its copy there is
-    /// older (or as old, unless `keep_equal`), else an empty one; whether it did.
+    /// Writes one key of `version` over whatever copy the table holds, newer or not: the
+    /// reconciliation's replacement of a copy another node's decides over
+    /// (`crate::reconcile`).
+    ///
+    /// # Errors
+    /// As [`Loader::insert`].
+    pub fn replace(&mut self, key: &[u8], value: &[u8], version: u64) -> Result<(), String> {
+        self.place(key, value, version, Keep::Nothing).map(|_| ())
+    }
+
+    /// Empties the slot holding `key`, if any: its block is then unreferenced, and comes back
+    /// as a deleted key's does. Whether a copy was removed.
+    ///
+    /// # Errors
+    /// A line saying why: the slot changed under it every time.
+    pub fn remove(&mut self, key: &[u8]) -> Result<bool, String> {
+        let location = self.table.geometry.locate(key);
+        for _ in 0..REPLACE_ATTEMPTS {
+            let Some(existing) = self.find(key, location) else {
+                return Ok(false);
+            };
+            if self
+                .table
+                .empty_slot(existing.index_offset, Slot(existing.word))
+            {
+                return Ok(true);
+            }
+        }
+        Err(format!(
+            "a key's slot changed {REPLACE_ATTEMPTS} times while it was being removed"
+        ))
+    }
+
+    /// Writes the key's block and points a slot at it: the key's slot unless `keep` keeps the
+    /// copy there, else an empty one; whether it did.
     fn place(
         &mut self,
         key: &[u8],
         value: &[u8],
         version: u64,
-        keep_equal: bool,
+        keep: Keep,
     ) -> Result<bool, String> {
         check_key_value(key, value)
             .map_err(|error| format!("key {} of the snapshot: {error}", self.keys + 1))?;
@@ -166,10 +221,8 @@ impl<'table> Loader<'table> {
         let mut written: Option<Slot> = None;
         for _ in 0..REPLACE_ATTEMPTS {
             let existing = self.find(key, location);
-            if let Some(existing) = existing {
-                if existing.version > version || (keep_equal && existing.version == version) {
-                    return Ok(false);
-                }
+            if existing.is_some_and(|existing| keep.keeps(existing.version, version)) {
+                return Ok(false);
             }
             let slot = match written {
                 Some(slot) => slot,

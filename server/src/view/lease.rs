@@ -56,7 +56,7 @@ pub type Serving = Result<(), String>;
 
 /// Why a node does not serve data, as [`ViewService::watch_serving`] counts its stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum StopCause {
+pub(super) enum StopCause {
     /// It leaves, or its view does not have it serving as this process.
     View,
     /// It holds no lease: none came from the majority in time, or it dropped the one it held
@@ -372,6 +372,7 @@ impl ViewService {
             if now.is_ok() == self.serving.borrow().is_ok() {
                 continue;
             }
+            self.note_serving_change(now.as_ref().err().map(|(cause, _)| *cause));
             match &now {
                 Ok(()) => tracing::info!(node = self.node_id, "serving data"),
                 Err((cause, reason)) => {

@@ -27,6 +27,7 @@ impl ViewService {
             // ends its connections (as `server shutting down`).
             return;
         }
+        self.note_leaving();
         self.leaving
             .store(true, std::sync::atomic::Ordering::Release);
         self.publish_lease();

@@ -23,6 +23,7 @@
 //!
 //! A one-node cluster runs no consensus: its view is itself, serving, at epoch 1.
 
+mod complete;
 mod election;
 mod failure_detector;
 mod lease;
@@ -145,6 +146,9 @@ pub struct ViewService {
     published: std::sync::Mutex<published::Published>,
     /// Set when the node leaves cleanly: it serves nothing from then on (`leave.rs`).
     leaving: std::sync::atomic::AtomicBool,
+    /// The epoch at which the node last stopped serving data while the view had it serving
+    /// as this process (`complete.rs`).
+    stopped_serving_at: std::sync::Mutex<Option<u64>>,
     /// Times the node dropped a lease before its end (it stopped leading): a published
     /// serving interval does not continue across a drop.
     lease_drops: AtomicU64,
@@ -210,6 +214,7 @@ impl ViewService {
             published: std::sync::Mutex::default(),
             lease_drops: AtomicU64::new(0),
             leaving: std::sync::atomic::AtomicBool::new(false),
+            stopped_serving_at: std::sync::Mutex::new(None),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {

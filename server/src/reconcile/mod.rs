@@ -15,6 +15,9 @@
 //! (`ViewCommand::PromoteReconciled`): a member that joined or restarted since changes the epoch
 //! and everyone reconciles again.
 
+mod authority;
+
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -23,7 +26,11 @@ use rdkv_common::protocol::{fetch_stats, ClusterView, MemberState, MonitoredNode
 use rdkv_common::sharding;
 
 use crate::node::Node;
-use crate::snapshot::table_io::Loader;
+use crate::snapshot::table_io::{scan_table, Loader};
+use authority::{Authority, Provenance};
+
+/// How long a peer has to say what its snapshot holds.
+const ASK_PEER_WITHIN: Duration = Duration::from_secs(2);
 
 /// The filling members of `view`, in id order: the members that serve once it is promoted.
 pub(crate) fn filling_members(view: &ClusterView) -> Vec<u32> {
@@ -35,11 +42,14 @@ pub(crate) fn filling_members(view: &ClusterView) -> Vec<u32> {
 }
 
 /// Scans every filling peer of `view` and keeps, in this node's table, each copy newer than
-/// its own of the keys it will hold; then records `view.epoch` as reconciled. The keys taken
-/// from peers.
+/// its own of the keys it will hold, except the copies another member's decides over
+/// ([`authority`]): a key this node holds such a copy of takes the newest copy no other
+/// decides over, or is removed when there is none. Then records `view.epoch` as reconciled.
+/// The keys taken from peers.
 ///
 /// # Errors
-/// A line saying why (a peer could not be scanned, the table is full): the caller starts over.
+/// A line saying why (a peer could not be scanned or asked, the table is full): the caller
+/// starts over.
 pub(crate) async fn reconcile(
     node: &Node,
     client: &Client,
@@ -52,6 +62,19 @@ pub(crate) async fn reconcile(
         .cluster
         .as_ref()
         .map_or(1, |cluster| cluster.replicas);
+    let authority = Authority {
+        members: view.members.iter().map(|member| member.node_id).collect(),
+        replicas,
+        provenance: provenances(node, &members).await?,
+    };
+    let holds = |key: &[u8]| {
+        sharding::replicas(key, &members, replicas)
+            .into_iter()
+            .any(|index| members[index] == me)
+    };
+    // This node's copies that another member's decides over: replaced by the first copy no
+    // other decides over, or removed at the end.
+    let mut superseded = superseded_here(node, &authority, &holds)?;
     let mut loader = Loader::new(node.table(), &node.heap);
     let mut taken = 0u64;
     let mut scanned = 0u64;
@@ -82,10 +105,16 @@ pub(crate) async fn reconcile(
                 .map_err(|error| format!("scanning node {peer}: {error}"))?;
             for entry in entries {
                 scanned += 1;
-                let holds = sharding::replicas(&entry.key, &members, replicas)
-                    .into_iter()
-                    .any(|index| members[index] == me);
-                if holds && loader.keep_newest(&entry.key, &entry.value, entry.version)? {
+                if !holds(&entry.key) || authority.superseded(peer, &entry.key) {
+                    continue;
+                }
+                let took = if superseded.remove(entry.key.as_ref()) {
+                    loader.replace(&entry.key, &entry.value, entry.version)?;
+                    true
+                } else {
+                    loader.keep_newest(&entry.key, &entry.value, entry.version)?
+                };
+                if took {
                     // Counted as it is taken: a pass that fails later keeps what it took, and
                     // the next finds those copies equal.
                     taken += 1;
@@ -98,6 +127,10 @@ pub(crate) async fn reconcile(
                 .fetch_add(count, Ordering::Relaxed);
         }
     }
+    let mut removed = 0u64;
+    for key in &superseded {
+        removed += u64::from(loader.remove(key)?);
+    }
     drop(loader);
     node.counters
         .reconciled_epoch
@@ -108,9 +141,83 @@ pub(crate) async fn reconcile(
         ?members,
         scanned,
         taken,
-        "reconciled: this node holds the newest copy the filling members loaded of each of its keys"
+        removed,
+        "reconciled: this node holds the newest copy the filling members loaded of each of its keys, of those no later stop decides over"
     );
     Ok(taken)
+}
+
+/// The keys of this node's table that it will hold (`holds`) and whose copy here another
+/// member's decides over.
+///
+/// # Errors
+/// Never in practice (the scan's sink does not fail); typed as the caller's.
+fn superseded_here(
+    node: &Node,
+    authority: &Authority,
+    holds: &impl Fn(&[u8]) -> bool,
+) -> Result<HashSet<Vec<u8>>, String> {
+    let me = node.config.node_id;
+    let mut superseded = HashSet::new();
+    if !authority
+        .provenance
+        .values()
+        .any(|provenance| provenance.fenced_at.is_some())
+    {
+        return Ok(superseded);
+    }
+    scan_table(node.table(), |key, _value, _version| {
+        if holds(key) && authority.superseded(me, key) {
+            superseded.insert(key.to_vec());
+        }
+        Ok::<(), String>(())
+    })?;
+    Ok(superseded)
+}
+
+/// Every filling member's [`Provenance`]: this node's from its own loaded snapshot, each
+/// peer's from its stats.
+///
+/// # Errors
+/// A line naming the peer that could not be asked.
+async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Provenance>, String> {
+    let mut provenance = BTreeMap::new();
+    let snapshots = &node.snapshots;
+    provenance.insert(
+        node.config.node_id,
+        Provenance {
+            epoch: snapshots.loaded_epoch.load(Ordering::Relaxed),
+            fenced_at: Some(snapshots.loaded_fenced_at.load(Ordering::Relaxed))
+                .filter(|epoch| *epoch != 0),
+        },
+    );
+    let Some(cluster) = node.config.cluster.as_ref() else {
+        return Ok(provenance);
+    };
+    for member in members {
+        if *member == node.config.node_id {
+            continue;
+        }
+        let Some(peer) = cluster.nodes.iter().find(|peer| peer.id == *member) else {
+            continue;
+        };
+        let monitored = MonitoredNode {
+            address: peer.control_address,
+            id: Some(peer.id),
+            secret: &cluster.secret,
+        };
+        let stats = fetch_stats(monitored, ASK_PEER_WITHIN)
+            .await
+            .map_err(|error| format!("asking node {member} what its snapshot holds: {error}"))?;
+        provenance.insert(
+            *member,
+            Provenance {
+                epoch: stats.snapshot_loaded_epoch,
+                fenced_at: Some(stats.snapshot_loaded_fenced_at).filter(|epoch| *epoch != 0),
+            },
+        );
+    }
+    Ok(provenance)
 }
 
 /// The filling members of `view` that do not report `view.epoch` as reconciled yet (asked

@@ -1,0 +1,52 @@
+//! When this node last stopped serving data while the view had it serving as this process:
+//! a clean leave, or a lease that lapsed. From that moment on no write of its keys can be
+//! acknowledged without a view that moved them elsewhere (a newer epoch), so the node's table
+//! holds every acknowledged write of the keys it is a copy of up to then. Its final snapshot
+//! says so (`fenced_at`), and a whole-cluster start after nodes stopped one at a time lets
+//! that copy decide over older ones, absences included (`crate::reconcile`,
+//! `docs/protocol.md`, *Reconciliation*).
+
+use rdkv_common::protocol::MemberState;
+
+use super::lease::StopCause;
+use super::ViewService;
+
+impl ViewService {
+    /// Whether the view this node knows has it serving as this process.
+    fn serving_member(&self) -> bool {
+        self.own_record().is_some_and(|record| {
+            record.state == MemberState::Serving && record.incarnation == self.incarnation
+        })
+    }
+
+    /// Records a change of whether the node serves data: stopping for want of a lease while
+    /// the view has it serving records the epoch; serving again, or stopping because the view
+    /// moved it, forgets it.
+    pub(super) fn note_serving_change(&self, stopped: Option<StopCause>) {
+        let at = match stopped {
+            Some(StopCause::Lease) if self.serving_member() => Some(self.epoch()),
+            _ => None,
+        };
+        *rdkv_fabric::lock(&self.stopped_serving_at) = at;
+    }
+
+    /// Records a clean leave, before the node stops serving: the epoch now if it serves as a
+    /// member of the view; kept as it was when it had stopped already (a lapsed lease).
+    pub(super) fn note_leaving(&self) {
+        if self.serving.borrow().is_ok() {
+            let at = self.serving_member().then(|| self.epoch());
+            *rdkv_fabric::lock(&self.stopped_serving_at) = at;
+        }
+    }
+
+    /// The view epoch at which this node stopped serving data while the view had it serving
+    /// as this process, if it has not served since: its table then holds every write
+    /// acknowledged of its keys up to that epoch. `None` while it serves, after it stopped for
+    /// the view's reason (down, filling, restarted), or in a node outside consensus.
+    pub fn stopped_serving_at(&self) -> Option<u64> {
+        if self.raft.is_none() {
+            return None;
+        }
+        *rdkv_fabric::lock(&self.stopped_serving_at)
+    }
+}
