@@ -44,9 +44,7 @@ impl ViewService {
     /// acknowledged of its keys up to that epoch. `None` while it serves, after it stopped for
     /// the view's reason (down, filling, restarted), or in a node outside consensus.
     pub fn stopped_serving_at(&self) -> Option<u64> {
-        if self.raft.is_none() {
-            return None;
-        }
+        self.raft.as_ref()?;
         *rdkv_fabric::lock(&self.stopped_serving_at)
     }
 }
