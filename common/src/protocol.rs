@@ -592,6 +592,9 @@ pub struct ServerStats {
     /// A whole-cluster start lets such a copy decide over older ones (`docs/protocol.md`,
     /// *Reconciliation*).
     pub snapshot_loaded_fenced_at: u64,
+    /// When the writing of the snapshot loaded at start began, in milliseconds since the Unix
+    /// epoch by its writer's clock (0: none was loaded).
+    pub snapshot_loaded_unix_ms: u64,
     /// Views the cluster committed in which every copy of some keys was down at once, since
     /// the view began (kept by the view: the same on every node that applied it).
     pub copy_sets_lost: u64,

@@ -404,6 +404,8 @@ pub struct Loaded {
     /// The epoch its node stopped serving at, for a final snapshot of a node the view had
     /// serving.
     pub fenced_at: Option<u64>,
+    /// When its writing began, in milliseconds since the Unix epoch.
+    pub created_unix_ms: u64,
 }
 
 /// Checks the node's snapshot whole and loads it into the empty table and heap; `None` when
@@ -448,6 +450,7 @@ pub fn start_from_snapshot(
         stopped_at: checked.meta.stopped_at,
         view_epoch: checked.meta.view_epoch,
         fenced_at: checked.meta.fenced_at,
+        created_unix_ms: checked.meta.created_unix_ms,
     }))
 }
 

@@ -233,6 +233,9 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         snapshots
             .loaded_fenced_at
             .store(loaded.fenced_at.unwrap_or(0), relaxed);
+        snapshots
+            .loaded_created_unix_ms
+            .store(loaded.created_unix_ms, relaxed);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;

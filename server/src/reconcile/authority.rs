@@ -25,6 +25,12 @@
 //! A snapshot written on a schedule, or at a stop whose teardowns did not finish, neither
 //! decides nor is decided over: its copies may come from later than its epoch, and a crash
 //! keeps each key as of its snapshot or later (`docs/operations.md`, *Persistence*).
+//!
+//! Epochs count in one view's history: a cluster started from another run directory (its
+//! view state new, its `data_dir` the same) counts from 1 again, and a snapshot of the old
+//! history could claim a large epoch over a newer one. A snapshot therefore decides only over
+//! one written no later than itself, by the writers' clocks: a guard that can only keep a
+//! copy (newest-wins then holds), never drop one.
 
 use std::collections::BTreeMap;
 
@@ -38,6 +44,8 @@ pub(crate) struct Provenance {
     /// The epoch its node stopped serving at, for a final snapshot of a node the view had
     /// serving; `None` otherwise.
     pub fenced_at: Option<u64>,
+    /// When its writing began, in milliseconds since the Unix epoch, by its node's clock.
+    pub created_unix_ms: u64,
 }
 
 impl Provenance {
@@ -52,7 +60,8 @@ impl Provenance {
         };
         let covers = other.epoch <= fenced_at;
         let covered = self.epoch <= other_fenced_at;
-        covers && !covered
+        let written_before = other.created_unix_ms <= self.created_unix_ms;
+        covers && !covered && written_before
     }
 }
 
@@ -91,10 +100,12 @@ impl Authority {
 mod tests {
     use super::*;
 
+    /// A final snapshot written at a moment that follows its epoch.
     fn final_at(epoch: u64, fenced_at: u64) -> Provenance {
         Provenance {
             epoch,
             fenced_at: Some(fenced_at),
+            created_unix_ms: 1_000 * epoch,
         }
     }
 
@@ -102,6 +113,7 @@ mod tests {
         Provenance {
             epoch,
             fenced_at: None,
+            created_unix_ms: 1_000 * epoch,
         }
     }
 
@@ -122,8 +134,28 @@ mod tests {
         assert!(!on_schedule(9).decides_over(&final_at(3, 2)));
         assert!(!final_at(9, 9).decides_over(&Provenance {
             epoch: 0,
-            fenced_at: None
+            fenced_at: None,
+            created_unix_ms: 0,
         }));
+    }
+
+    /// A snapshot of an earlier view history (a cluster started from another run directory
+    /// with the same data directories) claims large epochs, but was written before: it
+    /// decides nothing over the newer one.
+    #[test]
+    fn a_snapshot_written_earlier_decides_nothing_whatever_its_epochs() {
+        let old_history = Provenance {
+            epoch: 51,
+            fenced_at: Some(50),
+            created_unix_ms: 1_000,
+        };
+        let new_history = Provenance {
+            epoch: 4,
+            fenced_at: Some(3),
+            created_unix_ms: 9_000,
+        };
+        assert!(!old_history.decides_over(&new_history));
+        assert!(!new_history.decides_over(&old_history));
     }
 
     #[test]

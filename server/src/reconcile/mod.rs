@@ -189,6 +189,7 @@ async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Prove
             epoch: snapshots.loaded_epoch.load(Ordering::Relaxed),
             fenced_at: Some(snapshots.loaded_fenced_at.load(Ordering::Relaxed))
                 .filter(|epoch| *epoch != 0),
+            created_unix_ms: snapshots.loaded_created_unix_ms.load(Ordering::Relaxed),
         },
     );
     let Some(cluster) = node.config.cluster.as_ref() else {
@@ -214,6 +215,7 @@ async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Prove
             Provenance {
                 epoch: stats.snapshot_loaded_epoch,
                 fenced_at: Some(stats.snapshot_loaded_fenced_at).filter(|epoch| *epoch != 0),
+                created_unix_ms: stats.snapshot_loaded_unix_ms,
             },
         );
     }

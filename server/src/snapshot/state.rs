@@ -41,6 +41,8 @@ pub struct SnapshotState {
     /// The epoch at which the node that wrote the loaded snapshot stopped serving (0: not a
     /// final snapshot of a node the view had serving; `crate::snapshot::file`).
     pub(crate) loaded_fenced_at: AtomicU64,
+    /// When the loaded snapshot's writing began, in milliseconds since the Unix epoch.
+    pub(crate) loaded_created_unix_ms: AtomicU64,
     /// Set when the node stops: a snapshot on a schedule or on request gives way to the final
     /// one.
     pub(crate) stopping: AtomicBool,
