@@ -568,6 +568,9 @@ pub struct ServerStats {
     pub reconciled_epoch: u64,
     /// Reconciliation: keys this node took from a peer whose copy was newer than its own.
     pub reconciled_keys: u64,
+    /// Reconciliation: keys this node removed because the copy of a node that stopped later
+    /// decided they were absent (deleted after this node's snapshot).
+    pub reconciled_removed: u64,
     /// Snapshots written since start (`docs/operations.md`, *Persistence*).
     pub snapshots_written: u64,
     /// Snapshots that failed since start (a full disk, say): the previous one is kept.

@@ -555,6 +555,19 @@ async fn nodes_stopped_one_at_a_time_keep_every_delete_and_write() {
         history.len(),
         "nodes 1, 2 and 3 stopped one at a time (SIGTERM), deletes between, up",
     );
+    // Node 1 held every key deleted after it stopped whose copies include it: removed there.
+    let mut removed = 0;
+    for id in 1..=3 {
+        let stats = rdkv_integration_tests::view::stats_of(&nodes, &secret, id)
+            .await
+            .expect("stats");
+        eprintln!(
+            "node {id}: reconciled_removed {} reconciled_keys {}",
+            stats.reconciled_removed, stats.reconciled_keys
+        );
+        removed += stats.reconciled_removed;
+    }
+    assert!(removed > 0, "no node removed a decided-over copy");
 }
 
 /// SIGTERM of node `id`; waits until its process is gone and `observer`'s view has it down,

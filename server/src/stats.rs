@@ -52,6 +52,9 @@ pub struct Counters {
     pub reconciled_epoch: AtomicU64,
     /// Reconciliation: keys taken from a peer whose copy was newer.
     pub reconciled_keys: AtomicU64,
+    /// Reconciliation: copies of this node removed because a later stop's copy decided the
+    /// key was absent.
+    pub reconciled_removed: AtomicU64,
     /// Committed keys found by the collector's last pass (every `collector_interval`, up to
     /// 8 times that while the index does not change).
     pub collector_keys: AtomicU64,
@@ -93,6 +96,7 @@ impl Counters {
             refill_keys_copied: AtomicU64::new(0),
             reconciled_epoch: AtomicU64::new(0),
             reconciled_keys: AtomicU64::new(0),
+            reconciled_removed: AtomicU64::new(0),
             key_scans: KeyScans {
                 scanning: tokio::sync::Semaphore::new(1),
                 last: Mutex::new(None),
@@ -205,6 +209,7 @@ impl Counters {
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
             reconciled_epoch: self.reconciled_epoch.load(Ordering::Relaxed),
             reconciled_keys: self.reconciled_keys.load(Ordering::Relaxed),
+            reconciled_removed: self.reconciled_removed.load(Ordering::Relaxed),
             client_counters: *lock(&self.client_counters),
             // The node's snapshot state fills these (`Node::stats`).
             ..ServerStats::default()

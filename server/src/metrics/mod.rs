@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 63] {
+fn definitions() -> [(&'static str, &'static str, Reader); 64] {
     [
         (
             "uptime_seconds",
@@ -380,6 +380,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 63] {
             "reconciled_keys_total",
             "Whole-cluster start: keys taken from a peer whose copy was newer (newest wins)",
             |stats| stats.reconciled_keys as i64,
+        ),
+        (
+            "reconciled_removed_total",
+            "Whole-cluster start: keys removed because a later stop's copy decided they were absent",
+            |stats| stats.reconciled_removed as i64,
         ),
         (
             "views_committed_total",

@@ -129,7 +129,10 @@ pub(crate) async fn reconcile(
     }
     let mut removed = 0u64;
     for key in &superseded {
-        removed += u64::from(loader.remove(key)?);
+        if loader.remove(key)? {
+            removed += 1;
+            counters.reconciled_removed.fetch_add(1, Ordering::Relaxed);
+        }
     }
     drop(loader);
     node.counters
