@@ -548,6 +548,7 @@ async fn a_write_over_a_copy_newer_than_the_clock_stamps_its_blocks_above_it() {
             created_unix_ms: 0,
             stopped_at: None,
             replicas: None,
+            fenced_at: None,
         };
         let mut writer = SnapshotWriter::create(&data_dir, &meta).expect("a snapshot");
         writer.append(key, b"loaded", ahead).expect("append");
