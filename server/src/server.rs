@@ -226,16 +226,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         config,
     });
     if let Some(loaded) = loaded {
-        let snapshots = &node.snapshots;
-        let relaxed = std::sync::atomic::Ordering::Relaxed;
-        snapshots.loaded_keys.store(loaded.keys, relaxed);
-        snapshots.loaded_epoch.store(loaded.view_epoch, relaxed);
-        snapshots
-            .loaded_fenced_at
-            .store(loaded.fenced_at.unwrap_or(0), relaxed);
-        snapshots
-            .loaded_created_unix_ms
-            .store(loaded.created_unix_ms, relaxed);
+        node.snapshots.record_loaded(&loaded);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;

@@ -1,7 +1,8 @@
 //! Newest-wins reconciliation when the whole cluster starts again with nobody serving (every
-//! node crashed, each back with its own snapshot, taken at its own moment): before any member
-//! serves, the copies of each key must agree, and the newest, by the version its block carries,
-//! wins (`docs/protocol.md`, *Reconciliation*).
+//! node crashed, or every node stopped one at a time, each back with its own snapshot, taken at
+//! its own moment): before any member serves, the copies of each key must agree, and the
+//! newest, by the version its block carries, wins, except the copies that a later stop's
+//! final snapshot decides over (`authority.rs`; `docs/protocol.md`, *Reconciliation*).
 //!
 //! Each filling node scans every filling peer's table with one-sided READs (`client/src/scan.rs`,
 //! as a refill does) and keeps, in its own table, every copy newer than its own of the keys it
@@ -72,29 +73,19 @@ pub(crate) async fn reconcile(
             .into_iter()
             .any(|index| members[index] == me)
     };
-    // This node's copies that another member's decides over: replaced by the first copy no
-    // other decides over, or removed at the end.
-    let mut superseded = superseded_here(node, &authority, &holds)?;
-    let mut loader = Loader::new(node.table(), &node.heap);
-    let mut taken = 0u64;
-    let mut scanned = 0u64;
+    let mut taking = Taking {
+        // This node's copies that another member's decides over: replaced by the first copy
+        // no other decides over, or removed at the end.
+        superseded: superseded_here(node, &authority, &holds)?,
+        loader: Loader::new(node.table(), &node.heap),
+        node,
+        authority: &authority,
+        holds: &holds,
+        taken: 0,
+        scanned: 0,
+    };
     let peers: Vec<u32> = members.iter().copied().filter(|peer| *peer != me).collect();
-    // Its progress, as a refill's (`rdkv-cluster status` and `up` read them): none shown
-    // until the peers' sizes are known.
-    let counters = &node.counters;
-    counters.refill_buckets_total.store(0, Ordering::Relaxed);
-    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
-    let mut totals = Vec::with_capacity(peers.len());
-    for peer in &peers {
-        let total = client
-            .combined_buckets_of(*peer)
-            .await
-            .map_err(|error| format!("node {peer}: {error}"))?;
-        totals.push(total);
-    }
-    counters
-        .refill_buckets_total
-        .store(totals.iter().sum(), Ordering::Relaxed);
+    let totals = peer_sizes(node, client, &peers).await?;
     for (peer, total) in peers.iter().copied().zip(totals) {
         let mut first = 0;
         while first < total {
@@ -104,37 +95,15 @@ pub(crate) async fn reconcile(
                 .await
                 .map_err(|error| format!("scanning node {peer}: {error}"))?;
             for entry in entries {
-                scanned += 1;
-                if !holds(&entry.key) || authority.superseded(peer, &entry.key) {
-                    continue;
-                }
-                let took = if superseded.remove(entry.key.as_ref()) {
-                    loader.replace(&entry.key, &entry.value, entry.version)?;
-                    true
-                } else {
-                    loader.keep_newest(&entry.key, &entry.value, entry.version)?
-                };
-                if took {
-                    // Counted as it is taken: a pass that fails later keeps what it took, and
-                    // the next finds those copies equal.
-                    taken += 1;
-                    counters.reconciled_keys.fetch_add(1, Ordering::Relaxed);
-                }
+                taking.consider(peer, &entry.key, &entry.value, entry.version)?;
             }
             first += count;
-            counters
+            node.counters
                 .refill_buckets_scanned
                 .fetch_add(count, Ordering::Relaxed);
         }
     }
-    let mut removed = 0u64;
-    for key in &superseded {
-        if loader.remove(key)? {
-            removed += 1;
-            counters.reconciled_removed.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    drop(loader);
+    let (taken, scanned, removed) = taking.finish()?;
     node.counters
         .reconciled_epoch
         .store(view.epoch, Ordering::Release);
@@ -148,6 +117,91 @@ pub(crate) async fn reconcile(
         "reconciled: this node holds the newest copy the filling members loaded of each of its keys, of those no later stop decides over"
     );
     Ok(taken)
+}
+
+/// Each peer's combined buckets, for the progress a refill shows (`rdkv-cluster status` and
+/// `up` read it): none shown until every size is known.
+///
+/// # Errors
+/// A line naming the peer that could not be asked.
+async fn peer_sizes(node: &Node, client: &Client, peers: &[u32]) -> Result<Vec<u64>, String> {
+    let counters = &node.counters;
+    counters.refill_buckets_total.store(0, Ordering::Relaxed);
+    counters.refill_buckets_scanned.store(0, Ordering::Relaxed);
+    let mut totals = Vec::with_capacity(peers.len());
+    for peer in peers {
+        let total = client
+            .combined_buckets_of(*peer)
+            .await
+            .map_err(|error| format!("node {peer}: {error}"))?;
+        totals.push(total);
+    }
+    counters
+        .refill_buckets_total
+        .store(totals.iter().sum(), Ordering::Relaxed);
+    Ok(totals)
+}
+
+/// One reconciliation pass's taking of peers' copies into this node's table.
+struct Taking<'pass, Holds> {
+    node: &'pass Node,
+    loader: Loader<'pass>,
+    authority: &'pass Authority,
+    /// Whether this node holds a key under the view that will serve.
+    holds: &'pass Holds,
+    /// This node's copies that another member's decides over, not replaced yet.
+    superseded: HashSet<Vec<u8>>,
+    taken: u64,
+    scanned: u64,
+}
+
+impl<Holds: Fn(&[u8]) -> bool> Taking<'_, Holds> {
+    /// Takes `peer`'s copy of `key` when this node holds the key, no other member's copy
+    /// decides over it, and it is newer than this node's (or this node's is decided over).
+    fn consider(
+        &mut self,
+        peer: u32,
+        key: &[u8],
+        value: &[u8],
+        version: u64,
+    ) -> Result<(), String> {
+        self.scanned += 1;
+        if !(self.holds)(key) || self.authority.superseded(peer, key) {
+            return Ok(());
+        }
+        let took = if self.superseded.remove(key) {
+            self.loader.replace(key, value, version)?;
+            true
+        } else {
+            self.loader.keep_newest(key, value, version)?
+        };
+        if took {
+            // Counted as it is taken: a pass that fails later keeps what it took, and the
+            // next finds those copies equal.
+            self.taken += 1;
+            self.node
+                .counters
+                .reconciled_keys
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Removes this node's decided-over copies that no copy replaced (the key is absent):
+    /// the keys taken, scanned and removed.
+    fn finish(mut self) -> Result<(u64, u64, u64), String> {
+        let mut removed = 0u64;
+        for key in &self.superseded {
+            if self.loader.remove(key)? {
+                removed += 1;
+                self.node
+                    .counters
+                    .reconciled_removed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok((self.taken, self.scanned, removed))
+    }
 }
 
 /// The keys of this node's table that it will hold (`holds`) and whose copy here another

@@ -58,6 +58,17 @@ impl SnapshotState {
         }
     }
 
+    /// Records what the node loaded at start.
+    pub(crate) fn record_loaded(&self, loaded: &crate::persistence::Loaded) {
+        self.loaded_keys.store(loaded.keys, Ordering::Relaxed);
+        self.loaded_epoch
+            .store(loaded.view_epoch, Ordering::Relaxed);
+        self.loaded_fenced_at
+            .store(loaded.fenced_at.unwrap_or(0), Ordering::Relaxed);
+        self.loaded_created_unix_ms
+            .store(loaded.created_unix_ms, Ordering::Relaxed);
+    }
+
     /// Makes a snapshot on a schedule or on request give way: the node stops, and writes its
     /// final one.
     pub(crate) fn stop_writing(&self) {
