@@ -408,8 +408,8 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
             });
             match stats {
                 Some(stats) if reconciling && stats.reconciled_epoch == view.epoch => format!(
-                    "refill: node {} filling: reconciled ({} newer copies taken from the other filling members); promoted once every filling member is",
-                    member.node_id, stats.reconciled_keys
+                    "refill: node {} filling: reconciled ({} newer copies taken from the other filling members, {} removed as deleted after its snapshot); promoted once every filling member is",
+                    member.node_id, stats.reconciled_keys, stats.reconciled_removed
                 ),
                 Some(_) if reconciling && !down.is_empty() => format!(
                     "refill: node {} filling: waiting for node {} (down) before the members serve together (after a stop of the whole cluster at most 30 s, after a crash 60 s; start it with `up --node N`)",
@@ -789,6 +789,7 @@ mod tests {
         let reconciled = ServerStats {
             reconciled_epoch: 9,
             reconciled_keys: 17,
+            reconciled_removed: 3,
             ..ServerStats::default()
         };
         let statuses = [
@@ -798,7 +799,7 @@ mod tests {
         assert_eq!(
             refill_lines(Some(&view), &statuses),
             vec![
-                "refill: node 1 filling: reconciled (17 newer copies taken from the other filling members); promoted once every filling member is".to_string(),
+                "refill: node 1 filling: reconciled (17 newer copies taken from the other filling members, 3 removed as deleted after its snapshot); promoted once every filling member is".to_string(),
                 "refill: node 2 filling: reconciling with the other filling members (the newest copy of each key wins)".to_string(),
             ]
         );
