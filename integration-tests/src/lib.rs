@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod history;
 pub mod linearizability;
 pub mod process;
 pub mod view;

@@ -74,7 +74,7 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
     };
     let _one_at_a_time = rdkv_fabric::lock(&state.writing);
     let started = Instant::now();
-    let meta = SnapshotMeta {
+    let mut meta = SnapshotMeta {
         cluster: node
             .config
             .cluster
@@ -100,6 +100,14 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
             .as_ref()
             .and_then(|cluster| u32::try_from(cluster.replicas).ok()),
     };
+    if let Some((view_epoch, fenced_at, created_unix_ms)) = state.carried_provenance() {
+        // The table holds exactly what this node loaded (it has served nothing since): the new
+        // file holds the same copies, and says what the loaded one said of them, or the later
+        // epoch this process stopped serving at.
+        meta.view_epoch = view_epoch;
+        meta.fenced_at = meta.fenced_at.or(Some(fenced_at));
+        meta.created_unix_ms = created_unix_ms;
+    }
     let shutting_down = matches!(reason, Reason::Shutdown | Reason::ShutdownUnfenced);
     // A shutdown's snapshot runs at disk speed (no client is left to share the machine with);
     // the others keep to the pace and give way to it.

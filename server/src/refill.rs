@@ -286,6 +286,7 @@ async fn refill(
     // With one copy of each key, no peer holds this node's keys (a stand-in holds only the
     // ones written while it was away, which the copy below brings over): what it loaded from
     // its snapshot stays.
+    node.snapshots.table_touched();
     let one_copy = node
         .config
         .cluster

@@ -178,6 +178,7 @@ impl<Holds: Fn(&[u8]) -> bool> Taking<'_, Holds> {
         if took {
             // Counted as it is taken: a pass that fails later keeps what it took, and the
             // next finds those copies equal.
+            self.node.snapshots.table_reconciled();
             self.taken += 1;
             self.node
                 .counters
@@ -193,6 +194,7 @@ impl<Holds: Fn(&[u8]) -> bool> Taking<'_, Holds> {
         let mut removed = 0u64;
         for key in &self.superseded {
             if self.loader.remove(key)? {
+                self.node.snapshots.table_reconciled();
                 removed += 1;
                 self.node
                     .counters
@@ -239,14 +241,13 @@ fn superseded_here(
 /// A line naming the peer that could not be asked.
 async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Provenance>, String> {
     let mut provenance = BTreeMap::new();
-    let snapshots = &node.snapshots;
+    let (epoch, fenced_at, created_unix_ms) = node.snapshots.loaded_provenance();
     provenance.insert(
         node.config.node_id,
         Provenance {
-            epoch: snapshots.loaded_epoch.load(Ordering::Relaxed),
-            fenced_at: Some(snapshots.loaded_fenced_at.load(Ordering::Relaxed))
-                .filter(|epoch| *epoch != 0),
-            created_unix_ms: snapshots.loaded_created_unix_ms.load(Ordering::Relaxed),
+            epoch,
+            fenced_at: Some(fenced_at).filter(|epoch| *epoch != 0),
+            created_unix_ms,
         },
     );
     let Some(cluster) = node.config.cluster.as_ref() else {

@@ -166,6 +166,11 @@ impl Session {
                 reason: format!("not serving data: {reason}"),
             });
         }
+        if !node.view.reconciling() {
+            // A client's writes, or a refill's, may reach the table from now on: the snapshot
+            // it loaded no longer describes it (`crate::reconcile`).
+            node.snapshots.table_touched();
+        }
         self.pass.step("handshake: creating the queue pair");
         let attachment = node.attachment(self.attachment);
         let table = &attachment.table;

@@ -43,6 +43,13 @@ pub struct SnapshotState {
     pub(crate) loaded_fenced_at: AtomicU64,
     /// When the loaded snapshot's writing began, in milliseconds since the Unix epoch.
     pub(crate) loaded_created_unix_ms: AtomicU64,
+    /// Whether the table still holds only what was loaded and what a whole-cluster start's
+    /// reconciliation took: no data connection was admitted outside a reconciliation and no
+    /// refill ran. While it does, the loaded snapshot's epochs describe it (`crate::reconcile`).
+    loaded_untouched: AtomicBool,
+    /// Whether the table holds exactly what was loaded: untouched, and the reconciliation
+    /// changed nothing. A snapshot written meanwhile carries the loaded one's epochs.
+    loaded_unchanged: AtomicBool,
     /// Set when the node stops: a snapshot on a schedule or on request gives way to the final
     /// one.
     pub(crate) stopping: AtomicBool,
@@ -60,6 +67,8 @@ impl SnapshotState {
 
     /// Records what the node loaded at start.
     pub(crate) fn record_loaded(&self, loaded: &crate::persistence::Loaded) {
+        self.loaded_untouched.store(true, Ordering::Release);
+        self.loaded_unchanged.store(true, Ordering::Release);
         self.loaded_keys.store(loaded.keys, Ordering::Relaxed);
         self.loaded_epoch
             .store(loaded.view_epoch, Ordering::Relaxed);
@@ -67,6 +76,47 @@ impl SnapshotState {
             .store(loaded.fenced_at.unwrap_or(0), Ordering::Relaxed);
         self.loaded_created_unix_ms
             .store(loaded.created_unix_ms, Ordering::Relaxed);
+    }
+
+    /// The table may have changed by a client's write or a refill: the loaded snapshot no
+    /// longer describes it.
+    pub(crate) fn table_touched(&self) {
+        self.loaded_untouched.store(false, Ordering::Release);
+        self.loaded_unchanged.store(false, Ordering::Release);
+    }
+
+    /// A reconciliation took or removed copies: a snapshot written from now on is not the
+    /// loaded one.
+    pub(crate) fn table_reconciled(&self) {
+        self.loaded_unchanged.store(false, Ordering::Release);
+    }
+
+    /// What the loaded snapshot says of the table, while it still describes it: its view
+    /// epoch, the epoch its node stopped serving at (0: none) and when it was written. All 0
+    /// once the table was touched: it then decides over no copy and none decides over it.
+    pub fn loaded_provenance(&self) -> (u64, u64, u64) {
+        if !self.loaded_untouched.load(Ordering::Acquire) {
+            return (0, 0, 0);
+        }
+        (
+            self.loaded_epoch.load(Ordering::Relaxed),
+            self.loaded_fenced_at.load(Ordering::Relaxed),
+            self.loaded_created_unix_ms.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The loaded snapshot's view epoch, stop epoch and writing time, while the table holds
+    /// exactly what it loaded and that snapshot had a stop epoch: a snapshot written now holds
+    /// the same copies, and says the same of them.
+    pub(crate) fn carried_provenance(&self) -> Option<(u64, u64, u64)> {
+        let fenced_at = self.loaded_fenced_at.load(Ordering::Relaxed);
+        (self.loaded_unchanged.load(Ordering::Acquire) && fenced_at != 0).then(|| {
+            (
+                self.loaded_epoch.load(Ordering::Relaxed),
+                fenced_at,
+                self.loaded_created_unix_ms.load(Ordering::Relaxed),
+            )
+        })
     }
 
     /// Makes a snapshot on a schedule or on request give way: the node stops, and writes its

@@ -12,10 +12,14 @@ use super::lease::StopCause;
 use super::ViewService;
 
 impl ViewService {
-    /// Whether the view this node knows has it serving as this process.
+    /// Whether the view this node knows has it serving as this process (a record of
+    /// incarnation 0 is this process's while the node has no earlier history: a cluster's
+    /// first start, as `lease.rs`'s `view_standing` reads it).
     fn serving_member(&self) -> bool {
         self.own_record().is_some_and(|record| {
-            record.state == MemberState::Serving && record.incarnation == self.incarnation
+            record.state == MemberState::Serving
+                && (record.incarnation == self.incarnation
+                    || (record.incarnation == 0 && !self.had_history))
         })
     }
 
