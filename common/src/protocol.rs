@@ -588,16 +588,13 @@ pub struct ServerStats {
     pub last_snapshot_keys: u64,
     /// Keys loaded from a snapshot at start.
     pub snapshot_keys_loaded: u64,
-    /// The view epoch the snapshot loaded at start was taken under (0: none was loaded).
-    pub snapshot_loaded_epoch: u64,
-    /// The epoch at which the node that wrote the loaded snapshot stopped serving data while
-    /// the view had it serving (0: none; the snapshot then says nothing of what it lacks).
-    /// A whole-cluster start lets such a copy decide over older ones (`docs/protocol.md`,
-    /// *Reconciliation*).
+    /// The epoch at which the node that wrote the snapshot loaded at start stopped serving
+    /// data while the view had it serving, while that snapshot still describes the node's
+    /// table (0: none, or no longer: a client connected, or a refill ran). A whole-cluster
+    /// start lets such a copy decide over older ones (`docs/protocol.md`, *Reconciliation*).
     pub snapshot_loaded_fenced_at: u64,
-    /// When the writing of the snapshot loaded at start began, in milliseconds since the Unix
-    /// epoch by its writer's clock (0: none was loaded).
-    pub snapshot_loaded_unix_ms: u64,
+    /// When that node stopped serving, in milliseconds since the Unix epoch by its clock.
+    pub snapshot_loaded_fenced_unix_ms: u64,
     /// Views the cluster committed in which every copy of some keys was down at once, since
     /// the view began (kept by the view: the same on every node that applied it).
     pub copy_sets_lost: u64,

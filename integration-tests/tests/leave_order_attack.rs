@@ -238,8 +238,8 @@ async fn an_up_that_failed_on_one_node_keeps_every_delete() {
         let log = rdkv_integration_tests::view::log_of(&cluster, id);
         let last = log
             .lines()
-            .filter(|line| line.contains("snapshot written"))
-            .last()
+            .rev()
+            .find(|line| line.contains("snapshot written"))
             .unwrap_or_default()
             .to_string();
         eprintln!(
@@ -380,8 +380,8 @@ async fn one_node_started_and_stopped_first(alone: u32) {
     let log = rdkv_integration_tests::view::log_of(&cluster, alone);
     if let Some(line) = log
         .lines()
-        .filter(|line| line.contains("snapshot written"))
-        .last()
+        .rev()
+        .find(|line| line.contains("snapshot written"))
     {
         eprintln!(
             "node {alone}: {}",
@@ -550,11 +550,7 @@ async fn a_running_node_rejoining_a_reconciliation_keeps_its_newer_writes() {
     wait_serving(&cluster, Duration::from_secs(120)).await;
     for id in 1..=3 {
         let log = rdkv_integration_tests::view::log_of(&cluster, id);
-        if let Some(line) = log
-            .lines()
-            .filter(|line| line.contains("reconciled:"))
-            .last()
-        {
+        if let Some(line) = log.lines().rev().find(|line| line.contains("reconciled:")) {
             eprintln!("node {id}: {}", line.chars().take(400).collect::<String>());
         }
     }

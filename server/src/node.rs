@@ -151,11 +151,10 @@ impl Node {
         (stats.snapshots_written, stats.snapshots_failed) = snapshots.counts();
         stats.snapshot_failing = snapshots.last_failure().is_some();
         stats.snapshot_keys_loaded = snapshots.loaded_keys.load(Ordering::Relaxed);
-        (
-            stats.snapshot_loaded_epoch,
-            stats.snapshot_loaded_fenced_at,
-            stats.snapshot_loaded_unix_ms,
-        ) = snapshots.loaded_provenance();
+        if let Some(fence) = snapshots.loaded_fence() {
+            stats.snapshot_loaded_fenced_at = fence.epoch;
+            stats.snapshot_loaded_fenced_unix_ms = fence.unix_ms;
+        }
         stats.copy_sets_lost = self.view.losses_total();
         if let Some(last) = snapshots.last() {
             stats.last_snapshot_unix_ms = last.finished_unix_ms;

@@ -100,13 +100,13 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
             .as_ref()
             .and_then(|cluster| u32::try_from(cluster.replicas).ok()),
     };
-    if let Some((view_epoch, fenced_at, created_unix_ms)) = state.carried_provenance() {
+    if let Some(loaded) = state.carried() {
         // The table holds exactly what this node loaded (it has served nothing since): the new
-        // file holds the same copies, and says what the loaded one said of them, or the later
-        // epoch this process stopped serving at.
-        meta.view_epoch = view_epoch;
-        meta.fenced_at = meta.fenced_at.or(Some(fenced_at));
-        meta.created_unix_ms = created_unix_ms;
+        // file holds the same copies, and says what the loaded one said of them (or when this
+        // process stopped serving, later).
+        meta.view_epoch = loaded.view_epoch;
+        meta.fenced_at = meta.fenced_at.or(loaded.fenced_at);
+        meta.created_unix_ms = loaded.created_unix_ms;
     }
     let shutting_down = matches!(reason, Reason::Shutdown | Reason::ShutdownUnfenced);
     // A shutdown's snapshot runs at disk speed (no client is left to share the machine with);
@@ -401,19 +401,13 @@ fn replace_latest(data_dir: &Path, start_from: StartFrom) -> Result<()> {
 }
 
 /// What a node loaded at start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Loaded {
     /// Keys loaded.
     pub keys: u64,
-    /// The cluster stop the snapshot was written at, if any.
-    pub stopped_at: Option<u64>,
-    /// The view epoch it was taken under.
-    pub view_epoch: u64,
-    /// The epoch its node stopped serving at, for a final snapshot of a node the view had
-    /// serving.
-    pub fenced_at: Option<u64>,
-    /// When its writing began, in milliseconds since the Unix epoch.
-    pub created_unix_ms: u64,
+    /// The snapshot's header (the cluster stop it was written at, when its node stopped
+    /// serving, ...).
+    pub meta: SnapshotMeta,
 }
 
 /// Checks the node's snapshot whole and loads it into the empty table and heap; `None` when
@@ -455,10 +449,7 @@ pub fn start_from_snapshot(
     }
     Ok(Some(Loaded {
         keys,
-        stopped_at: checked.meta.stopped_at,
-        view_epoch: checked.meta.view_epoch,
-        fenced_at: checked.meta.fenced_at,
-        created_unix_ms: checked.meta.created_unix_ms,
+        meta: checked.meta,
     }))
 }
 

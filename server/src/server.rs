@@ -198,7 +198,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
             secret: config.secret.clone(),
             failure_timeout: config.failure_timeout,
             state_file: config.view_state_file.clone(),
-            resume_from: loaded.and_then(|loaded| loaded.stopped_at),
+            resume_from: loaded.as_ref().and_then(|loaded| loaded.meta.stopped_at),
             replicas: config
                 .cluster
                 .as_ref()
@@ -226,7 +226,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         config,
     });
     if let Some(loaded) = loaded {
-        node.snapshots.record_loaded(&loaded);
+        node.snapshots.record_loaded(loaded.keys, loaded.meta);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;

@@ -27,6 +27,7 @@ use rdkv_common::protocol::{fetch_stats, ClusterView, MemberState, MonitoredNode
 use rdkv_common::sharding;
 
 use crate::node::Node;
+use crate::snapshot::file::Fence;
 use crate::snapshot::table_io::{scan_table, Loader};
 use authority::{Authority, Provenance};
 
@@ -241,13 +242,10 @@ fn superseded_here(
 /// A line naming the peer that could not be asked.
 async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Provenance>, String> {
     let mut provenance = BTreeMap::new();
-    let (epoch, fenced_at, created_unix_ms) = node.snapshots.loaded_provenance();
     provenance.insert(
         node.config.node_id,
         Provenance {
-            epoch,
-            fenced_at: Some(fenced_at).filter(|epoch| *epoch != 0),
-            created_unix_ms,
+            fenced_at: node.snapshots.loaded_fence(),
         },
     );
     let Some(cluster) = node.config.cluster.as_ref() else {
@@ -271,9 +269,10 @@ async fn provenances(node: &Node, members: &[u32]) -> Result<BTreeMap<u32, Prove
         provenance.insert(
             *member,
             Provenance {
-                epoch: stats.snapshot_loaded_epoch,
-                fenced_at: Some(stats.snapshot_loaded_fenced_at).filter(|epoch| *epoch != 0),
-                created_unix_ms: stats.snapshot_loaded_unix_ms,
+                fenced_at: (stats.snapshot_loaded_fenced_at != 0).then_some(Fence {
+                    epoch: stats.snapshot_loaded_fenced_at,
+                    unix_ms: stats.snapshot_loaded_fenced_unix_ms,
+                }),
             },
         );
     }

@@ -20,7 +20,7 @@
 //! All integers are little-endian. Checksums are `xxh3_64`. The file is a header, frames of
 //! records, and a trailer.
 //!
-//! Header (`68 + C` bytes):
+//! Header (`76 + C` bytes):
 //!
 //! | offset   | size | field                                                        |
 //! |----------|------|--------------------------------------------------------------|
@@ -34,12 +34,13 @@
 //! | 48       | C    | cluster name, UTF-8                                          |
 //! | 48 + C   | 4    | the cluster's `replicas` (`u32`, 0: not known)               |
 //! | 52 + C   | 8    | the epoch the node stopped serving at (`u64`, 0: none; below) |
-//! | 60 + C   | 8    | header checksum: `xxh3_64` of bytes `0..60 + C`              |
+//! | 60 + C   | 8    | when, milliseconds since the Unix epoch (`u64`)              |
+//! | 68 + C   | 8    | header checksum: `xxh3_64` of bytes `0..68 + C`              |
 //!
 //! The epoch the node stopped serving at is set only in a final snapshot written once every
 //! connection was torn down, of a node the view had serving when it stopped (a clean leave, or
-//! a lease that lapsed): the file then holds every write acknowledged of the node's keys up to
-//! that epoch (`docs/protocol.md`, *Reconciliation*). Format 3 lacks that field, format 2 the
+//! a lease that lapsed): the file then holds every write acknowledged of the node's keys until
+//! then, and none accepted later (`docs/protocol.md`, *Reconciliation*). Format 3 lacks that field, format 2 the
 //! `replicas` too; both are read.
 
 //! Frame (`20 + L` bytes), repeated, each holding at least one record:
@@ -117,8 +118,8 @@ pub const FORMAT_WITHOUT_VERSIONS: u32 = 1;
 /// The header's bytes after the cluster name from [`FORMAT_WITHOUT_FENCE`] on: the `replicas`.
 const HEADER_REPLICAS_LENGTH: usize = 4;
 /// The header's bytes after the `replicas` from [`FORMAT_VERSION`] on: the epoch at which the
-/// node stopped serving.
-const HEADER_FENCE_LENGTH: usize = 8;
+/// node stopped serving, and when.
+const HEADER_FENCE_LENGTH: usize = 16;
 /// The most record bytes a frame holds (a single larger record gets a frame of its own).
 pub const FRAME_LIMIT: usize = 64 * 1024;
 
@@ -160,11 +161,21 @@ pub struct SnapshotMeta {
     /// The cluster's `replicas` when it was written (`None`: a file of a format before
     /// [`FORMAT_VERSION`]): a node resuming from it holds the copies of that many.
     pub replicas: Option<u32>,
-    /// The view epoch at which the node stopped serving data while the view had it serving,
-    /// for a final snapshot written once every connection was torn down: it holds every write
-    /// acknowledged of the node's keys up to that epoch (`None`: any other snapshot, or a
-    /// file of a format before [`FORMAT_VERSION`]).
-    pub fenced_at: Option<u64>,
+    /// When the node stopped serving data while the view had it serving, for a final
+    /// snapshot written once every connection was torn down: it holds every write
+    /// acknowledged of the node's keys until then, and none accepted later (`None`: any other
+    /// snapshot, or a file of a format before [`FORMAT_VERSION`]).
+    pub fenced_at: Option<Fence>,
+}
+
+/// When a node stopped serving data while the view had it serving (`crate::view`'s
+/// `complete.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    /// The view epoch it knew then.
+    pub epoch: u64,
+    /// Its clock then, in milliseconds since the Unix epoch.
+    pub unix_ms: u64,
 }
 
 /// A snapshot made current by [`SnapshotWriter::finish`].
@@ -534,7 +545,12 @@ fn encode_header(meta: &SnapshotMeta, format: u32) -> std::result::Result<Encode
         bytes.extend_from_slice(&meta.replicas.unwrap_or(0).to_le_bytes());
     }
     if format >= FORMAT_VERSION {
-        bytes.extend_from_slice(&meta.fenced_at.unwrap_or(0).to_le_bytes());
+        let fence = meta.fenced_at.unwrap_or(Fence {
+            epoch: 0,
+            unix_ms: 0,
+        });
+        bytes.extend_from_slice(&fence.epoch.to_le_bytes());
+        bytes.extend_from_slice(&fence.unix_ms.to_le_bytes());
     }
     let checksum = xxh3_64(&bytes);
     bytes.extend_from_slice(&checksum.to_le_bytes());
@@ -821,9 +837,16 @@ impl SnapshotReader {
             replicas: replicas
                 .map(u32::from_le_bytes)
                 .filter(|replicas| *replicas != 0),
-            fenced_at: fenced_at
-                .map(u64::from_le_bytes)
-                .filter(|epoch| *epoch != 0),
+            fenced_at: fenced_at.and_then(|bytes| {
+                let (mut epoch, mut unix_ms) = ([0u8; 8], [0u8; 8]);
+                epoch.copy_from_slice(&bytes[..8]);
+                unix_ms.copy_from_slice(&bytes[8..]);
+                let epoch = u64::from_le_bytes(epoch);
+                (epoch != 0).then_some(Fence {
+                    epoch,
+                    unix_ms: u64::from_le_bytes(unix_ms),
+                })
+            }),
         };
         Ok((meta, stored_checksum, version))
     }
@@ -1054,7 +1077,10 @@ mod tests {
             created_unix_ms: 1_700_000_000_123,
             stopped_at: Some(view_epoch + 1),
             replicas: Some(2),
-            fenced_at: Some(view_epoch),
+            fenced_at: Some(Fence {
+                epoch: view_epoch,
+                unix_ms: 1_700_000_000_456,
+            }),
         }
     }
 
@@ -1373,7 +1399,7 @@ mod tests {
         let current = TestDirectory::new("format-4-fence");
         write(&current.path, &meta(5), &records, FRAME_LIMIT);
         let loaded = verify_snapshot(&current.path.join(SNAPSHOT_FILE)).expect("format 4");
-        assert_eq!(loaded.meta.fenced_at, Some(5));
+        assert_eq!(loaded.meta.fenced_at.map(|fence| fence.epoch), Some(5));
         let unfenced = TestDirectory::new("format-4-unfenced");
         let plain = SnapshotMeta {
             fenced_at: None,

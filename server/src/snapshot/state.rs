@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use rdkv_fabric::lock;
 
+use crate::snapshot::file::{Fence, SnapshotMeta};
+
 /// The snapshot a node wrote last.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LastSnapshot {
@@ -36,13 +38,8 @@ pub struct SnapshotState {
     failed: AtomicU64,
     /// Keys loaded from a snapshot at start.
     pub(crate) loaded_keys: AtomicU64,
-    /// The view epoch of the snapshot loaded at start (0: none loaded).
-    pub(crate) loaded_epoch: AtomicU64,
-    /// The epoch at which the node that wrote the loaded snapshot stopped serving (0: not a
-    /// final snapshot of a node the view had serving; `crate::snapshot::file`).
-    pub(crate) loaded_fenced_at: AtomicU64,
-    /// When the loaded snapshot's writing began, in milliseconds since the Unix epoch.
-    pub(crate) loaded_created_unix_ms: AtomicU64,
+    /// The header of the snapshot loaded at start, if any.
+    loaded: Mutex<Option<SnapshotMeta>>,
     /// Whether the table still holds only what was loaded and what a whole-cluster start's
     /// reconciliation took: no data connection was admitted outside a reconciliation and no
     /// refill ran. While it does, the loaded snapshot's epochs describe it (`crate::reconcile`).
@@ -66,16 +63,11 @@ impl SnapshotState {
     }
 
     /// Records what the node loaded at start.
-    pub(crate) fn record_loaded(&self, loaded: &crate::persistence::Loaded) {
+    pub(crate) fn record_loaded(&self, keys: u64, meta: SnapshotMeta) {
+        self.loaded_keys.store(keys, Ordering::Relaxed);
+        *lock(&self.loaded) = Some(meta);
         self.loaded_untouched.store(true, Ordering::Release);
         self.loaded_unchanged.store(true, Ordering::Release);
-        self.loaded_keys.store(loaded.keys, Ordering::Relaxed);
-        self.loaded_epoch
-            .store(loaded.view_epoch, Ordering::Relaxed);
-        self.loaded_fenced_at
-            .store(loaded.fenced_at.unwrap_or(0), Ordering::Relaxed);
-        self.loaded_created_unix_ms
-            .store(loaded.created_unix_ms, Ordering::Relaxed);
     }
 
     /// The table may have changed by a client's write or a refill: the loaded snapshot no
@@ -91,32 +83,26 @@ impl SnapshotState {
         self.loaded_unchanged.store(false, Ordering::Release);
     }
 
-    /// What the loaded snapshot says of the table, while it still describes it: its view
-    /// epoch, the epoch its node stopped serving at (0: none) and when it was written. All 0
-    /// once the table was touched: it then decides over no copy and none decides over it.
-    pub fn loaded_provenance(&self) -> (u64, u64, u64) {
+    /// When the node that wrote the loaded snapshot stopped serving, while that snapshot
+    /// still describes the table (`None` once it was touched, or for a snapshot that names no
+    /// such stop): the table then decides over no copy, and none decides over it.
+    pub fn loaded_fence(&self) -> Option<Fence> {
         if !self.loaded_untouched.load(Ordering::Acquire) {
-            return (0, 0, 0);
+            return None;
         }
-        (
-            self.loaded_epoch.load(Ordering::Relaxed),
-            self.loaded_fenced_at.load(Ordering::Relaxed),
-            self.loaded_created_unix_ms.load(Ordering::Relaxed),
-        )
+        lock(&self.loaded).as_ref().and_then(|meta| meta.fenced_at)
     }
 
-    /// The loaded snapshot's view epoch, stop epoch and writing time, while the table holds
-    /// exactly what it loaded and that snapshot had a stop epoch: a snapshot written now holds
-    /// the same copies, and says the same of them.
-    pub(crate) fn carried_provenance(&self) -> Option<(u64, u64, u64)> {
-        let fenced_at = self.loaded_fenced_at.load(Ordering::Relaxed);
-        (self.loaded_unchanged.load(Ordering::Acquire) && fenced_at != 0).then(|| {
-            (
-                self.loaded_epoch.load(Ordering::Relaxed),
-                fenced_at,
-                self.loaded_created_unix_ms.load(Ordering::Relaxed),
-            )
-        })
+    /// The loaded snapshot's header, while the table holds exactly what it loaded and that
+    /// snapshot names a stop: a snapshot written now holds the same copies, and says the same
+    /// of them.
+    pub(crate) fn carried(&self) -> Option<SnapshotMeta> {
+        if !self.loaded_unchanged.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.loaded)
+            .clone()
+            .filter(|meta| meta.fenced_at.is_some())
     }
 
     /// Makes a snapshot on a schedule or on request give way: the node stops, and writes its

@@ -10,6 +10,7 @@ use rdkv_common::protocol::MemberState;
 
 use super::lease::StopCause;
 use super::ViewService;
+use crate::snapshot::file::Fence;
 
 impl ViewService {
     /// Whether the view this node knows has it serving as this process (a record of
@@ -28,7 +29,7 @@ impl ViewService {
     /// moved it, forgets it.
     pub(super) fn note_serving_change(&self, stopped: Option<StopCause>) {
         let at = match stopped {
-            Some(StopCause::Lease) if self.serving_member() => Some(self.epoch()),
+            Some(StopCause::Lease) if self.serving_member() => Some(self.fence_now()),
             _ => None,
         };
         *rdkv_fabric::lock(&self.stopped_serving_at) = at;
@@ -38,16 +39,27 @@ impl ViewService {
     /// member of the view; kept as it was when it had stopped already (a lapsed lease).
     pub(super) fn note_leaving(&self) {
         if self.serving.borrow().is_ok() {
-            let at = self.serving_member().then(|| self.epoch());
+            let at = self.serving_member().then(|| self.fence_now());
             *rdkv_fabric::lock(&self.stopped_serving_at) = at;
         }
     }
 
-    /// The view epoch at which this node stopped serving data while the view had it serving
-    /// as this process, if it has not served since: its table then holds every write
-    /// acknowledged of its keys up to that epoch. `None` while it serves, after it stopped for
-    /// the view's reason (down, filling, restarted), or in a node outside consensus.
-    pub fn stopped_serving_at(&self) -> Option<u64> {
+    /// The view epoch now, and the clock.
+    fn fence_now(&self) -> Fence {
+        Fence {
+            epoch: self.epoch(),
+            unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_millis() as u64),
+        }
+    }
+
+    /// When (the view epoch, and the clock) this node stopped serving data while the view had
+    /// it serving as this process, if it has not served since: its table then holds every
+    /// write acknowledged of its keys until then, and it accepted none later. `None` while it
+    /// serves, after it stopped for the view's reason (down, filling, restarted), or in a node
+    /// outside consensus.
+    pub fn stopped_serving_at(&self) -> Option<Fence> {
         self.raft.as_ref()?;
         *rdkv_fabric::lock(&self.stopped_serving_at)
     }

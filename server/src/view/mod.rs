@@ -148,7 +148,7 @@ pub struct ViewService {
     leaving: std::sync::atomic::AtomicBool,
     /// The epoch at which the node last stopped serving data while the view had it serving
     /// as this process (`complete.rs`).
-    stopped_serving_at: std::sync::Mutex<Option<u64>>,
+    stopped_serving_at: std::sync::Mutex<Option<crate::snapshot::file::Fence>>,
     /// Times the node dropped a lease before its end (it stopped leading): a published
     /// serving interval does not continue across a drop.
     lease_drops: AtomicU64,
