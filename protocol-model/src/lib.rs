@@ -44,6 +44,12 @@
 //! without that check, releasing the grant of a requester still inside a request, or
 //! releasing the word before the ERROR, the client reads or writes a reused extent.
 //!
+//! [`leave_order`] is a fifth: which copy decides at a whole-cluster start after nodes stopped
+//! one at a time (`server/src/reconcile/authority.rs`). The rule as built loses a delete (a
+//! final snapshot written after a later stop, a stand-in's delete, a stand-in's stale extra
+//! copy); comparing the epochs the nodes stopped serving at holds while a home copy of the key
+//! stays; newest-wins, no mutual check and any member deciding fail.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -54,6 +60,7 @@ pub mod client;
 pub mod error;
 pub mod key_value;
 pub mod lease;
+pub mod leave_order;
 pub mod model;
 mod new_protocol;
 mod old_protocol;

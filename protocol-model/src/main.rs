@@ -3,7 +3,8 @@
 //! every violated property. `--model index` (the default) checks the index-slot protocol under
 //! the old or the new protocol; `--model lease` checks a reader of a node that may be paused
 //! under a reader rule; `--model reclaim` checks heap reclamation and the fence of a stopped
-//! client under a fence rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
+//! client under a fence rule; `--model leave-order` checks which copy decides at a whole-cluster start
+//! under a decide rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
 //! error.
 
 #![forbid(unsafe_code)]
@@ -23,13 +24,15 @@ enum ModelName {
     Lease,
     /// Heap reclamation with announce words and the fence of a stopped client.
     Reclaim,
+    /// Which copy decides at a whole-cluster start after nodes stopped one at a time.
+    LeaveOrder,
 }
 
 /// Command-line arguments.
 #[derive(Debug, Parser)]
 #[command(
     name = "rdkv-protocol-model",
-    about = "Exhaustively model-check rdkv's index-slot protocol or its serving lease"
+    about = "Exhaustively model-check rdkv's index-slot protocol, its serving lease, heap reclamation or which copy decides at a whole-cluster start"
 )]
 struct Arguments {
     /// The model to check: `index` (the index-slot protocol) or `lease` (a reader of a node
@@ -58,6 +61,11 @@ struct Arguments {
     /// fabric are checked.
     #[arg(long)]
     fence: Option<rdkv_protocol_model::reclaim::FenceRule>,
+    /// Leave-order model: when a final snapshot decides over another: `built` (as built, the
+    /// default), `epochs-only` (without the clocks' guard), `newest-wins`, `no-mutual-check` or
+    /// `any-decider` (the last three broken).
+    #[arg(long)]
+    decide: Option<rdkv_protocol_model::leave_order::DecideRule>,
     /// Reclaim model: check the shm-like fabric without its check after a READ's copy.
     #[arg(long)]
     unchecked_reads: bool,
@@ -94,6 +102,17 @@ fn main() -> ExitCode {
         ModelName::Reclaim if arguments.protocol.is_some() || arguments.reader.is_some() => {
             Some("--protocol and --reader")
         }
+        ModelName::LeaveOrder
+            if arguments.protocol.is_some()
+                || arguments.reader.is_some()
+                || arguments.fence.is_some()
+                || arguments.unchecked_reads =>
+        {
+            Some("--protocol, --reader, --fence and --unchecked-reads")
+        }
+        ModelName::Index | ModelName::Lease | ModelName::Reclaim if arguments.decide.is_some() => {
+            Some("--decide")
+        }
         _ => None,
     };
     if let Some(flag) = misplaced {
@@ -101,6 +120,7 @@ fn main() -> ExitCode {
             ModelName::Index => "index",
             ModelName::Lease => "lease",
             ModelName::Reclaim => "reclaim",
+            ModelName::LeaveOrder => "leave-order",
         };
         eprintln!("rdkv-protocol-model: {flag} does not apply to --model {model}");
         return ExitCode::from(2);
@@ -109,7 +129,41 @@ fn main() -> ExitCode {
         ModelName::Index => run_index(&arguments),
         ModelName::Lease => run_lease(&arguments),
         ModelName::Reclaim => run_reclaim(&arguments),
+        ModelName::LeaveOrder => run_leave_order(&arguments),
     }
+}
+
+/// Checks the leave-order scenarios asked for under the decide rule asked for.
+fn run_leave_order(arguments: &Arguments) -> ExitCode {
+    use rdkv_protocol_model::leave_order::{self, DecideRule, LeaveOrderModel};
+    let rule = arguments.decide.unwrap_or(DecideRule::Built);
+    if arguments.list {
+        for model in LeaveOrderModel::scenarios(rule) {
+            println!(
+                "{:<16} {} operations, {} restart(s)",
+                model.name, model.operations, model.restarts
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let models = if arguments.scenario == "all" {
+        LeaveOrderModel::scenarios(rule)
+    } else {
+        match LeaveOrderModel::named(&arguments.scenario, rule) {
+            Ok(model) => vec![model],
+            Err(error) => {
+                eprintln!("rdkv-protocol-model: {error}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    let mut violated = false;
+    for model in models {
+        let report = leave_order::check(model, arguments.threads);
+        print!("{report}");
+        violated |= !report.all_hold();
+    }
+    exit_code(violated)
 }
 
 /// Checks the reclamation model on both fabrics under the fence rule asked for.
