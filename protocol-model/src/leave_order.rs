@@ -50,16 +50,17 @@
 //!
 //! # What the checker finds
 //!
-//! - [`DecideRule::Built`] (and [`DecideRule::EpochsOnly`]) loses an acknowledged delete in
-//!   every scenario: a node that stopped serving at `F = 2` writes its final snapshot only after
-//!   a later node's leave committed, so its header says `E = 4`, above that later node's
-//!   `F = 3`, and its copy of a key the later node deleted comes back. `F`, not `E`, bounds
-//!   what a final snapshot holds; the clocks' guard fails the same way.
-//! - [`DecideRule::FencedOrder`] (`F_Q < F_X`) holds in `stops-keeping-a-home-copy` and
-//!   `crash`; it loses a delete that only a stand-in acknowledged (`stops`: both of `K`'s
-//!   copies by the membership down while the view still serves) and one whose stand-in kept
-//!   a stale extra copy, not yet swept, and became `K`'s copy again (`rolling-restart`).
-//! - The broken variants of the candidate ([`DecideRule::NewestWins`],
+//! - [`DecideRule::Built`] (`F_Q < F_X`) holds in `stops-keeping-a-home-copy` and `crash`; it
+//!   loses a delete that only a stand-in acknowledged (`stops`: both of `K`'s copies by the
+//!   membership down while the view still serves) and one whose stand-in kept a stale extra
+//!   copy, not yet swept, and became `K`'s copy again (`rolling-restart`): the two cases
+//!   `docs/protocol.md` leaves open.
+//! - [`DecideRule::HeaderEpochs`] (the rule as first built) and [`DecideRule::EpochsOnly`] lose
+//!   an acknowledged delete in every scenario: a node that stopped serving at `F = 2` writes its
+//!   final snapshot only after a later node's leave committed, so its header says `E = 4`,
+//!   above that later node's `F = 3`, and its copy of a key the later node deleted comes back.
+//!   `F`, not `E`, bounds what a final snapshot holds.
+//! - The broken variants of the built rule ([`DecideRule::NewestWins`],
 //!   [`DecideRule::NoMutualCheck`], [`DecideRule::AnyDecider`]) fail in
 //!   `stops-keeping-a-home-copy`.
 //! - [`COPIES_AGREE`] holds everywhere by construction: every holder takes the newest of the
@@ -95,22 +96,24 @@ const RANKING: [usize; NODES] = [0, 1, 2];
 /// When one final snapshot decides over another of the same key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DecideRule {
-    /// As built (`authority.rs`): `X` decides over `Q` when both are final, `E_Q ≤ F_X`, not
-    /// `E_X ≤ F_Q`, and `Q`'s writing began no later than `X`'s; `X` among `K`'s first
-    /// `replicas` by the whole membership.
-    Built,
-    /// As first built (commit `7f54ba0`): the same without the clocks' guard.
+    /// Broken, as first built: `X` decides over `Q` when both are final, `E_Q ≤ F_X`, not
+    /// `E_X ≤ F_Q`, and `Q`'s writing began no later than `X`'s (header epochs bound nothing:
+    /// a node keeps applying views while it tears down).
+    HeaderEpochs,
+    /// Broken: the same without the clocks' guard.
     EpochsOnly,
-    /// A candidate fix: `X` decides over `Q` when both are final and `F_Q < F_X` (`Q` served
-    /// nothing after `F_Q`, so `F_Q`, not `E_Q`, bounds its copies; two equal `F`s decide
-    /// nothing), with no clocks' guard.
-    FencedOrder,
+    /// As built (`authority.rs`): `X` decides over `Q` when both are final and `F_Q < F_X` (`Q`
+    /// served nothing after `F_Q`, so `F_Q` bounds its copies; two equal `F`s decide nothing);
+    /// `X` among `K`'s first `replicas` by the whole membership. The built rule's clocks' guard
+    /// (`Q` stopped serving no later than `X`) holds in every run of one clock, where `F_Q <
+    /// F_X` means `Q` stopped first.
+    Built,
     /// Broken: no snapshot decides (newest-wins alone).
     NewestWins,
-    /// Broken: the candidate without its mutual check (`F_Q ≤ F_X`: two copies that stopped at
+    /// Broken: the built rule without its mutual check (`F_Q ≤ F_X`: two copies that stopped at
     /// the same epoch each decide over the other).
     NoMutualCheck,
-    /// Broken: the candidate, but any member decides, not only `K`'s copies by the membership.
+    /// Broken: the built rule, but any member decides, not only `K`'s copies by the membership.
     AnyDecider,
 }
 
@@ -118,8 +121,8 @@ impl DecideRule {
     /// Every rule, the built one first.
     pub const ALL: [DecideRule; 6] = [
         DecideRule::Built,
+        DecideRule::HeaderEpochs,
         DecideRule::EpochsOnly,
-        DecideRule::FencedOrder,
         DecideRule::NewestWins,
         DecideRule::NoMutualCheck,
         DecideRule::AnyDecider,
@@ -134,9 +137,9 @@ impl DecideRule {
         let covered = mine.epoch <= other_fenced_at;
         let written_before = other.written <= mine.written;
         match self {
-            DecideRule::Built => covers && !covered && written_before,
+            DecideRule::HeaderEpochs => covers && !covered && written_before,
             DecideRule::EpochsOnly => covers && !covered,
-            DecideRule::FencedOrder | DecideRule::AnyDecider => other_fenced_at < fenced_at,
+            DecideRule::Built | DecideRule::AnyDecider => other_fenced_at < fenced_at,
             DecideRule::NoMutualCheck => other_fenced_at <= fenced_at,
             DecideRule::NewestWins => false,
         }
@@ -147,8 +150,8 @@ impl fmt::Display for DecideRule {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
             DecideRule::Built => "built",
+            DecideRule::HeaderEpochs => "header-epochs",
             DecideRule::EpochsOnly => "epochs-only",
-            DecideRule::FencedOrder => "fenced-order",
             DecideRule::NewestWins => "newest-wins",
             DecideRule::NoMutualCheck => "no-mutual-check",
             DecideRule::AnyDecider => "any-decider",
@@ -165,7 +168,7 @@ impl std::str::FromStr for DecideRule {
             .find(|rule| rule.to_string() == name)
             .ok_or_else(|| {
                 format!(
-                    "unknown decide rule `{name}`: built, epochs-only, fenced-order, newest-wins, \
+                    "unknown decide rule `{name}`: built, header-epochs, epochs-only, newest-wins, \
                      no-mutual-check or any-decider"
                 )
             })
@@ -833,8 +836,10 @@ mod tests {
     /// The properties each rule violates in `stops-keeping-a-home-copy`.
     fn expected(rule: DecideRule) -> Vec<&'static str> {
         match rule {
-            DecideRule::FencedOrder => vec![],
-            DecideRule::Built | DecideRule::EpochsOnly | DecideRule::NewestWins => vec![CLEAN],
+            DecideRule::Built => vec![],
+            DecideRule::HeaderEpochs | DecideRule::EpochsOnly | DecideRule::NewestWins => {
+                vec![CLEAN]
+            }
             DecideRule::NoMutualCheck | DecideRule::AnyDecider => vec![CLEAN, SNAPSHOTTED],
         }
     }
@@ -849,23 +854,26 @@ mod tests {
     }
 
     #[test]
-    fn the_built_rule_loses_a_delete_and_the_candidate_only_where_a_stand_in_decides() {
+    fn header_epochs_lose_a_delete_everywhere_and_the_built_rule_only_where_a_stand_in_decides() {
         for name in ["stops", "rolling-restart"] {
-            for rule in [DecideRule::Built, DecideRule::FencedOrder] {
+            for rule in [DecideRule::HeaderEpochs, DecideRule::Built] {
                 let report = check(scenario(name, rule), 1);
                 assert_eq!(report.violated(), vec![CLEAN], "{report}");
             }
         }
-        let built = check(scenario("crash", DecideRule::Built), 1);
-        assert_eq!(built.violated(), vec![CLEAN], "{built}");
-        assert!(check(scenario("crash", DecideRule::FencedOrder), 1).all_hold());
+        let header = check(scenario("crash", DecideRule::HeaderEpochs), 1);
+        assert_eq!(header.violated(), vec![CLEAN], "{header}");
+        assert!(check(scenario("crash", DecideRule::Built), 1).all_hold());
     }
 
-    /// The built rule's counterexample: a final snapshot written after a later node's stop
+    /// The first build's counterexample: a final snapshot written after a later node's stop
     /// carries an epoch above that node's `F`, though its node served nothing since its own.
     #[test]
-    fn the_built_rule_fails_when_a_final_snapshot_is_written_after_a_later_stop() {
-        let report = check(scenario("stops-keeping-a-home-copy", DecideRule::Built), 1);
+    fn header_epochs_fail_when_a_final_snapshot_is_written_after_a_later_stop() {
+        let report = check(
+            scenario("stops-keeping-a-home-copy", DecideRule::HeaderEpochs),
+            1,
+        );
         let (_, Some(actions)) = &report.verdicts[0] else {
             panic!("{report}");
         };
@@ -883,11 +891,11 @@ mod tests {
         assert!(late && !state.crashed, "{report}");
     }
 
-    /// Reachability: the candidate rule changes the outcome of some clean run (a copy decided
+    /// Reachability: the built rule changes the outcome of some clean run (a copy decided
     /// over is dropped where newest-wins would keep it).
     #[test]
     fn the_rule_decides_in_some_clean_run() {
-        let model = scenario("stops-keeping-a-home-copy", DecideRule::FencedOrder);
+        let model = scenario("stops-keeping-a-home-copy", DecideRule::Built);
         let newest = scenario("stops-keeping-a-home-copy", DecideRule::NewestWins);
         let mut pending = vec![LeaveOrderModel::initial()];
         let mut seen = std::collections::HashSet::new();

@@ -62,8 +62,8 @@ struct Arguments {
     #[arg(long)]
     fence: Option<rdkv_protocol_model::reclaim::FenceRule>,
     /// Leave-order model: when a final snapshot decides over another: `built` (as built, the
-    /// default), `epochs-only` (without the clocks' guard), `newest-wins`, `no-mutual-check` or
-    /// `any-decider` (the last three broken).
+    /// default), `header-epochs` (as first built), `epochs-only`, `newest-wins`,
+    /// `no-mutual-check` or `any-decider` (all but the first broken).
     #[arg(long)]
     decide: Option<rdkv_protocol_model::leave_order::DecideRule>,
     /// Reclaim model: check the shm-like fabric without its check after a READ's copy.
