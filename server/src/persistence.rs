@@ -132,7 +132,7 @@ pub(crate) fn take_snapshot(node: &Node, reason: Reason) -> Result<Option<Writte
                 bytes = written.bytes,
                 took = ?started.elapsed(),
                 stopped_at = ?meta.stopped_at,
-                fenced_at = ?meta.fenced_at,
+                fenced_at = ?meta.fenced_at.map(|fence| fence.epoch),
                 file = %written.path.display(),
                 "snapshot written"
             );
@@ -511,7 +511,7 @@ pub fn load_snapshot(path: &Path, table: &TableRegion, heap: &Heap) -> Result<u6
         bytes = loaded.bytes,
         written_at_ms = loaded.meta.created_unix_ms,
         stopped_at = ?loaded.meta.stopped_at,
-        fenced_at = ?loaded.meta.fenced_at,
+        fenced_at = ?loaded.meta.fenced_at.map(|fence| fence.epoch),
         took = ?started.elapsed(),
         "snapshot loaded"
     );

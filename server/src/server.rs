@@ -226,7 +226,13 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
         config,
     });
     if let Some(loaded) = loaded {
-        node.snapshots.record_loaded(loaded.keys, loaded.meta);
+        let replicas = node
+            .config
+            .cluster
+            .as_ref()
+            .map_or(1, |cluster| cluster.replicas);
+        node.snapshots
+            .record_loaded(loaded.keys, loaded.meta, replicas);
     }
     spawn_tasks(&node, listener, &tasks, &shutdown);
     let metrics_address = serve_metrics(&node, &tasks, &shutdown).await?;

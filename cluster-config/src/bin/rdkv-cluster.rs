@@ -390,9 +390,12 @@ async fn snapshot(config: &ClusterConfig, only: Option<u32>) -> anyhow::Result<u
                     node.id,
                     if matches!(&error, rdkv_common::ControlError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused)
                     {
-                        " (the node is not running: `rdkv-cluster up FILE` starts it)"
+                        format!(
+                            " (the node is not running: `rdkv-cluster up FILE --node {}` starts it)",
+                            node.id
+                        )
                     } else {
-                        ""
+                        String::new()
                     }
                 );
             }

@@ -62,9 +62,17 @@ impl SnapshotState {
         }
     }
 
-    /// Records what the node loaded at start.
-    pub(crate) fn record_loaded(&self, keys: u64, meta: SnapshotMeta) {
+    /// Records what the node loaded at start. A snapshot written with another `replicas`
+    /// than the cluster's now names no stop here: its node was a copy of other keys then, and
+    /// its absences say nothing of the keys it is a copy of now (`crate::reconcile`).
+    pub(crate) fn record_loaded(&self, keys: u64, mut meta: SnapshotMeta, replicas_now: usize) {
         self.loaded_keys.store(keys, Ordering::Relaxed);
+        let same_copies = meta
+            .replicas
+            .is_some_and(|written| written as usize == replicas_now);
+        if !same_copies {
+            meta.fenced_at = None;
+        }
         *lock(&self.loaded) = Some(meta);
         self.loaded_untouched.store(true, Ordering::Release);
         self.loaded_unchanged.store(true, Ordering::Release);
