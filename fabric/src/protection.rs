@@ -536,6 +536,28 @@ impl MemoryRegion {
         }
     }
 
+    /// Calls `visit(line_offset, words)` for each 64-byte line of `[offset, offset + length)`
+    /// (offsets in the region) that holds a non-zero word, with its eight words, each read with
+    /// one atomic load.
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`] when the range leaves the region, [`Error::MisalignedAtomic`]
+    /// when `offset` is not 8-byte aligned in the memory or `length` not a multiple of 64.
+    pub fn visit_nonzero_lines(
+        &self,
+        offset: u64,
+        length: u64,
+        mut visit: impl FnMut(u64, [u64; 8]),
+    ) -> Result<()> {
+        self.check(offset, length)?;
+        let base = self.inner.offset;
+        self.inner
+            .memory
+            .visit_nonzero_lines(base + offset, length, |line_offset, words| {
+                visit(line_offset - base, words)
+            })
+    }
+
     /// Copies bytes out of the region, starting `offset` bytes in.
     ///
     /// # Errors

@@ -103,17 +103,28 @@ fn pass(node: &Node, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, Pas
     slots.clear();
     let mut digest = 0u64;
     let mut tentative = false;
+    let mut tombstone = false;
     node.table().for_each_slot(|index_offset, slot| {
         digest = mix(digest, index_offset, slot);
         tentative |= slot.is_tentative();
+        tombstone |= slot.is_tombstone();
         slots.push((index_offset, slot));
     });
     // After the scan: every operation that read a slot the scan found changed had announced
     // its start by now (docs/protocol.md, Heap space).
     let snapshot = node.announcements.snapshot();
     let now = Instant::now();
-    clear_abandoned_tentatives(node, &mut slots);
-    let tombstones_waiting = clear_old_tombstones(node, &mut slots, now);
+    // Each of these walks the slots again only when the scan found one it acts on.
+    if tentative {
+        clear_abandoned_tentatives(node, &mut slots);
+    }
+    let tombstones_waiting = if tombstone {
+        clear_old_tombstones(node, &mut slots, now)
+    } else {
+        // None in the index: none is remembered either (what the walk would leave).
+        lock(&node.collector.tombstones).clear();
+        false
+    };
     let extra_copies_removed = node
         .sweep
         .run(&node.config, &node.view, node.table(), &mut slots);

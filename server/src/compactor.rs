@@ -210,15 +210,24 @@ fn blocks_to_move<'slots>(
     candidates: &[u64],
     slots: &'slots [(u64, Slot)],
 ) -> Vec<(u64, &'slots (u64, Slot))> {
-    let mut by_extent: std::collections::HashMap<u64, Vec<&(u64, Slot)>> = candidates
-        .iter()
-        .map(|extent| (*extent, Vec::new()))
-        .collect();
+    // Each candidate's rank, by extent: a look-up per slot is an index, not a hash (a hash
+    // per committed slot and pass was a fifth of the collector's instructions).
+    let Some(last_candidate) = candidates.iter().max() else {
+        return Vec::new();
+    };
+    let mut rank = vec![usize::MAX; *last_candidate as usize + 1];
+    for (position, extent) in candidates.iter().enumerate() {
+        rank[*extent as usize] = rank[*extent as usize].min(position);
+    }
+    let mut by_candidate: Vec<Vec<&(u64, Slot)>> = vec![Vec::new(); candidates.len()];
     for entry in slots.iter().filter(|(_, slot)| slot.is_committed()) {
         let first = entry.1.offset() / EXTENT_SIZE;
+        if first > *last_candidate {
+            continue;
+        }
         let last = (entry.1.offset() + entry.1.block_length().max(1) - 1) / EXTENT_SIZE;
-        for extent in first..=last {
-            if let Some(blocks) = by_extent.get_mut(&extent) {
+        for extent in first..=last.min(*last_candidate) {
+            if let Some(blocks) = by_candidate.get_mut(rank[extent as usize]) {
                 blocks.push(entry);
             }
         }
@@ -226,13 +235,8 @@ fn blocks_to_move<'slots>(
     let mut seen = std::collections::HashSet::new();
     candidates
         .iter()
-        .flat_map(|extent| {
-            by_extent
-                .remove(extent)
-                .unwrap_or_default()
-                .into_iter()
-                .map(move |entry| (*extent, entry))
-        })
+        .zip(by_candidate)
+        .flat_map(|(extent, blocks)| blocks.into_iter().map(move |entry| (*extent, entry)))
         .filter(|(_, (index_offset, _))| seen.insert(*index_offset))
         .collect()
 }

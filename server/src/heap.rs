@@ -46,6 +46,9 @@ use rdkv_fabric::{lock, MemoryWindow, RequesterInside};
 
 use crate::announce::{Announcements, Snapshot};
 
+mod free_map;
+use free_map::FreeMap;
+
 /// Bytes of one extent: the unit the heap hands out, seals and reclaims.
 pub const EXTENT_SIZE: u64 = 4096;
 
@@ -141,6 +144,8 @@ struct Extents {
     states: Vec<ExtentState>,
     /// Extents `Free` now.
     free: u64,
+    /// Which extents are `Free`, one bit each: where a grant's run is searched.
+    free_map: FreeMap,
     /// Where the next search for a free run starts (after the last grant).
     next_fit: usize,
     /// Each writing connection's current grant.
@@ -166,6 +171,8 @@ pub struct Heap {
     pub reclaimed: AtomicU64,
     /// Live bytes per extent, from the last scan.
     live_bytes: Mutex<Vec<u64>>,
+    /// The vector of the scan before, refilled by the next scan.
+    spare_live_bytes: Mutex<Vec<u64>>,
     /// Blocks moved by compaction since start.
     pub blocks_relocated: AtomicU64,
     /// Abandoned tentative slots cleared by the collector since start.
@@ -182,36 +189,6 @@ pub struct Heap {
 
 /// How many reuse delays [`Heap::reuse_delays`] keeps.
 const REUSE_DELAYS_KEPT: usize = 1024;
-
-/// The first run of `desired` free extents from `from` on (wrapping once; a run never spans the
-/// wrap), else the longest run of at least `needed`, cut to `desired`.
-fn find_free_run(states: &[ExtentState], from: usize, needed: u64, desired: u64) -> Option<Grant> {
-    let count = states.len();
-    let mut best: Option<Grant> = None;
-    let mut run: Option<Grant> = None;
-    for step in 0..count {
-        let index = (from + step) % count;
-        if index == 0 {
-            run = None;
-        }
-        if !matches!(states[index], ExtentState::Free) {
-            run = None;
-            continue;
-        }
-        let current = run.get_or_insert(Grant {
-            first_extent: index as u64,
-            extents: 0,
-        });
-        current.extents += 1;
-        if current.extents >= desired {
-            return Some(*current);
-        }
-        if current.extents >= needed && best.is_none_or(|best| current.extents > best.extents) {
-            best = Some(*current);
-        }
-    }
-    best
-}
 
 impl Heap {
     /// How long after an operation's start nothing of it can touch the table any more (1.25 ×
@@ -230,6 +207,7 @@ impl Heap {
             extents: Mutex::new(Extents {
                 states: vec![ExtentState::Free; count as usize],
                 free: count,
+                free_map: FreeMap::all_free(count as usize),
                 next_fit: 0,
                 owned: HashMap::new(),
                 last_grant: HashMap::new(),
@@ -238,6 +216,7 @@ impl Heap {
             allocations: AtomicU64::new(0),
             reclaimed: AtomicU64::new(0),
             live_bytes: Mutex::new(vec![0; count as usize]),
+            spare_live_bytes: Mutex::new(Vec::new()),
             blocks_relocated: AtomicU64::new(0),
             tentatives_cleared: AtomicU64::new(0),
             sealed_windows: Mutex::new(HashMap::new()),
@@ -446,7 +425,9 @@ impl Heap {
                 .min(available / GRANT_SHARE_OF_FREE)
                 .max(needed)
         };
-        let grant = find_free_run(&extents.states, extents.next_fit, needed, desired)?;
+        let grant = extents
+            .free_map
+            .find_run(extents.next_fit, needed, desired)?;
         let now = Instant::now();
         if let Some(old) = extents.owned.insert(connection, grant) {
             Self::seal_grant(
@@ -462,6 +443,7 @@ impl Heap {
             *state = ExtentState::Owned(connection);
         }
         extents.free -= grant.extents;
+        extents.free_map.take(grant);
         extents.next_fit = first + grant.extents as usize;
         extents.last_grant.insert(connection, grant.extents);
         self.allocations.fetch_add(1, Ordering::Relaxed);
@@ -615,6 +597,7 @@ impl Heap {
         let mut extents = lock(&self.extents);
         // The extents of one grant share their writer: ask once per pass.
         let mut writers_done: HashMap<(u64, u64), (bool, bool)> = HashMap::new();
+        let mut last_asked: Option<((u64, u64), (bool, bool))> = None;
         for (index, state) in extents.states.iter_mut().enumerate() {
             let ExtentState::Sealed {
                 since,
@@ -634,14 +617,22 @@ impl Heap {
             let writer = *writer;
             let (done, stopped_inside) = match writer {
                 None => (true, false),
-                Some((connection, started)) => *writers_done
-                    .entry((connection, started))
-                    .or_insert_with(|| {
-                        (
-                            announcements.quiescent_through(connection, started),
-                            announcements.reads_fenced(connection),
-                        )
-                    }),
+                // A grant's extents are neighbours: the writer asked last is most often this one
+                // (a hash per sealed extent was most of the settling's cost).
+                Some(key) => match last_asked {
+                    Some((asked, answer)) if asked == key => answer,
+                    _ => {
+                        let (connection, started) = key;
+                        let answer = *writers_done.entry(key).or_insert_with(|| {
+                            (
+                                announcements.quiescent_through(connection, started),
+                                announcements.reads_fenced(connection),
+                            )
+                        });
+                        last_asked = Some((key, answer));
+                        answer
+                    }
+                },
             };
             // A writer stopped inside a request (torn down, not out) may still finish a WRITE
             // here: no quarantine for it; its grants settle once it is out. One stopped inside
@@ -788,65 +779,15 @@ impl Heap {
         announcements: &Announcements,
         now: Instant,
     ) -> CollectionReport {
-        let count = self.extent_count as usize;
-        let mut referenced = vec![false; count];
-        let mut live = vec![0u64; count];
-        let mut keys = 0u64;
-        for (offset, length, committed) in referenced_blocks {
-            keys += u64::from(committed);
-            // A block may span extents: each is referenced, and holds its share of the bytes.
-            let end = offset.saturating_add(length.max(1));
-            let mut extent = offset / EXTENT_SIZE;
-            while extent * EXTENT_SIZE < end {
-                let Some(flag) = referenced.get_mut(extent as usize) else {
-                    break;
-                };
-                *flag = true;
-                let extent_end = (extent + 1) * EXTENT_SIZE;
-                live[extent as usize] += end.min(extent_end) - offset.max(extent * EXTENT_SIZE);
-                extent += 1;
-            }
-        }
-        *lock(&self.live_bytes) = live;
-        let mut freed = Vec::new();
-        let mut awaiting = false;
-        // Candidates of one scan share their snapshot: check each snapshot once per pass.
-        let mut quiescent: HashMap<*const Vec<(u64, u64)>, bool> = HashMap::new();
-        let mut snapshot_done = |snapshot: &Snapshot| {
-            *quiescent
-                .entry(Arc::as_ptr(snapshot))
-                .or_insert_with(|| announcements.all_quiescent(snapshot))
-        };
-        {
-            let mut extents = lock(&self.extents);
-            for (index, state) in extents.states.iter_mut().enumerate() {
-                let next = match (&*state, referenced[index]) {
-                    (ExtentState::Settled { .. }, false) => Some(ExtentState::Candidate {
-                        since: now,
-                        snapshot: snapshot.clone(),
-                    }),
-                    (ExtentState::Candidate { .. }, true) => {
-                        Some(ExtentState::Settled { since: now })
-                    }
-                    (ExtentState::Candidate { since, snapshot }, false)
-                        if now.duration_since(*since) >= self.quarantine
-                            || snapshot_done(snapshot) =>
-                    {
-                        freed.push(*since);
-                        Some(ExtentState::Free)
-                    }
-                    _ => None,
-                };
-                if let Some(next) = next {
-                    *state = next;
-                }
-                awaiting |= matches!(
-                    state,
-                    ExtentState::Sealed { .. } | ExtentState::Candidate { .. }
-                );
-            }
-            extents.free += freed.len() as u64;
-        }
+        // The scan before last's vector is refilled (a fresh one per pass cost its page
+        // faults), while sessions still read the last scan's (`reclaimable_extents`).
+        let mut live = std::mem::take(&mut *lock(&self.spare_live_bytes));
+        live.clear();
+        live.resize(self.extent_count as usize, 0);
+        let keys = Self::count_live_bytes(referenced_blocks, &mut live);
+        let last = std::mem::replace(&mut *lock(&self.live_bytes), live);
+        *lock(&self.spare_live_bytes) = last;
+        let (freed, awaiting) = self.advance_states(snapshot, announcements, now);
         let reclaimed = freed.len() as u64;
         if reclaimed > 0 {
             let mut delays = lock(&self.reuse_delays);
@@ -863,6 +804,90 @@ impl Heap {
             reclaimed,
             awaiting,
         }
+    }
+
+    /// Adds each block's bytes to the extents it touches (a block may span extents: each holds
+    /// its share) and returns the committed blocks counted. An extent is referenced exactly
+    /// when its live bytes are above zero: every block counts at least one byte.
+    fn count_live_bytes(blocks: impl Iterator<Item = (u64, u64, bool)>, live: &mut [u64]) -> u64 {
+        let mut keys = 0u64;
+        for (offset, length, committed) in blocks {
+            keys += u64::from(committed);
+            let length = length.max(1);
+            let end = offset.saturating_add(length);
+            let mut extent = offset / EXTENT_SIZE;
+            if (end - 1) / EXTENT_SIZE == extent {
+                // Most blocks lie in one extent.
+                if let Some(bytes) = live.get_mut(extent as usize) {
+                    *bytes += length;
+                }
+                continue;
+            }
+            while extent * EXTENT_SIZE < end {
+                let Some(bytes) = live.get_mut(extent as usize) else {
+                    break;
+                };
+                let extent_end = (extent + 1) * EXTENT_SIZE;
+                *bytes += end.min(extent_end) - offset.max(extent * EXTENT_SIZE);
+                extent += 1;
+            }
+        }
+        keys
+    }
+
+    /// Moves each extent on by what the scan found (`live_bytes`, just set): settled and
+    /// unreferenced to a candidate of `snapshot`, a referenced candidate back to settled, a
+    /// candidate whose snapshot is quiescent (or whose quarantine passed) to free. Returns when
+    /// each freed extent became unreferenced, and whether extents wait for a later pass.
+    fn advance_states(
+        &self,
+        snapshot: &Snapshot,
+        announcements: &Announcements,
+        now: Instant,
+    ) -> (Vec<Instant>, bool) {
+        let mut freed = Vec::new();
+        let mut awaiting = false;
+        // Candidates of one scan share their snapshot: check each snapshot once per pass.
+        let mut quiescent: HashMap<*const Vec<(u64, u64)>, bool> = HashMap::new();
+        let mut snapshot_done = |snapshot: &Snapshot| {
+            *quiescent
+                .entry(Arc::as_ptr(snapshot))
+                .or_insert_with(|| announcements.all_quiescent(snapshot))
+        };
+        let mut extents = lock(&self.extents);
+        let live = lock(&self.live_bytes);
+        let Extents {
+            states,
+            free_map,
+            free,
+            ..
+        } = &mut *extents;
+        for (index, state) in states.iter_mut().enumerate() {
+            let next = match (&*state, live[index] > 0) {
+                (ExtentState::Settled { .. }, false) => Some(ExtentState::Candidate {
+                    since: now,
+                    snapshot: snapshot.clone(),
+                }),
+                (ExtentState::Candidate { .. }, true) => Some(ExtentState::Settled { since: now }),
+                (ExtentState::Candidate { since, snapshot }, false)
+                    if now.duration_since(*since) >= self.quarantine || snapshot_done(snapshot) =>
+                {
+                    freed.push(*since);
+                    free_map.set_free(index);
+                    Some(ExtentState::Free)
+                }
+                _ => None,
+            };
+            if let Some(next) = next {
+                *state = next;
+            }
+            awaiting |= matches!(
+                state,
+                ExtentState::Sealed { .. } | ExtentState::Candidate { .. }
+            );
+        }
+        *free += freed.len() as u64;
+        (freed, awaiting)
     }
 }
 
@@ -934,13 +959,33 @@ mod tests {
         ) -> CollectionReport {
             heap.settle(&self.announcements, now);
             let snapshot = self.announcements.snapshot();
-            heap.collect(
+            let report = heap.collect(
                 referenced.iter().copied(),
                 &snapshot,
                 &self.announcements,
                 now,
-            )
+            );
+            assert_free_map_matches(heap);
+            report
         }
+    }
+
+    /// The free map names exactly the `Free` extents, and the free count is theirs.
+    fn assert_free_map_matches(heap: &Heap) {
+        let extents = lock(&heap.extents);
+        for (index, state) in extents.states.iter().enumerate() {
+            assert_eq!(
+                extents.free_map.is_free(index),
+                matches!(state, ExtentState::Free),
+                "extent {index}"
+            );
+        }
+        let free = extents
+            .states
+            .iter()
+            .filter(|state| matches!(state, ExtentState::Free))
+            .count() as u64;
+        assert_eq!(extents.free, free);
     }
 
     #[test]

@@ -102,8 +102,8 @@ impl TableRegion {
 
     /// Visits every non-empty slot with its offset in the index (atomic loads; the control
     /// plane's view, never the data path).
-    pub fn for_each_slot(&self, mut visit: impl FnMut(u64, Slot)) {
-        self.visit_slots(&mut visit);
+    pub fn for_each_slot(&self, visit: impl FnMut(u64, Slot)) {
+        self.visit_slots(visit);
     }
 
     /// Empties the slot at `index_offset` if it still holds exactly `slot` (one CAS): a word
@@ -134,7 +134,7 @@ impl TableRegion {
     /// meanwhile holds a fresh value and stays. Returns the slots emptied.
     pub fn clear_slots(&self) -> u64 {
         let mut cleared = 0;
-        self.visit_slots(&mut |index_offset, slot: Slot| {
+        self.visit_slots(|index_offset, slot: Slot| {
             cleared += u64::from(self.empty_slot(index_offset, slot));
         });
         cleared
@@ -143,30 +143,25 @@ impl TableRegion {
     /// Committed keys now, by a scan of the index: exact when no write is in flight.
     pub fn count_keys(&self) -> u64 {
         let mut keys = 0;
-        self.visit_slots(&mut |_, slot: Slot| keys += u64::from(slot.is_readable()));
+        self.visit_slots(|_, slot: Slot| keys += u64::from(slot.is_readable()));
         keys
     }
 
-    fn visit_slots(&self, visit: &mut dyn FnMut(u64, Slot)) {
-        // 64 KiB at a time: each 8-byte word is still read with one atomic load (a slot is
-        // never torn), without a bounds check and a `Result` per word.
-        const STRIDE: u64 = 64 * 1024;
-        let index_size = self.geometry.index_size();
-        let mut buffer = vec![0u8; STRIDE.min(index_size) as usize];
-        let mut start = 0;
-        while start < index_size {
-            let length = STRIDE.min(index_size - start) as usize;
-            if self.region.read(start, &mut buffer[..length]).is_ok() {
-                for (index, word) in buffer[..length].chunks_exact(8).enumerate() {
-                    let mut bytes = [0u8; 8];
-                    bytes.copy_from_slice(word);
-                    let value = u64::from_le_bytes(bytes);
-                    if value != 0 {
-                        visit(start + index as u64 * 8, Slot(value));
+    fn visit_slots(&self, mut visit: impl FnMut(u64, Slot)) {
+        // Each 8-byte word is read with one atomic load (a slot is never torn). Most of an
+        // index is empty (it is sized at 64 bytes a key), so a bucket's eight words are tested
+        // together before any is looked at alone, straight from the memory (no copy).
+        self.region
+            .visit_nonzero_lines(0, self.geometry.index_size(), |bucket_offset, words| {
+                let mut slot_offset = bucket_offset;
+                for value in &words {
+                    if *value != 0 {
+                        visit(slot_offset, Slot(*value));
                     }
+                    slot_offset += 8;
                 }
-            }
-            start += length as u64;
-        }
+            })
+            // Never skipped: a slot the collector missed would let its block's extent be reused.
+            .expect("the index is whole 64-byte buckets of aligned words at the region's start");
     }
 }
