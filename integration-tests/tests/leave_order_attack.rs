@@ -172,7 +172,7 @@ async fn a_start_interrupted_before_the_reconciliation_keeps_every_delete() {
             break;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(20),
+            started.elapsed() < Duration::from_secs(60),
             "the nodes never loaded their snapshots"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -179,7 +179,6 @@ impl<Holds: Fn(&[u8]) -> bool> Taking<'_, Holds> {
         if took {
             // Counted as it is taken: a pass that fails later keeps what it took, and the
             // next finds those copies equal.
-            self.node.snapshots.table_reconciled();
             self.taken += 1;
             self.node
                 .counters
@@ -195,7 +194,6 @@ impl<Holds: Fn(&[u8]) -> bool> Taking<'_, Holds> {
         let mut removed = 0u64;
         for key in &self.superseded {
             if self.loader.remove(key)? {
-                self.node.snapshots.table_reconciled();
                 removed += 1;
                 self.node
                     .counters

@@ -44,9 +44,6 @@ pub struct SnapshotState {
     /// reconciliation took: no data connection was admitted outside a reconciliation and no
     /// refill ran. While it does, the loaded snapshot's epochs describe it (`crate::reconcile`).
     loaded_untouched: AtomicBool,
-    /// Whether the table holds exactly what was loaded: untouched, and the reconciliation
-    /// changed nothing. A snapshot written meanwhile carries the loaded one's epochs.
-    loaded_unchanged: AtomicBool,
     /// Set when the node stops: a snapshot on a schedule or on request gives way to the final
     /// one.
     pub(crate) stopping: AtomicBool,
@@ -75,20 +72,12 @@ impl SnapshotState {
         }
         *lock(&self.loaded) = Some(meta);
         self.loaded_untouched.store(true, Ordering::Release);
-        self.loaded_unchanged.store(true, Ordering::Release);
     }
 
     /// The table may have changed by a client's write or a refill: the loaded snapshot no
     /// longer describes it.
     pub(crate) fn table_touched(&self) {
         self.loaded_untouched.store(false, Ordering::Release);
-        self.loaded_unchanged.store(false, Ordering::Release);
-    }
-
-    /// A reconciliation took or removed copies: a snapshot written from now on is not the
-    /// loaded one.
-    pub(crate) fn table_reconciled(&self) {
-        self.loaded_unchanged.store(false, Ordering::Release);
     }
 
     /// When the node that wrote the loaded snapshot stopped serving, while that snapshot
@@ -101,11 +90,15 @@ impl SnapshotState {
         lock(&self.loaded).as_ref().and_then(|meta| meta.fenced_at)
     }
 
-    /// The loaded snapshot's header, while the table holds exactly what it loaded and that
-    /// snapshot names a stop: a snapshot written now holds the same copies, and says the same
-    /// of them.
+    /// The loaded snapshot's header, while it still describes the table and names a stop: a
+    /// snapshot written now says the same of its copies. A reconciliation's changes keep it
+    /// true: a copy taken here is the newest that no other copy decided over, and its own
+    /// holder keeps it (a copy nothing decides over is never dropped), so a later start that
+    /// drops it here still finds it there; a key removed here was decided absent
+    /// (`crate::reconcile`). An interrupted reconciliation therefore leaves a file as good as
+    /// the one it started from (a file that named no stop would let its stale copies win).
     pub(crate) fn carried(&self) -> Option<SnapshotMeta> {
-        if !self.loaded_unchanged.load(Ordering::Acquire) {
+        if !self.loaded_untouched.load(Ordering::Acquire) {
             return None;
         }
         lock(&self.loaded)
