@@ -344,6 +344,8 @@ covered_elsewhere = [
     (r"^scripts/bench/replication\.sh ", "the replication cost measurement (release, minutes): .ci/run runs replication.sh in a debug smoke run"),
     (r"^scripts/bench/snapshot\.sh", "a measurement (100,000 records, minutes): .ci/run's snapshot benchmark smoke run (--records 2000 --seconds 1 --rounds 1)"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
+    (r"^scripts/bench/node-instructions\.sh target/release", "a measurement under valgrind (100,000 records, 1,000,000 operations: minutes): .ci/run runs node-instructions.sh on 2,000 records and 20,000 operations"),
+    (r"^scripts/bench/node-instructions\.sh --native ", "a measurement under perf (linux-perf, not installed on a CI machine): the same run natively; .ci/run runs the callgrind one small"),
     (r"^(TOKIO_WORKER_THREADS=\d+ )?scripts/bench/instructions\.sh ", "a measurement under valgrind (about 2 minutes): .ci/run's instructions step runs instructions.sh --check on the release build"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
     (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
