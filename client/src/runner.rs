@@ -127,8 +127,7 @@ impl Client {
     /// A single-copy GET by direct access to the key's node (`connection/direct_get.rs`), on
     /// this thread's lane's connection when it is up: whether the key is present, its value in
     /// `value`. `None` when it cannot be done that way now (`value` empty), and the caller runs
-    /// the ordinary GET. Counted here when it is done. It never waits,
-    /// so it needs no deadline.
+    /// the ordinary GET. It never waits, so it needs no deadline.
     pub(crate) fn get_direct(&self, key: &[u8], value: &mut Vec<u8>) -> Option<bool> {
         if check_key_value(key, &[]).is_err() {
             return None;
@@ -136,9 +135,8 @@ impl Client {
         let node = self.node_for(key);
         let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
         let location = connection.welcome.geometry.locate(key);
-        let present = connection.get_direct(key, &location, value)?;
-        self.counters.operations.add(1);
-        Some(present)
+        // Counted as an operation by the connection (`Counters::direct_gets`).
+        connection.get_direct(key, &location, value)
     }
 
     /// A single-copy update or upsert of a present key by direct access to its node

@@ -613,6 +613,17 @@ impl MemoryRegion {
         self.inner.memory.load_u64(self.inner.offset + offset)
     }
 
+    /// Stores `value` in the aligned word `offset` bytes in (one atomic store).
+    ///
+    /// # Errors
+    /// [`Error::MemoryOutOfBounds`], [`Error::MisalignedAtomic`] or [`Error::ReadOnlyMemory`].
+    pub fn store_u64(&self, offset: u64, value: u64) -> Result<()> {
+        self.check(offset, 8)?;
+        self.inner
+            .memory
+            .store_u64(self.inner.offset + offset, value)
+    }
+
     /// Compares the aligned word `offset` bytes in with `expected` and, if equal, stores `new`;
     /// returns the original value, as an RDMA CAS does.
     ///

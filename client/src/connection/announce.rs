@@ -171,12 +171,17 @@ impl Announcer {
     }
 
     /// Writes the source bytes (under the numbers lock, so they only grow): the word of
-    /// `numbers`, which it returns.
+    /// `numbers`, which it returns. Two aligned stores, `started` first: a WRITE that leaves
+    /// between them carries the new `started` with the old `quiescent`, which only
+    /// understates what finished.
     fn publish(&self, numbers: &Numbers) -> [u8; ANNOUNCE_SIZE as usize] {
-        let word = word(numbers);
-        // The offset is inside the region by construction (`NodeConnection::open`).
-        let _ = self.region.write(self.source_offset, &word);
-        word
+        // The offset is inside the region and 8-aligned by construction
+        // (`NodeConnection::open`).
+        let _ = self.region.store_u64(self.source_offset, numbers.started());
+        let _ = self
+            .region
+            .store_u64(self.source_offset + 8, numbers.quiescent());
+        word(numbers)
     }
 }
 

@@ -21,10 +21,6 @@ use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 use super::slot_cache::Guess;
 use super::NodeConnection;
 
-/// The READs a direct GET makes when its guess holds: the slot word twice, the block's header
-/// and key, its value and the lease word (counted as verbs, as the list's requests would be).
-const DIRECT_GET_ACCESSES: u64 = 5;
-
 /// What the guessed slot held.
 enum Found {
     /// The key's block, whole, named by `slot` before and after it was read (its value is in
@@ -106,8 +102,8 @@ impl NodeConnection {
             }
         }
         let counters = &self.counters;
-        counters.slot_guesses.add(1);
         let Found::Key { slot, tombstone } = found else {
+            counters.slot_guesses.add(1);
             counters.slot_guess_misses.add(1);
             self.slot_cache.forget(location);
             return None;
@@ -115,11 +111,8 @@ impl NodeConnection {
         if slot != guess.slot {
             self.slot_cache.remember(location, guess.position, slot);
         }
-        counters.gets.add(1);
+        // Also a GET, a guess, a round trip and its accesses (`Counters::snapshot`).
         counters.direct_gets.add(1);
-        counters.get_round_trips.add(1);
-        counters.round_trips.add(1);
-        counters.verbs.add(DIRECT_GET_ACCESSES);
         // A tombstone (replicated delete) is an absent key.
         Some(!tombstone)
     }

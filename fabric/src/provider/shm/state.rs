@@ -113,13 +113,14 @@ fn home(value: u32, slots: u64) -> u64 {
     (u64::from(value).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) % slots
 }
 
-/// Reads the words of the slot at `offset` consistently (a sequence lock read); `None` when the
-/// memory cannot be read (never, for a validated layout).
-fn read_slot(memory: &PinnedMemory, offset: u64) -> Option<[u64; 8]> {
+/// Reads the first `N` words of the slot at `offset` (its sequence word and `N - 1` after it)
+/// consistently (a sequence lock read); `None` when the memory cannot be read (never, for a
+/// validated layout). A queue pair's slot uses four of its eight words.
+fn read_slot<const N: usize>(memory: &PinnedMemory, offset: u64) -> Option<[u64; N]> {
     for _ in 0..READ_ATTEMPTS {
         // The sequence first, then the other words (acquire loads, in order), then the
         // sequence again.
-        let words = memory.load_words::<8>(offset).ok()?;
+        let words = memory.load_words::<N>(offset).ok()?;
         if words[0] % 2 == 1 {
             std::hint::spin_loop();
             continue;
@@ -411,7 +412,7 @@ impl SharedView {
         let slots = self.layout.key_slots;
         let start = home(key, slots);
         for step in 0..slots {
-            let words = read_slot(&self.keys, self.layout.key_slot((start + step) % slots))?;
+            let words = read_slot::<8>(&self.keys, self.layout.key_slot((start + step) % slots))?;
             match words[1] >> 32 {
                 EMPTY => return None,
                 LIVE if words[1] as u32 == key => {
@@ -438,7 +439,7 @@ impl SharedView {
         let slots = self.layout.queue_pair_slots;
         let start = home(qp_number, slots);
         for step in 0..slots {
-            let words = read_slot(
+            let words = read_slot::<4>(
                 &self.keys,
                 self.layout.queue_pair_slot((start + step) % slots),
             )?;
