@@ -96,9 +96,25 @@ impl Announcer {
         self.start_direct().0
     }
 
-    /// Operation `number` is over: every list it posted has completed.
+    /// Operation `number` is over: every list it posted has completed, or, for a direct one,
+    /// its last access ran. Its finish is announced by the next start's WRITE, or else by the
+    /// flusher's.
     pub(crate) fn finish(&self, number: u64) {
-        let _ = self.end(number, true);
+        {
+            let mut numbers = lock(&self.numbers);
+            // Usually the newest (a direct operation runs alone on its thread).
+            if numbers.running.last() == Some(&number) {
+                numbers.running.pop();
+            } else if let Some(position) = numbers
+                .running
+                .iter()
+                .position(|running| *running == number)
+            {
+                numbers.running.remove(position);
+            }
+            self.publish(&numbers);
+            self.dirty.store(true, Ordering::Release);
+        }
         self.finished.notify_one();
     }
 
@@ -118,33 +134,6 @@ impl Announcer {
         (number, word)
     }
 
-    /// Direct operation `number` is over: the word to write, after its last access and
-    /// holding the executor. It carries this finish, so no flush is due for it; a finish of
-    /// another operation since the last start keeps the flush due.
-    pub(crate) fn finish_direct(&self, number: u64) -> [u8; ANNOUNCE_SIZE as usize] {
-        self.end(number, false)
-    }
-
-    /// Ends operation `number` (marking a flush due when `flush_due`): the word after it.
-    fn end(&self, number: u64, flush_due: bool) -> [u8; ANNOUNCE_SIZE as usize] {
-        let mut numbers = lock(&self.numbers);
-        // Usually the newest (a direct GET runs alone on its thread).
-        if numbers.running.last() == Some(&number) {
-            numbers.running.pop();
-        } else if let Some(position) = numbers
-            .running
-            .iter()
-            .position(|running| *running == number)
-        {
-            numbers.running.remove(position);
-        }
-        let word = self.publish(&numbers);
-        if flush_due {
-            self.dirty.store(true, Ordering::Release);
-        }
-        word
-    }
-
     /// What wakes the flusher: given to it at start, and notified when the connection goes.
     pub(crate) fn wakeups(&self) -> Arc<Notify> {
         self.finished.clone()
@@ -154,6 +143,12 @@ impl Announcer {
     /// chunk has a number up to it.
     pub(crate) fn started(&self) -> u64 {
         lock(&self.numbers).started()
+    }
+
+    /// The word now, for a WRITE of it by direct access made holding the queue pair's
+    /// executor (so that, as for the WRITE of the source bytes, words only grow along it).
+    fn current(&self) -> [u8; ANNOUNCE_SIZE as usize] {
+        word(&lock(&self.numbers))
     }
 
     /// The WRITE of the word, unsignaled (the caller's list ends with a signaled request).
@@ -210,6 +205,24 @@ pub(crate) async fn flusher(connection: Weak<NodeConnection>, wakeups: Arc<Notif
         }
         connection.counters.verbs.add(1);
         connection.counters.announce_flushes.add(1);
+        // By direct access where the fabric has it (a store, no list, no allocation: a flush
+        // every few milliseconds among direct GETs that allocate nothing), else posted.
+        let remote = RemoteSegment {
+            address: announcer.remote.address,
+            remote_key: announcer.remote.key,
+        };
+        match connection
+            .queue_pair
+            .direct(|access| access.write(remote, &announcer.current()))
+        {
+            Some(Ok(())) => continue,
+            // The queue pair is in ERROR: the connection is retired.
+            Some(Err(_status)) => {
+                connection.mark_broken();
+                continue;
+            }
+            None => {}
+        }
         let write = announcer.request().with_signaled(true);
         if let Ok(posted) = connection.queue_pair.post(vec![write]).await {
             posted.await;

@@ -145,6 +145,13 @@ impl DirectKeys {
         }
     }
 
+    /// The key `key`, if resolved.
+    fn known(&self, key: u32) -> Option<&DirectKey> {
+        self.keys
+            .iter()
+            .find_map(|known| known.as_ref().filter(|known| known.key == key))
+    }
+
     /// Where the key `key` is kept, if resolved.
     fn place(&self, key: u32) -> Option<usize> {
         self.keys
@@ -171,7 +178,66 @@ impl ShmDirect<'_> {
     /// generation ([`DirectKeys`]), check their range and rights against what it resolved. A
     /// failure has the effect of that request's failed completion: the queue pair moves to
     /// ERROR (or learns the responder stopped), and it is counted on the completion queue.
+    /// Inlined into each access, with the rare cases out of line.
+    #[inline(always)]
     fn resolve(
+        &mut self,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: usize,
+    ) -> Result<Option<(&PinnedMemory, u64)>, WorkCompletionStatus> {
+        if let Some((block, offset)) = self.resolve_known(opcode, remote, length) {
+            return Ok(Some((&self.cache.blocks[block].1, offset)));
+        }
+        self.resolve_checked(opcode, remote, length)
+    }
+
+    /// The common case of [`ShmDirect::resolve`], in a few comparisons: a READ or WRITE
+    /// by a key resolved under the responder's current key generation, in this epoch's
+    /// protection domain, within its range and the largest message. `None` for anything else
+    /// (an atomic, a failure before, a zero length, a key not resolved yet or revoked since,
+    /// a check that fails), which [`ShmDirect::resolve_checked`] then decides: this accepts
+    /// only what it accepts, with the same block and offset.
+    #[inline(always)]
+    fn resolve_known(
+        &self,
+        opcode: Opcode,
+        remote: RemoteSegment,
+        length: usize,
+    ) -> Option<(usize, u64)> {
+        let Ok(inside) = &self.inside else {
+            return None;
+        };
+        if self.failed
+            || length == 0
+            || length > self.max_message_size as usize
+            || self.attachment.remote.keys.key_generation() != inside.key_generation
+            || self.cache.direct.generation != inside.key_generation
+        {
+            return None;
+        }
+        let known = self.cache.direct.known(remote.remote_key)?;
+        let permitted = match opcode {
+            Opcode::Read => known.read.is_ok(),
+            Opcode::Write => known.write.is_ok(),
+            _ => false,
+        };
+        if !permitted || known.protection_domain != inside.protection_domain {
+            return None;
+        }
+        let rights = &known.view.rights;
+        let end = remote.address.checked_add(length as u64)?;
+        if remote.address < rights.address || end > rights.address.checked_add(rights.length)? {
+            return None;
+        }
+        let offset = remote.address.checked_sub(known.view.memory_base)?;
+        (known.block < self.cache.blocks.len()).then_some((known.block, offset))
+    }
+
+    /// [`ShmDirect::resolve`] with every check and its failure.
+    #[cold]
+    #[inline(never)]
+    fn resolve_checked(
         &mut self,
         opcode: Opcode,
         remote: RemoteSegment,
