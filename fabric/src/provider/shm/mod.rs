@@ -604,6 +604,9 @@ struct Attachment {
     attached_at: Instant,
     /// Microseconds after `attached_at` of the last peek at the connection (0: never).
     last_peek: AtomicU64,
+    /// Where the responder queue pair was last found in the responder's key state
+    /// (`SharedView::queue_pair_hinted`; `u64::MAX`: not yet).
+    responder_slot: AtomicU64,
 }
 
 /// How often, at most, a requester peeks at its attach connection to see whether the responder
@@ -738,7 +741,10 @@ impl Attachment {
         if !remote.keys.is_open() {
             return Err(Outcome::Unanswered);
         }
-        let Some(responder) = remote.keys.queue_pair(self.responder_qp) else {
+        let Some(responder) = remote
+            .keys
+            .queue_pair_hinted(self.responder_qp, &self.responder_slot)
+        else {
             return Err(Outcome::Unanswered);
         };
         if responder.status == QueuePairStatus::NotReceiving
@@ -822,7 +828,7 @@ impl Attachment {
         fence(Ordering::Acquire);
         self.remote
             .keys
-            .queue_pair(self.responder_qp)
+            .queue_pair_hinted(self.responder_qp, &self.responder_slot)
             .is_some_and(|responder| {
                 responder.status == QueuePairStatus::Receiving
                     && responder.epoch_slot == self.epoch_slot
@@ -1353,6 +1359,7 @@ impl ShmQueuePair {
             peer_gone: AtomicBool::new(false),
             attached_at: Instant::now(),
             last_peek: AtomicU64::new(0),
+            responder_slot: AtomicU64::new(u64::MAX),
         });
         Ok(())
     }

@@ -22,7 +22,7 @@
 //! even again, all with release stores; a reader retries while the sequence is odd or changed
 //! under it (acquire loads), so it never acts on half of an update.
 
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -434,35 +434,62 @@ impl SharedView {
         None
     }
 
-    /// The queue pair `qp_number`, if it exists.
-    pub(crate) fn queue_pair(&self, qp_number: u32) -> Option<QueuePairView> {
+    /// The queue pair `qp_number`, if it exists, looking first at the slot `hint` holds,
+    /// where it was found last (a live queue pair keeps its slot), and keeping in `hint` where
+    /// it was found.
+    pub(crate) fn queue_pair_hinted(
+        &self,
+        qp_number: u32,
+        hint: &AtomicU64,
+    ) -> Option<QueuePairView> {
+        let position = hint.load(Ordering::Relaxed);
+        if position < self.layout.queue_pair_slots {
+            let words = read_slot::<4>(&self.keys, self.layout.queue_pair_slot(position))?;
+            if let Some(view) = live_queue_pair(words, qp_number) {
+                return Some(view);
+            }
+        }
+        let (position, view) = self.find_queue_pair(qp_number)?;
+        hint.store(position, Ordering::Relaxed);
+        Some(view)
+    }
+
+    /// The queue pair `qp_number` and its slot, if it exists.
+    fn find_queue_pair(&self, qp_number: u32) -> Option<(u64, QueuePairView)> {
         let slots = self.layout.queue_pair_slots;
         let start = home(qp_number, slots);
         for step in 0..slots {
-            let words = read_slot::<4>(
-                &self.keys,
-                self.layout.queue_pair_slot((start + step) % slots),
-            )?;
-            let status = words[1] >> 32;
-            if status == EMPTY {
+            let position = (start + step) % slots;
+            let words = read_slot::<4>(&self.keys, self.layout.queue_pair_slot(position))?;
+            if words[1] >> 32 == EMPTY {
                 return None;
             }
-            if words[1] as u32 != qp_number || status == QueuePairStatus::Removed as u64 {
-                continue;
+            if let Some(view) = live_queue_pair(words, qp_number) {
+                return Some((position, view));
             }
-            let status = if status == QueuePairStatus::Receiving as u64 {
-                QueuePairStatus::Receiving
-            } else {
-                QueuePairStatus::NotReceiving
-            };
-            return Some(QueuePairView {
-                status,
-                protection_domain: words[2] as u32,
-                epoch_slot: words[3] as u32,
-            });
         }
         None
     }
+}
+
+/// The queue pair a slot's first four words describe, when it is `qp_number` and not removed
+/// (an empty slot is none).
+fn live_queue_pair(words: [u64; 4], qp_number: u32) -> Option<QueuePairView> {
+    let status = words[1] >> 32;
+    if status == EMPTY || words[1] as u32 != qp_number || status == QueuePairStatus::Removed as u64
+    {
+        return None;
+    }
+    let status = if status == QueuePairStatus::Receiving as u64 {
+        QueuePairStatus::Receiving
+    } else {
+        QueuePairStatus::NotReceiving
+    };
+    Some(QueuePairView {
+        status,
+        protection_domain: words[2] as u32,
+        epoch_slot: words[3] as u32,
+    })
 }
 
 /// A requester's side of the epochs: marks its requests so the responder can wait for them.
