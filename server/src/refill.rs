@@ -107,7 +107,15 @@ pub(crate) async fn refill_loop(node: Arc<Node>, shutdown: CancellationToken) {
                     return;
                 }
             }
-            Err(reason) => {
+            Err(RefillStop::Wait(reason)) => {
+                // An expected wait (a normal `up`: members resumed from a stop serve first).
+                tracing::info!(node = node.config.node_id, %reason, "refill waiting");
+                failures += 1;
+                pause = REFILL_POLL
+                    .saturating_mul(1 << failures.min(5))
+                    .min(REFILL_RETRY_MOST);
+            }
+            Err(RefillStop::Failed(reason)) => {
                 tracing::warn!(node = node.config.node_id, %reason, "refill failed; starting over");
                 failures += 1;
                 pause = REFILL_POLL
@@ -150,6 +158,22 @@ async fn ask_promotion(
         }
     }
     Ok(())
+}
+
+/// Why a refill stopped before it copied: each starts it over after a pause.
+#[derive(Debug)]
+enum RefillStop {
+    /// An expected wait: for a member that is down, or for members resumed from a stop to
+    /// serve (logged at info: a normal `up` waits so).
+    Wait(String),
+    /// A failure (a peer unreachable, the view moved, a copy that failed).
+    Failed(String),
+}
+
+impl From<String> for RefillStop {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
 }
 
 /// How a refill ended.
@@ -233,7 +257,7 @@ async fn refill(
     client: &Client,
     round: u64,
     waited: Duration,
-) -> Result<Refilled, String> {
+) -> Result<Refilled, RefillStop> {
     let me = node.config.node_id;
     let counters = &node.counters;
     // Route by the view that has this node filling, and wait until every serving peer knows
@@ -248,22 +272,22 @@ async fn refill(
         .iter()
         .any(|member| member.node_id == me && member.state == MemberState::Filling);
     if !filling {
-        return Err(format!(
+        return Err(RefillStop::Failed(format!(
             "the view (epoch {}) does not have this node filling",
             view.epoch
-        ));
+        )));
     }
     if view.epoch < round {
         // A view of an earlier round: a peer that knows only it may still take writes that
         // miss this node.
-        return Err(format!(
+        return Err(RefillStop::Failed(format!(
             "the view (epoch {}) is older than this round of filling (epoch {round})",
             view.epoch
-        ));
+        )));
     }
     let peers: Vec<u32> = view.serving();
     if !peers_to_copy_from(node, &view, &peers, waited).await? {
-        return reconciled(node, client, &view).await;
+        return Ok(reconciled(node, client, &view).await?);
     }
     // Connected to every serving peer first (a peer refuses while it does not serve: one whose
     // record still says `serving` after a crash of every node, restarted and not rejoined yet),
@@ -375,7 +399,7 @@ async fn peers_to_copy_from(
     view: &ClusterView,
     peers: &[u32],
     waited: Duration,
-) -> Result<bool, String> {
+) -> Result<bool, RefillStop> {
     let me = node.config.node_id;
     if !peers.is_empty() {
         wait_for_peers(node, peers, view.epoch).await?;
@@ -388,14 +412,14 @@ async fn peers_to_copy_from(
         .map(|member| member.node_id)
         .collect();
     if !down.is_empty() && waited < DOWN_MEMBERS_BOUND {
-        return Err(format!(
+        return Err(RefillStop::Wait(format!(
             "no serving peer to copy from while nodes {down:?} are down: waiting for them (at most {DOWN_MEMBERS_BOUND:?})"
-        ));
+        )));
     }
     if waited < NOBODY_SERVES_GRACE {
-        return Err(format!(
+        return Err(RefillStop::Wait(format!(
             "no serving peer yet: waiting up to {NOBODY_SERVES_GRACE:?} for one (members resumed from a clean stop serve first; with none, after a crash of every node, the nodes then reconcile)"
-        ));
+        )));
     }
     // Nobody newer to copy from (every node of a cluster started again after a crash): what
     // the nodes hold, loaded from their snapshots, is the best copy there is. Copies of a key
