@@ -96,7 +96,7 @@ pub struct Counters {
     /// Lists whose results the client threw away because the node's lease word did not cover
     /// them (`rdkv_common::lease`): the node was paused, cut off, or not serving.
     pub lease_refusals: ShardedCounter,
-    /// Announce WRITEs the flusher posted alone, after operations finished with none starting
+    /// Announce WRITEs the flusher made alone (by direct access, or posted), after operations finished with none starting
     /// (`connection/announce.rs`; also counted under `verbs`): they belong to no operation.
     pub announce_flushes: ShardedCounter,
     /// GETs done by direct access to the node's memory (`connection/direct_get.rs`). A direct
@@ -140,7 +140,7 @@ pub struct CounterSnapshot {
     /// Lists refused because the node's lease word did not cover them
     /// ([`Counters::lease_refusals`]).
     pub lease_refusals: u64,
-    /// Announce WRITEs posted alone by the flusher ([`Counters::announce_flushes`]).
+    /// Announce WRITEs the flusher made alone ([`Counters::announce_flushes`]).
     pub announce_flushes: u64,
     /// GETs done by direct access ([`Counters::direct_gets`]).
     pub direct_gets: u64,

@@ -158,10 +158,12 @@ impl NodeConnection {
             let lease = access.read_u64(self.keys.lease_key.at(0))?;
             Ok((found, lease))
         });
-        // The finish needs no WRITE of its own for what was read: the connection's next
-        // start carries it, or its flusher after `FLUSH_DELAY` (it only lets the node reclaim
-        // sooner).
-        self.announcer.finish(number);
+        let word = self.announcer.finish_direct(number);
+        if read.is_ok() {
+            // Not needed for what was read: it lets the node reclaim sooner, and shows the
+            // connection idle.
+            access.write(announce, &word)?;
+        }
         read
     }
 

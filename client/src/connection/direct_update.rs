@@ -246,9 +246,13 @@ impl NodeConnection {
             }
             Ok(Swap::Swapped(access.read_u64(lease_at)))
         });
-        // The finish needs no WRITE of its own: the connection's next start carries it, or
-        // its flusher after `FLUSH_DELAY` (it only lets the node reclaim sooner).
-        self.announcer.finish(number);
+        let finished = self.announcer.finish_direct(number);
+        // Not needed for what was done: it lets the node reclaim sooner, and shows the
+        // connection idle. A failure leaves the queue pair in ERROR, and the connection is
+        // retired.
+        if access.write(announce, &finished).is_err() {
+            self.mark_broken();
+        }
         swap
     }
 
