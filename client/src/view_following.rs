@@ -22,10 +22,29 @@ use crate::error::Error;
 struct Membership {
     /// The view's epoch (0: the cluster file's nodes, all serving, before any fetch).
     epoch: u64,
-    /// The serving members' ids, in id order.
+    /// The ids of the members serving data (serving or leaving), in id order.
     serving: Vec<u32>,
-    /// The filling members' ids (back after a restart or an absence), in id order.
+    /// The filling members' ids (back after a restart or an absence, or joining), in id
+    /// order.
     filling: Vec<u32>,
+    /// The leaving members' ids (`rdkv-cluster remove-node`), in id order: among `serving`,
+    /// and out of the ranking the view is heading for.
+    leaving: Vec<u32>,
+    /// Whether a member joins or leaves: a client of one copy per key routes by the view
+    /// then, and writes every copy of the key's current and next placement.
+    changing: bool,
+    /// Whether the view's members are not the cluster file's nodes (a member added or
+    /// removed since): a client of one copy per key routes by the view.
+    members_differ: bool,
+}
+
+/// Which of a key's copies an operation uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// The primary alone (a GET).
+    Primary,
+    /// Every copy a write reaches, with the cluster's `replicas`.
+    Copies(usize),
 }
 
 impl Membership {
@@ -43,8 +62,13 @@ impl Membership {
             .into_iter()
             .map(|index| self.serving[index])
             .collect();
-        if !self.filling.is_empty() {
-            let mut heading: Vec<u32> = self.serving.clone();
+        if !self.filling.is_empty() || !self.leaving.is_empty() {
+            let mut heading: Vec<u32> = self
+                .serving
+                .iter()
+                .copied()
+                .filter(|member| !self.leaving.contains(member))
+                .collect();
             heading.extend(&self.filling);
             heading.sort_unstable();
             for index in sharding::replicas(key, &heading, count) {
@@ -78,6 +102,9 @@ pub(crate) struct ViewFollower {
     /// Whether the last fetch of the view found every node refusing the connection outright
     /// (nothing listens on any node's port: the cluster is down).
     all_refused: AtomicBool,
+    /// Whether a client of one copy per key has asked for the view once (it routes by the
+    /// cluster file until a view says otherwise: [`ViewFollower::follow_view_with_one_copy`]).
+    first_view_asked: AtomicBool,
 }
 
 impl ViewFollower {
@@ -100,11 +127,15 @@ impl ViewFollower {
                 epoch: 0,
                 serving,
                 filling: Vec::new(),
+                leaving: Vec::new(),
+                changing: false,
+                members_differ: false,
             }),
             counters,
             refreshing: tokio::sync::Mutex::new(()),
             unanswered: Mutex::new(None),
             all_refused: AtomicBool::new(false),
+            first_view_asked: AtomicBool::new(false),
         }
     }
 
@@ -153,15 +184,18 @@ impl ViewFollower {
     /// caller waits for a view that serves), decided under the same read of the view. With
     /// no member serving or filling (the view says the whole cluster is down), the key's node
     /// by the cluster file.
-    pub(crate) fn replica_ids(&self, key: &[u8], count: usize) -> Vec<u32> {
+    pub(crate) fn replica_ids(&self, key: &[u8], route: Route) -> Vec<u32> {
         let mut ids = {
             let membership = self.membership();
             if membership.reconciling() {
                 return Vec::new();
             }
-            membership.write_replicas(key, count)
+            match route {
+                Route::Primary => membership.write_replicas(key, 1),
+                Route::Copies(count) => membership.write_replicas(key, count),
+            }
         };
-        if count == 1 {
+        if route == Route::Primary {
             ids.truncate(1);
         }
         ids.retain(|id| self.node_ids.contains(id));
@@ -176,6 +210,16 @@ impl ViewFollower {
     /// is heading for ([`Membership::write_replicas`]).
     pub(crate) fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
         self.membership().write_replicas(key, count)
+    }
+
+    /// Whether a client of one copy per key routes by the view, through the replicated
+    /// operations (`docs/protocol.md`, *Membership changes*): while a member joins or leaves
+    /// (a write reaches the key's current and next copies), and once the view's members
+    /// differ from the cluster file's nodes (the cluster file's ranking no longer places
+    /// keys).
+    pub(crate) fn single_copy_by_view(&self) -> bool {
+        let membership = self.membership();
+        membership.changing || membership.members_differ
     }
 
     /// The newest view the nodes answer with, all asked at once (epochs only grow, and a view
@@ -263,19 +307,27 @@ impl ViewFollower {
         let mut known = self.node_ids.clone();
         members.sort_unstable();
         known.sort_unstable();
-        if members != known {
-            // Nodes that are not one cluster (each its own one-node view, as in-process test
-            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
+        let listed = members.iter().all(|member| known.contains(member));
+        // Nodes that are not one cluster (each its own one-node view, as in-process test nodes
+        // are), or a view naming a member this client's cluster file lacks (added since the
+        // client was made): keep routing by what the client has, and do not ask again for
+        // this epoch. Writes by the older view are fenced by the nodes.
+        let one_node_views = members.len() == 1 && known.len() > 1;
+        if !listed || one_node_views {
+            if !listed && view.epoch > membership.epoch {
+                tracing::error!(
+                    epoch = view.epoch,
+                    ?members,
+                    ?known,
+                    "the cluster view names members this client's cluster file does not list: make the client from the cluster file that lists every member"
+                );
+            }
             membership.epoch = view.epoch;
             return false;
         }
         let serving = view.serving();
-        let filling: Vec<u32> = view
-            .members
-            .iter()
-            .filter(|member| member.state == MemberState::Filling)
-            .map(|member| member.node_id)
-            .collect();
+        let filling = view.filling();
+        let leaving = view.in_state(MemberState::Leaving);
         tracing::debug!(
             epoch = view.epoch,
             ?serving,
@@ -286,6 +338,9 @@ impl ViewFollower {
             epoch: view.epoch,
             serving,
             filling,
+            leaving,
+            changing: view.changing_members(),
+            members_differ: members != known,
         };
         true
     }
@@ -326,6 +381,18 @@ impl ViewFollower {
     }
 
     /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
+    /// For a client of one copy per key, before an operation: asks for the view once (a
+    /// member added or removed since the cluster file was written changes the placement),
+    /// then whenever a node reports a newer one.
+    pub(crate) async fn follow_view_with_one_copy(self: &Arc<Self>) {
+        if !self.first_view_asked.swap(true, Ordering::Relaxed) {
+            self.refresh_in_task().await;
+            return;
+        }
+        self.follow_reported_epoch().await;
+    }
+
+    /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
     pub(crate) async fn follow_reported_epoch(self: &Arc<Self>) {
         if self.newer_view_reported() {
             self.refresh_in_task().await;
@@ -355,7 +422,7 @@ impl ViewFollower {
     pub(crate) async fn watched<T>(
         self: &Arc<Self>,
         key: &[u8],
-        count: usize,
+        route: Route,
         planned: &[u32],
         attempt: impl std::future::Future<Output = T>,
     ) -> Option<T> {
@@ -366,7 +433,7 @@ impl ViewFollower {
             tokio::select! {
                 outcome = &mut attempt => return Some(outcome),
                 _ = ticks.tick() => {
-                    if self.refresh_in_task().await && self.replica_ids(key, count) != planned {
+                    if self.refresh_in_task().await && self.replica_ids(key, route) != planned {
                         return None;
                     }
                 }
@@ -408,7 +475,7 @@ mod tests {
         assert!(follower.adopt(&view(5, [Filling, Serving, Filling])));
         assert!(!follower.reconciling());
         assert_eq!(
-            follower.replica_ids(b"key", 1),
+            follower.replica_ids(b"key", Route::Primary),
             [2],
             "a filling node is never the primary"
         );
@@ -439,11 +506,11 @@ mod tests {
     fn a_reconciling_view_routes_no_operation_to_a_filling_node() {
         use MemberState::{Filling, Serving};
         let follower = follower();
-        let before = follower.replica_ids(b"key", 1);
+        let before = follower.replica_ids(b"key", Route::Primary);
         assert!(follower.adopt(&view(5, [Serving, Serving, Serving])));
         assert!(follower.adopt(&view(6, [Filling, Filling, Filling])));
         assert!(follower.reconciling());
-        let primary = follower.replica_ids(b"key", 1);
+        let primary = follower.replica_ids(b"key", Route::Primary);
         assert!(
             primary.is_empty(),
             "a reconciling view routes a GET to filling node {primary:?} (the all-serving view's primary was {before:?}: `watched` sees no change and lets an attempt run on)"

@@ -389,7 +389,7 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
     let reconciling = !view
         .members
         .iter()
-        .any(|member| member.state == rdkv_common::protocol::MemberState::Serving);
+        .any(|member| member.state.serves_data());
     // Members down while nobody serves: the others wait for them (a stop's resume, or the
     // reconciliation) before they serve.
     let down: Vec<String> = view
@@ -400,7 +400,7 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
         .collect();
     view.members
         .iter()
-        .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
+        .filter(|member| member.state.is_filling())
         .map(|member| {
             let stats = statuses.iter().find_map(|status| match &status.state {
                 NodeState::Up(stats) if status.id == member.node_id => Some(stats),
@@ -437,6 +437,39 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
                 ),
                 Some(_) => format!("refill: node {} filling: starting", member.node_id),
                 None => format!("refill: node {} filling: it does not answer", member.node_id),
+            }
+        })
+        .collect()
+}
+
+/// A line for each member joining or leaving (`rdkv-cluster add-node`, `remove-node`): a
+/// joining member's refill has its own line ([`refill_lines`]); a leaving member's says how
+/// many keys it handed over.
+pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
+    let Some(view) = view else {
+        return Vec::new();
+    };
+    view.members
+        .iter()
+        .filter_map(|member| {
+            let stats = statuses.iter().find_map(|status| match &status.state {
+                NodeState::Up(stats) if status.id == member.node_id => Some(stats),
+                _ => None,
+            });
+            match (member.state, stats) {
+                (rdkv_common::protocol::MemberState::Joining, _) => Some(format!(
+                    "membership: node {} joining: it fills from the members, then serves",
+                    member.node_id
+                )),
+                (rdkv_common::protocol::MemberState::Leaving, Some(stats)) => Some(format!(
+                    "membership: node {} leaving: {} keys handed over to the members that take them; it leaves the view when every key it holds has its new copies",
+                    member.node_id, stats.handover_keys_copied
+                )),
+                (rdkv_common::protocol::MemberState::Leaving, None) => Some(format!(
+                    "membership: node {} leaving: it does not answer",
+                    member.node_id
+                )),
+                _ => None,
             }
         })
         .collect()

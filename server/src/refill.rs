@@ -246,7 +246,7 @@ async fn refill(
     let filling = view
         .members
         .iter()
-        .any(|member| member.node_id == me && member.state == MemberState::Filling);
+        .any(|member| member.node_id == me && member.state.is_filling());
     if !filling {
         return Err(format!(
             "the view (epoch {}) does not have this node filling",
@@ -350,7 +350,7 @@ async fn refill(
 ///
 /// # Errors
 /// A line saying that the view moved: the refill starts over by the new one.
-async fn ensure_view_holds(client: &Client, view: &ClusterView, when: &str) -> Result<(), String> {
+pub(crate) async fn ensure_view_holds(client: &Client, view: &ClusterView, when: &str) -> Result<(), String> {
     let now = client
         .follow_view()
         .await
@@ -478,7 +478,7 @@ async fn wait_for_peers(node: &Node, peers: &[u32], epoch: u64) -> Result<(), St
 
 /// Copies one key (a rewrite of its value through its primary's lock). A value that changed
 /// meanwhile was written to this node by its writer: nothing to copy.
-async fn copy(client: &Client, key: &[u8], value: &[u8]) -> Result<(), String> {
+pub(crate) async fn copy(client: &Client, key: &[u8], value: &[u8]) -> Result<(), String> {
     let mut last_error = String::new();
     for _ in 0..COPY_ATTEMPTS {
         match client.refill_copy(key, value).await {

@@ -75,7 +75,7 @@ impl Sweep {
             && view
                 .members
                 .iter()
-                .all(|member| member.state != MemberState::Filling)
+                .all(|member| member.state == MemberState::Serving || member.state == MemberState::Down)
             && view
                 .members
                 .iter()

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 64] {
+fn definitions() -> [(&'static str, &'static str, Reader); 65] {
     [
         (
             "uptime_seconds",
@@ -375,6 +375,11 @@ fn definitions() -> [(&'static str, &'static str, Reader); 64] {
             "refill_keys_copied_total",
             "Refill after a restart: keys copied from their primaries",
             |stats| stats.refill_keys_copied as i64,
+        ),
+        (
+            "handover_keys_copied_total",
+            "Hand-over of a leaving member (rdkv-cluster remove-node): its keys copied to the members that take them",
+            |stats| stats.handover_keys_copied as i64,
         ),
         (
             "reconciled_keys_total",

@@ -103,6 +103,32 @@ pub enum ViewCommand {
         /// The epoch every filling member reconciled under.
         epoch: u64,
     },
+    /// A node not in the view becomes a member (`rdkv-cluster add-node`): `down`, never
+    /// served, until its join makes it fill (`membership.rs`). A member already known changes
+    /// nothing.
+    AddMember {
+        /// The new member.
+        node_id: u32,
+        /// Its control address, for the members started before it (Raft's membership carries
+        /// it too).
+        address: String,
+    },
+    /// A serving member starts to leave (`rdkv-cluster remove-node`): `leaving`, still a
+    /// key's primary or copy by the ranking over the members that serve data, while every
+    /// write also reaches the copies of the ranking without it, and its hand-over copies the
+    /// rest (`crate::handover`).
+    Retire {
+        /// The leaving member.
+        node_id: u32,
+    },
+    /// A leaving member whose hand-over is complete is out of the view.
+    RemoveMember {
+        /// The member.
+        node_id: u32,
+        /// The incarnation that handed its keys over: a hand-over of an earlier process
+        /// removes nothing.
+        incarnation: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -179,7 +205,7 @@ impl ViewState {
                         // A filling member keeps its round: one resumed from a stop and marked down
                         // before the stop's members serve may resume again (nothing was written
                         // meanwhile: nobody served); any other comes back by a join, a new round.
-                        if record.state == MemberState::Serving {
+                        if record.state.serves_data() {
                             record.since = next;
                         }
                         record.state = MemberState::Down;
@@ -240,6 +266,19 @@ impl ViewState {
             ViewCommand::PromoteReconciled { epoch } => {
                 epoch == self.epoch && self.promote_filling(next)
             }
+            ViewCommand::AddMember { node_id, .. } => self.add_member(node_id, next),
+            ViewCommand::Retire { node_id } => match self.members.get_mut(&node_id) {
+                Some(record) if record.state == MemberState::Serving => {
+                    record.state = MemberState::Leaving;
+                    record.since = next;
+                    true
+                }
+                _ => false,
+            },
+            ViewCommand::RemoveMember {
+                node_id,
+                incarnation,
+            } => self.remove_member(node_id, incarnation),
         };
         if changed {
             self.epoch += 1;
@@ -248,12 +287,55 @@ impl ViewState {
         self.epoch
     }
 
+    /// A [`ViewCommand::AddMember`] at epoch `next`: a new member, down until it joins;
+    /// whether it changed the view.
+    fn add_member(&mut self, node_id: u32, next: u64) -> bool {
+        if self.members.contains_key(&node_id) {
+            return false;
+        }
+        self.members.insert(
+            node_id,
+            MemberRecord {
+                state: MemberState::Down,
+                incarnation: 0,
+                since: next,
+            },
+        );
+        true
+    }
+
+    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation` is out of the view;
+    /// whether it changed the view.
+    fn remove_member(&mut self, node_id: u32, incarnation: u64) -> bool {
+        let leaving = self.members.get(&node_id).is_some_and(|record| {
+            record.state == MemberState::Leaving && record.incarnation == incarnation
+        });
+        if leaving {
+            self.members.remove(&node_id);
+            self.ever_served.remove(&node_id);
+            self.left_cleanly.remove(&node_id);
+        }
+        leaving
+    }
+
+    /// Whether a membership change is under way: a member added that has not served yet
+    /// (down until it joins, then filling), or one leaving. One change runs at a time.
+    pub fn changing_members(&self) -> Option<u32> {
+        self.members
+            .iter()
+            .find(|(node_id, record)| {
+                record.state == MemberState::Leaving
+                    || (record.state != MemberState::Serving && !self.ever_served.contains(node_id))
+            })
+            .map(|(node_id, _)| *node_id)
+    }
+
     /// A [`ViewCommand::Stop`] at epoch `next`: every serving member down; whether it changed
     /// a record.
     fn stop(&mut self, next: u64) -> bool {
         let mut changed = false;
         for record in self.members.values_mut() {
-            if record.state == MemberState::Serving {
+            if record.state.serves_data() {
                 record.state = MemberState::Down;
                 record.since = next;
                 changed = true;
@@ -354,7 +436,7 @@ impl ViewState {
             .filter(|(node_id, record)| {
                 // A member that never served held nothing: writes went to the others.
                 self.ever_served.contains(node_id)
-                    && record.state != MemberState::Serving
+                    && !record.state.serves_data()
                     && Some(record.since) != self.last_stop
             })
             .map(|(node_id, _)| *node_id)
@@ -468,11 +550,11 @@ impl ViewState {
         Some(loss)
     }
 
-    /// The members serving, by id.
+    /// The members serving data (serving or leaving), by id.
     pub fn serving_members(&self) -> Vec<u32> {
         self.members
             .iter()
-            .filter(|(_, record)| record.state == MemberState::Serving)
+            .filter(|(_, record)| record.state.serves_data())
             .map(|(node_id, _)| *node_id)
             .collect()
     }
@@ -489,6 +571,17 @@ impl ViewState {
             })
     }
 
+    /// A member's state as clients see it: a filling member that never served is joining
+    /// (added by `rdkv-cluster add-node`, or a first start that fills), which a client of one
+    /// copy per key must route by the view for (`docs/protocol.md`, *Membership changes*).
+    fn public_state(&self, node_id: u32, state: MemberState) -> MemberState {
+        if state == MemberState::Filling && !self.ever_served.contains(&node_id) {
+            MemberState::Joining
+        } else {
+            state
+        }
+    }
+
     /// The view as clients see it.
     pub fn public(&self, leader: Option<u32>) -> ClusterView {
         ClusterView {
@@ -499,7 +592,7 @@ impl ViewState {
                 .iter()
                 .map(|(node_id, record)| ViewMember {
                     node_id: *node_id,
-                    state: record.state,
+                    state: self.public_state(*node_id, record.state),
                 })
                 .collect(),
             losses: self.losses.clone(),
@@ -586,6 +679,17 @@ pub enum PeerRequest {
     PromoteReconciled {
         /// The epoch every filling member reconciled under.
         epoch: u64,
+    },
+    /// `rdkv-cluster add-node` or `remove-node`, through any node, asks the leader to start a
+    /// membership change (`membership.rs`).
+    ChangeMembership(rdkv_common::protocol::MembershipChange),
+    /// A leaving node whose keys have their new copies asks the leader to take it out of the
+    /// view and of Raft's membership.
+    RemoveMember {
+        /// The leaving node.
+        node_id: u32,
+        /// Its incarnation.
+        incarnation: u64,
     },
 }
 
