@@ -392,9 +392,14 @@ impl Client {
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
         if !self.replicated().await {
             let deleted = self
-                .run(Kind::Mutation, "delete", key, |connection, progress| async move {
-                    operations::delete(&connection, progress, key).await
-                })
+                .run(
+                    Kind::Mutation,
+                    "delete",
+                    key,
+                    |connection, progress| async move {
+                        operations::delete(&connection, progress, key).await
+                    },
+                )
                 .await;
             match deleted {
                 Err(error) if error.is_view_moved() => {}

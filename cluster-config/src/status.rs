@@ -386,10 +386,7 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
     // No member serves (every node was stopped or crashed): the filling members reconcile
     // their copies with each other, then are promoted together (`docs/protocol.md`,
     // *Reconciliation*).
-    let reconciling = !view
-        .members
-        .iter()
-        .any(|member| member.state.serves_data());
+    let reconciling = !view.members.iter().any(|member| member.state.serves_data());
     // Members down while nobody serves: the others wait for them (a stop's resume, or the
     // reconciliation) before they serve.
     let down: Vec<String> = view

@@ -387,9 +387,9 @@ impl ClusterView {
 
     /// Whether a membership change is under way: a member joining or leaving.
     pub fn changing_members(&self) -> bool {
-        self.members.iter().any(|member| {
-            matches!(member.state, MemberState::Joining | MemberState::Leaving)
-        })
+        self.members
+            .iter()
+            .any(|member| matches!(member.state, MemberState::Joining | MemberState::Leaving))
     }
 
     /// `epoch 3, leader 1: 1 serving, 2 serving, 3 down` (for `rdkv-cluster status` and logs).

@@ -17,7 +17,7 @@ use rdkv_common::protocol::MemberState;
 use rdkv_integration_tests::cluster::rdkv_cluster;
 use rdkv_integration_tests::linearizability::{check, Event, Outcome, Verdict};
 use rdkv_integration_tests::view::{
-    output_text, stats_of, state_of, up_settled_edited, wait_for_view, Nodes,
+    output_text, state_of, stats_of, up_settled_edited, wait_for_view, Nodes,
 };
 use rdkv_integration_tests::workload::{random_operation, Mix};
 
@@ -155,7 +155,8 @@ async fn load(client: Client, index: u64, start: Instant, stop: Arc<AtomicBool>)
                         ret: u64::MAX,
                     });
                 }
-                seen.errors.push(format!("{operation:?} on key-{key}: {error}"));
+                seen.errors
+                    .push(format!("{operation:?} on key-{key}: {error}"));
             }
         }
     }
@@ -230,7 +231,10 @@ async fn membership_run(run: Run) {
     let removed_at = start.elapsed();
     let removed = membership_command("remove-node", file, run_directory, 1).await;
     let removed_text = output_text(&removed);
-    assert!(removed.status.success(), "remove-node failed: {removed_text}");
+    assert!(
+        removed.status.success(),
+        "remove-node failed: {removed_text}"
+    );
     let gone_after_remove = start.elapsed() - removed_at;
 
     tokio::time::sleep(run.after_remove).await;
@@ -244,7 +248,11 @@ async fn membership_run(run: Run) {
     }
     let observer = if leader == 1 { 2 } else { leader };
     let (view, _) = wait_for_view(&nodes, &secret, observer, Duration::from_secs(10), |view| {
-        view.members.len() == 3 && view.members.iter().all(|member| member.state == MemberState::Serving)
+        view.members.len() == 3
+            && view
+                .members
+                .iter()
+                .all(|member| member.state == MemberState::Serving)
     })
     .await
     .expect("nodes 2, 3 and 4 serve");
@@ -324,7 +332,11 @@ async fn assert_even_shares(nodes: &Nodes, secret: &[u8], replicas: usize) {
     loop {
         let mut counts = Vec::new();
         for id in [2, 3, 4] {
-            counts.push(stats_of(nodes, secret, id).await.map_or(0, |stats| stats.keys));
+            counts.push(
+                stats_of(nodes, secret, id)
+                    .await
+                    .map_or(0, |stats| stats.keys),
+            );
         }
         // The load's keys present at the end add at most `KEYS` to the preloaded ones.
         let copies = (PRELOADED as u64 + KEYS / 2) * replicas as u64;

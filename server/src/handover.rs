@@ -101,8 +101,7 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
     let Some(path) = &node.config.cluster_file else {
         return started_with;
     };
-    match rdkv_cluster_file::config::load_to_start(path, Some(started_with.secret.clone()), None)
-    {
+    match rdkv_cluster_file::config::load_to_start(path, Some(started_with.secret.clone()), None) {
         Ok(cluster) => Arc::new(cluster),
         Err(error) => {
             tracing::warn!(%error, "hand-over: reading the cluster file again failed; using the one the node started with");
@@ -169,7 +168,12 @@ async fn hand_over(
         .await
         .map_err(|error| format!("connecting to this node: {error}"))?;
     ensure_view_holds(client, &view, "while it connected").await?;
-    tracing::info!(node = me, epoch = view.epoch, buckets = total, "handing over this node's keys");
+    tracing::info!(
+        node = me,
+        epoch = view.epoch,
+        buckets = total,
+        "handing over this node's keys"
+    );
     let mut copied = 0u64;
     let mut first = 0;
     while first < total {
@@ -195,7 +199,11 @@ async fn hand_over(
 }
 
 /// Waits until every one of `members` has applied the view of `epoch`.
-async fn wait_for_members(cluster: &ClusterConfig, members: &[u32], epoch: u64) -> Result<(), String> {
+async fn wait_for_members(
+    cluster: &ClusterConfig,
+    members: &[u32],
+    epoch: u64,
+) -> Result<(), String> {
     let started = Instant::now();
     for member in members {
         let Some(config) = cluster.nodes.iter().find(|node| node.id == *member) else {

@@ -350,7 +350,11 @@ async fn refill(
 ///
 /// # Errors
 /// A line saying that the view moved: the refill starts over by the new one.
-pub(crate) async fn ensure_view_holds(client: &Client, view: &ClusterView, when: &str) -> Result<(), String> {
+pub(crate) async fn ensure_view_holds(
+    client: &Client,
+    view: &ClusterView,
+    when: &str,
+) -> Result<(), String> {
     let now = client
         .follow_view()
         .await

@@ -276,7 +276,10 @@ fn spawn_tasks(
         shutdown.clone(),
     ));
     tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
-    tasks.spawn(crate::handover::handover_loop(node.clone(), shutdown.clone()));
+    tasks.spawn(crate::handover::handover_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
     tasks.spawn(crate::persistence::snapshot_loop(
         node.clone(),
         shutdown.clone(),

@@ -67,7 +67,10 @@ impl Client {
                         .await
                         .map(|found| Some(found.map(|value| value.to_bytes())))
                 };
-                match follower.watched(key, Route::Primary, &planned, attempt).await {
+                match follower
+                    .watched(key, Route::Primary, &planned, attempt)
+                    .await
+                {
                     // The view moved the key, or a connection named a newer view: again.
                     None | Some(Ok(None)) => {}
                     Some(Ok(Some(value))) => return Ok(value),
@@ -193,7 +196,12 @@ impl ReplicatedOperation<'_> {
         self.progress.wait_for(Waiting::Connection);
         let connecting = client.connections_to(&nodes);
         let connections = match follower
-            .watched(self.key, Route::Copies(client.replicas), &planned, connecting)
+            .watched(
+                self.key,
+                Route::Copies(client.replicas),
+                &planned,
+                connecting,
+            )
             .await
         {
             None => return ControlFlow::Continue(None),
@@ -278,9 +286,10 @@ impl ReplicatedOperation<'_> {
             self.write,
             &mut lock,
         );
-        let watched = client
-            .follower
-            .watched(self.key, Route::Copies(client.replicas), planned, resuming);
+        let watched =
+            client
+                .follower
+                .watched(self.key, Route::Copies(client.replicas), planned, resuming);
         let Some(resumed) = watched.await else {
             // The view moved the key meanwhile: decided on the next pass.
             self.held = Some(lock);
@@ -324,9 +333,10 @@ impl ReplicatedOperation<'_> {
             &mut self.patience,
             &mut self.held,
         );
-        let watched = client
-            .follower
-            .watched(key, Route::Copies(client.replicas), planned, attempting);
+        let watched =
+            client
+                .follower
+                .watched(key, Route::Copies(client.replicas), planned, attempting);
         let Some(attempt) = watched.await else {
             // The view moved the key while the attempt ran (a node stopped answering without
             // failing its connections). With its lock placed, the next pass resumes it or

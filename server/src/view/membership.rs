@@ -180,7 +180,10 @@ impl ViewService {
         let parsed: SocketAddr = address.parse().map_err(|error| {
             format!("node {node_id}'s control address {address:?} is not an address: {error}")
         })?;
-        let raft = self.raft.as_ref().ok_or("a one-node cluster runs no consensus")?;
+        let raft = self
+            .raft
+            .as_ref()
+            .ok_or("a one-node cluster runs no consensus")?;
         let peer = PeerId::from(node_id);
         if !self.voters().contains(&peer) {
             tracing::info!(node_id, %parsed, "adding a learner: it catches up on the view's log");
@@ -212,11 +215,9 @@ impl ViewService {
             )
             .await;
             match changed {
-                Err(_) => {
-                    return Err(format!(
-                        "making node {node_id} a voter was not committed within {RAFT_STEP_WITHIN:?}"
-                    ))
-                }
+                Err(_) => return Err(format!(
+                    "making node {node_id} a voter was not committed within {RAFT_STEP_WITHIN:?}"
+                )),
                 Ok(Err(error)) => return Err(format!("making node {node_id} a voter: {error}")),
                 Ok(Ok(_)) => {}
             }
@@ -261,7 +262,10 @@ impl ViewService {
         if self.leader() != Some(self.node_id) {
             return Err(format!("node {} is not the leader", self.node_id));
         }
-        let raft = self.raft.as_ref().ok_or("a one-node cluster runs no consensus")?;
+        let raft = self
+            .raft
+            .as_ref()
+            .ok_or("a one-node cluster runs no consensus")?;
         let present = self.view.borrow().members.get(&node_id).copied();
         let epoch = match present {
             None => self.epoch(),

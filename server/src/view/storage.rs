@@ -568,7 +568,8 @@ mod tests {
         drop(reopened);
 
         // The cluster file now names other nodes: a fresh start, the old state kept aside.
-        let other = Store::open(Some(file.clone()), &[1, 2], 2, false).expect("open for other nodes");
+        let other =
+            Store::open(Some(file.clone()), &[1, 2], 2, false).expect("open for other nodes");
         assert!(!other.has_history());
         assert!(file.with_extension("old").exists());
         let _ = std::fs::remove_dir_all(&directory);
