@@ -98,6 +98,7 @@ impl Client {
                     Err(error) => return Err(error),
                 };
                 if self.replicas == 1
+                    && self.nodes.len() > 1
                     && !progress.cas_posted()
                     && self.follower.newer_view_reported()
                 {

@@ -516,4 +516,76 @@ mod tests {
             "a reconciling view routes a GET to filling node {primary:?} (the all-serving view's primary was {before:?}: `watched` sees no change and lets an attempt run on)"
         );
     }
+    /// A member leaving: reads stay on the ranking over the members serving data (it among
+    /// them), and writes reach the copies of the ranking without it too; a client of one copy
+    /// routes by the view meanwhile, and once the members differ from the cluster file's.
+    #[test]
+    fn a_leaving_member_serves_and_writes_reach_the_ranking_without_it() {
+        use MemberState::{Leaving, Serving};
+        let follower = follower();
+        assert!(!follower.single_copy_by_view());
+        assert!(follower.adopt(&view(5, [Leaving, Serving, Serving])));
+        assert!(follower.single_copy_by_view(), "a member leaves");
+        for index in 0..200 {
+            let key = format!("key-{index}");
+            let all = [1, 2, 3];
+            let current: Vec<u32> = sharding::replicas(key.as_bytes(), &all, 1)
+                .into_iter()
+                .map(|at| all[at])
+                .collect();
+            let staying = [2, 3];
+            let next = staying[sharding::replicas(key.as_bytes(), &staying, 1)[0]];
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::Primary),
+                current,
+                "{key}: GETs read the primary over the serving and leaving members"
+            );
+            let copies = follower.replica_ids(key.as_bytes(), Route::Copies(1));
+            assert_eq!(copies[0], current[0], "{key}: the primary first");
+            assert!(
+                copies.contains(&next),
+                "{key}: {copies:?} lacks its next copy {next}"
+            );
+        }
+    }
+
+    /// A view whose members the cluster file lists only in part (a member removed, or one not
+    /// added yet) is adopted; one naming a member the file lacks is not (the client cannot
+    /// reach it), and a one-node view of a multi-node file is not one cluster.
+    #[test]
+    fn a_view_of_some_of_the_files_nodes_is_adopted_and_one_of_an_unknown_node_is_not() {
+        let follower = follower();
+        let two = ClusterView {
+            epoch: 4,
+            leader: Some(2),
+            members: vec![
+                ViewMember {
+                    node_id: 2,
+                    state: MemberState::Serving,
+                },
+                ViewMember {
+                    node_id: 3,
+                    state: MemberState::Serving,
+                },
+            ],
+            losses: Vec::new(),
+        };
+        assert!(follower.adopt(&two));
+        assert!(
+            follower.single_copy_by_view(),
+            "the members differ from the file's nodes"
+        );
+        assert!(!follower.replica_ids(b"key", Route::Copies(2)).contains(&1));
+        let mut unknown = two.clone();
+        unknown.epoch = 5;
+        unknown.members.push(ViewMember {
+            node_id: 9,
+            state: MemberState::Joining,
+        });
+        assert!(!follower.adopt(&unknown), "node 9 is not in the file");
+        let mut alone = two;
+        alone.epoch = 6;
+        alone.members.truncate(1);
+        assert!(!follower.adopt(&alone), "one node's own view");
+    }
 }

@@ -760,6 +760,43 @@ mod tests {
     }
 
     #[test]
+    fn members_joining_and_leaving_show_under_the_view() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id, state| ViewMember { node_id, state };
+        let view = ClusterView {
+            epoch: 9,
+            leader: Some(2),
+            members: vec![
+                member(1, MemberState::Leaving),
+                member(2, MemberState::Serving),
+                member(4, MemberState::Joining),
+            ],
+            losses: Vec::new(),
+        };
+        let leaving = ServerStats {
+            handover_keys_copied: 495,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::new(leaving))),
+            node(2, NodeState::Up(Box::default())),
+            node(4, NodeState::Up(Box::default())),
+        ];
+        assert_eq!(
+            membership_lines(Some(&view), &statuses),
+            vec![
+                "membership: node 1 leaving: 495 keys handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
+                "membership: node 4 joining: it fills from the members, then serves".to_string(),
+            ]
+        );
+        assert_eq!(
+            refill_lines(Some(&view), &statuses),
+            vec!["refill: node 4 filling: starting".to_string()],
+            "a joining member's refill shows as a restarted one's"
+        );
+    }
+
+    #[test]
     fn the_members_out_count_the_view_and_the_nodes_answers() {
         use rdkv_common::protocol::{MemberState, ViewMember};
         let view = ClusterView {

@@ -345,7 +345,8 @@ pub struct ClusterView {
     pub epoch: u64,
     /// The consensus leader the answering node knows of.
     pub leader: Option<u32>,
-    /// Every node of the cluster file, in id order, with its state.
+    /// Every member, in id order, with its state (the cluster file's nodes at a cluster's
+    /// first start; members are added and removed through the view).
     pub members: Vec<ViewMember>,
     /// Views that had every copy of some keys down at once, not acknowledged yet (the most
     /// recent [`MAX_LOSSES_KEPT`]).

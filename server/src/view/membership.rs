@@ -215,9 +215,11 @@ impl ViewService {
             )
             .await;
             match changed {
-                Err(_) => return Err(format!(
+                Err(_) => {
+                    return Err(format!(
                     "making node {node_id} a voter was not committed within {RAFT_STEP_WITHIN:?}"
-                )),
+                ))
+                }
                 Ok(Err(error)) => return Err(format!("making node {node_id} a voter: {error}")),
                 Ok(Ok(_)) => {}
             }

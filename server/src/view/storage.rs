@@ -159,8 +159,10 @@ fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
 
 impl Store {
     /// Opens the store: the state file's contents when it has some for these `node_ids`, else
-    /// a fresh state whose view has every node serving. A state file written for another set
-    /// of nodes (the cluster file changed) is set aside as `FILE.old`, with a warning.
+    /// a fresh state whose view has every node serving (none, for a node that joins a running
+    /// cluster: it learns the view from the leader's log). A state file whose view names a
+    /// node `node_ids` lacks (the cluster file changed) is set aside as `FILE.old`, with a
+    /// warning; `node_ids` may list nodes the view does not have (not added yet, or removed).
     ///
     /// # Errors
     /// The state file exists but cannot be read or decoded.

@@ -154,7 +154,8 @@ pub struct MemberRecord {
 pub struct ViewState {
     /// Bumped by every command that changes a record.
     pub epoch: u64,
-    /// Every node of the cluster file.
+    /// Every member: the cluster file's nodes at the first start, then as
+    /// [`ViewCommand::AddMember`] and [`ViewCommand::RemoveMember`] change them.
     pub members: BTreeMap<u32, MemberRecord>,
     /// The epoch of the last [`ViewCommand::Stop`] that changed the view: members down or
     /// resumed since it hold their keys in the stop's snapshots.
@@ -1233,5 +1234,90 @@ mod tests {
             1,
             "node 1 killed: its writes since its snapshot"
         );
+    }
+    /// A member added is down until its join, then joining (filling, never served) until
+    /// its promotion; a member retired is leaving (still serving data) until its removal,
+    /// which only its own incarnation's hand-over makes. One change at a time is visible.
+    #[test]
+    fn a_member_is_added_joins_and_serves_and_another_leaves_and_is_removed() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Join {
+                    node_id,
+                    incarnation: u64::from(node_id),
+                },
+                1,
+            );
+        }
+        assert_eq!(view.changing_members(), None);
+        let epoch = view.apply(&ViewCommand::AddMember {
+            node_id: 4,
+            address: "127.0.0.1:1".into(),
+        });
+        assert_eq!(view.members[&4].state, MemberState::Down);
+        assert_eq!(view.changing_members(), Some(4));
+        assert_eq!(
+            view.apply(&ViewCommand::AddMember {
+                node_id: 4,
+                address: "127.0.0.1:1".into(),
+            }),
+            epoch,
+            "added already"
+        );
+        assert!(view.without_whole_copy().is_empty(), "it held nothing");
+        view.apply(&ViewCommand::Join {
+            node_id: 4,
+            incarnation: 44,
+        });
+        assert_eq!(view.members[&4].state, MemberState::Filling);
+        let public = view.public(None);
+        assert_eq!(state(&public, 4), MemberState::Joining);
+        assert!(view.losses.is_empty());
+        view.apply(&ViewCommand::Promote {
+            node_id: 4,
+            incarnation: 44,
+            filling_since: view.members[&4].since,
+        });
+        assert_eq!(view.changing_members(), None);
+        assert_eq!(state(&view.public(None), 4), MemberState::Serving);
+
+        let before = view.clone();
+        view.apply(&ViewCommand::Retire { node_id: 1 });
+        assert_eq!(view.members[&1].state, MemberState::Leaving);
+        assert!(view.placement_differs(&before));
+        assert_eq!(
+            view.public(None).serving(),
+            vec![1, 2, 3, 4],
+            "it serves data"
+        );
+        assert_eq!(view.changing_members(), Some(1));
+        let epoch = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::RemoveMember {
+                node_id: 1,
+                incarnation: 9,
+            }),
+            epoch,
+            "another process's hand-over removes nothing"
+        );
+        view.apply(&ViewCommand::RemoveMember {
+            node_id: 1,
+            incarnation: 1,
+        });
+        assert!(!view.members.contains_key(&1));
+        assert!(!view.ever_served.contains(&1));
+        assert_eq!(view.public(None).serving(), vec![2, 3, 4]);
+        assert!(view.losses.is_empty());
+    }
+
+    /// A member's state in a public view.
+    fn state(view: &ClusterView, node_id: u32) -> MemberState {
+        view.members
+            .iter()
+            .find(|member| member.node_id == node_id)
+            .map(|member| member.state)
+            .expect("a member")
     }
 }
