@@ -61,6 +61,9 @@ pub async fn add_node(
             "node {node_id} is a member already ({}): waiting until it serves",
             view.summary()
         )),
+        None if !launcher::running_nodes(&[node], run_directory).is_empty() => say(&format!(
+            "node {node_id} runs already (started with --join): asking the leader to add it"
+        )),
         None => {
             let started = launcher::start_joining(config, run_directory, node_id)?;
             say(&format!(
