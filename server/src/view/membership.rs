@@ -229,13 +229,26 @@ impl ViewService {
         Ok(epoch)
     }
 
-    /// On the leader: serving member `node_id` starts to leave.
+    /// On the leader: serving member `node_id` starts to leave; a member that never served
+    /// (an addition abandoned) is removed at once.
     async fn lead_retirement(&self, node_id: u32) -> std::result::Result<u64, String> {
-        let (state, serving, epoch) = {
+        let (record, never_served, serving, epoch) = {
             let view = self.view.borrow();
-            let state = view.members.get(&node_id).map(|record| record.state);
-            (state, view.serving_members().len(), view.epoch)
+            let record = view.members.get(&node_id).copied();
+            let never_served = !view.ever_served.contains(&node_id);
+            (
+                record,
+                never_served,
+                view.serving_members().len(),
+                view.epoch,
+            )
         };
+        let state = record.map(|record| record.state);
+        if let Some(record) = record.filter(|record| {
+            never_served && !matches!(record.state, MemberState::Serving | MemberState::Leaving)
+        }) {
+            return self.lead_removal(node_id, record.incarnation).await;
+        }
         match state {
             None => return Err(format!("node {node_id} is not a member of the view")),
             Some(MemberState::Leaving) => return Ok(epoch),
@@ -268,11 +281,17 @@ impl ViewService {
             .raft
             .as_ref()
             .ok_or("a one-node cluster runs no consensus")?;
-        let present = self.view.borrow().members.get(&node_id).copied();
+        let (present, never_served) = {
+            let view = self.view.borrow();
+            let present = view.members.get(&node_id).copied();
+            (present, !view.ever_served.contains(&node_id))
+        };
         let epoch = match present {
             None => self.epoch(),
             Some(record)
-                if record.state == MemberState::Leaving && record.incarnation == incarnation =>
+                if record.incarnation == incarnation
+                    && (record.state == MemberState::Leaving
+                        || (never_served && record.state != MemberState::Serving)) =>
             {
                 self.commit(ViewCommand::RemoveMember {
                     node_id,

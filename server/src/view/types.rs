@@ -121,12 +121,13 @@ pub enum ViewCommand {
         /// The leaving member.
         node_id: u32,
     },
-    /// A leaving member whose hand-over is complete is out of the view.
+    /// A leaving member whose hand-over is complete is out of the view; so is a member that
+    /// never served (an addition abandoned: it holds no key of its own), whatever its state.
     RemoveMember {
         /// The member.
         node_id: u32,
-        /// The incarnation that handed its keys over: a hand-over of an earlier process
-        /// removes nothing.
+        /// The incarnation that handed its keys over (a hand-over of an earlier process
+        /// removes nothing), or the never-served member's record's.
         incarnation: u64,
     },
 }
@@ -305,11 +306,14 @@ impl ViewState {
         true
     }
 
-    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation` is out of the view;
-    /// whether it changed the view.
+    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, or a member that
+    /// never served, is out of the view; whether it changed the view.
     fn remove_member(&mut self, node_id: u32, incarnation: u64) -> bool {
+        let never_served = !self.ever_served.contains(&node_id);
         let leaving = self.members.get(&node_id).is_some_and(|record| {
-            record.state == MemberState::Leaving && record.incarnation == incarnation
+            record.incarnation == incarnation
+                && (record.state == MemberState::Leaving
+                    || (never_served && record.state != MemberState::Serving))
         });
         if leaving {
             self.members.remove(&node_id);
@@ -1310,6 +1314,33 @@ mod tests {
         assert!(!view.ever_served.contains(&1));
         assert_eq!(view.public(None).serving(), vec![2, 3, 4]);
         assert!(view.losses.is_empty());
+
+        // An addition abandoned: node 5 joined, and went down before it served.
+        view.apply(&ViewCommand::AddMember {
+            node_id: 5,
+            address: "127.0.0.1:2".into(),
+        });
+        view.apply(&ViewCommand::Join {
+            node_id: 5,
+            incarnation: 55,
+        });
+        view.apply(&ViewCommand::MarkDown { node_id: 5 });
+        assert_eq!(view.changing_members(), Some(5));
+        view.apply(&ViewCommand::RemoveMember {
+            node_id: 5,
+            incarnation: 55,
+        });
+        assert!(!view.members.contains_key(&5));
+        assert_eq!(view.changing_members(), None);
+        let epoch = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::RemoveMember {
+                node_id: 2,
+                incarnation: 2,
+            }),
+            epoch,
+            "a serving member is removed only after its hand-over"
+        );
     }
 
     /// A member's state in a public view.
