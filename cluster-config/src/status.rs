@@ -459,8 +459,12 @@ pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> 
                     member.node_id
                 )),
                 (rdkv_common::protocol::MemberState::Leaving, Some(stats)) => Some(format!(
-                    "membership: node {} leaving: {} keys handed over to the members that take them; it leaves the view when every key it holds has its new copies",
-                    member.node_id, stats.handover_keys_copied
+                    "membership: node {} leaving: {}% of its table scanned, {} keys handed over to the members that take them; it leaves the view when every key it holds has its new copies",
+                    member.node_id,
+                    (stats.handover_buckets_scanned * 100)
+                        .checked_div(stats.handover_buckets_total)
+                        .unwrap_or(0),
+                    stats.handover_keys_copied
                 )),
                 (rdkv_common::protocol::MemberState::Leaving, None) => Some(format!(
                     "membership: node {} leaving: it does not answer",
@@ -775,6 +779,8 @@ mod tests {
         };
         let leaving = ServerStats {
             handover_keys_copied: 495,
+            handover_buckets_scanned: 1_024,
+            handover_buckets_total: 4_096,
             ..ServerStats::default()
         };
         let statuses = [
@@ -785,7 +791,7 @@ mod tests {
         assert_eq!(
             membership_lines(Some(&view), &statuses),
             vec![
-                "membership: node 1 leaving: 495 keys handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
+                "membership: node 1 leaving: 25% of its table scanned, 495 keys handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
                 "membership: node 4 joining: it fills from the members, then serves".to_string(),
             ]
         );

@@ -604,6 +604,10 @@ pub struct ServerStats {
     pub view_leader: u32,
     /// Members the node's view has down.
     pub view_members_down: u64,
+    /// Members the node's view has joining (`rdkv-cluster add-node`).
+    pub view_members_joining: u64,
+    /// Members the node's view has leaving (`rdkv-cluster remove-node`).
+    pub view_members_leaving: u64,
     /// Views this node committed as the consensus leader since start.
     pub views_committed: u64,
     /// Data connections ended because the view moved keys (`docs/protocol.md`, *Views and
@@ -646,6 +650,11 @@ pub struct ServerStats {
     /// Hand-over of a leaving member (`rdkv-cluster remove-node`): its keys copied to the
     /// members that take them (`docs/protocol.md`, *Membership changes*).
     pub handover_keys_copied: u64,
+    /// Hand-over: this node's index buckets scanned, of `handover_buckets_total` (0 of 0: no
+    /// hand-over since start).
+    pub handover_buckets_scanned: u64,
+    /// Hand-over: this node's index buckets to scan.
+    pub handover_buckets_total: u64,
     /// The view epoch at which this node last finished the newest-wins reconciliation of a
     /// whole-cluster start (0: none since start; `docs/protocol.md`, *Reconciliation*).
     pub reconciled_epoch: u64,

@@ -168,6 +168,12 @@ async fn hand_over(
         .await
         .map_err(|error| format!("connecting to this node: {error}"))?;
     ensure_view_holds(client, &view, "while it connected").await?;
+    node.counters
+        .handover_buckets_total
+        .store(total, Ordering::Relaxed);
+    node.counters
+        .handover_buckets_scanned
+        .store(0, Ordering::Relaxed);
     tracing::info!(
         node = me,
         epoch = view.epoch,
@@ -193,6 +199,9 @@ async fn hand_over(
                 .fetch_add(1, Ordering::Relaxed);
         }
         first += count;
+        node.counters
+            .handover_buckets_scanned
+            .fetch_add(count, Ordering::Relaxed);
     }
     ensure_view_holds(client, &view, "during the hand-over").await?;
     Ok(copied)

@@ -329,6 +329,18 @@ impl ViewService {
         Ok(epoch)
     }
 
+    /// The members this node's view has joining and leaving, for its stats.
+    pub fn changing_figures(&self) -> (u64, u64) {
+        let view = self.current();
+        let count = |state| {
+            view.members
+                .iter()
+                .filter(|member| member.state == state)
+                .count() as u64
+        };
+        (count(MemberState::Joining), count(MemberState::Leaving))
+    }
+
     /// Raft's voters, by the membership this node knows.
     fn voters(&self) -> BTreeSet<PeerId> {
         let Some(raft) = &self.raft else {
