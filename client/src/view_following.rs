@@ -105,6 +105,11 @@ pub(crate) struct ViewFollower {
     /// Whether a client of one copy per key has asked for the view once (it routes by the
     /// cluster file until a view says otherwise: [`ViewFollower::follow_view_with_one_copy`]).
     first_view_asked: AtomicBool,
+    /// The members named by the newest view seen that this client's cluster file does not
+    /// list (added after the file was read): the client cannot reach every copy of a key, so
+    /// its operations fail, naming the fix ([`ViewFollower::cluster_down`]), instead of
+    /// writing fewer copies than the view has.
+    unknown_members: Mutex<Vec<u32>>,
 }
 
 impl ViewFollower {
@@ -136,6 +141,7 @@ impl ViewFollower {
             unanswered: Mutex::new(None),
             all_refused: AtomicBool::new(false),
             first_view_asked: AtomicBool::new(false),
+            unknown_members: Mutex::new(Vec::new()),
         }
     }
 
@@ -185,6 +191,10 @@ impl ViewFollower {
     /// no member serving or filling (the view says the whole cluster is down), the key's node
     /// by the cluster file.
     pub(crate) fn replica_ids(&self, key: &[u8], route: Route) -> Vec<u32> {
+        if !self.unknown().is_empty() {
+            // Some copies are on members this client cannot reach: none is used.
+            return Vec::new();
+        }
         let mut ids = {
             let membership = self.membership();
             if membership.reconciling() {
@@ -218,8 +228,18 @@ impl ViewFollower {
     /// differ from the cluster file's nodes (the cluster file's ranking no longer places
     /// keys).
     pub(crate) fn single_copy_by_view(&self) -> bool {
+        if !self.unknown().is_empty() {
+            return true;
+        }
         let membership = self.membership();
         membership.changing || membership.members_differ
+    }
+
+    /// The members of the newest view seen that the client's cluster file does not list.
+    fn unknown(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.unknown_members
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The newest view the nodes answer with, all asked at once (epochs only grow, and a view
@@ -313,18 +333,24 @@ impl ViewFollower {
         // client was made): keep routing by what the client has, and do not ask again for
         // this epoch. Writes by the older view are fenced by the nodes.
         let one_node_views = members.len() == 1 && known.len() > 1;
+        if !listed {
+            let unknown: Vec<u32> = members
+                .iter()
+                .copied()
+                .filter(|member| !known.contains(member))
+                .collect();
+            tracing::error!(
+                epoch = view.epoch,
+                ?unknown,
+                "the cluster view names members this client's cluster file does not list: make the client from the cluster file that lists every member"
+            );
+            *self.unknown() = unknown;
+        }
         if !listed || one_node_views {
-            if !listed && view.epoch > membership.epoch {
-                tracing::error!(
-                    epoch = view.epoch,
-                    ?members,
-                    ?known,
-                    "the cluster view names members this client's cluster file does not list: make the client from the cluster file that lists every member"
-                );
-            }
             membership.epoch = view.epoch;
             return false;
         }
+        self.unknown().clear();
         let serving = view.serving();
         let filling = view.filling();
         let leaving = view.in_state(MemberState::Leaving);
@@ -399,10 +425,20 @@ impl ViewFollower {
         }
     }
 
-    /// When the last view fetch found every node of the cluster file refusing the connection
-    /// outright, the error that says the cluster is down: nothing listens on any node, so
-    /// waiting out the deadline for a view would only cost the caller its deadline.
+    /// When the newest view names a member the client's cluster file does not list, the error
+    /// that names the fix (the client cannot reach every copy); when the last view fetch found
+    /// every node of the cluster file refusing the connection outright, the error that says the
+    /// cluster is down: nothing listens on any node, so waiting out the deadline for a view
+    /// would only cost the caller its deadline.
     pub(crate) fn cluster_down(&self, operation: &'static str) -> Option<Error> {
+        let unknown = self.unknown().clone();
+        if !unknown.is_empty() {
+            return Some(Error::Config {
+                reason: format!(
+                    "{operation}: the cluster view names node {unknown:?}, which this client's cluster file does not list (added since): make the client from the cluster file that lists every member; it did not apply"
+                ),
+            });
+        }
         if !self.all_refused.load(Ordering::Relaxed) {
             return None;
         }
@@ -583,9 +619,28 @@ mod tests {
             state: MemberState::Joining,
         });
         assert!(!follower.adopt(&unknown), "node 9 is not in the file");
-        let mut alone = two;
+        assert!(
+            follower.replica_ids(b"key", Route::Copies(2)).is_empty(),
+            "no copy is used while one is out of reach"
+        );
+        assert!(follower.single_copy_by_view());
+        let error = follower
+            .cluster_down("put")
+            .expect("an error naming the fix");
+        assert!(
+            error
+                .to_string()
+                .contains("make the client from the cluster file"),
+            "{error}"
+        );
+        let mut alone = two.clone();
         alone.epoch = 6;
         alone.members.truncate(1);
         assert!(!follower.adopt(&alone), "one node's own view");
+        let mut without_it = two;
+        without_it.epoch = 7;
+        assert!(follower.adopt(&without_it), "node 9 is gone again");
+        assert!(follower.cluster_down("put").is_none());
+        assert_eq!(follower.replica_ids(b"key", Route::Copies(2)).len(), 2);
     }
 }

@@ -195,6 +195,10 @@ async fn membership_run(run: Run) {
     })
     .await;
     let (cluster, mut nodes, secret, _, _, leader) = settled.parts();
+    // A client made from the file before node 4 was listed in it.
+    let stale = ClientBuilder::cluster_file(&cluster.file)
+        .build()
+        .expect("client");
     // Node 4 in the cluster file from here on, as the operator edits it before `add-node`.
     let fourth_ports = ReservedPorts::loopback(3).expect("reserve ports for node 4");
     let mut text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
@@ -226,6 +230,16 @@ async fn membership_run(run: Run) {
     let added_text = output_text(&added);
     assert!(added.status.success(), "add-node failed: {added_text}");
     let serving_after_add = start.elapsed() - added_at;
+    // It cannot reach node 4: its operations fail, naming the fix, and write nothing.
+    let refused = stale.put(b"stale-client-key", b"lost?").await;
+    match &refused {
+        Err(error)
+            if error
+                .to_string()
+                .contains("make the client from the cluster file") => {}
+        other => panic!("a client of the older file wrote: {other:?}"),
+    }
+    stale.close().await;
 
     let remove_at = run.remove_at.max(start.elapsed() + Duration::from_secs(1));
     tokio::time::sleep(remove_at.saturating_sub(start.elapsed())).await;
