@@ -44,6 +44,9 @@ struct Run {
     remove_at: Duration,
     /// When the load ends (or a second after the removal is done, if that is later).
     end_at: Duration,
+    /// Whether the cluster is then stopped (`down`, node 1 out of the file) and started
+    /// again (`up`), and the preloaded keys read back once more.
+    restart: bool,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,6 +58,7 @@ async fn a_node_added_and_a_node_removed_under_load_with_two_copies() {
         add_at: Duration::from_secs(1),
         remove_at: Duration::from_secs(2),
         end_at: Duration::from_secs(3),
+        restart: false,
     })
     .await;
 }
@@ -68,6 +72,23 @@ async fn a_node_added_and_a_node_removed_under_load_with_one_copy() {
         add_at: Duration::from_secs(1),
         remove_at: Duration::from_secs(2),
         end_at: Duration::from_secs(3),
+        restart: false,
+    })
+    .await;
+}
+
+/// A grown and shrunk cluster stops and starts again from its snapshots: the members are the
+/// view's (2, 3 and 4), and every acknowledged write is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_cluster_stops_and_starts_again_with_its_members_and_keys() {
+    membership_run(Run {
+        tag: "membership-restart",
+        replicas: 2,
+        clients: 2,
+        add_at: Duration::from_secs(1),
+        remove_at: Duration::from_secs(2),
+        end_at: Duration::from_secs(3),
+        restart: true,
     })
     .await;
 }
@@ -84,6 +105,7 @@ async fn the_issue_run_with_two_copies() {
         add_at: Duration::from_secs(15),
         remove_at: Duration::from_secs(35),
         end_at: Duration::from_secs(60),
+        restart: false,
     })
     .await;
 }
@@ -99,6 +121,7 @@ async fn the_issue_run_with_one_copy() {
         add_at: Duration::from_secs(15),
         remove_at: Duration::from_secs(35),
         end_at: Duration::from_secs(60),
+        restart: false,
     })
     .await;
 }
@@ -312,6 +335,71 @@ async fn membership_run(run: Run) {
         .map_or(0, |stats| stats.refill_keys_copied);
     assert!(refilled > 0, "node 4 copied no key when it joined");
     assert_even_shares(&nodes, &secret, replicas).await;
+    if run.restart {
+        restart_without_node_1(&cluster, &nodes, &secret, &preloaded).await;
+    }
+}
+
+/// Takes node 1 out of the cluster file, stops the cluster and starts it again: nodes 2, 3 and
+/// 4 serve, and every preloaded key reads back.
+async fn restart_without_node_1(
+    cluster: &rdkv_integration_tests::cluster::Cluster,
+    nodes: &Nodes,
+    secret: &[u8],
+    preloaded: &[(String, String)],
+) {
+    let text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
+    let start = text.find("[[node]]\nid = 1\n").expect("node 1's section");
+    let end = start
+        + 1
+        + text[start + 1..]
+            .find("[[node]]")
+            .expect("a section after node 1's");
+    std::fs::write(&cluster.file, format!("{}{}", &text[..start], &text[end..]))
+        .expect("write the cluster file");
+    let file = cluster.file.to_str().expect("utf-8");
+    let run_directory = cluster.run_directory.to_str().expect("utf-8");
+    let down = tokio::task::spawn_blocking({
+        let (file, run_directory) = (file.to_string(), run_directory.to_string());
+        move || rdkv_cluster(&["down", &file, "--run-dir", &run_directory])
+    })
+    .await
+    .expect("down's thread");
+    assert!(down.status.success(), "down failed: {}", output_text(&down));
+    let up = tokio::task::spawn_blocking({
+        let (file, run_directory) = (file.to_string(), run_directory.to_string());
+        move || rdkv_cluster(&["up", &file, "--run-dir", &run_directory, "--detach"])
+    })
+    .await
+    .expect("up's thread");
+    assert!(up.status.success(), "up failed: {}", output_text(&up));
+    let (view, _) = wait_for_view(nodes, secret, 2, Duration::from_secs(60), |view| {
+        view.members.len() == 3
+            && view
+                .members
+                .iter()
+                .all(|member| member.state == MemberState::Serving)
+    })
+    .await
+    .expect("nodes 2, 3 and 4 serve again");
+    assert_eq!(state_of(&view, 1), None, "node 1 is still out of the view");
+    let client = ClientBuilder::cluster_file(&cluster.file)
+        .build()
+        .expect("client");
+    let mut lost = Vec::new();
+    for (key, value) in preloaded {
+        match client.get(key.as_bytes()).await {
+            Ok(Some(found)) if found.as_ref() == value.as_bytes() => {}
+            other => lost.push(format!("{key}: {other:?}")),
+        }
+    }
+    client.close().await;
+    assert!(
+        lost.is_empty(),
+        "{} of {PRELOADED} acknowledged writes not back after down and up: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(8)]
+    );
 }
 
 /// Writes `PRELOADED` keys (8 writers), each acknowledged; their names and values.
