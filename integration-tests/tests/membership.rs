@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rdkv_client::{Client, ClientBuilder};
 use rdkv_common::ports::ReservedPorts;
 use rdkv_common::protocol::MemberState;
-use rdkv_integration_tests::cluster::rdkv_cluster;
+use rdkv_integration_tests::cluster::{rdkv_cluster, Cluster};
 use rdkv_integration_tests::linearizability::{check, Event, Outcome, Verdict};
 use rdkv_integration_tests::view::{
     output_text, state_of, stats_of, up_settled_edited, wait_for_view, Nodes,
@@ -211,27 +211,8 @@ async fn membership_command(
 
 async fn membership_run(run: Run) {
     let _serial = SERIAL.lock().await;
-    let replicas = run.replicas;
-    let settled = up_settled_edited(run.tag, 3, |text| {
-        text.replace("replicas = 2", &format!("replicas = {replicas}"))
-            .replace("operation_deadline = \"2s\"", "operation_deadline = \"8s\"")
-    })
-    .await;
-    let (cluster, mut nodes, secret, _, _, leader) = settled.parts();
-    // A client made from the file before node 4 was listed in it.
-    let stale = ClientBuilder::cluster_file(&cluster.file)
-        .build()
-        .expect("client");
-    // Node 4 in the cluster file from here on, as the operator edits it before `add-node`.
-    let fourth_ports = ReservedPorts::loopback(3).expect("reserve ports for node 4");
-    let mut text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
-    text.push_str(&fourth_node(&fourth_ports));
-    std::fs::write(&cluster.file, text).expect("write the cluster file");
-    let fourth_address = format!("127.0.0.1:{}", fourth_ports.ports()[0])
-        .parse()
-        .expect("an address");
-    nodes.push((4, fourth_address));
-
+    let (cluster, nodes, secret, leader, stale, _fourth_ports) =
+        three_nodes_and_a_fourth_listed(&run).await;
     let preloaded = preload(&cluster.file).await;
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
@@ -244,37 +225,7 @@ async fn membership_run(run: Run) {
             .expect("client");
         tasks.push(tokio::spawn(load(client, index, start, stop.clone())));
     }
-    let file = cluster.file.to_str().expect("utf-8").to_string();
-    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
-
-    tokio::time::sleep(run.add_at.saturating_sub(start.elapsed())).await;
-    let added_at = start.elapsed();
-    let added = membership_command("add-node", file.clone(), run_directory.clone(), 4).await;
-    let added_text = output_text(&added);
-    assert!(added.status.success(), "add-node failed: {added_text}");
-    let serving_after_add = start.elapsed() - added_at;
-    // It cannot reach node 4: its operations fail, naming the fix, and write nothing.
-    let refused = stale.put(b"stale-client-key", b"lost?").await;
-    match &refused {
-        Err(error)
-            if error
-                .to_string()
-                .contains("make the client from the cluster file") => {}
-        other => panic!("a client of the older file wrote: {other:?}"),
-    }
-    stale.close().await;
-
-    let remove_at = run.remove_at.max(start.elapsed() + Duration::from_secs(1));
-    tokio::time::sleep(remove_at.saturating_sub(start.elapsed())).await;
-    let removed_at = start.elapsed();
-    let removed = membership_command("remove-node", file, run_directory, 1).await;
-    let removed_text = output_text(&removed);
-    assert!(
-        removed.status.success(),
-        "remove-node failed: {removed_text}"
-    );
-    let gone_after_remove = start.elapsed() - removed_at;
-
+    let said = change_members(&run, &cluster, start, stale).await;
     let end = run.end_at.max(start.elapsed() + Duration::from_secs(1));
     tokio::time::sleep(end.saturating_sub(start.elapsed())).await;
     stop.store(true, Ordering::Relaxed);
@@ -297,7 +248,7 @@ async fn membership_run(run: Run) {
     .expect("nodes 2, 3 and 4 serve");
     assert_eq!(state_of(&view, 1), None, "node 1 is out of the view");
     eprintln!(
-        "{} operations in {:?}; add-node at {added_at:?} took {serving_after_add:?}; remove-node at {removed_at:?} took {gone_after_remove:?}; {} errors; view {}",
+        "{} operations in {:?}; {said}; {} errors; view {}",
         history.len(),
         start.elapsed(),
         errors.len(),
@@ -306,44 +257,113 @@ async fn membership_run(run: Run) {
     for error in errors.iter().take(8) {
         eprintln!("  error: {error}");
     }
-    eprintln!("add-node said:\n{added_text}remove-node said:\n{removed_text}");
-    assert!(
-        removed_text.contains("keys handed over"),
-        "remove-node reports the hand-over: {removed_text}"
-    );
     assert_eq!(check(&history), Verdict::Linearizable);
-
-    let monitor = ClientBuilder::cluster_file(&cluster.file)
-        .build()
-        .expect("client");
-    let mut lost = Vec::new();
-    for (key, value) in &preloaded {
-        match monitor.get(key.as_bytes()).await {
-            Ok(Some(found)) if found.as_ref() == value.as_bytes() => {}
-            other => lost.push(format!("{key}: {other:?}")),
-        }
-    }
-    monitor.close().await;
-    assert!(
-        lost.is_empty(),
-        "{} of {PRELOADED} acknowledged writes not read back: {:?}",
-        lost.len(),
-        &lost[..lost.len().min(8)]
-    );
+    assert_read_back(&cluster.file, &preloaded, "after the changes").await;
     let refilled = stats_of(&nodes, &secret, 4)
         .await
         .map_or(0, |stats| stats.refill_keys_copied);
     assert!(refilled > 0, "node 4 copied no key when it joined");
-    assert_even_shares(&nodes, &secret, replicas).await;
+    assert_even_shares(&nodes, &secret, run.replicas).await;
     if run.restart {
         restart_without_node_1(&cluster, &nodes, &secret, &preloaded).await;
     }
 }
 
+/// Three nodes up with `run.replicas`, settled, and node 4 then listed in their cluster file
+/// (as the operator edits it before `add-node`): the cluster, every node's address (node 4's
+/// too), the secret, the leader, a client made from the file before node 4 was in it, and
+/// node 4's ports, reserved until the caller drops them.
+async fn three_nodes_and_a_fourth_listed(
+    run: &Run,
+) -> (Cluster, Nodes, Vec<u8>, u32, Client, ReservedPorts) {
+    let replicas = run.replicas;
+    let settled = up_settled_edited(run.tag, 3, |text| {
+        text.replace("replicas = 2", &format!("replicas = {replicas}"))
+            .replace("operation_deadline = \"2s\"", "operation_deadline = \"8s\"")
+    })
+    .await;
+    let (cluster, mut nodes, secret, _, _, leader) = settled.parts();
+    let stale = ClientBuilder::cluster_file(&cluster.file)
+        .build()
+        .expect("client");
+    let fourth_ports = ReservedPorts::loopback(3).expect("reserve ports for node 4");
+    let mut text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
+    text.push_str(&fourth_node(&fourth_ports));
+    std::fs::write(&cluster.file, text).expect("write the cluster file");
+    let fourth_address = format!("127.0.0.1:{}", fourth_ports.ports()[0])
+        .parse()
+        .expect("an address");
+    nodes.push((4, fourth_address));
+    (cluster, nodes, secret, leader, stale, fourth_ports)
+}
+
+/// Adds node 4 at `run.add_at` and removes node 1 at `run.remove_at` (from `start`), each
+/// with its `rdkv-cluster` command, which must succeed; checks meanwhile that `stale`, a
+/// client of the file before node 4, fails naming the fix. What happened, as a line.
+async fn change_members(run: &Run, cluster: &Cluster, start: Instant, stale: Client) -> String {
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
+    tokio::time::sleep(run.add_at.saturating_sub(start.elapsed())).await;
+    let added_at = start.elapsed();
+    let added = membership_command("add-node", file.clone(), run_directory.clone(), 4).await;
+    let added_text = output_text(&added);
+    assert!(added.status.success(), "add-node failed: {added_text}");
+    let add_took = start.elapsed() - added_at;
+    // It cannot reach node 4: its operations fail, naming the fix, and write nothing.
+    let refused = stale.put(b"stale-client-key", b"lost?").await;
+    match &refused {
+        Err(error)
+            if error
+                .to_string()
+                .contains("make the client from the cluster file") => {}
+        other => panic!("a client of the older file wrote: {other:?}"),
+    }
+    stale.close().await;
+
+    let remove_at = run.remove_at.max(start.elapsed() + Duration::from_secs(1));
+    tokio::time::sleep(remove_at.saturating_sub(start.elapsed())).await;
+    let removed_at = start.elapsed();
+    let removed = membership_command("remove-node", file, run_directory, 1).await;
+    let removed_text = output_text(&removed);
+    assert!(
+        removed.status.success(),
+        "remove-node failed: {removed_text}"
+    );
+    assert!(
+        removed_text.contains("keys handed over"),
+        "remove-node reports the hand-over: {removed_text}"
+    );
+    eprintln!("add-node said:\n{added_text}remove-node said:\n{removed_text}");
+    format!(
+        "add-node at {added_at:?} took {add_took:?}; remove-node at {removed_at:?} took {:?}",
+        start.elapsed() - removed_at
+    )
+}
+
+/// Reads every preloaded key back through a client of the cluster file; panics naming those
+/// missing or different (`when` says at which step).
+async fn assert_read_back(file: &std::path::Path, preloaded: &[(String, String)], when: &str) {
+    let client = ClientBuilder::cluster_file(file).build().expect("client");
+    let mut lost = Vec::new();
+    for (key, value) in preloaded {
+        match client.get(key.as_bytes()).await {
+            Ok(Some(found)) if found.as_ref() == value.as_bytes() => {}
+            other => lost.push(format!("{key}: {other:?}")),
+        }
+    }
+    client.close().await;
+    assert!(
+        lost.is_empty(),
+        "{} of {PRELOADED} acknowledged writes not read back {when}: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(8)]
+    );
+}
+
 /// Takes node 1 out of the cluster file, stops the cluster and starts it again: nodes 2, 3 and
 /// 4 serve, and every preloaded key reads back.
 async fn restart_without_node_1(
-    cluster: &rdkv_integration_tests::cluster::Cluster,
+    cluster: &Cluster,
     nodes: &Nodes,
     secret: &[u8],
     preloaded: &[(String, String)],
@@ -383,23 +403,7 @@ async fn restart_without_node_1(
     .await
     .expect("nodes 2, 3 and 4 serve again");
     assert_eq!(state_of(&view, 1), None, "node 1 is still out of the view");
-    let client = ClientBuilder::cluster_file(&cluster.file)
-        .build()
-        .expect("client");
-    let mut lost = Vec::new();
-    for (key, value) in preloaded {
-        match client.get(key.as_bytes()).await {
-            Ok(Some(found)) if found.as_ref() == value.as_bytes() => {}
-            other => lost.push(format!("{key}: {other:?}")),
-        }
-    }
-    client.close().await;
-    assert!(
-        lost.is_empty(),
-        "{} of {PRELOADED} acknowledged writes not back after down and up: {:?}",
-        lost.len(),
-        &lost[..lost.len().min(8)]
-    );
+    assert_read_back(&cluster.file, preloaded, "after down and up").await;
 }
 
 /// Writes `PRELOADED` keys (8 writers), each acknowledged; their names and values.
