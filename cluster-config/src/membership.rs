@@ -105,6 +105,12 @@ pub async fn remove_node(
     node_id: u32,
     say: impl Fn(&str),
 ) -> Result<()> {
+    if !config.nodes.iter().any(|node| node.id == node_id) {
+        return Err(Error::Refused(format!(
+            "node {node_id} is not in {}: keep its [[node]] section until remove-node has removed it (its hand-over reads the file)",
+            config.path.display()
+        )));
+    }
     let view = current_view(config, None).await?;
     if !view.members.iter().any(|member| member.node_id == node_id) {
         say(&format!("node {node_id} is not a member of the view"));

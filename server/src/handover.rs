@@ -102,7 +102,18 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
         return started_with;
     };
     match rdkv_cluster_file::config::load_to_start(path, Some(started_with.secret.clone()), None) {
-        Ok(cluster) => Arc::new(cluster),
+        Ok(cluster)
+            if cluster
+                .nodes
+                .iter()
+                .any(|listed| listed.id == node.config.node_id) =>
+        {
+            Arc::new(cluster)
+        }
+        Ok(_) => {
+            tracing::warn!("hand-over: the cluster file no longer lists this node; using the one the node started with (keep its [[node]] section until it is removed)");
+            started_with
+        }
         Err(error) => {
             tracing::warn!(%error, "hand-over: reading the cluster file again failed; using the one the node started with");
             started_with
