@@ -93,6 +93,39 @@ async fn a_changed_cluster_stops_and_starts_again_with_its_members_and_keys() {
     .await;
 }
 
+/// What `add-node` and `remove-node` refuse, each with one line naming the fix and exit 1; and
+/// an `add-node` of a member that serves already, which has nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_commands_refuse_what_they_cannot_do_and_name_the_fix() {
+    let _serial = SERIAL.lock().await;
+    let settled = up_settled_edited("membership-refusals", 3, |text| text).await;
+    let (cluster, ..) = settled.parts();
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
+    let cases = [
+        ("add-node", 9, 1, "add its [[node]] section"),
+        ("remove-node", 9, 1, "keep its [[node]] section"),
+        ("add-node", 2, 0, "node 2 is a member already, serving"),
+    ];
+    for (command, node, code, says) in cases {
+        let output = membership_command(command, file.clone(), run_directory.clone(), node).await;
+        let text = output_text(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(code),
+            "{command} --node {node}: {text}"
+        );
+        assert!(text.contains(says), "{command} --node {node}: {text}");
+        if code != 0 {
+            assert_eq!(
+                String::from_utf8_lossy(&output.stderr).lines().count(),
+                1,
+                "{command} --node {node}: one line: {text}"
+            );
+        }
+    }
+}
+
 /// The run: 16 clients for 60 s, the fourth node added at 15 s, node 1 removed at
 /// 35 s (`cargo test -p rdkv-integration-tests --test membership -- --ignored`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
