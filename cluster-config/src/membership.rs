@@ -176,8 +176,8 @@ async fn handover_line(config: &ClusterConfig, node_id: u32) -> String {
     };
     match fetch_stats(monitored, Duration::from_secs(1)).await {
         Ok(stats) => format!(
-            "node {node_id}: {} keys handed over",
-            stats.handover_keys_copied
+            "node {node_id}: {} keys ({} bytes) handed over",
+            stats.handover_keys_copied, stats.handover_bytes_copied
         ),
         Err(error) => format!("node {node_id}: {error}"),
     }

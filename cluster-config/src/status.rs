@@ -459,12 +459,13 @@ pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> 
                     member.node_id
                 )),
                 (rdkv_common::protocol::MemberState::Leaving, Some(stats)) => Some(format!(
-                    "membership: node {} leaving: {}% of its table scanned, {} keys handed over to the members that take them; it leaves the view when every key it holds has its new copies",
+                    "membership: node {} leaving: {}% of its table scanned, {} keys ({} bytes) handed over to the members that take them; it leaves the view when every key it holds has its new copies",
                     member.node_id,
                     (stats.handover_buckets_scanned * 100)
                         .checked_div(stats.handover_buckets_total)
                         .unwrap_or(0),
-                    stats.handover_keys_copied
+                    stats.handover_keys_copied,
+                    stats.handover_bytes_copied
                 )),
                 (rdkv_common::protocol::MemberState::Leaving, None) => Some(format!(
                     "membership: node {} leaving: it does not answer",
@@ -779,6 +780,7 @@ mod tests {
         };
         let leaving = ServerStats {
             handover_keys_copied: 495,
+            handover_bytes_copied: 9_900,
             handover_buckets_scanned: 1_024,
             handover_buckets_total: 4_096,
             ..ServerStats::default()
@@ -791,7 +793,7 @@ mod tests {
         assert_eq!(
             membership_lines(Some(&view), &statuses),
             vec![
-                "membership: node 1 leaving: 25% of its table scanned, 495 keys handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
+                "membership: node 1 leaving: 25% of its table scanned, 495 keys (9900 bytes) handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
                 "membership: node 4 joining: it fills from the members, then serves".to_string(),
             ]
         );

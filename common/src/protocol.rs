@@ -647,9 +647,13 @@ pub struct ServerStats {
     pub refill_buckets_total: u64,
     /// Refill: keys copied from their primaries.
     pub refill_keys_copied: u64,
+    /// Refill: bytes of the keys and values it copied.
+    pub refill_bytes_copied: u64,
     /// Hand-over of a leaving member (`rdkv-cluster remove-node`): its keys copied to the
     /// members that take them (`docs/protocol.md`, *Membership changes*).
     pub handover_keys_copied: u64,
+    /// Hand-over: bytes of the keys and values it copied.
+    pub handover_bytes_copied: u64,
     /// Hand-over: this node's index buckets scanned, of `handover_buckets_total` (0 of 0: no
     /// hand-over since start).
     pub handover_buckets_scanned: u64,

@@ -363,7 +363,7 @@ async fn change_members(run: &Run, cluster: &Cluster, start: Instant, stale: Cli
         "remove-node failed: {removed_text}"
     );
     assert!(
-        removed_text.contains("keys handed over"),
+        removed_text.contains("bytes) handed over"),
         "remove-node reports the hand-over: {removed_text}"
     );
     eprintln!("add-node said:\n{added_text}remove-node said:\n{removed_text}");

@@ -208,6 +208,10 @@ async fn hand_over(
             node.counters
                 .handover_keys_copied
                 .fetch_add(1, Ordering::Relaxed);
+            node.counters.handover_bytes_copied.fetch_add(
+                (entry.key.len() + entry.value.len()) as u64,
+                Ordering::Relaxed,
+            );
         }
         first += count;
         node.counters

@@ -331,6 +331,10 @@ async fn refill(
                 copy(client, &entry.key, &entry.value).await?;
                 copied += 1;
                 counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
+                counters.refill_bytes_copied.fetch_add(
+                    (entry.key.len() + entry.value.len()) as u64,
+                    Ordering::Relaxed,
+                );
             }
             first += count;
             counters

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 69] {
+fn definitions() -> [(&'static str, &'static str, Reader); 71] {
     [
         (
             "uptime_seconds",
@@ -387,9 +387,19 @@ fn definitions() -> [(&'static str, &'static str, Reader); 69] {
             |stats| stats.refill_keys_copied as i64,
         ),
         (
+            "refill_bytes_copied_total",
+            "Refill: bytes of the keys and values copied from their primaries",
+            |stats| stats.refill_bytes_copied as i64,
+        ),
+        (
             "handover_keys_copied_total",
             "Hand-over of a leaving member (rdkv-cluster remove-node): its keys copied to the members that take them",
             |stats| stats.handover_keys_copied as i64,
+        ),
+        (
+            "handover_bytes_copied_total",
+            "Hand-over of a leaving member: bytes of the keys and values copied",
+            |stats| stats.handover_bytes_copied as i64,
         ),
         (
             "handover_buckets_scanned",
