@@ -5,6 +5,8 @@
 //! - `storage.rs`: the vote, log and view, persisted to the node's state file.
 //! - `network.rs`: Raft's messages over authenticated control connections, and who answered
 //!   when ([`network::Liveness`]).
+//! - `membership.rs`: who the members are and where they listen, and the leader's side of
+//!   adding and removing one (`docs/protocol.md`, *Membership changes*).
 //!
 //! Tasks run beside Raft on every node of a cluster of two or more:
 //! - **the election timer** (`election.rs`): openraft's own is off; a node that has heard no
