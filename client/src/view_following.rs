@@ -5,7 +5,7 @@
 //! operation's key while it runs, so that a view that moves the key ends the attempt.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -110,6 +110,16 @@ pub(crate) struct ViewFollower {
     /// its operations fail, naming the fix ([`ViewFollower::cluster_down`]), instead of
     /// writing fewer copies than the view has.
     unknown_members: Mutex<Vec<u32>>,
+    /// The epoch of the view the client routes by, as `membership` has it: read without its
+    /// lock on every single-copy operation ([`ViewFollower::newer_view_reported`]).
+    routed_epoch: AtomicU64,
+    /// Whether a client of one copy per key routes by the view
+    /// ([`ViewFollower::single_copy_by_view`]), kept by [`ViewFollower::adopt`]: read without
+    /// a lock on every single-copy operation.
+    by_view: AtomicBool,
+    /// Whether `unknown_members` names any: read without its lock on every replicated
+    /// operation.
+    any_unknown: AtomicBool,
 }
 
 impl ViewFollower {
@@ -142,6 +152,9 @@ impl ViewFollower {
             all_refused: AtomicBool::new(false),
             first_view_asked: AtomicBool::new(false),
             unknown_members: Mutex::new(Vec::new()),
+            routed_epoch: AtomicU64::new(0),
+            by_view: AtomicBool::new(false),
+            any_unknown: AtomicBool::new(false),
         }
     }
 
@@ -181,7 +194,7 @@ impl ViewFollower {
     /// Whether a node reported a newer view, in a heartbeat's answer, than the one the client
     /// routes by.
     pub(crate) fn newer_view_reported(&self) -> bool {
-        self.counters.view_epoch.load(Ordering::Relaxed) > self.epoch()
+        self.counters.view_epoch.load(Ordering::Relaxed) > self.routed_epoch.load(Ordering::Relaxed)
     }
 
     /// `key`'s copies under the view (node ids, primary first): `count` of them, and while
@@ -191,7 +204,7 @@ impl ViewFollower {
     /// no member serving or filling (the view says the whole cluster is down), the key's node
     /// by the cluster file.
     pub(crate) fn replica_ids(&self, key: &[u8], route: Route) -> Vec<u32> {
-        if !self.unknown().is_empty() {
+        if self.any_unknown.load(Ordering::Relaxed) {
             // Some copies are on members this client cannot reach: none is used.
             return Vec::new();
         }
@@ -228,11 +241,7 @@ impl ViewFollower {
     /// differ from the cluster file's nodes (the cluster file's ranking no longer places
     /// keys).
     pub(crate) fn single_copy_by_view(&self) -> bool {
-        if !self.unknown().is_empty() {
-            return true;
-        }
-        let membership = self.membership();
-        membership.changing || membership.members_differ
+        self.by_view.load(Ordering::Relaxed)
     }
 
     /// The members of the newest view seen that the client's cluster file does not list.
@@ -345,12 +354,16 @@ impl ViewFollower {
                 "the cluster view names members this client's cluster file does not list: make the client from the cluster file that lists every member"
             );
             *self.unknown() = unknown;
+            self.any_unknown.store(true, Ordering::Relaxed);
+            self.by_view.store(true, Ordering::Relaxed);
         }
         if !listed || one_node_views {
             membership.epoch = view.epoch;
+            self.routed_epoch.store(view.epoch, Ordering::Relaxed);
             return false;
         }
         self.unknown().clear();
+        self.any_unknown.store(false, Ordering::Relaxed);
         let serving = view.serving();
         let filling = view.filling();
         let leaving = view.in_state(MemberState::Leaving);
@@ -368,6 +381,11 @@ impl ViewFollower {
             changing: view.changing_members(),
             members_differ: members != known,
         };
+        self.by_view.store(
+            membership.changing || membership.members_differ,
+            Ordering::Relaxed,
+        );
+        self.routed_epoch.store(view.epoch, Ordering::Relaxed);
         true
     }
 }
@@ -411,7 +429,9 @@ impl ViewFollower {
     /// member added or removed since the cluster file was written changes the placement),
     /// then whenever a node reports a newer one.
     pub(crate) async fn follow_view_with_one_copy(self: &Arc<Self>) {
-        if !self.first_view_asked.swap(true, Ordering::Relaxed) {
+        if !self.first_view_asked.load(Ordering::Relaxed)
+            && !self.first_view_asked.swap(true, Ordering::Relaxed)
+        {
             self.refresh_in_task().await;
             return;
         }
