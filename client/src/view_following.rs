@@ -30,6 +30,14 @@ struct Membership {
     /// The leaving members' ids (`rdkv-cluster remove-node`), in id order: among `serving`,
     /// and out of the ranking the view is heading for.
     leaving: Vec<u32>,
+    /// Every member but those joining, in id order: with one copy of each key, the ranking
+    /// that places a key now (a member down or back after a restart keeps its keys: they
+    /// are unavailable while it is down, as by the cluster file, and never move to a
+    /// stand-in).
+    holding: Vec<u32>,
+    /// Every member but those leaving, in id order: with one copy, the ranking the view is
+    /// heading for.
+    staying: Vec<u32>,
     /// Whether a member joins or leaves: a client of one copy per key routes by the view
     /// then, and writes every copy of the key's current and next placement.
     changing: bool,
@@ -41,13 +49,45 @@ struct Membership {
 /// Which of a key's copies an operation uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Route {
-    /// The primary alone (a GET).
+    /// The primary alone (a GET, with two copies or more).
     Primary,
+    /// The key's one copy (a GET, with one copy of each key: [`Membership::single_copy`]).
+    OnlyCopy,
     /// Every copy a write reaches, with the cluster's `replicas`.
     Copies(usize),
 }
 
+impl Route {
+    /// The route of a GET, with `replicas` copies of each key.
+    pub(crate) fn read(replicas: usize) -> Self {
+        if replicas > 1 {
+            Route::Primary
+        } else {
+            Route::OnlyCopy
+        }
+    }
+}
+
 impl Membership {
+    /// With one copy of each key: its member by the ranking over the members that hold keys
+    /// (all but those joining), then, while a member joins or leaves, its member by the
+    /// ranking the view is heading for (all but those leaving). Before any view, the cluster
+    /// file's nodes ([`Membership::write_replicas`]).
+    fn single_copy(&self, key: &[u8]) -> Vec<u32> {
+        if self.holding.is_empty() {
+            return self.write_replicas(key, 1);
+        }
+        let mut replicas = Vec::with_capacity(2);
+        for members in [&self.holding, &self.staying] {
+            if let Some(index) = sharding::replicas(key, members, 1).first() {
+                if !replicas.contains(&members[*index]) {
+                    replicas.push(members[*index]);
+                }
+            }
+        }
+        replicas
+    }
+
     /// Members filling and none serving ([`ViewFollower::replica_ids`] routes nothing then).
     fn reconciling(&self) -> bool {
         self.serving.is_empty() && !self.filling.is_empty()
@@ -143,6 +183,8 @@ impl ViewFollower {
                 serving,
                 filling: Vec::new(),
                 leaving: Vec::new(),
+                holding: Vec::new(),
+                staying: Vec::new(),
                 changing: false,
                 members_differ: false,
             }),
@@ -215,10 +257,11 @@ impl ViewFollower {
             }
             match route {
                 Route::Primary => membership.write_replicas(key, 1),
+                Route::OnlyCopy | Route::Copies(1) => membership.single_copy(key),
                 Route::Copies(count) => membership.write_replicas(key, count),
             }
         };
-        if route == Route::Primary {
+        if matches!(route, Route::Primary | Route::OnlyCopy) {
             ids.truncate(1);
         }
         ids.retain(|id| self.node_ids.contains(id));
@@ -232,7 +275,11 @@ impl ViewFollower {
     /// `key`'s copies under the view, primary first, with the filling members' that the view
     /// is heading for ([`Membership::write_replicas`]).
     pub(crate) fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
-        self.membership().write_replicas(key, count)
+        let membership = self.membership();
+        if count == 1 {
+            return membership.single_copy(key);
+        }
+        membership.write_replicas(key, count)
     }
 
     /// Whether a client of one copy per key routes by the view, through the replicated
@@ -367,6 +414,7 @@ impl ViewFollower {
         let serving = view.serving();
         let filling = view.filling();
         let leaving = view.in_state(MemberState::Leaving);
+        let joining = view.in_state(MemberState::Joining);
         tracing::debug!(
             epoch = view.epoch,
             ?serving,
@@ -377,6 +425,16 @@ impl ViewFollower {
             epoch: view.epoch,
             serving,
             filling,
+            holding: members
+                .iter()
+                .copied()
+                .filter(|member| !joining.contains(member))
+                .collect(),
+            staying: members
+                .iter()
+                .copied()
+                .filter(|member| !leaving.contains(member))
+                .collect(),
             leaving,
             changing: view.changing_members(),
             members_differ: members != known,
@@ -662,5 +720,53 @@ mod tests {
         assert!(follower.adopt(&without_it), "node 9 is gone again");
         assert!(follower.cluster_down("put").is_none());
         assert_eq!(follower.replica_ids(b"key", Route::Copies(2)).len(), 2);
+    }
+    /// With one copy of each key, a member down keeps its keys (they are unavailable, as by
+    /// the cluster file: no stand-in takes a write that its return would not bring back), and
+    /// a member joining gets each key it will hold as the second copy of every write.
+    #[test]
+    fn with_one_copy_a_down_member_keeps_its_keys_and_a_joining_one_gets_its_writes() {
+        use MemberState::{Down, Serving};
+        let follower = follower();
+        assert!(follower.adopt(&view(4, [Serving, Down, Serving])));
+        let all = [1, 2, 3];
+        for index in 0..100 {
+            let key = format!("key-{index}");
+            let owner = all[sharding::replicas(key.as_bytes(), &all, 1)[0]];
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::OnlyCopy),
+                [owner],
+                "{key}"
+            );
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::Copies(1)),
+                [owner],
+                "{key}: no stand-in"
+            );
+        }
+        let mut joining = view(5, [Serving, Serving, Serving]);
+        joining.members.push(ViewMember {
+            node_id: 4,
+            state: MemberState::Joining,
+        });
+        let follower = ViewFollower::new(Vec::new(), Vec::new(), vec![1, 2, 3, 4], Arc::default());
+        assert!(follower.adopt(&joining));
+        assert!(follower.single_copy_by_view());
+        let four = [1, 2, 3, 4];
+        let moving = (0..100)
+            .map(|index| format!("key-{index}"))
+            .filter(|key| four[sharding::replicas(key.as_bytes(), &four, 1)[0]] == 4)
+            .inspect(|key| {
+                let copies = follower.replica_ids(key.as_bytes(), Route::Copies(1));
+                assert_eq!(copies.len(), 2, "{key}: {copies:?}");
+                assert_eq!(copies[1], 4, "{key}: the joining member second");
+                assert_eq!(
+                    follower.replica_ids(key.as_bytes(), Route::OnlyCopy),
+                    copies[..1],
+                    "{key}: read where it is now"
+                );
+            })
+            .count();
+        assert!(moving > 10, "about a quarter of the keys move: {moving}");
     }
 }

@@ -32,7 +32,7 @@ impl Client {
             loop {
                 progress.wait_for(Waiting::View);
                 follower.follow_reported_epoch().await;
-                let primary = self.replica_nodes(key, Route::Primary);
+                let primary = self.replica_nodes(key, Route::read(self.replicas));
                 if primary.is_empty() {
                     // The view is reconciling: no node's copy is the newest yet.
                     progress.wait_for(Waiting::Reconciliation);
@@ -46,7 +46,7 @@ impl Client {
                 progress.wait_for(Waiting::Connection);
                 let attempt = async {
                     let connections = self.connections_to(&primary).await?;
-                    if follower.replica_ids(key, Route::Primary) != planned {
+                    if follower.replica_ids(key, Route::read(self.replicas)) != planned {
                         // Another task adopted a newer view while this one connected: the
                         // node planned under the older one may be filling in it.
                         return Ok(None);
@@ -68,7 +68,7 @@ impl Client {
                         .map(|found| Some(found.map(|value| value.to_bytes())))
                 };
                 match follower
-                    .watched(key, Route::Primary, &planned, attempt)
+                    .watched(key, Route::read(self.replicas), &planned, attempt)
                     .await
                 {
                     // The view moved the key, or a connection named a newer view: again.
