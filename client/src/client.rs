@@ -109,9 +109,13 @@ impl Client {
 
     /// The nodes holding `key`'s copies under the client's view, primary first
     /// ([`ViewFollower::replica_ids`]); a GET asks for one, the primary.
-    pub(crate) fn replica_nodes(&self, key: &[u8], count: usize) -> Vec<Arc<Node>> {
+    pub(crate) fn replica_nodes(
+        &self,
+        key: &[u8],
+        route: crate::view_following::Route,
+    ) -> Vec<Arc<Node>> {
         self.follower
-            .replica_ids(key, count)
+            .replica_ids(key, route)
             .into_iter()
             .filter_map(|id| self.node_by_id(id).cloned())
             .collect()
@@ -138,6 +142,20 @@ impl Client {
             .fold(self.deadline, Duration::min)
     }
 
+    /// Whether operations route by the view and take the replicated paths: with two copies or
+    /// more of each key, and with one while a member joins or leaves or once the view's
+    /// members differ from the cluster file's nodes (`docs/protocol.md`, *Membership
+    /// changes*).
+    async fn replicated(&self) -> bool {
+        if self.replicas > 1 {
+            return true;
+        }
+        if self.nodes.len() > 1 {
+            self.follower.follow_view_with_one_copy().await;
+        }
+        self.follower.single_copy_by_view()
+    }
+
     /// Every mutation but delete, on a single copy or on the key's replicas.
     async fn mutate(
         &self,
@@ -146,7 +164,25 @@ impl Client {
         value: &[u8],
         mutation: Mutation<'_>,
     ) -> Result<MutationOutcome> {
-        if self.replicas > 1 {
+        let outcome = self.mutate_once(operation, key, value, mutation).await;
+        match outcome {
+            Err(error) if error.is_view_moved() => {
+                let write = Write::Value(value, mutation);
+                Box::pin(self.mutate_replicated(operation, key, write)).await
+            }
+            outcome => outcome,
+        }
+    }
+
+    /// [`Client::mutate`], on the path the client's view gives.
+    async fn mutate_once(
+        &self,
+        operation: &'static str,
+        key: &[u8],
+        value: &[u8],
+        mutation: Mutation<'_>,
+    ) -> Result<MutationOutcome> {
+        if self.replicated().await {
             let write = Write::Value(value, mutation);
             // On the heap: the replicated write's future is several times a single copy's, and
             // inline it sized every single-copy write's too (a debug build's test thread ran
@@ -178,7 +214,7 @@ impl Client {
     /// [`Error::InvalidKey`], [`Error::TimedOut`], [`Error::NodeUnreachable`],
     /// [`Error::Corrupt`], or a typed work-completion failure.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Bytes>> {
-        if self.replicas > 1 {
+        if self.replicated().await {
             return self.get_replicated(key).await;
         }
         let mut value = Vec::new();
@@ -186,7 +222,10 @@ impl Client {
             fairness::after_direct_operation().await;
             return Ok(present.then(|| Bytes::from(value)));
         }
-        Ok(self.get_by_lists(key).await?.map(|found| found.to_bytes()))
+        match self.get_by_lists(key).await {
+            Err(error) if error.is_view_moved() => self.get_replicated(key).await,
+            found => Ok(found?.map(|found| found.to_bytes())),
+        }
     }
 
     /// A single-copy GET by posted lists (no direct access: `operations::get`).
@@ -207,17 +246,22 @@ impl Client {
     /// As [`Client::get`].
     pub async fn get_into(&self, key: &[u8], value: &mut Vec<u8>) -> Result<bool> {
         value.clear();
-        let found = if self.replicas > 1 {
+        let found = if self.replicated().await {
             self.get_replicated(key).await?
         } else if let Some(present) = self.get_direct(key, value) {
             fairness::after_direct_operation().await;
             return Ok(present);
         } else {
-            // Into the caller's vector by a swap: its old one goes back to this thread's
-            // spare value vectors (`value.rs`), for the next GET's copy.
-            let found = self.get_by_lists(key).await?;
-            value.clear();
-            return Ok(found.map(|found| found.swap_into(value)).is_some());
+            match self.get_by_lists(key).await {
+                Err(error) if error.is_view_moved() => self.get_replicated(key).await?,
+                found => {
+                    // Into the caller's vector by a swap: its old one goes back to this
+                    // thread's spare value vectors (`value.rs`), for the next GET's copy.
+                    let found = found?;
+                    value.clear();
+                    return Ok(found.map(|found| found.swap_into(value)).is_some());
+                }
+            }
         };
         value.clear();
         if let Some(found) = &found {
@@ -346,14 +390,24 @@ impl Client {
     /// # Errors
     /// As [`Client::get`], plus [`Error::Unresolved`].
     pub async fn delete(&self, key: &[u8]) -> Result<bool> {
-        if self.replicas > 1 {
-            let outcome = Box::pin(self.mutate_replicated("delete", key, Write::Delete)).await?;
-            return Ok(outcome == MutationOutcome::Applied);
+        if !self.replicated().await {
+            let deleted = self
+                .run(
+                    Kind::Mutation,
+                    "delete",
+                    key,
+                    |connection, progress| async move {
+                        operations::delete(&connection, progress, key).await
+                    },
+                )
+                .await;
+            match deleted {
+                Err(error) if error.is_view_moved() => {}
+                deleted => return deleted,
+            }
         }
-        self.run(Kind::Mutation, "delete", key, |connection, progress| async move {
-            operations::delete(&connection, progress, key).await
-        })
-        .await
+        let outcome = Box::pin(self.mutate_replicated("delete", key, Write::Delete)).await?;
+        Ok(outcome == MutationOutcome::Applied)
     }
 
     /// This client's counters.

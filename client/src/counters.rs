@@ -171,11 +171,14 @@ impl Counters {
         if self.unreported {
             return ClientCounters::default();
         }
-        let now = self.snapshot().work;
+        // The snapshot is taken under the lock: two connections' heartbeats report at once,
+        // and a snapshot taken before the other's report was stored could be older than it
+        // (an underflow, found by the membership test's 60 s run).
         let mut reported = self
             .reported
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = self.snapshot().work;
         let report = ClientCounters {
             operations: now.operations - reported.operations,
             gets: now.gets - reported.gets,

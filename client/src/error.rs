@@ -144,6 +144,10 @@ pub enum Error {
     Fabric(#[from] rdkv_fabric::Error),
 }
 
+/// Why a single-copy operation gave way to the replicated path ([`Error::is_view_moved`]).
+pub(crate) const VIEW_MOVED: &str =
+    "the cluster view changed its members: the operation routes by the view";
+
 impl Error {
     /// The error and each of its causes, on one line (`what failed: why: why`): what to print
     /// for a user, since `Display` alone leaves the causes out (`ConnectFailed` says which node,
@@ -181,6 +185,12 @@ impl Error {
             if reason.contains(crate::connection::NOT_SERVING)
                 // Not a wait: a client of one node never gets a filling node's data.
                 && !reason.contains("connect with a cluster client"))
+    }
+
+    /// Whether a single-copy operation stopped, before any CAS, because the view it learned
+    /// routes the key by the view (a member joins or leaves): it runs again that way.
+    pub(crate) fn is_view_moved(&self) -> bool {
+        matches!(self, Error::NodeUnreachable { reason, .. } if reason == VIEW_MOVED)
     }
 
     /// Whether the failed operation may have taken effect. `false` means that it certainly did

@@ -907,6 +907,16 @@ impl SingleWrite<'_> {
             // Read while the key moved (deleted here, inserted there): look again.
             return Ok(None);
         }
+        // A tombstone (a replicated delete, left by the writes of a membership change: a
+        // cluster of one copy writes through the replicated path then) is an absent key, whose
+        // slot a write replaces.
+        if let Some(tombstone) = view.committed.first().filter(|found| found.tombstone) {
+            return Ok(match self.mutation {
+                Mutation::Update => Some(MutationOutcome::Absent),
+                Mutation::CompareAndSwap { .. } => Some(MutationOutcome::Mismatch(None)),
+                Mutation::Upsert | Mutation::Insert => self.replace(scratch, tombstone).await?,
+            });
+        }
         Ok(match (self.mutation, view.committed.first()) {
             (Mutation::Insert, Some(current)) => {
                 Some(MutationOutcome::Present(current.value.to_bytes()))
@@ -1198,6 +1208,8 @@ pub(crate) async fn delete(
         let view = lookup_committed(&mut scratch, "delete", key, &location, guess).await?;
         match view.committed.as_slice() {
             [] => return Ok(false),
+            // A tombstone (a replicated delete) is an absent key.
+            [current] if current.tombstone => return Ok(false),
             [current]
                 if cas_step(
                     &mut scratch,

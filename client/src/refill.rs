@@ -89,6 +89,15 @@ impl Client {
         replicas.first() == Some(&source) && replicas.contains(&me)
     }
 
+    /// Whether leaving node `me` must hand `key` over: it is one of the key's copies now (a
+    /// leaving node is never one of the copies the view is heading for).
+    #[doc(hidden)]
+    pub fn handover_target(&self, key: &[u8], me: u32) -> bool {
+        self.follower
+            .write_replicas(key, self.replicas)
+            .contains(&me)
+    }
+
     /// Copies `key`'s `value` to every replica the view is heading for, through the primary's
     /// lock (a compare-and-swap of the value with itself): `Ok(false)` when the value changed
     /// meanwhile (its writer wrote every replica already).

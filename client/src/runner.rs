@@ -97,6 +97,21 @@ impl Client {
                     }
                     Err(error) => return Err(error),
                 };
+                if self.replicas == 1
+                    && self.nodes.len() > 1
+                    && !progress.cas_posted()
+                    && self.follower.newer_view_reported()
+                {
+                    // A member may be joining or leaving: with one copy, the key's writes then
+                    // reach its current and next copies, by the replicated path.
+                    self.follower.refresh_in_task().await;
+                    if self.follower.single_copy_by_view() {
+                        return Err(Error::NodeUnreachable {
+                            address: node.config.node.control_address,
+                            reason: crate::error::VIEW_MOVED.into(),
+                        });
+                    }
+                }
                 guard.attempting_on(&connection);
                 match attempt(connection.clone(), progress.clone()).await {
                     Err(error)

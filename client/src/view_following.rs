@@ -5,7 +5,7 @@
 //! operation's key while it runs, so that a view that moves the key ends the attempt.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,13 +22,72 @@ use crate::error::Error;
 struct Membership {
     /// The view's epoch (0: the cluster file's nodes, all serving, before any fetch).
     epoch: u64,
-    /// The serving members' ids, in id order.
+    /// The ids of the members serving data (serving or leaving), in id order.
     serving: Vec<u32>,
-    /// The filling members' ids (back after a restart or an absence), in id order.
+    /// The filling members' ids (back after a restart or an absence, or joining), in id
+    /// order.
     filling: Vec<u32>,
+    /// The leaving members' ids (`rdkv-cluster remove-node`), in id order: among `serving`,
+    /// and out of the ranking the view is heading for.
+    leaving: Vec<u32>,
+    /// Every member but those joining, in id order: with one copy of each key, the ranking
+    /// that places a key now (a member down or back after a restart keeps its keys: they
+    /// are unavailable while it is down, as by the cluster file, and never move to a
+    /// stand-in).
+    holding: Vec<u32>,
+    /// Every member but those leaving, in id order: with one copy, the ranking the view is
+    /// heading for.
+    staying: Vec<u32>,
+    /// Whether a member joins or leaves: a client of one copy per key routes by the view
+    /// then, and writes every copy of the key's current and next placement.
+    changing: bool,
+    /// Whether the view's members are not the cluster file's nodes (a member added or
+    /// removed since): a client of one copy per key routes by the view.
+    members_differ: bool,
+}
+
+/// Which of a key's copies an operation uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// The primary alone (a GET, with two copies or more).
+    Primary,
+    /// The key's one copy (a GET, with one copy of each key: [`Membership::single_copy`]).
+    OnlyCopy,
+    /// Every copy a write reaches, with the cluster's `replicas`.
+    Copies(usize),
+}
+
+impl Route {
+    /// The route of a GET, with `replicas` copies of each key.
+    pub(crate) fn read(replicas: usize) -> Self {
+        if replicas > 1 {
+            Route::Primary
+        } else {
+            Route::OnlyCopy
+        }
+    }
 }
 
 impl Membership {
+    /// With one copy of each key: its member by the ranking over the members that hold keys
+    /// (all but those joining), then, while a member joins or leaves, its member by the
+    /// ranking the view is heading for (all but those leaving). Before any view, the cluster
+    /// file's nodes ([`Membership::write_replicas`]).
+    fn single_copy(&self, key: &[u8]) -> Vec<u32> {
+        if self.holding.is_empty() {
+            return self.write_replicas(key, 1);
+        }
+        let mut replicas = Vec::with_capacity(2);
+        for members in [&self.holding, &self.staying] {
+            if let Some(index) = sharding::replicas(key, members, 1).first() {
+                if !replicas.contains(&members[*index]) {
+                    replicas.push(members[*index]);
+                }
+            }
+        }
+        replicas
+    }
+
     /// Members filling and none serving ([`ViewFollower::replica_ids`] routes nothing then).
     fn reconciling(&self) -> bool {
         self.serving.is_empty() && !self.filling.is_empty()
@@ -43,8 +102,13 @@ impl Membership {
             .into_iter()
             .map(|index| self.serving[index])
             .collect();
-        if !self.filling.is_empty() {
-            let mut heading: Vec<u32> = self.serving.clone();
+        if !self.filling.is_empty() || !self.leaving.is_empty() {
+            let mut heading: Vec<u32> = self
+                .serving
+                .iter()
+                .copied()
+                .filter(|member| !self.leaving.contains(member))
+                .collect();
             heading.extend(&self.filling);
             heading.sort_unstable();
             for index in sharding::replicas(key, &heading, count) {
@@ -78,6 +142,24 @@ pub(crate) struct ViewFollower {
     /// Whether the last fetch of the view found every node refusing the connection outright
     /// (nothing listens on any node's port: the cluster is down).
     all_refused: AtomicBool,
+    /// Whether a client of one copy per key has asked for the view once (it routes by the
+    /// cluster file until a view says otherwise: [`ViewFollower::follow_view_with_one_copy`]).
+    first_view_asked: AtomicBool,
+    /// The members named by the newest view seen that this client's cluster file does not
+    /// list (added after the file was read): the client cannot reach every copy of a key, so
+    /// its operations fail, naming the fix ([`ViewFollower::cluster_down`]), instead of
+    /// writing fewer copies than the view has.
+    unknown_members: Mutex<Vec<u32>>,
+    /// The epoch of the view the client routes by, as `membership` has it: read without its
+    /// lock on every single-copy operation ([`ViewFollower::newer_view_reported`]).
+    routed_epoch: AtomicU64,
+    /// Whether a client of one copy per key routes by the view
+    /// ([`ViewFollower::single_copy_by_view`]), kept by [`ViewFollower::adopt`]: read without
+    /// a lock on every single-copy operation.
+    by_view: AtomicBool,
+    /// Whether `unknown_members` names any: read without its lock on every replicated
+    /// operation.
+    any_unknown: AtomicBool,
 }
 
 impl ViewFollower {
@@ -100,11 +182,21 @@ impl ViewFollower {
                 epoch: 0,
                 serving,
                 filling: Vec::new(),
+                leaving: Vec::new(),
+                holding: Vec::new(),
+                staying: Vec::new(),
+                changing: false,
+                members_differ: false,
             }),
             counters,
             refreshing: tokio::sync::Mutex::new(()),
             unanswered: Mutex::new(None),
             all_refused: AtomicBool::new(false),
+            first_view_asked: AtomicBool::new(false),
+            unknown_members: Mutex::new(Vec::new()),
+            routed_epoch: AtomicU64::new(0),
+            by_view: AtomicBool::new(false),
+            any_unknown: AtomicBool::new(false),
         }
     }
 
@@ -144,7 +236,7 @@ impl ViewFollower {
     /// Whether a node reported a newer view, in a heartbeat's answer, than the one the client
     /// routes by.
     pub(crate) fn newer_view_reported(&self) -> bool {
-        self.counters.view_epoch.load(Ordering::Relaxed) > self.epoch()
+        self.counters.view_epoch.load(Ordering::Relaxed) > self.routed_epoch.load(Ordering::Relaxed)
     }
 
     /// `key`'s copies under the view (node ids, primary first): `count` of them, and while
@@ -153,15 +245,23 @@ impl ViewFollower {
     /// caller waits for a view that serves), decided under the same read of the view. With
     /// no member serving or filling (the view says the whole cluster is down), the key's node
     /// by the cluster file.
-    pub(crate) fn replica_ids(&self, key: &[u8], count: usize) -> Vec<u32> {
+    pub(crate) fn replica_ids(&self, key: &[u8], route: Route) -> Vec<u32> {
+        if self.any_unknown.load(Ordering::Relaxed) {
+            // Some copies are on members this client cannot reach: none is used.
+            return Vec::new();
+        }
         let mut ids = {
             let membership = self.membership();
             if membership.reconciling() {
                 return Vec::new();
             }
-            membership.write_replicas(key, count)
+            match route {
+                Route::Primary => membership.write_replicas(key, 1),
+                Route::OnlyCopy | Route::Copies(1) => membership.single_copy(key),
+                Route::Copies(count) => membership.write_replicas(key, count),
+            }
         };
-        if count == 1 {
+        if matches!(route, Route::Primary | Route::OnlyCopy) {
             ids.truncate(1);
         }
         ids.retain(|id| self.node_ids.contains(id));
@@ -175,7 +275,27 @@ impl ViewFollower {
     /// `key`'s copies under the view, primary first, with the filling members' that the view
     /// is heading for ([`Membership::write_replicas`]).
     pub(crate) fn write_replicas(&self, key: &[u8], count: usize) -> Vec<u32> {
-        self.membership().write_replicas(key, count)
+        let membership = self.membership();
+        if count == 1 {
+            return membership.single_copy(key);
+        }
+        membership.write_replicas(key, count)
+    }
+
+    /// Whether a client of one copy per key routes by the view, through the replicated
+    /// operations (`docs/protocol.md`, *Membership changes*): while a member joins or leaves
+    /// (a write reaches the key's current and next copies), and once the view's members
+    /// differ from the cluster file's nodes (the cluster file's ranking no longer places
+    /// keys).
+    pub(crate) fn single_copy_by_view(&self) -> bool {
+        self.by_view.load(Ordering::Relaxed)
+    }
+
+    /// The members of the newest view seen that the client's cluster file does not list.
+    fn unknown(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.unknown_members
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The newest view the nodes answer with, all asked at once (epochs only grow, and a view
@@ -263,19 +383,38 @@ impl ViewFollower {
         let mut known = self.node_ids.clone();
         members.sort_unstable();
         known.sort_unstable();
-        if members != known {
-            // Nodes that are not one cluster (each its own one-node view, as in-process test
-            // nodes are): keep routing by the cluster file, and do not ask again for this epoch.
+        let listed = members.iter().all(|member| known.contains(member));
+        // Nodes that are not one cluster (each its own one-node view, as in-process test nodes
+        // are), or a view naming a member this client's cluster file lacks (added since the
+        // client was made): keep routing by what the client has, and do not ask again for
+        // this epoch. Writes by the older view are fenced by the nodes.
+        let one_node_views = members.len() == 1 && known.len() > 1;
+        if !listed {
+            let unknown: Vec<u32> = members
+                .iter()
+                .copied()
+                .filter(|member| !known.contains(member))
+                .collect();
+            tracing::error!(
+                epoch = view.epoch,
+                ?unknown,
+                "the cluster view names members this client's cluster file does not list: make the client from the cluster file that lists every member"
+            );
+            *self.unknown() = unknown;
+            self.any_unknown.store(true, Ordering::Relaxed);
+            self.by_view.store(true, Ordering::Relaxed);
+        }
+        if !listed || one_node_views {
             membership.epoch = view.epoch;
+            self.routed_epoch.store(view.epoch, Ordering::Relaxed);
             return false;
         }
+        self.unknown().clear();
+        self.any_unknown.store(false, Ordering::Relaxed);
         let serving = view.serving();
-        let filling: Vec<u32> = view
-            .members
-            .iter()
-            .filter(|member| member.state == MemberState::Filling)
-            .map(|member| member.node_id)
-            .collect();
+        let filling = view.filling();
+        let leaving = view.in_state(MemberState::Leaving);
+        let joining = view.in_state(MemberState::Joining);
         tracing::debug!(
             epoch = view.epoch,
             ?serving,
@@ -286,7 +425,25 @@ impl ViewFollower {
             epoch: view.epoch,
             serving,
             filling,
+            holding: members
+                .iter()
+                .copied()
+                .filter(|member| !joining.contains(member))
+                .collect(),
+            staying: members
+                .iter()
+                .copied()
+                .filter(|member| !leaving.contains(member))
+                .collect(),
+            leaving,
+            changing: view.changing_members(),
+            members_differ: members != known,
         };
+        self.by_view.store(
+            membership.changing || membership.members_differ,
+            Ordering::Relaxed,
+        );
+        self.routed_epoch.store(view.epoch, Ordering::Relaxed);
         true
     }
 }
@@ -326,16 +483,40 @@ impl ViewFollower {
     }
 
     /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
+    /// For a client of one copy per key, before an operation: asks for the view once (a
+    /// member added or removed since the cluster file was written changes the placement),
+    /// then whenever a node reports a newer one.
+    pub(crate) async fn follow_view_with_one_copy(self: &Arc<Self>) {
+        if !self.first_view_asked.load(Ordering::Relaxed)
+            && !self.first_view_asked.swap(true, Ordering::Relaxed)
+        {
+            self.refresh_in_task().await;
+            return;
+        }
+        self.follow_reported_epoch().await;
+    }
+
+    /// Routes by the view the nodes reported in heartbeats, if it is newer than the client's.
     pub(crate) async fn follow_reported_epoch(self: &Arc<Self>) {
         if self.newer_view_reported() {
             self.refresh_in_task().await;
         }
     }
 
-    /// When the last view fetch found every node of the cluster file refusing the connection
-    /// outright, the error that says the cluster is down: nothing listens on any node, so
-    /// waiting out the deadline for a view would only cost the caller its deadline.
+    /// When the newest view names a member the client's cluster file does not list, the error
+    /// that names the fix (the client cannot reach every copy); when the last view fetch found
+    /// every node of the cluster file refusing the connection outright, the error that says the
+    /// cluster is down: nothing listens on any node, so waiting out the deadline for a view
+    /// would only cost the caller its deadline.
     pub(crate) fn cluster_down(&self, operation: &'static str) -> Option<Error> {
+        let unknown = self.unknown().clone();
+        if !unknown.is_empty() {
+            return Some(Error::Config {
+                reason: format!(
+                    "{operation}: the cluster view names node {unknown:?}, which this client's cluster file does not list (added since): make the client from the cluster file that lists every member; it did not apply"
+                ),
+            });
+        }
         if !self.all_refused.load(Ordering::Relaxed) {
             return None;
         }
@@ -355,7 +536,7 @@ impl ViewFollower {
     pub(crate) async fn watched<T>(
         self: &Arc<Self>,
         key: &[u8],
-        count: usize,
+        route: Route,
         planned: &[u32],
         attempt: impl std::future::Future<Output = T>,
     ) -> Option<T> {
@@ -366,7 +547,7 @@ impl ViewFollower {
             tokio::select! {
                 outcome = &mut attempt => return Some(outcome),
                 _ = ticks.tick() => {
-                    if self.refresh_in_task().await && self.replica_ids(key, count) != planned {
+                    if self.refresh_in_task().await && self.replica_ids(key, route) != planned {
                         return None;
                     }
                 }
@@ -408,7 +589,7 @@ mod tests {
         assert!(follower.adopt(&view(5, [Filling, Serving, Filling])));
         assert!(!follower.reconciling());
         assert_eq!(
-            follower.replica_ids(b"key", 1),
+            follower.replica_ids(b"key", Route::Primary),
             [2],
             "a filling node is never the primary"
         );
@@ -439,14 +620,153 @@ mod tests {
     fn a_reconciling_view_routes_no_operation_to_a_filling_node() {
         use MemberState::{Filling, Serving};
         let follower = follower();
-        let before = follower.replica_ids(b"key", 1);
+        let before = follower.replica_ids(b"key", Route::Primary);
         assert!(follower.adopt(&view(5, [Serving, Serving, Serving])));
         assert!(follower.adopt(&view(6, [Filling, Filling, Filling])));
         assert!(follower.reconciling());
-        let primary = follower.replica_ids(b"key", 1);
+        let primary = follower.replica_ids(b"key", Route::Primary);
         assert!(
             primary.is_empty(),
             "a reconciling view routes a GET to filling node {primary:?} (the all-serving view's primary was {before:?}: `watched` sees no change and lets an attempt run on)"
         );
+    }
+    /// A member leaving: reads stay on the ranking over the members serving data (it among
+    /// them), and writes reach the copies of the ranking without it too; a client of one copy
+    /// routes by the view meanwhile, and once the members differ from the cluster file's.
+    #[test]
+    fn a_leaving_member_serves_and_writes_reach_the_ranking_without_it() {
+        use MemberState::{Leaving, Serving};
+        let follower = follower();
+        assert!(!follower.single_copy_by_view());
+        assert!(follower.adopt(&view(5, [Leaving, Serving, Serving])));
+        assert!(follower.single_copy_by_view(), "a member leaves");
+        for index in 0..200 {
+            let key = format!("key-{index}");
+            let all = [1, 2, 3];
+            let current: Vec<u32> = sharding::replicas(key.as_bytes(), &all, 1)
+                .into_iter()
+                .map(|at| all[at])
+                .collect();
+            let staying = [2, 3];
+            let next = staying[sharding::replicas(key.as_bytes(), &staying, 1)[0]];
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::Primary),
+                current,
+                "{key}: GETs read the primary over the serving and leaving members"
+            );
+            let copies = follower.replica_ids(key.as_bytes(), Route::Copies(1));
+            assert_eq!(copies[0], current[0], "{key}: the primary first");
+            assert!(
+                copies.contains(&next),
+                "{key}: {copies:?} lacks its next copy {next}"
+            );
+        }
+    }
+
+    /// A view whose members the cluster file lists only in part (a member removed, or one not
+    /// added yet) is adopted; one naming a member the file lacks is not (the client cannot
+    /// reach it), and a one-node view of a multi-node file is not one cluster.
+    #[test]
+    fn a_view_of_some_of_the_files_nodes_is_adopted_and_one_of_an_unknown_node_is_not() {
+        let follower = follower();
+        let two = ClusterView {
+            epoch: 4,
+            leader: Some(2),
+            members: vec![
+                ViewMember {
+                    node_id: 2,
+                    state: MemberState::Serving,
+                },
+                ViewMember {
+                    node_id: 3,
+                    state: MemberState::Serving,
+                },
+            ],
+            losses: Vec::new(),
+        };
+        assert!(follower.adopt(&two));
+        assert!(
+            follower.single_copy_by_view(),
+            "the members differ from the file's nodes"
+        );
+        assert!(!follower.replica_ids(b"key", Route::Copies(2)).contains(&1));
+        let mut unknown = two.clone();
+        unknown.epoch = 5;
+        unknown.members.push(ViewMember {
+            node_id: 9,
+            state: MemberState::Joining,
+        });
+        assert!(!follower.adopt(&unknown), "node 9 is not in the file");
+        assert!(
+            follower.replica_ids(b"key", Route::Copies(2)).is_empty(),
+            "no copy is used while one is out of reach"
+        );
+        assert!(follower.single_copy_by_view());
+        let error = follower
+            .cluster_down("put")
+            .expect("an error naming the fix");
+        assert!(
+            error
+                .to_string()
+                .contains("make the client from the cluster file"),
+            "{error}"
+        );
+        let mut alone = two.clone();
+        alone.epoch = 6;
+        alone.members.truncate(1);
+        assert!(!follower.adopt(&alone), "one node's own view");
+        let mut without_it = two;
+        without_it.epoch = 7;
+        assert!(follower.adopt(&without_it), "node 9 is gone again");
+        assert!(follower.cluster_down("put").is_none());
+        assert_eq!(follower.replica_ids(b"key", Route::Copies(2)).len(), 2);
+    }
+    /// With one copy of each key, a member down keeps its keys (they are unavailable, as by
+    /// the cluster file: no stand-in takes a write that its return would not bring back), and
+    /// a member joining gets each key it will hold as the second copy of every write.
+    #[test]
+    fn with_one_copy_a_down_member_keeps_its_keys_and_a_joining_one_gets_its_writes() {
+        use MemberState::{Down, Serving};
+        let follower = follower();
+        assert!(follower.adopt(&view(4, [Serving, Down, Serving])));
+        let all = [1, 2, 3];
+        for index in 0..100 {
+            let key = format!("key-{index}");
+            let owner = all[sharding::replicas(key.as_bytes(), &all, 1)[0]];
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::OnlyCopy),
+                [owner],
+                "{key}"
+            );
+            assert_eq!(
+                follower.replica_ids(key.as_bytes(), Route::Copies(1)),
+                [owner],
+                "{key}: no stand-in"
+            );
+        }
+        let mut joining = view(5, [Serving, Serving, Serving]);
+        joining.members.push(ViewMember {
+            node_id: 4,
+            state: MemberState::Joining,
+        });
+        let follower = ViewFollower::new(Vec::new(), Vec::new(), vec![1, 2, 3, 4], Arc::default());
+        assert!(follower.adopt(&joining));
+        assert!(follower.single_copy_by_view());
+        let four = [1, 2, 3, 4];
+        let moving = (0..100)
+            .map(|index| format!("key-{index}"))
+            .filter(|key| four[sharding::replicas(key.as_bytes(), &four, 1)[0]] == 4)
+            .inspect(|key| {
+                let copies = follower.replica_ids(key.as_bytes(), Route::Copies(1));
+                assert_eq!(copies.len(), 2, "{key}: {copies:?}");
+                assert_eq!(copies[1], 4, "{key}: the joining member second");
+                assert_eq!(
+                    follower.replica_ids(key.as_bytes(), Route::OnlyCopy),
+                    copies[..1],
+                    "{key}: read where it is now"
+                );
+            })
+            .count();
+        assert!(moving > 10, "about a quarter of the keys move: {moving}");
     }
 }

@@ -223,6 +223,47 @@ pub struct StartedNode {
     pub child: Option<Child>,
 }
 
+/// Starts node `node`, a new member, in the background with `--join`: it learns the view from
+/// the running cluster's leader once `rdkv-cluster add-node` has the leader add it.
+///
+/// # Errors
+/// [`Error::Refused`] when it already runs, runs on another host (not supported yet), or has
+/// a view state in the run directory already (it was a member: `restart` it instead);
+/// [`Error::Node`] when it fails to start.
+pub fn start_joining(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node: u32,
+) -> Result<StartedNode> {
+    let nodes = select(config, Some(node))?;
+    let running = running_nodes(&nodes, run_directory);
+    if !running.is_empty() {
+        return Err(already_running(config, Some(node), &running));
+    }
+    let chosen = nodes[0];
+    if chosen.host.is_some() {
+        return Err(Error::Refused(format!(
+            "node {node} runs on another host: add-node starts local nodes only; start it there with `rdkv-server --config FILE --node {node} --join`"
+        )));
+    }
+    if view_state_file(run_directory, node).exists() {
+        return Err(Error::Refused(format!(
+            "node {node} has a view state in {} already (it was a member): start it with `rdkv-cluster restart {} --node {node}`, or remove that file to add it afresh",
+            run_directory.display(),
+            config.path.display()
+        )));
+    }
+    fs::create_dir_all(run_directory).map_err(|error| {
+        Error::Refused(format!(
+            "create the run directory {}: {error}",
+            run_directory.display()
+        ))
+    })?;
+    let binary = server_binary()?;
+    let config_path = fs::canonicalize(&config.path).unwrap_or_else(|_| config.path.clone());
+    start_local(&binary, &config_path, chosen, run_directory, true, true)
+}
+
 /// Starts every node and waits for each to be ready.
 ///
 /// # Errors
@@ -278,7 +319,9 @@ pub fn start_nodes(
     for node in nodes {
         let outcome = match (&node.host, &binary) {
             (Some(host), _) => start_remote(config, node, host),
-            (None, Some(binary)) => start_local(binary, &config_path, node, run_directory, detach),
+            (None, Some(binary)) => {
+                start_local(binary, &config_path, node, run_directory, detach, false)
+            }
             (None, None) => Err(Error::Refused("rdkv-server was not located".into())),
         };
         match outcome {
@@ -376,12 +419,16 @@ fn start_local(
     node: &NodeConfig,
     run_directory: &Path,
     detach: bool,
+    join: bool,
 ) -> Result<StartedNode> {
     let failure = |message: String| Error::Node {
         node: node.id,
         message,
     };
     let mut command = server_command(binary, config_path, node, run_directory);
+    if join {
+        command.arg("--join");
+    }
     if detach {
         // The node appends to its log and rotates it by size (`rdkv_server::log_file`);
         // what it writes before it has opened the file (a command-line error) is appended

@@ -15,6 +15,7 @@
 pub mod error;
 pub mod foreground;
 pub mod launcher;
+pub mod membership;
 pub mod remote;
 pub mod status;
 pub mod systemd;

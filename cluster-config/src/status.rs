@@ -386,10 +386,7 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
     // No member serves (every node was stopped or crashed): the filling members reconcile
     // their copies with each other, then are promoted together (`docs/protocol.md`,
     // *Reconciliation*).
-    let reconciling = !view
-        .members
-        .iter()
-        .any(|member| member.state == rdkv_common::protocol::MemberState::Serving);
+    let reconciling = !view.members.iter().any(|member| member.state.serves_data());
     // Members down while nobody serves: the others wait for them (a stop's resume, or the
     // reconciliation) before they serve.
     let down: Vec<String> = view
@@ -400,7 +397,7 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
         .collect();
     view.members
         .iter()
-        .filter(|member| member.state == rdkv_common::protocol::MemberState::Filling)
+        .filter(|member| member.state.is_filling())
         .map(|member| {
             let stats = statuses.iter().find_map(|status| match &status.state {
                 NodeState::Up(stats) if status.id == member.node_id => Some(stats),
@@ -437,6 +434,44 @@ pub fn refill_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<
                 ),
                 Some(_) => format!("refill: node {} filling: starting", member.node_id),
                 None => format!("refill: node {} filling: it does not answer", member.node_id),
+            }
+        })
+        .collect()
+}
+
+/// A line for each member joining or leaving (`rdkv-cluster add-node`, `remove-node`): a
+/// joining member's refill has its own line ([`refill_lines`]); a leaving member's says how
+/// many keys it handed over.
+pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
+    let Some(view) = view else {
+        return Vec::new();
+    };
+    view.members
+        .iter()
+        .filter_map(|member| {
+            let stats = statuses.iter().find_map(|status| match &status.state {
+                NodeState::Up(stats) if status.id == member.node_id => Some(stats),
+                _ => None,
+            });
+            match (member.state, stats) {
+                (rdkv_common::protocol::MemberState::Joining, _) => Some(format!(
+                    "membership: node {} joining: it fills from the members, then serves",
+                    member.node_id
+                )),
+                (rdkv_common::protocol::MemberState::Leaving, Some(stats)) => Some(format!(
+                    "membership: node {} leaving: {}% of its table scanned, {} keys ({} bytes) handed over to the members that take them; it leaves the view when every key it holds has its new copies",
+                    member.node_id,
+                    (stats.handover_buckets_scanned * 100)
+                        .checked_div(stats.handover_buckets_total)
+                        .unwrap_or(0),
+                    stats.handover_keys_copied,
+                    stats.handover_bytes_copied
+                )),
+                (rdkv_common::protocol::MemberState::Leaving, None) => Some(format!(
+                    "membership: node {} leaving: it does not answer",
+                    member.node_id
+                )),
+                _ => None,
             }
         })
         .collect()
@@ -727,6 +762,46 @@ mod tests {
             ]
         );
         assert!(refill_lines(None, &statuses).is_empty());
+    }
+
+    #[test]
+    fn members_joining_and_leaving_show_under_the_view() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id, state| ViewMember { node_id, state };
+        let view = ClusterView {
+            epoch: 9,
+            leader: Some(2),
+            members: vec![
+                member(1, MemberState::Leaving),
+                member(2, MemberState::Serving),
+                member(4, MemberState::Joining),
+            ],
+            losses: Vec::new(),
+        };
+        let leaving = ServerStats {
+            handover_keys_copied: 495,
+            handover_bytes_copied: 9_900,
+            handover_buckets_scanned: 1_024,
+            handover_buckets_total: 4_096,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::new(leaving))),
+            node(2, NodeState::Up(Box::default())),
+            node(4, NodeState::Up(Box::default())),
+        ];
+        assert_eq!(
+            membership_lines(Some(&view), &statuses),
+            vec![
+                "membership: node 1 leaving: 25% of its table scanned, 495 keys (9900 bytes) handed over to the members that take them; it leaves the view when every key it holds has its new copies".to_string(),
+                "membership: node 4 joining: it fills from the members, then serves".to_string(),
+            ]
+        );
+        assert_eq!(
+            refill_lines(Some(&view), &statuses),
+            vec!["refill: node 4 filling: starting".to_string()],
+            "a joining member's refill shows as a restarted one's"
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 24;
+pub const PROTOCOL_VERSION: u32 = 25;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -94,6 +94,29 @@ pub enum ClientMessage {
         /// Records of this epoch and earlier are cleared.
         up_to_epoch: u64,
     },
+    /// Add a member to the view or remove one (`rdkv-cluster add-node`, `remove-node`):
+    /// the node asks the view's leader to start the change (`docs/protocol.md`, *Membership
+    /// changes*). Answered with [`ServerMessage::MembershipChanged`] once it is committed.
+    ChangeMembership(MembershipChange),
+}
+
+/// A change of the view's members, asked by the operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MembershipChange {
+    /// Node `node_id`, running and not a member, joins: a Raft learner first, then a voter, and
+    /// a member of the view that fills before it serves.
+    Add {
+        /// The new member's id.
+        node_id: u32,
+        /// Its control address, which the members started before it cannot know.
+        control_address: String,
+    },
+    /// Member `node_id` leaves: it keeps serving while its keys get their copies on the
+    /// members that stay, then it is out of the view and of Raft.
+    Remove {
+        /// The leaving member.
+        node_id: u32,
+    },
 }
 
 impl ClientMessage {
@@ -112,6 +135,7 @@ impl ClientMessage {
             ClientMessage::StopCluster => "StopCluster",
             ClientMessage::Snapshot => "Snapshot",
             ClientMessage::AcknowledgeLosses { .. } => "AcknowledgeLosses",
+            ClientMessage::ChangeMembership(_) => "ChangeMembership",
         }
     }
 }
@@ -249,6 +273,11 @@ pub enum ServerMessage {
         /// The encoded consensus reply.
         payload: Vec<u8>,
     },
+    /// A [`ClientMessage::ChangeMembership`] is committed: the view's epoch after it.
+    MembershipChanged {
+        /// The view's epoch with the change.
+        epoch: u64,
+    },
     /// The stop of the whole cluster is committed at this epoch.
     ClusterStopped {
         /// The view's epoch at the stop.
@@ -316,7 +345,8 @@ pub struct ClusterView {
     pub epoch: u64,
     /// The consensus leader the answering node knows of.
     pub leader: Option<u32>,
-    /// Every node of the cluster file, in id order, with its state.
+    /// Every member, in id order, with its state (the cluster file's nodes at a cluster's
+    /// first start; members are added and removed through the view).
     pub members: Vec<ViewMember>,
     /// Views that had every copy of some keys down at once, not acknowledged yet (the most
     /// recent [`MAX_LOSSES_KEPT`]).
@@ -328,13 +358,39 @@ pub struct ClusterView {
 pub const MAX_LOSSES_KEPT: usize = 16;
 
 impl ClusterView {
-    /// The ids of the serving members, in id order: the ranking's candidates.
+    /// The ids of the members that serve data, in id order: the ranking's candidates for a
+    /// key's primary (serving and leaving members).
     pub fn serving(&self) -> Vec<u32> {
         self.members
             .iter()
-            .filter(|member| member.state == MemberState::Serving)
+            .filter(|member| member.state.serves_data())
             .map(|member| member.node_id)
             .collect()
+    }
+
+    /// The ids of the members in `state`, in id order.
+    pub fn in_state(&self, state: MemberState) -> Vec<u32> {
+        self.members
+            .iter()
+            .filter(|member| member.state == state)
+            .map(|member| member.node_id)
+            .collect()
+    }
+
+    /// The ids of the filling members (back after an absence, or joining), in id order.
+    pub fn filling(&self) -> Vec<u32> {
+        self.members
+            .iter()
+            .filter(|member| member.state.is_filling())
+            .map(|member| member.node_id)
+            .collect()
+    }
+
+    /// Whether a membership change is under way: a member joining or leaving.
+    pub fn changing_members(&self) -> bool {
+        self.members
+            .iter()
+            .any(|member| matches!(member.state, MemberState::Joining | MemberState::Leaving))
     }
 
     /// `epoch 3, leader 1: 1 serving, 2 serving, 3 down` (for `rdkv-cluster status` and logs).
@@ -372,6 +428,28 @@ pub enum MemberState {
     /// Back after a restart or an absence: it gets every write of the keys it is a replica
     /// of, and copies the rest from their primaries; it serves once promoted.
     Filling,
+    /// A member added by `rdkv-cluster add-node` that has not served yet: filling, as a
+    /// member back after an absence is, with nothing of its own (the nodes' records say
+    /// `Filling`; the public view tells the two apart).
+    Joining,
+    /// A member being removed by `rdkv-cluster remove-node`: it serves its keys as before
+    /// while they get their copies on the members that stay, which every write reaches too;
+    /// then it is out of the view.
+    Leaving,
+}
+
+impl MemberState {
+    /// Whether a member in this state serves data: a key's primary is the first of its
+    /// ranking over these members.
+    pub fn serves_data(self) -> bool {
+        matches!(self, MemberState::Serving | MemberState::Leaving)
+    }
+
+    /// Whether a member in this state fills: it gets every write of the keys it will hold and
+    /// copies the rest before it serves.
+    pub fn is_filling(self) -> bool {
+        matches!(self, MemberState::Filling | MemberState::Joining)
+    }
 }
 
 impl std::fmt::Display for MemberState {
@@ -380,6 +458,8 @@ impl std::fmt::Display for MemberState {
             MemberState::Serving => "serving",
             MemberState::Down => "down",
             MemberState::Filling => "filling",
+            MemberState::Joining => "joining",
+            MemberState::Leaving => "leaving",
         })
     }
 }
@@ -524,6 +604,10 @@ pub struct ServerStats {
     pub view_leader: u32,
     /// Members the node's view has down.
     pub view_members_down: u64,
+    /// Members the node's view has joining (`rdkv-cluster add-node`).
+    pub view_members_joining: u64,
+    /// Members the node's view has leaving (`rdkv-cluster remove-node`).
+    pub view_members_leaving: u64,
     /// Views this node committed as the consensus leader since start.
     pub views_committed: u64,
     /// Data connections ended because the view moved keys (`docs/protocol.md`, *Views and
@@ -563,6 +647,18 @@ pub struct ServerStats {
     pub refill_buckets_total: u64,
     /// Refill: keys copied from their primaries.
     pub refill_keys_copied: u64,
+    /// Refill: bytes of the keys and values it copied.
+    pub refill_bytes_copied: u64,
+    /// Hand-over of a leaving member (`rdkv-cluster remove-node`): its keys copied to the
+    /// members that take them (`docs/protocol.md`, *Membership changes*).
+    pub handover_keys_copied: u64,
+    /// Hand-over: bytes of the keys and values it copied.
+    pub handover_bytes_copied: u64,
+    /// Hand-over: this node's index buckets scanned, of `handover_buckets_total` (0 of 0: no
+    /// hand-over since start).
+    pub handover_buckets_scanned: u64,
+    /// Hand-over: this node's index buckets to scan.
+    pub handover_buckets_total: u64,
     /// The view epoch at which this node last finished the newest-wins reconciliation of a
     /// whole-cluster start (0: none since start; `docs/protocol.md`, *Reconciliation*).
     pub reconciled_epoch: u64,
@@ -1035,6 +1131,23 @@ pub async fn request_cluster_stop(
 ) -> Result<u64, ControlError> {
     match ask(node, timeout, ClientMessage::StopCluster).await? {
         ServerMessage::ClusterStopped { epoch } => Ok(epoch),
+        ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
+        other => Err(ControlError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+/// Asks a node to have the view's leader commit a membership change (`rdkv-cluster add-node`,
+/// `remove-node`); the epoch of the view with it.
+///
+/// # Errors
+/// As [`request_cluster_stop`].
+pub async fn request_membership_change(
+    node: MonitoredNode<'_>,
+    change: MembershipChange,
+    timeout: std::time::Duration,
+) -> Result<u64, ControlError> {
+    match ask(node, timeout, ClientMessage::ChangeMembership(change)).await? {
+        ServerMessage::MembershipChanged { epoch } => Ok(epoch),
         ServerMessage::Refused { reason } => Err(ControlError::Refused { reason }),
         other => Err(ControlError::Unexpected(format!("{other:?}"))),
     }

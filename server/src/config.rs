@@ -80,6 +80,13 @@ pub struct ServerConfig {
     pub snapshot_interval: Duration,
     /// Which snapshot it starts from.
     pub start_from: StartFrom,
+    /// The node joins a running cluster (`--join`, `rdkv-cluster add-node`): it learns the
+    /// view from the leader instead of starting one from the cluster file (`crate::view`,
+    /// `membership.rs`).
+    pub joining: bool,
+    /// Where the cluster file is, when the node was started from one: a leaving node's
+    /// hand-over reads it again, for the members added since it started (`crate::handover`).
+    pub cluster_file: Option<PathBuf>,
     /// The cluster file the node was started from: a node filling after a restart copies
     /// its keys from its peers through a client of this cluster (`crate::refill`). `None`
     /// for a node started without one.
@@ -161,6 +168,8 @@ impl ServerConfig {
             data_dir: None,
             snapshot_interval: Duration::ZERO,
             start_from: StartFrom::Latest,
+            joining: false,
+            cluster_file: None,
             cluster: None,
         }
     }
@@ -217,6 +226,8 @@ impl ServerConfig {
             data_dir: node.data_dir.clone(),
             snapshot_interval: cluster.snapshot_interval,
             start_from: StartFrom::Latest,
+            joining: false,
+            cluster_file: None,
             cluster: Some(std::sync::Arc::new(cluster.clone())),
         })
     }

@@ -20,6 +20,7 @@
 //! - `session`: one client's session, a file per role: handshake, serve (chunks, lease,
 //!   heartbeats), ordered teardown.
 //! - `refill`: a returning node copies its keys from its peers.
+//! - `handover`: a leaving member copies its keys to the members that take them.
 //! - `reconcile`: at a whole-cluster start with nobody serving, the newest copy of each key
 //!   wins on every replica before any member serves.
 //! - [`snapshot`]: the snapshot file and reading and loading the table for it.
@@ -61,6 +62,7 @@ pub mod config;
 mod connection_summary;
 pub mod error;
 pub mod gate;
+mod handover;
 pub mod heap;
 mod log_budget;
 pub mod log_file;

@@ -246,6 +246,7 @@ impl Node {
             stats.view_members_down,
             stats.views_committed,
         ) = self.view.figures();
+        (stats.view_members_joining, stats.view_members_leaving) = self.view.changing_figures();
         // A reconciling node admits no data client (`session`): it does not serve data yet.
         stats.serving_data = self.view.serving().is_ok() && !self.view.reconciling();
         stats.serving_stops = self.view.serving_stops();

@@ -270,7 +270,7 @@ async fn refill(
     let filling = view
         .members
         .iter()
-        .any(|member| member.node_id == me && member.state == MemberState::Filling);
+        .any(|member| member.node_id == me && member.state.is_filling());
     if !filling {
         return Err(RefillStop::Failed(format!(
             "the view (epoch {}) does not have this node filling",
@@ -355,6 +355,10 @@ async fn refill(
                 copy(client, &entry.key, &entry.value).await?;
                 copied += 1;
                 counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
+                counters.refill_bytes_copied.fetch_add(
+                    (entry.key.len() + entry.value.len()) as u64,
+                    Ordering::Relaxed,
+                );
             }
             first += count;
             counters
@@ -374,7 +378,11 @@ async fn refill(
 ///
 /// # Errors
 /// A line saying that the view moved: the refill starts over by the new one.
-async fn ensure_view_holds(client: &Client, view: &ClusterView, when: &str) -> Result<(), String> {
+pub(crate) async fn ensure_view_holds(
+    client: &Client,
+    view: &ClusterView,
+    when: &str,
+) -> Result<(), String> {
     let now = client
         .follow_view()
         .await
@@ -502,7 +510,7 @@ async fn wait_for_peers(node: &Node, peers: &[u32], epoch: u64) -> Result<(), St
 
 /// Copies one key (a rewrite of its value through its primary's lock). A value that changed
 /// meanwhile was written to this node by its writer: nothing to copy.
-async fn copy(client: &Client, key: &[u8], value: &[u8]) -> Result<(), String> {
+pub(crate) async fn copy(client: &Client, key: &[u8], value: &[u8]) -> Result<(), String> {
     let mut last_error = String::new();
     for _ in 0..COPY_ATTEMPTS {
         match client.refill_copy(key, value).await {

@@ -203,6 +203,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
                 .cluster
                 .as_ref()
                 .map_or(1, |cluster| cluster.replicas),
+            joining: config.joining,
         },
         &tasks,
         shutdown.clone(),
@@ -275,6 +276,10 @@ fn spawn_tasks(
         shutdown.clone(),
     ));
     tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
+    tasks.spawn(crate::handover::handover_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
     tasks.spawn(crate::persistence::snapshot_loop(
         node.clone(),
         shutdown.clone(),

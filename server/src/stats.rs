@@ -48,6 +48,16 @@ pub struct Counters {
     pub refill_buckets_total: AtomicU64,
     /// Refill: keys copied.
     pub refill_keys_copied: AtomicU64,
+    /// Refill: bytes of the keys and values copied.
+    pub refill_bytes_copied: AtomicU64,
+    /// Hand-over: bytes of the keys and values copied.
+    pub handover_bytes_copied: AtomicU64,
+    /// Hand-over of this leaving node: keys copied to the members that take them.
+    pub handover_keys_copied: AtomicU64,
+    /// Hand-over: this node's index buckets scanned, of `handover_buckets_total`.
+    pub handover_buckets_scanned: AtomicU64,
+    /// Hand-over: this node's index buckets to scan.
+    pub handover_buckets_total: AtomicU64,
     /// The view epoch at which this node last finished reconciling (`crate::reconcile`).
     pub reconciled_epoch: AtomicU64,
     /// Reconciliation: keys taken from a peer whose copy was newer.
@@ -94,6 +104,11 @@ impl Counters {
             refill_buckets_scanned: AtomicU64::new(0),
             refill_buckets_total: AtomicU64::new(0),
             refill_keys_copied: AtomicU64::new(0),
+            refill_bytes_copied: AtomicU64::new(0),
+            handover_bytes_copied: AtomicU64::new(0),
+            handover_keys_copied: AtomicU64::new(0),
+            handover_buckets_scanned: AtomicU64::new(0),
+            handover_buckets_total: AtomicU64::new(0),
             reconciled_epoch: AtomicU64::new(0),
             reconciled_keys: AtomicU64::new(0),
             reconciled_removed: AtomicU64::new(0),
@@ -207,6 +222,11 @@ impl Counters {
             refill_buckets_scanned: self.refill_buckets_scanned.load(Ordering::Relaxed),
             refill_buckets_total: self.refill_buckets_total.load(Ordering::Relaxed),
             refill_keys_copied: self.refill_keys_copied.load(Ordering::Relaxed),
+            refill_bytes_copied: self.refill_bytes_copied.load(Ordering::Relaxed),
+            handover_bytes_copied: self.handover_bytes_copied.load(Ordering::Relaxed),
+            handover_keys_copied: self.handover_keys_copied.load(Ordering::Relaxed),
+            handover_buckets_scanned: self.handover_buckets_scanned.load(Ordering::Relaxed),
+            handover_buckets_total: self.handover_buckets_total.load(Ordering::Relaxed),
             reconciled_epoch: self.reconciled_epoch.load(Ordering::Relaxed),
             reconciled_keys: self.reconciled_keys.load(Ordering::Relaxed),
             reconciled_removed: self.reconciled_removed.load(Ordering::Relaxed),

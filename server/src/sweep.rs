@@ -72,10 +72,9 @@ impl Sweep {
         let eligible = settled
             && self.swept_epoch.load(Ordering::Relaxed) != epoch
             && view.members.len() > replicas
-            && view
-                .members
-                .iter()
-                .all(|member| member.state != MemberState::Filling)
+            && view.members.iter().all(|member| {
+                member.state == MemberState::Serving || member.state == MemberState::Down
+            })
             && view
                 .members
                 .iter()

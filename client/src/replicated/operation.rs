@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::operations::{self, back_off, MutationOutcome, RACE_ATTEMPTS};
 use crate::progress::{Progress, Waiting};
 use crate::runner::{unresolved_if_applied, Kind};
+use crate::view_following::Route;
 
 /// How a pass of a replicated write ends: `Break` with the write's outcome, or `Continue` to
 /// the next pass.
@@ -31,7 +32,7 @@ impl Client {
             loop {
                 progress.wait_for(Waiting::View);
                 follower.follow_reported_epoch().await;
-                let primary = self.replica_nodes(key, 1);
+                let primary = self.replica_nodes(key, Route::read(self.replicas));
                 if primary.is_empty() {
                     // The view is reconciling: no node's copy is the newest yet.
                     progress.wait_for(Waiting::Reconciliation);
@@ -45,7 +46,7 @@ impl Client {
                 progress.wait_for(Waiting::Connection);
                 let attempt = async {
                     let connections = self.connections_to(&primary).await?;
-                    if follower.replica_ids(key, 1) != planned {
+                    if follower.replica_ids(key, Route::read(self.replicas)) != planned {
                         // Another task adopted a newer view while this one connected: the
                         // node planned under the older one may be filling in it.
                         return Ok(None);
@@ -66,7 +67,10 @@ impl Client {
                         .await
                         .map(|found| Some(found.map(|value| value.to_bytes())))
                 };
-                match follower.watched(key, 1, &planned, attempt).await {
+                match follower
+                    .watched(key, Route::read(self.replicas), &planned, attempt)
+                    .await
+                {
                     // The view moved the key, or a connection named a newer view: again.
                     None | Some(Ok(None)) => {}
                     Some(Ok(Some(value))) => return Ok(value),
@@ -176,7 +180,7 @@ impl ReplicatedOperation<'_> {
         let follower = &client.follower;
         self.progress.wait_for(Waiting::View);
         follower.follow_reported_epoch().await;
-        let nodes = client.replica_nodes(self.key, client.replicas);
+        let nodes = client.replica_nodes(self.key, Route::Copies(client.replicas));
         if nodes.is_empty() {
             // No member serves: no node's copy is the newest yet (`ViewFollower::reconciling`).
             self.progress.wait_for(Waiting::Reconciliation);
@@ -192,7 +196,12 @@ impl ReplicatedOperation<'_> {
         self.progress.wait_for(Waiting::Connection);
         let connecting = client.connections_to(&nodes);
         let connections = match follower
-            .watched(self.key, client.replicas, &planned, connecting)
+            .watched(
+                self.key,
+                Route::Copies(client.replicas),
+                &planned,
+                connecting,
+            )
             .await
         {
             None => return ControlFlow::Continue(None),
@@ -208,7 +217,7 @@ impl ReplicatedOperation<'_> {
             }
             Some(Err(error)) => return ControlFlow::Break(Err(error)),
         };
-        if follower.replica_ids(self.key, client.replicas) != planned {
+        if follower.replica_ids(self.key, Route::Copies(client.replicas)) != planned {
             // Another task adopted a newer view while this one connected: route by it.
             return ControlFlow::Continue(None);
         }
@@ -277,9 +286,10 @@ impl ReplicatedOperation<'_> {
             self.write,
             &mut lock,
         );
-        let watched = client
-            .follower
-            .watched(self.key, client.replicas, planned, resuming);
+        let watched =
+            client
+                .follower
+                .watched(self.key, Route::Copies(client.replicas), planned, resuming);
         let Some(resumed) = watched.await else {
             // The view moved the key meanwhile: decided on the next pass.
             self.held = Some(lock);
@@ -323,9 +333,10 @@ impl ReplicatedOperation<'_> {
             &mut self.patience,
             &mut self.held,
         );
-        let watched = client
-            .follower
-            .watched(key, client.replicas, planned, attempting);
+        let watched =
+            client
+                .follower
+                .watched(key, Route::Copies(client.replicas), planned, attempting);
         let Some(attempt) = watched.await else {
             // The view moved the key while the attempt ran (a node stopped answering without
             // failing its connections). With its lock placed, the next pass resumes it or

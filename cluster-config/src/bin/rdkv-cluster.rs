@@ -102,6 +102,27 @@ enum Action {
         #[arg(long)]
         force: bool,
     },
+    /// Add node N, listed in the edited cluster file and not a member of the running view:
+    /// start it here, have the view's leader add it, and wait until it has copied the keys it
+    /// now holds and serves (about 1/n of the keys move to it). Exits 0 once it serves
+    /// (docs/operations.md, Growing and shrinking a cluster).
+    AddNode {
+        /// The cluster file, listing the new node.
+        file: PathBuf,
+        /// The node to add.
+        #[arg(long)]
+        node: u32,
+    },
+    /// Remove member N from the running view: it keeps serving while every key it holds gets
+    /// its new copies on the other members, then it leaves the view and is stopped. Exits 0
+    /// once it is out of the view and stopped; then take it out of the cluster file.
+    RemoveNode {
+        /// The cluster file.
+        file: PathBuf,
+        /// The node to remove.
+        #[arg(long)]
+        node: u32,
+    },
     /// Write a snapshot of every node's keys (or one node's) now, into its data directory;
     /// exits 0 when every node wrote one.
     Snapshot {
@@ -167,6 +188,8 @@ impl Action {
             Action::Up { file, .. }
             | Action::Down { file, .. }
             | Action::Restart { file, .. }
+            | Action::AddNode { file, .. }
+            | Action::RemoveNode { file, .. }
             | Action::Snapshot { file, .. }
             | Action::Status { file }
             | Action::AckLoss { file, .. }
@@ -205,7 +228,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
     // memory for those (the other commands only talk to the nodes).
     let config = match &arguments.command {
         Action::Up { node, .. } => rdkv_cluster_config::config::load_to_start(&file, None, *node)?,
-        Action::Restart { node, .. } => {
+        Action::Restart { node, .. } | Action::AddNode { node, .. } => {
             rdkv_cluster_config::config::load_to_start(&file, None, Some(*node))?
         }
         _ => rdkv_cluster_config::load(&file)?,
@@ -267,11 +290,27 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             restart(&config, &run_directory, node, !no_wait).await
         }
         Action::Snapshot { node, .. } => snapshot(&config, node).await,
+        Action::AddNode { node, .. } => {
+            rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
+            Ok(0)
+        }
+        Action::RemoveNode { node, .. } => {
+            if let Some(refusal) = status::secret_refusal(&config, Some(node)).await {
+                eprintln!("rdkv-cluster: error: {refusal}");
+                return Ok(3);
+            }
+            rdkv_cluster_config::membership::remove_node(&config, &run_directory, node, say)
+                .await?;
+            Ok(0)
+        }
         Action::Status { .. } => {
             let statuses = status::status(&config).await;
             say(&status::status_table(&statuses));
             let view = status::view(&statuses);
             say(&status::view_line(view, &statuses));
+            for line in status::membership_lines(view, &statuses) {
+                say(&line);
+            }
             for line in status::refill_lines(view, &statuses) {
                 say(&line);
             }

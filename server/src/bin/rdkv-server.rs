@@ -108,6 +108,11 @@ struct Arguments {
     /// kept in memory, which is safe only for a node that never rejoins a running cluster.
     #[arg(long, requires = "config")]
     view_state: Option<PathBuf>,
+    /// With --config: join the running cluster as a new member (`rdkv-cluster add-node`
+    /// passes it): learn the view from its leader instead of starting one with the file's
+    /// nodes. The node serves once the leader has added it and it is refilled.
+    #[arg(long, requires = "config")]
+    join: bool,
     /// Where the node keeps its snapshots, and loads the last one from at start (with
     /// --config it replaces the file's `data_dir`; `rdkv-cluster` passes one in its run
     /// directory). Without one, the node writes none and starts empty.
@@ -281,6 +286,8 @@ fn config_from_file(
     }
     let mut config = ServerConfig::from_cluster(&cluster, node)?;
     config.view_state_file = arguments.view_state.clone();
+    config.joining = arguments.join;
+    config.cluster_file = Some(path.to_path_buf());
     if let Some(data_dir) = &arguments.data_dir {
         config.data_dir = Some(data_dir.clone());
     }
@@ -386,6 +393,8 @@ fn config_from_flags(arguments: &Arguments) -> anyhow::Result<ServerConfig> {
         data_dir: arguments.data_dir.clone(),
         snapshot_interval: Duration::from_secs(arguments.snapshot_interval_s),
         start_from: arguments.from_snapshot,
+        joining: false,
+        cluster_file: None,
         cluster: None,
     })
 }

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 64] {
+fn definitions() -> [(&'static str, &'static str, Reader); 71] {
     [
         (
             "uptime_seconds",
@@ -317,6 +317,16 @@ fn definitions() -> [(&'static str, &'static str, Reader); 64] {
             |stats| stats.view_members_down as i64,
         ),
         (
+            "view_members_joining",
+            "Members this node's cluster view has joining (rdkv-cluster add-node)",
+            |stats| stats.view_members_joining as i64,
+        ),
+        (
+            "view_members_leaving",
+            "Members this node's cluster view has leaving (rdkv-cluster remove-node)",
+            |stats| stats.view_members_leaving as i64,
+        ),
+        (
             "connections_fenced_total",
             "Data connections ended because the cluster view moved keys (their clients fetch the view and reconnect)",
             |stats| stats.connections_fenced as i64,
@@ -375,6 +385,31 @@ fn definitions() -> [(&'static str, &'static str, Reader); 64] {
             "refill_keys_copied_total",
             "Refill after a restart: keys copied from their primaries",
             |stats| stats.refill_keys_copied as i64,
+        ),
+        (
+            "refill_bytes_copied_total",
+            "Refill: bytes of the keys and values copied from their primaries",
+            |stats| stats.refill_bytes_copied as i64,
+        ),
+        (
+            "handover_keys_copied_total",
+            "Hand-over of a leaving member (rdkv-cluster remove-node): its keys copied to the members that take them",
+            |stats| stats.handover_keys_copied as i64,
+        ),
+        (
+            "handover_bytes_copied_total",
+            "Hand-over of a leaving member: bytes of the keys and values copied",
+            |stats| stats.handover_bytes_copied as i64,
+        ),
+        (
+            "handover_buckets_scanned",
+            "Hand-over of a leaving member: its index buckets scanned so far",
+            |stats| stats.handover_buckets_scanned as i64,
+        ),
+        (
+            "handover_buckets_total",
+            "Hand-over of a leaving member: its index buckets to scan (0: no hand-over since start)",
+            |stats| stats.handover_buckets_total as i64,
         ),
         (
             "reconciled_keys_total",

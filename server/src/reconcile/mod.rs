@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use rdkv_client::{Client, SCAN_BUCKETS};
-use rdkv_common::protocol::{fetch_stats, ClusterView, MemberState, MonitoredNode};
+use rdkv_common::protocol::{fetch_stats, ClusterView, MonitoredNode};
 use rdkv_common::sharding;
 
 use crate::node::Node;
@@ -38,7 +38,7 @@ const ASK_PEER_WITHIN: Duration = Duration::from_secs(2);
 pub(crate) fn filling_members(view: &ClusterView) -> Vec<u32> {
     view.members
         .iter()
-        .filter(|member| member.state == MemberState::Filling)
+        .filter(|member| member.state.is_filling())
         .map(|member| member.node_id)
         .collect()
 }

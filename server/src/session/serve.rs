@@ -252,6 +252,17 @@ impl Session {
                 },
             },
             ClientMessage::Snapshot => crate::persistence::snapshot_on_request(&node).await,
+            ClientMessage::ChangeMembership(change) => {
+                match node.view.change_membership(change.clone()).await {
+                    Ok(epoch) => {
+                        tracing::info!(?change, epoch, "membership change committed");
+                        ServerMessage::MembershipChanged { epoch }
+                    }
+                    Err(reason) => ServerMessage::Refused {
+                        reason: format!("the membership change was not committed: {reason}"),
+                    },
+                }
+            }
             ClientMessage::AcknowledgeLosses { up_to_epoch } => {
                 match node.view.acknowledge_losses(up_to_epoch).await {
                     Ok(cleared) => {

@@ -6,8 +6,6 @@
 //! that copy decide over older ones, absences included (`crate::reconcile`,
 //! `docs/protocol.md`, *Reconciliation*).
 
-use rdkv_common::protocol::MemberState;
-
 use super::lease::StopCause;
 use super::ViewService;
 use crate::snapshot::file::Fence;
@@ -18,7 +16,7 @@ impl ViewService {
     /// first start, as `lease.rs`'s `view_standing` reads it).
     fn serving_member(&self) -> bool {
         self.own_record().is_some_and(|record| {
-            record.state == MemberState::Serving
+            record.state.serves_data()
                 && (record.incarnation == self.incarnation
                     || (record.incarnation == 0 && !self.had_history))
         })

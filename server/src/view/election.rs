@@ -175,10 +175,11 @@ impl ViewService {
     /// Calls still waiting once a majority said yes are dropped, with their connections.
     async fn pre_vote(&self, voters: &mut BTreeMap<u32, PeerClient>) -> bool {
         let last_log_id = self.store.last_log_id();
-        let quorum = self.addresses.len() / 2 + 1;
+        let members = self.member_addresses();
+        let quorum = self.member_ids().len() / 2 + 1;
         let mut granted = 1;
         let mut calls = JoinSet::new();
-        for (&peer, &address) in &self.addresses {
+        for (&peer, &address) in &members {
             if peer == self.node_id {
                 continue;
             }
@@ -255,7 +256,7 @@ impl ViewService {
         candidate: u32,
         last_log_id: Option<LogId<PeerId>>,
     ) -> Result<(), String> {
-        if !self.addresses.contains_key(&candidate) {
+        if !self.is_member(candidate) {
             return Err(format!("node {candidate} is not a member of this cluster"));
         }
         let Some(clock) = self.vote_clock().await else {

@@ -170,9 +170,9 @@ impl ViewService {
         // came back (found by attack: a two-node cluster's leader grew its log every
         // failure_timeout).
         let heard = 1 + self
-            .addresses
-            .keys()
-            .filter(|id| **id != self.node_id && heard_within(**id))
+            .member_ids()
+            .into_iter()
+            .filter(|id| *id != self.node_id && heard_within(*id))
             .count();
         if heard * 2 <= members {
             return;

@@ -162,7 +162,7 @@ impl ViewService {
 
     /// Whether a majority of the members exists without this node (three or more).
     pub(super) fn needs_lease(&self) -> bool {
-        self.addresses.len() >= 3
+        self.member_ids().len() >= 3
     }
 
     /// A leader's lease rests on heartbeats that a majority accepted, and a new leader counts
@@ -214,13 +214,12 @@ impl ViewService {
     /// On the leader: when it sent the newest heartbeat that a majority (itself included)
     /// accepted.
     pub(super) fn quorum_accepted(&self) -> Option<Instant> {
-        let peers: Vec<u32> = self
-            .addresses
-            .keys()
-            .copied()
+        let members = self.member_ids();
+        let quorum = members.len() / 2 + 1;
+        let peers: Vec<u32> = members
+            .into_iter()
             .filter(|id| *id != self.node_id)
             .collect();
-        let quorum = self.addresses.len() / 2 + 1;
         self.liveness.quorum_accepted(&peers, quorum)
     }
 
@@ -254,7 +253,7 @@ impl ViewService {
     /// follower deaf to the leader kept asking, and stayed in the view 2.7 s, its keys
     /// unserved).
     pub(super) fn grant_lease(&self, node_id: u32, epoch: u64) -> PeerReply {
-        if !self.addresses.contains_key(&node_id) {
+        if !self.is_member(node_id) {
             return PeerReply::Lease(Err(format!(
                 "node {node_id} is not a member of this cluster"
             )));
@@ -310,7 +309,7 @@ impl ViewService {
                 }
                 continue;
             }
-            let Some(address) = self.addresses.get(&leader).copied() else {
+            let Some(address) = self.address_of(leader) else {
                 continue;
             };
             if client

@@ -5,6 +5,8 @@
 //! - `storage.rs`: the vote, log and view, persisted to the node's state file.
 //! - `network.rs`: Raft's messages over authenticated control connections, and who answered
 //!   when ([`network::Liveness`]).
+//! - `membership.rs`: who the members are and where they listen, and the leader's side of
+//!   adding and removing one (`docs/protocol.md`, *Membership changes*).
 //!
 //! Tasks run beside Raft on every node of a cluster of two or more:
 //! - **the election timer** (`election.rs`): openraft's own is off; a node that has heard no
@@ -29,6 +31,7 @@ mod failure_detector;
 mod lease;
 mod leave;
 mod losses;
+mod membership;
 mod network;
 mod peer_link;
 mod published;
@@ -91,6 +94,10 @@ pub struct ViewSettings {
     /// The cluster's `replicas`: this many members down at once lose keys (the view records
     /// it).
     pub replicas: usize,
+    /// The node joins a running cluster (`rdkv-cluster add-node`): it does not initialize
+    /// Raft with the cluster file's nodes, and learns the view from the leader's log once the
+    /// leader adds it (`membership.rs`).
+    pub joining: bool,
 }
 
 /// The node's part in the cluster view.
@@ -105,8 +112,10 @@ pub struct ViewService {
     raft: Option<Raft<TypeConfig>>,
     /// The applied view.
     view: tokio::sync::watch::Receiver<types::ViewState>,
-    /// The members' control addresses.
-    addresses: BTreeMap<u32, SocketAddr>,
+    /// The control addresses of the cluster file's nodes, as this node was started with it;
+    /// a member added later is reached at the address in Raft's membership
+    /// ([`Self::address_of`]).
+    configured_addresses: BTreeMap<u32, SocketAddr>,
     /// The cluster secret.
     secret: Arc<[u8]>,
     /// A member silent this long is committed down.
@@ -152,6 +161,9 @@ pub struct ViewService {
     /// Times the node dropped a lease before its end (it stopped leading): a published
     /// serving interval does not continue across a drop.
     lease_drops: AtomicU64,
+    /// Set once the view has had this node as a member: a node removed from the view asks
+    /// for no join afterwards (`membership.rs`).
+    was_member: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -178,7 +190,12 @@ impl ViewService {
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>> {
         let node_ids: Vec<u32> = settings.members.iter().map(|(id, _)| *id).collect();
-        let store = Store::open(settings.state_file.clone(), &node_ids, settings.replicas)?;
+        let store = Store::open(
+            settings.state_file.clone(),
+            &node_ids,
+            settings.replicas,
+            settings.joining,
+        )?;
         let had_history = store.has_history();
         let view = store.view();
         let addresses: BTreeMap<u32, SocketAddr> = settings.members.iter().copied().collect();
@@ -195,7 +212,7 @@ impl ViewService {
             resume_from: settings.resume_from,
             raft,
             view,
-            addresses,
+            configured_addresses: addresses,
             secret,
             failure_timeout: settings.failure_timeout,
             committed: AtomicU64::new(0),
@@ -215,6 +232,7 @@ impl ViewService {
             lease_drops: AtomicU64::new(0),
             leaving: std::sync::atomic::AtomicBool::new(false),
             stopped_serving_at: std::sync::Mutex::new(None),
+            was_member: std::sync::atomic::AtomicBool::new(false),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
@@ -265,7 +283,7 @@ impl ViewService {
         terms: &[u64],
     ) -> Option<String> {
         let sender = vote.leader_id.node_id;
-        if !u32::try_from(sender).is_ok_and(|sender| self.addresses.contains_key(&sender)) {
+        if !u32::try_from(sender).is_ok_and(|sender| self.is_member(sender)) {
             return Some(format!("node {sender} is not a member of this cluster"));
         }
         let current = raft.metrics().borrow().current_term;
@@ -370,6 +388,13 @@ impl ViewService {
                 node_id,
                 incarnation,
             } => self.commit_leave(node_id, incarnation).await,
+            PeerRequest::ChangeMembership(change) => {
+                PeerReply::Join(self.lead_membership_change(change).await)
+            }
+            PeerRequest::RemoveMember {
+                node_id,
+                incarnation,
+            } => PeerReply::Join(self.lead_removal(node_id, incarnation).await),
             PeerRequest::PreVote {
                 node_id,
                 last_log_id,
@@ -379,7 +404,7 @@ impl ViewService {
                 incarnation,
                 filling_since,
             } => {
-                if !self.addresses.contains_key(&node_id) {
+                if !self.is_member(node_id) {
                     return PeerReply::Join(Err(format!(
                         "node {node_id} is not a member of this cluster"
                     )));
@@ -425,7 +450,7 @@ impl ViewService {
         node_id: u32,
         incarnation: u64,
     ) -> std::result::Result<u64, String> {
-        if !self.addresses.contains_key(&node_id) {
+        if !self.is_member(node_id) {
             return Err(format!("node {node_id} is not a member of this cluster"));
         }
         // A node that cannot hear the leader could not apply its join (`lease.rs`).
@@ -515,7 +540,7 @@ impl ViewService {
             });
             // A node the whole cluster's stop took down stays down until it exits: its final
             // snapshot names the stop, and its next process resumes from it (`stop.rs`).
-            if joined || self.stop_applied_here().is_some() {
+            if joined || self.stop_applied_here().is_some() || self.removed() {
                 continue;
             }
             let (command, request) = self.join_command();
@@ -545,7 +570,7 @@ impl ViewService {
                 .borrow()
                 .members
                 .values()
-                .any(|record| record.state == MemberState::Serving)
+                .any(|record| record.state.serves_data())
     }
 
     /// While this node is filling as this incarnation: the epoch its record became `filling`,
@@ -650,7 +675,7 @@ impl ViewService {
         if leader == self.node_id {
             return self.commit(command).await;
         }
-        let Some(address) = self.addresses.get(&leader).copied() else {
+        let Some(address) = self.address_of(leader) else {
             return Err(format!("the leader {leader} is not a member"));
         };
         let asked = tokio::select! {
@@ -695,7 +720,7 @@ async fn start_raft(
     }
     .validate()
     .map_err(|error| consensus(error.to_string()))?;
-    if !store.has_history() {
+    if !store.has_history() && !settings.joining {
         let members: BTreeMap<PeerId, BasicNode> = settings
             .members
             .iter()

@@ -174,7 +174,7 @@ impl ViewService {
                 incarnation,
                 stopped_at,
             } => {
-                if !self.addresses.contains_key(&node_id) {
+                if !self.is_member(node_id) {
                     return PeerReply::Join(Err(format!(
                         "node {node_id} is not a member of this cluster"
                     )));

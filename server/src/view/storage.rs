@@ -159,8 +159,10 @@ fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
 
 impl Store {
     /// Opens the store: the state file's contents when it has some for these `node_ids`, else
-    /// a fresh state whose view has every node serving. A state file written for another set
-    /// of nodes (the cluster file changed) is set aside as `FILE.old`, with a warning.
+    /// a fresh state whose view has every node serving (none, for a node that joins a running
+    /// cluster: it learns the view from the leader's log). A state file whose view names a
+    /// node `node_ids` lacks (the cluster file changed) is set aside as `FILE.old`, with a
+    /// warning; `node_ids` may list nodes the view does not have (not added yet, or removed).
     ///
     /// # Errors
     /// The state file exists but cannot be read or decoded.
@@ -168,9 +170,16 @@ impl Store {
         file: Option<PathBuf>,
         node_ids: &[u32],
         replicas: usize,
+        joining: bool,
     ) -> Result<Self, crate::Error> {
+        // A node that joins a running cluster learns the view from the leader's log: the first
+        // entry's membership names the members the view began with (`apply_to_state_machine`).
         let fresh = Persisted {
-            view: ViewState::initial(node_ids),
+            view: if joining {
+                ViewState::default()
+            } else {
+                ViewState::initial(node_ids)
+            },
             ..Persisted::default()
         };
         let state = match &file {
@@ -183,7 +192,10 @@ impl Store {
                 let known: Vec<u32> = persisted.view.members.keys().copied().collect();
                 let mut wanted = node_ids.to_vec();
                 wanted.sort_unstable();
-                if known == wanted {
+                // The cluster file may list nodes the view has not added yet, or no longer has
+                // (`rdkv-cluster add-node`, `remove-node`): the view's members decide.
+                let listed = known.iter().all(|node_id| wanted.contains(node_id));
+                if listed && !known.is_empty() {
                     persisted
                 } else {
                     let aside = path.with_extension("old");
@@ -444,6 +456,15 @@ impl RaftStorage<TypeConfig> for Store {
                         }
                     }
                     EntryPayload::Membership(membership) => {
+                        if state.view.members.is_empty() && state.view.epoch == 0 {
+                            // A joining node replaying the log: the view began with the
+                            // first membership's voters, all serving.
+                            let voters: Vec<u32> = membership
+                                .voter_ids()
+                                .filter_map(|id| u32::try_from(id).ok())
+                                .collect();
+                            state.view = ViewState::initial(&voters);
+                        }
                         state.membership =
                             StoredMembership::new(Some(entry.log_id), membership.clone());
                     }
@@ -518,7 +539,7 @@ mod tests {
         std::fs::create_dir_all(&directory).expect("directory");
         let file = directory.join("node-1.view");
         let _ = std::fs::remove_file(&file);
-        let mut store = Store::open(Some(file.clone()), &[1, 2, 3], 2).expect("open");
+        let mut store = Store::open(Some(file.clone()), &[1, 2, 3], 2, false).expect("open");
         assert!(!store.has_history());
         store.save_vote(&Vote::new(3, 2)).await.expect("vote");
         let entries = vec![
@@ -535,7 +556,7 @@ mod tests {
         store.apply_to_state_machine(&entries).await.expect("apply");
         drop(store);
 
-        let mut reopened = Store::open(Some(file.clone()), &[3, 2, 1], 2).expect("reopen");
+        let mut reopened = Store::open(Some(file.clone()), &[3, 2, 1], 2, false).expect("reopen");
         assert!(reopened.has_history());
         assert_eq!(
             reopened.read_vote().await.expect("vote"),
@@ -549,7 +570,8 @@ mod tests {
         drop(reopened);
 
         // The cluster file now names other nodes: a fresh start, the old state kept aside.
-        let other = Store::open(Some(file.clone()), &[1, 2], 2).expect("open for other nodes");
+        let other =
+            Store::open(Some(file.clone()), &[1, 2], 2, false).expect("open for other nodes");
         assert!(!other.has_history());
         assert!(file.with_extension("old").exists());
         let _ = std::fs::remove_dir_all(&directory);
@@ -564,13 +586,13 @@ mod tests {
         let mut corrupt = FILE_HEADER.to_vec();
         corrupt.extend_from_slice(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff");
         std::fs::write(&file, &corrupt).expect("write");
-        let error = Store::open(Some(file.clone()), &[1, 2], 2).expect_err("corrupt");
+        let error = Store::open(Some(file.clone()), &[1, 2], 2, false).expect_err("corrupt");
         let message = error.to_string();
         assert!(message.contains("delete the file"), "{message}");
         assert!(!message.contains('\n'));
         // A file of an earlier format (no header) is refused, not misread.
         std::fs::write(&file, b"\x01\x00\x00\x00\x00\x00\x00\x00\x02").expect("write");
-        let error = Store::open(Some(file), &[1, 2], 2).expect_err("an earlier format");
+        let error = Store::open(Some(file), &[1, 2], 2, false).expect_err("an earlier format");
         let message = error.to_string();
         assert!(message.contains("another version of rdkv"), "{message}");
         assert!(!message.contains('\n'));
@@ -606,7 +628,7 @@ mod tests {
         let mut bytes = FILE_HEADER_2.to_vec();
         bytes.extend(bincode::serialize(&before).expect("encode"));
         std::fs::write(&file, bytes).expect("write");
-        let store = Store::open(Some(file), &[1, 2, 3], 2).expect("a format 2 file opens");
+        let store = Store::open(Some(file), &[1, 2, 3], 2, false).expect("a format 2 file opens");
         let view = store.view().borrow().clone();
         assert_eq!(view.epoch, 9);
         assert_eq!(view.last_stop, Some(9));

@@ -103,6 +103,33 @@ pub enum ViewCommand {
         /// The epoch every filling member reconciled under.
         epoch: u64,
     },
+    /// A node not in the view becomes a member (`rdkv-cluster add-node`): `down`, never
+    /// served, until its join makes it fill (`membership.rs`). A member already known changes
+    /// nothing.
+    AddMember {
+        /// The new member.
+        node_id: u32,
+        /// Its control address, for the members started before it (Raft's membership carries
+        /// it too).
+        address: String,
+    },
+    /// A serving member starts to leave (`rdkv-cluster remove-node`): `leaving`, still a
+    /// key's primary or copy by the ranking over the members that serve data, while every
+    /// write also reaches the copies of the ranking without it, and its hand-over copies the
+    /// rest (`crate::handover`).
+    Retire {
+        /// The leaving member.
+        node_id: u32,
+    },
+    /// A leaving member whose hand-over is complete is out of the view; so is a member that
+    /// never served (an addition abandoned: it holds no key of its own), whatever its state.
+    RemoveMember {
+        /// The member.
+        node_id: u32,
+        /// The incarnation that handed its keys over (a hand-over of an earlier process
+        /// removes nothing), or the never-served member's record's.
+        incarnation: u64,
+    },
 }
 
 /// What applying a command gives back: the epoch after it.
@@ -128,7 +155,8 @@ pub struct MemberRecord {
 pub struct ViewState {
     /// Bumped by every command that changes a record.
     pub epoch: u64,
-    /// Every node of the cluster file.
+    /// Every member: the cluster file's nodes at the first start, then as
+    /// [`ViewCommand::AddMember`] and [`ViewCommand::RemoveMember`] change them.
     pub members: BTreeMap<u32, MemberRecord>,
     /// The epoch of the last [`ViewCommand::Stop`] that changed the view: members down or
     /// resumed since it hold their keys in the stop's snapshots.
@@ -179,7 +207,7 @@ impl ViewState {
                         // A filling member keeps its round: one resumed from a stop and marked down
                         // before the stop's members serve may resume again (nothing was written
                         // meanwhile: nobody served); any other comes back by a join, a new round.
-                        if record.state == MemberState::Serving {
+                        if record.state.serves_data() {
                             record.since = next;
                         }
                         record.state = MemberState::Down;
@@ -240,6 +268,19 @@ impl ViewState {
             ViewCommand::PromoteReconciled { epoch } => {
                 epoch == self.epoch && self.promote_filling(next)
             }
+            ViewCommand::AddMember { node_id, .. } => self.add_member(node_id, next),
+            ViewCommand::Retire { node_id } => match self.members.get_mut(&node_id) {
+                Some(record) if record.state == MemberState::Serving => {
+                    record.state = MemberState::Leaving;
+                    record.since = next;
+                    true
+                }
+                _ => false,
+            },
+            ViewCommand::RemoveMember {
+                node_id,
+                incarnation,
+            } => self.remove_member(node_id, incarnation),
         };
         if changed {
             self.epoch += 1;
@@ -248,12 +289,58 @@ impl ViewState {
         self.epoch
     }
 
+    /// A [`ViewCommand::AddMember`] at epoch `next`: a new member, down until it joins;
+    /// whether it changed the view.
+    fn add_member(&mut self, node_id: u32, next: u64) -> bool {
+        if self.members.contains_key(&node_id) {
+            return false;
+        }
+        self.members.insert(
+            node_id,
+            MemberRecord {
+                state: MemberState::Down,
+                incarnation: 0,
+                since: next,
+            },
+        );
+        true
+    }
+
+    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, or a member that
+    /// never served, is out of the view; whether it changed the view.
+    fn remove_member(&mut self, node_id: u32, incarnation: u64) -> bool {
+        let never_served = !self.ever_served.contains(&node_id);
+        let leaving = self.members.get(&node_id).is_some_and(|record| {
+            record.incarnation == incarnation
+                && (record.state == MemberState::Leaving
+                    || (never_served && record.state != MemberState::Serving))
+        });
+        if leaving {
+            self.members.remove(&node_id);
+            self.ever_served.remove(&node_id);
+            self.left_cleanly.remove(&node_id);
+        }
+        leaving
+    }
+
+    /// Whether a membership change is under way: a member added that has not served yet
+    /// (down until it joins, then filling), or one leaving. One change runs at a time.
+    pub fn changing_members(&self) -> Option<u32> {
+        self.members
+            .iter()
+            .find(|(node_id, record)| {
+                record.state == MemberState::Leaving
+                    || (record.state != MemberState::Serving && !self.ever_served.contains(node_id))
+            })
+            .map(|(node_id, _)| *node_id)
+    }
+
     /// A [`ViewCommand::Stop`] at epoch `next`: every serving member down; whether it changed
     /// a record.
     fn stop(&mut self, next: u64) -> bool {
         let mut changed = false;
         for record in self.members.values_mut() {
-            if record.state == MemberState::Serving {
+            if record.state.serves_data() {
                 record.state = MemberState::Down;
                 record.since = next;
                 changed = true;
@@ -354,7 +441,7 @@ impl ViewState {
             .filter(|(node_id, record)| {
                 // A member that never served held nothing: writes went to the others.
                 self.ever_served.contains(node_id)
-                    && record.state != MemberState::Serving
+                    && !record.state.serves_data()
                     && Some(record.since) != self.last_stop
             })
             .map(|(node_id, _)| *node_id)
@@ -468,11 +555,11 @@ impl ViewState {
         Some(loss)
     }
 
-    /// The members serving, by id.
+    /// The members serving data (serving or leaving), by id.
     pub fn serving_members(&self) -> Vec<u32> {
         self.members
             .iter()
-            .filter(|(_, record)| record.state == MemberState::Serving)
+            .filter(|(_, record)| record.state.serves_data())
             .map(|(node_id, _)| *node_id)
             .collect()
     }
@@ -489,6 +576,17 @@ impl ViewState {
             })
     }
 
+    /// A member's state as clients see it: a filling member that never served is joining
+    /// (added by `rdkv-cluster add-node`, or a first start that fills), which a client of one
+    /// copy per key must route by the view for (`docs/protocol.md`, *Membership changes*).
+    fn public_state(&self, node_id: u32, state: MemberState) -> MemberState {
+        if state == MemberState::Filling && !self.ever_served.contains(&node_id) {
+            MemberState::Joining
+        } else {
+            state
+        }
+    }
+
     /// The view as clients see it.
     pub fn public(&self, leader: Option<u32>) -> ClusterView {
         ClusterView {
@@ -499,7 +597,7 @@ impl ViewState {
                 .iter()
                 .map(|(node_id, record)| ViewMember {
                     node_id: *node_id,
-                    state: record.state,
+                    state: self.public_state(*node_id, record.state),
                 })
                 .collect(),
             losses: self.losses.clone(),
@@ -586,6 +684,17 @@ pub enum PeerRequest {
     PromoteReconciled {
         /// The epoch every filling member reconciled under.
         epoch: u64,
+    },
+    /// `rdkv-cluster add-node` or `remove-node`, through any node, asks the leader to start a
+    /// membership change (`membership.rs`).
+    ChangeMembership(rdkv_common::protocol::MembershipChange),
+    /// A leaving node whose keys have their new copies asks the leader to take it out of the
+    /// view and of Raft's membership.
+    RemoveMember {
+        /// The leaving node.
+        node_id: u32,
+        /// Its incarnation.
+        incarnation: u64,
     },
 }
 
@@ -1129,5 +1238,117 @@ mod tests {
             1,
             "node 1 killed: its writes since its snapshot"
         );
+    }
+    /// A member added is down until its join, then joining (filling, never served) until
+    /// its promotion; a member retired is leaving (still serving data) until its removal,
+    /// which only its own incarnation's hand-over makes. One change at a time is visible.
+    #[test]
+    fn a_member_is_added_joins_and_serves_and_another_leaves_and_is_removed() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            apply_noting_loss(
+                &mut view,
+                ViewCommand::Join {
+                    node_id,
+                    incarnation: u64::from(node_id),
+                },
+                1,
+            );
+        }
+        assert_eq!(view.changing_members(), None);
+        let epoch = view.apply(&ViewCommand::AddMember {
+            node_id: 4,
+            address: "127.0.0.1:1".into(),
+        });
+        assert_eq!(view.members[&4].state, MemberState::Down);
+        assert_eq!(view.changing_members(), Some(4));
+        assert_eq!(
+            view.apply(&ViewCommand::AddMember {
+                node_id: 4,
+                address: "127.0.0.1:1".into(),
+            }),
+            epoch,
+            "added already"
+        );
+        assert!(view.without_whole_copy().is_empty(), "it held nothing");
+        view.apply(&ViewCommand::Join {
+            node_id: 4,
+            incarnation: 44,
+        });
+        assert_eq!(view.members[&4].state, MemberState::Filling);
+        let public = view.public(None);
+        assert_eq!(state(&public, 4), MemberState::Joining);
+        assert!(view.losses.is_empty());
+        view.apply(&ViewCommand::Promote {
+            node_id: 4,
+            incarnation: 44,
+            filling_since: view.members[&4].since,
+        });
+        assert_eq!(view.changing_members(), None);
+        assert_eq!(state(&view.public(None), 4), MemberState::Serving);
+
+        let before = view.clone();
+        view.apply(&ViewCommand::Retire { node_id: 1 });
+        assert_eq!(view.members[&1].state, MemberState::Leaving);
+        assert!(view.placement_differs(&before));
+        assert_eq!(
+            view.public(None).serving(),
+            vec![1, 2, 3, 4],
+            "it serves data"
+        );
+        assert_eq!(view.changing_members(), Some(1));
+        let epoch = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::RemoveMember {
+                node_id: 1,
+                incarnation: 9,
+            }),
+            epoch,
+            "another process's hand-over removes nothing"
+        );
+        view.apply(&ViewCommand::RemoveMember {
+            node_id: 1,
+            incarnation: 1,
+        });
+        assert!(!view.members.contains_key(&1));
+        assert!(!view.ever_served.contains(&1));
+        assert_eq!(view.public(None).serving(), vec![2, 3, 4]);
+        assert!(view.losses.is_empty());
+
+        // An addition abandoned: node 5 joined, and went down before it served.
+        view.apply(&ViewCommand::AddMember {
+            node_id: 5,
+            address: "127.0.0.1:2".into(),
+        });
+        view.apply(&ViewCommand::Join {
+            node_id: 5,
+            incarnation: 55,
+        });
+        view.apply(&ViewCommand::MarkDown { node_id: 5 });
+        assert_eq!(view.changing_members(), Some(5));
+        view.apply(&ViewCommand::RemoveMember {
+            node_id: 5,
+            incarnation: 55,
+        });
+        assert!(!view.members.contains_key(&5));
+        assert_eq!(view.changing_members(), None);
+        let epoch = view.epoch;
+        assert_eq!(
+            view.apply(&ViewCommand::RemoveMember {
+                node_id: 2,
+                incarnation: 2,
+            }),
+            epoch,
+            "a serving member is removed only after its hand-over"
+        );
+    }
+
+    /// A member's state in a public view.
+    fn state(view: &ClusterView, node_id: u32) -> MemberState {
+        view.members
+            .iter()
+            .find(|member| member.node_id == node_id)
+            .map(|member| member.state)
+            .expect("a member")
     }
 }

@@ -1,0 +1,353 @@
+//! Membership changes (`docs/protocol.md`, *Membership changes*): who the members are and
+//! where they listen, and the leader's side of `rdkv-cluster add-node` and `remove-node`.
+//!
+//! - **Adding** node `N` (running, started with `--join`): the leader makes it a Raft
+//!   learner (it catches up on the whole log, and so learns the view), commits
+//!   [`ViewCommand::AddMember`] (a member `down`, never served), then makes it a voter with
+//!   openraft's joint consensus (`change_membership`). The node's join loop then asks for its
+//!   join, which makes it filling; it is refilled and promoted as a restarted node is.
+//! - **Removing** member `N`: the leader commits [`ViewCommand::Retire`] (`N` leaving, still
+//!   serving); `N`'s hand-over (`crate::handover`) copies its keys to the members that stay and
+//!   asks for [`ViewCommand::RemoveMember`], which the leader commits before it takes `N` out
+//!   of Raft's voters.
+//!
+//! One change runs at a time: the leader refuses another while a member joins or leaves.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use openraft::{BasicNode, ChangeMembers};
+use rdkv_common::protocol::{MemberState, MembershipChange};
+
+use super::types::{PeerId, PeerRequest, ViewCommand};
+use super::ViewService;
+
+/// How long the leader gives each Raft step of a membership change (a learner catching up on
+/// the log, a joint configuration committing).
+const RAFT_STEP_WITHIN: Duration = Duration::from_secs(15);
+
+impl ViewService {
+    /// Whether `node_id` is a member: of the view, or, before this node has any view (it joins
+    /// and has not caught up on the log yet), of its cluster file.
+    pub(super) fn is_member(&self, node_id: u32) -> bool {
+        let view = self.view.borrow();
+        if view.members.is_empty() {
+            return self.configured_addresses.contains_key(&node_id);
+        }
+        view.members.contains_key(&node_id)
+    }
+
+    /// The members' ids, as [`Self::is_member`] counts them.
+    pub(super) fn member_ids(&self) -> Vec<u32> {
+        let view = self.view.borrow();
+        if view.members.is_empty() {
+            return self.configured_addresses.keys().copied().collect();
+        }
+        view.members.keys().copied().collect()
+    }
+
+    /// The members' control addresses (those that can be found: [`Self::address_of`]).
+    pub(super) fn member_addresses(&self) -> BTreeMap<u32, SocketAddr> {
+        self.member_ids()
+            .into_iter()
+            .filter_map(|node_id| Some((node_id, self.address_of(node_id)?)))
+            .collect()
+    }
+
+    /// Where member `node_id` listens: as this node's cluster file says, else as Raft's
+    /// membership says (a member added after this node started).
+    pub(super) fn address_of(&self, node_id: u32) -> Option<SocketAddr> {
+        if let Some(address) = self.configured_addresses.get(&node_id) {
+            return Some(*address);
+        }
+        let raft = self.raft.as_ref()?;
+        let metrics = raft.metrics();
+        let metrics = metrics.borrow();
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&PeerId::from(node_id))
+            .and_then(|node| node.addr.parse().ok())
+    }
+
+    /// Whether the view had this node as a member and no longer does: it was removed, and asks
+    /// for no join.
+    pub(super) fn removed(&self) -> bool {
+        if self.own_record().is_some() {
+            self.was_member.store(true, Ordering::Release);
+            return false;
+        }
+        self.was_member.load(Ordering::Acquire)
+    }
+
+    /// While this node is leaving as this incarnation: the epoch its record became `leaving`
+    /// (its hand-over's round).
+    pub fn leaving_round(&self) -> Option<u64> {
+        self.own_record()
+            .filter(|record| {
+                record.state == MemberState::Leaving && record.incarnation == self.incarnation
+            })
+            .map(|record| record.since)
+    }
+
+    /// Asks the leader to start `change` (`rdkv-cluster add-node`, `remove-node`); the epoch
+    /// of the view with it, or why not.
+    pub async fn change_membership(
+        &self,
+        change: MembershipChange,
+    ) -> std::result::Result<u64, String> {
+        if self.raft.is_none() {
+            return Err(
+                "a one-node cluster runs no consensus: start it with two or more nodes".into(),
+            );
+        }
+        if self.leader() == Some(self.node_id) {
+            return self.lead_membership_change(change).await;
+        }
+        self.ask_leader_for(&PeerRequest::ChangeMembership(change))
+            .await
+    }
+
+    /// Asks the leader to take this node, leaving and handed over, out of the view.
+    pub async fn ask_removal(&self) -> std::result::Result<u64, String> {
+        if self.leader() == Some(self.node_id) {
+            return self.lead_removal(self.node_id, self.incarnation).await;
+        }
+        self.ask_leader_for(&PeerRequest::RemoveMember {
+            node_id: self.node_id,
+            incarnation: self.incarnation,
+        })
+        .await
+    }
+
+    /// Sends `request` to the leader; its answer.
+    async fn ask_leader_for(&self, request: &PeerRequest) -> std::result::Result<u64, String> {
+        let Some(leader) = self.leader() else {
+            return Err("no leader".into());
+        };
+        let Some(address) = self.address_of(leader) else {
+            return Err(format!("the leader {leader} is not a member"));
+        };
+        let asked = tokio::select! {
+            _ = self.shutdown.cancelled() => return Err("the node is stopping".into()),
+            asked = super::ask_leader(leader, address, self.secret.clone(), request, RAFT_STEP_WITHIN * 3) => asked,
+        };
+        match asked {
+            Ok(super::types::PeerReply::Join(outcome)) => outcome,
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(reason) => Err(reason),
+        }
+    }
+
+    /// On the leader: starts `change`. The epoch of the view with it, or why not.
+    pub(super) async fn lead_membership_change(
+        &self,
+        change: MembershipChange,
+    ) -> std::result::Result<u64, String> {
+        if self.leader() != Some(self.node_id) {
+            return Err(format!("node {} is not the leader", self.node_id));
+        }
+        let node_id = match &change {
+            MembershipChange::Add { node_id, .. } | MembershipChange::Remove { node_id } => {
+                *node_id
+            }
+        };
+        let under_way = self.view.borrow().changing_members();
+        if let Some(other) = under_way.filter(|other| *other != node_id) {
+            return Err(format!(
+                "node {other} is still joining or leaving: one membership change at a time (wait for `rdkv-cluster status` to show it serving, or gone)"
+            ));
+        }
+        match change {
+            MembershipChange::Add {
+                node_id,
+                control_address,
+            } => self.lead_addition(node_id, control_address).await,
+            MembershipChange::Remove { node_id } => self.lead_retirement(node_id).await,
+        }
+    }
+
+    /// On the leader: node `node_id` at `address` becomes a learner, a member of the view
+    /// (down until it joins) and a voter. Each step is skipped when done already, so a retry
+    /// finishes an interrupted addition.
+    async fn lead_addition(
+        &self,
+        node_id: u32,
+        address: String,
+    ) -> std::result::Result<u64, String> {
+        let parsed: SocketAddr = address.parse().map_err(|error| {
+            format!("node {node_id}'s control address {address:?} is not an address: {error}")
+        })?;
+        let raft = self
+            .raft
+            .as_ref()
+            .ok_or("a one-node cluster runs no consensus")?;
+        let peer = PeerId::from(node_id);
+        if !self.voters().contains(&peer) {
+            tracing::info!(node_id, %parsed, "adding a learner: it catches up on the view's log");
+            let added = tokio::time::timeout(
+                RAFT_STEP_WITHIN,
+                raft.add_learner(peer, BasicNode::new(parsed.to_string()), true),
+            )
+            .await;
+            match added {
+                Err(_) => {
+                    return Err(format!(
+                    "node {node_id} did not catch up on the view's log within {RAFT_STEP_WITHIN:?}: is it running, started with --join, at {address}?"
+                ))
+                }
+                Ok(Err(error)) => return Err(format!("adding node {node_id} as a learner: {error}")),
+                Ok(Ok(_)) => {}
+            }
+        }
+        let mut epoch = self
+            .commit(ViewCommand::AddMember {
+                node_id,
+                address: parsed.to_string(),
+            })
+            .await?;
+        if !self.voters().contains(&peer) {
+            let changed = tokio::time::timeout(
+                RAFT_STEP_WITHIN,
+                raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([peer])), false),
+            )
+            .await;
+            match changed {
+                Err(_) => {
+                    return Err(format!(
+                    "making node {node_id} a voter was not committed within {RAFT_STEP_WITHIN:?}"
+                ))
+                }
+                Ok(Err(error)) => return Err(format!("making node {node_id} a voter: {error}")),
+                Ok(Ok(_)) => {}
+            }
+            epoch = self.epoch();
+        }
+        tracing::info!(node_id, epoch, "member added: it joins, fills, then serves");
+        Ok(epoch)
+    }
+
+    /// On the leader: serving member `node_id` starts to leave; a member that never served
+    /// (an addition abandoned) is removed at once.
+    async fn lead_retirement(&self, node_id: u32) -> std::result::Result<u64, String> {
+        let (record, never_served, serving, epoch) = {
+            let view = self.view.borrow();
+            let record = view.members.get(&node_id).copied();
+            let never_served = !view.ever_served.contains(&node_id);
+            (
+                record,
+                never_served,
+                view.serving_members().len(),
+                view.epoch,
+            )
+        };
+        let state = record.map(|record| record.state);
+        if let Some(record) = record.filter(|record| {
+            never_served && !matches!(record.state, MemberState::Serving | MemberState::Leaving)
+        }) {
+            return self.lead_removal(node_id, record.incarnation).await;
+        }
+        match state {
+            None => return Err(format!("node {node_id} is not a member of the view")),
+            Some(MemberState::Leaving) => return Ok(epoch),
+            Some(MemberState::Serving) => {}
+            Some(other) => {
+                return Err(format!(
+                    "node {node_id} is {other}: only a serving member hands its keys over (wait until it serves)"
+                ))
+            }
+        }
+        if serving < 2 {
+            return Err(format!(
+                "node {node_id} is the only member serving: nothing could take its keys"
+            ));
+        }
+        self.commit(ViewCommand::Retire { node_id }).await
+    }
+
+    /// On the leader: leaving member `node_id`, handed over as `incarnation`, is out of the
+    /// view, then out of Raft's voters.
+    pub(super) async fn lead_removal(
+        &self,
+        node_id: u32,
+        incarnation: u64,
+    ) -> std::result::Result<u64, String> {
+        if self.leader() != Some(self.node_id) {
+            return Err(format!("node {} is not the leader", self.node_id));
+        }
+        let raft = self
+            .raft
+            .as_ref()
+            .ok_or("a one-node cluster runs no consensus")?;
+        let (present, never_served) = {
+            let view = self.view.borrow();
+            let present = view.members.get(&node_id).copied();
+            (present, !view.ever_served.contains(&node_id))
+        };
+        let epoch = match present {
+            None => self.epoch(),
+            Some(record)
+                if record.incarnation == incarnation
+                    && (record.state == MemberState::Leaving
+                        || (never_served && record.state != MemberState::Serving)) =>
+            {
+                self.commit(ViewCommand::RemoveMember {
+                    node_id,
+                    incarnation,
+                })
+                .await?
+            }
+            Some(record) => {
+                return Err(format!(
+                    "node {node_id} is {} as another process: its hand-over removes nothing",
+                    record.state
+                ))
+            }
+        };
+        let peer = PeerId::from(node_id);
+        if self.voters().contains(&peer) {
+            let changed = tokio::time::timeout(
+                RAFT_STEP_WITHIN,
+                raft.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([peer])), false),
+            )
+            .await;
+            match changed {
+                Err(_) => {
+                    return Err(format!(
+                        "removing node {node_id} from the voters was not committed within {RAFT_STEP_WITHIN:?}"
+                    ))
+                }
+                Ok(Err(error)) => {
+                    return Err(format!("removing node {node_id} from the voters: {error}"))
+                }
+                Ok(Ok(_)) => {}
+            }
+        }
+        tracing::info!(node_id, epoch, "member removed");
+        Ok(epoch)
+    }
+
+    /// The members this node's view has joining and leaving, for its stats.
+    pub fn changing_figures(&self) -> (u64, u64) {
+        let view = self.current();
+        let count = |state| {
+            view.members
+                .iter()
+                .filter(|member| member.state == state)
+                .count() as u64
+        };
+        (count(MemberState::Joining), count(MemberState::Leaving))
+    }
+
+    /// Raft's voters, by the membership this node knows.
+    fn voters(&self) -> BTreeSet<PeerId> {
+        let Some(raft) = &self.raft else {
+            return BTreeSet::new();
+        };
+        let metrics = raft.metrics();
+        let metrics = metrics.borrow();
+        metrics.membership_config.membership().voter_ids().collect()
+    }
+}
