@@ -253,6 +253,18 @@ pub fn start_joining(
             config.path.display()
         )));
     }
+    let snapshot = chosen
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| data_dir(run_directory, node))
+        .join("snapshot.rdkv");
+    if snapshot.exists() {
+        // A joining node would load it, and serve keys deleted since it was written.
+        return Err(Error::Refused(format!(
+            "node {node} has a snapshot from an earlier membership ({}): a joining node starts empty and is filled from the members; remove that file (it holds nothing the members lack) and run add-node again",
+            snapshot.display()
+        )));
+    }
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(
             "create the run directory {}: {error}",

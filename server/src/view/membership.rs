@@ -160,6 +160,15 @@ impl ViewService {
                 "node {other} is still joining or leaving: one membership change at a time (wait for `rdkv-cluster status` to show it serving, or gone)"
             ));
         }
+        let not_serving = self.view.borrow().served_and_not_serving(node_id);
+        if !not_serving.is_empty() {
+            // With one copy, keys moving from a member that is down to a joining one would be
+            // copied from nobody, and the down member's copies swept when it returns; a
+            // hand-over's next copies may be on a member that is down.
+            return Err(format!(
+                "nodes {not_serving:?} do not serve: a membership change runs only while every member serves (keys moving from or to a member that is down could be lost); bring them back first (`rdkv-cluster status`)"
+            ));
+        }
         match change {
             MembershipChange::Add {
                 node_id,

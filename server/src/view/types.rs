@@ -323,6 +323,20 @@ impl ViewState {
         leaving
     }
 
+    /// The members other than `except` that served and do not serve now (down, or filling
+    /// after a restart): a membership change waits for them.
+    pub fn served_and_not_serving(&self, except: u32) -> Vec<u32> {
+        self.members
+            .iter()
+            .filter(|(node_id, record)| {
+                **node_id != except
+                    && self.ever_served.contains(node_id)
+                    && !record.state.serves_data()
+            })
+            .map(|(node_id, _)| *node_id)
+            .collect()
+    }
+
     /// Whether a membership change is under way: a member added that has not served yet
     /// (down until it joins, then filling), or one leaving. One change runs at a time.
     pub fn changing_members(&self) -> Option<u32> {
@@ -1239,6 +1253,37 @@ mod tests {
             "node 1 killed: its writes since its snapshot"
         );
     }
+    /// A membership change waits for every member that served and does not serve now
+    /// (down, or filling after a restart), other than the member it changes: a member added
+    /// and not yet joined never served, and does not hold it back.
+    #[test]
+    fn a_membership_change_waits_for_members_that_served_and_are_down() {
+        let mut view = ViewState::initial(&[1, 2, 3]);
+        for node_id in 1..=3 {
+            view.apply(&ViewCommand::Join {
+                node_id,
+                incarnation: u64::from(node_id),
+            });
+        }
+        assert!(view.served_and_not_serving(4).is_empty());
+        view.apply(&ViewCommand::AddMember {
+            node_id: 4,
+            address: "127.0.0.1:1".into(),
+        });
+        assert!(
+            view.served_and_not_serving(5).is_empty(),
+            "node 4 never served"
+        );
+        view.apply(&ViewCommand::MarkDown { node_id: 2 });
+        assert_eq!(view.served_and_not_serving(4), vec![2]);
+        assert!(view.served_and_not_serving(2).is_empty(), "itself");
+        view.apply(&ViewCommand::Join {
+            node_id: 2,
+            incarnation: 22,
+        });
+        assert_eq!(view.served_and_not_serving(4), vec![2], "filling again");
+    }
+
     /// A member added is down until its join, then joining (filling, never served) until
     /// its promotion; a member retired is leaving (still serving data) until its removal,
     /// which only its own incarnation's hand-over makes. One change at a time is visible.
