@@ -250,45 +250,13 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         Action::Up { detach, node, .. } => {
             start(&config, &run_directory, detach, node, &file, &run_dir_flag).await
         }
-        Action::Down { node, force, .. } => {
-            if let Some(refusal) = status::secret_refusal(&config, node).await {
-                eprintln!("rdkv-cluster: error: {refusal}");
-                return Ok(3);
-            }
-            if let (Some(node), false) = (node, force) {
-                if let Some(refusal) = status::stop_would_lose(&config, node).await {
-                    eprintln!("rdkv-cluster: error: {refusal}");
-                    return Ok(1);
-                }
-            }
-            for line in launcher::stop(&config, &run_directory, node).await? {
-                say(&line);
-            }
-            if let (Some(node), 1) = (node, config.replicas) {
-                say(&format!(
-                    "node {node}'s keys have no other copy (replicas = 1): operations on them fail with `node unreachable` until `up --node {node}` loads its final snapshot"
-                ));
-            }
-            Ok(0)
-        }
+        Action::Down { node, force, .. } => down(&config, &run_directory, node, force).await,
         Action::Restart {
             node,
             no_wait,
             force,
             ..
-        } => {
-            if let Some(refusal) = status::secret_refusal(&config, Some(node)).await {
-                eprintln!("rdkv-cluster: error: {refusal}");
-                return Ok(3);
-            }
-            if !force {
-                if let Some(refusal) = status::stop_would_lose(&config, node).await {
-                    eprintln!("rdkv-cluster: error: {refusal}");
-                    return Ok(1);
-                }
-            }
-            restart(&config, &run_directory, node, !no_wait).await
-        }
+        } => checked_restart(&config, &run_directory, node, no_wait, force).await,
         Action::Snapshot { node, .. } => snapshot(&config, node).await,
         Action::AddNode { node, .. } => {
             rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
@@ -303,26 +271,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
                 .await?;
             Ok(0)
         }
-        Action::Status { .. } => {
-            let statuses = status::status(&config).await;
-            say(&status::status_table(&statuses));
-            let view = status::view(&statuses);
-            say(&status::view_line(view, &statuses));
-            for line in status::membership_lines(view, &statuses) {
-                say(&line);
-            }
-            for line in status::refill_lines(view, &statuses) {
-                say(&line);
-            }
-            let losses = status::loss_lines(view);
-            for line in &losses {
-                say(line);
-            }
-            match status::exit_code(&statuses) {
-                0 if !losses.is_empty() => Ok(4),
-                code => Ok(code),
-            }
-        }
+        Action::Status { .. } => print_status(&config).await,
         Action::AckLoss { epoch, .. } => acknowledge_losses(&config, epoch).await,
         Action::Logs { node, lines, .. } => {
             let text = tokio::task::block_in_place(|| {
@@ -337,6 +286,79 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             credential,
             ..
         } => print_systemd_unit(&config, node, binary, credential, &file),
+    }
+}
+
+/// `down`: stops the cluster, or one node (refused when that would lose keys, unless
+/// `force`).
+async fn down(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node: Option<u32>,
+    force: bool,
+) -> anyhow::Result<u8> {
+    if let Some(refusal) = status::secret_refusal(config, node).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(3);
+    }
+    if let (Some(node), false) = (node, force) {
+        if let Some(refusal) = status::stop_would_lose(config, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Ok(1);
+        }
+    }
+    for line in launcher::stop(config, run_directory, node).await? {
+        say(&line);
+    }
+    if let (Some(node), 1) = (node, config.replicas) {
+        say(&format!(
+            "node {node}'s keys have no other copy (replicas = 1): operations on them fail with `node unreachable` until `up --node {node}` loads its final snapshot"
+        ));
+    }
+    Ok(0)
+}
+
+/// `restart`: refused when stopping the node would lose keys, unless `force`.
+async fn checked_restart(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node: u32,
+    no_wait: bool,
+    force: bool,
+) -> anyhow::Result<u8> {
+    if let Some(refusal) = status::secret_refusal(config, Some(node)).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(3);
+    }
+    if !force {
+        if let Some(refusal) = status::stop_would_lose(config, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Ok(1);
+        }
+    }
+    restart(config, run_directory, node, !no_wait).await
+}
+
+/// `status`: the nodes' table, the view, membership changes, refills and losses; exit 4 when
+/// a loss is on record, else the status's own code.
+async fn print_status(config: &ClusterConfig) -> anyhow::Result<u8> {
+    let statuses = status::status(config).await;
+    say(&status::status_table(&statuses));
+    let view = status::view(&statuses);
+    say(&status::view_line(view, &statuses));
+    for line in status::membership_lines(view, &statuses) {
+        say(&line);
+    }
+    for line in status::refill_lines(view, &statuses) {
+        say(&line);
+    }
+    let losses = status::loss_lines(view);
+    for line in &losses {
+        say(line);
+    }
+    match status::exit_code(&statuses) {
+        0 if !losses.is_empty() => Ok(4),
+        code => Ok(code),
     }
 }
 
