@@ -81,6 +81,30 @@ pub async fn load(client: Client, index: u64, start: Instant, stop: Arc<AtomicBo
     seen
 }
 
+/// Asserts that `rdkv-cluster COMMAND FILE --node N --run-dir DIR` refused with one line on
+/// standard error saying `says`, and exit 1.
+pub async fn assert_refused(
+    command: &'static str,
+    file: String,
+    run_directory: String,
+    node: u32,
+    says: &str,
+) {
+    let output = membership_command(command, file, run_directory, node).await;
+    let text = crate::view::output_text(&output);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "{command} --node {node}: {text}"
+    );
+    assert!(text.contains(says), "{command} --node {node}: {text}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr).lines().count(),
+        1,
+        "{command} --node {node}: one line: {text}"
+    );
+}
+
 /// Runs `rdkv-cluster COMMAND FILE --node N --run-dir DIR` off the runtime; its output.
 pub async fn membership_command(
     command: &'static str,

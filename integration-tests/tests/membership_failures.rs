@@ -17,7 +17,8 @@ use rdkv_common::protocol::MemberState;
 use rdkv_integration_tests::cluster::Cluster;
 use rdkv_integration_tests::linearizability::{check, Verdict};
 use rdkv_integration_tests::membership::{
-    assert_read_back, load, membership_command, preload, three_nodes_and_a_fourth_listed,
+    assert_read_back, assert_refused, load, membership_command, preload,
+    three_nodes_and_a_fourth_listed,
 };
 use rdkv_integration_tests::process::workspace_binary;
 use rdkv_integration_tests::view::{
@@ -133,25 +134,6 @@ async fn a_node_killed_while_it_joins_or_leaves_loses_no_acknowledged_write() {
     assert_read_back(&cluster.file, &preloaded, "after both failures").await;
 }
 
-/// Asserts that `rdkv-cluster COMMAND … --node N` refused with one line saying `says`, exit 1.
-async fn assert_refused(cluster: &Cluster, command: &'static str, node: u32, says: &str) {
-    let file = cluster.file.to_str().expect("utf-8").to_string();
-    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
-    let output = membership_command(command, file, run_directory, node).await;
-    let text = output_text(&output);
-    assert_eq!(
-        output.status.code(),
-        Some(1),
-        "{command} --node {node}: {text}"
-    );
-    assert!(text.contains(says), "{command} --node {node}: {text}");
-    assert_eq!(
-        String::from_utf8_lossy(&output.stderr).lines().count(),
-        1,
-        "{command} --node {node}: one line: {text}"
-    );
-}
-
 /// Two refusals found by a review (`docs/protocol.md`, *Membership changes*): a node id added
 /// back with a snapshot from an earlier membership (it would load it, and with one copy serve
 /// keys deleted since), and a change while a member that served is down (with one copy, the
@@ -162,13 +144,16 @@ async fn a_membership_change_refuses_an_old_snapshot_and_a_member_down() {
     let (cluster, nodes, secret, _, stale, _fourth_ports) =
         three_nodes_and_a_fourth_listed("membership-guards", 1).await;
     stale.close().await;
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     let snapshot =
         rdkv_cluster_config::launcher::data_dir(&cluster.run_directory, 4).join("snapshot.rdkv");
     std::fs::create_dir_all(snapshot.parent().expect("a data directory")).expect("data dir");
     std::fs::write(&snapshot, b"an earlier membership's").expect("write a snapshot");
     assert_refused(
-        &cluster,
         "add-node",
+        file.clone(),
+        run_directory.clone(),
         4,
         "snapshot from an earlier membership",
     )
@@ -179,14 +164,26 @@ async fn a_membership_change_refuses_an_old_snapshot_and_a_member_down() {
     signal(&cluster, 3, Signal::SIGKILL);
     wait_torn_down(pid, Duration::from_secs(10));
     wait_state(&nodes, &secret, 3, Some(MemberState::Down)).await;
-    assert_refused(&cluster, "add-node", 4, "do not serve").await;
-    assert_refused(&cluster, "remove-node", 1, "do not serve").await;
+    assert_refused(
+        "add-node",
+        file.clone(),
+        run_directory.clone(),
+        4,
+        "do not serve",
+    )
+    .await;
+    assert_refused(
+        "remove-node",
+        file.clone(),
+        run_directory.clone(),
+        1,
+        "do not serve",
+    )
+    .await;
 
     let restart = cluster_command(&cluster, "restart", Some(3));
     assert!(restart.status.success(), "{}", output_text(&restart));
     wait_state(&nodes, &secret, 3, Some(MemberState::Serving)).await;
-    let file = cluster.file.to_str().expect("utf-8").to_string();
-    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     let added = membership_command("add-node", file, run_directory, 4).await;
     assert!(
         added.status.success(),
