@@ -4,8 +4,9 @@
 //! view is heading for), and this task copies the rest: it scans this node's own table with
 //! one-sided READs and rewrites every key it is a copy of through the key's primary lock (a
 //! compare-and-swap of the value with itself, as a refill does), which puts the value on the
-//! key's next copies without crossing a concurrent write. Then it asks the leader to take the
-//! node out of the view and of Raft. Progress is in the stats (`handover_keys_copied`).
+//! key's next copies without crossing a concurrent write. Then the node stops serving data (a
+//! client still routing by the view that has it leaving would otherwise read it after writes
+//! of the view without it) and asks the leader to take it out of the view and of Raft. Progress is in the stats (`handover_keys_copied`).
 //! `docs/protocol.md`, *Membership changes*.
 
 use std::sync::atomic::Ordering;
@@ -74,8 +75,9 @@ pub(crate) async fn handover_loop(node: Arc<Node>, shutdown: CancellationToken) 
                     node = node.config.node_id,
                     copied,
                     elapsed = ?started.elapsed(),
-                    "hand-over complete: asking to be removed from the view"
+                    "hand-over complete: this node stops serving and asks to be removed from the view"
                 );
+                node.view.stop_serving_for_removal(round);
                 ask_removal(&node, round, &shutdown).await;
             }
             Err(reason) => {

@@ -235,6 +235,7 @@ impl Node {
         stats.collector_passes = self.collector.passes();
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.extra_copies_removed = self.sweep.removed();
+        stats.swept_epoch = self.sweep.swept_epoch();
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.authenticated_connections = self.pending.authenticated_count() as u64;

@@ -124,6 +124,11 @@ impl ViewService {
             return Ok(());
         }
         self.end_leader_lease_if_stepped_down();
+        if let Some(round) = self.handed_over_round() {
+            return Err(format!(
+                "this node handed its keys over and leaves the cluster view (leaving since epoch {round}): it serves nothing until the view without it"
+            ));
+        }
         let epoch = self.epoch();
         match self.own_record() {
             None => return Err("this node is not in its own cluster view".into()),
@@ -366,27 +371,36 @@ impl ViewService {
                 _ = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
             }
-            self.publish_lease();
-            let now = self.serving_with_cause();
-            if now.is_ok() == self.serving.borrow().is_ok() {
-                continue;
-            }
-            self.note_serving_change(now.as_ref().err().map(|(cause, _)| *cause));
-            match &now {
-                Ok(()) => tracing::info!(node = self.node_id, "serving data"),
-                Err((cause, reason)) => {
-                    self.serving_stops.fetch_add(1, Ordering::Relaxed);
-                    if *cause == StopCause::Lease {
-                        self.lease_lapses.fetch_add(1, Ordering::Relaxed);
-                    }
-                    tracing::warn!(
-                        node = self.node_id,
-                        %reason,
-                        "stopped serving data: data connections fenced, new ones refused"
-                    );
-                }
-            }
-            let _previous = self.serving.send_replace(now.map_err(|(_, reason)| reason));
+            self.refresh_serving();
         }
+    }
+
+    /// Writes the lease word and, when whether the node serves changed, says so to the data
+    /// path (which fences every data connection when it stops) and logs it.
+    pub(super) fn refresh_serving(&self) {
+        // One caller at a time: the periodic check and a hand-over's stop would otherwise both
+        // count and log one change.
+        let _refreshing = lock(&self.serving_refresh);
+        self.publish_lease();
+        let now = self.serving_with_cause();
+        if now.is_ok() == self.serving.borrow().is_ok() {
+            return;
+        }
+        self.note_serving_change(now.as_ref().err().map(|(cause, _)| *cause));
+        match &now {
+            Ok(()) => tracing::info!(node = self.node_id, "serving data"),
+            Err((cause, reason)) => {
+                self.serving_stops.fetch_add(1, Ordering::Relaxed);
+                if *cause == StopCause::Lease {
+                    self.lease_lapses.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(
+                    node = self.node_id,
+                    %reason,
+                    "stopped serving data: data connections fenced, new ones refused"
+                );
+            }
+        }
+        let _previous = self.serving.send_replace(now.map_err(|(_, reason)| reason));
     }
 }

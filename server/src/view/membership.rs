@@ -16,10 +16,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::{BasicNode, ChangeMembers};
-use rdkv_common::protocol::{MemberState, MembershipChange};
+use rdkv_common::protocol::{fetch_stats, MemberState, MembershipChange, MonitoredNode};
 
 use super::types::{PeerId, PeerRequest, ViewCommand};
 use super::ViewService;
@@ -27,6 +27,13 @@ use super::ViewService;
 /// How long the leader gives each Raft step of a membership change (a learner catching up on
 /// the log, a joint configuration committing).
 const RAFT_STEP_WITHIN: Duration = Duration::from_secs(15);
+
+/// How long, beyond twice `failure_timeout`, the leader waits for the members' sweeps before
+/// it retires a member.
+const SWEEPS_WITHIN: Duration = Duration::from_secs(20);
+
+/// How often the leader asks the members how far they swept.
+const SWEEP_POLL: Duration = Duration::from_millis(100);
 
 impl ViewService {
     /// Whether `node_id` is a member: of the view, or, before this node has any view (it joins
@@ -90,6 +97,23 @@ impl ViewService {
                 record.state == MemberState::Leaving && record.incarnation == self.incarnation
             })
             .map(|record| record.since)
+    }
+
+    /// After its hand-over for the leaving round `round`: the node stops serving data (its
+    /// lease word reads 0 and its data connections are fenced) before it asks for its removal.
+    /// Otherwise it would serve, to clients still routing by the view that has it leaving,
+    /// until it applied the view without it, while writers of that view no longer reach it.
+    /// It serves nothing again while the view has it leaving in that round.
+    pub fn stop_serving_for_removal(&self, round: u64) {
+        self.handed_over.store(round, Ordering::Release);
+        self.refresh_serving();
+    }
+
+    /// The leaving round whose hand-over this node finished, while the view still has it
+    /// leaving in that round ([`Self::stop_serving_for_removal`]).
+    pub(super) fn handed_over_round(&self) -> Option<u64> {
+        let round = self.handed_over.load(Ordering::Acquire);
+        (round != 0 && self.leaving_round() == Some(round)).then_some(round)
     }
 
     /// Asks the leader to start `change` (`rdkv-cluster add-node`, `remove-node`); the epoch
@@ -273,7 +297,58 @@ impl ViewService {
                 "node {node_id} is the only member serving: nothing could take its keys"
             ));
         }
+        self.wait_for_sweeps().await?;
         self.commit(ViewCommand::Retire { node_id }).await
+    }
+
+    /// Waits, within [`SWEEPS_WITHIN`] plus twice `failure_timeout`, until every serving
+    /// member has swept the copies the view now no longer names on it (`crate::sweep`). A key
+    /// that an earlier change moved may still have its old copy on another member until that
+    /// member's sweep; a hand-over copies only what the leaving member holds, so a key deleted
+    /// there (with one copy, no tombstone is left) would come back from the old copy once the
+    /// leaving member is gone. Nothing to wait for when every member holds every key.
+    async fn wait_for_sweeps(&self) -> std::result::Result<(), String> {
+        let deadline = Instant::now() + SWEEPS_WITHIN + self.failure_timeout * 2;
+        loop {
+            let (epoch, serving, members) = {
+                let view = self.view.borrow();
+                (view.epoch, view.serving_members(), view.members.len())
+            };
+            if members <= self.store.replicas() {
+                return Ok(());
+            }
+            let mut behind = Vec::new();
+            for member in serving {
+                let swept = match self.address_of(member) {
+                    Some(address) => {
+                        let monitored = MonitoredNode {
+                            address,
+                            id: Some(member),
+                            secret: &self.secret,
+                        };
+                        fetch_stats(monitored, Duration::from_secs(1))
+                            .await
+                            .map_or(0, |stats| stats.swept_epoch)
+                    }
+                    None => 0,
+                };
+                if swept < epoch {
+                    behind.push(member);
+                }
+            }
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "nodes {behind:?} have not swept the copies the view of epoch {epoch} no longer names on them (a sweep runs once a view has held for failure_timeout): run remove-node again shortly"
+                ));
+            }
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return Err("the node is stopping".into()),
+                _ = tokio::time::sleep(SWEEP_POLL) => {}
+            }
+        }
     }
 
     /// On the leader: leaving member `node_id`, handed over as `incarnation`, is out of the

@@ -164,6 +164,12 @@ pub struct ViewService {
     /// Set once the view has had this node as a member: a node removed from the view asks
     /// for no join afterwards (`membership.rs`).
     was_member: std::sync::atomic::AtomicBool,
+    /// The leaving round (epoch) whose hand-over this node finished: it serves nothing while
+    /// the view still has it leaving in that round, so no client reads it by an older view
+    /// once the view without it is committed (0: none; `membership.rs`).
+    handed_over: AtomicU64,
+    /// Held while the node works out whether it serves and says so (`lease.rs`).
+    serving_refresh: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -233,6 +239,8 @@ impl ViewService {
             leaving: std::sync::atomic::AtomicBool::new(false),
             stopped_serving_at: std::sync::Mutex::new(None),
             was_member: std::sync::atomic::AtomicBool::new(false),
+            handed_over: AtomicU64::new(0),
+            serving_refresh: std::sync::Mutex::new(()),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
