@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
 use rdkv_cluster_file::ClusterConfig;
-use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
+use rdkv_common::protocol::MemberState;
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
@@ -65,7 +65,7 @@ pub(crate) async fn handover_loop(node: Arc<Node>, shutdown: CancellationToken) 
         let started = Instant::now();
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = hand_over(&node, &cluster, &client, round) => outcome,
+            outcome = hand_over(&node, &client, round) => outcome,
         };
         client.close().await;
         match outcome {
@@ -146,12 +146,7 @@ async fn ask_removal(node: &Node, round: u64, shutdown: &CancellationToken) {
 
 /// One hand-over for the leaving round that began at epoch `round`: this node's table
 /// scanned, every key it is a copy of rewritten through its primary. The keys copied.
-async fn hand_over(
-    node: &Node,
-    cluster: &ClusterConfig,
-    client: &Client,
-    round: u64,
-) -> Result<u64, String> {
+async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<u64, String> {
     let me = node.config.node_id;
     let view = client
         .follow_view()
@@ -175,7 +170,9 @@ async fn hand_over(
         .filter(|member| member.state != MemberState::Down)
         .map(|member| member.node_id)
         .collect();
-    wait_for_members(cluster, &members, view.epoch).await?;
+    node.view
+        .wait_until_applied(&members, view.epoch, MEMBERS_APPLY_WITHIN)
+        .await?;
     let total = client
         .combined_buckets_of(me)
         .await
@@ -222,40 +219,4 @@ async fn hand_over(
     }
     ensure_view_holds(client, &view, "during the hand-over").await?;
     Ok(copied)
-}
-
-/// Waits until every one of `members` has applied the view of `epoch`.
-async fn wait_for_members(
-    cluster: &ClusterConfig,
-    members: &[u32],
-    epoch: u64,
-) -> Result<(), String> {
-    let started = Instant::now();
-    for member in members {
-        let Some(config) = cluster.nodes.iter().find(|node| node.id == *member) else {
-            return Err(format!(
-                "node {member} is a member but not in the cluster file: add it to the file"
-            ));
-        };
-        loop {
-            let monitored = MonitoredNode {
-                address: config.control_address,
-                id: Some(config.id),
-                secret: &cluster.secret,
-            };
-            let seen = fetch_view(monitored, cluster.operation_deadline)
-                .await
-                .map_or(0, |view| view.epoch);
-            if seen >= epoch {
-                break;
-            }
-            if started.elapsed() > MEMBERS_APPLY_WITHIN {
-                return Err(format!(
-                    "node {member} did not apply epoch {epoch} within {MEMBERS_APPLY_WITHIN:?}"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-    Ok(())
 }

@@ -19,7 +19,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use openraft::{BasicNode, ChangeMembers};
-use rdkv_common::protocol::{fetch_stats, MemberState, MembershipChange, MonitoredNode};
+use rdkv_common::protocol::{
+    fetch_stats, fetch_view, MemberState, MembershipChange, MonitoredNode,
+};
 
 use super::types::{PeerId, PeerRequest, ViewCommand};
 use super::ViewService;
@@ -31,6 +33,12 @@ const RAFT_STEP_WITHIN: Duration = Duration::from_secs(15);
 /// How long, beyond twice `failure_timeout`, the leader waits for the members' sweeps before
 /// it retires a member.
 const SWEEPS_WITHIN: Duration = Duration::from_secs(20);
+
+/// How long one member gets to answer with its view.
+const MEMBER_VIEW_WITHIN: Duration = Duration::from_millis(500);
+
+/// How often a node asks the members behind for their view again.
+const MEMBER_VIEW_POLL: Duration = Duration::from_millis(20);
 
 /// How often the leader asks the members how far they swept.
 const SWEEP_POLL: Duration = Duration::from_millis(100);
@@ -114,6 +122,95 @@ impl ViewService {
     pub(super) fn handed_over_round(&self) -> Option<u64> {
         let round = self.handed_over.load(Ordering::Acquire);
         (round != 0 && self.leaving_round() == Some(round)).then_some(round)
+    }
+
+    /// Before this node asks for its promotion after the refill of `round`: once promoted, it
+    /// serves only after [`Self::confirm_promotion`]. Until every member applied the view
+    /// that promotes it, a member that was the primary of some of its keys (a stand-in, or
+    /// their holder before this node joined) serves them to clients of the older view, and
+    /// those clients' reads would miss writes this node committed as their new primary.
+    pub fn gate_promotion(&self, round: u64) {
+        self.promotion_round.store(round, Ordering::Release);
+    }
+
+    /// Every member applied the view of `epoch`, which promotes this node: it serves.
+    pub fn confirm_promotion(&self, epoch: u64) {
+        self.promotion_confirmed.fetch_max(epoch, Ordering::AcqRel);
+        self.refresh_serving();
+    }
+
+    /// The epoch that promoted this node after the round [`Self::gate_promotion`] named, while
+    /// not every member is known to have applied it.
+    pub(super) fn unconfirmed_promotion(&self) -> Option<u64> {
+        let round = self.promotion_round.load(Ordering::Acquire);
+        if round == 0 {
+            return None;
+        }
+        let record = self.own_record()?;
+        (record.state == MemberState::Serving
+            && record.incarnation == self.incarnation
+            && record.since > round
+            && self.promotion_confirmed.load(Ordering::Acquire) < record.since)
+            .then_some(record.since)
+    }
+
+    /// The members of the view now that are not `down`, but this node.
+    pub fn members_up_but_me(&self) -> Vec<u32> {
+        self.view
+            .borrow()
+            .members
+            .iter()
+            .filter(|(node_id, record)| {
+                **node_id != self.node_id && record.state != MemberState::Down
+            })
+            .map(|(node_id, _)| *node_id)
+            .collect()
+    }
+
+    /// Waits, within `within`, until every one of `members` reports a view of `epoch` or
+    /// newer: it fenced the data connections of older views then.
+    ///
+    /// # Errors
+    /// The members still behind, as a line.
+    pub async fn wait_until_applied(
+        &self,
+        members: &[u32],
+        epoch: u64,
+        within: Duration,
+    ) -> std::result::Result<(), String> {
+        let started = Instant::now();
+        let mut behind: Vec<u32> = members.to_vec();
+        loop {
+            let mut still = Vec::new();
+            for member in behind {
+                let seen = match self.address_of(member) {
+                    Some(address) => {
+                        let monitored = MonitoredNode {
+                            address,
+                            id: Some(member),
+                            secret: &self.secret,
+                        };
+                        fetch_view(monitored, MEMBER_VIEW_WITHIN)
+                            .await
+                            .map_or(0, |view| view.epoch)
+                    }
+                    None => 0,
+                };
+                if seen < epoch {
+                    still.push(member);
+                }
+            }
+            behind = still;
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() >= within || self.shutdown.is_cancelled() {
+                return Err(format!(
+                    "nodes {behind:?} did not apply epoch {epoch} within {within:?}"
+                ));
+            }
+            tokio::time::sleep(MEMBER_VIEW_POLL).await;
+        }
     }
 
     /// Asks the leader to start `change` (`rdkv-cluster add-node`, `remove-node`); the epoch

@@ -168,6 +168,14 @@ pub struct ViewService {
     /// the view still has it leaving in that round, so no client reads it by an older view
     /// once the view without it is committed (0: none; `membership.rs`).
     handed_over: AtomicU64,
+    /// The filling round of a promotion this node asked for after its refill (0: none): once
+    /// the view promotes it, it serves only after every member applied that view
+    /// (`promotion_confirmed`), so no client reads the key's former primary by an older view
+    /// meanwhile (`membership.rs`).
+    promotion_round: AtomicU64,
+    /// The epoch up to which every member applied the view, as this node checked for its
+    /// promotion.
+    promotion_confirmed: AtomicU64,
     /// Held while the node works out whether it serves and says so (`lease.rs`).
     serving_refresh: std::sync::Mutex<()>,
 }
@@ -240,6 +248,8 @@ impl ViewService {
             stopped_serving_at: std::sync::Mutex::new(None),
             was_member: std::sync::atomic::AtomicBool::new(false),
             handed_over: AtomicU64::new(0),
+            promotion_round: AtomicU64::new(0),
+            promotion_confirmed: AtomicU64::new(0),
             serving_refresh: std::sync::Mutex::new(()),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
