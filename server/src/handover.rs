@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 use crate::refill::{copy, ensure_view_holds};
+use crate::view::VIEW_MOVED;
 
 /// How often the task looks at the view for this node leaving, and waits between tries.
 const HANDOVER_POLL: Duration = Duration::from_millis(200);
@@ -69,7 +70,7 @@ pub(crate) async fn handover_loop(node: Arc<Node>, shutdown: CancellationToken) 
         };
         client.close().await;
         match outcome {
-            Ok(copied) => {
+            Ok((copied, handed_over_at)) => {
                 failures = 0;
                 tracing::info!(
                     node = node.config.node_id,
@@ -78,7 +79,10 @@ pub(crate) async fn handover_loop(node: Arc<Node>, shutdown: CancellationToken) 
                     "hand-over complete: this node stops serving and asks to be removed from the view"
                 );
                 node.view.stop_serving_for_removal(round);
-                ask_removal(&node, round, &shutdown).await;
+                if ask_removal(&node, round, handed_over_at, &shutdown).await == Removal::ViewMoved
+                {
+                    node.view.resume_serving_for_handover();
+                }
             }
             Err(reason) => {
                 tracing::warn!(node = node.config.node_id, %reason, "hand-over failed; starting over");
@@ -123,30 +127,51 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
     }
 }
 
-/// Asks the leader to remove this node until the view no longer has it leaving in `round`.
-async fn ask_removal(node: &Node, round: u64, shutdown: &CancellationToken) {
+/// How asking for the removal ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    /// Removed, or no longer leaving in that round, or the node stops.
+    Ended,
+    /// The view moved since the hand-over: it must run again by the newer view.
+    ViewMoved,
+}
+
+/// Asks the leader to remove this node, handed over under the view of `handed_over_at`, until
+/// the view no longer has it leaving in `round`.
+async fn ask_removal(
+    node: &Node,
+    round: u64,
+    handed_over_at: u64,
+    shutdown: &CancellationToken,
+) -> Removal {
     while node.view.leaving_round() == Some(round) {
-        match node.view.ask_removal().await {
+        match node.view.ask_removal(handed_over_at).await {
             Ok(epoch) => {
                 tracing::info!(
                     node = node.config.node_id,
                     epoch,
                     "removed from the view: it serves nothing from now on"
                 );
-                return;
+                return Removal::Ended;
+            }
+            Err(reason) if reason.starts_with(VIEW_MOVED) => {
+                tracing::info!(node = node.config.node_id, %reason, "serving again to hand over by the newer view");
+                return Removal::ViewMoved;
             }
             Err(reason) => tracing::debug!(%reason, "removal not committed yet"),
         }
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return Removal::Ended,
             _ = tokio::time::sleep(HANDOVER_POLL) => {}
         }
     }
+    Removal::Ended
 }
 
 /// One hand-over for the leaving round that began at epoch `round`: this node's table
-/// scanned, every key it is a copy of rewritten through its primary. The keys copied.
-async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<u64, String> {
+/// scanned, every key it is a copy of rewritten through its primary. The keys copied, and the
+/// epoch of the view it ran under.
+async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<(u64, u64), String> {
     let me = node.config.node_id;
     let view = client
         .follow_view()
@@ -218,5 +243,5 @@ async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<u64, Stri
             .fetch_add(count, Ordering::Relaxed);
     }
     ensure_view_holds(client, &view, "during the hand-over").await?;
-    Ok(copied)
+    Ok((copied, view.epoch))
 }

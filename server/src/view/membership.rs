@@ -34,6 +34,9 @@ const RAFT_STEP_WITHIN: Duration = Duration::from_secs(15);
 /// it retires a member.
 const SWEEPS_WITHIN: Duration = Duration::from_secs(20);
 
+/// How a leader's refusal of a removal starts when the view moved since the hand-over.
+pub const VIEW_MOVED: &str = "the view moved since the hand-over";
+
 /// How long one member gets to answer with its view.
 const MEMBER_VIEW_WITHIN: Duration = Duration::from_millis(500);
 
@@ -231,16 +234,29 @@ impl ViewService {
             .await
     }
 
-    /// Asks the leader to take this node, leaving and handed over, out of the view.
-    pub async fn ask_removal(&self) -> std::result::Result<u64, String> {
+    /// Asks the leader to take this node, leaving and handed over under the view of
+    /// `handed_over_at`, out of the view. A refusal that starts with [`VIEW_MOVED`] means the
+    /// hand-over must run again by the newer view.
+    pub async fn ask_removal(&self, handed_over_at: u64) -> std::result::Result<u64, String> {
         if self.leader() == Some(self.node_id) {
-            return self.lead_removal(self.node_id, self.incarnation).await;
+            return self
+                .lead_removal(self.node_id, self.incarnation, Some(handed_over_at))
+                .await;
         }
         self.ask_leader_for(&PeerRequest::RemoveMember {
             node_id: self.node_id,
             incarnation: self.incarnation,
+            handed_over_at,
         })
         .await
+    }
+
+    /// A hand-over whose removal the leader refused because the view moved since: the node
+    /// serves again (it missed no write: none of its keys can be written without it while the
+    /// view has it leaving) and hands over again by the newer view.
+    pub fn resume_serving_for_handover(&self) {
+        self.handed_over.store(0, Ordering::Release);
+        self.refresh_serving();
     }
 
     /// Sends `request` to the leader; its answer.
@@ -377,7 +393,7 @@ impl ViewService {
         if let Some(record) = record.filter(|record| {
             never_served && !matches!(record.state, MemberState::Serving | MemberState::Leaving)
         }) {
-            return self.lead_removal(node_id, record.incarnation).await;
+            return self.lead_removal(node_id, record.incarnation, None).await;
         }
         match state {
             None => return Err(format!("node {node_id} is not a member of the view")),
@@ -448,12 +464,14 @@ impl ViewService {
         }
     }
 
-    /// On the leader: leaving member `node_id`, handed over as `incarnation`, is out of the
-    /// view, then out of Raft's voters.
+    /// On the leader: leaving member `node_id`, handed over as `incarnation` under the view of
+    /// `handed_over_at` (`None`: a member that never served, which holds nothing), is out of
+    /// the view, then out of Raft's voters.
     pub(super) async fn lead_removal(
         &self,
         node_id: u32,
         incarnation: u64,
+        handed_over_at: Option<u64>,
     ) -> std::result::Result<u64, String> {
         if self.leader() != Some(self.node_id) {
             return Err(format!("node {} is not the leader", self.node_id));
@@ -467,8 +485,18 @@ impl ViewService {
             let present = view.members.get(&node_id).copied();
             (present, !view.ever_served.contains(&node_id))
         };
+        let now = self.epoch();
         let epoch = match present {
-            None => self.epoch(),
+            None => now,
+            Some(record)
+                if record.state == MemberState::Leaving
+                    && handed_over_at.is_some_and(|at| at != now) =>
+            {
+                return Err(format!(
+                    "{VIEW_MOVED}: node {node_id} handed over under epoch {}, the view is at {now}",
+                    handed_over_at.unwrap_or_default()
+                ))
+            }
             Some(record)
                 if record.incarnation == incarnation
                     && (record.state == MemberState::Leaving

@@ -54,6 +54,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
 pub use lease::Serving;
+pub use membership::VIEW_MOVED;
 use network::{ask_leader, Liveness, Network};
 pub use stop::RESUME_BOUND;
 use storage::Store;
@@ -412,7 +413,11 @@ impl ViewService {
             PeerRequest::RemoveMember {
                 node_id,
                 incarnation,
-            } => PeerReply::Join(self.lead_removal(node_id, incarnation).await),
+                handed_over_at,
+            } => PeerReply::Join(
+                self.lead_removal(node_id, incarnation, Some(handed_over_at))
+                    .await,
+            ),
             PeerRequest::PreVote {
                 node_id,
                 last_log_id,
