@@ -11,11 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientBuilder};
+use rdkv_common::ports::ReservedPorts;
 use rdkv_common::protocol::MemberState;
 use rdkv_integration_tests::cluster::{rdkv_cluster, Cluster};
 use rdkv_integration_tests::linearizability::{check, Verdict};
 use rdkv_integration_tests::membership::{
-    assert_read_back, assert_refused, load, membership_command, preload,
+    assert_read_back, assert_refused, fourth_node, load, membership_command, preload,
     three_nodes_and_a_fourth_listed, KEYS,
 };
 use rdkv_integration_tests::view::{
@@ -107,6 +108,20 @@ async fn membership_commands_refuse_what_they_cannot_do_and_name_the_fix() {
     for (command, node, says) in refusals {
         assert_refused(command, file.clone(), run_directory.clone(), node, says).await;
     }
+    // Node 4 listed and started by `up` instead of `add-node`: it would begin a view of its
+    // own from the file's four nodes.
+    let fourth_ports = ReservedPorts::loopback(3).expect("reserve ports for node 4");
+    let mut text = std::fs::read_to_string(&cluster.file).expect("read the cluster file");
+    text.push_str(&fourth_node(&fourth_ports));
+    std::fs::write(&cluster.file, text).expect("write the cluster file");
+    assert_refused(
+        "up",
+        file.clone(),
+        run_directory.clone(),
+        4,
+        "never joined this cluster; add each with `rdkv-cluster add-node",
+    )
+    .await;
     let output = membership_command("add-node", file, run_directory, 2).await;
     let text = output_text(&output);
     assert_eq!(output.status.code(), Some(0), "add-node --node 2: {text}");
