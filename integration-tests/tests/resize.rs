@@ -16,13 +16,53 @@ use rdkv_integration_tests::linearizability::{check, Verdict};
 use rdkv_integration_tests::membership::load;
 use rdkv_integration_tests::view::{output_text, up_settled_edited};
 
-/// The most keys written while looking for a full index (node 1's holds 512 slots).
+/// The most keys written while looking for a full table.
 const MOST_KEYS: usize = 5_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable() {
-    let settled = up_settled_edited("resize", 3, |text| {
-        text.replacen("index_size = \"1M\"", "index_size = \"4K\"", 1)
+    let grown = Growth {
+        tag: "resize-index",
+        small: ("index_size = \"1M\"", "index_size = \"4K\""),
+        flag: "--index-size",
+        size: "16K",
+        written_as: "index_size = \"16K\"",
+        value: b"v",
+    };
+    grows_under_load(grown).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known problem: with two copies, a put to a node whose heap is full ends as a timeout waiting for heap space, not TableFull (docs/operations.md, Growing a node's table)"]
+async fn a_full_heap_grows_four_times_under_load_and_every_key_stays_readable() {
+    let grown = Growth {
+        tag: "resize-heap",
+        small: ("heap_size = \"4M\"", "heap_size = \"2M\""),
+        flag: "--heap-size",
+        size: "8M",
+        written_as: "heap_size = \"8M\"",
+        value: &[7u8; 8 * 1024],
+    };
+    grows_under_load(grown).await;
+}
+
+/// One growth: node 1's section edited from `small.0` to `small.1`, then resized with
+/// `flag size`; `value` is what every key holds.
+struct Growth {
+    tag: &'static str,
+    small: (&'static str, &'static str),
+    flag: &'static str,
+    size: &'static str,
+    written_as: &'static str,
+    value: &'static [u8],
+}
+
+/// Fills node 1 until a put fails `TableFull`, then resizes it under a checked load and a
+/// reader of every key written: the failed put succeeds after, no read fails, every key reads
+/// back, the history is linearizable.
+async fn grows_under_load(grown: Growth) {
+    let settled = up_settled_edited(grown.tag, 3, |text| {
+        text.replacen(grown.small.0, grown.small.1, 1)
             .replace("operation_deadline = \"2s\"", "operation_deadline = \"8s\"")
     })
     .await;
@@ -34,7 +74,7 @@ async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable()
     let mut refused = None;
     for index in 0..MOST_KEYS {
         let key = format!("grow-{index}");
-        match client.put(key.as_bytes(), b"v").await {
+        match client.put(key.as_bytes(), grown.value).await {
             Ok(()) => written.push(key),
             Err(Error::TableFull { .. }) => {
                 refused = Some(key);
@@ -43,7 +83,7 @@ async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable()
             Err(error) => panic!("writing {key}: {error}"),
         }
     }
-    let refused = refused.expect("node 1's index never filled");
+    let refused = refused.expect("node 1's table never filled");
     eprintln!(
         "{} keys written before {refused} failed TableFull",
         written.len()
@@ -66,14 +106,15 @@ async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable()
 
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run = cluster.run_directory.to_str().expect("utf-8").to_string();
+    let (flag, size) = (grown.flag, grown.size);
     let resized = tokio::task::spawn_blocking(move || {
         rdkv_cluster(&[
             "resize",
             &file,
             "--node",
             "1",
-            "--index-size",
-            "16K",
+            flag,
+            size,
             "--run-dir",
             &run,
         ])
@@ -85,12 +126,12 @@ async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable()
     assert!(said.contains("node 1: serving again"), "resize: {said}");
     let text = std::fs::read_to_string(&cluster.file).expect("read the file");
     assert!(
-        text.contains("index_size = \"16K\""),
+        text.contains(grown.written_as),
         "the file keeps the new size: {text}"
     );
 
     client
-        .put(refused.as_bytes(), b"v")
+        .put(refused.as_bytes(), grown.value)
         .await
         .unwrap_or_else(|error| panic!("{refused} after the resize: {error}"));
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -109,7 +150,11 @@ async fn a_full_index_grows_four_times_under_load_and_every_key_stays_readable()
     assert_eq!(check(&history), Verdict::Linearizable);
     for key in written.iter().chain([&refused]) {
         let found = client.get(key.as_bytes()).await.expect("get");
-        assert_eq!(found.as_deref(), Some(&b"v"[..]), "{key} after the resize");
+        assert_eq!(
+            found.as_deref(),
+            Some(grown.value),
+            "{key} after the resize"
+        );
     }
     client.close().await;
     eprintln!("{reads} reads during the resize, none failed; {said}");
