@@ -129,7 +129,7 @@ impl ViewService {
         }
         if let Some(epoch) = self.unconfirmed_promotion() {
             return Err(format!(
-                "promoted at epoch {epoch}: it serves once every member applied that view (a client of an older view could read a key's former primary meanwhile)"
+                "promotion asked or committed (epoch {epoch}): it serves once every member applied the view that promotes it (a client of an older view could read a key's former primary meanwhile)"
             ));
         }
         Ok(())

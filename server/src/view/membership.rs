@@ -132,8 +132,14 @@ impl ViewService {
     /// that promotes it, a member that was the primary of some of its keys (a stand-in, or
     /// their holder before this node joined) serves them to clients of the older view, and
     /// those clients' reads would miss writes this node committed as their new primary.
+    ///
+    /// The node stops serving from the request on, not from the promotion's view: a client
+    /// that learned the promotion from another member would otherwise commit on this node as
+    /// the key's primary while this node, behind, still serves as a filling member (the
+    /// membership model's `join` counterexamples under the earlier rule).
     pub fn gate_promotion(&self, round: u64) {
         self.promotion_round.store(round, Ordering::Release);
+        self.refresh_serving();
     }
 
     /// Every member applied the view of `epoch`, which promotes this node: it serves.
@@ -142,19 +148,28 @@ impl ViewService {
         self.refresh_serving();
     }
 
-    /// The epoch that promoted this node after the round [`Self::gate_promotion`] named, while
-    /// not every member is known to have applied it.
+    /// The filling round [`Self::gate_promotion`] named while this node asks for its promotion
+    /// in it, or the epoch that promoted it after that round while not every member is known
+    /// to have applied it.
     pub(super) fn unconfirmed_promotion(&self) -> Option<u64> {
         let round = self.promotion_round.load(Ordering::Acquire);
         if round == 0 {
             return None;
         }
         let record = self.own_record()?;
-        (record.state == MemberState::Serving
-            && record.incarnation == self.incarnation
-            && record.since > round
-            && self.promotion_confirmed.load(Ordering::Acquire) < record.since)
-            .then_some(record.since)
+        if record.incarnation != self.incarnation {
+            return None;
+        }
+        match record.state {
+            MemberState::Filling if record.since == round => Some(round),
+            MemberState::Serving
+                if record.since > round
+                    && self.promotion_confirmed.load(Ordering::Acquire) < record.since =>
+            {
+                Some(record.since)
+            }
+            _ => None,
+        }
     }
 
     /// The members of the view now that are not `down`, but this node.
