@@ -8,7 +8,8 @@
 //!   serves.
 //! - **remove-node**: a member is asked to have the leader retire the node (leaving); the node
 //!   hands its keys over to the members that take them and is removed from the view; the
-//!   command waits for that, then stops the node.
+//!   command waits for that, then stops the node. A member that is `down` is removed at once,
+//!   and the command waits until the members that serve have re-replicated its keys.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -103,6 +104,7 @@ pub async fn remove_node(
     config: &ClusterConfig,
     run_directory: &Path,
     node_id: u32,
+    lose_keys: bool,
     say: impl Fn(&str),
 ) -> Result<()> {
     if !config.nodes.iter().any(|node| node.id == node_id) {
@@ -116,7 +118,22 @@ pub async fn remove_node(
         say(&format!("node {node_id} is not a member of the view"));
         return stop_removed(config, run_directory, node_id, &say).await;
     }
-    let epoch = ask_members(config, node_id, MembershipChange::Remove { node_id }).await?;
+    let member = view
+        .members
+        .iter()
+        .find(|member| member.node_id == node_id)
+        .map(|member| member.state);
+    if member == Some(MemberState::Down) {
+        return remove_dead_member(config, run_directory, node_id, lose_keys, &say).await;
+    }
+    if member == Some(MemberState::Serving) && !answers(config, node_id).await {
+        return Err(Error::Refused(format!(
+            "node {node_id} does not answer, and the view still has it serving: wait until `rdkv-cluster status {}` shows it down (after failure_timeout), then remove it",
+            config.path.display()
+        )));
+    }
+    let change = MembershipChange::Remove { node_id, lose_keys };
+    let epoch = ask_members(config, node_id, change).await?;
     say(&format!(
         "node {node_id}: leaving at epoch {epoch}; it serves until every key it holds has its new copies"
     ));
@@ -145,6 +162,73 @@ pub async fn remove_node(
         handover_line(config, node_id).await
     ));
     stop_removed(config, run_directory, node_id, &say).await
+}
+
+/// `remove-node` of member `node_id`, which is `down`: the leader removes it at once (refused
+/// with one copy of each key unless `lose_keys`), then the command waits until every member
+/// that serves has re-replicated its keys ([`wait_rereplicated`]).
+async fn remove_dead_member(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node_id: u32,
+    lose_keys: bool,
+    say: &impl Fn(&str),
+) -> Result<()> {
+    let change = MembershipChange::Remove { node_id, lose_keys };
+    let epoch = ask_members(config, node_id, change).await?;
+    if config.replicas <= 1 {
+        say(&format!(
+            "node {node_id}: removed while down at epoch {epoch}; its keys had no other copy and are lost (the view records the loss: `rdkv-cluster status`, then `rdkv-cluster ack-loss`)"
+        ));
+        return stop_removed(config, run_directory, node_id, say).await;
+    }
+    say(&format!(
+        "node {node_id}: removed while down at epoch {epoch}; the members copy its keys again (re-replication)"
+    ));
+    wait_rereplicated(config, epoch, say).await?;
+    say("re-replication done: every key has its full number of copies");
+    stop_removed(config, run_directory, node_id, say).await
+}
+
+/// Waits until every member that serves reports a re-replication finished under the view of
+/// `epoch` or a later one, and none pending.
+async fn wait_rereplicated(config: &ClusterConfig, epoch: u64, say: &impl Fn(&str)) -> Result<()> {
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    loop {
+        let statuses = status::status(config).await;
+        let view = status::view(&statuses).cloned();
+        let waiting = status::rereplication_waiting(view.as_ref(), &statuses, epoch);
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        if started.elapsed() >= HANDOVER_WAIT {
+            return Err(Error::Refused(format!(
+                "nodes {waiting:?} have not re-replicated after {HANDOVER_WAIT:?}; their logs (`rdkv-cluster logs {}`) say why",
+                config.path.display()
+            )));
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            for line in status::rereplication_lines(view.as_ref(), &statuses) {
+                say(&line);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether node `node_id` answers with its stats.
+async fn answers(config: &ClusterConfig, node_id: u32) -> bool {
+    let Some(node) = config.nodes.iter().find(|node| node.id == node_id) else {
+        return false;
+    };
+    let monitored = MonitoredNode {
+        address: node.control_address,
+        id: Some(node.id),
+        secret: &config.secret,
+    };
+    fetch_stats(monitored, Duration::from_secs(1)).await.is_ok()
 }
 
 /// Stops a node that is no longer a member, and says to take it out of the cluster file.

@@ -477,6 +477,83 @@ pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> 
         .collect()
 }
 
+/// The members serving data that have not finished a re-replication under the view of
+/// `epoch` or later (pending, not answering, or not yet started): `remove-node` of a dead
+/// member waits until there are none.
+pub fn rereplication_waiting(
+    view: Option<&ClusterView>,
+    statuses: &[NodeStatus],
+    epoch: u64,
+) -> Vec<u32> {
+    let Some(view) = view else {
+        return vec![0];
+    };
+    view.serving()
+        .into_iter()
+        .filter(|node_id| {
+            !statuses.iter().any(|status| match &status.state {
+                NodeState::Up(stats) if status.id == *node_id => {
+                    !stats.rereplication_pending && stats.rereplicated_epoch >= epoch
+                }
+                _ => false,
+            })
+        })
+        .collect()
+}
+
+/// A line for each node re-replicating (a member removed while down): how much of its table
+/// it scanned and the keys it copied. When none is pending: `re-replication: done` once every
+/// member serving data re-replicated since it started, or the members that have not yet.
+pub fn rereplication_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
+    let stats_of = |node_id: u32| {
+        statuses.iter().find_map(|status| match &status.state {
+            NodeState::Up(stats) if status.id == node_id => Some(stats.as_ref()),
+            _ => None,
+        })
+    };
+    let serving = view.map_or_else(Vec::new, ClusterView::serving);
+    let pending: Vec<String> = serving
+        .iter()
+        .filter_map(|node_id| Some((*node_id, stats_of(*node_id)?)))
+        .filter(|(_, stats)| stats.rereplication_pending)
+        .map(|(node_id, stats)| {
+            format!(
+                "re-replication: node {node_id} copying the keys it is the primary of to their full set of copies: {}% of its table scanned, {} keys copied",
+                (stats.rereplication_buckets_scanned * 100)
+                    .checked_div(stats.rereplication_buckets_total)
+                    .unwrap_or(0),
+                stats.rereplication_keys_copied
+            )
+        })
+        .collect();
+    if !pending.is_empty() {
+        return pending;
+    }
+    let done: Vec<(u32, u64)> = serving
+        .iter()
+        .filter_map(|node_id| Some((*node_id, stats_of(*node_id)?)))
+        .filter(|(_, stats)| stats.rereplicated_epoch > 0)
+        .map(|(node_id, stats)| (node_id, stats.rereplication_keys_copied))
+        .collect();
+    if done.is_empty() {
+        return Vec::new();
+    }
+    let not_yet: Vec<u32> = serving
+        .iter()
+        .copied()
+        .filter(|node_id| !done.iter().any(|(done, _)| done == node_id))
+        .collect();
+    if !not_yet.is_empty() {
+        return vec![format!(
+            "re-replication: nodes {not_yet:?} have not started yet"
+        )];
+    }
+    vec![format!(
+        "re-replication: done ({} keys copied)",
+        done.iter().map(|(_, copied)| copied).sum::<u64>()
+    )]
+}
+
 /// A line for each loss the view records and nobody acknowledged yet: `keys may have been
 /// lost: the copies on nodes 2 and 3 were down together at epoch 9 (…)`.
 pub fn loss_lines(view: Option<&ClusterView>) -> Vec<String> {

@@ -114,14 +114,20 @@ enum Action {
         node: u32,
     },
     /// Remove member N from the running view: it keeps serving while every key it holds gets
-    /// its new copies on the other members, then it leaves the view and is stopped. Exits 0
-    /// once it is out of the view and stopped; then take it out of the cluster file.
+    /// its new copies on the other members, then it leaves the view and is stopped. A member
+    /// that is down is removed at once, and the others copy its keys again (re-replication).
+    /// Exits 0 once it is out of the view (and its keys re-replicated); then take it out of the
+    /// cluster file.
     RemoveNode {
         /// The cluster file.
         file: PathBuf,
         /// The node to remove.
         #[arg(long)]
         node: u32,
+        /// Remove a member that is down even with `replicas = 1`, where it holds the only copy
+        /// of its keys: they are lost (the view records the loss).
+        #[arg(long)]
+        lose_keys: bool,
     },
     /// Write a snapshot of every node's keys (or one node's) now, into its data directory;
     /// exits 0 when every node wrote one.
@@ -262,13 +268,21 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
             Ok(0)
         }
-        Action::RemoveNode { node, .. } => {
+        Action::RemoveNode {
+            node, lose_keys, ..
+        } => {
             if let Some(refusal) = status::secret_refusal(&config, Some(node)).await {
                 eprintln!("rdkv-cluster: error: {refusal}");
                 return Ok(3);
             }
-            rdkv_cluster_config::membership::remove_node(&config, &run_directory, node, say)
-                .await?;
+            rdkv_cluster_config::membership::remove_node(
+                &config,
+                &run_directory,
+                node,
+                lose_keys,
+                say,
+            )
+            .await?;
             Ok(0)
         }
         Action::Status { .. } => print_status(&config).await,
@@ -350,6 +364,9 @@ async fn print_status(config: &ClusterConfig) -> anyhow::Result<u8> {
         say(&line);
     }
     for line in status::refill_lines(view, &statuses) {
+        say(&line);
+    }
+    for line in status::rereplication_lines(view, &statuses) {
         say(&line);
     }
     let losses = status::loss_lines(view);

@@ -35,6 +35,7 @@ mod membership;
 mod network;
 mod peer_link;
 mod published;
+mod replacement;
 mod stop;
 mod storage;
 pub mod types;
@@ -94,6 +95,9 @@ pub struct ViewSettings {
     /// The cluster's `replicas`: this many members down at once lose keys (the view records
     /// it).
     pub replicas: usize,
+    /// A member `down` this long is removed and its keys re-replicated (`replacement.rs`);
+    /// `None`: never.
+    pub replace_after: Option<Duration>,
     /// The node joins a running cluster (`rdkv-cluster add-node`): it does not initialize
     /// Raft with the cluster file's nodes, and learns the view from the leader's log once the
     /// leader adds it (`membership.rs`).
@@ -120,6 +124,8 @@ pub struct ViewService {
     secret: Arc<[u8]>,
     /// A member silent this long is committed down.
     failure_timeout: Duration,
+    /// A member down this long is removed (`replacement.rs`); `None`: never.
+    replace_after: Option<Duration>,
     /// Views this node committed as leader (downs and joins).
     committed: AtomicU64,
     /// When each peer was last heard from: answers to this node's Raft messages (the leader's
@@ -215,6 +221,7 @@ impl ViewService {
             configured_addresses: addresses,
             secret,
             failure_timeout: settings.failure_timeout,
+            replace_after: settings.replace_after,
             committed: AtomicU64::new(0),
             liveness,
             shutdown: shutdown.clone(),

@@ -272,6 +272,11 @@ impl Store {
         self.view.subscribe()
     }
 
+    /// The cluster's `replicas`.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     fn lock(&self) -> MutexGuard<'_, Persisted> {
         lock(&self.state)
     }
@@ -437,7 +442,10 @@ impl RaftStorage<TypeConfig> for Store {
                         let serving = state.view.serving_members();
                         let before = state.view.epoch;
                         let at_risk = state.view.at_risk(self.replicas);
-                        let short = state.view.restarted_short(command, self.replicas);
+                        let short = state
+                            .view
+                            .restarted_short(command, self.replicas)
+                            .or_else(|| state.view.removed_holding(command, self.replicas));
                         let after = state.view.apply(command);
                         if *command == super::types::ViewCommand::Stop && after != before {
                             *lock(&self.last_stop) = Some((after, serving));

@@ -122,12 +122,15 @@ pub enum ViewCommand {
         node_id: u32,
     },
     /// A leaving member whose hand-over is complete is out of the view; so is a member that
-    /// never served (an addition abandoned: it holds no key of its own), whatever its state.
+    /// never served (an addition abandoned: it holds no key of its own), whatever its state,
+    /// and a member that is `down` (`rdkv-cluster remove-node`, or `replace_after`): the
+    /// members that serve copy its keys again (`crate::rereplication`).
     RemoveMember {
         /// The member.
         node_id: u32,
         /// The incarnation that handed its keys over (a hand-over of an earlier process
-        /// removes nothing), or the never-served member's record's.
+        /// removes nothing), or the never-served or down member's record's (a member back
+        /// since, as a new process, is not removed).
         incarnation: u64,
     },
 }
@@ -306,13 +309,13 @@ impl ViewState {
         true
     }
 
-    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, or a member that
-    /// never served, is out of the view; whether it changed the view.
+    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, a member that
+    /// never served, or one down, is out of the view; whether it changed the view.
     fn remove_member(&mut self, node_id: u32, incarnation: u64) -> bool {
         let never_served = !self.ever_served.contains(&node_id);
         let leaving = self.members.get(&node_id).is_some_and(|record| {
             record.incarnation == incarnation
-                && (record.state == MemberState::Leaving
+                && (matches!(record.state, MemberState::Leaving | MemberState::Down)
                     || (never_served && record.state != MemberState::Serving))
         });
         if leaving {
@@ -538,6 +541,42 @@ impl ViewState {
         let unseen_crash = record.state == MemberState::Serving && record.incarnation != 0;
         let not_resumed = record.state == MemberState::Down && Some(record.since) == self.last_stop;
         (unseen_crash || not_resumed).then_some(node_id)
+    }
+
+    /// With one copy of each key: the member that `command` removes while it is `down` and
+    /// held keys (`rdkv-cluster remove-node --lose-keys`): their only copy is gone, recorded
+    /// as a loss ([`Self::record_restart_loss`]). With more copies the members that serve
+    /// hold them, and re-replicate them.
+    pub fn removed_holding(&self, command: &ViewCommand, replicas: usize) -> Option<u32> {
+        let ViewCommand::RemoveMember {
+            node_id,
+            incarnation,
+        } = *command
+        else {
+            return None;
+        };
+        let record = self.members.get(&node_id)?;
+        (replicas <= 1
+            && record.state == MemberState::Down
+            && record.incarnation == incarnation
+            && self.ever_served.contains(&node_id))
+        .then_some(node_id)
+    }
+
+    /// The members that `earlier` had as having served and not serving data (down), and that
+    /// this view no longer has: removed while dead, so their keys are one copy short on the
+    /// members that stay, which re-replicate them (`crate::rereplication`).
+    pub fn removed_dead_since(&self, earlier: &ViewState) -> Vec<u32> {
+        earlier
+            .members
+            .iter()
+            .filter(|(node_id, record)| {
+                earlier.ever_served.contains(node_id)
+                    && !record.state.serves_data()
+                    && !self.members.contains_key(node_id)
+            })
+            .map(|(node_id, _)| *node_id)
+            .collect()
     }
 
     /// Records that member `node_id`, started again, lost what it took since its last
