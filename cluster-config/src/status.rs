@@ -842,6 +842,57 @@ mod tests {
     }
 
     #[test]
+    fn a_re_replication_shows_its_progress_then_done() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id, state| ViewMember { node_id, state };
+        let view = ClusterView {
+            epoch: 6,
+            leader: Some(1),
+            members: vec![
+                member(1, MemberState::Serving),
+                member(2, MemberState::Serving),
+            ],
+            losses: Vec::new(),
+        };
+        let pending = ServerStats {
+            rereplication_pending: true,
+            rereplication_buckets_scanned: 1_024,
+            rereplication_buckets_total: 4_096,
+            rereplication_keys_copied: 300,
+            ..ServerStats::default()
+        };
+        let done = |copied| ServerStats {
+            rereplicated_epoch: 6,
+            rereplication_keys_copied: copied,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::new(done(500)))),
+            node(2, NodeState::Up(Box::new(pending))),
+        ];
+        assert_eq!(
+            rereplication_lines(Some(&view), &statuses),
+            vec!["re-replication: node 2 copying the keys it is the primary of to their full set of copies: 25% of its table scanned, 300 keys copied".to_string()]
+        );
+        assert_eq!(rereplication_waiting(Some(&view), &statuses, 6), vec![2]);
+        let statuses = [
+            node(1, NodeState::Up(Box::new(done(500)))),
+            node(2, NodeState::Up(Box::new(done(700)))),
+        ];
+        assert_eq!(
+            rereplication_lines(Some(&view), &statuses),
+            vec!["re-replication: done (1200 keys copied)".to_string()]
+        );
+        assert!(rereplication_waiting(Some(&view), &statuses, 6).is_empty());
+        assert_eq!(rereplication_waiting(Some(&view), &statuses, 7), vec![1, 2]);
+        let fresh = [
+            node(1, NodeState::Up(Box::default())),
+            node(2, NodeState::Up(Box::default())),
+        ];
+        assert!(rereplication_lines(Some(&view), &fresh).is_empty());
+    }
+
+    #[test]
     fn members_joining_and_leaving_show_under_the_view() {
         use rdkv_common::protocol::{MemberState, ViewMember};
         let member = |node_id, state| ViewMember { node_id, state };

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rdkv_cluster_config::launcher::{self, say};
-use rdkv_cluster_config::{status, systemd, ClusterConfig};
+use rdkv_cluster_config::{membership, status, systemd, ClusterConfig};
 
 /// The exit codes, for `--help` (and `docs/operations.md`).
 const EXIT_CODES: &str = "Exit codes:
@@ -265,7 +265,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
         } => checked_restart(&config, &run_directory, node, no_wait, force).await,
         Action::Snapshot { node, .. } => snapshot(&config, node).await,
         Action::AddNode { node, .. } => {
-            rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
+            membership::add_node(&config, &run_directory, node, say).await?;
             Ok(0)
         }
         Action::RemoveNode {
@@ -275,14 +275,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
                 eprintln!("rdkv-cluster: error: {refusal}");
                 return Ok(3);
             }
-            rdkv_cluster_config::membership::remove_node(
-                &config,
-                &run_directory,
-                node,
-                lose_keys,
-                say,
-            )
-            .await?;
+            membership::remove_node(&config, &run_directory, node, lose_keys, say).await?;
             Ok(0)
         }
         Action::Status { .. } => print_status(&config).await,
@@ -415,6 +408,12 @@ async fn start(
         eprintln!("rdkv-cluster: error: {refusal}");
         return Ok(1);
     }
+    if node.is_some() {
+        if let Some(refusal) = membership::not_a_member(config, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Ok(1);
+        }
+    }
     // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
     let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
     let starting = {
@@ -527,6 +526,10 @@ async fn restart(
     node: u32,
     wait: bool,
 ) -> anyhow::Result<u8> {
+    if let Some(refusal) = membership::not_a_member(config, Some(node)).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(1);
+    }
     let line = launcher::stop(config, run_directory, Some(node)).await?;
     say(&line.join("\n"));
     // A node found not running (killed, crashed) wrote no final snapshot.

@@ -537,6 +537,7 @@ impl ViewService {
     /// filling after a restart or an absence), asks the leader to commit its join.
     async fn keep_joined(self: Arc<Self>, shutdown: CancellationToken) {
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL * 2);
+        let mut said_removed = false;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -552,6 +553,12 @@ impl ViewService {
             }
             let (command, request) = self.join_command();
             if let Err(reason) = self.ask_leader_to_commit(command, &request).await {
+                if reason.contains("not a member") && !said_removed {
+                    // Removed from the view (perhaps while it was down): the view it loaded is
+                    // an old membership's, and it serves nothing.
+                    said_removed = true;
+                    tracing::error!(node = self.node_id, %reason, "the leader refuses this node's join: it was removed from the cluster's view, and serves nothing; add it back as a new member with `rdkv-cluster add-node FILE --node N` (after removing its view state and snapshot)");
+                }
                 tracing::debug!(node = self.node_id, %reason, "join not committed yet");
             }
         }

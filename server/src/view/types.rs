@@ -1427,6 +1427,52 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_member_down_is_removed_as_its_record_s_process_and_its_removal_is_seen_as_dead() {
+        let mut view = ViewState::initial(&[1, 2, 3, 4]);
+        for node_id in 1..=4 {
+            view.apply(&ViewCommand::Join {
+                node_id,
+                incarnation: u64::from(node_id),
+            });
+        }
+        view.apply(&ViewCommand::MarkDown { node_id: 4 });
+        let before = view.clone();
+        let removal = ViewCommand::RemoveMember {
+            node_id: 4,
+            incarnation: 4,
+        };
+        assert_eq!(view.removed_holding(&removal, 2), None, "other copies");
+        assert_eq!(view.removed_holding(&removal, 1), Some(4), "the only copy");
+        // Back as a new process before the removal applied: it stays.
+        let mut back = view.clone();
+        back.apply(&ViewCommand::Join {
+            node_id: 4,
+            incarnation: 44,
+        });
+        let epoch = back.epoch;
+        assert_eq!(back.apply(&removal), epoch, "a new process is not removed");
+        assert!(back.members.contains_key(&4));
+
+        let epoch = view.apply(&removal);
+        assert_eq!(epoch, before.epoch + 1);
+        assert!(!view.members.contains_key(&4));
+        assert_eq!(view.removed_dead_since(&before), vec![4]);
+        assert!(view.removed_dead_since(&view.clone()).is_empty());
+
+        // A leaving member removed after its hand-over is not a dead one.
+        let before = view.clone();
+        view.apply(&ViewCommand::Retire { node_id: 3 });
+        let leaving = view.clone();
+        view.apply(&ViewCommand::RemoveMember {
+            node_id: 3,
+            incarnation: 3,
+        });
+        assert!(!view.members.contains_key(&3));
+        assert!(view.removed_dead_since(&leaving).is_empty());
+        assert!(view.removed_dead_since(&before).is_empty());
+    }
+
     /// A member's state in a public view.
     fn state(view: &ClusterView, node_id: u32) -> MemberState {
         view.members

@@ -1,0 +1,233 @@
+//! Re-replication (issue 40): a node SIGKILLed and never restarted is removed from the view
+//! (`rdkv-cluster remove-node` of a dead member, or `replace_after` in the cluster file), and
+//! the members that serve copy its keys again until every key has `replicas` copies, counted
+//! over the nodes' stats; a second node killed afterwards then loses no key. The removed node
+//! comes back only as a new member (`restart` refuses it; `add-node` adds it afresh). Four nodes with
+//! `replicas = 2`: after the first removal three remain, so the view still has a majority when
+//! the second dies. And with `replicas = 1`, `remove-node` of a dead member is refused unless
+//! `--lose-keys`, which the view records as a loss.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use rdkv_common::protocol::MemberState;
+use rdkv_integration_tests::cluster::{rdkv_cluster, Cluster};
+use rdkv_integration_tests::membership::{
+    assert_read_back, assert_refused, four_nodes, membership_command, preload, wait_state,
+};
+use rdkv_integration_tests::view::{
+    output_text, pid_of, signal, stats_of, up_settled_edited, wait_torn_down, Nodes,
+};
+
+/// Keys written before the first kill.
+const PRELOADED: usize = 3_000;
+
+/// The node that observes the views (never killed).
+const OBSERVER: u32 = 2;
+
+/// SIGKILLs node `id` and waits until the observer's view has it down.
+async fn kill(cluster: &Cluster, nodes: &Nodes, secret: &[u8], id: u32) {
+    let pid = pid_of(cluster, id);
+    signal(cluster, id, Signal::SIGKILL);
+    wait_torn_down(pid, Duration::from_secs(10));
+    wait_state(nodes, secret, OBSERVER, id, Some(MemberState::Down)).await;
+}
+
+/// `rdkv-cluster status FILE`'s output, once it says `re-replication: done` (60 s at most).
+fn wait_status_done(cluster: &Cluster) -> String {
+    let started = Instant::now();
+    loop {
+        let output = rdkv_cluster(&["status", cluster.file.to_str().expect("utf-8")]);
+        let text = output_text(&output);
+        if text.contains("re-replication: done") {
+            return text;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "status never said that re-replication is done: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The keys counted over the stats of nodes `ids` (each must answer).
+async fn keys_over(nodes: &Nodes, secret: &[u8], ids: &[u32]) -> u64 {
+    let mut total = 0;
+    for id in ids {
+        let stats = stats_of(nodes, secret, *id)
+            .await
+            .unwrap_or_else(|| panic!("node {id} does not answer"));
+        total += stats.keys;
+    }
+    total
+}
+
+/// What both runs check once node 4 is out of the view: status says the re-replication is
+/// done, and every key is on 2 of the 3 nodes left, counted over their stats.
+async fn assert_every_key_twice(
+    cluster: &Cluster,
+    nodes: &Nodes,
+    secret: &[u8],
+    preloaded: &[(String, String)],
+) {
+    let status = tokio::task::block_in_place(|| wait_status_done(cluster));
+    eprintln!("{status}");
+    assert_eq!(
+        keys_over(nodes, secret, &[1, 2, 3]).await,
+        2 * preloaded.len() as u64,
+        "every key on replicas = 2 nodes after the re-replication"
+    );
+}
+
+/// Node 1 killed: every key reads back.
+async fn assert_second_failure_loses_none(
+    cluster: &Cluster,
+    nodes: &Nodes,
+    secret: &[u8],
+    preloaded: &[(String, String)],
+) {
+    kill(cluster, nodes, secret, 1).await;
+    assert_read_back(&cluster.file, preloaded, "after a second node died").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_node_of_a_dead_node_copies_its_keys_again_and_a_second_failure_loses_none() {
+    let (cluster, nodes, secret, _ports) = four_nodes("rereplication-remove", |text| text).await;
+    let preloaded = preload(&cluster.file, PRELOADED).await;
+    kill(&cluster, &nodes, &secret, 4).await;
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
+    let removed = membership_command("remove-node", file, run_directory, 4).await;
+    assert!(
+        removed.status.success(),
+        "remove-node 4: {}",
+        output_text(&removed)
+    );
+    assert!(
+        output_text(&removed).contains("re-replication done"),
+        "{}",
+        output_text(&removed)
+    );
+    wait_state(&nodes, &secret, OBSERVER, 4, None).await;
+    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded).await;
+    assert_comes_back_only_as_a_new_member(&cluster, &nodes, &secret).await;
+    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded).await;
+}
+
+/// Node 4, removed while dead, is refused by `restart` (one line naming `add-node`), and
+/// `add-node` refuses its old view state and snapshot; once they are gone it joins as a new
+/// member, serves, and is removed again (alive: a hand-over), leaving nodes 1 to 3.
+async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes, secret: &[u8]) {
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
+    assert_refused(
+        "restart",
+        file.clone(),
+        run_directory.clone(),
+        4,
+        "add-node",
+    )
+    .await;
+    assert_refused(
+        "add-node",
+        file.clone(),
+        run_directory.clone(),
+        4,
+        "from an earlier membership",
+    )
+    .await;
+    let state = rdkv_cluster_config::launcher::view_state_file(&cluster.run_directory, 4);
+    let snapshot =
+        rdkv_cluster_config::launcher::data_dir(&cluster.run_directory, 4).join("snapshot.rdkv");
+    for leftover in [state, snapshot] {
+        if leftover.exists() {
+            std::fs::remove_file(&leftover).expect("remove a leftover of node 4");
+        }
+    }
+    let added = membership_command("add-node", file.clone(), run_directory.clone(), 4).await;
+    assert!(
+        added.status.success(),
+        "add-node 4: {}",
+        output_text(&added)
+    );
+    wait_state(nodes, secret, OBSERVER, 4, Some(MemberState::Serving)).await;
+    let removed = membership_command("remove-node", file, run_directory, 4).await;
+    assert!(
+        removed.status.success(),
+        "remove-node 4 (alive): {}",
+        output_text(&removed)
+    );
+    wait_state(nodes, secret, OBSERVER, 4, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_down_for_replace_after_is_replaced_and_a_second_failure_loses_none() {
+    let (cluster, nodes, secret, _ports) = four_nodes("rereplication-replace", |text| {
+        text.replace("replicas = 2", "replicas = 2\nreplace_after = \"3s\"")
+    })
+    .await;
+    let preloaded = preload(&cluster.file, PRELOADED).await;
+    kill(&cluster, &nodes, &secret, 4).await;
+    wait_state(&nodes, &secret, OBSERVER, 4, None).await;
+    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded).await;
+    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_node_of_a_dead_node_with_one_copy_is_refused_unless_lose_keys() {
+    let settled = up_settled_edited("rereplication-one-copy", 3, |text| {
+        text.replace("replicas = 2", "replicas = 1")
+    })
+    .await;
+    let (cluster, nodes, secret, _, _, _) = settled.parts();
+    let pid = pid_of(&cluster, 3);
+    signal(&cluster, 3, Signal::SIGKILL);
+    wait_torn_down(pid, Duration::from_secs(10));
+    wait_state(&nodes, &secret, OBSERVER, 3, Some(MemberState::Down)).await;
+    let file = cluster.file.to_str().expect("utf-8").to_string();
+    let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
+    assert_refused(
+        "remove-node",
+        file.clone(),
+        run_directory.clone(),
+        3,
+        "holds the only copy of its keys",
+    )
+    .await;
+    assert_eq!(
+        state_in_view(&nodes, &secret, 3).await,
+        Some(MemberState::Down),
+        "refused: still a member"
+    );
+    let removed = tokio::task::block_in_place(|| {
+        rdkv_cluster(&[
+            "remove-node",
+            &file,
+            "--node",
+            "3",
+            "--run-dir",
+            &run_directory,
+            "--lose-keys",
+        ])
+    });
+    assert!(
+        removed.status.success(),
+        "remove-node --lose-keys: {}",
+        output_text(&removed)
+    );
+    wait_state(&nodes, &secret, OBSERVER, 3, None).await;
+    let status = tokio::task::block_in_place(|| rdkv_cluster(&["status", &file]));
+    assert!(
+        output_text(&status).contains("keys may have been lost: the copies on node 3"),
+        "the loss is on record: {}",
+        output_text(&status)
+    );
+}
+
+/// Node `id`'s state in the observer's view now.
+async fn state_in_view(nodes: &Nodes, secret: &[u8], id: u32) -> Option<MemberState> {
+    let view = rdkv_integration_tests::view::view_of(nodes, secret, OBSERVER)
+        .await
+        .expect("the observer answers");
+    rdkv_integration_tests::view::state_of(&view, id)
+}
