@@ -118,19 +118,8 @@ pub async fn remove_node(
         say(&format!("node {node_id} is not a member of the view"));
         return stop_removed(config, run_directory, node_id, &say).await;
     }
-    let member = view
-        .members
-        .iter()
-        .find(|member| member.node_id == node_id)
-        .map(|member| member.state);
-    if member == Some(MemberState::Down) {
+    if dead_member(config, node_id, &say).await? {
         return remove_dead_member(config, run_directory, node_id, lose_keys, &say).await;
-    }
-    if member == Some(MemberState::Serving) && !answers(config, node_id).await {
-        return Err(Error::Refused(format!(
-            "node {node_id} does not answer, and the view still has it serving: wait until `rdkv-cluster status {}` shows it down (after failure_timeout), then remove it",
-            config.path.display()
-        )));
     }
     let change = MembershipChange::Remove { node_id, lose_keys };
     let epoch = ask_members(config, node_id, change).await?;
@@ -213,6 +202,45 @@ async fn wait_rereplicated(config: &ClusterConfig, epoch: u64, say: &impl Fn(&st
             for line in status::rereplication_lines(view.as_ref(), &statuses) {
                 say(&line);
             }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether member `node_id` is down: the view has it down, or it does not answer and the view
+/// marks it down within a few failure timeouts (a node just killed). `false` when it serves
+/// and answers.
+///
+/// # Errors
+/// [`Error::Refused`] when it neither answers nor is marked down in that time.
+async fn dead_member(config: &ClusterConfig, node_id: u32, say: &impl Fn(&str)) -> Result<bool> {
+    let bound = config.failure_timeout * 5 + Duration::from_secs(5);
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        let view = current_view(config, Some(node_id)).await?;
+        let state = view
+            .members
+            .iter()
+            .find(|member| member.node_id == node_id)
+            .map(|member| member.state);
+        if state == Some(MemberState::Down) {
+            return Ok(true);
+        }
+        if state != Some(MemberState::Serving) || answers(config, node_id).await {
+            return Ok(false);
+        }
+        if started.elapsed() >= bound {
+            return Err(Error::Refused(format!(
+                "node {node_id} does not answer, and the view still has it serving after {bound:?}: `rdkv-cluster status {}` shows why",
+                config.path.display()
+            )));
+        }
+        if !said {
+            said = true;
+            say(&format!(
+                "node {node_id} does not answer: waiting for the view to mark it down (failure_timeout)"
+            ));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -477,9 +477,10 @@ pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> 
         .collect()
 }
 
-/// The members serving data that have not finished a re-replication under the view of
-/// `epoch` or later (pending, not answering, or not yet started): `remove-node` of a dead
-/// member waits until there are none.
+/// The members serving data that have not applied the view of `epoch` (or a later one), or
+/// that still re-replicate (a member removed while down): `remove-node` of a dead member waits
+/// until there are none. A node marks its re-replication pending as it applies the view, so
+/// one that applied it and reports none pending has nothing left to copy.
 pub fn rereplication_waiting(
     view: Option<&ClusterView>,
     statuses: &[NodeStatus],
@@ -493,7 +494,7 @@ pub fn rereplication_waiting(
         .filter(|node_id| {
             !statuses.iter().any(|status| match &status.state {
                 NodeState::Up(stats) if status.id == *node_id => {
-                    !stats.rereplication_pending && stats.rereplicated_epoch >= epoch
+                    !stats.rereplication_pending && stats.view_epoch >= epoch
                 }
                 _ => false,
             })
@@ -502,19 +503,26 @@ pub fn rereplication_waiting(
 }
 
 /// A line for each node re-replicating (a member removed while down): how much of its table
-/// it scanned and the keys it copied. When none is pending: `re-replication: done` once every
-/// member serving data re-replicated since it started, or the members that have not yet.
+/// it scanned and the keys it copied. When none is pending, every member serving data has
+/// applied the view, and one of them re-replicated since it started: `re-replication: done`.
 pub fn rereplication_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
-    let stats_of = |node_id: u32| {
-        statuses.iter().find_map(|status| match &status.state {
-            NodeState::Up(stats) if status.id == node_id => Some(stats.as_ref()),
-            _ => None,
-        })
+    let Some(view) = view else {
+        return Vec::new();
     };
-    let serving = view.map_or_else(Vec::new, ClusterView::serving);
+    let serving: Vec<(u32, Option<&ServerStats>)> = view
+        .serving()
+        .into_iter()
+        .map(|node_id| {
+            let stats = statuses.iter().find_map(|status| match &status.state {
+                NodeState::Up(stats) if status.id == node_id => Some(stats.as_ref()),
+                _ => None,
+            });
+            (node_id, stats)
+        })
+        .collect();
     let pending: Vec<String> = serving
         .iter()
-        .filter_map(|node_id| Some((*node_id, stats_of(*node_id)?)))
+        .filter_map(|(node_id, stats)| Some((*node_id, (*stats)?)))
         .filter(|(_, stats)| stats.rereplication_pending)
         .map(|(node_id, stats)| {
             format!(
@@ -529,28 +537,21 @@ pub fn rereplication_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) 
     if !pending.is_empty() {
         return pending;
     }
-    let done: Vec<(u32, u64)> = serving
+    let settled = serving
         .iter()
-        .filter_map(|node_id| Some((*node_id, stats_of(*node_id)?)))
-        .filter(|(_, stats)| stats.rereplicated_epoch > 0)
-        .map(|(node_id, stats)| (node_id, stats.rereplication_keys_copied))
+        .all(|(_, stats)| stats.is_some_and(|stats| stats.view_epoch >= view.epoch));
+    let copied: Vec<u64> = serving
+        .iter()
+        .filter_map(|(_, stats)| *stats)
+        .filter(|stats| stats.rereplicated_epoch > 0)
+        .map(|stats| stats.rereplication_keys_copied)
         .collect();
-    if done.is_empty() {
+    if !settled || copied.is_empty() {
         return Vec::new();
-    }
-    let not_yet: Vec<u32> = serving
-        .iter()
-        .copied()
-        .filter(|node_id| !done.iter().any(|(done, _)| done == node_id))
-        .collect();
-    if !not_yet.is_empty() {
-        return vec![format!(
-            "re-replication: nodes {not_yet:?} have not started yet"
-        )];
     }
     vec![format!(
         "re-replication: done ({} keys copied)",
-        done.iter().map(|(_, copied)| copied).sum::<u64>()
+        copied.iter().sum::<u64>()
     )]
 }
 
@@ -855,19 +856,21 @@ mod tests {
             losses: Vec::new(),
         };
         let pending = ServerStats {
+            view_epoch: 6,
             rereplication_pending: true,
             rereplication_buckets_scanned: 1_024,
             rereplication_buckets_total: 4_096,
             rereplication_keys_copied: 300,
             ..ServerStats::default()
         };
-        let done = |copied| ServerStats {
+        let done = |view_epoch, copied| ServerStats {
+            view_epoch,
             rereplicated_epoch: 6,
             rereplication_keys_copied: copied,
             ..ServerStats::default()
         };
         let statuses = [
-            node(1, NodeState::Up(Box::new(done(500)))),
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
             node(2, NodeState::Up(Box::new(pending))),
         ];
         assert_eq!(
@@ -875,9 +878,15 @@ mod tests {
             vec!["re-replication: node 2 copying the keys it is the primary of to their full set of copies: 25% of its table scanned, 300 keys copied".to_string()]
         );
         assert_eq!(rereplication_waiting(Some(&view), &statuses, 6), vec![2]);
+        let lagging = [
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
+            node(2, NodeState::Up(Box::new(done(5, 0)))),
+        ];
+        assert!(rereplication_lines(Some(&view), &lagging).is_empty());
+        assert_eq!(rereplication_waiting(Some(&view), &lagging, 6), vec![2]);
         let statuses = [
-            node(1, NodeState::Up(Box::new(done(500)))),
-            node(2, NodeState::Up(Box::new(done(700)))),
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
+            node(2, NodeState::Up(Box::new(done(6, 700)))),
         ];
         assert_eq!(
             rereplication_lines(Some(&view), &statuses),

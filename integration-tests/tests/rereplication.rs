@@ -25,11 +25,16 @@ const PRELOADED: usize = 3_000;
 /// The node that observes the views (never killed).
 const OBSERVER: u32 = 2;
 
-/// SIGKILLs node `id` and waits until the observer's view has it down.
-async fn kill(cluster: &Cluster, nodes: &Nodes, secret: &[u8], id: u32) {
+/// SIGKILLs node `id` and waits until its process is gone.
+fn kill_only(cluster: &Cluster, id: u32) {
     let pid = pid_of(cluster, id);
     signal(cluster, id, Signal::SIGKILL);
     wait_torn_down(pid, Duration::from_secs(10));
+}
+
+/// SIGKILLs node `id` and waits until the observer's view has it down.
+async fn kill(cluster: &Cluster, nodes: &Nodes, secret: &[u8], id: u32) {
+    kill_only(cluster, id);
     wait_state(nodes, secret, OBSERVER, id, Some(MemberState::Down)).await;
 }
 
@@ -94,7 +99,8 @@ async fn assert_second_failure_loses_none(
 async fn remove_node_of_a_dead_node_copies_its_keys_again_and_a_second_failure_loses_none() {
     let (cluster, nodes, secret, _ports) = four_nodes("rereplication-remove", |text| text).await;
     let preloaded = preload(&cluster.file, PRELOADED).await;
-    kill(&cluster, &nodes, &secret, 4).await;
+    // remove-node right away: it waits for the view to mark the node down.
+    kill_only(&cluster, 4);
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     let removed = membership_command("remove-node", file, run_directory, 4).await;
@@ -180,10 +186,7 @@ async fn remove_node_of_a_dead_node_with_one_copy_is_refused_unless_lose_keys() 
     })
     .await;
     let (cluster, nodes, secret, _, _, _) = settled.parts();
-    let pid = pid_of(&cluster, 3);
-    signal(&cluster, 3, Signal::SIGKILL);
-    wait_torn_down(pid, Duration::from_secs(10));
-    wait_state(&nodes, &secret, OBSERVER, 3, Some(MemberState::Down)).await;
+    kill(&cluster, &nodes, &secret, 3).await;
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     assert_refused(

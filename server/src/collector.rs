@@ -127,7 +127,7 @@ fn pass(node: &Node, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, Pas
     };
     // While this node re-replicates (a member removed while down), the placement's copies
     // are being made whole: nothing is swept until it is done.
-    let extra_copies_removed = if node.counters.rereplication_pending.load(Ordering::Acquire) {
+    let extra_copies_removed = if node.rereplication_pending() {
         0
     } else {
         node.sweep

@@ -32,8 +32,8 @@ const RETRY_MOST: Duration = Duration::from_secs(5);
 /// Client connections per member the re-replication uses.
 const CONCURRENCY: usize = 4;
 
-/// Runs until `shutdown`: whenever the view drops a member that was down, re-replicates this
-/// node's keys (see the module).
+/// Runs until `shutdown`: whenever this node applied the removal of a member that was down
+/// after its last re-replication, re-replicates this node's keys (see the module).
 pub(crate) async fn rereplication_loop(node: Arc<Node>, shutdown: CancellationToken) {
     let Some(cluster) = node.config.cluster.clone() else {
         return;
@@ -41,14 +41,11 @@ pub(crate) async fn rereplication_loop(node: Arc<Node>, shutdown: CancellationTo
     let Some(mut views) = node.view.subscribe() else {
         return;
     };
-    let mut previous = views.borrow_and_update().clone();
     let mut failures: u32 = 0;
-    // The epoch of the view that last removed a member that was down: a re-replication runs
-    // under that view or a later one. And the members removed since the last one finished.
-    let mut round = 0;
-    let mut removed_members: Vec<u32> = Vec::new();
+    // The round this loop last said it started (logged once per round).
+    let mut announced = 0;
     loop {
-        let pending = node.counters.rereplication_pending.load(Ordering::Acquire);
+        let pending = node.rereplication_pending();
         let pause = RETRY_FIRST
             .saturating_mul(1 << failures.min(5))
             .min(RETRY_MOST);
@@ -57,37 +54,26 @@ pub(crate) async fn rereplication_loop(node: Arc<Node>, shutdown: CancellationTo
             changed = views.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(pause), if pending => {}
         }
-        let current = views.borrow_and_update().clone();
-        let removed = current.removed_dead_since(&previous);
-        previous = current;
-        if !removed.is_empty() && cluster.replicas > 1 {
-            round = previous.epoch;
-            removed_members.extend(&removed);
-            node.counters
-                .rereplication_pending
-                .store(true, Ordering::Release);
+        if !node.rereplication_pending() || node.view.serving_now().is_err() {
+            continue;
+        }
+        let done = node.counters.rereplicated_epoch.load(Ordering::Acquire);
+        let (round, removed) = node.view.dead_removals_after(done);
+        if announced != round {
+            announced = round;
             tracing::info!(
                 node = node.config.node_id,
                 ?removed,
-                epoch = previous.epoch,
-                "members removed while down: copying the keys this node is the primary of to their full set of copies"
+                epoch = round,
+                "members removed while down: copying the keys they held that this node is the primary of to their full set of copies"
             );
         }
-        if !node.counters.rereplication_pending.load(Ordering::Acquire)
-            || node.view.serving_now().is_err()
-        {
-            continue;
-        }
-        match run_once(&node, &cluster, round, &removed_members, &shutdown).await {
+        match run_once(&node, &cluster, round, &removed, &shutdown).await {
             Some(Ok((epoch, copied, started))) => {
                 failures = 0;
-                removed_members.clear();
                 node.counters
                     .rereplicated_epoch
                     .store(epoch, Ordering::Release);
-                node.counters
-                    .rereplication_pending
-                    .store(false, Ordering::Release);
                 tracing::info!(
                     node = node.config.node_id,
                     epoch,

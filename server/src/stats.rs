@@ -1,6 +1,6 @@
 //! The server's counters.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use std::sync::Mutex;
@@ -58,10 +58,8 @@ pub struct Counters {
     pub handover_buckets_scanned: AtomicU64,
     /// Hand-over: this node's index buckets to scan.
     pub handover_buckets_total: AtomicU64,
-    /// Re-replication (`crate::rereplication`): set while this node still has to copy its
-    /// keys to their full set of copies; the sweep of extra copies waits for it.
-    pub rereplication_pending: AtomicBool,
-    /// The epoch of the view under which this node last finished a re-replication.
+    /// The epoch of the view under which this node last finished a re-replication
+    /// (`crate::rereplication`; `Node::rereplication_pending` compares it with the removals).
     pub rereplicated_epoch: AtomicU64,
     /// Re-replication: keys copied.
     pub rereplication_keys_copied: AtomicU64,
@@ -122,7 +120,6 @@ impl Counters {
             handover_keys_copied: AtomicU64::new(0),
             handover_buckets_scanned: AtomicU64::new(0),
             handover_buckets_total: AtomicU64::new(0),
-            rereplication_pending: AtomicBool::new(false),
             rereplicated_epoch: AtomicU64::new(0),
             rereplication_keys_copied: AtomicU64::new(0),
             rereplication_bytes_copied: AtomicU64::new(0),
@@ -246,7 +243,6 @@ impl Counters {
             handover_keys_copied: self.handover_keys_copied.load(Ordering::Relaxed),
             handover_buckets_scanned: self.handover_buckets_scanned.load(Ordering::Relaxed),
             handover_buckets_total: self.handover_buckets_total.load(Ordering::Relaxed),
-            rereplication_pending: self.rereplication_pending.load(Ordering::Relaxed),
             rereplicated_epoch: self.rereplicated_epoch.load(Ordering::Relaxed),
             rereplication_keys_copied: self.rereplication_keys_copied.load(Ordering::Relaxed),
             rereplication_bytes_copied: self.rereplication_bytes_copied.load(Ordering::Relaxed),

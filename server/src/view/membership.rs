@@ -382,6 +382,13 @@ impl ViewService {
         }
     }
 
+    /// The members removed while down that this node applied in views after `epoch`, and the
+    /// newest such view's epoch (0: none): what its re-replication has to make whole
+    /// (`crate::rereplication`).
+    pub fn dead_removals_after(&self, epoch: u64) -> (u64, Vec<u32>) {
+        self.store.dead_removals_after(epoch)
+    }
+
     /// The members this node's view has joining and leaving, for its stats.
     pub fn changing_figures(&self) -> (u64, u64) {
         let view = self.current();

@@ -563,20 +563,22 @@ impl ViewState {
         .then_some(node_id)
     }
 
-    /// The members that `earlier` had as having served and not serving data (down), and that
-    /// this view no longer has: removed while dead, so their keys are one copy short on the
-    /// members that stay, which re-replicate them (`crate::rereplication`).
-    pub fn removed_dead_since(&self, earlier: &ViewState) -> Vec<u32> {
-        earlier
-            .members
-            .iter()
-            .filter(|(node_id, record)| {
-                earlier.ever_served.contains(node_id)
-                    && !record.state.serves_data()
-                    && !self.members.contains_key(node_id)
-            })
-            .map(|(node_id, _)| *node_id)
-            .collect()
+    /// The member that `command` removes while it is down after it served (its keys are one
+    /// copy short on the members that stay, which re-replicate them: `crate::rereplication`),
+    /// if the command applies.
+    pub fn removes_dead_member(&self, command: &ViewCommand) -> Option<u32> {
+        let ViewCommand::RemoveMember {
+            node_id,
+            incarnation,
+        } = *command
+        else {
+            return None;
+        };
+        let record = self.members.get(&node_id)?;
+        (record.state == MemberState::Down
+            && record.incarnation == incarnation
+            && self.ever_served.contains(&node_id))
+        .then_some(node_id)
     }
 
     /// Records that member `node_id`, started again, lost what it took since its last
@@ -1428,7 +1430,7 @@ mod tests {
     }
 
     #[test]
-    fn a_member_down_is_removed_as_its_record_s_process_and_its_removal_is_seen_as_dead() {
+    fn a_member_down_is_removed_as_its_record_s_process_and_only_it_is_re_replicated() {
         let mut view = ViewState::initial(&[1, 2, 3, 4]);
         for node_id in 1..=4 {
             view.apply(&ViewCommand::Join {
@@ -1454,23 +1456,32 @@ mod tests {
         assert_eq!(back.apply(&removal), epoch, "a new process is not removed");
         assert!(back.members.contains_key(&4));
 
+        assert_eq!(back.removes_dead_member(&removal), None);
+        assert_eq!(view.removes_dead_member(&removal), Some(4));
         let epoch = view.apply(&removal);
         assert_eq!(epoch, before.epoch + 1);
         assert!(!view.members.contains_key(&4));
-        assert_eq!(view.removed_dead_since(&before), vec![4]);
-        assert!(view.removed_dead_since(&view.clone()).is_empty());
 
         // A leaving member removed after its hand-over is not a dead one.
-        let before = view.clone();
         view.apply(&ViewCommand::Retire { node_id: 3 });
-        let leaving = view.clone();
-        view.apply(&ViewCommand::RemoveMember {
+        let handed_over = ViewCommand::RemoveMember {
             node_id: 3,
             incarnation: 3,
-        });
+        };
+        assert_eq!(view.removes_dead_member(&handed_over), None);
+        view.apply(&handed_over);
         assert!(!view.members.contains_key(&3));
-        assert!(view.removed_dead_since(&leaving).is_empty());
-        assert!(view.removed_dead_since(&before).is_empty());
+
+        // Nor is a member that never served (an addition abandoned).
+        view.apply(&ViewCommand::AddMember {
+            node_id: 5,
+            address: "127.0.0.1:5".into(),
+        });
+        let abandoned = ViewCommand::RemoveMember {
+            node_id: 5,
+            incarnation: 0,
+        };
+        assert_eq!(view.removes_dead_member(&abandoned), None);
     }
 
     /// A member's state in a public view.
