@@ -351,6 +351,13 @@ impl ViewService {
                 ))
             }
         };
+        if self.view.borrow().members.contains_key(&node_id) {
+            // The command applied to a record that changed meanwhile (a member down that
+            // joined again as a new process): it stays, and so does its vote.
+            return Err(format!(
+                "node {node_id} changed before its removal applied (back as a new process?): not removed"
+            ));
+        }
         self.remove_voter(node_id).await?;
         tracing::info!(node_id, epoch, "member removed");
         Ok(epoch)
