@@ -5,7 +5,8 @@
 //!   long, by this leader's count (a new leader counts from its election), is removed as
 //!   `rdkv-cluster remove-node` removes a dead member ([`ViewService::lead_dead_removal`]);
 //!   the members that serve then re-replicate its keys (`crate::rereplication`). Never with
-//!   one copy of each key: the member holds the only copy of its keys (logged once).
+//!   one copy of each key (the member holds the only copy of its keys), nor while the members
+//!   are no more than `replicas` (the others cannot take one more copy): logged once.
 //! - **Voters the view does not name**: a leader that crashed between `RemoveMember` and the
 //!   voter change left one; it is taken out of Raft's voters once the view has lacked it for
 //!   [`ORPHAN_VOTER_GRACE`] (a removal under way does that step itself first).
@@ -34,8 +35,9 @@ pub(super) struct Replacement {
     orphans_since: BTreeMap<u32, Instant>,
     /// The last try per member, so a refused one is not tried at every tick.
     tried: BTreeMap<u32, Instant>,
-    /// Members not replaced because they hold the only copy of their keys (logged once).
-    warned_one_copy: BTreeSet<u32>,
+    /// Members not replaced because they hold the only copy of their keys, or nothing could
+    /// take their copies (logged once).
+    warned_not_replaced: BTreeSet<u32>,
     /// Set while a removal runs (one at a time, in a task of its own, so that the failure
     /// detector never waits for it).
     in_flight: Arc<AtomicBool>,
@@ -102,15 +104,21 @@ impl ViewService {
             .map(|(node_id, _)| *node_id)
             .collect();
         state
-            .warned_one_copy
+            .warned_not_replaced
             .retain(|node_id| due.contains(node_id));
-        if self.store.replicas() <= 1 {
+        let replicas = self.store.replicas();
+        let members = self.view.borrow().members.len();
+        if replicas <= 1 || members <= replicas {
+            // With one copy its keys would be lost; with no more members than copies, the
+            // others cannot hold one more copy of its keys: its return refills it instead.
             for node_id in due {
-                if state.warned_one_copy.insert(node_id) {
+                if state.warned_not_replaced.insert(node_id) {
                     tracing::warn!(
                         node_id,
                         ?replace_after,
-                        "a member has been down for replace_after, and is not replaced: with replicas = 1 it holds the only copy of its keys (bring it back, or `rdkv-cluster remove-node --lose-keys`)"
+                        replicas,
+                        members,
+                        "a member has been down for replace_after, and is not replaced: with replicas = 1 it holds the only copy of its keys, and with no more members than replicas nothing can take its copies (bring it back, or `rdkv-cluster remove-node`)"
                     );
                 }
             }
