@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 26;
+pub const PROTOCOL_VERSION: u32 = 27;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -555,6 +555,10 @@ pub struct ServerStats {
     /// Committed keys the collector removed because the view does not name this node among
     /// their copies: a stand-in's copies once the member it stood in for serves again.
     pub extra_copies_removed: u64,
+    /// The epoch of the last view under which this node swept its extra copies to the end
+    /// (0: none yet). A removal waits for every member's sweep of the newest view
+    /// (`docs/protocol.md`, *Membership changes*).
+    pub swept_epoch: u64,
     /// The collector's interval now, in milliseconds: `collector_interval` while it has work,
     /// stretched up to 8 times that while the index does not change.
     pub collector_interval_ms: u64,

@@ -249,6 +249,7 @@ impl Node {
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.extra_copies_removed = self.sweep.removed();
         stats.rereplication_pending = self.rereplication_pending();
+        stats.swept_epoch = self.sweep.swept_epoch();
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.authenticated_connections = self.pending.authenticated_count() as u64;

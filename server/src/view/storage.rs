@@ -230,6 +230,11 @@ impl Store {
         })
     }
 
+    /// The cluster's `replicas`.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     /// Whether the store has ever held a log entry or a vote (Raft was initialized here).
     pub fn has_history(&self) -> bool {
         let state = self.lock();
@@ -278,11 +283,6 @@ impl Store {
     /// The applied view, changing as commands apply.
     pub fn view(&self) -> watch::Receiver<ViewState> {
         self.view.subscribe()
-    }
-
-    /// The cluster's `replicas`.
-    pub fn replicas(&self) -> usize {
-        self.replicas
     }
 
     /// The members removed while down that this process applied in views after `epoch`, and
