@@ -259,11 +259,17 @@ async fn answers(config: &ClusterConfig, node_id: u32) -> bool {
     fetch_stats(monitored, Duration::from_secs(1)).await.is_ok()
 }
 
-/// Why node `node_id` (or, with `None`, any node of the file that does not answer) must not
-/// be started by `up` or `restart`: a running cluster's view does not name it (it was
-/// removed, perhaps while it was down, or never added). Started, it would not serve as the
-/// old member; it joins as a new one through `add-node`. `None` when no member answers.
-pub async fn not_a_member(config: &ClusterConfig, node_id: Option<u32>) -> Option<String> {
+/// Why node `node_id` (or, with `None`, any node of the file) must not be started by `up` or
+/// `restart`: it was a member (a view state in `run_directory`, or a node on another host)
+/// and a running cluster's view no longer names it (it was removed, perhaps while it was
+/// down). Started, it would not serve as the old member; it joins as a new one through
+/// `add-node`. `None` when no member answers. (A local node that never joined has no view
+/// state: the launcher refuses it with its own line.)
+pub async fn not_a_member(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node_id: Option<u32>,
+) -> Option<String> {
     let statuses = status::status(config).await;
     let view = status::view(&statuses)?;
     if view.members.is_empty() {
@@ -272,11 +278,14 @@ pub async fn not_a_member(config: &ClusterConfig, node_id: Option<u32>) -> Optio
     let outsider = config
         .nodes
         .iter()
+        .filter(|node| {
+            node.host.is_some() || launcher::view_state_file(run_directory, node.id).exists()
+        })
         .map(|node| node.id)
         .filter(|id| node_id.is_none_or(|node_id| node_id == *id))
         .find(|id| !view.members.iter().any(|member| member.node_id == *id))?;
     Some(format!(
-        "node {outsider} is not a member of the running cluster's view (removed, or never added): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node {} --node {outsider}`",
+        "node {outsider} is not a member of the running cluster's view (it was removed): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node {} --node {outsider}`",
         config.path.display()
     ))
 }

@@ -131,7 +131,7 @@ async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes
         file.clone(),
         run_directory.clone(),
         4,
-        "not a member of the running cluster's view (removed, or never added): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node",
+        "not a member of the running cluster's view (it was removed): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node",
     )
     .await;
     assert_refused(

@@ -469,7 +469,7 @@ async fn start(
         return Ok(1);
     }
     if node.is_some() {
-        if let Some(refusal) = membership::not_a_member(config, node).await {
+        if let Some(refusal) = membership::not_a_member(config, run_directory, node).await {
             eprintln!("rdkv-cluster: error: {refusal}");
             return Ok(1);
         }
@@ -586,7 +586,7 @@ async fn restart(
     node: u32,
     wait: bool,
 ) -> anyhow::Result<u8> {
-    if let Some(refusal) = membership::not_a_member(config, Some(node)).await {
+    if let Some(refusal) = membership::not_a_member(config, run_directory, Some(node)).await {
         eprintln!("rdkv-cluster: error: {refusal}");
         return Ok(1);
     }
