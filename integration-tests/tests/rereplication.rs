@@ -7,6 +7,7 @@
 //! the second dies. And with `replicas = 1`, `remove-node` of a dead member is refused unless
 //! `--lose-keys`, which the view records as a loss.
 
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -15,6 +16,7 @@ use rdkv_integration_tests::cluster::{rdkv_cluster, Cluster};
 use rdkv_integration_tests::membership::{
     assert_read_back, assert_refused, four_nodes, membership_command, preload, wait_state,
 };
+use rdkv_integration_tests::process::workspace_binary;
 use rdkv_integration_tests::view::{
     output_text, pid_of, signal, stats_of, up_settled_edited, wait_torn_down, Nodes,
 };
@@ -124,6 +126,7 @@ async fn remove_node_of_a_dead_node_copies_its_keys_again_and_a_second_failure_l
 /// `add-node` refuses its old view state and snapshot; once they are gone it joins as a new
 /// member, serves, and is removed again (alive: a hand-over), leaving nodes 1 to 3.
 async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes, secret: &[u8]) {
+    assert_started_by_hand_serves_nothing(cluster, nodes, secret).await;
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     assert_refused(
@@ -164,6 +167,52 @@ async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes
         output_text(&removed)
     );
     wait_state(nodes, secret, OBSERVER, 4, None).await;
+}
+
+/// Node 4, removed while dead, started by hand with its old view state (as a unit manager
+/// would): the members refuse it, it says so once in its log, naming `add-node`, and it
+/// serves nothing. It is stopped again.
+async fn assert_started_by_hand_serves_nothing(cluster: &Cluster, nodes: &Nodes, secret: &[u8]) {
+    let run = &cluster.run_directory;
+    let log = run.join("node-4-by-hand.log");
+    let mut server = Command::new(workspace_binary("rdkv-server"))
+        .arg("--config")
+        .arg(&cluster.file)
+        .args(["--node", "4", "--view-state"])
+        .arg(rdkv_cluster_config::launcher::view_state_file(run, 4))
+        .arg("--data-dir")
+        .arg(rdkv_cluster_config::launcher::data_dir(run, 4))
+        .arg("--shm-socket")
+        .arg(run.join("node-4-by-hand.sock"))
+        .arg("--log-file")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start node 4 by hand");
+    let started = Instant::now();
+    let said = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("the members refuse this node") {
+            break text;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = server.kill();
+            let _ = server.wait();
+            panic!("node 4, removed, never said the members refuse it: {text}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        said.contains("rdkv-cluster add-node FILE --node 4"),
+        "{said}"
+    );
+    let stats = stats_of(nodes, secret, 4).await;
+    let _ = server.kill();
+    let _ = server.wait();
+    let stats = stats.expect("node 4 answers while it runs");
+    assert!(!stats.serving_data, "a removed node serves nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -90,6 +90,25 @@ impl ViewService {
             .and_then(|node| node.addr.parse().ok())
     }
 
+    /// Says, once, that the members refuse this node as a member (`reason`, their answer to its
+    /// join or pre-vote): it was removed from the view (perhaps while it was down), the view it
+    /// loaded is an old membership's, and it serves nothing.
+    pub(super) fn say_removed(&self, reason: &str) {
+        // A node that joins (`--join`) is refused the same way until the leader adds it: its
+        // own view does not name it yet.
+        if self.own_record().is_none() {
+            return;
+        }
+        if !self.said_removed.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                node = self.node_id,
+                %reason,
+                "the members refuse this node: it was removed from the cluster's view, and serves nothing; add it back as a new member with `rdkv-cluster add-node FILE --node {}` (after removing its view state and snapshot)",
+                self.node_id
+            );
+        }
+    }
+
     /// Whether the view had this node as a member and no longer does: it was removed, and asks
     /// for no join.
     pub(super) fn removed(&self) -> bool {

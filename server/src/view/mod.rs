@@ -171,6 +171,9 @@ pub struct ViewService {
     /// Set once the view has had this node as a member: a node removed from the view asks
     /// for no join afterwards (`membership.rs`).
     was_member: std::sync::atomic::AtomicBool,
+    /// Set once this node said that the members refuse it as a member (it was removed from
+    /// the view, perhaps while it was down): said once (`membership.rs`).
+    said_removed: std::sync::atomic::AtomicBool,
     /// The leaving round (epoch) whose hand-over this node finished: it serves nothing while
     /// the view still has it leaving in that round, so no client reads it by an older view
     /// once the view without it is committed (0: none; `membership.rs`).
@@ -255,6 +258,7 @@ impl ViewService {
             leaving: std::sync::atomic::AtomicBool::new(false),
             stopped_serving_at: std::sync::Mutex::new(None),
             was_member: std::sync::atomic::AtomicBool::new(false),
+            said_removed: std::sync::atomic::AtomicBool::new(false),
             handed_over: AtomicU64::new(0),
             promotion_round: AtomicU64::new(0),
             promotion_confirmed: AtomicU64::new(0),
@@ -560,7 +564,6 @@ impl ViewService {
     /// filling after a restart or an absence), asks the leader to commit its join.
     async fn keep_joined(self: Arc<Self>, shutdown: CancellationToken) {
         let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL * 2);
-        let mut said_removed = false;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -576,11 +579,8 @@ impl ViewService {
             }
             let (command, request) = self.join_command();
             if let Err(reason) = self.ask_leader_to_commit(command, &request).await {
-                if reason.contains("not a member") && !said_removed {
-                    // Removed from the view (perhaps while it was down): the view it loaded is
-                    // an old membership's, and it serves nothing.
-                    said_removed = true;
-                    tracing::error!(node = self.node_id, %reason, "the leader refuses this node's join: it was removed from the cluster's view, and serves nothing; add it back as a new member with `rdkv-cluster add-node FILE --node N` (after removing its view state and snapshot)");
+                if reason.contains("not a member") {
+                    self.say_removed(&reason);
                 }
                 tracing::debug!(node = self.node_id, %reason, "join not committed yet");
             }
