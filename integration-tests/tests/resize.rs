@@ -84,6 +84,12 @@ async fn grows_under_load(grown: Growth) {
         }
     }
     let refused = refused.expect("node 1's table never filled");
+    let status = rdkv_cluster(&["status", cluster.file.to_str().expect("utf-8")]);
+    let status = output_text(&status);
+    assert!(
+        status.contains("keys (index %)"),
+        "status shows each node's index load: {status}"
+    );
     eprintln!(
         "{} keys written before {refused} failed TableFull",
         written.len()
