@@ -2,7 +2,8 @@
 //! (`rdkv-cluster remove-node` of a dead member, or `replace_after` in the cluster file), and
 //! the members that serve copy its keys again until every key has `replicas` copies, counted
 //! over the nodes' stats; a second node killed afterwards then loses no key. The removed node
-//! comes back only as a new member (`restart` refuses it; `add-node` adds it afresh). Four nodes with
+//! (the leader, in the `remove-node` run) comes back only as a new member: started by hand it
+//! serves nothing and says why, `restart` refuses it, `add-node` adds it afresh. Four nodes with
 //! `replicas = 2`: after the first removal three remain, so the view still has a majority when
 //! the second dies. And with `replicas = 1`, `remove-node` of a dead member is refused unless
 //! `--lose-keys`, which the view records as a loss.
@@ -18,7 +19,7 @@ use rdkv_integration_tests::membership::{
 };
 use rdkv_integration_tests::process::workspace_binary;
 use rdkv_integration_tests::view::{
-    output_text, pid_of, signal, stats_of, up_settled_edited, wait_torn_down, Nodes,
+    output_text, pid_of, signal, stats_of, up_settled_edited, view_of, wait_torn_down, Nodes,
 };
 
 /// Keys written before the first kill.
@@ -69,31 +70,42 @@ async fn keys_over(nodes: &Nodes, secret: &[u8], ids: &[u32]) -> u64 {
     total
 }
 
-/// What both runs check once node 4 is out of the view: status says the re-replication is
-/// done, and every key is on 2 of the 3 nodes left, counted over their stats.
+/// The nodes but `dead`.
+fn survivors(dead: u32) -> Vec<u32> {
+    (1..=4).filter(|id| *id != dead).collect()
+}
+
+/// What both runs check once node `dead` is out of the view: status says the re-replication
+/// is done, and every key is on 2 of the 3 nodes left, counted over their stats.
 async fn assert_every_key_twice(
     cluster: &Cluster,
     nodes: &Nodes,
     secret: &[u8],
     preloaded: &[(String, String)],
+    dead: u32,
 ) {
     let status = tokio::task::block_in_place(|| wait_status_done(cluster));
     eprintln!("{status}");
     assert_eq!(
-        keys_over(nodes, secret, &[1, 2, 3]).await,
+        keys_over(nodes, secret, &survivors(dead)).await,
         2 * preloaded.len() as u64,
         "every key on replicas = 2 nodes after the re-replication"
     );
 }
 
-/// Node 1 killed: every key reads back.
+/// A second node (not `dead`, not the observer) killed: every key reads back.
 async fn assert_second_failure_loses_none(
     cluster: &Cluster,
     nodes: &Nodes,
     secret: &[u8],
     preloaded: &[(String, String)],
+    dead: u32,
 ) {
-    kill(cluster, nodes, secret, 1).await;
+    let second = survivors(dead)
+        .into_iter()
+        .find(|id| *id != OBSERVER)
+        .expect("a second node");
+    kill(cluster, nodes, secret, second).await;
     assert_read_back(&cluster.file, preloaded, "after a second node died").await;
 }
 
@@ -101,14 +113,23 @@ async fn assert_second_failure_loses_none(
 async fn remove_node_of_a_dead_node_copies_its_keys_again_and_a_second_failure_loses_none() {
     let (cluster, nodes, secret, _ports) = four_nodes("rereplication-remove", |text| text).await;
     let preloaded = preload(&cluster.file, PRELOADED).await;
+    // The leader dies, unless the observer leads: started again after its removal, a node that
+    // led takes itself for the leader, and the members refuse its entries.
+    let dead = match view_of(&nodes, &secret, OBSERVER)
+        .await
+        .and_then(|view| view.leader)
+    {
+        Some(leader) if leader != OBSERVER => leader,
+        _ => 4,
+    };
     // remove-node right away: it waits for the view to mark the node down.
-    kill_only(&cluster, 4);
+    kill_only(&cluster, dead);
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
-    let removed = membership_command("remove-node", file, run_directory, 4).await;
+    let removed = membership_command("remove-node", file, run_directory, dead).await;
     assert!(
         removed.status.success(),
-        "remove-node 4: {}",
+        "remove-node {dead}: {}",
         output_text(&removed)
     );
     assert!(
@@ -116,24 +137,29 @@ async fn remove_node_of_a_dead_node_copies_its_keys_again_and_a_second_failure_l
         "{}",
         output_text(&removed)
     );
-    wait_state(&nodes, &secret, OBSERVER, 4, None).await;
-    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded).await;
-    assert_comes_back_only_as_a_new_member(&cluster, &nodes, &secret).await;
-    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded).await;
+    wait_state(&nodes, &secret, OBSERVER, dead, None).await;
+    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded, dead).await;
+    assert_comes_back_only_as_a_new_member(&cluster, &nodes, &secret, dead).await;
+    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded, dead).await;
 }
 
-/// Node 4, removed while dead, is refused by `restart` (one line naming `add-node`), and
+/// Node `dead`, removed while dead, is refused by `restart` (one line naming `add-node`), and
 /// `add-node` refuses its old view state and snapshot; once they are gone it joins as a new
-/// member, serves, and is removed again (alive: a hand-over), leaving nodes 1 to 3.
-async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes, secret: &[u8]) {
-    assert_started_by_hand_serves_nothing(cluster, nodes, secret).await;
+/// member, serves, and is removed again (alive: a hand-over), leaving the other three.
+async fn assert_comes_back_only_as_a_new_member(
+    cluster: &Cluster,
+    nodes: &Nodes,
+    secret: &[u8],
+    dead: u32,
+) {
+    assert_started_by_hand_serves_nothing(cluster, nodes, secret, dead).await;
     let file = cluster.file.to_str().expect("utf-8").to_string();
     let run_directory = cluster.run_directory.to_str().expect("utf-8").to_string();
     assert_refused(
         "restart",
         file.clone(),
         run_directory.clone(),
-        4,
+        dead,
         "not a member of the running cluster's view (it was removed): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node",
     )
     .await;
@@ -141,56 +167,61 @@ async fn assert_comes_back_only_as_a_new_member(cluster: &Cluster, nodes: &Nodes
         "add-node",
         file.clone(),
         run_directory.clone(),
-        4,
+        dead,
         "from an earlier membership",
     )
     .await;
-    let state = rdkv_cluster_config::launcher::view_state_file(&cluster.run_directory, 4);
+    let state = rdkv_cluster_config::launcher::view_state_file(&cluster.run_directory, dead);
     let snapshot =
-        rdkv_cluster_config::launcher::data_dir(&cluster.run_directory, 4).join("snapshot.rdkv");
+        rdkv_cluster_config::launcher::data_dir(&cluster.run_directory, dead).join("snapshot.rdkv");
     for leftover in [state, snapshot] {
         if leftover.exists() {
-            std::fs::remove_file(&leftover).expect("remove a leftover of node 4");
+            std::fs::remove_file(&leftover).expect("remove a leftover of the dead node");
         }
     }
-    let added = membership_command("add-node", file.clone(), run_directory.clone(), 4).await;
+    let added = membership_command("add-node", file.clone(), run_directory.clone(), dead).await;
     assert!(
         added.status.success(),
-        "add-node 4: {}",
+        "add-node {dead}: {}",
         output_text(&added)
     );
-    wait_state(nodes, secret, OBSERVER, 4, Some(MemberState::Serving)).await;
-    let removed = membership_command("remove-node", file, run_directory, 4).await;
+    wait_state(nodes, secret, OBSERVER, dead, Some(MemberState::Serving)).await;
+    let removed = membership_command("remove-node", file, run_directory, dead).await;
     assert!(
         removed.status.success(),
-        "remove-node 4 (alive): {}",
+        "remove-node {dead} (alive): {}",
         output_text(&removed)
     );
-    wait_state(nodes, secret, OBSERVER, 4, None).await;
+    wait_state(nodes, secret, OBSERVER, dead, None).await;
 }
 
-/// Node 4, removed while dead, started by hand with its old view state (as a unit manager
-/// would): the members refuse it, it says so once in its log, naming `add-node`, and it
-/// serves nothing. It is stopped again.
-async fn assert_started_by_hand_serves_nothing(cluster: &Cluster, nodes: &Nodes, secret: &[u8]) {
+/// Node `dead`, removed while dead, started by hand with its old view state (as a unit
+/// manager would): the members refuse it, it says so once in its log, naming `add-node`, and
+/// it serves nothing. It is stopped again.
+async fn assert_started_by_hand_serves_nothing(
+    cluster: &Cluster,
+    nodes: &Nodes,
+    secret: &[u8],
+    dead: u32,
+) {
     let run = &cluster.run_directory;
-    let log = run.join("node-4-by-hand.log");
+    let log = run.join(format!("node-{dead}-by-hand.log"));
     let mut server = Command::new(workspace_binary("rdkv-server"))
         .arg("--config")
         .arg(&cluster.file)
-        .args(["--node", "4", "--view-state"])
-        .arg(rdkv_cluster_config::launcher::view_state_file(run, 4))
+        .args(["--node", &dead.to_string(), "--view-state"])
+        .arg(rdkv_cluster_config::launcher::view_state_file(run, dead))
         .arg("--data-dir")
-        .arg(rdkv_cluster_config::launcher::data_dir(run, 4))
+        .arg(rdkv_cluster_config::launcher::data_dir(run, dead))
         .arg("--shm-socket")
-        .arg(run.join("node-4-by-hand.sock"))
+        .arg(run.join(format!("node-{dead}-by-hand.sock")))
         .arg("--log-file")
         .arg(&log)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start node 4 by hand");
+        .expect("start the removed node by hand");
     let started = Instant::now();
     let said = loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -200,18 +231,18 @@ async fn assert_started_by_hand_serves_nothing(cluster: &Cluster, nodes: &Nodes,
         if started.elapsed() > Duration::from_secs(30) {
             let _ = server.kill();
             let _ = server.wait();
-            panic!("node 4, removed, never said the members refuse it: {text}");
+            panic!("node {dead}, removed, never said the members refuse it: {text}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(
-        said.contains("rdkv-cluster add-node FILE --node 4"),
+        said.contains(&format!("rdkv-cluster add-node FILE --node {dead}")),
         "{said}"
     );
-    let stats = stats_of(nodes, secret, 4).await;
+    let stats = stats_of(nodes, secret, dead).await;
     let _ = server.kill();
     let _ = server.wait();
-    let stats = stats.expect("node 4 answers while it runs");
+    let stats = stats.expect("the removed node answers while it runs");
     assert!(!stats.serving_data, "a removed node serves nothing");
 }
 
@@ -224,8 +255,8 @@ async fn a_node_down_for_replace_after_is_replaced_and_a_second_failure_loses_no
     let preloaded = preload(&cluster.file, PRELOADED).await;
     kill(&cluster, &nodes, &secret, 4).await;
     wait_state(&nodes, &secret, OBSERVER, 4, None).await;
-    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded).await;
-    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded).await;
+    assert_every_key_twice(&cluster, &nodes, &secret, &preloaded, 4).await;
+    assert_second_failure_loses_none(&cluster, &nodes, &secret, &preloaded, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

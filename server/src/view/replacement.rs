@@ -47,6 +47,11 @@ impl ViewService {
     /// On the leader: replaces the members down for `replace_after`, and removes the voters
     /// the view does not name; see the module.
     pub(super) fn tend_members(self: &Arc<Self>, state: &mut Replacement) {
+        // A member removed while it was down, started again as the leader it was: the others
+        // refuse its entries, and it leads nobody.
+        if let Some(refusal) = self.liveness.take_non_member_refusal() {
+            self.say_removed(&refusal);
+        }
         let now = Instant::now();
         let (down, members): (Vec<u32>, BTreeSet<u32>) = {
             let view = self.view.borrow();
