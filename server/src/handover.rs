@@ -107,7 +107,7 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
     let Some(path) = &node.config.cluster_file else {
         return started_with;
     };
-    match rdkv_cluster_file::config::load_to_start(path, Some(started_with.secret.clone()), None) {
+    match rdkv_cluster_file::config::load_with_secret(path, Some(started_with.secret.clone())) {
         Ok(cluster)
             if cluster
                 .nodes
