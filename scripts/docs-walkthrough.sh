@@ -375,6 +375,7 @@ covered_elsewhere = [
     (r"^scripts/bench/node-instructions\.sh --native ", "a measurement under perf (linux-perf, not installed on a CI machine): the same run natively; .ci/run runs the callgrind one small"),
     (r"^(TOKIO_WORKER_THREADS=\d+ )?scripts/bench/instructions\.sh ", "a measurement under valgrind (about 2 minutes): .ci/run's instructions step runs instructions.sh --check on the release build"),
     (r"^(BEFORE|AFTER)=|^for round in ", "a by-hand loop over two builds' fabric benchmarks (a measurement)"),
+    (r"^target/release/rdkv-cluster remove-node examples/local-3node\.toml --node 3$", "the removal of a dead node (operations.md, A node that stays dead): integration-tests/tests/rereplication.rs kills a node and runs it, and the replace_after path"),
     (r"^scripts/soak\.sh$", "the 300 s soak behind the figures: not in CI (5 minutes); not run here"),
     (r"^scripts/lease-lapses\.sh ", "a measurement under the CPU burner (2 minutes per setting): not in CI; it runs the same release binaries the walkthrough runs"),
 ]

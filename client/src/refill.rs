@@ -98,6 +98,13 @@ impl Client {
             .contains(&me)
     }
 
+    /// Whether node `me` must re-replicate `key` after a member was removed while down: it is
+    /// the key's primary, so each key is copied by one node.
+    #[doc(hidden)]
+    pub fn rereplication_target(&self, key: &[u8], me: u32) -> bool {
+        self.follower.write_replicas(key, self.replicas).first() == Some(&me)
+    }
+
     /// Copies `key`'s `value` to every replica the view is heading for, through the primary's
     /// lock (a compare-and-swap of the value with itself): `Ok(false)` when the value changed
     /// meanwhile (its writer wrote every replica already).

@@ -228,7 +228,7 @@ pub struct StartedNode {
 ///
 /// # Errors
 /// [`Error::Refused`] when it already runs, runs on another host (not supported yet), or has
-/// a view state in the run directory already (it was a member: `restart` it instead);
+/// a view state or a snapshot from an earlier membership;
 /// [`Error::Node`] when it fails to start.
 pub fn start_joining(
     config: &ClusterConfig,
@@ -246,23 +246,25 @@ pub fn start_joining(
             "node {node} runs on another host: add-node starts local nodes only; start it there with `rdkv-server --config FILE --node {node} --join`"
         )));
     }
-    if view_state_file(run_directory, node).exists() {
-        return Err(Error::Refused(format!(
-            "node {node} has a view state in {} already (it was a member): start it with `rdkv-cluster restart {} --node {node}`, or remove that file to add it afresh",
-            run_directory.display(),
-            config.path.display()
-        )));
-    }
+    // The caller found the node not a member of the running view: a view state or a snapshot
+    // is from an earlier membership (a member removed, perhaps while it was down). A joining
+    // node would replay that view as the old member, or load the snapshot and serve keys
+    // deleted since it was written.
     let snapshot = chosen
         .data_dir
         .clone()
         .unwrap_or_else(|| data_dir(run_directory, node))
         .join("snapshot.rdkv");
-    if snapshot.exists() {
-        // A joining node would load it, and serve keys deleted since it was written.
+    let state = view_state_file(run_directory, node);
+    let leftovers: Vec<String> = [state, snapshot]
+        .into_iter()
+        .filter(|path| path.exists())
+        .map(|path| path.display().to_string())
+        .collect();
+    if !leftovers.is_empty() {
         return Err(Error::Refused(format!(
-            "node {node} has a snapshot from an earlier membership ({}): a joining node starts empty and is filled from the members; remove that file (it holds nothing the members lack) and run add-node again",
-            snapshot.display()
+            "node {node} has a view state or a snapshot from an earlier membership ({}): a joining node starts empty and is filled from the members; remove them (they hold nothing the members lack) and run add-node again",
+            leftovers.join(", ")
         )));
     }
     fs::create_dir_all(run_directory).map_err(|error| {

@@ -8,7 +8,8 @@
 //!   serves.
 //! - **remove-node**: a member is asked to have the leader retire the node (leaving); the node
 //!   hands its keys over to the members that take them and is removed from the view; the
-//!   command waits for that, then stops the node.
+//!   command waits for that, then stops the node. A member that is `down` is removed at once,
+//!   and the command waits until the members that serve have re-replicated its keys.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -103,6 +104,7 @@ pub async fn remove_node(
     config: &ClusterConfig,
     run_directory: &Path,
     node_id: u32,
+    lose_keys: bool,
     say: impl Fn(&str),
 ) -> Result<()> {
     if !config.nodes.iter().any(|node| node.id == node_id) {
@@ -116,7 +118,11 @@ pub async fn remove_node(
         say(&format!("node {node_id} is not a member of the view"));
         return stop_removed(config, run_directory, node_id, &say).await;
     }
-    let epoch = ask_members(config, node_id, MembershipChange::Remove { node_id }).await?;
+    if dead_member(config, node_id, &say).await? {
+        return remove_dead_member(config, run_directory, node_id, lose_keys, &say).await;
+    }
+    let change = MembershipChange::Remove { node_id, lose_keys };
+    let epoch = ask_members(config, node_id, change).await?;
     say(&format!(
         "node {node_id}: leaving at epoch {epoch}; it serves until every key it holds has its new copies"
     ));
@@ -145,6 +151,143 @@ pub async fn remove_node(
         handover_line(config, node_id).await
     ));
     stop_removed(config, run_directory, node_id, &say).await
+}
+
+/// `remove-node` of member `node_id`, which is `down`: the leader removes it at once (refused
+/// with one copy of each key unless `lose_keys`), then the command waits until every member
+/// that serves has re-replicated its keys ([`wait_rereplicated`]).
+async fn remove_dead_member(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node_id: u32,
+    lose_keys: bool,
+    say: &impl Fn(&str),
+) -> Result<()> {
+    let change = MembershipChange::Remove { node_id, lose_keys };
+    let epoch = ask_members(config, node_id, change).await?;
+    if config.replicas <= 1 {
+        say(&format!(
+            "node {node_id}: removed while down at epoch {epoch}; its keys had no other copy and are lost (the view records the loss: `rdkv-cluster status`, then `rdkv-cluster ack-loss`)"
+        ));
+        return stop_removed(config, run_directory, node_id, say).await;
+    }
+    say(&format!(
+        "node {node_id}: removed while down at epoch {epoch}; the members copy its keys again (re-replication)"
+    ));
+    wait_rereplicated(config, epoch, say).await?;
+    say("re-replication done: every key has its full number of copies");
+    stop_removed(config, run_directory, node_id, say).await
+}
+
+/// Waits until every member that serves reports a re-replication finished under the view of
+/// `epoch` or a later one, and none pending.
+async fn wait_rereplicated(config: &ClusterConfig, epoch: u64, say: &impl Fn(&str)) -> Result<()> {
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    loop {
+        let statuses = status::status(config).await;
+        let view = status::view(&statuses).cloned();
+        let waiting = status::rereplication_waiting(view.as_ref(), &statuses, epoch);
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        if started.elapsed() >= HANDOVER_WAIT {
+            return Err(Error::Refused(format!(
+                "nodes {waiting:?} have not re-replicated after {HANDOVER_WAIT:?}; their logs (`rdkv-cluster logs {}`) say why",
+                config.path.display()
+            )));
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            for line in status::rereplication_lines(view.as_ref(), &statuses) {
+                say(&line);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether member `node_id` is down: the view has it down, or it does not answer and the view
+/// marks it down within a few failure timeouts (a node just killed). `false` when it serves
+/// and answers.
+///
+/// # Errors
+/// [`Error::Refused`] when it neither answers nor is marked down in that time.
+async fn dead_member(config: &ClusterConfig, node_id: u32, say: &impl Fn(&str)) -> Result<bool> {
+    let bound = config.failure_timeout * 5 + Duration::from_secs(5);
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        let view = current_view(config, Some(node_id)).await?;
+        let state = view
+            .members
+            .iter()
+            .find(|member| member.node_id == node_id)
+            .map(|member| member.state);
+        if state == Some(MemberState::Down) {
+            return Ok(true);
+        }
+        if state != Some(MemberState::Serving) || answers(config, node_id).await {
+            return Ok(false);
+        }
+        if started.elapsed() >= bound {
+            return Err(Error::Refused(format!(
+                "node {node_id} does not answer, and the view still has it serving after {bound:?}: `rdkv-cluster status {}` shows why",
+                config.path.display()
+            )));
+        }
+        if !said {
+            said = true;
+            say(&format!(
+                "node {node_id} does not answer: waiting for the view to mark it down (failure_timeout)"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether node `node_id` answers with its stats.
+async fn answers(config: &ClusterConfig, node_id: u32) -> bool {
+    let Some(node) = config.nodes.iter().find(|node| node.id == node_id) else {
+        return false;
+    };
+    let monitored = MonitoredNode {
+        address: node.control_address,
+        id: Some(node.id),
+        secret: &config.secret,
+    };
+    fetch_stats(monitored, Duration::from_secs(1)).await.is_ok()
+}
+
+/// Why node `node_id` (or, with `None`, any node of the file) must not be started by `up` or
+/// `restart`: it was a member (a view state in `run_directory`, or a node on another host)
+/// and a running cluster's view no longer names it (it was removed, perhaps while it was
+/// down). Started, it would not serve as the old member; it joins as a new one through
+/// `add-node`. `None` when no member answers. (A local node that never joined has no view
+/// state: the launcher refuses it with its own line.)
+pub async fn not_a_member(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node_id: Option<u32>,
+) -> Option<String> {
+    let statuses = status::status(config).await;
+    let view = status::view(&statuses)?;
+    if view.members.is_empty() {
+        return None;
+    }
+    let outsider = config
+        .nodes
+        .iter()
+        .filter(|node| {
+            node.host.is_some() || launcher::view_state_file(run_directory, node.id).exists()
+        })
+        .map(|node| node.id)
+        .filter(|id| node_id.is_none_or(|node_id| node_id == *id))
+        .find(|id| !view.members.iter().any(|member| member.node_id == *id))?;
+    Some(format!(
+        "node {outsider} is not a member of the running cluster's view (it was removed): it cannot come back as the old member; add it as a new one with `rdkv-cluster add-node {} --node {outsider}`",
+        config.path.display()
+    ))
 }
 
 /// Stops a node that is no longer a member, and says to take it out of the cluster file.

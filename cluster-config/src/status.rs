@@ -477,6 +477,84 @@ pub fn membership_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> 
         .collect()
 }
 
+/// The members serving data that have not applied the view of `epoch` (or a later one), or
+/// that still re-replicate (a member removed while down): `remove-node` of a dead member waits
+/// until there are none. A node marks its re-replication pending as it applies the view, so
+/// one that applied it and reports none pending has nothing left to copy.
+pub fn rereplication_waiting(
+    view: Option<&ClusterView>,
+    statuses: &[NodeStatus],
+    epoch: u64,
+) -> Vec<u32> {
+    let Some(view) = view else {
+        return vec![0];
+    };
+    view.serving()
+        .into_iter()
+        .filter(|node_id| {
+            !statuses.iter().any(|status| match &status.state {
+                NodeState::Up(stats) if status.id == *node_id => {
+                    !stats.rereplication_pending && stats.view_epoch >= epoch
+                }
+                _ => false,
+            })
+        })
+        .collect()
+}
+
+/// A line for each node re-replicating (a member removed while down): how much of its table
+/// it scanned and the keys it copied. When none is pending, every member serving data has
+/// applied the view, and one of them re-replicated since it started: `re-replication: done`.
+pub fn rereplication_lines(view: Option<&ClusterView>, statuses: &[NodeStatus]) -> Vec<String> {
+    let Some(view) = view else {
+        return Vec::new();
+    };
+    let serving: Vec<(u32, Option<&ServerStats>)> = view
+        .serving()
+        .into_iter()
+        .map(|node_id| {
+            let stats = statuses.iter().find_map(|status| match &status.state {
+                NodeState::Up(stats) if status.id == node_id => Some(stats.as_ref()),
+                _ => None,
+            });
+            (node_id, stats)
+        })
+        .collect();
+    let pending: Vec<String> = serving
+        .iter()
+        .filter_map(|(node_id, stats)| Some((*node_id, (*stats)?)))
+        .filter(|(_, stats)| stats.rereplication_pending)
+        .map(|(node_id, stats)| {
+            format!(
+                "re-replication: node {node_id} copying the keys it is the primary of to their full set of copies: {}% of its table scanned, {} keys copied",
+                (stats.rereplication_buckets_scanned * 100)
+                    .checked_div(stats.rereplication_buckets_total)
+                    .unwrap_or(0),
+                stats.rereplication_keys_copied
+            )
+        })
+        .collect();
+    if !pending.is_empty() {
+        return pending;
+    }
+    let settled = serving
+        .iter()
+        .all(|(_, stats)| stats.is_some_and(|stats| stats.view_epoch >= view.epoch));
+    let copied: Vec<u64> = serving
+        .iter()
+        .filter_map(|(_, stats)| *stats)
+        .filter(|stats| stats.rereplicated_epoch > 0)
+        .map(|stats| stats.rereplication_keys_copied)
+        .collect();
+    if !settled || copied.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "re-replication: done ({} keys copied)",
+        copied.iter().sum::<u64>()
+    )]
+}
+
 /// A line for each loss the view records and nobody acknowledged yet: `keys may have been
 /// lost: the copies on nodes 2 and 3 were down together at epoch 9 (…)`.
 pub fn loss_lines(view: Option<&ClusterView>) -> Vec<String> {
@@ -775,6 +853,65 @@ mod tests {
             ]
         );
         assert!(refill_lines(None, &statuses).is_empty());
+    }
+
+    #[test]
+    fn a_re_replication_shows_its_progress_then_done() {
+        use rdkv_common::protocol::{MemberState, ViewMember};
+        let member = |node_id, state| ViewMember { node_id, state };
+        let view = ClusterView {
+            epoch: 6,
+            leader: Some(1),
+            members: vec![
+                member(1, MemberState::Serving),
+                member(2, MemberState::Serving),
+            ],
+            losses: Vec::new(),
+        };
+        let pending = ServerStats {
+            view_epoch: 6,
+            rereplication_pending: true,
+            rereplication_buckets_scanned: 1_024,
+            rereplication_buckets_total: 4_096,
+            rereplication_keys_copied: 300,
+            ..ServerStats::default()
+        };
+        let done = |view_epoch, copied| ServerStats {
+            view_epoch,
+            rereplicated_epoch: 6,
+            rereplication_keys_copied: copied,
+            ..ServerStats::default()
+        };
+        let statuses = [
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
+            node(2, NodeState::Up(Box::new(pending))),
+        ];
+        assert_eq!(
+            rereplication_lines(Some(&view), &statuses),
+            vec!["re-replication: node 2 copying the keys it is the primary of to their full set of copies: 25% of its table scanned, 300 keys copied".to_string()]
+        );
+        assert_eq!(rereplication_waiting(Some(&view), &statuses, 6), vec![2]);
+        let lagging = [
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
+            node(2, NodeState::Up(Box::new(done(5, 0)))),
+        ];
+        assert!(rereplication_lines(Some(&view), &lagging).is_empty());
+        assert_eq!(rereplication_waiting(Some(&view), &lagging, 6), vec![2]);
+        let statuses = [
+            node(1, NodeState::Up(Box::new(done(6, 500)))),
+            node(2, NodeState::Up(Box::new(done(6, 700)))),
+        ];
+        assert_eq!(
+            rereplication_lines(Some(&view), &statuses),
+            vec!["re-replication: done (1200 keys copied)".to_string()]
+        );
+        assert!(rereplication_waiting(Some(&view), &statuses, 6).is_empty());
+        assert_eq!(rereplication_waiting(Some(&view), &statuses, 7), vec![1, 2]);
+        let fresh = [
+            node(1, NodeState::Up(Box::default())),
+            node(2, NodeState::Up(Box::default())),
+        ];
+        assert!(rereplication_lines(Some(&view), &fresh).is_empty());
     }
 
     #[test]

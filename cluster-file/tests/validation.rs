@@ -590,3 +590,61 @@ fn fabric_port_limits_have_defaults_and_bounds() {
     let (_, field, _) = invalid(&file("fabric_max_pending_hellos = 1000000000\n", NODE_1));
     assert_eq!(field, "cluster.fabric_max_pending_hellos");
 }
+
+#[test]
+fn replace_after_is_off_by_default_parsed_and_bounded() {
+    let second = NODE_1
+        .replace("id = 1", "id = 2")
+        .replace("7400", "7500")
+        .replace("7401", "7501");
+    let nodes = format!("{NODE_1}{second}");
+    let parsed = |extra: &str| {
+        parse(
+            Path::new("cluster.toml"),
+            &file(extra, &nodes),
+            roomy(),
+            64 * 1024 * MIB,
+        )
+        .expect("valid")
+    };
+    assert_eq!(parsed("replicas = 2\n").replace_after, None);
+    let config = parsed("replicas = 2\nreplace_after = \"10m\"\n");
+    assert_eq!(
+        config.replace_after,
+        Some(std::time::Duration::from_secs(600))
+    );
+    assert!(
+        !config
+            .warnings
+            .iter()
+            .any(|warning| warning.contains("replace_after")),
+        "{:?}",
+        config.warnings
+    );
+    let one_copy = parsed("replace_after = \"10m\"\n");
+    assert!(
+        one_copy
+            .warnings
+            .iter()
+            .any(|warning| warning.contains("cluster.replace_after: ignored with replicas = 1")),
+        "{:?}",
+        one_copy.warnings
+    );
+    for (value, says) in [
+        ("soon", "duration"),
+        ("500ms", "outside failure_timeout"),
+        ("20000m", "outside failure_timeout"),
+    ] {
+        let (line, field, message) = invalid(&file(
+            &format!("replicas = 2\nreplace_after = \"{value}\"\n"),
+            &nodes,
+        ));
+        assert_eq!(
+            (line, field.as_str()),
+            (6, "cluster.replace_after"),
+            "{value}"
+        );
+        assert!(message.contains(says), "{value}: {message}");
+        assert_eq!(message.lines().count(), 1, "{message}");
+    }
+}

@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 26;
+pub const PROTOCOL_VERSION: u32 = 27;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -112,10 +112,15 @@ pub enum MembershipChange {
         control_address: String,
     },
     /// Member `node_id` leaves: it keeps serving while its keys get their copies on the
-    /// members that stay, then it is out of the view and of Raft.
+    /// members that stay, then it is out of the view and of Raft. A member that is `down` is
+    /// removed at once, and the others copy its keys again from their other copies
+    /// (re-replication).
     Remove {
         /// The leaving member.
         node_id: u32,
+        /// Remove a member that is `down` even where it holds the only copy of its keys
+        /// (`replicas = 1`): they are lost, and the view records the loss.
+        lose_keys: bool,
     },
 }
 
@@ -665,6 +670,20 @@ pub struct ServerStats {
     pub handover_buckets_scanned: u64,
     /// Hand-over: this node's index buckets to scan.
     pub handover_buckets_total: u64,
+    /// Re-replication (a member removed while `down`): whether this node still has to copy
+    /// the keys it is the primary of to their full set of copies.
+    pub rereplication_pending: bool,
+    /// The epoch of the view under which this node last finished a re-replication (0: none
+    /// since start).
+    pub rereplicated_epoch: u64,
+    /// Re-replication: keys copied through their primary lock.
+    pub rereplication_keys_copied: u64,
+    /// Re-replication: bytes of the keys and values it copied.
+    pub rereplication_bytes_copied: u64,
+    /// Re-replication: this node's index buckets scanned, of `rereplication_buckets_total`.
+    pub rereplication_buckets_scanned: u64,
+    /// Re-replication: this node's index buckets to scan.
+    pub rereplication_buckets_total: u64,
     /// The view epoch at which this node last finished the newest-wins reconciliation of a
     /// whole-cluster start (0: none since start; `docs/protocol.md`, *Reconciliation*).
     pub reconciled_epoch: u64,

@@ -4,15 +4,16 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rdkv_client::{Client, ClientBuilder};
 use rdkv_common::ports::ReservedPorts;
+use rdkv_common::protocol::MemberState;
 
 use crate::cluster::{rdkv_cluster, Cluster};
 use crate::linearizability::{Event, Outcome};
-use crate::view::{up_settled_edited, Nodes};
+use crate::view::{state_of, up_settled_edited, wait_for_view, Nodes};
 use crate::workload::{random_operation, Mix};
 
 /// Keys of the checked load (`key-0` …).
@@ -201,4 +202,37 @@ pub async fn assert_read_back(file: &std::path::Path, preloaded: &[(String, Stri
         preloaded.len(),
         &lost[..lost.len().min(8)]
     );
+}
+
+/// Four nodes up with `replicas = 2` (the example's three and a fourth on reserved ports),
+/// settled, with `edit` applied to the file first: the cluster, every node's address, the
+/// secret, and node 4's ports, reserved until the caller drops them.
+pub async fn four_nodes(
+    tag: &str,
+    edit: impl FnOnce(String) -> String,
+) -> (Cluster, Nodes, Vec<u8>, ReservedPorts) {
+    let fourth_ports = ReservedPorts::loopback(3).expect("reserve ports for node 4");
+    let section = fourth_node(&fourth_ports);
+    let settled = up_settled_edited(tag, 3, |text| {
+        edit(text.replace("operation_deadline = \"2s\"", "operation_deadline = \"8s\"")) + &section
+    })
+    .await;
+    let (cluster, nodes, secret, _, _, _) = settled.parts();
+    (cluster, nodes, secret, fourth_ports)
+}
+
+/// Waits (30 s at most) until node `observer`'s view has node `id` in `state` (`None`: not a
+/// member).
+pub async fn wait_state(
+    nodes: &Nodes,
+    secret: &[u8],
+    observer: u32,
+    id: u32,
+    state: Option<MemberState>,
+) {
+    wait_for_view(nodes, secret, observer, Duration::from_secs(30), |view| {
+        state_of(view, id) == state
+    })
+    .await
+    .unwrap_or_else(|last| panic!("node {observer} never saw node {id} {state:?}; last: {last:?}"));
 }

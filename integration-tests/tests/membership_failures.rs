@@ -22,7 +22,7 @@ use rdkv_integration_tests::membership::{
 };
 use rdkv_integration_tests::process::workspace_binary;
 use rdkv_integration_tests::view::{
-    cluster_command, output_text, pid_of, signal, state_of, wait_for_view, wait_torn_down, Nodes,
+    cluster_command, output_text, pid_of, signal, wait_torn_down, Nodes,
 };
 
 /// Keys written first and read back at the end: enough that a refill and a hand-over last
@@ -43,11 +43,7 @@ fn start_command(cluster: &Cluster, command: &str, node: u32) -> Child {
 
 /// Waits (30 s at most) until node 2's view has node `id` in `state`.
 async fn wait_state(nodes: &Nodes, secret: &[u8], id: u32, state: Option<MemberState>) {
-    wait_for_view(nodes, secret, 2, Duration::from_secs(30), |view| {
-        state_of(view, id) == state
-    })
-    .await
-    .unwrap_or_else(|last| panic!("node 2 never saw node {id} {state:?}; last: {last:?}"));
+    rdkv_integration_tests::membership::wait_state(nodes, secret, 2, id, state).await;
 }
 
 /// SIGKILLs node `id` (its command, `command`, is killed too: it would wait for what will not

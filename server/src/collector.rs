@@ -125,9 +125,14 @@ fn pass(node: &Node, mut slots: Vec<(u64, Slot)>) -> (Vec<(u64, Slot)>, u64, Pas
         lock(&node.collector.tombstones).clear();
         false
     };
-    let extra_copies_removed = node
-        .sweep
-        .run(&node.config, &node.view, node.table(), &mut slots);
+    // While this node re-replicates (a member removed while down), the placement's copies
+    // are being made whole: nothing is swept until it is done.
+    let extra_copies_removed = if node.rereplication_pending() {
+        0
+    } else {
+        node.sweep
+            .run(&node.config, &node.view, node.table(), &mut slots)
+    };
     let report = node.heap.collect(
         slots
             .iter()

@@ -13,13 +13,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
+use rdkv_client::{Client, ClientBuilder};
 use rdkv_cluster_file::ClusterConfig;
 use rdkv_common::protocol::MemberState;
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
-use crate::refill::{copy, ensure_view_holds};
+use crate::refill::{copy_scanned, ensure_view_holds, CopyProgress};
 use crate::view::VIEW_MOVED;
 
 /// How often the task looks at the view for this node leaving, and waits between tries.
@@ -215,33 +215,15 @@ async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<(u64, u64
         buckets = total,
         "handing over this node's keys"
     );
-    let mut copied = 0u64;
-    let mut first = 0;
-    while first < total {
-        let count = SCAN_BUCKETS.min(total - first);
-        let entries = client
-            .scan_node(me, first, count)
-            .await
-            .map_err(|error| format!("scanning this node: {error}"))?;
-        for entry in entries {
-            if !client.handover_target(&entry.key, me) {
-                continue;
-            }
-            copy(client, &entry.key, &entry.value).await?;
-            copied += 1;
-            node.counters
-                .handover_keys_copied
-                .fetch_add(1, Ordering::Relaxed);
-            node.counters.handover_bytes_copied.fetch_add(
-                (entry.key.len() + entry.value.len()) as u64,
-                Ordering::Relaxed,
-            );
-        }
-        first += count;
-        node.counters
-            .handover_buckets_scanned
-            .fetch_add(count, Ordering::Relaxed);
-    }
+    let progress = CopyProgress {
+        buckets_scanned: &node.counters.handover_buckets_scanned,
+        keys_copied: &node.counters.handover_keys_copied,
+        bytes_copied: &node.counters.handover_bytes_copied,
+    };
+    let copied = copy_scanned(client, me, total, &progress, |key| {
+        client.handover_target(key, me)
+    })
+    .await?;
     ensure_view_holds(client, &view, "during the hand-over").await?;
     Ok((copied, view.epoch))
 }

@@ -72,6 +72,7 @@ pub mod pending;
 mod persistence;
 mod reconcile;
 mod refill;
+mod rereplication;
 pub mod server;
 mod session;
 pub mod snapshot;

@@ -204,6 +204,19 @@ impl Node {
             .and_then(|index| self.attachment(index).device().shm_socket())
     }
 
+    /// Whether this node still has to re-replicate: the view removed a member that was down
+    /// after its last re-replication finished (`crate::rereplication`; never with one copy of
+    /// each key: there is nothing to copy from). The sweep of extra copies waits meanwhile.
+    pub(crate) fn rereplication_pending(&self) -> bool {
+        let replicas = self
+            .config
+            .cluster
+            .as_ref()
+            .map_or(1, |cluster| cluster.replicas);
+        let done = self.counters.rereplicated_epoch.load(Ordering::Acquire);
+        replicas > 1 && self.view.dead_removals_after(done).0 > done
+    }
+
     /// Committed keys now, exact when no write is in flight (an index scan; see
     /// [`Counters::exact_keys`]).
     pub(crate) async fn exact_keys(self: &Arc<Self>) -> u64 {
@@ -235,6 +248,7 @@ impl Node {
         stats.collector_passes = self.collector.passes();
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.extra_copies_removed = self.sweep.removed();
+        stats.rereplication_pending = self.rereplication_pending();
         stats.swept_epoch = self.sweep.swept_epoch();
         stats.index_slots =
             self.table().geometry.bucket_count * rdkv_common::layout::SLOTS_PER_BUCKET as u64;

@@ -8,7 +8,7 @@
 //! the leader to promote the node: a new view, in which it serves again. Progress is in the
 //! stats (`refill_*`) and the metrics. `docs/protocol.md`, *Refill*.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -377,31 +377,16 @@ async fn refill(
         "refilling from the serving peers"
     );
     let mut copied = 0u64;
+    let progress = CopyProgress {
+        buckets_scanned: &counters.refill_buckets_scanned,
+        keys_copied: &counters.refill_keys_copied,
+        bytes_copied: &counters.refill_bytes_copied,
+    };
     for (peer, total) in peers.iter().zip(totals) {
-        let mut first = 0;
-        while first < total {
-            let count = SCAN_BUCKETS.min(total - first);
-            let entries = client
-                .scan_node(*peer, first, count)
-                .await
-                .map_err(|error| format!("scanning node {peer}: {error}"))?;
-            for entry in entries {
-                if !client.refill_target(&entry.key, *peer, me) {
-                    continue;
-                }
-                copy(client, &entry.key, &entry.value).await?;
-                copied += 1;
-                counters.refill_keys_copied.fetch_add(1, Ordering::Relaxed);
-                counters.refill_bytes_copied.fetch_add(
-                    (entry.key.len() + entry.value.len()) as u64,
-                    Ordering::Relaxed,
-                );
-            }
-            first += count;
-            counters
-                .refill_buckets_scanned
-                .fetch_add(count, Ordering::Relaxed);
-        }
+        copied += copy_scanned(client, *peer, total, &progress, |key| {
+            client.refill_target(key, *peer, me)
+        })
+        .await?;
     }
     // Which keys it copied, and where each copy went, followed the client's view: one that
     // moved during the scan (a peer restarted, another node promoted) may have left keys out.
@@ -512,6 +497,56 @@ async fn reconciled(node: &Node, client: &Client, view: &ClusterView) -> Result<
             view.epoch
         )))
     }
+}
+
+/// Where a scan-and-copy ([`copy_scanned`]) counts its progress: the refill's, the
+/// hand-over's or the re-replication's counters.
+pub(crate) struct CopyProgress<'a> {
+    /// Index buckets scanned.
+    pub(crate) buckets_scanned: &'a AtomicU64,
+    /// Keys copied.
+    pub(crate) keys_copied: &'a AtomicU64,
+    /// Bytes of the keys and values copied.
+    pub(crate) bytes_copied: &'a AtomicU64,
+}
+
+/// The copy loop that the refill, the hand-over and the re-replication share: scans the
+/// `total` combined buckets of node `node_id`'s index one-sided, and copies every key that
+/// `wanted` picks through its primary's lock ([`copy`]). The keys copied.
+///
+/// # Errors
+/// A line: the scan or a copy failed (the caller starts over).
+pub(crate) async fn copy_scanned(
+    client: &Client,
+    node_id: u32,
+    total: u64,
+    progress: &CopyProgress<'_>,
+    wanted: impl Fn(&[u8]) -> bool,
+) -> Result<u64, String> {
+    let mut copied = 0u64;
+    let mut first = 0;
+    while first < total {
+        let count = SCAN_BUCKETS.min(total - first);
+        let entries = client
+            .scan_node(node_id, first, count)
+            .await
+            .map_err(|error| format!("scanning node {node_id}: {error}"))?;
+        for entry in entries {
+            if !wanted(&entry.key) {
+                continue;
+            }
+            copy(client, &entry.key, &entry.value).await?;
+            copied += 1;
+            progress.keys_copied.fetch_add(1, Ordering::Relaxed);
+            progress.bytes_copied.fetch_add(
+                (entry.key.len() + entry.value.len()) as u64,
+                Ordering::Relaxed,
+            );
+        }
+        first += count;
+        progress.buckets_scanned.fetch_add(count, Ordering::Relaxed);
+    }
+    Ok(copied)
 }
 
 /// Copies one key (a rewrite of its value through its primary's lock). A value that changed

@@ -192,19 +192,10 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer> {
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
     let view = crate::view::ViewService::start(
-        crate::view::ViewSettings {
-            node_id: config.node_id,
-            members: config.members.clone(),
-            secret: config.secret.clone(),
-            failure_timeout: config.failure_timeout,
-            state_file: config.view_state_file.clone(),
-            resume_from: loaded.as_ref().and_then(|loaded| loaded.meta.stopped_at),
-            replicas: config
-                .cluster
-                .as_ref()
-                .map_or(1, |cluster| cluster.replicas),
-            joining: config.joining,
-        },
+        view_settings(
+            &config,
+            loaded.as_ref().and_then(|loaded| loaded.meta.stopped_at),
+        ),
         &tasks,
         shutdown.clone(),
     )
@@ -276,6 +267,10 @@ fn spawn_tasks(
         shutdown.clone(),
     ));
     tasks.spawn(crate::refill::refill_loop(node.clone(), shutdown.clone()));
+    tasks.spawn(crate::rereplication::rereplication_loop(
+        node.clone(),
+        shutdown.clone(),
+    ));
     tasks.spawn(crate::handover::handover_loop(
         node.clone(),
         shutdown.clone(),
@@ -465,5 +460,22 @@ async fn accept_loop(
                 }
             }
         }
+    }
+}
+
+/// The view service's settings from the node's configuration; `resume_from`: the stop whose
+/// snapshot the node loaded.
+fn view_settings(config: &ServerConfig, resume_from: Option<u64>) -> crate::view::ViewSettings {
+    let cluster = config.cluster.as_ref();
+    crate::view::ViewSettings {
+        node_id: config.node_id,
+        members: config.members.clone(),
+        secret: config.secret.clone(),
+        failure_timeout: config.failure_timeout,
+        state_file: config.view_state_file.clone(),
+        resume_from,
+        replicas: cluster.map_or(1, |cluster| cluster.replicas),
+        replace_after: cluster.and_then(|cluster| cluster.replace_after),
+        joining: config.joining,
     }
 }

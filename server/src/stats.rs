@@ -58,6 +58,17 @@ pub struct Counters {
     pub handover_buckets_scanned: AtomicU64,
     /// Hand-over: this node's index buckets to scan.
     pub handover_buckets_total: AtomicU64,
+    /// The epoch of the view under which this node last finished a re-replication
+    /// (`crate::rereplication`; `Node::rereplication_pending` compares it with the removals).
+    pub rereplicated_epoch: AtomicU64,
+    /// Re-replication: keys copied.
+    pub rereplication_keys_copied: AtomicU64,
+    /// Re-replication: bytes of the keys and values copied.
+    pub rereplication_bytes_copied: AtomicU64,
+    /// Re-replication: this node's index buckets scanned, of `rereplication_buckets_total`.
+    pub rereplication_buckets_scanned: AtomicU64,
+    /// Re-replication: this node's index buckets to scan.
+    pub rereplication_buckets_total: AtomicU64,
     /// The view epoch at which this node last finished reconciling (`crate::reconcile`).
     pub reconciled_epoch: AtomicU64,
     /// Reconciliation: keys taken from a peer whose copy was newer.
@@ -109,6 +120,11 @@ impl Counters {
             handover_keys_copied: AtomicU64::new(0),
             handover_buckets_scanned: AtomicU64::new(0),
             handover_buckets_total: AtomicU64::new(0),
+            rereplicated_epoch: AtomicU64::new(0),
+            rereplication_keys_copied: AtomicU64::new(0),
+            rereplication_bytes_copied: AtomicU64::new(0),
+            rereplication_buckets_scanned: AtomicU64::new(0),
+            rereplication_buckets_total: AtomicU64::new(0),
             reconciled_epoch: AtomicU64::new(0),
             reconciled_keys: AtomicU64::new(0),
             reconciled_removed: AtomicU64::new(0),
@@ -229,6 +245,13 @@ impl Counters {
             handover_keys_copied: self.handover_keys_copied.load(Ordering::Relaxed),
             handover_buckets_scanned: self.handover_buckets_scanned.load(Ordering::Relaxed),
             handover_buckets_total: self.handover_buckets_total.load(Ordering::Relaxed),
+            rereplicated_epoch: self.rereplicated_epoch.load(Ordering::Relaxed),
+            rereplication_keys_copied: self.rereplication_keys_copied.load(Ordering::Relaxed),
+            rereplication_bytes_copied: self.rereplication_bytes_copied.load(Ordering::Relaxed),
+            rereplication_buckets_scanned: self
+                .rereplication_buckets_scanned
+                .load(Ordering::Relaxed),
+            rereplication_buckets_total: self.rereplication_buckets_total.load(Ordering::Relaxed),
             reconciled_epoch: self.reconciled_epoch.load(Ordering::Relaxed),
             reconciled_keys: self.reconciled_keys.load(Ordering::Relaxed),
             reconciled_removed: self.reconciled_removed.load(Ordering::Relaxed),

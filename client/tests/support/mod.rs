@@ -29,6 +29,7 @@ pub fn cluster(
         fabric,
         lease_timeout: Duration::from_secs(10),
         failure_timeout: Duration::from_secs(2),
+        replace_after: None,
         replicas: 1,
         operation_deadline: Duration::from_secs(2),
         snapshot_interval: Duration::ZERO,

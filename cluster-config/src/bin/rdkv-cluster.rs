@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rdkv_cluster_config::launcher::{self, say};
-use rdkv_cluster_config::{status, systemd, ClusterConfig};
+use rdkv_cluster_config::{membership, status, systemd, ClusterConfig};
 
 /// The exit codes, for `--help` (and `docs/operations.md`).
 const EXIT_CODES: &str = "Exit codes:
@@ -114,14 +114,20 @@ enum Action {
         node: u32,
     },
     /// Remove member N from the running view: it keeps serving while every key it holds gets
-    /// its new copies on the other members, then it leaves the view and is stopped. Exits 0
-    /// once it is out of the view and stopped; then take it out of the cluster file.
+    /// its new copies on the other members, then it leaves the view and is stopped. A member
+    /// that is down is removed at once, and the others copy its keys again (re-replication).
+    /// Exits 0 once it is out of the view (and its keys re-replicated); then take it out of the
+    /// cluster file.
     RemoveNode {
         /// The cluster file.
         file: PathBuf,
         /// The node to remove.
         #[arg(long)]
         node: u32,
+        /// Remove a member that is down even with `replicas = 1`, where it holds the only copy
+        /// of its keys: they are lost (the view records the loss).
+        #[arg(long)]
+        lose_keys: bool,
     },
     /// Grow node N's table: write its new `index_size` and `heap_size` into the cluster file
     /// (checked first against this machine's memlock limit and memory, as `up` checks), then
@@ -295,16 +301,17 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             resize(&config, &run_directory, node, sizes, force).await
         }
         Action::AddNode { node, .. } => {
-            rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
+            membership::add_node(&config, &run_directory, node, say).await?;
             Ok(0)
         }
-        Action::RemoveNode { node, .. } => {
+        Action::RemoveNode {
+            node, lose_keys, ..
+        } => {
             if let Some(refusal) = status::secret_refusal(&config, Some(node)).await {
                 eprintln!("rdkv-cluster: error: {refusal}");
                 return Ok(3);
             }
-            rdkv_cluster_config::membership::remove_node(&config, &run_directory, node, say)
-                .await?;
+            membership::remove_node(&config, &run_directory, node, lose_keys, say).await?;
             Ok(0)
         }
         Action::Status { .. } => print_status(&config).await,
@@ -412,6 +419,9 @@ async fn print_status(config: &ClusterConfig) -> anyhow::Result<u8> {
     for line in status::refill_lines(view, &statuses) {
         say(&line);
     }
+    for line in status::rereplication_lines(view, &statuses) {
+        say(&line);
+    }
     let losses = status::loss_lines(view);
     for line in &losses {
         say(line);
@@ -457,6 +467,12 @@ async fn start(
     if let Some(refusal) = snapshot_choice_refusal(config, node, file) {
         eprintln!("rdkv-cluster: error: {refusal}");
         return Ok(1);
+    }
+    if node.is_some() {
+        if let Some(refusal) = membership::not_a_member(config, run_directory, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Ok(1);
+        }
     }
     // Listen for Ctrl-C from the start: one during start-up stops the nodes started.
     let mut signal = tokio::spawn(rdkv_common::process::shutdown_signal());
@@ -570,6 +586,10 @@ async fn restart(
     node: u32,
     wait: bool,
 ) -> anyhow::Result<u8> {
+    if let Some(refusal) = membership::not_a_member(config, run_directory, Some(node)).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(1);
+    }
     let line = launcher::stop(config, run_directory, Some(node)).await?;
     say(&line.join("\n"));
     // A node found not running (killed, crashed) wrote no final snapshot.

@@ -10,8 +10,8 @@ use toml::Spanned;
 
 use super::{
     default_unauthenticated, line_of, span_of, ClusterConfig, ConnectionLimits, Locator,
-    RawCluster, SshSettings, DEFAULT_FAILURE_TIMEOUT, MAX_FAILURE_TIMEOUT, MAX_REPLICAS,
-    MIN_FAILURE_TIMEOUT, MIN_SECRET_LENGTH,
+    RawCluster, SshSettings, DEFAULT_FAILURE_TIMEOUT, MAX_FAILURE_TIMEOUT, MAX_REPLACE_AFTER,
+    MAX_REPLICAS, MIN_FAILURE_TIMEOUT, MIN_SECRET_LENGTH,
 };
 use crate::error::Result;
 
@@ -41,6 +41,7 @@ pub(super) fn parse_cluster_section(
         Duration::from_secs(10),
     )?;
     let failure_timeout = parse_failure_timeout(locator, cluster)?;
+    let replace_after = parse_replace_after(locator, cluster, failure_timeout)?;
     let operation_deadline = locator.duration(
         &cluster.operation_deadline,
         "cluster.operation_deadline",
@@ -61,6 +62,7 @@ pub(super) fn parse_cluster_section(
         fabric,
         lease_timeout,
         failure_timeout,
+        replace_after,
         replicas: 1,
         operation_deadline,
         snapshot_interval,
@@ -252,6 +254,33 @@ fn parse_failure_timeout(locator: &Locator<'_>, cluster: &RawCluster) -> Result<
         ));
     }
     Ok(failure_timeout)
+}
+
+/// `cluster.replace_after` (optional): above `failure_timeout` (a member is `down` only after
+/// that long), at most [`MAX_REPLACE_AFTER`].
+fn parse_replace_after(
+    locator: &Locator<'_>,
+    cluster: &RawCluster,
+    failure_timeout: Duration,
+) -> Result<Option<Duration>> {
+    let Some(value) = &cluster.replace_after else {
+        return Ok(None);
+    };
+    let replace_after = locator.duration(
+        &cluster.replace_after,
+        "cluster.replace_after",
+        Duration::ZERO,
+    )?;
+    if replace_after < failure_timeout || replace_after > MAX_REPLACE_AFTER {
+        return Err(locator.error(
+            value.span(),
+            "cluster.replace_after",
+            format!(
+                "{replace_after:?} is outside failure_timeout ({failure_timeout:?}) to {MAX_REPLACE_AFTER:?}: leave it out to never replace a node that is down"
+            ),
+        ));
+    }
+    Ok(Some(replace_after))
 }
 
 /// `cluster.poll_spin` (parsed) is at most [`MAX_POLL_SPIN`].

@@ -9,6 +9,8 @@
 //! lease_timeout = "10s"
 //! failure_timeout = "2s"          # a node silent this long leaves the cluster view (1s to 60s)
 //! replicas = 2                    # copies of each key, 1 to 3 and at most the nodes (default 1)
+//! replace_after = "10m"           # optional: a node down this long is removed and its keys
+//!                                 # copied again (default: never; replicas >= 2 only)
 //! poll_spin = "30us"              # optional busy-poll before sleeping (default 0: never)
 //! operation_deadline = "2s"
 //! snapshot_interval = "60s"       # a snapshot of each node's keys this often ("0s": only at
@@ -84,6 +86,7 @@ struct RawCluster {
     fabric: Spanned<String>,
     lease_timeout: Option<Spanned<String>>,
     failure_timeout: Option<Spanned<String>>,
+    replace_after: Option<Spanned<String>>,
     replicas: Option<Spanned<u64>>,
     operation_deadline: Option<Spanned<String>>,
     snapshot_interval: Option<Spanned<String>>,
@@ -132,6 +135,9 @@ pub const MIN_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest failure timeout.
 pub const MAX_FAILURE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The longest `replace_after`: a week.
+pub const MAX_REPLACE_AFTER: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// How often a node writes a snapshot when the file does not say: a crash of every node
 /// loses at most about this much (a whole-cluster stop by `rdkv-cluster down` loses nothing),
 /// for a scan and a write of the node's keys once a minute (64 MiB/s at most).
@@ -156,6 +162,10 @@ pub struct ClusterConfig {
     /// A node that misses its peers' heartbeats this long is committed down in the cluster
     /// view.
     pub failure_timeout: Duration,
+    /// A member `down` this long is removed from the view, and its keys get their full number
+    /// of copies again on the others (`docs/operations.md`, *Growing and shrinking a
+    /// cluster*). `None` (the default): never; a node that comes back is refilled instead.
+    pub replace_after: Option<Duration>,
     /// Copies of each key (1 to [`MAX_REPLICAS`], at most the nodes): the first nodes of the
     /// key's rendezvous ranking over the serving members of the cluster view.
     pub replicas: usize,
@@ -495,6 +505,14 @@ fn parse_with_secret(
     config.nodes = parse_node_sections(&locator, &raw, config.fabric, machine)?;
     config.replicas = parse_replicas(&locator, raw.cluster.get_ref(), config.nodes.len())?;
     warn_of_late_failure_timeout(&locator, raw.cluster.get_ref(), &mut config);
+    if config.replace_after.is_some() && config.replicas < 2 {
+        let span = span_of(&raw.cluster.get_ref().replace_after);
+        config.warnings.push(format!(
+            "{}:{}: cluster.replace_after: ignored with replicas = 1: a node down holds the only copy of its keys, and replacing it would lose them (bring it back, or `rdkv-cluster remove-node --lose-keys`)",
+            path.display(),
+            line_of(text, span.start),
+        ));
+    }
     if config.nodes.len() == 2 {
         config.warnings.push(format!(
             "{}: two nodes: when one dies, the other cannot commit a view without it (the view's Raft needs a majority); use three nodes to survive the loss of one (docs/operations.md, The cluster view)",

@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 73] {
+fn definitions() -> [(&'static str, &'static str, Reader); 78] {
     [
         (
             "uptime_seconds",
@@ -420,6 +420,31 @@ fn definitions() -> [(&'static str, &'static str, Reader); 73] {
             "handover_buckets_total",
             "Hand-over of a leaving member: its index buckets to scan (0: no hand-over since start)",
             |stats| stats.handover_buckets_total as i64,
+        ),
+        (
+            "rereplication_keys_copied_total",
+            "Re-replication after a member was removed while down: keys this node copied to their full set of copies",
+            |stats| stats.rereplication_keys_copied as i64,
+        ),
+        (
+            "rereplication_bytes_copied_total",
+            "Re-replication: bytes of the keys and values copied",
+            |stats| stats.rereplication_bytes_copied as i64,
+        ),
+        (
+            "rereplication_buckets_scanned",
+            "Re-replication: this node's index buckets scanned so far",
+            |stats| stats.rereplication_buckets_scanned as i64,
+        ),
+        (
+            "rereplication_buckets_total",
+            "Re-replication: this node's index buckets to scan (0: none since start)",
+            |stats| stats.rereplication_buckets_total as i64,
+        ),
+        (
+            "rereplication_pending",
+            "Re-replication: 1 while this node still has keys to copy to their full set of copies",
+            |stats| i64::from(stats.rereplication_pending),
         ),
         (
             "reconciled_keys_total",

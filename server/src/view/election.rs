@@ -213,6 +213,12 @@ impl ViewService {
             }
         }
         let won = granted >= quorum;
+        if let Some(refusal) = refusals
+            .iter()
+            .find(|refusal| refusal.contains("is not a member of this cluster"))
+        {
+            self.say_removed(refusal);
+        }
         if won {
             tracing::info!(
                 node = self.node_id,

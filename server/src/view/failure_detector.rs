@@ -33,6 +33,9 @@ struct FailureDetector {
     proposed: Proposed,
     /// Whether a consensus stopped on a fatal error was reported (once is enough).
     reported_fatal: bool,
+    /// Members down for `replace_after`, and voters the view does not name
+    /// (`replacement.rs`).
+    replacement: super::replacement::Replacement,
 }
 
 impl ViewService {
@@ -75,6 +78,7 @@ impl ViewService {
             let heard_within = self.heard_within(since, detector.previous_leader);
             self.commit_silent_down(&heard_within, &mut detector.proposed)
                 .await;
+            self.tend_members(&mut detector.replacement);
         }
     }
 

@@ -90,6 +90,25 @@ impl ViewService {
             .and_then(|node| node.addr.parse().ok())
     }
 
+    /// Says, once, that the members refuse this node as a member (`reason`, their answer to its
+    /// join or pre-vote): it was removed from the view (perhaps while it was down), the view it
+    /// loaded is an old membership's, and it serves nothing.
+    pub(super) fn say_removed(&self, reason: &str) {
+        // A node that joins (`--join`) is refused the same way until the leader adds it: its
+        // own view does not name it yet.
+        if self.own_record().is_none() {
+            return;
+        }
+        if !self.said_removed.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                node = self.node_id,
+                %reason,
+                "the members refuse this node: it was removed from the cluster's view, and serves nothing; add it back as a new member with `rdkv-cluster add-node FILE --node {}` (after removing its view state and snapshot)",
+                self.node_id
+            );
+        }
+    }
+
     /// Whether the view had this node as a member and no longer does: it was removed, and asks
     /// for no join.
     pub(super) fn removed(&self) -> bool {
@@ -302,7 +321,7 @@ impl ViewService {
             return Err(format!("node {} is not the leader", self.node_id));
         }
         let node_id = match &change {
-            MembershipChange::Add { node_id, .. } | MembershipChange::Remove { node_id } => {
+            MembershipChange::Add { node_id, .. } | MembershipChange::Remove { node_id, .. } => {
                 *node_id
             }
         };
@@ -326,7 +345,9 @@ impl ViewService {
                 node_id,
                 control_address,
             } => self.lead_addition(node_id, control_address).await,
-            MembershipChange::Remove { node_id } => self.lead_retirement(node_id).await,
+            MembershipChange::Remove { node_id, lose_keys } => {
+                self.lead_retirement(node_id, lose_keys).await
+            }
         }
     }
 
@@ -391,8 +412,13 @@ impl ViewService {
     }
 
     /// On the leader: serving member `node_id` starts to leave; a member that never served
-    /// (an addition abandoned) is removed at once.
-    async fn lead_retirement(&self, node_id: u32) -> std::result::Result<u64, String> {
+    /// (an addition abandoned) is removed at once, and so is one that is down
+    /// ([`Self::lead_dead_removal`]).
+    async fn lead_retirement(
+        &self,
+        node_id: u32,
+        lose_keys: bool,
+    ) -> std::result::Result<u64, String> {
         let (record, never_served, serving, epoch) = {
             let view = self.view.borrow();
             let record = view.members.get(&node_id).copied();
@@ -414,6 +440,7 @@ impl ViewService {
             None => return Err(format!("node {node_id} is not a member of the view")),
             Some(MemberState::Leaving) => return Ok(epoch),
             Some(MemberState::Serving) => {}
+            Some(MemberState::Down) => return self.lead_dead_removal(node_id, lose_keys).await,
             Some(other) => {
                 return Err(format!(
                     "node {node_id} is {other}: only a serving member hands its keys over (wait until it serves)"
@@ -427,6 +454,38 @@ impl ViewService {
         }
         self.wait_for_sweeps().await?;
         self.commit(ViewCommand::Retire { node_id }).await
+    }
+
+    /// On the leader: member `node_id`, down, is out of the view and of Raft's voters at once
+    /// (`rdkv-cluster remove-node` of a dead node, or `replace_after`); the members that serve
+    /// then copy its keys again from their other copies (`crate::rereplication`). With one
+    /// copy of each key its keys have no other copy: refused unless `lose_keys`, and the view
+    /// records the loss.
+    pub(super) async fn lead_dead_removal(
+        &self,
+        node_id: u32,
+        lose_keys: bool,
+    ) -> std::result::Result<u64, String> {
+        let Some(record) = self.view.borrow().members.get(&node_id).copied() else {
+            return Err(format!("node {node_id} is not a member of the view"));
+        };
+        if record.state != MemberState::Down {
+            return Err(format!(
+                "node {node_id} is {}, not down: only a member that is down is removed without a hand-over",
+                record.state
+            ));
+        }
+        if self.store.replicas() <= 1 && !lose_keys {
+            return Err(format!(
+                "node {node_id} is down and holds the only copy of its keys (replicas = 1): removing it loses them; bring it back (`rdkv-cluster restart`), or pass --lose-keys to remove it anyway"
+            ));
+        }
+        tracing::warn!(
+            node_id,
+            lose_keys,
+            "removing a member that is down: the members that serve copy its keys again"
+        );
+        self.lead_removal(node_id, record.incarnation, None).await
     }
 
     /// Waits, within [`SWEEPS_WITHIN`] plus twice `failure_timeout`, until every serving
@@ -480,8 +539,9 @@ impl ViewService {
     }
 
     /// On the leader: leaving member `node_id`, handed over as `incarnation` under the view of
-    /// `handed_over_at` (`None`: a member that never served, which holds nothing), is out of
-    /// the view, then out of Raft's voters.
+    /// `handed_over_at` (`None`: a member that never served, which holds nothing, or one
+    /// down, whose keys the members re-replicate), is out of the view, then out of Raft's
+    /// voters.
     pub(super) async fn lead_removal(
         &self,
         node_id: u32,
@@ -491,10 +551,6 @@ impl ViewService {
         if self.leader() != Some(self.node_id) {
             return Err(format!("node {} is not the leader", self.node_id));
         }
-        let raft = self
-            .raft
-            .as_ref()
-            .ok_or("a one-node cluster runs no consensus")?;
         let (present, never_served) = {
             let view = self.view.borrow();
             let present = view.members.get(&node_id).copied();
@@ -514,7 +570,7 @@ impl ViewService {
             }
             Some(record)
                 if record.incarnation == incarnation
-                    && (record.state == MemberState::Leaving
+                    && (matches!(record.state, MemberState::Leaving | MemberState::Down)
                         || (never_served && record.state != MemberState::Serving)) =>
             {
                 self.commit(ViewCommand::RemoveMember {
@@ -530,27 +586,49 @@ impl ViewService {
                 ))
             }
         };
-        let peer = PeerId::from(node_id);
-        if self.voters().contains(&peer) {
-            let changed = tokio::time::timeout(
-                RAFT_STEP_WITHIN,
-                raft.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([peer])), false),
-            )
-            .await;
-            match changed {
-                Err(_) => {
-                    return Err(format!(
-                        "removing node {node_id} from the voters was not committed within {RAFT_STEP_WITHIN:?}"
-                    ))
-                }
-                Ok(Err(error)) => {
-                    return Err(format!("removing node {node_id} from the voters: {error}"))
-                }
-                Ok(Ok(_)) => {}
-            }
+        if self.view.borrow().members.contains_key(&node_id) {
+            // The command applied to a record that changed meanwhile (a member down that
+            // joined again as a new process): it stays, and so does its vote.
+            return Err(format!(
+                "node {node_id} changed before its removal applied (back as a new process?): not removed"
+            ));
         }
+        self.remove_voter(node_id).await?;
         tracing::info!(node_id, epoch, "member removed");
         Ok(epoch)
+    }
+
+    /// On the leader: node `node_id` is out of Raft's voters (nothing to do when it is not
+    /// one). Also for a voter the view no longer names (a leader that crashed between
+    /// `RemoveMember` and this step: `replacement.rs`).
+    pub(super) async fn remove_voter(&self, node_id: u32) -> std::result::Result<(), String> {
+        let raft = self
+            .raft
+            .as_ref()
+            .ok_or("a one-node cluster runs no consensus")?;
+        let peer = PeerId::from(node_id);
+        if !self.voters().contains(&peer) {
+            return Ok(());
+        }
+        let changed = tokio::time::timeout(
+            RAFT_STEP_WITHIN,
+            raft.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([peer])), false),
+        )
+        .await;
+        match changed {
+            Err(_) => Err(format!(
+                "removing node {node_id} from the voters was not committed within {RAFT_STEP_WITHIN:?}"
+            )),
+            Ok(Err(error)) => Err(format!("removing node {node_id} from the voters: {error}")),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    /// The members removed while down that this node applied in views after `epoch`, and the
+    /// newest such view's epoch (0: none): what its re-replication has to make whole
+    /// (`crate::rereplication`).
+    pub fn dead_removals_after(&self, epoch: u64) -> (u64, Vec<u32>) {
+        self.store.dead_removals_after(epoch)
     }
 
     /// The members this node's view has joining and leaving, for its stats.
@@ -566,7 +644,7 @@ impl ViewService {
     }
 
     /// Raft's voters, by the membership this node knows.
-    fn voters(&self) -> BTreeSet<PeerId> {
+    pub(super) fn voters(&self) -> BTreeSet<PeerId> {
         let Some(raft) = &self.raft else {
             return BTreeSet::new();
         };

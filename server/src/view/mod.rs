@@ -35,6 +35,7 @@ mod membership;
 mod network;
 mod peer_link;
 mod published;
+mod replacement;
 mod stop;
 mod storage;
 pub mod types;
@@ -95,6 +96,9 @@ pub struct ViewSettings {
     /// The cluster's `replicas`: this many members down at once lose keys (the view records
     /// it).
     pub replicas: usize,
+    /// A member `down` this long is removed and its keys re-replicated (`replacement.rs`);
+    /// `None`: never.
+    pub replace_after: Option<Duration>,
     /// The node joins a running cluster (`rdkv-cluster add-node`): it does not initialize
     /// Raft with the cluster file's nodes, and learns the view from the leader's log once the
     /// leader adds it (`membership.rs`).
@@ -121,6 +125,8 @@ pub struct ViewService {
     secret: Arc<[u8]>,
     /// A member silent this long is committed down.
     failure_timeout: Duration,
+    /// A member down this long is removed (`replacement.rs`); `None`: never.
+    replace_after: Option<Duration>,
     /// Views this node committed as leader (downs and joins).
     committed: AtomicU64,
     /// When each peer was last heard from: answers to this node's Raft messages (the leader's
@@ -165,6 +171,9 @@ pub struct ViewService {
     /// Set once the view has had this node as a member: a node removed from the view asks
     /// for no join afterwards (`membership.rs`).
     was_member: std::sync::atomic::AtomicBool,
+    /// Set once this node said that the members refuse it as a member (it was removed from
+    /// the view, perhaps while it was down): said once (`membership.rs`).
+    said_removed: std::sync::atomic::AtomicBool,
     /// The leaving round (epoch) whose hand-over this node finished: it serves nothing while
     /// the view still has it leaving in that round, so no client reads it by an older view
     /// once the view without it is committed (0: none; `membership.rs`).
@@ -230,6 +239,7 @@ impl ViewService {
             configured_addresses: addresses,
             secret,
             failure_timeout: settings.failure_timeout,
+            replace_after: settings.replace_after,
             committed: AtomicU64::new(0),
             liveness,
             shutdown: shutdown.clone(),
@@ -248,6 +258,7 @@ impl ViewService {
             leaving: std::sync::atomic::AtomicBool::new(false),
             stopped_serving_at: std::sync::Mutex::new(None),
             was_member: std::sync::atomic::AtomicBool::new(false),
+            said_removed: std::sync::atomic::AtomicBool::new(false),
             handed_over: AtomicU64::new(0),
             promotion_round: AtomicU64::new(0),
             promotion_confirmed: AtomicU64::new(0),
@@ -568,6 +579,9 @@ impl ViewService {
             }
             let (command, request) = self.join_command();
             if let Err(reason) = self.ask_leader_to_commit(command, &request).await {
+                if reason.contains("not a member") {
+                    self.say_removed(&reason);
+                }
                 tracing::debug!(node = self.node_id, %reason, "join not committed yet");
             }
         }

@@ -35,9 +35,19 @@ pub struct Liveness {
     /// On a leader: by node id, when the newest of its `AppendEntries` that the peer accepted
     /// (it had voted for no later leader) was sent. The leader's lease counts from these.
     accepted: Mutex<HashMap<u32, Instant>>,
+    /// A peer's refusal of this node's `AppendEntries` because the view does not name it (a
+    /// member removed while it was down, started again as the leader it was): taken by
+    /// `replacement.rs`, which says so.
+    refused_as_non_member: Mutex<Option<String>>,
 }
 
 impl Liveness {
+    /// The last refusal of this node's `AppendEntries` because it is not a member, if one came
+    /// since the last call.
+    pub fn take_non_member_refusal(&self) -> Option<String> {
+        lock(&self.refused_as_non_member).take()
+    }
+
     /// Records an answer from `node_id`.
     pub fn heard(&self, node_id: u32) {
         lock(&self.heard).insert(node_id, Instant::now());
@@ -221,6 +231,11 @@ impl RaftNetwork<TypeConfig> for PeerClient {
                 PeerId::from(self.target),
                 error,
             ))),
+            PeerReply::Malformed(reason) if reason.contains("is not a member of this cluster") => {
+                let refusal = format!("node {}: {reason}", self.target);
+                *lock(&self.liveness.refused_as_non_member) = Some(refusal);
+                Err(unexpected(self.target, PeerReply::Malformed(reason)))
+            }
             other => Err(unexpected(self.target, other)),
         }
     }

@@ -149,7 +149,14 @@ pub struct Store {
     last_stop: Arc<Mutex<Option<StopApplied>>>,
     /// The cluster's `replicas`: this many members without a whole copy at once lose keys.
     replicas: usize,
+    /// The members this process applied the removal of while they were down, each with the
+    /// epoch of the view without it (in memory: a node started afterwards refills instead):
+    /// the members that serve re-replicate their keys (`crate::rereplication`).
+    dead_removals: Arc<Mutex<Vec<(u64, u32)>>>,
 }
+
+/// The most dead members' removals a store remembers (they are rare; the newest count).
+const DEAD_REMOVALS_KEPT: usize = 64;
 
 fn io_error(error: impl std::error::Error + 'static) -> StorageError<PeerId> {
     StorageError::IO {
@@ -219,6 +226,7 @@ impl Store {
             view: Arc::new(view),
             last_stop: Arc::default(),
             replicas,
+            dead_removals: Arc::default(),
         })
     }
 
@@ -275,6 +283,19 @@ impl Store {
     /// The applied view, changing as commands apply.
     pub fn view(&self) -> watch::Receiver<ViewState> {
         self.view.subscribe()
+    }
+
+    /// The members removed while down that this process applied in views after `epoch`, and
+    /// the newest such view's epoch (0: none).
+    pub fn dead_removals_after(&self, epoch: u64) -> (u64, Vec<u32>) {
+        let removals = lock(&self.dead_removals);
+        let newest = removals.last().map_or(0, |(epoch, _)| *epoch);
+        let members = removals
+            .iter()
+            .filter(|(removed_at, _)| *removed_at > epoch)
+            .map(|(_, node_id)| *node_id)
+            .collect();
+        (newest, members)
     }
 
     fn lock(&self) -> MutexGuard<'_, Persisted> {
@@ -442,8 +463,19 @@ impl RaftStorage<TypeConfig> for Store {
                         let serving = state.view.serving_members();
                         let before = state.view.epoch;
                         let at_risk = state.view.at_risk(self.replicas);
-                        let short = state.view.restarted_short(command, self.replicas);
+                        let short = state
+                            .view
+                            .restarted_short(command, self.replicas)
+                            .or_else(|| state.view.removed_holding(command, self.replicas));
+                        let dead = state.view.removes_dead_member(command);
                         let after = state.view.apply(command);
+                        if let Some(node_id) = dead.filter(|_| after != before) {
+                            let mut removals = lock(&self.dead_removals);
+                            removals.push((after, node_id));
+                            if removals.len() > DEAD_REMOVALS_KEPT {
+                                removals.remove(0);
+                            }
+                        }
                         if *command == super::types::ViewCommand::Stop && after != before {
                             *lock(&self.last_stop) = Some((after, serving));
                         }

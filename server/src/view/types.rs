@@ -122,12 +122,15 @@ pub enum ViewCommand {
         node_id: u32,
     },
     /// A leaving member whose hand-over is complete is out of the view; so is a member that
-    /// never served (an addition abandoned: it holds no key of its own), whatever its state.
+    /// never served (an addition abandoned: it holds no key of its own), whatever its state,
+    /// and a member that is `down` (`rdkv-cluster remove-node`, or `replace_after`): the
+    /// members that serve copy its keys again (`crate::rereplication`).
     RemoveMember {
         /// The member.
         node_id: u32,
         /// The incarnation that handed its keys over (a hand-over of an earlier process
-        /// removes nothing), or the never-served member's record's.
+        /// removes nothing), or the never-served or down member's record's (a member back
+        /// since, as a new process, is not removed).
         incarnation: u64,
     },
 }
@@ -306,13 +309,13 @@ impl ViewState {
         true
     }
 
-    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, or a member that
-    /// never served, is out of the view; whether it changed the view.
+    /// A [`ViewCommand::RemoveMember`]: the leaving member as `incarnation`, a member that
+    /// never served, or one down, is out of the view; whether it changed the view.
     fn remove_member(&mut self, node_id: u32, incarnation: u64) -> bool {
         let never_served = !self.ever_served.contains(&node_id);
         let leaving = self.members.get(&node_id).is_some_and(|record| {
             record.incarnation == incarnation
-                && (record.state == MemberState::Leaving
+                && (matches!(record.state, MemberState::Leaving | MemberState::Down)
                     || (never_served && record.state != MemberState::Serving))
         });
         if leaving {
@@ -538,6 +541,44 @@ impl ViewState {
         let unseen_crash = record.state == MemberState::Serving && record.incarnation != 0;
         let not_resumed = record.state == MemberState::Down && Some(record.since) == self.last_stop;
         (unseen_crash || not_resumed).then_some(node_id)
+    }
+
+    /// With one copy of each key: the member that `command` removes while it is `down` and
+    /// held keys (`rdkv-cluster remove-node --lose-keys`): their only copy is gone, recorded
+    /// as a loss ([`Self::record_restart_loss`]). With more copies the members that serve
+    /// hold them, and re-replicate them.
+    pub fn removed_holding(&self, command: &ViewCommand, replicas: usize) -> Option<u32> {
+        let ViewCommand::RemoveMember {
+            node_id,
+            incarnation,
+        } = *command
+        else {
+            return None;
+        };
+        let record = self.members.get(&node_id)?;
+        (replicas <= 1
+            && record.state == MemberState::Down
+            && record.incarnation == incarnation
+            && self.ever_served.contains(&node_id))
+        .then_some(node_id)
+    }
+
+    /// The member that `command` removes while it is down after it served (its keys are one
+    /// copy short on the members that stay, which re-replicate them: `crate::rereplication`),
+    /// if the command applies.
+    pub fn removes_dead_member(&self, command: &ViewCommand) -> Option<u32> {
+        let ViewCommand::RemoveMember {
+            node_id,
+            incarnation,
+        } = *command
+        else {
+            return None;
+        };
+        let record = self.members.get(&node_id)?;
+        (record.state == MemberState::Down
+            && record.incarnation == incarnation
+            && self.ever_served.contains(&node_id))
+        .then_some(node_id)
     }
 
     /// Records that member `node_id`, started again, lost what it took since its last
@@ -1389,6 +1430,61 @@ mod tests {
             epoch,
             "a serving member is removed only after its hand-over"
         );
+    }
+
+    #[test]
+    fn a_member_down_is_removed_as_its_record_s_process_and_only_it_is_re_replicated() {
+        let mut view = ViewState::initial(&[1, 2, 3, 4]);
+        for node_id in 1..=4 {
+            view.apply(&ViewCommand::Join {
+                node_id,
+                incarnation: u64::from(node_id),
+            });
+        }
+        view.apply(&ViewCommand::MarkDown { node_id: 4 });
+        let before = view.clone();
+        let removal = ViewCommand::RemoveMember {
+            node_id: 4,
+            incarnation: 4,
+        };
+        assert_eq!(view.removed_holding(&removal, 2), None, "other copies");
+        assert_eq!(view.removed_holding(&removal, 1), Some(4), "the only copy");
+        // Back as a new process before the removal applied: it stays.
+        let mut back = view.clone();
+        back.apply(&ViewCommand::Join {
+            node_id: 4,
+            incarnation: 44,
+        });
+        let epoch = back.epoch;
+        assert_eq!(back.apply(&removal), epoch, "a new process is not removed");
+        assert!(back.members.contains_key(&4));
+
+        assert_eq!(back.removes_dead_member(&removal), None);
+        assert_eq!(view.removes_dead_member(&removal), Some(4));
+        let epoch = view.apply(&removal);
+        assert_eq!(epoch, before.epoch + 1);
+        assert!(!view.members.contains_key(&4));
+
+        // A leaving member removed after its hand-over is not a dead one.
+        view.apply(&ViewCommand::Retire { node_id: 3 });
+        let handed_over = ViewCommand::RemoveMember {
+            node_id: 3,
+            incarnation: 3,
+        };
+        assert_eq!(view.removes_dead_member(&handed_over), None);
+        view.apply(&handed_over);
+        assert!(!view.members.contains_key(&3));
+
+        // Nor is a member that never served (an addition abandoned).
+        view.apply(&ViewCommand::AddMember {
+            node_id: 5,
+            address: "127.0.0.1:5".into(),
+        });
+        let abandoned = ViewCommand::RemoveMember {
+            node_id: 5,
+            incarnation: 0,
+        };
+        assert_eq!(view.removes_dead_member(&abandoned), None);
     }
 
     /// A member's state in a public view.
