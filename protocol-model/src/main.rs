@@ -168,7 +168,11 @@ fn run_membership(arguments: &Arguments) -> ExitCode {
                 model.change,
                 model.replicas,
                 if model.replicas == 1 { "y" } else { "ies" },
-                if model.crash { "a crash at any step" } else { "no crash" }
+                if model.crash {
+                    "a crash at any step"
+                } else {
+                    "no crash"
+                }
             );
         }
         return ExitCode::SUCCESS;

@@ -40,6 +40,33 @@ impl MembershipReport {
             .collect()
     }
 
+    /// The steps of `actions` up to the first state that violates `property`.
+    pub fn violating_prefix<'a>(
+        &self,
+        property: &str,
+        actions: &'a [MembershipAction],
+    ) -> &'a [MembershipAction] {
+        let Some(condition) = self
+            .model
+            .properties()
+            .into_iter()
+            .find(|candidate| candidate.name == property)
+            .map(|found| found.condition)
+        else {
+            return actions;
+        };
+        let mut state = self.model.initial();
+        for (index, action) in actions.iter().enumerate() {
+            if let Some(next) = self.model.next_state(&state, *action) {
+                state = next;
+            }
+            if !condition(&self.model, &state) {
+                return &actions[..=index];
+            }
+        }
+        actions
+    }
+
     /// The steps of the counterexample to `property`, if it is violated.
     pub fn counterexample(&self, property: &str) -> Option<&[MembershipAction]> {
         self.verdicts
@@ -82,7 +109,9 @@ fn letter(state: MemberState) -> char {
 
 /// A slot word: its value (`_` absent), its block, `*` when locked.
 fn word_text(word: Word) -> String {
-    let value = word.value.map_or("_".to_string(), |value| value.to_string());
+    let value = word
+        .value
+        .map_or("_".to_string(), |value| value.to_string());
     let lock = if word.locked { "*" } else { "" };
     format!("{value}#{}{lock}", word.block)
 }
@@ -149,14 +178,11 @@ impl fmt::Display for MembershipReport {
                 writeln!(formatter, "  holds:    {property}")?;
                 continue;
             };
-            writeln!(
-                formatter,
-                "  VIOLATED: {property} ({} steps)",
-                actions.len()
-            )?;
+            let steps = self.violating_prefix(property, actions);
+            writeln!(formatter, "  VIOLATED: {property} ({} steps)", steps.len())?;
             let mut state = model.initial();
             writeln!(formatter, "    start: {state}")?;
-            for (index, action) in actions.iter().enumerate() {
+            for (index, action) in steps.iter().enumerate() {
                 if let Some(next) = model.next_state(&state, *action) {
                     state = next;
                 }

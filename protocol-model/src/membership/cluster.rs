@@ -6,8 +6,8 @@
 use crate::key_value::Operation;
 
 use super::{
-    CopierStage, MemberState, MembershipAction, MembershipModel, MembershipState, Move,
-    MoveRule, Stage, View, KEY, MOVING,
+    CopierStage, MemberState, MembershipAction, MembershipModel, MembershipState, Move, MoveRule,
+    Stage, View, KEY, MOVING,
 };
 
 impl MembershipModel {
@@ -112,7 +112,9 @@ impl MembershipModel {
                     view.states[node],
                     MemberState::Serving | MemberState::Leaving
                 ),
-                Move::Leave => !matches!(view.states[node], MemberState::Absent | MemberState::Down),
+                Move::Leave => {
+                    !matches!(view.states[node], MemberState::Absent | MemberState::Down)
+                }
             };
             !waited || state.nodes[node].applied >= plan
         })
@@ -228,8 +230,7 @@ impl MembershipModel {
             state.nodes[node].alive
                 || matches!(newest.states[node], MemberState::Down | MemberState::Absent)
         });
-        if state.views.len() == 1 || changing || !clients_done || !copier_done || !crashes_marked
-        {
+        if state.views.len() == 1 || changing || !clients_done || !copier_done || !crashes_marked {
             return true;
         }
         let Some(reader) = self.route_at(state, state.newest()).read else {

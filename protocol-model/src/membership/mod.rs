@@ -583,3 +583,6 @@ impl Model for MembershipModel {
         ]
     }
 }
+
+#[cfg(test)]
+mod tests;

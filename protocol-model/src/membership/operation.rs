@@ -64,7 +64,10 @@ impl MembershipModel {
     /// The operation client `client` runs.
     fn operation_of(&self, state: &MembershipState, client: usize) -> Operation {
         if client == self.copier_client() {
-            let value = state.copier.value.expect("a copy runs with the value it read");
+            let value = state
+                .copier
+                .value
+                .expect("a copy runs with the value it read");
             return Operation::CompareAndSwap {
                 key: KEY,
                 expected: value,
@@ -88,12 +91,7 @@ impl MembershipModel {
     }
 
     /// Invokes `operation` as client `client`'s next, under the view it routes by.
-    pub(super) fn invoke(
-        &self,
-        state: &mut MembershipState,
-        client: usize,
-        operation: Operation,
-    ) {
+    pub(super) fn invoke(&self, state: &mut MembershipState, client: usize, operation: Operation) {
         let id = Self::operation_id(state, client);
         if state.history.on_invoke(id, operation).is_err() {
             state.linearizable = false;
@@ -312,8 +310,11 @@ impl MembershipModel {
             state.clients[client].stage = Stage::Reread(index);
             return;
         }
-        let value = decide(operation, state.clients[client].seen.and_then(|seen| seen.value))
-            .expect("a write that locked has a value");
+        let value = decide(
+            operation,
+            state.clients[client].seen.and_then(|seen| seen.value),
+        )
+        .expect("a write that locked has a value");
         state.nodes[backup].word = Word {
             value: Some(value),
             block: Self::own_block(state, client),

@@ -104,12 +104,18 @@ mod tests {
 
     #[test]
     fn two_copies_reach_the_heading_placement_while_a_member_joins_or_leaves() {
-        assert_eq!(route_of([Absent, Serving, Serving], 2), (Some(1), vec![1, 2]));
+        assert_eq!(
+            route_of([Absent, Serving, Serving], 2),
+            (Some(1), vec![1, 2])
+        );
         assert_eq!(
             route_of([Joining, Serving, Serving], 2),
             (Some(1), vec![1, 2, 0])
         );
-        assert_eq!(route_of([Serving, Serving, Serving], 2), (Some(0), vec![0, 1]));
+        assert_eq!(
+            route_of([Serving, Serving, Serving], 2),
+            (Some(0), vec![0, 1])
+        );
         assert_eq!(
             route_of([Leaving, Serving, Serving], 2),
             (Some(0), vec![0, 1, 2])
@@ -119,8 +125,14 @@ mod tests {
 
     #[test]
     fn one_copy_moves_from_the_holder_to_the_heading_one() {
-        assert_eq!(route_of([Joining, Serving, Serving], 1), (Some(1), vec![1, 0]));
-        assert_eq!(route_of([Leaving, Serving, Serving], 1), (Some(0), vec![0, 1]));
+        assert_eq!(
+            route_of([Joining, Serving, Serving], 1),
+            (Some(1), vec![1, 0])
+        );
+        assert_eq!(
+            route_of([Leaving, Serving, Serving], 1),
+            (Some(0), vec![0, 1])
+        );
         assert_eq!(route_of([Down, Serving, Serving], 1), (Some(0), vec![0]));
     }
 
