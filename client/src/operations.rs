@@ -1022,7 +1022,7 @@ pub(crate) fn empty_slot(
     }
     Err(Error::TableFull {
         reason: format!(
-            "all {} candidate slots of this key are taken ({tentative} of them by inserts in progress or abandoned, cleared within a quarantine); the index has {} buckets: raise index_size",
+            "all {} candidate slots of this key are taken ({tentative} of them by inserts in progress or abandoned, cleared within a quarantine); the index has {} buckets: raise index_size (`rdkv-cluster resize FILE --node N --index-size SIZE`)",
             view.slots.len(),
             connection.welcome.geometry.bucket_count
         ),

@@ -195,7 +195,7 @@ impl Client {
             return Error::TableFull {
                 reason: format!(
                     "heap full: no heap chunk came back within the {deadline:?} deadline; \
-                     raise heap_size (docs/operations.md, Sizing the heap)"
+                     raise heap_size (`rdkv-cluster resize FILE --node N --heap-size SIZE`; docs/operations.md, Sizing the heap)"
                 ),
             };
         }

@@ -276,6 +276,40 @@ pub fn start_joining(
     start_local(&binary, &config_path, chosen, run_directory, true, true)
 }
 
+/// Refuses to start a local node that has no view state while other local nodes of the file
+/// have one: the cluster runs (or ran) without it, and started as a member it would begin a
+/// view of its own from the file's nodes instead of joining (`docs/operations.md`, *Growing
+/// and shrinking a cluster*). A cluster's first start has no view state anywhere.
+fn refuse_never_added(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    nodes: &[&NodeConfig],
+) -> Result<()> {
+    let has_state = |node: &&NodeConfig| view_state_file(run_directory, node.id).exists();
+    let members: Vec<u32> = config
+        .nodes
+        .iter()
+        .filter(|node| node.host.is_none() && has_state(node))
+        .map(|node| node.id)
+        .collect();
+    if members.is_empty() {
+        return Ok(());
+    }
+    let strangers: Vec<u32> = nodes
+        .iter()
+        .filter(|node| node.host.is_none() && !has_state(node))
+        .map(|node| node.id)
+        .collect();
+    if strangers.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Refused(format!(
+        "nodes {strangers:?} have no view state in {} while nodes {members:?} do: they never joined this cluster; add each with `rdkv-cluster add-node {} --node N` (or take them out of the file)",
+        run_directory.display(),
+        config.path.display()
+    )))
+}
+
 /// Starts every node and waits for each to be ready.
 ///
 /// # Errors
@@ -304,6 +338,7 @@ pub fn start_nodes(
     if !running.is_empty() {
         return Err(already_running(config, only, &running));
     }
+    refuse_never_added(config, run_directory, &nodes)?;
     let new_run_directory = !run_directory.exists();
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(

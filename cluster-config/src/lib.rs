@@ -4,6 +4,7 @@
 //! - [`launcher`]: starting and stopping the nodes of a cluster;
 //! - [`foreground`]: what the foreground `up` says when a node exits or is started again;
 //! - [`remote`]: nodes on other hosts, through OpenSSH;
+//! - [`resize`]: a node's table sizes grown in the cluster file (`rdkv-cluster resize`);
 //! - [`status`]: each node's state and stats, and `status`'s exit code;
 //! - [`systemd`]: a service unit per node;
 //! - [`error`]: the one error enum.
@@ -17,6 +18,7 @@ pub mod foreground;
 pub mod launcher;
 pub mod membership;
 pub mod remote;
+pub mod resize;
 pub mod status;
 pub mod systemd;
 

@@ -547,7 +547,7 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
                     format_bytes(stats.heap_used_bytes),
                     format_bytes(stats.heap_size_bytes)
                 ),
-                stats.keys.to_string(),
+                format!("{} ({}%)", stats.keys, stats.index_load_percent()),
                 if stats.view_leader == status.id {
                     format!("{} (leader)", stats.view_epoch)
                 } else {
@@ -584,7 +584,7 @@ pub fn status_table(statuses: &[NodeStatus]) -> String {
             "MWs",
             "pinned",
             "heap used",
-            "keys",
+            "keys (index %)",
             "view epoch",
         ],
         &rows,
@@ -599,14 +599,27 @@ fn heap_warnings(statuses: &[NodeStatus]) -> String {
             let NodeState::Up(stats) = &status.state else {
                 return None;
             };
-            stats.heap_low().then(|| {
+            let heap = stats.heap_low().then(|| {
                 format!(
-                    "warning: node {} heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (docs/operations.md, Sizing the heap)\n",
+                    "warning: node {} heap under 10% free ({} of {}): writes may wait for reclamation; raise heap_size (`rdkv-cluster resize FILE --node {} --heap-size SIZE`; docs/operations.md, Sizing the heap)\n",
                     status.id,
                     rdkv_cluster_file::units::format_bytes(stats.heap_free_bytes),
-                    rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes)
+                    rdkv_cluster_file::units::format_bytes(stats.heap_size_bytes),
+                    status.id
                 )
-            })
+            });
+            let index = stats.index_high().then(|| {
+                format!(
+                    "warning: node {} index {}% full ({} keys in {} slots): inserts may fail TableFull; raise index_size (`rdkv-cluster resize FILE --node {} --index-size SIZE`)\n",
+                    status.id,
+                    stats.index_load_percent(),
+                    stats.keys,
+                    stats.index_slots,
+                    status.id
+                )
+            });
+            let both: String = heap.into_iter().chain(index).collect();
+            (!both.is_empty()).then_some(both)
         })
         .collect()
 }

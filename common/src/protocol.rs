@@ -14,7 +14,7 @@ use crate::layout::TableGeometry;
 use rdkv_fabric::{QueuePairEndpoint, RemoteKey};
 
 /// The control protocol version.
-pub const PROTOCOL_VERSION: u32 = 25;
+pub const PROTOCOL_VERSION: u32 = 26;
 /// The largest control frame, in bytes.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Bytes of an authentication nonce and proof.
@@ -550,6 +550,12 @@ pub struct ServerStats {
     /// Committed keys the collector removed because the view does not name this node among
     /// their copies: a stand-in's copies once the member it stood in for serves again.
     pub extra_copies_removed: u64,
+    /// The epoch of the last view under which this node swept its extra copies to the end
+    /// (0: none yet). A removal waits for every member's sweep of the newest view
+    /// (`docs/protocol.md`, *Membership changes*).
+    pub swept_epoch: u64,
+    /// The index's slots (buckets × slots per bucket): `keys` over this is its load factor.
+    pub index_slots: u64,
     /// The collector's interval now, in milliseconds: `collector_interval` while it has work,
     /// stretched up to 8 times that while the index does not change.
     pub collector_interval_ms: u64,
@@ -703,6 +709,17 @@ impl ServerStats {
     /// fail `TableFull` if the live data outgrows the heap.
     pub fn heap_low(&self) -> bool {
         self.heap_size_bytes > 0 && self.heap_free_bytes * 10 < self.heap_size_bytes
+    }
+
+    /// The index's load factor in percent: committed keys over slots (0 without an index).
+    pub fn index_load_percent(&self) -> u64 {
+        (self.keys * 100).checked_div(self.index_slots).unwrap_or(0)
+    }
+
+    /// Whether the index is over 80% full: inserts of keys whose candidate slots are all
+    /// taken fail `TableFull` from about there (each key has 32 candidate slots).
+    pub fn index_high(&self) -> bool {
+        self.index_load_percent() > 80
     }
 }
 

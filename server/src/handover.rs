@@ -4,8 +4,9 @@
 //! view is heading for), and this task copies the rest: it scans this node's own table with
 //! one-sided READs and rewrites every key it is a copy of through the key's primary lock (a
 //! compare-and-swap of the value with itself, as a refill does), which puts the value on the
-//! key's next copies without crossing a concurrent write. Then it asks the leader to take the
-//! node out of the view and of Raft. Progress is in the stats (`handover_keys_copied`).
+//! key's next copies without crossing a concurrent write. Then the node stops serving data (a
+//! client still routing by the view that has it leaving would otherwise read it after writes
+//! of the view without it) and asks the leader to take it out of the view and of Raft. Progress is in the stats (`handover_keys_copied`).
 //! `docs/protocol.md`, *Membership changes*.
 
 use std::sync::atomic::Ordering;
@@ -14,11 +15,12 @@ use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
 use rdkv_cluster_file::ClusterConfig;
-use rdkv_common::protocol::{fetch_view, MemberState, MonitoredNode};
+use rdkv_common::protocol::MemberState;
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
 use crate::refill::{copy, ensure_view_holds};
+use crate::view::VIEW_MOVED;
 
 /// How often the task looks at the view for this node leaving, and waits between tries.
 const HANDOVER_POLL: Duration = Duration::from_millis(200);
@@ -64,19 +66,23 @@ pub(crate) async fn handover_loop(node: Arc<Node>, shutdown: CancellationToken) 
         let started = Instant::now();
         let outcome = tokio::select! {
             _ = shutdown.cancelled() => return,
-            outcome = hand_over(&node, &cluster, &client, round) => outcome,
+            outcome = hand_over(&node, &client, round) => outcome,
         };
         client.close().await;
         match outcome {
-            Ok(copied) => {
+            Ok((copied, handed_over_at)) => {
                 failures = 0;
                 tracing::info!(
                     node = node.config.node_id,
                     copied,
                     elapsed = ?started.elapsed(),
-                    "hand-over complete: asking to be removed from the view"
+                    "hand-over complete: this node stops serving and asks to be removed from the view"
                 );
-                ask_removal(&node, round, &shutdown).await;
+                node.view.stop_serving_for_removal(round);
+                if ask_removal(&node, round, handed_over_at, &shutdown).await == Removal::ViewMoved
+                {
+                    node.view.resume_serving_for_handover();
+                }
             }
             Err(reason) => {
                 tracing::warn!(node = node.config.node_id, %reason, "hand-over failed; starting over");
@@ -101,7 +107,7 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
     let Some(path) = &node.config.cluster_file else {
         return started_with;
     };
-    match rdkv_cluster_file::config::load_to_start(path, Some(started_with.secret.clone()), None) {
+    match rdkv_cluster_file::config::load_with_secret(path, Some(started_with.secret.clone())) {
         Ok(cluster)
             if cluster
                 .nodes
@@ -121,35 +127,51 @@ fn current_cluster(node: &Node) -> Arc<ClusterConfig> {
     }
 }
 
-/// Asks the leader to remove this node until the view no longer has it leaving in `round`.
-async fn ask_removal(node: &Node, round: u64, shutdown: &CancellationToken) {
+/// How asking for the removal ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    /// Removed, or no longer leaving in that round, or the node stops.
+    Ended,
+    /// The view moved since the hand-over: it must run again by the newer view.
+    ViewMoved,
+}
+
+/// Asks the leader to remove this node, handed over under the view of `handed_over_at`, until
+/// the view no longer has it leaving in `round`.
+async fn ask_removal(
+    node: &Node,
+    round: u64,
+    handed_over_at: u64,
+    shutdown: &CancellationToken,
+) -> Removal {
     while node.view.leaving_round() == Some(round) {
-        match node.view.ask_removal().await {
+        match node.view.ask_removal(handed_over_at).await {
             Ok(epoch) => {
                 tracing::info!(
                     node = node.config.node_id,
                     epoch,
                     "removed from the view: it serves nothing from now on"
                 );
-                return;
+                return Removal::Ended;
+            }
+            Err(reason) if reason.starts_with(VIEW_MOVED) => {
+                tracing::info!(node = node.config.node_id, %reason, "serving again to hand over by the newer view");
+                return Removal::ViewMoved;
             }
             Err(reason) => tracing::debug!(%reason, "removal not committed yet"),
         }
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return Removal::Ended,
             _ = tokio::time::sleep(HANDOVER_POLL) => {}
         }
     }
+    Removal::Ended
 }
 
 /// One hand-over for the leaving round that began at epoch `round`: this node's table
-/// scanned, every key it is a copy of rewritten through its primary. The keys copied.
-async fn hand_over(
-    node: &Node,
-    cluster: &ClusterConfig,
-    client: &Client,
-    round: u64,
-) -> Result<u64, String> {
+/// scanned, every key it is a copy of rewritten through its primary. The keys copied, and the
+/// epoch of the view it ran under.
+async fn hand_over(node: &Node, client: &Client, round: u64) -> Result<(u64, u64), String> {
     let me = node.config.node_id;
     let view = client
         .follow_view()
@@ -173,7 +195,9 @@ async fn hand_over(
         .filter(|member| member.state != MemberState::Down)
         .map(|member| member.node_id)
         .collect();
-    wait_for_members(cluster, &members, view.epoch).await?;
+    node.view
+        .wait_until_applied(&members, view.epoch, MEMBERS_APPLY_WITHIN)
+        .await?;
     let total = client
         .combined_buckets_of(me)
         .await
@@ -219,41 +243,5 @@ async fn hand_over(
             .fetch_add(count, Ordering::Relaxed);
     }
     ensure_view_holds(client, &view, "during the hand-over").await?;
-    Ok(copied)
-}
-
-/// Waits until every one of `members` has applied the view of `epoch`.
-async fn wait_for_members(
-    cluster: &ClusterConfig,
-    members: &[u32],
-    epoch: u64,
-) -> Result<(), String> {
-    let started = Instant::now();
-    for member in members {
-        let Some(config) = cluster.nodes.iter().find(|node| node.id == *member) else {
-            return Err(format!(
-                "node {member} is a member but not in the cluster file: add it to the file"
-            ));
-        };
-        loop {
-            let monitored = MonitoredNode {
-                address: config.control_address,
-                id: Some(config.id),
-                secret: &cluster.secret,
-            };
-            let seen = fetch_view(monitored, cluster.operation_deadline)
-                .await
-                .map_or(0, |view| view.epoch);
-            if seen >= epoch {
-                break;
-            }
-            if started.elapsed() > MEMBERS_APPLY_WITHIN {
-                return Err(format!(
-                    "node {member} did not apply epoch {epoch} within {MEMBERS_APPLY_WITHIN:?}"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-    Ok(())
+    Ok((copied, view.epoch))
 }

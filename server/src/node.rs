@@ -235,6 +235,9 @@ impl Node {
         stats.collector_passes = self.collector.passes();
         stats.tombstones_cleared = self.collector.tombstones_cleared();
         stats.extra_copies_removed = self.sweep.removed();
+        stats.swept_epoch = self.sweep.swept_epoch();
+        stats.index_slots =
+            self.table().geometry.bucket_count * rdkv_common::layout::SLOTS_PER_BUCKET as u64;
         stats.collector_interval_ms = self.collector.interval().as_millis() as u64;
         stats.pending_handshakes = self.pending.count() as u64;
         stats.authenticated_connections = self.pending.authenticated_count() as u64;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
-use rdkv_common::protocol::{fetch_view, ClusterView, MemberState, MonitoredNode};
+use rdkv_common::protocol::{ClusterView, MemberState};
 use tokio_util::sync::CancellationToken;
 
 use crate::node::Node;
@@ -136,6 +136,9 @@ async fn ask_promotion(
     refilled: Refilled,
     shutdown: &CancellationToken,
 ) -> Result<(), ()> {
+    if matches!(refilled, Refilled::Copied(_)) {
+        node.view.gate_promotion(round);
+    }
     while node.view.filling_round() == Some(round) {
         let asked = match refilled {
             Refilled::Copied(_) => node.view.promote(round).await,
@@ -145,6 +148,9 @@ async fn ask_promotion(
         };
         match asked {
             Ok(epoch) => {
+                if matches!(refilled, Refilled::Copied(_)) {
+                    confirm_promotion(node, epoch, shutdown).await?;
+                }
                 tracing::info!(node = node.config.node_id, epoch, "promoted: serving");
                 break;
             }
@@ -158,6 +164,37 @@ async fn ask_promotion(
         }
     }
     Ok(())
+}
+
+/// After the promotion at `epoch`: waits until every member applied it (each fenced the data
+/// connections of older views, so none serves a key whose primary this node became to a client
+/// of an older view), then serves. A member behind that does not catch up is one the view will
+/// have down (its lease runs out): the wait goes on by the newer view. `Err` when the node
+/// stops meanwhile.
+async fn confirm_promotion(
+    node: &Node,
+    epoch: u64,
+    shutdown: &CancellationToken,
+) -> Result<(), ()> {
+    loop {
+        let members = node.view.members_up_but_me();
+        match node
+            .view
+            .wait_until_applied(&members, epoch, PEERS_APPLY_WITHIN)
+            .await
+        {
+            Ok(()) => {
+                node.view.confirm_promotion(epoch);
+                return Ok(());
+            }
+            Err(reason) => {
+                tracing::warn!(node = node.config.node_id, %reason, "promoted: waiting for every member to apply the view before serving");
+            }
+        }
+        if shutdown.is_cancelled() {
+            return Err(());
+        }
+    }
 }
 
 /// Why a refill stopped before it copied: each starts it over after a pause.
@@ -410,7 +447,9 @@ async fn peers_to_copy_from(
 ) -> Result<bool, RefillStop> {
     let me = node.config.node_id;
     if !peers.is_empty() {
-        wait_for_peers(node, peers, view.epoch).await?;
+        node.view
+            .wait_until_applied(peers, view.epoch, PEERS_APPLY_WITHIN)
+            .await?;
         return Ok(true);
     }
     let down: Vec<u32> = view
@@ -454,7 +493,9 @@ async fn reconciled(node: &Node, client: &Client, view: &ClusterView) -> Result<
     if node.counters.reconciled_epoch.load(Ordering::Acquire) != view.epoch {
         // Every filling peer must know the view first: one that lags may still load its
         // snapshot, or refuse this node's scan.
-        wait_for_peers(node, &others, view.epoch).await?;
+        node.view
+            .wait_until_applied(&others, view.epoch, PEERS_APPLY_WITHIN)
+            .await?;
         reconcile::reconcile(node, client, view).await?;
     }
     let timeout = node
@@ -471,41 +512,6 @@ async fn reconciled(node: &Node, client: &Client, view: &ClusterView) -> Result<
             view.epoch
         )))
     }
-}
-
-/// Waits until every one of `peers` has applied the view of `epoch` (its data connections
-/// of older views are fenced then).
-async fn wait_for_peers(node: &Node, peers: &[u32], epoch: u64) -> Result<(), String> {
-    let Some(cluster) = node.config.cluster.as_ref() else {
-        return Ok(());
-    };
-    let started = Instant::now();
-    for peer in peers {
-        let Some(node) = cluster.nodes.iter().find(|node| node.id == *peer) else {
-            continue;
-        };
-        loop {
-            let monitored = MonitoredNode {
-                address: node.control_address,
-                id: Some(node.id),
-                secret: &cluster.secret,
-            };
-            let seen = fetch_view(monitored, cluster.operation_deadline)
-                .await
-                .map(|view| view.epoch)
-                .unwrap_or(0);
-            if seen >= epoch {
-                break;
-            }
-            if started.elapsed() > PEERS_APPLY_WITHIN {
-                return Err(format!(
-                    "node {peer} did not apply epoch {epoch} within {PEERS_APPLY_WITHIN:?}"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-    Ok(())
 }
 
 /// Copies one key (a rewrite of its value through its primary's lock). A value that changed

@@ -180,6 +180,8 @@ impl Counters {
             collector_passes: 0,
             tombstones_cleared: 0,
             extra_copies_removed: 0,
+            swept_epoch: 0,
+            index_slots: 0,
             collector_interval_ms: 0,
             control_messages: self.control_messages.load(Ordering::Relaxed),
             data_path_requests: self.data_path_requests.load(Ordering::Relaxed),

@@ -49,6 +49,11 @@ impl Sweep {
         self.removed.load(Ordering::Relaxed)
     }
 
+    /// The epoch of the last view swept to the end (0: none yet).
+    pub fn swept_epoch(&self) -> u64 {
+        self.swept_epoch.load(Ordering::Relaxed)
+    }
+
     /// The view to sweep under now, if one is due: see the module's rules.
     fn due(
         &self,

@@ -123,6 +123,28 @@ enum Action {
         #[arg(long)]
         node: u32,
     },
+    /// Grow node N's table: write its new `index_size` and `heap_size` into the cluster file
+    /// (checked first against this machine's memlock limit and memory, as `up` checks), then
+    /// restart it with them and wait until it serves. With `replicas` ≥ 2 its keys stay
+    /// readable and writable on their other copies meanwhile, and it is refilled into its new
+    /// table; with one copy its keys are unavailable while it restarts, and it loads the
+    /// snapshot it wrote as it stopped (docs/operations.md, Growing a node's table).
+    Resize {
+        /// The cluster file the nodes run from.
+        file: PathBuf,
+        /// The node to grow.
+        #[arg(long)]
+        node: u32,
+        /// The new index size, as the file writes sizes (`4M`).
+        #[arg(long)]
+        index_size: Option<String>,
+        /// The new heap size (`64M`).
+        #[arg(long)]
+        heap_size: Option<String>,
+        /// Restart the node even when `replicas` members would then be out of service at once.
+        #[arg(long)]
+        force: bool,
+    },
     /// Write a snapshot of every node's keys (or one node's) now, into its data directory;
     /// exits 0 when every node wrote one.
     Snapshot {
@@ -190,6 +212,7 @@ impl Action {
             | Action::Restart { file, .. }
             | Action::AddNode { file, .. }
             | Action::RemoveNode { file, .. }
+            | Action::Resize { file, .. }
             | Action::Snapshot { file, .. }
             | Action::Status { file }
             | Action::AckLoss { file, .. }
@@ -258,6 +281,19 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
             ..
         } => checked_restart(&config, &run_directory, node, no_wait, force).await,
         Action::Snapshot { node, .. } => snapshot(&config, node).await,
+        Action::Resize {
+            node,
+            index_size,
+            heap_size,
+            force,
+            ..
+        } => {
+            let sizes = rdkv_cluster_config::resize::NewSizes {
+                index_size: index_size.as_deref(),
+                heap_size: heap_size.as_deref(),
+            };
+            resize(&config, &run_directory, node, sizes, force).await
+        }
         Action::AddNode { node, .. } => {
             rdkv_cluster_config::membership::add_node(&config, &run_directory, node, say).await?;
             Ok(0)
@@ -337,6 +373,30 @@ async fn checked_restart(
         }
     }
     restart(config, run_directory, node, !no_wait).await
+}
+
+/// `resize`: refused when stopping the node would lose keys, unless `force`; the new sizes
+/// written (checked first), then the node restarted with them.
+async fn resize(
+    config: &ClusterConfig,
+    run_directory: &Path,
+    node: u32,
+    sizes: rdkv_cluster_config::resize::NewSizes<'_>,
+    force: bool,
+) -> anyhow::Result<u8> {
+    if let Some(refusal) = status::secret_refusal(config, Some(node)).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Ok(3);
+    }
+    if !force {
+        if let Some(refusal) = status::stop_would_lose(config, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Ok(1);
+        }
+    }
+    let (resized, said) = rdkv_cluster_config::resize::write_sizes(config, node, sizes)?;
+    say(&said);
+    restart(&resized, run_directory, node, true).await
 }
 
 /// `status`: the nodes' table, the view, membership changes, refills and losses; exit 4 when

@@ -430,6 +430,18 @@ pub fn load_to_start(
     parse_with_secret(path, &text, Some(machine), secret)
 }
 
+/// Loads and validates a cluster file as [`load`] does, with `secret` replacing the file's
+/// secret when given, and no check against this machine: a running node reading its file
+/// again (a member added since it started) has pinned its own table already, which the
+/// memlock check of [`load_to_start`] would count against the file's nodes.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with_secret(path: &Path, secret: Option<Vec<u8>>) -> Result<ClusterConfig> {
+    let text = read(path)?;
+    parse_with_secret(path, &text, None, secret)
+}
+
 fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| Error::Read {
         file: path.to_path_buf(),

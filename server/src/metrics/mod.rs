@@ -138,7 +138,7 @@ fn endpoint_counters(registry: &Registry, node: &str) -> EndpointCounters {
     clippy::too_many_lines,
     reason = "a table: one entry per metric, and nothing else"
 )]
-fn definitions() -> [(&'static str, &'static str, Reader); 71] {
+fn definitions() -> [(&'static str, &'static str, Reader); 73] {
     [
         (
             "uptime_seconds",
@@ -205,6 +205,16 @@ fn definitions() -> [(&'static str, &'static str, Reader); 71] {
             "extra_copies_removed_total",
             "Committed keys removed because the view no longer names this node among their copies (a stand-in's, once the member it stood in for serves again)",
             |stats| stats.extra_copies_removed as i64,
+        ),
+        (
+            "index_slots",
+            "The index's slots (buckets x slots per bucket): keys over this is its load factor",
+            |stats| stats.index_slots as i64,
+        ),
+        (
+            "swept_epoch",
+            "The epoch of the last view under which this node swept its extra copies to the end (a removal waits for every member's sweep of the newest view)",
+            |stats| stats.swept_epoch as i64,
         ),
         (
             "snapshots_written_total",

@@ -59,6 +59,9 @@ pub type Serving = Result<(), String>;
 pub(super) enum StopCause {
     /// It leaves, or its view does not have it serving as this process.
     View,
+    /// A step of a membership change or a refill: it handed its keys over and waits for its
+    /// removal, or it was promoted and waits for every member to apply that view.
+    Planned,
     /// It holds no lease: none came from the majority in time, or it dropped the one it held
     /// as the leader when it stopped leading (`rdkv_lease_lapses_total`).
     Lease,
@@ -108,10 +111,28 @@ impl ViewService {
     /// [`Self::evaluate_serving`], with the cause of a refusal: the view's first, then the
     /// lease's.
     fn serving_with_cause(&self) -> Result<(), (StopCause, String)> {
+        self.planned_standing()
+            .map_err(|reason| (StopCause::Planned, reason))?;
         self.view_standing()
             .map_err(|reason| (StopCause::View, reason))?;
         self.lease_standing()
             .map_err(|reason| (StopCause::Lease, reason))
+    }
+
+    /// Whether a step of a membership change or a refill keeps this node from serving for a
+    /// moment (`membership.rs`).
+    fn planned_standing(&self) -> Serving {
+        if let Some(round) = self.handed_over_round() {
+            return Err(format!(
+                "this node handed its keys over and leaves the cluster view (leaving since epoch {round}): it serves nothing until the view without it"
+            ));
+        }
+        if let Some(epoch) = self.unconfirmed_promotion() {
+            return Err(format!(
+                "promoted at epoch {epoch}: it serves once every member applied that view (a client of an older view could read a key's former primary meanwhile)"
+            ));
+        }
+        Ok(())
     }
 
     /// Whether the view lets this node serve: it is not leaving, and the view has it serving
@@ -366,27 +387,39 @@ impl ViewService {
                 _ = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
             }
-            self.publish_lease();
-            let now = self.serving_with_cause();
-            if now.is_ok() == self.serving.borrow().is_ok() {
-                continue;
-            }
-            self.note_serving_change(now.as_ref().err().map(|(cause, _)| *cause));
-            match &now {
-                Ok(()) => tracing::info!(node = self.node_id, "serving data"),
-                Err((cause, reason)) => {
-                    self.serving_stops.fetch_add(1, Ordering::Relaxed);
-                    if *cause == StopCause::Lease {
-                        self.lease_lapses.fetch_add(1, Ordering::Relaxed);
-                    }
-                    tracing::warn!(
-                        node = self.node_id,
-                        %reason,
-                        "stopped serving data: data connections fenced, new ones refused"
-                    );
-                }
-            }
-            let _previous = self.serving.send_replace(now.map_err(|(_, reason)| reason));
+            self.refresh_serving();
         }
+    }
+
+    /// Writes the lease word and, when whether the node serves changed, says so to the data
+    /// path (which fences every data connection when it stops) and logs it.
+    pub(super) fn refresh_serving(&self) {
+        // One caller at a time: the periodic check and a hand-over's stop would otherwise both
+        // count and log one change.
+        let _refreshing = lock(&self.serving_refresh);
+        self.publish_lease();
+        let now = self.serving_with_cause();
+        if now.is_ok() == self.serving.borrow().is_ok() {
+            return;
+        }
+        self.note_serving_change(now.as_ref().err().map(|(cause, _)| *cause));
+        match &now {
+            Ok(()) => tracing::info!(node = self.node_id, "serving data"),
+            Err((StopCause::Planned, reason)) => {
+                tracing::info!(node = self.node_id, %reason, "not serving data for a moment: data connections fenced, new ones refused");
+            }
+            Err((cause, reason)) => {
+                self.serving_stops.fetch_add(1, Ordering::Relaxed);
+                if *cause == StopCause::Lease {
+                    self.lease_lapses.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(
+                    node = self.node_id,
+                    %reason,
+                    "stopped serving data: data connections fenced, new ones refused"
+                );
+            }
+        }
+        let _previous = self.serving.send_replace(now.map_err(|(_, reason)| reason));
     }
 }

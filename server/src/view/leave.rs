@@ -33,13 +33,15 @@ impl ViewService {
         self.publish_lease();
         let reason = "this node is leaving the cluster (a clean stop)".to_string();
         let _previous = self.serving.send_replace(Err(reason));
-        if self.resumed_round().is_some()
+        if self.own_record().is_none()
+            || self.resumed_round().is_some()
             || self
                 .own_record()
                 .is_some_and(|record| record.state == rdkv_common::protocol::MemberState::Down)
         {
-            // Down already (the whole cluster's stop, or the leader's decision), or resumed from
-            // a stop and not serving yet (it resumes again, `stop.rs`): nothing moves.
+            // Removed from the view (`remove-node`), down already (the whole cluster's stop, or
+            // the leader's decision), or resumed from a stop and not serving yet (it resumes
+            // again, `stop.rs`): nothing moves.
             return;
         }
         let started = std::time::Instant::now();

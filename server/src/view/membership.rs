@@ -16,10 +16,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use openraft::{BasicNode, ChangeMembers};
-use rdkv_common::protocol::{MemberState, MembershipChange};
+use rdkv_common::protocol::{
+    fetch_stats, fetch_view, MemberState, MembershipChange, MonitoredNode,
+};
 
 use super::types::{PeerId, PeerRequest, ViewCommand};
 use super::ViewService;
@@ -27,6 +29,22 @@ use super::ViewService;
 /// How long the leader gives each Raft step of a membership change (a learner catching up on
 /// the log, a joint configuration committing).
 const RAFT_STEP_WITHIN: Duration = Duration::from_secs(15);
+
+/// How long, beyond twice `failure_timeout`, the leader waits for the members' sweeps before
+/// it retires a member.
+const SWEEPS_WITHIN: Duration = Duration::from_secs(20);
+
+/// How a leader's refusal of a removal starts when the view moved since the hand-over.
+pub const VIEW_MOVED: &str = "the view moved since the hand-over";
+
+/// How long one member gets to answer with its view.
+const MEMBER_VIEW_WITHIN: Duration = Duration::from_millis(500);
+
+/// How often a node asks the members behind for their view again.
+const MEMBER_VIEW_POLL: Duration = Duration::from_millis(20);
+
+/// How often the leader asks the members how far they swept.
+const SWEEP_POLL: Duration = Duration::from_millis(100);
 
 impl ViewService {
     /// Whether `node_id` is a member: of the view, or, before this node has any view (it joins
@@ -92,6 +110,112 @@ impl ViewService {
             .map(|record| record.since)
     }
 
+    /// After its hand-over for the leaving round `round`: the node stops serving data (its
+    /// lease word reads 0 and its data connections are fenced) before it asks for its removal.
+    /// Otherwise it would serve, to clients still routing by the view that has it leaving,
+    /// until it applied the view without it, while writers of that view no longer reach it.
+    /// It serves nothing again while the view has it leaving in that round.
+    pub fn stop_serving_for_removal(&self, round: u64) {
+        self.handed_over.store(round, Ordering::Release);
+        self.refresh_serving();
+    }
+
+    /// The leaving round whose hand-over this node finished, while the view still has it
+    /// leaving in that round ([`Self::stop_serving_for_removal`]).
+    pub(super) fn handed_over_round(&self) -> Option<u64> {
+        let round = self.handed_over.load(Ordering::Acquire);
+        (round != 0 && self.leaving_round() == Some(round)).then_some(round)
+    }
+
+    /// Before this node asks for its promotion after the refill of `round`: once promoted, it
+    /// serves only after [`Self::confirm_promotion`]. Until every member applied the view
+    /// that promotes it, a member that was the primary of some of its keys (a stand-in, or
+    /// their holder before this node joined) serves them to clients of the older view, and
+    /// those clients' reads would miss writes this node committed as their new primary.
+    pub fn gate_promotion(&self, round: u64) {
+        self.promotion_round.store(round, Ordering::Release);
+    }
+
+    /// Every member applied the view of `epoch`, which promotes this node: it serves.
+    pub fn confirm_promotion(&self, epoch: u64) {
+        self.promotion_confirmed.fetch_max(epoch, Ordering::AcqRel);
+        self.refresh_serving();
+    }
+
+    /// The epoch that promoted this node after the round [`Self::gate_promotion`] named, while
+    /// not every member is known to have applied it.
+    pub(super) fn unconfirmed_promotion(&self) -> Option<u64> {
+        let round = self.promotion_round.load(Ordering::Acquire);
+        if round == 0 {
+            return None;
+        }
+        let record = self.own_record()?;
+        (record.state == MemberState::Serving
+            && record.incarnation == self.incarnation
+            && record.since > round
+            && self.promotion_confirmed.load(Ordering::Acquire) < record.since)
+            .then_some(record.since)
+    }
+
+    /// The members of the view now that are not `down`, but this node.
+    pub fn members_up_but_me(&self) -> Vec<u32> {
+        self.view
+            .borrow()
+            .members
+            .iter()
+            .filter(|(node_id, record)| {
+                **node_id != self.node_id && record.state != MemberState::Down
+            })
+            .map(|(node_id, _)| *node_id)
+            .collect()
+    }
+
+    /// Waits, within `within`, until every one of `members` reports a view of `epoch` or
+    /// newer: it fenced the data connections of older views then.
+    ///
+    /// # Errors
+    /// The members still behind, as a line.
+    pub async fn wait_until_applied(
+        &self,
+        members: &[u32],
+        epoch: u64,
+        within: Duration,
+    ) -> std::result::Result<(), String> {
+        let started = Instant::now();
+        let mut behind: Vec<u32> = members.to_vec();
+        loop {
+            let mut still = Vec::new();
+            for member in behind {
+                let seen = match self.address_of(member) {
+                    Some(address) => {
+                        let monitored = MonitoredNode {
+                            address,
+                            id: Some(member),
+                            secret: &self.secret,
+                        };
+                        fetch_view(monitored, MEMBER_VIEW_WITHIN)
+                            .await
+                            .map_or(0, |view| view.epoch)
+                    }
+                    None => 0,
+                };
+                if seen < epoch {
+                    still.push(member);
+                }
+            }
+            behind = still;
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() >= within || self.shutdown.is_cancelled() {
+                return Err(format!(
+                    "nodes {behind:?} did not apply epoch {epoch} within {within:?}"
+                ));
+            }
+            tokio::time::sleep(MEMBER_VIEW_POLL).await;
+        }
+    }
+
     /// Asks the leader to start `change` (`rdkv-cluster add-node`, `remove-node`); the epoch
     /// of the view with it, or why not.
     pub async fn change_membership(
@@ -110,16 +234,29 @@ impl ViewService {
             .await
     }
 
-    /// Asks the leader to take this node, leaving and handed over, out of the view.
-    pub async fn ask_removal(&self) -> std::result::Result<u64, String> {
+    /// Asks the leader to take this node, leaving and handed over under the view of
+    /// `handed_over_at`, out of the view. A refusal that starts with [`VIEW_MOVED`] means the
+    /// hand-over must run again by the newer view.
+    pub async fn ask_removal(&self, handed_over_at: u64) -> std::result::Result<u64, String> {
         if self.leader() == Some(self.node_id) {
-            return self.lead_removal(self.node_id, self.incarnation).await;
+            return self
+                .lead_removal(self.node_id, self.incarnation, Some(handed_over_at))
+                .await;
         }
         self.ask_leader_for(&PeerRequest::RemoveMember {
             node_id: self.node_id,
             incarnation: self.incarnation,
+            handed_over_at,
         })
         .await
+    }
+
+    /// A hand-over whose removal the leader refused because the view moved since: the node
+    /// serves again (it missed no write: none of its keys can be written without it while the
+    /// view has it leaving) and hands over again by the newer view.
+    pub fn resume_serving_for_handover(&self) {
+        self.handed_over.store(0, Ordering::Release);
+        self.refresh_serving();
     }
 
     /// Sends `request` to the leader; its answer.
@@ -256,7 +393,7 @@ impl ViewService {
         if let Some(record) = record.filter(|record| {
             never_served && !matches!(record.state, MemberState::Serving | MemberState::Leaving)
         }) {
-            return self.lead_removal(node_id, record.incarnation).await;
+            return self.lead_removal(node_id, record.incarnation, None).await;
         }
         match state {
             None => return Err(format!("node {node_id} is not a member of the view")),
@@ -273,15 +410,68 @@ impl ViewService {
                 "node {node_id} is the only member serving: nothing could take its keys"
             ));
         }
+        self.wait_for_sweeps().await?;
         self.commit(ViewCommand::Retire { node_id }).await
     }
 
-    /// On the leader: leaving member `node_id`, handed over as `incarnation`, is out of the
-    /// view, then out of Raft's voters.
+    /// Waits, within [`SWEEPS_WITHIN`] plus twice `failure_timeout`, until every serving
+    /// member has swept the copies the view now no longer names on it (`crate::sweep`). A key
+    /// that an earlier change moved may still have its old copy on another member until that
+    /// member's sweep; a hand-over copies only what the leaving member holds, so a key deleted
+    /// there (with one copy, no tombstone is left) would come back from the old copy once the
+    /// leaving member is gone. Nothing to wait for when every member holds every key.
+    async fn wait_for_sweeps(&self) -> std::result::Result<(), String> {
+        let deadline = Instant::now() + SWEEPS_WITHIN + self.failure_timeout * 2;
+        loop {
+            let (epoch, serving, members) = {
+                let view = self.view.borrow();
+                (view.epoch, view.serving_members(), view.members.len())
+            };
+            if members <= self.store.replicas() {
+                return Ok(());
+            }
+            let mut behind = Vec::new();
+            for member in serving {
+                let swept = match self.address_of(member) {
+                    Some(address) => {
+                        let monitored = MonitoredNode {
+                            address,
+                            id: Some(member),
+                            secret: &self.secret,
+                        };
+                        fetch_stats(monitored, Duration::from_secs(1))
+                            .await
+                            .map_or(0, |stats| stats.swept_epoch)
+                    }
+                    None => 0,
+                };
+                if swept < epoch {
+                    behind.push(member);
+                }
+            }
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "nodes {behind:?} have not swept the copies the view of epoch {epoch} no longer names on them (a sweep runs once a view has held for failure_timeout): run remove-node again shortly"
+                ));
+            }
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return Err("the node is stopping".into()),
+                _ = tokio::time::sleep(SWEEP_POLL) => {}
+            }
+        }
+    }
+
+    /// On the leader: leaving member `node_id`, handed over as `incarnation` under the view of
+    /// `handed_over_at` (`None`: a member that never served, which holds nothing), is out of
+    /// the view, then out of Raft's voters.
     pub(super) async fn lead_removal(
         &self,
         node_id: u32,
         incarnation: u64,
+        handed_over_at: Option<u64>,
     ) -> std::result::Result<u64, String> {
         if self.leader() != Some(self.node_id) {
             return Err(format!("node {} is not the leader", self.node_id));
@@ -295,8 +485,18 @@ impl ViewService {
             let present = view.members.get(&node_id).copied();
             (present, !view.ever_served.contains(&node_id))
         };
+        let now = self.epoch();
         let epoch = match present {
-            None => self.epoch(),
+            None => now,
+            Some(record)
+                if record.state == MemberState::Leaving
+                    && handed_over_at.is_some_and(|at| at != now) =>
+            {
+                return Err(format!(
+                    "{VIEW_MOVED}: node {node_id} handed over under epoch {}, the view is at {now}",
+                    handed_over_at.unwrap_or_default()
+                ))
+            }
             Some(record)
                 if record.incarnation == incarnation
                     && (record.state == MemberState::Leaving

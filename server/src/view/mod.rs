@@ -54,6 +54,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
 pub use lease::Serving;
+pub use membership::VIEW_MOVED;
 use network::{ask_leader, Liveness, Network};
 pub use stop::RESUME_BOUND;
 use storage::Store;
@@ -164,6 +165,20 @@ pub struct ViewService {
     /// Set once the view has had this node as a member: a node removed from the view asks
     /// for no join afterwards (`membership.rs`).
     was_member: std::sync::atomic::AtomicBool,
+    /// The leaving round (epoch) whose hand-over this node finished: it serves nothing while
+    /// the view still has it leaving in that round, so no client reads it by an older view
+    /// once the view without it is committed (0: none; `membership.rs`).
+    handed_over: AtomicU64,
+    /// The filling round of a promotion this node asked for after its refill (0: none): once
+    /// the view promotes it, it serves only after every member applied that view
+    /// (`promotion_confirmed`), so no client reads the key's former primary by an older view
+    /// meanwhile (`membership.rs`).
+    promotion_round: AtomicU64,
+    /// The epoch up to which every member applied the view, as this node checked for its
+    /// promotion.
+    promotion_confirmed: AtomicU64,
+    /// Held while the node works out whether it serves and says so (`lease.rs`).
+    serving_refresh: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for ViewService {
@@ -233,6 +248,10 @@ impl ViewService {
             leaving: std::sync::atomic::AtomicBool::new(false),
             stopped_serving_at: std::sync::Mutex::new(None),
             was_member: std::sync::atomic::AtomicBool::new(false),
+            handed_over: AtomicU64::new(0),
+            promotion_round: AtomicU64::new(0),
+            promotion_confirmed: AtomicU64::new(0),
+            serving_refresh: std::sync::Mutex::new(()),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
         if service.raft.is_some() {
@@ -394,7 +413,11 @@ impl ViewService {
             PeerRequest::RemoveMember {
                 node_id,
                 incarnation,
-            } => PeerReply::Join(self.lead_removal(node_id, incarnation).await),
+                handed_over_at,
+            } => PeerReply::Join(
+                self.lead_removal(node_id, incarnation, Some(handed_over_at))
+                    .await,
+            ),
             PeerRequest::PreVote {
                 node_id,
                 last_log_id,

@@ -222,6 +222,11 @@ impl Store {
         })
     }
 
+    /// The cluster's `replicas`.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     /// Whether the store has ever held a log entry or a vote (Raft was initialized here).
     pub fn has_history(&self) -> bool {
         let state = self.lock();

@@ -709,6 +709,9 @@ pub enum PeerRequest {
         node_id: u32,
         /// Its incarnation.
         incarnation: u64,
+        /// The epoch of the view its hand-over ran under: the leader removes it only while
+        /// the view is still that one (any change since may have moved keys it passed).
+        handed_over_at: u64,
     },
 }
 
