@@ -69,8 +69,10 @@ struct Arguments {
     /// `no-mutual-check` or `any-decider` (all but the first broken).
     #[arg(long)]
     decide: Option<rdkv_protocol_model::leave_order::DecideRule>,
-    /// Membership model: the move's rule: `built` (the default), `serves-until-applied`,
-    /// `old-holder-backup`, `unlocked-copy` or `no-wait`.
+    /// Membership model: the move's rule: `built` (the default; also `promotion-waits`),
+    /// `promoted-serves-at-once`, `promotion-gated-at-ask`, `serves-until-applied`,
+    /// `old-holder-backup`, `unlocked-copy`, `no-wait`, `same-view` or
+    /// `same-view-old-holder-backup`.
     #[arg(long)]
     rule: Option<rdkv_protocol_model::membership::MoveRule>,
     /// Reclaim model: check the shm-like fabric without its check after a READ's copy.

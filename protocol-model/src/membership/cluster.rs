@@ -70,7 +70,12 @@ impl MembershipModel {
                     Move::Leave => MemberState::Absent,
                 };
                 view.promoted = self.change == Move::Join;
-                state.copier.stage = CopierStage::Done;
+                state.copier.stage = if view.promoted && self.rule.promotion_waits() {
+                    state.copier.plan = state.views.len() as u8;
+                    CopierStage::Confirming
+                } else {
+                    CopierStage::Done
+                };
             }
             MembershipAction::MarkDown(node) => view.states[usize::from(node)] = MemberState::Down,
             _ => unreachable!("not a commit"),
@@ -93,6 +98,7 @@ impl MembershipModel {
                     && (self.change == Move::Join || own == moving)
             }
             CopierStage::Waiting => self.members_applied(state),
+            CopierStage::Confirming => self.promotion_applied(state),
             CopierStage::Scanning | CopierStage::Verifying | CopierStage::Stopping => true,
             CopierStage::Copying | CopierStage::Asking | CopierStage::Done => false,
         }
@@ -120,6 +126,21 @@ impl MembershipModel {
         })
     }
 
+    /// Whether every member but the promoted node that is not down in the view the promoted
+    /// node applied applied the promotion's view (or a newer one): `confirm_promotion` in
+    /// `server/src/refill.rs` polls them, and a member committed down meanwhile drops out of
+    /// the wait by the newer view. Views only grow, so one look at them all stands for the
+    /// polls.
+    fn promotion_applied(&self, state: &MembershipState) -> bool {
+        let promotion = state.copier.plan;
+        let view = state.views[usize::from(state.nodes[MOVING].applied)];
+        (0..super::NODES).all(|node| {
+            node == MOVING
+                || matches!(view.states[node], MemberState::Absent | MemberState::Down)
+                || state.nodes[node].applied >= promotion
+        })
+    }
+
     /// The move's task takes its next step.
     pub(super) fn copier_step(&self, state: &mut MembershipState) {
         let copier = self.copier_client();
@@ -141,6 +162,7 @@ impl MembershipModel {
                     CopierStage::Asking
                 };
             }
+            CopierStage::Confirming => state.copier.stage = CopierStage::Done,
             CopierStage::Stopping => {
                 // Its lease word reads 0 and its data connections are fenced.
                 state.nodes[MOVING].stopped = true;

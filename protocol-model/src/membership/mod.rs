@@ -17,8 +17,8 @@
 //!   crashed;
 //! - **a node applies the next view** it has not applied, one at a time, so nodes lag; applying
 //!   a view ends every connection made under an older one (the fence). A node serves data while
-//!   it runs, has not stopped serving, and the view it applied has it serving, joining or
-//!   leaving;
+//!   it runs, has not stopped serving, the view it applied has it serving, joining or leaving,
+//!   and it is not a promoted node waiting for the members to apply its promotion (below);
 //! - **a client learns a view** a node has applied, when newer than its own (a fetch, a
 //!   welcome, a fence notice): it routes by the view it last learned, which may be older than
 //!   the newest;
@@ -36,7 +36,11 @@
 //!   the key's slot (the primary's for a refill, the node's own for a hand-over), copy it
 //!   through the primary's lock (a compare-and-swap of the value with itself, a client
 //!   operation of the history), check that the view did not move (else start over), then (a
-//!   leaving node, as built) stop serving, and ask the leader to finish;
+//!   leaving node, as built) stop serving, and ask the leader to finish; once `Promote` is
+//!   committed, a promoted node serves nothing (as built: once it applied that view itself)
+//!   until every member not `down` in the view it applied applied the promotion's
+//!   (`confirm_promotion` in `server/src/refill.rs`), a crash committed down meanwhile
+//!   dropping out of the wait;
 //! - **a node crashes** (scenarios `*-crash`, once, at any step once the change began): its
 //!   slot is gone and every access to it fails; the leader may then commit it `down`.
 //!
@@ -113,12 +117,21 @@ pub enum Move {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MoveRule {
     /// As designed: the copy goes through the primary's lock once every member applied the
-    /// change's first view, and a leaving node stops serving (its lease word 0, its connections
-    /// fenced) after its hand-over, before it asks for `RemoveMember`.
+    /// change's first view; a leaving node stops serving (its lease word 0, its connections
+    /// fenced) after its hand-over, before it asks for `RemoveMember`; and a promoted node
+    /// serves nothing (as primary or backup) until every member not `down` in its view applied
+    /// the view that promotes it (`promotion-waits`, another name of this rule).
     Built,
+    /// A promoted node serves as soon as it applies the view that promotes it (the join as
+    /// first built).
+    PromotedServesAtOnce,
+    /// As built, but the joining node serves nothing from the moment it asks for its
+    /// promotion (not only once it applied the view that promotes it) until every member
+    /// applied that view: a candidate fix.
+    PromotionGatedAtAsk,
     /// A removed node serves until it applies the view without it (the leave as first built).
     ServesUntilApplied,
-    /// With one copy, the view right after `Promote` also writes the key's holder by the view
+    /// With one copy, the view right after `Promote` (served at once) also writes the key's holder by the view
     /// before (the old holder kept as a backup for one epoch).
     OldHolderBackup,
     /// The copy WRITEs the value it read to the key's next copies, without the primary's lock.
@@ -126,7 +139,8 @@ pub enum MoveRule {
     /// The hand-over does not wait for every member to apply the leaving view.
     NoWait,
     /// A client uses a node only while the node applied the very view its operation runs
-    /// under: one whose view is older waits for it (as one whose view is newer does today).
+    /// under: one whose view is older waits for it (as one whose view is newer does today); a
+    /// promoted node serves at once.
     SameView,
     /// [`MoveRule::SameView`] and [`MoveRule::OldHolderBackup`] together.
     SameViewOldHolderBackup,
@@ -134,8 +148,10 @@ pub enum MoveRule {
 
 impl MoveRule {
     /// Every rule, the built one first.
-    pub const ALL: [MoveRule; 7] = [
+    pub const ALL: [MoveRule; 9] = [
         MoveRule::Built,
+        MoveRule::PromotedServesAtOnce,
+        MoveRule::PromotionGatedAtAsk,
         MoveRule::ServesUntilApplied,
         MoveRule::OldHolderBackup,
         MoveRule::UnlockedCopy,
@@ -143,6 +159,18 @@ impl MoveRule {
         MoveRule::SameView,
         MoveRule::SameViewOldHolderBackup,
     ];
+
+    /// Whether a promoted node serves only once every member not down applied its promotion:
+    /// not in the rules that serve it at once, the old join and the fixes weighed instead.
+    fn promotion_waits(self) -> bool {
+        !matches!(
+            self,
+            MoveRule::PromotedServesAtOnce
+                | MoveRule::SameView
+                | MoveRule::OldHolderBackup
+                | MoveRule::SameViewOldHolderBackup
+        )
+    }
 
     /// Whether a client uses a node only at the view its operation runs under.
     fn same_view(self) -> bool {
@@ -162,6 +190,8 @@ impl fmt::Display for MoveRule {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
             MoveRule::Built => "built",
+            MoveRule::PromotedServesAtOnce => "promoted-serves-at-once",
+            MoveRule::PromotionGatedAtAsk => "promotion-gated-at-ask",
             MoveRule::ServesUntilApplied => "serves-until-applied",
             MoveRule::OldHolderBackup => "old-holder-backup",
             MoveRule::UnlockedCopy => "unlocked-copy",
@@ -176,12 +206,16 @@ impl std::str::FromStr for MoveRule {
     type Err = String;
 
     fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
+        if name == "promotion-waits" {
+            return Ok(MoveRule::Built);
+        }
         MoveRule::ALL
             .into_iter()
             .find(|rule| rule.to_string() == name)
             .ok_or_else(|| {
                 format!(
-                    "unknown move rule `{name}`: built, serves-until-applied, old-holder-backup, \
+                    "unknown move rule `{name}`: built (or promotion-waits), \
+                     promoted-serves-at-once, promotion-gated-at-ask, serves-until-applied, old-holder-backup, \
                      unlocked-copy, no-wait, same-view or same-view-old-holder-backup"
                 )
             })
@@ -318,6 +352,9 @@ pub enum CopierStage {
     Stopping,
     /// Asked the leader to finish the change.
     Asking,
+    /// Promoted, the node serves nothing until every member not down in its view applied the
+    /// promotion (the plan is then the promotion's epoch).
+    Confirming,
     /// The leader finished it.
     Done,
 }
@@ -369,12 +406,18 @@ impl MembershipState {
         self.views[self.views.len() - 1]
     }
 
-    /// Whether node `node` serves data.
-    fn serves(&self, node: usize) -> bool {
+    /// Whether node `node` serves data under `rule`: not a promoted node that applied its
+    /// promotion while it waits for the members to apply it ([`CopierStage::Confirming`]), nor,
+    /// under [`MoveRule::PromotionGatedAtAsk`], one that asked for its promotion.
+    fn serves(&self, node: usize, rule: MoveRule) -> bool {
         let current = &self.nodes[node];
-        current.alive
-            && !current.stopped
-            && self.views[usize::from(current.applied)].states[node].serves_data()
+        let own = self.views[usize::from(current.applied)].states[node];
+        let stage = self.copier.stage;
+        let gated = node == MOVING
+            && ((stage == CopierStage::Confirming && own == MemberState::Serving)
+                || (rule == MoveRule::PromotionGatedAtAsk
+                    && matches!(stage, CopierStage::Asking | CopierStage::Confirming)));
+        current.alive && !current.stopped && !gated && own.serves_data()
     }
 }
 

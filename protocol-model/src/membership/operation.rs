@@ -195,7 +195,7 @@ impl MembershipModel {
         client: usize,
         node: usize,
     ) -> Option<Word> {
-        let serves = state.serves(node);
+        let serves = state.serves(node, self.rule);
         let applied = state.nodes[node].applied;
         let current = &mut state.clients[client];
         if applied > current.epoch {

@@ -30,8 +30,8 @@ fn a_removed_node_that_serves_until_it_applies_its_removal_gives_a_stale_read() 
 /// view CASes it before its commit, and a reader still routing by the older view reads it
 /// there, before a reader of the new view reads the lock on the new primary.
 #[test]
-fn the_built_join_shows_a_write_before_its_commit_to_a_reader_of_the_older_view() {
-    let found = report("join", MoveRule::Built);
+fn a_promoted_node_that_serves_at_once_shows_a_write_before_its_commit() {
+    let found = report("join", MoveRule::PromotedServesAtOnce);
     assert_eq!(found.violated(), vec![LINEARIZABLE], "{found}");
     let old_holder = report("join", MoveRule::OldHolderBackup);
     assert_eq!(old_holder.violated(), vec![LINEARIZABLE], "{old_holder}");
@@ -47,9 +47,39 @@ fn using_nodes_only_at_the_operations_view_makes_the_join_hold() {
 /// With one copy, the old holder serves until it applies `Promote`; a write of the new view
 /// reaches the new holder alone.
 #[test]
-fn the_built_join_with_one_copy_gives_a_stale_read_after_promote() {
+fn a_promoted_node_that_serves_at_once_gives_a_stale_read_with_one_copy() {
+    let found = report("join-one-copy", MoveRule::PromotedServesAtOnce);
+    assert_eq!(found.violated(), vec![LINEARIZABLE], "{found}");
+}
+
+/// As built, the promoted node waits for the members only once it applied its promotion;
+/// before that it serves as a joining node, and a client that learned the promotion from
+/// another member commits on it while the old holder still serves the older view.
+#[test]
+fn the_built_promotion_wait_leaves_a_stale_read_before_the_node_applies_its_promotion() {
     let found = report("join-one-copy", MoveRule::Built);
     assert_eq!(found.violated(), vec![LINEARIZABLE], "{found}");
+    let path = found.counterexample(LINEARIZABLE).expect("violated");
+    let steps = found.violating_prefix(LINEARIZABLE, path);
+    let promoted = steps
+        .iter()
+        .position(|action| *action == MembershipAction::Finish)
+        .expect("the promotion is committed");
+    let moving = MOVING as u8;
+    assert!(
+        !steps[promoted..].contains(&MembershipAction::Apply(moving)),
+        "{found}"
+    );
+}
+
+/// A joining node that serves nothing from its promotion request until every member applied
+/// the promotion closes it.
+#[test]
+fn a_promotion_gated_from_its_request_makes_the_join_hold() {
+    let found = report("join-one-copy", MoveRule::PromotionGatedAtAsk);
+    assert!(found.all_hold(), "{found}");
+    let two = report("join", MoveRule::PromotionGatedAtAsk);
+    assert!(two.all_hold(), "{two}");
 }
 
 #[test]
@@ -57,6 +87,7 @@ fn move_rule_names_round_trip() {
     for rule in MoveRule::ALL {
         assert_eq!(rule.to_string().parse::<MoveRule>(), Ok(rule));
     }
+    assert_eq!("promotion-waits".parse::<MoveRule>(), Ok(MoveRule::Built));
     assert!("sometimes".parse::<MoveRule>().is_err());
 }
 
