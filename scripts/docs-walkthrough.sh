@@ -356,6 +356,7 @@ covered_elsewhere = [
     (r"^cargo test -p rdkv-protocol-model( replication)?$", ".ci/run's test step (cargo test --workspace)"),
     (r"^cargo run -p rdkv-protocol-model -- --protocol (old|new)$", ".ci/run's protocol model check step runs both"),
     (r"^cargo run -p rdkv-protocol-model -- --model reclaim( --unchecked-reads| --fence (drain-bounded|release-first|wait-for-out))?$", ".ci/run's reclaim model check step runs each and checks its exit code"),
+    (r"^cargo run -p rdkv-protocol-model -- --model membership( --rule [a-z-]+)?( --scenario [a-z-]+)?$", ".ci/run's membership model check step runs the built rule on every scenario and each broken variant, and checks its exit code"),
     (r"^cargo run -p rdkv-protocol-model -- --model leave-order( --decide [a-z-]+)?( --scenario [a-z-]+)?$", ".ci/run's leave-order model check step runs the built rule and each broken variant and checks its exit code"),
     (r"^scripts/frozen-client\.sh ", "a measurement (a client stopped for 15 s beside another, release build): integration-tests/tests/frozen_client.rs runs the same scenario in the test step"),
     # docs/benchmarks.md: the measurements behind its figures take minutes each; CI runs every

@@ -50,6 +50,13 @@
 //! copy); comparing the epochs the nodes stopped serving at holds while a home copy of the key
 //! stays; newest-wins, no mutual check and any member deciding fail.
 //!
+//! [`membership`] is a sixth: a node joining or a member leaving, with the key moved through
+//! the primary's lock, clients routing by views that lag, and a node crashing at any step of
+//! the move. A leaving node that serves until it applies its removal gives a stale read; the
+//! rule as built (it stops serving before it asks for the removal) holds. A join fails right
+//! after `Promote` (a write shown before its commit with two copies, a stale read with one);
+//! clients that use a node only at their operation's own view close the first.
+//!
 //! [stateright]: https://docs.rs/stateright
 
 #![forbid(unsafe_code)]
@@ -61,6 +68,7 @@ pub mod error;
 pub mod key_value;
 pub mod lease;
 pub mod leave_order;
+pub mod membership;
 pub mod model;
 mod new_protocol;
 mod old_protocol;

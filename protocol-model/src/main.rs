@@ -4,7 +4,8 @@
 //! the old or the new protocol; `--model lease` checks a reader of a node that may be paused
 //! under a reader rule; `--model reclaim` checks heap reclamation and the fence of a stopped
 //! client under a fence rule; `--model leave-order` checks which copy decides at a whole-cluster start
-//! under a decide rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
+//! under a decide rule; `--model membership` checks a join or a leave with the key moved and a
+//! crash at any step, under a move rule. Exits 0 when every property holds, 1 when one is violated, 2 on a usage
 //! error.
 
 #![forbid(unsafe_code)]
@@ -26,6 +27,8 @@ enum ModelName {
     Reclaim,
     /// Which copy decides at a whole-cluster start after nodes stopped one at a time.
     LeaveOrder,
+    /// A node joining or a member leaving, the key moved, and a crash at any step.
+    Membership,
 }
 
 /// Command-line arguments.
@@ -66,6 +69,12 @@ struct Arguments {
     /// `no-mutual-check` or `any-decider` (all but the first broken).
     #[arg(long)]
     decide: Option<rdkv_protocol_model::leave_order::DecideRule>,
+    /// Membership model: the move's rule: `built` (the default),
+    /// `promoted-serves-at-once`, `gated-once-applied`, `serves-until-applied`,
+    /// `old-holder-backup`, `unlocked-copy`, `no-wait`, `same-view` or
+    /// `same-view-old-holder-backup`.
+    #[arg(long)]
+    rule: Option<rdkv_protocol_model::membership::MoveRule>,
     /// Reclaim model: check the shm-like fabric without its check after a READ's copy.
     #[arg(long)]
     unchecked_reads: bool,
@@ -113,6 +122,20 @@ fn main() -> ExitCode {
         ModelName::Index | ModelName::Lease | ModelName::Reclaim if arguments.decide.is_some() => {
             Some("--decide")
         }
+        ModelName::Membership
+            if arguments.protocol.is_some()
+                || arguments.reader.is_some()
+                || arguments.fence.is_some()
+                || arguments.decide.is_some()
+                || arguments.unchecked_reads =>
+        {
+            Some("--protocol, --reader, --fence, --decide and --unchecked-reads")
+        }
+        ModelName::Index | ModelName::Lease | ModelName::Reclaim | ModelName::LeaveOrder
+            if arguments.rule.is_some() =>
+        {
+            Some("--rule")
+        }
         _ => None,
     };
     if let Some(flag) = misplaced {
@@ -121,6 +144,7 @@ fn main() -> ExitCode {
             ModelName::Lease => "lease",
             ModelName::Reclaim => "reclaim",
             ModelName::LeaveOrder => "leave-order",
+            ModelName::Membership => "membership",
         };
         eprintln!("rdkv-protocol-model: {flag} does not apply to --model {model}");
         return ExitCode::from(2);
@@ -130,7 +154,49 @@ fn main() -> ExitCode {
         ModelName::Lease => run_lease(&arguments),
         ModelName::Reclaim => run_reclaim(&arguments),
         ModelName::LeaveOrder => run_leave_order(&arguments),
+        ModelName::Membership => run_membership(&arguments),
     }
+}
+
+/// Checks the membership scenarios asked for under the move rule asked for.
+fn run_membership(arguments: &Arguments) -> ExitCode {
+    use rdkv_protocol_model::membership::{self, MembershipModel, MoveRule};
+    let rule = arguments.rule.unwrap_or(MoveRule::Built);
+    if arguments.list {
+        for model in MembershipModel::scenarios(rule) {
+            println!(
+                "{:<22} {:?}, {} cop{}, {}",
+                model.name,
+                model.change,
+                model.replicas,
+                if model.replicas == 1 { "y" } else { "ies" },
+                if model.crash {
+                    "a crash at any step"
+                } else {
+                    "no crash"
+                }
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let models = if arguments.scenario == "all" {
+        MembershipModel::scenarios(rule)
+    } else {
+        match MembershipModel::named(&arguments.scenario, rule) {
+            Ok(model) => vec![model],
+            Err(error) => {
+                eprintln!("rdkv-protocol-model: {error}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    let mut violated = false;
+    for model in models {
+        let report = membership::check(model, arguments.threads);
+        print!("{report}");
+        violated |= !report.all_hold();
+    }
+    exit_code(violated)
 }
 
 /// Checks the leave-order scenarios asked for under the decide rule asked for.
