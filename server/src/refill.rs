@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use rdkv_client::{Client, ClientBuilder, SCAN_BUCKETS};
 use rdkv_common::protocol::{ClusterView, MemberState};
 use tokio_util::sync::CancellationToken;
@@ -25,6 +26,9 @@ const REFILL_POLL: Duration = Duration::from_millis(200);
 
 /// Client connections per peer the refill uses (one operation in flight each).
 const REFILL_CONCURRENCY: usize = 4;
+
+/// Copies a refill, a hand-over or a re-replication keeps in flight at once.
+const COPIES_IN_FLIGHT: usize = 16;
 
 /// How long the refill waits for every serving peer to apply the view that has this node
 /// filling.
@@ -531,17 +535,20 @@ pub(crate) async fn copy_scanned(
             .scan_node(node_id, first, count)
             .await
             .map_err(|error| format!("scanning node {node_id}: {error}"))?;
-        for entry in entries {
-            if !wanted(&entry.key) {
-                continue;
-            }
-            copy(client, &entry.key, &entry.value).await?;
+        // Keys are independent: their copies run side by side, each one a replicated write
+        // through its primary's lock (one at a time, a copy waited a round trip per step).
+        let mut copies =
+            futures_util::stream::iter(entries.into_iter().filter(|entry| wanted(&entry.key)))
+                .map(|entry| async move {
+                    copy(client, &entry.key, &entry.value).await?;
+                    Ok::<u64, String>((entry.key.len() + entry.value.len()) as u64)
+                })
+                .buffer_unordered(COPIES_IN_FLIGHT);
+        while let Some(bytes) = copies.next().await {
+            let bytes = bytes?;
             copied += 1;
             progress.keys_copied.fetch_add(1, Ordering::Relaxed);
-            progress.bytes_copied.fetch_add(
-                (entry.key.len() + entry.value.len()) as u64,
-                Ordering::Relaxed,
-            );
+            progress.bytes_copied.fetch_add(bytes, Ordering::Relaxed);
         }
         first += count;
         progress.buckets_scanned.fetch_add(count, Ordering::Relaxed);
