@@ -294,12 +294,24 @@ fn refuse_never_added(
         .filter(|node| node.host.is_none() && has_state(node))
         .map(|node| node.id)
         .collect();
+    let first = first_members(run_directory);
     if members.is_empty() {
+        // A first start: the nodes it starts with are the view's first members, whatever
+        // happens to the start (a node that fails to start is still one of them).
+        if first.is_empty() {
+            let ids: Vec<String> = config
+                .nodes
+                .iter()
+                .map(|node| node.id.to_string())
+                .collect();
+            let _ = fs::create_dir_all(run_directory);
+            let _ = fs::write(first_members_file(run_directory), ids.join("\n") + "\n");
+        }
         return Ok(());
     }
     let strangers: Vec<u32> = nodes
         .iter()
-        .filter(|node| node.host.is_none() && !has_state(node))
+        .filter(|node| node.host.is_none() && !has_state(node) && !first.contains(&node.id))
         .map(|node| node.id)
         .collect();
     if strangers.is_empty() {
@@ -310,6 +322,22 @@ fn refuse_never_added(
         run_directory.display(),
         config.path.display()
     )))
+}
+
+/// The file that lists the nodes of the run directory's first start, one id a line.
+fn first_members_file(run_directory: &Path) -> PathBuf {
+    run_directory.join("first-members")
+}
+
+/// The nodes of the run directory's first start (none when it was not recorded).
+fn first_members(run_directory: &Path) -> Vec<u32> {
+    fs::read_to_string(first_members_file(run_directory))
+        .map(|text| {
+            text.lines()
+                .filter_map(|line| line.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Starts every node and waits for each to be ready.
@@ -340,8 +368,8 @@ pub fn start_nodes(
     if !running.is_empty() {
         return Err(already_running(config, only, &running));
     }
-    refuse_never_added(config, run_directory, &nodes)?;
     let new_run_directory = !run_directory.exists();
+    refuse_never_added(config, run_directory, &nodes)?;
     fs::create_dir_all(run_directory).map_err(|error| {
         Error::Refused(format!(
             "create the run directory {}: {error}",

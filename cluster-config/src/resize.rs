@@ -52,7 +52,7 @@ pub fn write_sizes(
     let edited = edit_sizes(&text, node, sizes)
         .map_err(|reason| Error::Refused(format!("{}: {reason}", path.display())))?;
     let candidate = candidate_path(path);
-    fs::write(&candidate, edited)
+    write_private(&candidate, &edited)
         .and_then(|()| fs::set_permissions(&candidate, fs::metadata(path)?.permissions()))
         .map_err(|error| Error::Refused(format!("write {}: {error}", candidate.display())))?;
     let checked = rdkv_cluster_file::config::load_to_start(&candidate, None, Some(node));
@@ -96,6 +96,20 @@ fn candidate_path(path: &Path) -> PathBuf {
         .file_name()
         .map_or_else(|| "cluster.toml".into(), |name| name.to_string_lossy());
     path.with_file_name(format!(".{name}.resize"))
+}
+
+/// Writes `text` to `path`, readable by its owner only from the start (the file may hold the
+/// cluster's secret); a copy left by an earlier run is replaced.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = fs::remove_file(path);
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(text.as_bytes())
 }
 
 /// `text` with node `node`'s sizes replaced, or why not.

@@ -27,6 +27,9 @@ const REFILL_POLL: Duration = Duration::from_millis(200);
 /// Client connections per peer the refill uses (one operation in flight each).
 const REFILL_CONCURRENCY: usize = 4;
 
+/// How long one try of a promotion's confirmation waits before it lists the members again.
+const CONFIRM_TRY_WITHIN: Duration = Duration::from_secs(1);
+
 /// Copies a refill, a hand-over or a re-replication keeps in flight at once.
 const COPIES_IN_FLIGHT: usize = 16;
 
@@ -167,6 +170,11 @@ async fn ask_promotion(
             }
         }
     }
+    // The promotion may have committed although its answer was lost (a timeout, a leader
+    // change): confirm it all the same, or the node would never serve again.
+    if let Some(epoch) = node.view.promoted_unconfirmed() {
+        confirm_promotion(node, epoch, shutdown).await?;
+    }
     Ok(())
 }
 
@@ -180,25 +188,29 @@ async fn confirm_promotion(
     epoch: u64,
     shutdown: &CancellationToken,
 ) -> Result<(), ()> {
-    loop {
+    for tries in 1u64.. {
         let members = node.view.members_up_but_me();
+        // A short bound per try: the members are listed again each time, so one committed down
+        // meanwhile drops out of the wait.
         match node
             .view
-            .wait_until_applied(&members, epoch, PEERS_APPLY_WITHIN)
+            .wait_until_applied(&members, epoch, CONFIRM_TRY_WITHIN)
             .await
         {
             Ok(()) => {
                 node.view.confirm_promotion(epoch);
                 return Ok(());
             }
-            Err(reason) => {
-                tracing::warn!(node = node.config.node_id, %reason, "promoted: waiting for every member to apply the view before serving");
+            Err(reason) if tries % 10 == 0 => {
+                tracing::warn!(node = node.config.node_id, %reason, "promoted: still waiting for every member to apply the view before serving (a member the leader reaches and this node does not keeps it waiting)");
             }
+            Err(_) => {}
         }
         if shutdown.is_cancelled() {
             return Err(());
         }
     }
+    Err(())
 }
 
 /// Why a refill stopped before it copied: each starts it over after a pause.

@@ -167,6 +167,15 @@ impl ViewService {
         self.refresh_serving();
     }
 
+    /// The epoch that promoted this node, while not every member is known to have applied it
+    /// (not while it still asks for its promotion).
+    pub fn promoted_unconfirmed(&self) -> Option<u64> {
+        let epoch = self.unconfirmed_promotion()?;
+        self.own_record()
+            .is_some_and(|record| record.state == MemberState::Serving)
+            .then_some(epoch)
+    }
+
     /// The filling round [`Self::gate_promotion`] named while this node asks for its promotion
     /// in it, or the epoch that promoted it after that round while not every member is known
     /// to have applied it.
@@ -325,21 +334,16 @@ impl ViewService {
                 *node_id
             }
         };
-        let under_way = self.view.borrow().changing_members();
-        if let Some(other) = under_way.filter(|other| *other != node_id) {
-            return Err(format!(
-                "node {other} is still joining or leaving: one membership change at a time (wait for `rdkv-cluster status` to show it serving, or gone)"
-            ));
+        if let Some(refusal) = self.change_refusal(node_id) {
+            return Err(refusal);
         }
-        let not_serving = self.view.borrow().served_and_not_serving(node_id);
-        if !not_serving.is_empty() {
-            // With one copy, keys moving from a member that is down to a joining one would be
-            // copied from nobody, and the down member's copies swept when it returns; a
-            // hand-over's next copies may be on a member that is down.
-            return Err(format!(
-                "nodes {not_serving:?} do not serve: a membership change runs only while every member serves (keys moving from or to a member that is down could be lost); bring them back first (`rdkv-cluster status`)"
-            ));
+        // One change started at a time on this leader: the checks above run again before a
+        // retirement commits, after its wait for the sweeps, and another change must not pass
+        // them meanwhile.
+        if self.change_starting.swap(true, Ordering::AcqRel) {
+            return Err("another membership change is being started: one at a time (run it again once `rdkv-cluster status` shows that one done)".into());
         }
+        let _starting = StartingChange(&self.change_starting);
         match change {
             MembershipChange::Add {
                 node_id,
@@ -349,6 +353,27 @@ impl ViewService {
                 self.lead_retirement(node_id, lose_keys).await
             }
         }
+    }
+
+    /// Why the leader refuses a membership change of `node_id` now: another change under way,
+    /// or a member that served does not serve.
+    fn change_refusal(&self, node_id: u32) -> Option<String> {
+        let under_way = self.view.borrow().changing_members();
+        if let Some(other) = under_way.filter(|other| *other != node_id) {
+            return Some(format!(
+                "node {other} is still joining or leaving: one membership change at a time (wait for `rdkv-cluster status` to show it serving, or gone)"
+            ));
+        }
+        let not_serving = self.view.borrow().served_and_not_serving(node_id);
+        if !not_serving.is_empty() {
+            // With one copy, keys moving from a member that is down to a joining one would be
+            // copied from nobody, and the down member's copies swept when it returns; a
+            // hand-over's next copies may be on a member that is down.
+            return Some(format!(
+                "nodes {not_serving:?} do not serve: a membership change runs only while every member serves (keys moving from or to a member that is down could be lost); bring them back first (`rdkv-cluster status`)"
+            ));
+        }
+        None
     }
 
     /// On the leader: node `node_id` at `address` becomes a learner, a member of the view
@@ -453,6 +478,21 @@ impl ViewService {
             ));
         }
         self.wait_for_sweeps().await?;
+        // The wait took a while: the view may have moved (a member down, another change).
+        if let Some(refusal) = self.change_refusal(node_id) {
+            return Err(refusal);
+        }
+        if self
+            .view
+            .borrow()
+            .members
+            .get(&node_id)
+            .is_none_or(|record| record.state != MemberState::Serving)
+        {
+            return Err(format!(
+                "node {node_id} stopped serving while the members swept: run remove-node again once it serves"
+            ));
+        }
         self.commit(ViewCommand::Retire { node_id }).await
     }
 
@@ -651,5 +691,14 @@ impl ViewService {
         let metrics = raft.metrics();
         let metrics = metrics.borrow();
         metrics.membership_config.membership().voter_ids().collect()
+    }
+}
+
+/// Clears the leader's "a change is being started" flag when the start ends, however it ends.
+struct StartingChange<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StartingChange<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }

@@ -186,6 +186,8 @@ pub struct ViewService {
     /// The epoch up to which every member applied the view, as this node checked for its
     /// promotion.
     promotion_confirmed: AtomicU64,
+    /// Set on the leader while a membership change is being started (`membership.rs`).
+    change_starting: std::sync::atomic::AtomicBool,
     /// Held while the node works out whether it serves and says so (`lease.rs`).
     serving_refresh: std::sync::Mutex<()>,
 }
@@ -262,6 +264,7 @@ impl ViewService {
             handed_over: AtomicU64::new(0),
             promotion_round: AtomicU64::new(0),
             promotion_confirmed: AtomicU64::new(0),
+            change_starting: std::sync::atomic::AtomicBool::new(false),
             serving_refresh: std::sync::Mutex::new(()),
         });
         let _initial = service.serving.send_replace(service.evaluate_serving());
