@@ -369,6 +369,7 @@ covered_elsewhere = [
     (r"^target/release/rdkv-ycsb compare$", "the full default run, a measurement (every workload and store, about 6 minutes): checked above to refuse 8 MiB at once; the README's compare above runs the same workloads and stores"),
     (r"^target/release/rdkv-ycsb compare (--records \d+ --threads \d+ )?--seconds \d+( --rounds \d+)?$", "a measurement (every workload and store, minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
     (r"^target/release/rdkv-ycsb compare --records \d+ --rounds \d+$", "a measurement (every workload and store, 3 rounds: about 17 minutes): the compare runs above and .ci/run's smoke comparison run the same tool"),
+    (r"^scripts/bench/membership\.sh ", "the membership change measurement (release, a minute): .ci/run runs membership.sh in a smoke run of 2,000 records"),
     (r"^scripts/bench/replication\.sh ", "the replication cost measurement (release, minutes): .ci/run runs replication.sh in a debug smoke run"),
     (r"^scripts/bench/snapshot\.sh", "a measurement (100,000 records, minutes): .ci/run's snapshot benchmark smoke run (--records 2000 --seconds 1 --rounds 1)"),
     (r"^scripts/bench/before-after\.sh ", "a measurement against an old commit: .ci/run runs before-after.sh HEAD for one round"),
