@@ -332,6 +332,23 @@ async fn run(arguments: Arguments) -> anyhow::Result<u8> {
     }
 }
 
+/// Why `down`, `restart` or `resize` must not stop `node` (or the cluster), said in one line:
+/// the nodes refuse the file's secret (exit 3), or stopping the node would lose keys and
+/// `force` was not given (exit 1). The exit code, or `None` to go on.
+async fn stop_refusal(config: &ClusterConfig, node: Option<u32>, force: bool) -> Option<u8> {
+    if let Some(refusal) = status::secret_refusal(config, node).await {
+        eprintln!("rdkv-cluster: error: {refusal}");
+        return Some(3);
+    }
+    if let (Some(node), false) = (node, force) {
+        if let Some(refusal) = status::stop_would_lose(config, node).await {
+            eprintln!("rdkv-cluster: error: {refusal}");
+            return Some(1);
+        }
+    }
+    None
+}
+
 /// `down`: stops the cluster, or one node (refused when that would lose keys, unless
 /// `force`).
 async fn down(
@@ -340,15 +357,8 @@ async fn down(
     node: Option<u32>,
     force: bool,
 ) -> anyhow::Result<u8> {
-    if let Some(refusal) = status::secret_refusal(config, node).await {
-        eprintln!("rdkv-cluster: error: {refusal}");
-        return Ok(3);
-    }
-    if let (Some(node), false) = (node, force) {
-        if let Some(refusal) = status::stop_would_lose(config, node).await {
-            eprintln!("rdkv-cluster: error: {refusal}");
-            return Ok(1);
-        }
+    if let Some(code) = stop_refusal(config, node, force).await {
+        return Ok(code);
     }
     for line in launcher::stop(config, run_directory, node).await? {
         say(&line);
@@ -369,15 +379,8 @@ async fn checked_restart(
     no_wait: bool,
     force: bool,
 ) -> anyhow::Result<u8> {
-    if let Some(refusal) = status::secret_refusal(config, Some(node)).await {
-        eprintln!("rdkv-cluster: error: {refusal}");
-        return Ok(3);
-    }
-    if !force {
-        if let Some(refusal) = status::stop_would_lose(config, node).await {
-            eprintln!("rdkv-cluster: error: {refusal}");
-            return Ok(1);
-        }
+    if let Some(code) = stop_refusal(config, Some(node), force).await {
+        return Ok(code);
     }
     restart(config, run_directory, node, !no_wait).await
 }
@@ -391,15 +394,8 @@ async fn resize(
     sizes: rdkv_cluster_config::resize::NewSizes<'_>,
     force: bool,
 ) -> anyhow::Result<u8> {
-    if let Some(refusal) = status::secret_refusal(config, Some(node)).await {
-        eprintln!("rdkv-cluster: error: {refusal}");
-        return Ok(3);
-    }
-    if !force {
-        if let Some(refusal) = status::stop_would_lose(config, node).await {
-            eprintln!("rdkv-cluster: error: {refusal}");
-            return Ok(1);
-        }
+    if let Some(code) = stop_refusal(config, Some(node), force).await {
+        return Ok(code);
     }
     let (resized, said) = rdkv_cluster_config::resize::write_sizes(config, node, sizes)?;
     say(&said);

@@ -200,6 +200,16 @@ impl ViewService {
         }
     }
 
+    /// Member `member`'s control port, to ask it for its view or stats (`None` when its
+    /// address cannot be found: [`Self::address_of`]).
+    fn monitored(&self, member: u32) -> Option<MonitoredNode<'_>> {
+        Some(MonitoredNode {
+            address: self.address_of(member)?,
+            id: Some(member),
+            secret: &self.secret,
+        })
+    }
+
     /// The members of the view now that are not `down`, but this node.
     pub fn members_up_but_me(&self) -> Vec<u32> {
         self.view
@@ -229,17 +239,10 @@ impl ViewService {
         loop {
             let mut still = Vec::new();
             for member in behind {
-                let seen = match self.address_of(member) {
-                    Some(address) => {
-                        let monitored = MonitoredNode {
-                            address,
-                            id: Some(member),
-                            secret: &self.secret,
-                        };
-                        fetch_view(monitored, MEMBER_VIEW_WITHIN)
-                            .await
-                            .map_or(0, |view| view.epoch)
-                    }
+                let seen = match self.monitored(member) {
+                    Some(monitored) => fetch_view(monitored, MEMBER_VIEW_WITHIN)
+                        .await
+                        .map_or(0, |view| view.epoch),
                     None => 0,
                 };
                 if seen < epoch {
@@ -546,17 +549,10 @@ impl ViewService {
             }
             let mut behind = Vec::new();
             for member in serving {
-                let swept = match self.address_of(member) {
-                    Some(address) => {
-                        let monitored = MonitoredNode {
-                            address,
-                            id: Some(member),
-                            secret: &self.secret,
-                        };
-                        fetch_stats(monitored, Duration::from_secs(1))
-                            .await
-                            .map_or(0, |stats| stats.swept_epoch)
-                    }
+                let swept = match self.monitored(member) {
+                    Some(monitored) => fetch_stats(monitored, Duration::from_secs(1))
+                        .await
+                        .map_or(0, |stats| stats.swept_epoch),
                     None => 0,
                 };
                 if swept < epoch {
