@@ -133,6 +133,24 @@ pub struct ClockBound {
     received: Instant,
     /// The node's clock, in milliseconds rounded down, when it answered.
     node_ms: u64,
+    /// The instants a word that this calibration found covering covers
+    /// ([`ClockBound::covers_remembered`]).
+    window: Option<CoveredWindow>,
+}
+
+/// The client's instants that one lease word covers, by one calibration: every read posted
+/// from `posted_from` (and no earlier than the calibration) and completed before
+/// `completed_before` (`None`: any time, a node serving until further notice). Exactly what
+/// [`ClockBound::covers`] accepts there, so a check against it costs two comparisons instead
+/// of the conversions.
+#[derive(Debug, Clone, Copy)]
+struct CoveredWindow {
+    /// The lease word.
+    word: u64,
+    /// The earliest post covered.
+    posted_from: Instant,
+    /// Every completion before this is covered.
+    completed_before: Option<Instant>,
 }
 
 impl ClockBound {
@@ -142,7 +160,81 @@ impl ClockBound {
             sent,
             received: received.max(sent),
             node_ms,
+            window: None,
         }
+    }
+
+    /// [`ClockBound::covers`], remembering the instants the last word found covering covers:
+    /// while the node's word stays the same (it changes at each lease renewal), a read is
+    /// checked with two comparisons of instants (a direct GET's lease check). What this
+    /// accepts, [`ClockBound::covers`] accepts; what it refuses, it refuses.
+    pub fn covers_remembered(&mut self, word: u64, posted: Instant, completed: Instant) -> bool {
+        if let Some(window) = &self.window {
+            if window.word == word
+                && posted >= window.posted_from
+                && window
+                    .completed_before
+                    .is_none_or(|before| completed < before)
+            {
+                return true;
+            }
+        }
+        let covered = self.covers(word, posted, completed);
+        if covered {
+            self.window = self.window_of(word);
+        }
+        covered
+    }
+
+    /// The instants `word` covers by this calibration, for posts from the calibration on
+    /// (`None` when it covers none, or an instant would overflow).
+    fn window_of(&self, word: u64) -> Option<CoveredWindow> {
+        let lease = LeaseWord::decode(word)?;
+        // Covered from the first `e` µs after `received` where the node's earliest clock,
+        // `node_ms` + e - drift(e), is later than `since`.
+        let since_margin = (i128::from(lease.since_ms) - i128::from(self.node_ms)) * 1_000;
+        let earliest = |elapsed: i128| elapsed - drift(elapsed);
+        let ppm = i128::from(DRIFT_BOUND_PPM);
+        // A first guess from the drift's rate, then a step or two to the exact instant.
+        let mut from = if since_margin < 0 {
+            0
+        } else {
+            (since_margin + 1) * 1_000_000 / (1_000_000 - ppm) + 1
+        };
+        while from > 0 && earliest(from - 1) > since_margin {
+            from -= 1;
+        }
+        while earliest(from) <= since_margin {
+            from += 1;
+        }
+        let posted_from = self.received.checked_add(micros(from)?)?;
+        let completed_before = if lease.until_ms == UNTIL_FURTHER_NOTICE {
+            None
+        } else {
+            // Up to the last `e` µs after `sent` where the node's latest clock,
+            // `node_ms` + 1 ms + e + drift(e), is earlier than `until`.
+            let until_margin = (i128::from(lease.until_ms) - i128::from(self.node_ms) - 1) * 1_000;
+            let latest = |elapsed: i128| elapsed + drift(elapsed);
+            if until_margin <= 0 {
+                return None;
+            }
+            let mut last = until_margin * 1_000_000 / (1_000_000 + ppm);
+            while latest(last + 1) < until_margin {
+                last += 1;
+            }
+            while last >= 0 && latest(last) >= until_margin {
+                last -= 1;
+            }
+            if last < 0 {
+                return None;
+            }
+            Some(self.sent.checked_add(micros(last + 1)?)?)
+        };
+        Some(CoveredWindow {
+            word,
+            posted_from,
+            completed_before,
+        })
     }
 
     /// The client's clock when the calibration was taken (its end).
@@ -191,6 +283,11 @@ fn signed_micros(from: Instant, to: Instant) -> i128 {
         Some(elapsed) => elapsed.as_micros() as i128,
         None => -(from.duration_since(to).as_micros() as i128),
     }
+}
+
+/// `microseconds` as a duration (`None` when negative or past a `u64`).
+fn micros(microseconds: i128) -> Option<Duration> {
+    u64::try_from(microseconds).ok().map(Duration::from_micros)
 }
 
 /// How far two clocks may drift apart over `elapsed` microseconds (rounded up).
@@ -298,5 +395,79 @@ mod tests {
         // The node's clock may read up to 1,401 at `at`: a lease until 1,350 is refused.
         assert!(!clock.covers(word(0, 1_350), at, at));
         assert!(clock.covers(word(0, 1_450), at, at));
+    }
+
+    /// The remembered check accepts exactly what `covers` accepts, at every instant around a
+    /// word's edges (posts from the calibration on), over calibrations with and without a
+    /// round trip, long after one (drift), and words with and without an `until`; and it
+    /// forgets a word that changed.
+    #[test]
+    fn the_remembered_check_accepts_exactly_what_covers_accepts() {
+        let base = Instant::now();
+        // A small deterministic generator (xorshift): no dependency for one test.
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let (mut accepted, mut refused, mut remembered) = (0, 0, 0);
+        let mut next = move |below: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % below
+        };
+        for _ in 0..300 {
+            let round_trip = Duration::from_micros(next(3) * next(400_000));
+            let node_ms = 1_000 + next(1_000_000);
+            let mut clock = ClockBound::new(base, base + round_trip, node_ms);
+            let since = node_ms.saturating_sub(next(3_000)) + next(3_000);
+            let until = if next(5) == 0 {
+                UNTIL_FURTHER_NOTICE
+            } else {
+                since + 1 + next(2_000_000)
+            };
+            let lease = word(since, until);
+            // Instants around the word's edges (and far after the calibration: drift).
+            let edge = |milliseconds: u64| {
+                base + Duration::from_millis(milliseconds.saturating_sub(node_ms).min(3_000_000))
+            };
+            let mut instants = vec![base + round_trip];
+            for at in [edge(since), edge(until.min(node_ms + 3_000_000))] {
+                for offset_us in [0u64, 1, 2, 999, 1_000, 1_001, 2_500, 700_000] {
+                    instants.push(at + Duration::from_micros(offset_us));
+                    if let Some(earlier) = at.checked_sub(Duration::from_micros(offset_us)) {
+                        instants.push(earlier.max(base + round_trip));
+                    }
+                }
+            }
+            instants.push(base + round_trip + Duration::from_micros(next(4_000_000_000)));
+            instants.sort();
+            for (index, posted) in instants.iter().enumerate() {
+                for completed in &instants[index..] {
+                    let exact = clock.covers(lease, *posted, *completed);
+                    if exact {
+                        accepted += 1;
+                    } else {
+                        refused += 1;
+                    }
+                    remembered +=
+                        usize::from(clock.window.is_some_and(|window| window.word == lease));
+                    assert_eq!(
+                        clock.covers_remembered(lease, *posted, *completed),
+                        exact,
+                        "{clock:?} {since}..{until} posted {:?} completed {:?} after the calibration",
+                        *posted - base,
+                        *completed - base
+                    );
+                }
+            }
+            // Another word: checked afresh, not by the window of this one.
+            let other = word(since, since);
+            assert_eq!(
+                clock.covers_remembered(other, instants[0], instants[0]),
+                clock.covers(other, instants[0], instants[0])
+            );
+        }
+        assert!(
+            accepted > 1_000 && refused > 1_000 && remembered > 1_000,
+            "{accepted} {refused} {remembered}"
+        );
     }
 }

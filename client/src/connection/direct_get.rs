@@ -131,10 +131,14 @@ impl NodeConnection {
         completed: Instant,
     ) -> ReadStands {
         let deadline = Duration::from_millis(self.welcome.operation_deadline_ms);
-        if self.welcome.operation_deadline_ms == 0 || completed - posted_at >= deadline {
+        if self.welcome.operation_deadline_ms == 0
+            || posted_at
+                .checked_add(deadline)
+                .is_none_or(|late| completed >= late)
+        {
             return ReadStands::PastDeadline;
         }
-        if lock(&self.lease_clock).covers(lease_word, posted_at, completed) {
+        if lock(&self.lease_clock).covers_remembered(lease_word, posted_at, completed) {
             ReadStands::Yes
         } else {
             ReadStands::LeaseLapsed

@@ -191,7 +191,7 @@ impl NodeConnection {
         counters.verbs.add(DIRECT_UPDATE_ACCESSES);
         self.slot_cache.remember(location, guess.position, new_slot);
         let covered = lease_word.is_ok_and(|lease_word| {
-            lock(&self.lease_clock).covers(lease_word, posted_at, Instant::now())
+            lock(&self.lease_clock).covers_remembered(lease_word, posted_at, Instant::now())
         });
         if covered {
             counters.direct_updates.add(1);

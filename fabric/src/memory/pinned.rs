@@ -1,8 +1,10 @@
 //! [`PinnedMemory`]: one page-aligned mapping, advised `MADV_DONTFORK`, locked with `mlock`,
 //! and accessed only through aligned 8-byte atomics.
 //!
-//! Every access, bulk copies included, is a load, store, compare-exchange or fetch-add on an
-//! aligned `AtomicU64`. Copies that start or end inside a word merge their bytes into that word
+//! Every access but one is a load, store, compare-exchange or fetch-add on an aligned
+//! `AtomicU64`; the exception, a value's bulk copy out ([`PinnedMemory::read_append`]), reads
+//! 64 bytes at a time with SSE2 on x86-64 and may see a concurrent write in part
+//! (`super::bulk_copy`). Copies that start or end inside a word merge their bytes into that word
 //! with a compare-exchange loop, so no two accesses of different sizes ever overlap and a reader
 //! can never observe half of an 8-byte word that a CAS wrote.
 
@@ -593,7 +595,10 @@ impl PinnedMemory {
     }
 
     /// Appends `length` bytes starting at `offset` to `destination`, filled as they are read
-    /// (never zeroed first); a vector with the room already allocates nothing.
+    /// (never zeroed first); a vector with the room already allocates nothing. From 64 bytes
+    /// on x86-64 it copies 64 bytes at a time, which may see a concurrent write of a word in
+    /// part (`super::bulk_copy`, *Atomicity*): a caller checks what it read, as a direct GET
+    /// does by the slot word before and after.
     ///
     /// # Errors
     /// [`Error::MemoryOutOfBounds`] when the range leaves the block (nothing is appended).
@@ -602,6 +607,30 @@ impl PinnedMemory {
         destination.reserve(length);
         let start = destination.len();
         let spare = &mut destination.spare_capacity_mut()[..length];
+        // SAFETY: the `length` bytes at `offset` lie inside the mapping (`check_range`), valid
+        // for the lifetime of `&self`; `spare` is `length` bytes of `destination`'s spare
+        // capacity, borrowed mutably here, outside the mapping.
+        let copied = unsafe {
+            super::bulk_copy::copy_bytes_out(
+                self.base.as_ptr().add(offset as usize),
+                length,
+                spare.as_mut_ptr().cast::<u8>(),
+            )
+        };
+        if !copied {
+            self.read_words_into(offset, spare);
+        }
+        // SAFETY: the bulk copy or `read_words_into` wrote each of the first `length` bytes of
+        // the spare capacity, which `reserve(length)` made at least `length` long, so the
+        // first `start + length` bytes are initialized.
+        unsafe { destination.set_len(start + length) };
+        Ok(())
+    }
+
+    /// Fills `spare` with the bytes at `offset` (in range: checked by the caller) one atomic
+    /// word at a time: an unaligned head, whole words, an unaligned tail.
+    fn read_words_into(&self, offset: u64, spare: &mut [std::mem::MaybeUninit<u8>]) {
+        let length = spare.len();
         let head = (((8 - (offset % 8)) % 8) as usize).min(length);
         let (head_part, rest) = spare.split_at_mut(head);
         let mut partial = [0u8; 8];
@@ -618,40 +647,17 @@ impl PinnedMemory {
         } else {
             self.words(position, words)
         };
-        // Four words per turn (a GET's 1 KiB value is 128 of them), each one atomic load and one
-        // unaligned 8-byte store, then the words left.
-        let mut groups = source.chunks_exact(4);
-        let mut index = 0;
-        for group in &mut groups {
-            let loaded = [
-                group[0].load(Ordering::Acquire),
-                group[1].load(Ordering::Acquire),
-                group[2].load(Ordering::Acquire),
-                group[3].load(Ordering::Acquire),
-            ];
-            for (within, value) in loaded.into_iter().enumerate() {
-                // SAFETY: `index + within < words`, so the 8 bytes at `8 * (index + within)`
-                // lie inside `rest` (`words * 8 <= rest.len()`), which this function borrows
-                // mutably; the store is unaligned, and writing initializes those bytes.
-                unsafe {
-                    target
-                        .add(8 * (index + within))
-                        .cast::<u64>()
-                        .write_unaligned(value.to_le());
-                }
-            }
-            index += 4;
-        }
-        for word in groups.remainder() {
+        for (index, word) in source.iter().enumerate() {
             let value = word.load(Ordering::Acquire);
-            // SAFETY: `index < words`, as above.
+            // SAFETY: `index < words`, so the 8 bytes at `8 * index` lie inside `rest`
+            // (`words * 8 <= rest.len()`), which this function borrows mutably; the store is
+            // unaligned, and writing initializes those bytes.
             unsafe {
                 target
                     .add(8 * index)
                     .cast::<u64>()
                     .write_unaligned(value.to_le());
             }
-            index += 1;
         }
         position += 8 * words as u64;
         let tail_part = &mut rest[words * 8..];
@@ -659,11 +665,6 @@ impl PinnedMemory {
         for (slot, byte) in tail_part.iter_mut().zip(partial) {
             slot.write(byte);
         }
-        // SAFETY: the head, the whole words and the tail above wrote each of the first
-        // `length` bytes of the spare capacity, which `reserve(length)` made at least `length`
-        // long, so the first `start + length` bytes are initialized.
-        unsafe { destination.set_len(start + length) };
-        Ok(())
     }
 
     /// Copies `length` bytes at `offset` of this block to `destination_offset` of another
