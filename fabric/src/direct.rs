@@ -50,7 +50,7 @@ pub trait DirectAccess {
 
     /// READs `length` bytes at `remote` onto the end of `into`, filled as they are read (a
     /// vector with the room allocates nothing). Like a NIC's READ, it may see a concurrent
-    /// write in part (over `shm`, 64 bytes go at a time): the caller checks what
+    /// write in part (over `shm`, 64 or 128 bytes go at a time): the caller checks what
     /// it read.
     ///
     /// # Errors

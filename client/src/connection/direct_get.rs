@@ -21,6 +21,10 @@ use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 use super::slot_cache::Guess;
 use super::NodeConnection;
 
+/// Keys up to this long have their block's head read into a buffer on the stack that costs no
+/// `memset` to zero.
+const SHORT_KEY_LENGTH: usize = 40;
+
 /// What the guessed slot held.
 enum Found {
     /// The key's block, whole, named by `slot` before and after it was read (its value is in
@@ -198,8 +202,17 @@ impl NodeConnection {
             return Ok(Found::Stale);
         }
         let block_at = target.slot.offset();
-        let mut head = [0u8; BLOCK_HEADER_SIZE + MAX_KEY_LENGTH];
-        access.read(self.keys.heap_key.at(block_at), &mut head[..head_length])?;
+        // A short key's head in a small buffer (zeroing the longest key's cost a `memset` per
+        // GET).
+        let mut short_head = [0u8; BLOCK_HEADER_SIZE + SHORT_KEY_LENGTH];
+        let mut long_head;
+        let head: &mut [u8] = if head_length <= short_head.len() {
+            &mut short_head[..head_length]
+        } else {
+            long_head = [0u8; BLOCK_HEADER_SIZE + MAX_KEY_LENGTH];
+            &mut long_head[..head_length]
+        };
+        access.read(self.keys.heap_key.at(block_at), head)?;
         let mut header_bytes = [0u8; BLOCK_HEADER_SIZE];
         header_bytes.copy_from_slice(&head[..BLOCK_HEADER_SIZE]);
         let Ok(header) = BlockHeader::parse(&header_bytes, length) else {

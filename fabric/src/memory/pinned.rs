@@ -3,7 +3,7 @@
 //!
 //! Every access but one is a load, store, compare-exchange or fetch-add on an aligned
 //! `AtomicU64`; the exception, a value's bulk copy out ([`PinnedMemory::read_append`]), reads
-//! 64 bytes at a time with SSE2 on x86-64 and may see a concurrent write in part
+//! 64 or 128 bytes at a time (SSE2, AVX) on x86-64 and may see a concurrent write in part
 //! (`super::bulk_copy`). Copies that start or end inside a word merge their bytes into that word
 //! with a compare-exchange loop, so no two accesses of different sizes ever overlap and a reader
 //! can never observe half of an 8-byte word that a CAS wrote.
@@ -596,7 +596,7 @@ impl PinnedMemory {
 
     /// Appends `length` bytes starting at `offset` to `destination`, filled as they are read
     /// (never zeroed first); a vector with the room already allocates nothing. From 64 bytes
-    /// on x86-64 it copies 64 bytes at a time, which may see a concurrent write of a word in
+    /// on x86-64 it copies 64 or 128 bytes at a time, which may see a concurrent write of a word in
     /// part (`super::bulk_copy`, *Atomicity*): a caller checks what it read, as a direct GET
     /// does by the slot word before and after.
     ///
@@ -725,6 +725,16 @@ impl PinnedMemory {
     pub fn write_from(&self, offset: u64, source: &[u8]) -> Result<()> {
         self.check_range(offset, source.len() as u64)?;
         self.check_writable()?;
+        if offset % 8 == 0 && source.len() % 8 == 0 {
+            // Whole words only (an announce word, a slot): no head or tail to merge.
+            for (index, chunk) in source.chunks_exact(8).enumerate() {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(chunk);
+                self.word(offset + 8 * index as u64)
+                    .store(u64::from_le_bytes(bytes), Ordering::Release);
+            }
+            return Ok(());
+        }
         // An unaligned head, whole words (one atomic store each), an unaligned tail.
         let head = (((8 - (offset % 8)) % 8) as usize).min(source.len());
         let (head_bytes, rest) = source.split_at(head);
