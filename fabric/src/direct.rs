@@ -79,6 +79,15 @@ pub trait DirectAccess {
     /// The status its request would have completed with.
     fn write(&mut self, remote: RemoteSegment, from: &[u8]) -> Result<(), WorkCompletionStatus>;
 
+    /// WRITEs the 8 bytes of `value`, little-endian, at `remote`: one atomic store where
+    /// `remote` is 8-byte aligned (an announce word's half), so a READ of it cannot tear.
+    ///
+    /// # Errors
+    /// The status its request would have completed with.
+    fn write_u64(&mut self, remote: RemoteSegment, value: u64) -> Result<(), WorkCompletionStatus> {
+        self.write(remote, &value.to_le_bytes())
+    }
+
     /// WRITEs the concatenation of `parts` at `remote`: one WRITE request whose payload is
     /// gathered from several buffers, as a work request's scatter-gather list does (a block's
     /// header and key, its value, and its padding, each where it already is).

@@ -52,7 +52,22 @@ impl Numbers {
             None => self.started(),
         }
     }
+
+    /// Operation `number` is no longer running.
+    fn remove(&mut self, number: u64) {
+        // Usually the newest (a direct operation runs alone on its thread).
+        if self.running.last() == Some(&number) {
+            self.running.pop();
+        } else if let Some(position) = self.running.iter().position(|running| *running == number) {
+            self.running.remove(position);
+        }
+    }
 }
+
+/// Where `started` lies in the announce word (and its source bytes).
+pub(crate) const STARTED_OFFSET: u64 = 0;
+/// Where `quiescent` lies in the announce word (and its source bytes).
+pub(crate) const QUIESCENT_OFFSET: u64 = 8;
 
 /// One connection's announce word, its source bytes and its flusher's state.
 #[derive(Debug)]
@@ -93,7 +108,15 @@ impl Announcer {
 
     /// Numbers a new operation; its first list must begin with [`Announcer::request`].
     pub(crate) fn start(&self) -> u64 {
-        self.start_direct().0
+        let mut numbers = lock(&self.numbers);
+        let number = numbers.next;
+        numbers.next += 1;
+        numbers.running.push(number);
+        self.publish(&numbers);
+        // The list's WRITE of the source bytes leaves after this: it carries every finish
+        // before it.
+        self.dirty.store(false, Ordering::Release);
+        number
     }
 
     /// Operation `number` is over: every list it posted has completed.
@@ -102,47 +125,48 @@ impl Announcer {
         self.finished.notify_one();
     }
 
-    /// Numbers a new operation, as [`Announcer::start`]: its number and the word, which an
-    /// operation that announces itself by direct access (`direct_get.rs`, `direct_update.rs`)
-    /// writes before any
-    /// other access of it, holding the queue pair's executor (so that words only grow along
-    /// it).
-    pub(crate) fn start_direct(&self) -> (u64, [u8; ANNOUNCE_SIZE as usize]) {
+    /// Numbers a new operation, as [`Announcer::start`], for an operation that announces
+    /// itself by direct access (`direct_get.rs`, `direct_update.rs`): its number and the new
+    /// `started`, the only half of the word a start changes (`quiescent` stays: the oldest
+    /// operation running is still the oldest, or with none running it stays the last
+    /// `started`). The operation stores it at [`STARTED_OFFSET`] of the remote word before
+    /// any other access of it, holding the queue pair's executor (so that words only grow
+    /// along it). The remote `quiescent` may still lag a finish that no WRITE carried: the
+    /// flush stays due for it.
+    pub(crate) fn start_direct(&self) -> (u64, u64) {
         let mut numbers = lock(&self.numbers);
         let number = numbers.next;
         numbers.next += 1;
         numbers.running.push(number);
-        let word = self.publish(&numbers);
-        // This word (and any WRITE of the source bytes from now on) carries every finish
-        // before it.
-        self.dirty.store(false, Ordering::Release);
-        (number, word)
+        let started = numbers.started();
+        // The offset is inside the region and 8-aligned by construction
+        // (`NodeConnection::open`).
+        let _ = self.region.store_u64(self.source_offset, started.to_le());
+        (number, started)
     }
 
-    /// Direct operation `number` is over: the word to write, after its last access and
-    /// holding the executor. It carries this finish, so no flush is due for it; a finish of
-    /// another operation since the last start keeps the flush due. (Leaving the finish to
-    /// the next start or the flusher saved about 120 instructions a GET, but an idle
-    /// connection then showed an operation running until the flusher task ran, and a client
-    /// whose runtime ran no task for the node's operation deadline, a `block_on` per call,
-    /// was cut off: found by a review.)
-    pub(crate) fn finish_direct(&self, number: u64) -> [u8; ANNOUNCE_SIZE as usize] {
-        self.end(number, false)
+    /// Direct operation `number` is over: the new `quiescent`, to store at
+    /// [`QUIESCENT_OFFSET`] of the remote word after the operation's last access, holding the
+    /// executor (a finish leaves `started` as it is). It carries every finish so far, so no
+    /// flush is due until the next finish. (Leaving the finish to the next start or the
+    /// flusher saved about 120 instructions a GET, but an idle connection then showed an
+    /// operation running until the flusher task ran, and a client whose runtime ran no task for
+    /// the node's operation deadline, a `block_on` per call, was cut off: found by a review.)
+    pub(crate) fn finish_direct(&self, number: u64) -> u64 {
+        let mut numbers = lock(&self.numbers);
+        numbers.remove(number);
+        let quiescent = numbers.quiescent();
+        let _ = self
+            .region
+            .store_u64(self.source_offset + QUIESCENT_OFFSET, quiescent.to_le());
+        self.dirty.store(false, Ordering::Release);
+        quiescent
     }
 
     /// Ends operation `number` (marking a flush due when `flush_due`): the word after it.
     fn end(&self, number: u64, flush_due: bool) -> [u8; ANNOUNCE_SIZE as usize] {
         let mut numbers = lock(&self.numbers);
-        // Usually the newest (a direct operation runs alone on its thread).
-        if numbers.running.last() == Some(&number) {
-            numbers.running.pop();
-        } else if let Some(position) = numbers
-            .running
-            .iter()
-            .position(|running| *running == number)
-        {
-            numbers.running.remove(position);
-        }
+        numbers.remove(number);
         let word = self.publish(&numbers);
         if flush_due {
             self.dirty.store(true, Ordering::Release);
@@ -188,12 +212,14 @@ impl Announcer {
     fn publish(&self, numbers: &Numbers) -> [u8; ANNOUNCE_SIZE as usize] {
         // The offset is inside the region and 8-aligned by construction
         // (`NodeConnection::open`).
-        let _ = self
-            .region
-            .store_u64(self.source_offset, numbers.started().to_le());
-        let _ = self
-            .region
-            .store_u64(self.source_offset + 8, numbers.quiescent().to_le());
+        let _ = self.region.store_u64(
+            self.source_offset + STARTED_OFFSET,
+            numbers.started().to_le(),
+        );
+        let _ = self.region.store_u64(
+            self.source_offset + QUIESCENT_OFFSET,
+            numbers.quiescent().to_le(),
+        );
         word(numbers)
     }
 }

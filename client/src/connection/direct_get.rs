@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use rdkv_common::layout::{BlockHeader, KeyLocation, Slot, BLOCK_HEADER_SIZE, MAX_KEY_LENGTH};
 use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 
+use super::announce::{QUIESCENT_OFFSET, STARTED_OFFSET};
 use super::slot_cache::Guess;
 use super::NodeConnection;
 
@@ -159,18 +160,21 @@ impl NodeConnection {
         guess: Guess,
         value: &mut Vec<u8>,
     ) -> Result<(Found, u64), WorkCompletionStatus> {
-        let announce = self.keys.announce_key.at(0);
-        let (number, word) = self.announcer.start_direct();
-        let read = access.write(announce, &word).and_then(|()| {
-            let found = self.read_guessed(access, key, location, guess, value)?;
-            let lease = access.read_u64(self.keys.lease_key.at(0))?;
-            Ok((found, lease))
-        });
-        let word = self.announcer.finish_direct(number);
+        let announce = &self.keys.announce_key;
+        let (number, started) = self.announcer.start_direct();
+        let read = access
+            .write_u64(announce.at(STARTED_OFFSET), started)
+            .and_then(|()| {
+                let found = self.read_guessed(access, key, location, guess, value)?;
+                let lease = access.read_u64(self.keys.lease_key.at(0))?;
+                Ok((found, lease))
+            });
+        let quiescent = self.announcer.finish_direct(number);
         if read.is_ok() {
             // Not needed for what was read: it lets the node reclaim sooner, and shows the
-            // connection idle.
-            access.write(announce, &word)?;
+            // connection idle. (After a failed access nothing more runs: the queue pair is in
+            // ERROR, and the connection is retired.)
+            access.write_u64(announce.at(QUIESCENT_OFFSET), quiescent)?;
         }
         read
     }

@@ -20,10 +20,9 @@
 use std::time::Instant;
 
 use rdkv_common::layout::{KeyLocation, Slot, BLOCK_HEADER_SIZE, BLOCK_UNIT, MAX_KEY_LENGTH};
-use rdkv_common::protocol::ANNOUNCE_SIZE;
 use rdkv_fabric::{lock, DirectAccess, WorkCompletionStatus};
 
-use super::announce::Announcer;
+use super::announce::{Announcer, QUIESCENT_OFFSET, STARTED_OFFSET};
 use super::direct_get::ReadStands;
 use super::slot_cache::Guess;
 use super::{BlockPlace, NodeConnection};
@@ -119,7 +118,7 @@ impl NodeConnection {
         let attempt = self.queue_pair.direct_at(posted_at, |access| {
             let block = Block::new(key, value, false, crate::version::next_version(0));
             let shape = block.shape();
-            let Some((place, (number, word))) =
+            let Some((place, (number, started))) =
                 self.reserve_in_chunk(shape.length(), Announcer::start_direct)
             else {
                 return Attempt::NoRoom;
@@ -132,7 +131,7 @@ impl NodeConnection {
             Attempt::Ran {
                 swap: self.direct_replace(
                     access,
-                    (number, &word),
+                    (number, started),
                     location,
                     guess,
                     &new,
@@ -210,47 +209,53 @@ impl NodeConnection {
         })
     }
 
-    /// The accesses of a direct update, announced (operation `number`, its start `word`) from
+    /// The accesses of a direct update, announced (operation `number`, its `started`) from
     /// first to last: the block's WRITE, then the guessed slot, the lease word and the time
     /// (both must still cover what was done before the CAS publishes anything), the CAS, and
     /// the lease word again.
     fn direct_replace(
         &self,
         access: &mut dyn DirectAccess,
-        (number, word): (u64, &[u8; ANNOUNCE_SIZE as usize]),
+        (number, started): (u64, u64),
         location: &KeyLocation,
         guess: Guess,
         new: &NewBlock<'_>,
         posted_at: Instant,
     ) -> Result<Swap, WorkCompletionStatus> {
-        let announce = self.keys.announce_key.at(0);
+        let announce = &self.keys.announce_key;
         let lease_at = self.keys.lease_key.at(0);
-        let swap = access.write(announce, word).and_then(|()| {
-            write_block(access, new)?;
-            let Some(current) = self.read_guessed_head(access, new.block.key(), location, guess)?
-            else {
-                return Ok(Swap::Stale);
-            };
-            let lease_word = access.read_u64(lease_at)?;
-            match self.direct_read_stands(lease_word, posted_at, Instant::now()) {
-                ReadStands::Yes => {}
-                ReadStands::PastDeadline => return Ok(Swap::Late),
-                ReadStands::LeaseLapsed => return Ok(Swap::LeaseLapsed),
-            }
-            let slot_at = self
-                .keys
-                .index_key
-                .at(self.welcome.geometry.slot_offset(guess.position));
-            if access.compare_and_swap(slot_at, current.0, new.slot.0)? != current.0 {
-                return Ok(Swap::Lost);
-            }
-            Ok(Swap::Swapped(access.read_u64(lease_at)))
-        });
-        let finished = self.announcer.finish_direct(number);
+        let swap = access
+            .write_u64(announce.at(STARTED_OFFSET), started)
+            .and_then(|()| {
+                write_block(access, new)?;
+                let Some(current) =
+                    self.read_guessed_head(access, new.block.key(), location, guess)?
+                else {
+                    return Ok(Swap::Stale);
+                };
+                let lease_word = access.read_u64(lease_at)?;
+                match self.direct_read_stands(lease_word, posted_at, Instant::now()) {
+                    ReadStands::Yes => {}
+                    ReadStands::PastDeadline => return Ok(Swap::Late),
+                    ReadStands::LeaseLapsed => return Ok(Swap::LeaseLapsed),
+                }
+                let slot_at = self
+                    .keys
+                    .index_key
+                    .at(self.welcome.geometry.slot_offset(guess.position));
+                if access.compare_and_swap(slot_at, current.0, new.slot.0)? != current.0 {
+                    return Ok(Swap::Lost);
+                }
+                Ok(Swap::Swapped(access.read_u64(lease_at)))
+            });
+        let quiescent = self.announcer.finish_direct(number);
         // Not needed for what was done: it lets the node reclaim sooner, and shows the
         // connection idle. A failure leaves the queue pair in ERROR, and the connection is
         // retired.
-        if access.write(announce, &finished).is_err() {
+        if access
+            .write_u64(announce.at(QUIESCENT_OFFSET), quiescent)
+            .is_err()
+        {
             self.mark_broken();
         }
         swap

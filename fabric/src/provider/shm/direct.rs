@@ -450,6 +450,18 @@ impl DirectAccess for ShmDirect<'_> {
         self.copied(outcome)
     }
 
+    fn write_u64(&mut self, remote: RemoteSegment, value: u64) -> Result<(), WorkCompletionStatus> {
+        let outcome = match self.resolve(Opcode::Write, remote, 8)? {
+            Some((memory, offset)) if offset % 8 == 0 => memory.store_u64(offset, value.to_le()),
+            Some((memory, offset)) => memory.write_from(offset, &value.to_le_bytes()),
+            // Eight bytes are not zero: not reached.
+            None => Ok(()),
+        };
+        // As `write`: the store lands before any later load of the call.
+        fence(Ordering::SeqCst);
+        self.copied(outcome)
+    }
+
     fn write_gathered(
         &mut self,
         remote: RemoteSegment,
