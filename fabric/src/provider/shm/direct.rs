@@ -36,11 +36,16 @@ impl ShmQueuePair {
         let Ok(mut executor) = self.executor.try_lock() else {
             return false;
         };
-        if !queue_pair.idle_and_sendable()
-            || !lock(&self.pending).is_empty()
-            || !attachment.peer_alive_at(now)
-        {
+        if !queue_pair.idle_and_sendable() || !lock(&self.pending).is_empty() {
             return false;
+        }
+        let looked_lately = executor.next_peer_check.is_some_and(|next| now < next)
+            && !attachment.peer_gone.load(Ordering::Acquire);
+        if !looked_lately {
+            if !attachment.peer_alive_at(now) {
+                return false;
+            }
+            executor.next_peer_check = now.checked_add(super::PEER_CHECK_EVERY);
         }
         let inside = attachment.enter();
         if let Ok(inside) = &inside {

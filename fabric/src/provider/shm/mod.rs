@@ -1003,6 +1003,10 @@ struct Executor {
     payload: Vec<u8>,
     /// A request's response.
     response: Vec<u8>,
+    /// Before this instant direct access does not look at the peer again
+    /// ([`Attachment::peer_alive_at`] looks at most every [`PEER_CHECK_EVERY`]): a comparison
+    /// of instants instead of the conversion to microseconds there.
+    next_peer_check: Option<Instant>,
 }
 
 impl ShmQueuePair {
@@ -1059,6 +1063,7 @@ impl ShmQueuePair {
             batch,
             payload,
             response,
+            ..
         } = executor;
         loop {
             std::mem::swap(batch, &mut *lock(&self.pending));
