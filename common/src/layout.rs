@@ -91,8 +91,11 @@ impl TableGeometry {
 
     /// Where a key may live.
     pub fn locate(&self, key: &[u8]) -> KeyLocation {
+        // One hash of the key; the second choice is that hash mixed again (a bijection, so
+        // two keys share it only when they share the first 64 bits), not a second hash of the
+        // key.
         let first = xxh3_64_with_seed(key, self.hash_seed);
-        let second = xxh3_64_with_seed(key, self.hash_seed.rotate_left(32) ^ 0x9E37_79B9_7F4A_7C15);
+        let second = second_choice(first);
         let count = self.combined_bucket_count().max(1);
         KeyLocation {
             fingerprint: (first >> 56) as u8,
@@ -109,6 +112,16 @@ impl TableGeometry {
     pub fn slot_offset(&self, position: SlotPosition) -> u64 {
         self.combined_bucket_offset(position.combined_bucket) + position.slot as u64 * 8
     }
+}
+
+/// The hash of a key's second bucket choice, from its first: the first hash, offset and mixed
+/// by splitmix64's finalizer (a bijection of 64-bit words whose every output bit depends on
+/// every input bit).
+fn second_choice(first: u64) -> u64 {
+    let mut mixed = first ^ 0x9E37_79B9_7F4A_7C15;
+    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    mixed ^ (mixed >> 31)
 }
 
 /// The two combined buckets and the fingerprint of one key.
