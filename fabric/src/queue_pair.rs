@@ -241,9 +241,10 @@ impl QueuePairShared {
     }
 
     /// Completes the oldest outstanding request; `payload`: the data to write into its local
-    /// buffer, `None` when it is there already.
+    /// buffer, `None` when it is there already. The lock that takes the answered request also
+    /// looks whether a local failure waits behind it (no second lock to settle none).
     fn answer(&self, sequence: u64, status: WorkCompletionStatus, payload: Option<&[u8]>) {
-        let entry = loop {
+        let (entry, failure_behind) = loop {
             let mut requester = lock(&self.requester);
             let implied = match requester.in_flight.front() {
                 Some(front) if front.sequence == sequence && front.local.is_ok() => false,
@@ -262,10 +263,14 @@ impl QueuePairShared {
             let Some(entry) = requester.in_flight.pop_front() else {
                 return;
             };
-            drop(requester);
             if !implied {
-                break entry;
+                let failure_behind = requester
+                    .in_flight
+                    .front()
+                    .is_some_and(|next| next.local.is_err());
+                break (entry, failure_behind);
             }
+            drop(requester);
             self.finish(entry, WorkCompletionStatus::Success);
         };
         let mut status = status;
@@ -273,10 +278,12 @@ impl QueuePairShared {
             status = place_payload(status, &entry.request, &entry.local, payload);
         }
         self.finish(entry, status);
-        if status == WorkCompletionStatus::Success {
-            self.settle_local_failures();
-        } else {
+        if status != WorkCompletionStatus::Success {
             self.enter_error();
+        } else if failure_behind {
+            // Entries join at the back only: a local failure queued after this look is
+            // settled by its own post (`after_ring`).
+            self.settle_local_failures();
         }
     }
 
@@ -557,20 +564,28 @@ impl QueuePairShared {
         let nic_checks = self.provider.checks_local_buffers();
         // One timestamp per list: every request of a list is posted at the same instant.
         let posted_at = Instant::now();
+        let mut last_entry = None;
         let mut entries = list.drain(..).enumerate().map(|(index, request)| InFlight {
             sequence: 0,
             local: if nic_checks {
                 Ok(device
                     .table
-                    .check_local(domain, &request.local, request.opcode, u32::MAX)
+                    .check_local_in_post(
+                        domain,
+                        &request.local,
+                        request.opcode,
+                        u32::MAX,
+                        &mut last_entry,
+                    )
                     .ok()
                     .flatten())
             } else {
-                device.table.check_local(
+                device.table.check_local_in_post(
                     domain,
                     &request.local,
                     request.opcode,
                     device.config.max_message_size,
+                    &mut last_entry,
                 )
             },
             request,
