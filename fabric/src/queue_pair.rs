@@ -353,6 +353,7 @@ impl QueuePairShared {
     }
 
     /// Reports one request's completion, if it produces one, and frees its send queue slot.
+    #[inline]
     pub(crate) fn finish(&self, entry: InFlight, status: WorkCompletionStatus) {
         // Free the slot first: whoever the completion wakes may post again at once.
         self.permits.give_back(1);
@@ -535,16 +536,22 @@ impl QueuePairShared {
 
     /// Posts a list, taking its requests out of `list` (left empty, its capacity kept, once
     /// posted); see [`QueuePair::post`].
-    async fn post(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
+    async fn post(&self, list: &mut Vec<WorkRequest>, posted_at: Instant) -> Result<PostedList> {
         // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
         // spent it): a task that only posts to a provider that completes inline (`shm`,
         // `loopback`) still yields now and then, and a timeout around it can fire.
         tokio::task::consume_budget().await;
-        self.post_spent(list).await
+        self.post_spent(list, posted_at).await
     }
 
     /// As [`QueuePairShared::post`], the caller having spent the post's unit of budget.
-    async fn post_spent(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
+    /// `posted_at`: the post's instant, for the retry timeout (every request of a list is
+    /// posted at once).
+    async fn post_spent(
+        &self,
+        list: &mut Vec<WorkRequest>,
+        posted_at: Instant,
+    ) -> Result<PostedList> {
         self.check_list(list)?;
         let state = self.state();
         if !matches!(state, QueuePairState::ReadyToSend | QueuePairState::Error) {
@@ -562,8 +569,6 @@ impl QueuePairShared {
         let count = list.len();
         // The NIC checks local buffers itself: the entry only keeps valid ones alive.
         let nic_checks = self.provider.checks_local_buffers();
-        // One timestamp per list: every request of a list is posted at the same instant.
-        let posted_at = Instant::now();
         let mut last_entry = None;
         let mut entries = list.drain(..).enumerate().map(|(index, request)| InFlight {
             sequence: 0,
@@ -717,6 +722,7 @@ pub(crate) struct Enqueuer<'a> {
 impl Enqueuer<'_> {
     /// Gives `entry` its sequence number and queues it; returns it when it is to be sent now
     /// (it is sendable and no local failure is queued before it).
+    #[inline]
     pub(crate) fn push(&mut self, mut entry: InFlight) -> Option<&InFlight> {
         let requester = &mut *self.requester;
         entry.sequence = requester.next_sequence;
@@ -906,7 +912,7 @@ impl QueuePair {
     /// [`Error::InvalidWorkRequest`] for an empty list, an unsignaled tail or a list longer than
     /// `max_send_wr`; [`Error::InvalidQueuePairState`] before RTS.
     pub async fn post(&self, mut list: Vec<WorkRequest>) -> Result<PostedList> {
-        self.shared.post(&mut list).await
+        self.shared.post(&mut list, Instant::now()).await
     }
 
     /// As [`QueuePair::post`], taking the requests out of `list`: it is left empty with its
@@ -916,7 +922,21 @@ impl QueuePair {
     /// # Errors
     /// As [`QueuePair::post`].
     pub async fn post_from(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
-        self.shared.post(list).await
+        self.shared.post(list, Instant::now()).await
+    }
+
+    /// As [`QueuePair::post_from`], with `now` the caller's clock read just before the call
+    /// (a caller that reads it anyway spares the post a clock read; the retry timeout counts
+    /// from it).
+    ///
+    /// # Errors
+    /// As [`QueuePair::post`].
+    pub async fn post_from_at(
+        &self,
+        list: &mut Vec<WorkRequest>,
+        now: Instant,
+    ) -> Result<PostedList> {
+        self.shared.post(list, now).await
     }
 
     /// Runs `list` inside this call, without queuing it, when the provider completes inside
@@ -993,7 +1013,11 @@ impl QueuePair {
             return outcome
                 .map(|outcome| inline_completions(&list, self.shared.qp_number, outcome));
         }
-        Ok(self.shared.post_spent(&mut list).await?.await)
+        Ok(self
+            .shared
+            .post_spent(&mut list, Instant::now())
+            .await?
+            .await)
     }
 
     /// Binds a type-2 memory window to this queue pair over part of `region`; the returned rkey

@@ -739,41 +739,16 @@ impl PinnedMemory {
         let head = (((8 - (offset % 8)) % 8) as usize).min(source.len());
         let (head_bytes, rest) = source.split_at(head);
         self.write_partial(offset, head_bytes);
-        let position = offset + head as u64;
-        let words = rest.len() / 8;
-        // `position` is 8-aligned whenever a whole word follows the head.
-        let targets: &[AtomicU64] = if words == 0 {
-            &[]
-        } else {
-            self.words(position, words)
-        };
-        let source = rest.as_ptr();
-        // Four words per turn (a READ's answer of 1 KiB is 128 of them), each one unaligned
-        // 8-byte load and one atomic store, then the words left: no bounds check per word.
-        let mut groups = targets.chunks_exact(4);
-        let mut index = 0;
-        for group in &mut groups {
-            for (within, target) in group.iter().enumerate() {
-                // SAFETY: `index + within < words`, so the 8 bytes at `8 * (index + within)`
-                // lie inside `rest` (`words * 8 <= rest.len()`), which this function borrows;
-                // the load is unaligned.
-                let value = unsafe {
-                    source
-                        .add(8 * (index + within))
-                        .cast::<u64>()
-                        .read_unaligned()
-                };
-                target.store(u64::from_le(value), Ordering::Release);
-            }
-            index += 4;
+        let mut position = offset + head as u64;
+        let mut words = rest.chunks_exact(8);
+        for chunk in &mut words {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            self.word(position)
+                .store(u64::from_le_bytes(bytes), Ordering::Release);
+            position += 8;
         }
-        for target in groups.remainder() {
-            // SAFETY: `index < words`, as above.
-            let value = unsafe { source.add(8 * index).cast::<u64>().read_unaligned() };
-            target.store(u64::from_le(value), Ordering::Release);
-            index += 1;
-        }
-        self.write_partial(position + 8 * words as u64, &rest[words * 8..]);
+        self.write_partial(position, words.remainder());
         Ok(())
     }
 
