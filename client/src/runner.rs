@@ -149,6 +149,10 @@ impl Client {
         }
         let node = self.node_for(key);
         let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
+        if !connection.offers_direct_access() {
+            // `soft`, `verbs`: never by direct access; spare the key's location and guess.
+            return None;
+        }
         let location = connection.welcome.geometry.locate(key);
         // Counted as an operation by the connection (`Counters::direct_gets`).
         connection.get_direct(key, &location, value)
@@ -170,6 +174,9 @@ impl Client {
         }
         let node = self.node_for(key);
         let connection = node.lanes[current_lane(node.lanes.len())].healthy_connection()?;
+        if !connection.offers_direct_access() {
+            return None;
+        }
         let location = connection.welcome.geometry.locate(key);
         let outcome = match connection.update_direct(operation, key, value, &location) {
             DirectWrite::Applied => Ok(MutationOutcome::Applied),

@@ -155,6 +155,51 @@ impl ProtectionTable {
         opcode: Opcode,
         max_message_size: u32,
     ) -> std::result::Result<Option<LocalTarget>, WorkCompletionStatus> {
+        Self::check_local_with(
+            protection_domain,
+            segment,
+            opcode,
+            max_message_size,
+            |key| self.lookup(key),
+        )
+    }
+
+    /// [`ProtectionTable::check_local`] for the requests of one post: the key is looked up
+    /// only when it is not the one the post's previous request named (`last`), as a list's
+    /// requests mostly name one buffer. The post's checks then see the table as it was at its
+    /// first lookup of that key, as if they all ran at that instant.
+    pub(crate) fn check_local_in_post(
+        &self,
+        protection_domain: u32,
+        segment: &LocalSegment,
+        opcode: Opcode,
+        max_message_size: u32,
+        last: &mut Option<(u32, Arc<ProtectionEntry>)>,
+    ) -> std::result::Result<Option<LocalTarget>, WorkCompletionStatus> {
+        Self::check_local_with(
+            protection_domain,
+            segment,
+            opcode,
+            max_message_size,
+            |key| match last {
+                Some((last_key, entry)) if *last_key == key => Some(entry.clone()),
+                _ => {
+                    let entry = self.lookup(key)?;
+                    *last = Some((key, entry.clone()));
+                    Some(entry)
+                }
+            },
+        )
+    }
+
+    /// The checks of [`ProtectionTable::check_local`], with `lookup` finding a key's entry.
+    fn check_local_with(
+        protection_domain: u32,
+        segment: &LocalSegment,
+        opcode: Opcode,
+        max_message_size: u32,
+        lookup: impl FnOnce(u32) -> Option<Arc<ProtectionEntry>>,
+    ) -> std::result::Result<Option<LocalTarget>, WorkCompletionStatus> {
         if opcode.is_atomic() && segment.length != 8 {
             return Err(WorkCompletionStatus::LocalLengthError);
         }
@@ -169,7 +214,7 @@ impl ProtectionTable {
         } else {
             WorkCompletionStatus::LocalProtectionError
         };
-        let entry = self.lookup(segment.local_key).ok_or(unknown_key)?;
+        let entry = lookup(segment.local_key).ok_or(unknown_key)?;
         if entry.protection_domain != protection_domain || entry.bound_qp.is_some() {
             return Err(unknown_key);
         }

@@ -241,9 +241,10 @@ impl QueuePairShared {
     }
 
     /// Completes the oldest outstanding request; `payload`: the data to write into its local
-    /// buffer, `None` when it is there already.
+    /// buffer, `None` when it is there already. The lock that takes the answered request also
+    /// looks whether a local failure waits behind it (no second lock to settle none).
     fn answer(&self, sequence: u64, status: WorkCompletionStatus, payload: Option<&[u8]>) {
-        let entry = loop {
+        let (entry, failure_behind) = loop {
             let mut requester = lock(&self.requester);
             let implied = match requester.in_flight.front() {
                 Some(front) if front.sequence == sequence && front.local.is_ok() => false,
@@ -262,10 +263,14 @@ impl QueuePairShared {
             let Some(entry) = requester.in_flight.pop_front() else {
                 return;
             };
-            drop(requester);
             if !implied {
-                break entry;
+                let failure_behind = requester
+                    .in_flight
+                    .front()
+                    .is_some_and(|next| next.local.is_err());
+                break (entry, failure_behind);
             }
+            drop(requester);
             self.finish(entry, WorkCompletionStatus::Success);
         };
         let mut status = status;
@@ -273,10 +278,12 @@ impl QueuePairShared {
             status = place_payload(status, &entry.request, &entry.local, payload);
         }
         self.finish(entry, status);
-        if status == WorkCompletionStatus::Success {
-            self.settle_local_failures();
-        } else {
+        if status != WorkCompletionStatus::Success {
             self.enter_error();
+        } else if failure_behind {
+            // Entries join at the back only: a local failure queued after this look is
+            // settled by its own post (`after_ring`).
+            self.settle_local_failures();
         }
     }
 
@@ -346,6 +353,7 @@ impl QueuePairShared {
     }
 
     /// Reports one request's completion, if it produces one, and frees its send queue slot.
+    #[inline]
     pub(crate) fn finish(&self, entry: InFlight, status: WorkCompletionStatus) {
         // Free the slot first: whoever the completion wakes may post again at once.
         self.permits.give_back(1);
@@ -528,16 +536,22 @@ impl QueuePairShared {
 
     /// Posts a list, taking its requests out of `list` (left empty, its capacity kept, once
     /// posted); see [`QueuePair::post`].
-    async fn post(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
+    async fn post(&self, list: &mut Vec<WorkRequest>, posted_at: Instant) -> Result<PostedList> {
         // One unit of tokio's cooperative budget per post (the semaphore this counter replaced
         // spent it): a task that only posts to a provider that completes inline (`shm`,
         // `loopback`) still yields now and then, and a timeout around it can fire.
         tokio::task::consume_budget().await;
-        self.post_spent(list).await
+        self.post_spent(list, posted_at).await
     }
 
     /// As [`QueuePairShared::post`], the caller having spent the post's unit of budget.
-    async fn post_spent(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
+    /// `posted_at`: the post's instant, for the retry timeout (every request of a list is
+    /// posted at once).
+    async fn post_spent(
+        &self,
+        list: &mut Vec<WorkRequest>,
+        posted_at: Instant,
+    ) -> Result<PostedList> {
         self.check_list(list)?;
         let state = self.state();
         if !matches!(state, QueuePairState::ReadyToSend | QueuePairState::Error) {
@@ -555,22 +569,28 @@ impl QueuePairShared {
         let count = list.len();
         // The NIC checks local buffers itself: the entry only keeps valid ones alive.
         let nic_checks = self.provider.checks_local_buffers();
-        // One timestamp per list: every request of a list is posted at the same instant.
-        let posted_at = Instant::now();
+        let mut last_entry = None;
         let mut entries = list.drain(..).enumerate().map(|(index, request)| InFlight {
             sequence: 0,
             local: if nic_checks {
                 Ok(device
                     .table
-                    .check_local(domain, &request.local, request.opcode, u32::MAX)
+                    .check_local_in_post(
+                        domain,
+                        &request.local,
+                        request.opcode,
+                        u32::MAX,
+                        &mut last_entry,
+                    )
                     .ok()
                     .flatten())
             } else {
-                device.table.check_local(
+                device.table.check_local_in_post(
                     domain,
                     &request.local,
                     request.opcode,
                     device.config.max_message_size,
+                    &mut last_entry,
                 )
             },
             request,
@@ -702,6 +722,7 @@ pub(crate) struct Enqueuer<'a> {
 impl Enqueuer<'_> {
     /// Gives `entry` its sequence number and queues it; returns it when it is to be sent now
     /// (it is sendable and no local failure is queued before it).
+    #[inline]
     pub(crate) fn push(&mut self, mut entry: InFlight) -> Option<&InFlight> {
         let requester = &mut *self.requester;
         entry.sequence = requester.next_sequence;
@@ -891,7 +912,7 @@ impl QueuePair {
     /// [`Error::InvalidWorkRequest`] for an empty list, an unsignaled tail or a list longer than
     /// `max_send_wr`; [`Error::InvalidQueuePairState`] before RTS.
     pub async fn post(&self, mut list: Vec<WorkRequest>) -> Result<PostedList> {
-        self.shared.post(&mut list).await
+        self.shared.post(&mut list, Instant::now()).await
     }
 
     /// As [`QueuePair::post`], taking the requests out of `list`: it is left empty with its
@@ -901,7 +922,21 @@ impl QueuePair {
     /// # Errors
     /// As [`QueuePair::post`].
     pub async fn post_from(&self, list: &mut Vec<WorkRequest>) -> Result<PostedList> {
-        self.shared.post(list).await
+        self.shared.post(list, Instant::now()).await
+    }
+
+    /// As [`QueuePair::post_from`], with `now` the caller's clock read just before the call
+    /// (a caller that reads it anyway spares the post a clock read; the retry timeout counts
+    /// from it).
+    ///
+    /// # Errors
+    /// As [`QueuePair::post`].
+    pub async fn post_from_at(
+        &self,
+        list: &mut Vec<WorkRequest>,
+        now: Instant,
+    ) -> Result<PostedList> {
+        self.shared.post(list, now).await
     }
 
     /// Runs `list` inside this call, without queuing it, when the provider completes inside
@@ -978,7 +1013,11 @@ impl QueuePair {
             return outcome
                 .map(|outcome| inline_completions(&list, self.shared.qp_number, outcome));
         }
-        Ok(self.shared.post_spent(&mut list).await?.await)
+        Ok(self
+            .shared
+            .post_spent(&mut list, Instant::now())
+            .await?
+            .await)
     }
 
     /// Binds a type-2 memory window to this queue pair over part of `region`; the returned rkey

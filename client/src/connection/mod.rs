@@ -159,6 +159,16 @@ impl NodeConnection {
         self.broken.load(Ordering::Acquire)
     }
 
+    /// Whether the node's fabric on this connection may offer direct access to its memory
+    /// (`shm`): never over `soft` or `verbs`, where the direct paths are not worth trying.
+    pub(crate) fn offers_direct_access(&self) -> bool {
+        self.welcome
+            .server_endpoint
+            .backend()
+            .capabilities()
+            .shares_memory
+    }
+
     /// Marks the connection failed.
     pub(crate) fn mark_broken(&self) {
         self.broken.store(true, Ordering::Release);

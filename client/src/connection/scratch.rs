@@ -156,7 +156,7 @@ impl Scratch {
                 self.progress.not_posted(kind);
                 return Err(ExecuteError::Post(error));
             }
-            None => self.post_and_wait(kind, list).await?,
+            None => self.post_and_wait(kind, list, posted_at).await?,
         };
         if let Some(status) = failed {
             self.connection.mark_broken();
@@ -190,9 +190,14 @@ impl Scratch {
         &mut self,
         kind: StepKind,
         mut list: Vec<WorkRequest>,
+        posted_at: std::time::Instant,
     ) -> Result<Option<WorkCompletionStatus>, ExecuteError> {
         self.posting = true;
-        let posted = self.connection.queue_pair.post_from(&mut list).await;
+        let posted = self
+            .connection
+            .queue_pair
+            .post_from_at(&mut list, posted_at)
+            .await;
         self.posting = false;
         step_list::recycle(list);
         let posted = match posted {
