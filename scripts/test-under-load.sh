@@ -5,7 +5,8 @@
 # the tests' own threads a load average of about 3-4): every core stays busy for the whole run.
 # It was 4 per core (a load average of about 8), which kept the cores no busier but gave each
 # test thread a fifth of a core, so that CI's run of the suite took 30 minutes (stop_attack.rs:
-# 69 s beside 8 workers, 37 s beside 2). BURN_WORKERS=8 (or 16) runs it heavier.
+# 69 s beside 8 workers, 37 s beside 2, other work on the machine too, 2026-12-07).
+# BURN_WORKERS=8 (or 16) runs it heavier.
 #
 #   scripts/test-under-load.sh [CARGO TEST ARGUMENTS…] [-- TEST BINARY ARGUMENTS…]
 #       e.g. scripts/test-under-load.sh --no-fail-fast
