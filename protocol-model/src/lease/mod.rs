@@ -1083,6 +1083,7 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "over 15 s alone: CI runs it unloaded before the burner (.ci/run: --ignored)"]
     fn the_lease_rule_holds_in_every_scenario() {
         let floors = [
             ("partitioned-primary", 300_000),
@@ -1176,6 +1177,7 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "over 15 s alone: CI runs it unloaded before the burner (.ci/run: --ignored)"]
     fn reading_the_word_first_holds_without_since() {
         for model in LeaseModel::scenarios(ReaderRule::LeaseBefore) {
             assert_holds(&model, 80_000);
