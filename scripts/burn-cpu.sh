@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Keeps every core busy for a bounded time, so that tests can be run as on a loaded machine
-# (the suite must pass with both cores busy: DESIGN.md §7; scripts/test-under-load.sh).
+# (the suite must pass with both cores busy, load average 8: DESIGN.md §7).
 #
 #   scripts/burn-cpu.sh [SECONDS] [WORKERS]
 #       defaults: 600 s; 4 busy workers per core (8 on 2 cores: a load average of about 8)
