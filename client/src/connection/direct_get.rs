@@ -255,7 +255,7 @@ impl NodeConnection {
 ///
 /// The stall is modelled by a wrapper around the real `DirectAccess` that splits the value's
 /// READ in two and waits between the halves: exactly what a preemption inside
-/// `PinnedMemory::read_append`'s word loop does.
+/// `PinnedMemory::read_append`'s copy loop does.
 #[cfg(test)]
 mod stall_attack {
     use std::sync::atomic::{AtomicUsize, Ordering};

@@ -6,8 +6,9 @@
 //!   only code that touches it: every access is an atomic load, store, compare-exchange or
 //!   fetch-add, so a READ that races a CAS is defined behaviour and never tears an aligned
 //!   8-byte word; the exception is [`bulk_copy`].
-//! - [`bulk_copy`] copies a value's words out at once (SSE2 on x86-64): the one access that may
-//!   see a concurrent write in part, as a NIC's READ may; its callers check what they copied.
+//! - [`bulk_copy`] copies a value's bytes out at once (SSE2 or AVX on x86-64): the one access
+//!   that may see a concurrent write in part, as a NIC's READ may; its callers check what they
+//!   copied.
 //!
 //! # Thread safety
 //! [`PinnedMemory`] is `Send` and `Sync`: it owns its mapping exclusively (nothing else unmaps

@@ -45,7 +45,7 @@ impl ShmQueuePair {
             if !attachment.peer_alive_at(now) {
                 return false;
             }
-            executor.next_peer_check = now.checked_add(super::PEER_CHECK_EVERY);
+            executor.next_peer_check = attachment.next_look_due();
         }
         let inside = attachment.enter();
         if let Ok(inside) = &inside {

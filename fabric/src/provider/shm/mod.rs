@@ -732,6 +732,15 @@ impl Attachment {
         alive
     }
 
+    /// When the next look at the peer is due: [`PEER_CHECK_EVERY`] after the last look made
+    /// (by any caller of [`Attachment::peer_alive_at`]), not after the last call, which may
+    /// have been answered by an earlier look.
+    fn next_look_due(&self) -> Option<Instant> {
+        let last = Duration::from_micros(self.last_peek.load(Ordering::Relaxed));
+        self.attached_at
+            .checked_add(last.checked_add(PEER_CHECK_EVERY)?)
+    }
+
     /// Enters this requester's epoch and checks that the responder receives: requests run
     /// while the returned marker lives, and a drain or revocation on the responder's side
     /// waits for it (`state.rs`, `wait_quiet`). `Err`: what a request meets instead.
@@ -1003,9 +1012,9 @@ struct Executor {
     payload: Vec<u8>,
     /// A request's response.
     response: Vec<u8>,
-    /// Before this instant direct access does not look at the peer again
-    /// ([`Attachment::peer_alive_at`] looks at most every [`PEER_CHECK_EVERY`]): a comparison
-    /// of instants instead of the conversion to microseconds there.
+    /// Before this instant direct access does not look at the peer again: [`PEER_CHECK_EVERY`]
+    /// after the last look ([`Attachment::next_look_due`]), a comparison of instants instead
+    /// of the conversion to microseconds in [`Attachment::peer_alive_at`].
     next_peer_check: Option<Instant>,
 }
 
