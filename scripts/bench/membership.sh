@@ -4,14 +4,16 @@
 # at ADD_AT seconds a fourth node is added (`rdkv-cluster add-node`), which copies the keys it
 # now holds (about half of them) from their primaries before it serves. Prints the throughput
 # before, during and after the join (from the run's per-second series), the join's time, the
-# keys and bytes node 4 copied and its refill's rate.
+# keys and bytes node 4 copied and its refill's rate, and how many operations failed (a
+# replicated put racing the view change may end "outcome unknown": counted, not fatal).
 #
 #   scripts/bench/membership.sh [--records N] [--seconds S] [--add-at S] [--threads T] [BINDIR]
 #
 # BINDIR holds rdkv-cluster, rdkv-server and rdkv-ycsb (default target/release, built first).
 # Each node pins about 5 KiB per record (2 GiB in all for 200,000): run it as root, or with the
 # memlock limit raised (docs/memory.md). The nodes listen on 127.0.0.1:7660-7692. Exit code 0
-# when every step succeeded.
+# when every step succeeded (operations that failed are printed, not an error); the nodes are
+# stopped whatever happens.
 set -euo pipefail
 
 records=200000
@@ -64,7 +66,9 @@ chmod 600 "$file"
 cluster() { "$bindir/rdkv-cluster" "$@" --run-dir "$work/run"; }
 runner=""
 cleanup() {
-  [ -n "$runner" ] && kill "$runner" 2>/dev/null
+  # Never a failing last command before `down` (errexit would end the trap there, and leave
+  # the nodes running: it did once, when the run below failed).
+  if [ -n "$runner" ]; then kill "$runner" 2>/dev/null || true; fi
   cluster down "$file" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
@@ -78,7 +82,7 @@ node_section 4 >> "$file"
 
 "$bindir/rdkv-ycsb" run -c "$file" -P workloada -p recordcount="$records" \
   -p operationcount=1000000000 --max-execution-time "$seconds" --threads "$threads" \
-  --json "$work/a.json" > "$work/run.log" 2>&1 &
+  --json "$work/a.json" --allow-errors > "$work/run.log" 2>&1 &
 runner=$!
 run_started=$(date +%s.%N)
 sleep "$add_at"
@@ -87,15 +91,18 @@ cluster add-node "$file" --node 4 > "$work/add.log"
 add_ended=$(date +%s.%N)
 wait "$runner"
 runner=""
+# A replicated put racing the view change may end "outcome unknown" (docs/protocol.md,
+# Membership changes): counted and printed, not a failed measurement.
+errors=$(awk -F', ' '/Return=ERROR/ { total += $3 } END { print total + 0 }' "$work/run.log")
 refill=$(grep -h "refill complete" "$work/run/node-4.log" | tail -1)
 stats=$(curl -s --max-time 2 http://127.0.0.1:7692/metrics)
 copied=$(awk '/^rdkv_refill_keys_copied_total[{ ]/ { print $NF }' <<<"$stats")
 copied_bytes=$(awk '/^rdkv_refill_bytes_copied_total[{ ]/ { print $NF }' <<<"$stats")
 
 python3 - "$work/a.json" "$records" "$threads" "$seconds" "$run_started" "$add_started" \
-  "$add_ended" "$refill" "${copied:-0}" "${copied_bytes:-0}" <<'PYTHON'
+  "$add_ended" "$refill" "${copied:-0}" "${copied_bytes:-0}" "$errors" <<'PYTHON'
 import json, re, statistics, sys
-path, records, threads, seconds, run_started, add_started, add_ended, refill, copied, copied_bytes = sys.argv[1:11]
+path, records, threads, seconds, run_started, add_started, add_ended, refill, copied, copied_bytes, errors = sys.argv[1:12]
 run_started, add_started, add_ended = float(run_started), float(add_started), float(add_ended)
 report = json.load(open(path))
 reports = report if isinstance(report, list) else report.get("reports", [report])
@@ -120,5 +127,6 @@ print(f"| before the join | {mean(before):,.0f} | {len(before)} |")
 print(f"| during the join (add-node running, and 1 s after) | {mean(during):,.0f} | {len(during)} |")
 print(f"| after the join | {mean(after):,.0f} | {len(after)} |")
 print()
+print(f"operations that failed: {int(errors):,} (a put racing the view change may end 'outcome unknown')")
 print(f"add-node took {join_to - join_from:.1f} s; node 4's refill copied {copied:,} keys ({int(float(copied_bytes)):,} bytes) in {refill_seconds:.2f} s: {rate:,.0f} keys/s, {100_000 / rate if rate > 0 else float('nan'):.1f} s per 100,000 keys")
 PYTHON
